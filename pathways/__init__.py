@@ -1,0 +1,29 @@
+"""pathways: a single-controller runtime for JAX.
+
+One Python client drives many worker hosts: request virtual device slices, compile JAX
+functions onto them with ``pw.pmap``/``pw.jit``, and trace several into one ``@pw.program``.
+"""
+
+from jax.sharding import PartitionSpec
+
+from pathways.client.api import (connect, default_session, device_get, device_put, disconnect,
+                                 make_virtual_device_set)
+from pathways.client.array import Array
+from pathways.client.compiled import jit, pmap
+from pathways.client.devices import NamedSharding, Slice, VirtualDeviceSet, VirtualMesh
+from pathways.client.program import program
+from pathways.cluster import Island, local_cluster
+from pathways.errors import (ArrayDeletedError, ConnectError, DeadlineExceededError, PathwaysError,
+                             PlacementError, ProgramTraceError, RemoteError, SignatureError, WireError)
+
+P = PartitionSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Array", "ArrayDeletedError", "ConnectError", "DeadlineExceededError", "Island", "NamedSharding",
+    "P", "PartitionSpec", "PathwaysError", "PlacementError", "ProgramTraceError", "RemoteError",
+    "SignatureError", "Slice", "VirtualDeviceSet", "VirtualMesh", "WireError", "connect",
+    "default_session", "device_get", "device_put", "disconnect", "jit", "local_cluster",
+    "make_virtual_device_set", "pmap", "program",
+]

@@ -1,0 +1,1 @@
+"""Benchmarks, run with ``python -m pathways bench NAME``; results go in BENCHMARKS.md."""

@@ -1,0 +1,1 @@
+"""The client library: sessions, virtual devices, compiled functions, programs, arrays."""

@@ -1,0 +1,125 @@
+"""Connecting, the default session, and moving host data to and from the cluster."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from typing import Any, Optional
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from pathways.client.array import Array, _Buffer
+from pathways.client.devices import NamedSharding, VirtualDeviceSet, VirtualMesh, slice_of
+from pathways.client.session import Session
+from pathways.errors import SignatureError
+from pathways.ir import Layout
+
+_default: Optional[Session] = None
+_lock = threading.Lock()
+
+# What pw.connect() with no address starts: enough for the paper's Figure 2 program, whose
+# three 2-device slices land on two hosts so that data moves between workers.
+EMBEDDED_HOSTS = 2
+EMBEDDED_DEVICES_PER_HOST = 2
+
+
+def connect(address: Optional[str] = None, timeout: float = 30.0) -> Session:
+    """Connect to a controller and make it the default session.
+
+    ``address`` is ``grpc://host:port``; without it, ``PATHWAYS_ADDRESS`` is used, and
+    without that an embedded local cluster is started (and stopped at exit).
+    """
+    global _default
+    from pathways.cluster import LocalCluster
+
+    address = address or os.environ.get("PATHWAYS_ADDRESS")
+    if address:
+        session = Session(address, timeout)
+    else:
+        cluster = LocalCluster.of_hosts(EMBEDDED_HOSTS, EMBEDDED_DEVICES_PER_HOST)
+        cluster.start()
+        try:
+            session = Session(cluster.address, timeout, owned_cluster=cluster)
+        except BaseException:
+            cluster.stop()
+            raise
+    with _lock:
+        previous, _default = _default, session
+    if previous is not None:
+        previous.close()
+    return session
+
+
+def set_default_session(session: Optional[Session]) -> None:
+    global _default
+    with _lock:
+        _default = session
+
+
+def default_session() -> Session:
+    """The session pw.* calls use, connecting (and maybe starting a cluster) on first use."""
+    session = _default
+    if session is None:
+        session = connect()
+    return session
+
+
+def disconnect() -> None:
+    """Close the default session (and the embedded cluster it started, if any)."""
+    global _default
+    with _lock:
+        session, _default = _default, None
+    if session is not None:
+        session.close()
+
+
+atexit.register(disconnect)
+
+
+def make_virtual_device_set() -> VirtualDeviceSet:
+    return VirtualDeviceSet(default_session())
+
+
+def put_layout(session: Session, value: np.ndarray, layout: Layout, sharding: NamedSharding) -> Array:
+    handle = session.allocate(1)
+    session.put(sharding.mesh.slice.address, handle, layout, value)
+    return Array(_Buffer(session, handle, sharding.mesh.slice.address), value.shape, value.dtype, sharding)
+
+
+def device_put(x: Any, devices_or_sharding: Any) -> Any:
+    """Copy host data (a pytree of arrays) to a slice, replicated, or laid out by a
+    ``pw.NamedSharding``."""
+    if isinstance(devices_or_sharding, NamedSharding):
+        sharding = devices_or_sharding
+    else:
+        s = slice_of(devices_or_sharding, "device_put's target")
+        sharding = NamedSharding(VirtualMesh(s, (s.count,), ("devices",)), PartitionSpec())
+    session = sharding.mesh.slice.session
+
+    def put(leaf: Any) -> Array:
+        if isinstance(leaf, Array):
+            leaf = leaf.to_numpy()
+        value = np.asarray(leaf)
+        if value.dtype == object:
+            raise SignatureError(f"device_put takes arrays, got {type(leaf).__name__}")
+        value = value.astype(jax.dtypes.canonicalize_dtype(value.dtype), copy=False)
+        if len(sharding.spec) > value.ndim:
+            raise SignatureError(f"device_put: partition spec {sharding.spec} has more entries than "
+                                 f"the array of shape {value.shape} has dimensions")
+        for dim, entry in zip(value.shape, sharding.spec):
+            if dim % sharding.mesh.axis_size(entry):
+                raise SignatureError(f"device_put: array of shape {value.shape} does not divide "
+                                     f"as partition spec {sharding.spec} asks on mesh {sharding.mesh.shape}")
+        return put_layout(session, value, sharding.layout(), sharding)
+
+    return jax.tree.map(put, x, is_leaf=lambda leaf: isinstance(leaf, Array))
+
+
+def device_get(tree: Any) -> Any:
+    """Fetch every pw.Array in ``tree`` to a numpy array; other leaves pass through."""
+    return jax.tree.map(lambda x: x.to_numpy() if isinstance(x, Array) else x, tree,
+                        is_leaf=lambda leaf: isinstance(leaf, Array))
+

@@ -1,0 +1,233 @@
+"""Compiled functions: ``pw.pmap`` and ``pw.jit``.
+
+A compiled function is lowered on the client with ``jax.export`` once per input signature
+(pytree structure, shapes, dtypes) against an abstract mesh of its slice, registered with
+the controller (which has the slice's worker compile it at once), and then called either
+op by op or from inside a ``@pw.program``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh, PartitionSpec
+from jax.sharding import NamedSharding as JaxNamedSharding
+
+from pathways.client.devices import NamedSharding, Slice, VirtualMesh, slice_of
+from pathways.errors import SignatureError
+from pathways.ir import Layout, ProgramGraph, Node
+
+Aval = tuple[tuple[int, ...], np.dtype]
+
+
+@dataclass(frozen=True)
+class Specialization:
+    """A compiled function for one input signature, as registered on the cluster."""
+
+    fn_id: int
+    name: str
+    slice: Slice
+    in_layouts: tuple[Layout, ...]
+    in_shardings: tuple[NamedSharding, ...]
+    out_avals: tuple[Aval, ...]
+    out_shardings: tuple[NamedSharding, ...]
+    out_tree: Any
+    single: "ProgramSpec"  # the one-node program used for op-by-op calls
+
+
+@dataclass(frozen=True)
+class ProgramSpec:
+    """A registered program graph plus what the client needs to make its output arrays."""
+
+    program_id: int
+    graph: ProgramGraph
+    value_avals: dict[int, Aval]
+    value_shardings: dict[int, NamedSharding]
+
+
+class CompiledFunction:
+    def __init__(self, fun: Callable, mesh: VirtualMesh, in_specs: Any, out_specs: Any, pmap_axis: Optional[str]) -> None:
+        self.fun = fun
+        self.mesh = mesh
+        self.name = getattr(fun, "__name__", "fun")
+        self._in_specs = in_specs
+        self._out_specs = out_specs
+        self._pmap_axis = pmap_axis
+        self._cache: dict[tuple, Specialization] = {}
+
+    @property
+    def slice(self) -> Slice:
+        return self.mesh.slice
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from pathways.client import program
+
+        if kwargs:
+            raise SignatureError(f"{self.name}: pass arguments positionally; keyword arguments "
+                                 f"{sorted(kwargs)} are not supported by compiled functions")
+        trace = program.current_trace()
+        if trace is not None:
+            return trace.call(self, args)
+        return program.call_op_by_op(self, args)
+
+    def specialize(self, treedef: Any, avals: Sequence[Aval], paths: Sequence[str]) -> Specialization:
+        key = (treedef, tuple(avals))
+        spec = self._cache.get(key)
+        if spec is None:
+            spec = self._lower(treedef, list(avals), list(paths))
+            self._cache[key] = spec
+        return spec
+
+    # ---- lowering with jax.export ----------------------------------------------------
+
+    def _lower(self, treedef: Any, avals: list[Aval], paths: list[str]) -> Specialization:
+        mesh = self.mesh
+        abstract = AbstractMesh(mesh.shape, mesh.axis_names)
+        if self._pmap_axis is not None:
+            in_specs = [PartitionSpec(self._pmap_axis)] * len(avals)
+            for (shape, _), path in zip(avals, paths):
+                if not shape or shape[0] != mesh.size:
+                    raise SignatureError(
+                        f"{self.name}: argument {path} has shape {shape}, but pmap over "
+                        f"{mesh.size} devices needs a leading axis of size {mesh.size}")
+            fun, out_tree, out_avals = self._pmap_body(treedef, avals)
+            out_specs = [PartitionSpec(self._pmap_axis)] * len(out_avals)
+        else:
+            in_specs = _flat_specs(self._in_specs, treedef, len(avals), f"{self.name}: in_shardings")
+            fun, out_tree, out_avals = self._jit_body(treedef, avals)
+            out_specs = _flat_specs(self._out_specs, out_tree, len(out_avals), f"{self.name}: out_shardings")
+            for (shape, _), spec, path in zip(avals, in_specs, paths):
+                _check_divisible(self.name, f"argument {path}", shape, spec, mesh)
+            for (shape, _), spec, i in zip(out_avals, out_specs, itertools.count()):
+                _check_divisible(self.name, f"output {i}", shape, spec, mesh)
+        in_sh = [JaxNamedSharding(abstract, s) for s in in_specs]
+        out_sh = [JaxNamedSharding(abstract, s) for s in out_specs]
+        args = [jax.ShapeDtypeStruct(shape, dtype, sharding=s) for (shape, dtype), s in zip(avals, in_sh)]
+        try:
+            exported = jax.export.export(jax.jit(fun, in_shardings=in_sh, out_shardings=out_sh))(*args)
+        except Exception as e:
+            raise SignatureError(f"{self.name} could not be compiled for arguments "
+                                 f"{_describe(avals, paths)}: {type(e).__name__}: {e}") from e
+        session = self.slice.session
+        fn_id = session.allocate(1)
+        in_layouts = tuple(self.slice.layout(mesh.shape, mesh.axis_names, s) for s in in_specs)
+        out_layouts = tuple(self.slice.layout(mesh.shape, mesh.axis_names, s) for s in out_specs)
+        session.send({"t": "fn", "id": fn_id, "slice": self.slice.id, "name": self.name,
+                      "blob": bytes(exported.serialize()), "ins": [x.to_wire() for x in in_layouts],
+                      "outs": [x.to_wire() for x in out_layouts]})
+        out_shardings = tuple(NamedSharding(mesh, s) for s in out_specs)
+        n_in, n_out = len(avals), len(out_avals)
+        graph = ProgramGraph(n_in + n_out, tuple(range(n_in)),
+                             (Node(fn_id, tuple(range(n_in)), tuple(range(n_in, n_in + n_out))),),
+                             tuple(range(n_in, n_in + n_out)))
+        single = register_program(session, graph,
+                                  {n_in + i: a for i, a in enumerate(out_avals)},
+                                  {n_in + i: s for i, s in enumerate(out_shardings)})
+        return Specialization(fn_id, self.name, self.slice, in_layouts,
+                              tuple(NamedSharding(mesh, s) for s in in_specs),
+                              tuple(out_avals), out_shardings, out_tree, single)
+
+    def _pmap_body(self, treedef: Any, avals: list[Aval]) -> tuple[Callable, Any, list[Aval]]:
+        fun, axis, mesh = self.fun, self._pmap_axis, self.mesh
+
+        def per_shard(*leaves: Any) -> Any:
+            return fun(*jax.tree.unflatten(treedef, leaves))
+
+        # vmap binds the axis name, so collectives trace; it maps the same leading axis.
+        out = _eval_shape(self.name, jax.vmap(per_shard, axis_name=axis),
+                          [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in avals], avals)
+        out_leaves, out_tree = jax.tree.flatten(out)
+        out_avals = [(tuple(o.shape), np.dtype(o.dtype)) for o in out_leaves]
+        abstract = AbstractMesh(mesh.shape, mesh.axis_names)
+
+        def block(*blocks: Any) -> list:
+            result = per_shard(*[b[0] for b in blocks])
+            return [leaf[None] for leaf in jax.tree.leaves(result)]
+
+        body = jax.shard_map(block, mesh=abstract, in_specs=tuple(PartitionSpec(axis) for _ in avals),
+                             out_specs=[PartitionSpec(axis)] * len(out_avals))
+        return body, out_tree, out_avals
+
+    def _jit_body(self, treedef: Any, avals: list[Aval]) -> tuple[Callable, Any, list[Aval]]:
+        fun = self.fun
+
+        def flat(*leaves: Any) -> list:
+            return jax.tree.leaves(fun(*jax.tree.unflatten(treedef, leaves)))
+
+        out = _eval_shape(self.name, lambda *ls: fun(*jax.tree.unflatten(treedef, ls)),
+                          [jax.ShapeDtypeStruct(s, d) for s, d in avals], avals)
+        out_leaves, out_tree = jax.tree.flatten(out)
+        return flat, out_tree, [(tuple(o.shape), np.dtype(o.dtype)) for o in out_leaves]
+
+
+def register_program(session: Any, graph: ProgramGraph, value_avals: dict[int, Aval],
+                     value_shardings: dict[int, NamedSharding]) -> ProgramSpec:
+    program_id = session.allocate(1)
+    session.send({"t": "program", "id": program_id, "graph": graph.to_wire()})
+    return ProgramSpec(program_id, graph, value_avals, value_shardings)
+
+
+def _eval_shape(name: str, fun: Callable, args: list, avals: list[Aval]) -> Any:
+    try:
+        return jax.eval_shape(fun, *args)
+    except Exception as e:
+        raise SignatureError(f"{name} failed to trace for arguments of shapes "
+                             f"{[list(s) for s, _ in avals]}: {type(e).__name__}: {e}") from e
+
+
+def _describe(avals: list[Aval], paths: list[str]) -> str:
+    return ", ".join(f"{p}: {d}{list(s)}" for (s, d), p in zip(avals, paths))
+
+
+def _is_spec_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, PartitionSpec)
+
+
+def _flat_specs(specs: Any, treedef: Any, n: int, what: str) -> list[PartitionSpec]:
+    """Broadcast a spec, or a pytree prefix of specs, to ``n`` flat leaves of ``treedef``."""
+    if _is_spec_leaf(specs):
+        return [specs or PartitionSpec()] * n
+    try:
+        full = jax.tree.broadcast(specs, jax.tree.unflatten(treedef, [0] * n), is_leaf=_is_spec_leaf)
+        flat = jax.tree.leaves(full, is_leaf=_is_spec_leaf)
+    except (ValueError, TypeError) as e:
+        raise SignatureError(f"{what} does not match the structure {treedef}: {e}") from None
+    if len(flat) != n:
+        raise SignatureError(f"{what} gives {len(flat)} specs for {n} arrays of structure {treedef}")
+    return [s or PartitionSpec() for s in flat]
+
+
+def _check_divisible(name: str, what: str, shape: tuple[int, ...], spec: PartitionSpec, mesh: VirtualMesh) -> None:
+    if len(spec) > len(shape):
+        raise SignatureError(f"{name}: {what} has shape {shape} but its partition spec {spec} has "
+                             f"{len(spec)} entries")
+    for dim, entry in zip(shape, spec):
+        try:
+            parts = mesh.axis_size(entry)
+        except ValueError:
+            raise SignatureError(f"{name}: partition spec {spec} names an axis not in mesh "
+                                 f"{mesh.axis_names}") from None
+        if dim % parts:
+            raise SignatureError(f"{name}: {what} has shape {shape}; dimension {dim} does not "
+                                 f"divide into {parts} parts as partition spec {spec} asks")
+
+
+def pmap(fun: Callable, devices: Any, axis_name: str = "i") -> CompiledFunction:
+    """Map ``fun`` over the leading axis of its arguments, one slice device per entry."""
+    s = slice_of(devices, "pmap's devices")
+    return CompiledFunction(fun, VirtualMesh(s, (s.count,), (axis_name,)), None, None, axis_name)
+
+
+def jit(fun: Callable, mesh: VirtualMesh, in_shardings: Any = None, out_shardings: Any = None) -> CompiledFunction:
+    """Compile ``fun`` for ``mesh`` (from ``slice.mesh(...)``) with PartitionSpec shardings.
+
+    ``in_shardings``/``out_shardings``: a PartitionSpec for every array, or a pytree prefix
+    of PartitionSpecs; None means replicated.
+    """
+    if not isinstance(mesh, VirtualMesh):
+        raise SignatureError(f"jit's mesh must come from slice.mesh(axis_names), got {type(mesh).__name__}")
+    return CompiledFunction(fun, mesh, in_shardings, out_shardings, None)

@@ -1,0 +1,151 @@
+"""Virtual devices: slices the user asks for, placed by the controller's resource manager.
+
+The user sees slices, their virtual devices and meshes over them; which physical devices
+back a slice is the controller's business (the client keeps it only to address buffers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from jax.sharding import PartitionSpec
+
+from pathways.errors import PlacementError
+from pathways.ir import Layout
+
+
+class VirtualDeviceSet:
+    """A set of slices requested together: ``pw.make_virtual_device_set().add_slice(...)``."""
+
+    def __init__(self, session: "Session") -> None:  # noqa: F821
+        self._session = session
+        self.slices: list[Slice] = []
+
+    def add_slice(self, cpu_devices: Optional[int] = None, mesh_shape: Optional[Sequence[int]] = None,
+                  island: Optional[int] = None, exclusive: bool = False, *,
+                  gpu_devices: Optional[int] = None, tpu_devices: Optional[int] = None) -> "Slice":
+        """Ask the controller for a slice of ``n`` devices of one kind (cpu, gpu or tpu)."""
+        asked = {k: n for k, n in (("cpu", cpu_devices), ("gpu", gpu_devices), ("tpu", tpu_devices)) if n is not None}
+        if len(asked) != 1:
+            raise PlacementError("add_slice takes exactly one of cpu_devices=, gpu_devices=, tpu_devices=")
+        (kind, count), = asked.items()
+        if not isinstance(count, int) or count < 1:
+            raise PlacementError(f"{kind}_devices must be a positive integer, got {count!r}")
+        reply = self._session.request({"t": "slice", "kind": kind, "count": count,
+                                       "mesh_shape": list(mesh_shape) if mesh_shape else None,
+                                       "island": island, "exclusive": exclusive})
+        s = Slice(self._session, reply["slice"], kind, count, tuple(reply["mesh_shape"]),
+                  reply["island"], reply["worker"], reply["address"], tuple(reply["devices"]))
+        self.slices.append(s)
+        return s
+
+
+class Slice:
+    def __init__(self, session, slice_id: int, kind: str, count: int, mesh_shape: tuple[int, ...],
+                 island: int, worker: int, address: str, physical: tuple[int, ...]) -> None:
+        self.session = session
+        self.id = slice_id
+        self.kind = kind
+        self.count = count
+        self.mesh_shape = mesh_shape
+        self.island = island
+        self.worker = worker
+        self.address = address
+        self._physical = physical
+
+    @property
+    def devices(self) -> "VirtualDevices":
+        return VirtualDevices(VirtualDevice(self, i) for i in range(self.count))._bind(self)
+
+    def _of_kind(self, kind: str) -> "VirtualDevices":
+        if self.kind != kind:
+            raise PlacementError(f"slice {self.id} holds {self.kind} devices, not {kind}; use .devices")
+        return self.devices
+
+    @property
+    def cpus(self) -> "VirtualDevices":
+        return self._of_kind("cpu")
+
+    @property
+    def gpus(self) -> "VirtualDevices":
+        return self._of_kind("gpu")
+
+    @property
+    def tpus(self) -> "VirtualDevices":
+        return self._of_kind("tpu")
+
+    def mesh(self, axis_names: Sequence[str] | str) -> "VirtualMesh":
+        """A mesh over this slice's devices, shaped by the slice's ``mesh_shape``."""
+        names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
+        if len(names) != len(self.mesh_shape):
+            raise PlacementError(f"slice {self.id} has mesh shape {self.mesh_shape}, so its mesh "
+                                 f"needs {len(self.mesh_shape)} axis name(s); got {names}. "
+                                 "Pass mesh_shape= to add_slice for another shape")
+        return VirtualMesh(self, self.mesh_shape, names)
+
+    def layout(self, mesh_shape: tuple[int, ...], axis_names: tuple[str, ...], spec: PartitionSpec) -> Layout:
+        entries = tuple(tuple(e) if isinstance(e, (tuple, list)) else e for e in spec)
+        return Layout(self.worker, self._physical, mesh_shape, axis_names, entries)
+
+    def __repr__(self) -> str:
+        return f"Slice(id={self.id}, {self.count} {self.kind}, mesh_shape={self.mesh_shape}, island={self.island})"
+
+
+@dataclass(frozen=True)
+class VirtualDevice:
+    slice: Slice
+    index: int
+
+    def __repr__(self) -> str:
+        return f"VirtualDevice(slice={self.slice.id}, index={self.index}, kind={self.slice.kind})"
+
+
+class VirtualDevices(tuple):
+    """The devices of one slice; what ``pw.pmap(devices=...)`` takes."""
+
+    slice: Slice
+
+    def _bind(self, s: Slice) -> "VirtualDevices":
+        self.slice = s
+        return self
+
+
+@dataclass(frozen=True)
+class VirtualMesh:
+    slice: Slice
+    shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+
+    @property
+    def size(self) -> int:
+        return self.slice.count
+
+    def axis_size(self, names: str | tuple[str, ...] | None) -> int:
+        n = 1
+        for name in (() if names is None else (names,) if isinstance(names, str) else names):
+            n *= self.shape[self.axis_names.index(name)]
+        return n
+
+
+@dataclass(frozen=True)
+class NamedSharding:
+    """How an array is laid out over a virtual mesh: ``pw.NamedSharding(mesh, P('x'))``."""
+
+    mesh: VirtualMesh
+    spec: PartitionSpec
+
+    def layout(self) -> Layout:
+        return self.mesh.slice.layout(self.mesh.shape, self.mesh.axis_names, self.spec)
+
+
+def slice_of(devices: object, what: str) -> Slice:
+    """The slice behind ``devices``: a slice's ``.devices``, a Slice, or a VirtualMesh."""
+    if isinstance(devices, Slice):
+        return devices
+    if isinstance(devices, VirtualMesh):
+        return devices.slice
+    if isinstance(devices, VirtualDevices) and hasattr(devices, "slice"):
+        return devices.slice
+    raise PlacementError(f"{what} must be the .devices of a slice from pw.make_virtual_device_set()"
+                         f".add_slice(...), got {type(devices).__name__}")

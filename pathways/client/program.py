@@ -1,0 +1,244 @@
+"""``@pw.program``: trace calls of compiled functions into one graph, submitted as one run.
+
+Tracing records one node per compiled-function call (one per sharded computation, not per
+shard). The graph is traced once per input signature and registered with the controller;
+every later call is a single ``run`` message naming it, fire and forget.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import numpy as np
+
+from pathways.client import api
+from pathways.client.array import Array, _Buffer
+from pathways.client.compiled import Aval, CompiledFunction, ProgramSpec, register_program
+from pathways.client.devices import NamedSharding
+from pathways.errors import ProgramTraceError, SignatureError
+from pathways.ir import Layout, Node, ProgramGraph
+
+_local = threading.local()
+
+
+def current_trace() -> Optional["_Trace"]:
+    return getattr(_local, "trace", None)
+
+
+class Traced:
+    """A value inside a program being traced: it has a shape and dtype, but no data."""
+
+    __slots__ = ("_trace", "_value", "shape", "dtype")
+
+    def __init__(self, trace: "_Trace", value: int, aval: Aval) -> None:
+        self._trace, self._value = trace, value
+        self.shape, self.dtype = aval
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def _refuse(self, *_: Any, **__: Any) -> Any:
+        raise ProgramTraceError(
+            f"a traced value ({self.dtype}{list(self.shape)}) was used outside a compiled function. "
+            "Inside @pw.program only calls of pw.pmap/pw.jit functions are allowed: move this "
+            "computation into a compiled function and call that")
+
+    def __repr__(self) -> str:
+        return f"Traced({self.dtype}{list(self.shape)})"
+
+
+for _name in ("__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ "
+              "__floordiv__ __rfloordiv__ __mod__ __rmod__ __pow__ __rpow__ __matmul__ __rmatmul__ "
+              "__neg__ __pos__ __abs__ __invert__ __and__ __rand__ __or__ __ror__ __xor__ __rxor__ "
+              "__lt__ __le__ __gt__ __ge__ __getitem__ __setitem__ __iter__ __len__ __bool__ "
+              "__int__ __float__ __complex__ __index__ __array__ __jax_array__").split():
+    setattr(Traced, _name, Traced._refuse)
+
+
+@dataclass
+class _Trace:
+    session: Any
+    nvalues: int = 0
+    inputs: list[int] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)
+    avals: dict[int, Aval] = field(default_factory=dict)
+    shardings: dict[int, NamedSharding] = field(default_factory=dict)
+    placement: dict[int, Layout] = field(default_factory=dict)  # input -> first consumer's layout
+    captured: dict[int, Array] = field(default_factory=dict)  # value -> array closed over
+
+    def new_value(self, aval: Aval) -> int:
+        v = self.nvalues
+        self.nvalues += 1
+        self.avals[v] = aval
+        return v
+
+    def value_of(self, leaf: Any, path: str, callee: str) -> int:
+        if isinstance(leaf, Traced):
+            if leaf._trace is not self:
+                raise ProgramTraceError(f"argument {path} of {callee} comes from another program's trace")
+            return leaf._value
+        if isinstance(leaf, Array):
+            for v, arr in self.captured.items():
+                if arr._buffer is leaf._buffer:
+                    return v
+            v = self.new_value((leaf.shape, leaf.dtype))
+            self.inputs.append(v)
+            self.captured[v] = leaf
+            return v
+        raise ProgramTraceError(
+            f"argument {path} of {callee} is a {type(leaf).__name__}; inside @pw.program, compiled "
+            "functions take only the program's arguments, other compiled functions' results, or "
+            "pw.Arrays. Pass it as an argument of the program, or pw.device_put it first")
+
+    def call(self, fn: CompiledFunction, args: tuple) -> Any:
+        if fn.slice.session is not self.session:
+            raise ProgramTraceError(f"{fn.name} belongs to another session than this program")
+        leaves, treedef, paths = _flatten(args)
+        values = [self.value_of(leaf, p, fn.name) for leaf, p in zip(leaves, paths)]
+        spec = fn.specialize(treedef, [self.avals[v] for v in values], paths)
+        for v, layout in zip(values, spec.in_layouts):
+            if v in self.inputs:
+                self.placement.setdefault(v, layout)
+                self.shardings.setdefault(v, spec.in_shardings[values.index(v)])
+        outs = []
+        for aval, sharding in zip(spec.out_avals, spec.out_shardings):
+            v = self.new_value(aval)
+            self.shardings[v] = sharding
+            outs.append(v)
+        self.nodes.append(Node(spec.fn_id, tuple(values), tuple(outs)))
+        return jax.tree.unflatten(spec.out_tree, [Traced(self, v, self.avals[v]) for v in outs])
+
+
+@dataclass(frozen=True)
+class _Traced:
+    spec: ProgramSpec
+    out_tree: Any
+    arg_values: tuple[int, ...]
+    captured: dict[int, Array]
+    placement: dict[int, Layout]
+    shardings: dict[int, NamedSharding]
+
+
+class Program:
+    """A traced multi-computation program; calling it submits one run to the controller."""
+
+    def __init__(self, fun: Callable, dispatch: str = "parallel") -> None:
+        if dispatch != "parallel":
+            raise ValueError(f"dispatch={dispatch!r}: this runtime dispatches programs in parallel; "
+                             "use dispatch='parallel'")
+        self.fun = fun
+        self.dispatch = dispatch
+        self.__name__ = getattr(fun, "__name__", "program")
+        self.__doc__ = getattr(fun, "__doc__", None)
+        self._cache: dict[tuple, _Traced] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        if current_trace() is not None:
+            raise ProgramTraceError(f"program {self.__name__} was called while tracing another "
+                                    "program; call its compiled functions directly instead")
+        session = api.default_session()
+        leaves, treedef, paths = _flatten(args)
+        avals = [_aval(leaf, p, self.__name__) for leaf, p in zip(leaves, paths)]
+        key = (treedef, tuple(avals))
+        traced = self._cache.get(key)
+        if traced is None:
+            traced = self._trace(session, treedef, avals, paths)
+            self._cache[key] = traced
+        inputs: list[Array] = []
+        for v, leaf in zip(traced.arg_values, leaves):
+            if isinstance(leaf, Array):
+                inputs.append(leaf)
+            else:
+                inputs.append(api.put_layout(session, np.asarray(leaf, dtype=avals[v][1]),
+                                             traced.placement[v], traced.shardings[v]))
+        inputs.extend(traced.captured.values())
+        outs = run(session, traced.spec, inputs)
+        return jax.tree.unflatten(traced.out_tree, outs)
+
+    def _trace(self, session: Any, treedef: Any, avals: list[Aval], paths: list[str]) -> _Traced:
+        trace = _Trace(session)
+        arg_values = []
+        for aval in avals:
+            v = trace.new_value(aval)
+            trace.inputs.append(v)
+            arg_values.append(v)
+        _local.trace = trace
+        try:
+            result = self.fun(*jax.tree.unflatten(treedef, [Traced(trace, v, trace.avals[v]) for v in arg_values]))
+        finally:
+            _local.trace = None
+        out_leaves, out_tree, out_paths = _flatten(result)
+        outputs = [trace.value_of(leaf, p, f"{self.__name__}'s result") for leaf, p in zip(out_leaves, out_paths)]
+        unused = [paths[i] for i, v in enumerate(arg_values) if v not in trace.placement]
+        if unused:
+            raise ProgramTraceError(f"program {self.__name__}: argument(s) {', '.join(unused)} are never "
+                                    "passed to a compiled function; drop them from the signature")
+        if not trace.nodes:
+            raise ProgramTraceError(f"program {self.__name__} calls no compiled function")
+        graph = ProgramGraph(trace.nvalues, tuple(trace.inputs), tuple(trace.nodes), tuple(outputs))
+        spec = register_program(session, graph, trace.avals, trace.shardings)
+        return _Traced(spec, out_tree, tuple(arg_values), trace.captured, trace.placement, trace.shardings)
+
+
+def program(fun: Optional[Callable] = None, *, dispatch: str = "parallel") -> Any:
+    """Decorator: ``@pw.program`` or ``pw.program(fun, dispatch="parallel")``."""
+    if fun is None:
+        return lambda f: Program(f, dispatch)
+    return Program(fun, dispatch)
+
+
+def call_op_by_op(fn: CompiledFunction, args: tuple) -> Any:
+    session = fn.slice.session
+    leaves, treedef, paths = _flatten(args)
+    avals = [_aval(leaf, p, fn.name) for leaf, p in zip(leaves, paths)]
+    spec = fn.specialize(treedef, avals, paths)
+    inputs = []
+    for leaf, layout, sharding, aval in zip(leaves, spec.in_layouts, spec.in_shardings, avals):
+        if isinstance(leaf, Array):
+            if leaf._buffer.session is not session:
+                raise SignatureError(f"{fn.name}: an argument belongs to another session")
+            inputs.append(leaf)
+        else:
+            inputs.append(api.put_layout(session, np.asarray(leaf, dtype=aval[1]), layout, sharding))
+    return jax.tree.unflatten(spec.out_tree, run(session, spec.single, inputs))
+
+
+def run(session: Any, spec: ProgramSpec, inputs: Sequence[Array]) -> list[Array]:
+    """Submit one run of ``spec`` with ``inputs`` bound to the graph's inputs, in order."""
+    graph = spec.graph
+    for arr in inputs:
+        arr._live()
+    base = session.allocate(graph.nvalues)
+    bound = dict(zip(graph.inputs, inputs))
+    session.send({"t": "run", "program": spec.program_id, "base": base,
+                  "inputs": [[v, arr.handle] for v, arr in bound.items()]})
+    outs = []
+    for v in graph.outputs:
+        if v in bound:
+            outs.append(bound[v])
+            continue
+        sharding = spec.value_shardings[v]
+        shape, dtype = spec.value_avals[v]
+        outs.append(Array(_Buffer(session, base + v, sharding.mesh.slice.address), shape, dtype, sharding))
+    return outs
+
+
+def _flatten(tree: Any) -> tuple[list, Any, list[str]]:
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return [leaf for _, leaf in with_paths], treedef, [jax.tree_util.keystr(p) or "<root>" for p, _ in with_paths]
+
+
+def _aval(leaf: Any, path: str, callee: str) -> Aval:
+    if isinstance(leaf, (Array, Traced)):
+        return tuple(leaf.shape), np.dtype(leaf.dtype)
+    try:
+        arr = np.asarray(leaf)
+    except Exception as e:
+        raise SignatureError(f"argument {path} of {callee} is a {type(leaf).__name__}, not an array: {e}") from None
+    if arr.dtype == object:
+        raise SignatureError(f"argument {path} of {callee} is a {type(leaf).__name__}, not an array")
+    return tuple(arr.shape), np.dtype(jax.dtypes.canonicalize_dtype(arr.dtype))

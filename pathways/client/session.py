@@ -1,0 +1,223 @@
+"""A client session: one long-lived stream to the controller, and the data plane to workers.
+
+Submissions are fire and forget: the client numbers every handle itself, so nothing waits
+for the controller except placement and cluster queries. Deletes from dropped arrays are
+batched and ride along with the next message (or a periodic flush).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import deque
+from concurrent.futures import Future
+from typing import Any, Iterator, Optional
+
+import grpc
+import numpy as np
+
+from pathways import errors
+from pathways.handles import COUNTER_MASK, first_handle
+from pathways.ir import Layout
+from pathways.wire import codec, rpc
+
+log = logging.getLogger("pathways.client")
+
+DEFAULT_TIMEOUT = 300.0
+_FLUSH_SECONDS = 0.05
+_ERRORS = {cls.__name__: cls for cls in (errors.PlacementError, errors.WireError, errors.SignatureError)}
+
+
+class Session:
+    def __init__(self, address: str, timeout: float = 30.0, owned_cluster: Any = None) -> None:
+        self.address = address
+        self.timeout = DEFAULT_TIMEOUT
+        self.poisoned: dict[int, str] = {}
+        self._owned_cluster = owned_cluster
+        self._channel = rpc.open_channel(address)
+        rpc.wait_ready(self._channel, address, timeout)
+        self._outbox = rpc.Outbox()
+        self._lock = threading.Lock()
+        self._deletes: deque[int] = deque()
+        self._pending: dict[Any, Future] = {}
+        self._req_ids = itertools.count(1)
+        self._dead: Optional[str] = None
+        self._workers: dict[str, tuple[Any, Any]] = {}
+        self._closed = threading.Event()
+        self._welcome: Future = Future()
+        self._pending["welcome"] = self._welcome
+        stream = rpc.method(self._channel, rpc.CONTROLLER_SERVICE, "Session", "stream_stream")
+        self._responses = stream(self._outbox.batches())
+        threading.Thread(target=self._read, name="pathways-session", daemon=True).start()
+        threading.Thread(target=self._flush_loop, name="pathways-flush", daemon=True).start()
+        self._outbox.put({"t": "hello", "v": codec.PROTOCOL_VERSION})
+        self.id: int = self._result(self._welcome, timeout, "greet the client")["session"]
+        self._counter = itertools.count(1)
+        self._counter_lock = threading.Lock()
+
+    # ---- control plane ---------------------------------------------------------------
+
+    def allocate(self, n: int) -> int:
+        """The first of ``n`` consecutive fresh handles (also used for function/program ids)."""
+        with self._counter_lock:
+            start = next(self._counter)
+            for _ in range(n - 1):
+                next(self._counter)
+        if start + n > COUNTER_MASK:
+            raise errors.PathwaysError("this session has used up its handles; open a new session")
+        return first_handle(self.id) + start
+
+    def send(self, msg: dict) -> None:
+        self._check_alive()
+        with self._lock:
+            self._flush_deletes()
+            self._outbox.put(msg)
+
+    def _flush_deletes(self) -> None:
+        handles = []
+        while self._deletes:
+            handles.append(self._deletes.popleft())
+        if handles:
+            self._outbox.put({"t": "delete", "handles": handles})
+
+    def request(self, msg: dict, timeout: float = 30.0) -> dict:
+        req = next(self._req_ids)
+        future: Future = Future()
+        self._pending[req] = future
+        self.send({**msg, "req": req})
+        return self._result(future, timeout, f"answer a {msg['t']!r} request")
+
+    def _result(self, future: Future, timeout: float, what: str) -> Any:
+        try:
+            return future.result(timeout=timeout)
+        except TimeoutError:
+            raise errors.DeadlineExceededError(
+                f"the controller at {self.address} did not {what} within {timeout:.0f} s; "
+                "check that it is running (`python -m pathways status`)") from None
+
+    def release(self, handle: int) -> None:
+        """Queue ``handle`` for deletion; safe from __del__ in any thread."""
+        if not self._closed.is_set():
+            self._deletes.append(handle)
+
+    def _flush_loop(self) -> None:
+        while not self._closed.wait(_FLUSH_SECONDS):
+            if self._deletes and self._dead is None:
+                with self._lock:
+                    self._flush_deletes()
+
+    def _read(self) -> None:
+        try:
+            for payload in self._responses:
+                for msg in codec.unpack(payload):
+                    self._on_message(msg)
+            reason = "closed the session"
+        except grpc.RpcError as e:
+            reason = f"broke the connection ({e.code().name})" if hasattr(e, "code") else "broke the connection"
+        except Exception as e:  # a malformed reply must not leave waiters hanging
+            reason = f"sent a malformed reply ({e})"
+        self._dead = (f"the controller at {self.address} {reason}; restart it or call pw.connect() "
+                      "again (arrays held by this session are gone)")
+        for future in list(self._pending.values()):
+            if not future.done():
+                future.set_exception(errors.ConnectError(self._dead))
+        self._pending.clear()
+
+    def _on_message(self, msg: dict) -> None:
+        kind = msg.get("t")
+        if kind == "welcome":
+            self._welcome.set_result(msg)
+        elif kind == "poisoned":
+            for h in msg["handles"]:
+                self.poisoned[h] = msg["message"]
+        elif kind == "error":
+            future = self._pending.pop(msg.get("req"), None)
+            error = _ERRORS.get(msg.get("kind"), errors.PathwaysError)(msg["message"])
+            if future is not None:
+                future.set_exception(error)
+            elif "welcome" in self._pending and not self._welcome.done():
+                self._welcome.set_exception(error)
+            else:
+                log.error("controller reported: %s", msg["message"])
+        elif (future := self._pending.pop(msg.get("req"), None)) is not None:
+            future.set_result(msg)
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise errors.ConnectError(self._dead)
+        if self._closed.is_set():
+            raise errors.ConnectError("this session is closed; call pw.connect() for a new one")
+
+    # ---- data plane ------------------------------------------------------------------
+
+    def _stubs(self, address: str) -> tuple[Any, Any]:
+        stubs = self._workers.get(address)
+        if stubs is None:
+            channel = rpc.open_channel(address)
+            stubs = (rpc.method(channel, rpc.WORKER_SERVICE, "Put", "stream_unary"),
+                     rpc.method(channel, rpc.WORKER_SERVICE, "Fetch", "unary_stream"))
+            self._workers[address] = stubs
+        return stubs
+
+    def put(self, address: str, handle: int, layout: Layout, array: np.ndarray) -> None:
+        """Send ``array`` straight to its worker (not through the controller); no waiting."""
+        self._check_alive()
+        header = codec.pack({"t": "put", "handle": handle, "layout": layout.to_wire(),
+                             "array": codec.array_header(array)})
+        future = self._stubs(address)[0].future(_chunks(header, array), timeout=self.timeout)
+
+        def done(f: grpc.Future) -> None:
+            try:
+                reply = codec.unpack(f.result())
+                if "error" in reply:
+                    self.poisoned[handle] = f"the worker refused the array: {reply['error']}"
+            except grpc.RpcError as e:
+                self.poisoned[handle] = f"sending the array to {address} failed: {e.code().name}"
+
+        future.add_done_callback(done)
+        self.send({"t": "put", "handle": handle, "layout": layout.to_wire()})
+
+    def fetch(self, address: str, handle: int, wait: float, data: bool) -> Optional[np.ndarray | bool]:
+        """Ask the worker for ``handle``: None while pending after ``wait`` seconds, True when
+        ready (``data`` false) or the array; raises RemoteError if it was poisoned."""
+        if handle in self.poisoned:
+            raise errors.RemoteError(self.poisoned[handle])
+        self._check_alive()
+        request = codec.pack({"t": "fetch", "handle": handle, "wait": wait, "data": data})
+        try:
+            replies = iter(self._stubs(address)[1](request, timeout=wait + 30.0))
+            header = codec.unpack(next(replies))
+            state = header.get("state")
+            if state == "pending":
+                return None
+            if state == "error":
+                raise errors.RemoteError(header["message"])
+            return codec.assemble_array(header["array"], replies) if data else True
+        except grpc.RpcError as e:
+            if handle in self.poisoned:
+                raise errors.RemoteError(self.poisoned[handle]) from None
+            raise errors.ConnectError(
+                f"fetching from worker {address} failed ({e.code().name}); the worker may have "
+                "died: check `python -m pathways status`") from None
+
+    def cluster(self) -> dict:
+        return self.request({"t": "cluster"})
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        if self._dead is None:
+            with self._lock:
+                self._flush_deletes()
+        self._closed.set()
+        self._outbox.close()
+        self._responses.cancel()
+        self._channel.close()
+        if self._owned_cluster is not None:
+            self._owned_cluster.stop()
+
+
+def _chunks(header: bytes, array: np.ndarray) -> Iterator[bytes]:
+    yield header
+    yield from codec.array_chunks(array)

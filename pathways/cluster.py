@@ -1,0 +1,255 @@
+"""``pw.local_cluster``: a controller and worker processes on this machine, supervised by trio.
+
+The supervisor runs in a background thread of the client process. Children die with it:
+each watches its parent (PATHWAYS_PARENT_PID) and exits when it is gone, and on stop (normal exit, error, Ctrl-C) every child is
+sent SIGTERM and, after a short grace, SIGKILL, since processes running JAX may ignore
+SIGTERM. Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import trio
+
+from pathways.controller.server import ADDRESS_LINE
+from pathways.errors import ConnectError, DeadlineExceededError
+from pathways.wire import codec, rpc
+
+log = logging.getLogger("pathways.cluster")
+
+_GRACE_SECONDS = 3.0
+PARENT_PID_ENV = "PATHWAYS_PARENT_PID"
+
+
+@dataclass(frozen=True)
+class Island:
+    """A group of worker hosts joined by the fast interconnect."""
+
+    hosts: int = 1
+    devices_per_host: int = 1
+
+
+def _python_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pathways", *args]
+
+
+class LocalCluster:
+    def __init__(self, islands: Sequence[Island], start_timeout: float = 120.0) -> None:
+        if not islands or any(i.hosts < 1 or i.devices_per_host < 1 for i in islands):
+            raise ValueError("a local cluster needs at least one island of hosts >= 1 and devices_per_host >= 1")
+        self.islands = list(islands)
+        self.start_timeout = start_timeout
+        self.address: Optional[str] = None
+        self.session: Any = None
+        self.pids: list[int] = []
+        self._ready = threading.Event()
+        self._failure: Optional[str] = None
+        self._stopping = False
+        self._token: Optional[trio.lowlevel.TrioToken] = None
+        self._cancel: Optional[trio.CancelScope] = None
+        self._thread: Optional[threading.Thread] = None
+
+    @classmethod
+    def of_hosts(cls, hosts: int, devices_per_host: int) -> "LocalCluster":
+        return cls([Island(hosts, devices_per_host)])
+
+    @property
+    def num_workers(self) -> int:
+        return sum(i.hosts for i in self.islands)
+
+    def start(self) -> "LocalCluster":
+        self._thread = threading.Thread(target=trio.run, args=(self._supervise,),
+                                        name="pathways-supervisor", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(self.start_timeout + 10) or self._failure:
+            reason = self._failure or f"not ready within {self.start_timeout:.0f} s"
+            self.stop()
+            raise ConnectError(f"the local cluster did not start: {reason}")
+        return self
+
+    def stop(self) -> None:
+        """Stop every child process; returns once all are reaped."""
+        self._stopping = True
+        if self._token is not None:
+            try:
+                self._token.run_sync_soon(self._cancel_all)
+            except trio.RunFinishedError:
+                pass
+        if self._thread is not None:
+            self._thread.join(timeout=_GRACE_SECONDS + 20)
+
+    def _cancel_all(self) -> None:
+        if self._cancel is not None:
+            self._cancel.cancel()
+
+    def __enter__(self) -> "LocalCluster":
+        from pathways.client import api
+        from pathways.client.session import Session
+
+        self.start()
+        try:
+            self.session = Session(self.address)
+        except BaseException:
+            self.stop()
+            raise
+        api.set_default_session(self.session)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from pathways.client import api
+
+        try:
+            if self.session is not None:
+                if api._default is self.session:
+                    api.set_default_session(None)
+                self.session.close()
+        finally:
+            self.stop()
+
+    # ---- the supervisor (trio thread) -----------------------------------------------
+
+    async def _supervise(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        procs: list[trio.Process] = []
+        try:
+            async with trio.open_nursery() as nursery:
+                self._cancel = nursery.cancel_scope
+                if self._stopping:
+                    return
+                with trio.fail_after(self.start_timeout):
+                    env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
+                    controller = await trio.lowlevel.open_process(
+                        _python_cmd("controller"), stdout=subprocess.PIPE, env=env)
+                    procs.append(controller)
+                    address = await _read_address(controller.stdout)
+                    for island_id, island in enumerate(self.islands):
+                        for _ in range(island.hosts):
+                            procs.append(await trio.lowlevel.open_process(
+                                _python_cmd("worker", "--controller", address,
+                                            "--devices", str(island.devices_per_host),
+                                            "--island", str(island_id)),
+                                env=env))
+                    self.pids = [p.pid for p in procs]
+                    for p in procs:
+                        nursery.start_soon(self._watch, p)
+                    await trio.to_thread.run_sync(wait_for_workers, address, self.num_workers,
+                                                  self.start_timeout, abandon_on_cancel=True)
+                self.address = address
+                self._ready.set()
+                await trio.sleep_forever()
+        except BaseException as e:  # noqa: B036 - reported to start(), then re-raised
+            if not self._ready.is_set():
+                self._failure = f"{type(e).__name__}: {e}"
+            if not isinstance(e, trio.Cancelled):
+                raise
+        finally:
+            self._ready.set()
+            with trio.CancelScope(shield=True):
+                await _reap(procs)
+
+    async def _watch(self, proc: trio.Process) -> None:
+        code = await proc.wait()
+        if not self._stopping:
+            log.error("pathways process %d (%s) exited with code %s", proc.pid, proc.args[3], code)
+            if not self._ready.is_set():
+                self._failure = f"process {proc.args[3]} exited with code {code} during start-up"
+                self._ready.set()
+
+
+async def _read_address(stream: trio.abc.ReceiveStream) -> str:
+    buf = b""
+    while ADDRESS_LINE.encode() not in buf or not buf.endswith(b"\n"):
+        chunk = await stream.receive_some(4096)
+        if not chunk:
+            raise ConnectError(f"the controller exited before printing its address (got {buf!r})")
+        buf += chunk
+    line = next(x for x in buf.decode().splitlines() if x.startswith(ADDRESS_LINE))
+    return line.split()[1]
+
+
+async def _reap(procs: list[trio.Process]) -> None:
+    alive = [p for p in procs if p.returncode is None]
+    for p in alive:
+        p.send_signal(signal.SIGTERM)
+    with trio.move_on_after(_GRACE_SECONDS):
+        for p in alive:
+            await p.wait()
+    for p in alive:
+        if p.returncode is None:
+            p.kill()
+            await p.wait()
+
+
+def exit_with_parent() -> None:
+    """In a child of a local cluster: exit as soon as the parent process is gone.
+
+    A parent-death signal would not do: it follows the thread that forked, and trio
+    forks from short-lived worker threads.
+    """
+    parent = os.environ.get(PARENT_PID_ENV)
+    if not parent or not parent.isdigit():
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(parent):
+            time.sleep(0.25)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="pathways-parent-watch", daemon=True).start()
+
+
+def wait_for_workers(address: str, count: int, timeout: float) -> dict:
+    """Poll the controller until ``count`` workers have registered; returns its status."""
+    channel = rpc.open_channel(address)
+    try:
+        rpc.wait_ready(channel, address, timeout)
+        status_rpc = rpc.method(channel, rpc.CONTROLLER_SERVICE, "Status", "unary_unary")
+        deadline = time.monotonic() + timeout
+        while True:
+            status = codec.unpack(status_rpc(b"", timeout=max(1.0, deadline - time.monotonic())))
+            if len(status["workers"]) >= count:
+                return status
+            if time.monotonic() > deadline:
+                raise DeadlineExceededError(f"only {len(status['workers'])} of {count} workers registered "
+                                            f"within {timeout:.0f} s")
+            time.sleep(0.05)
+    finally:
+        channel.close()
+
+
+def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[Sequence[Island]] = None,
+                  start_timeout: float = 120.0) -> LocalCluster:
+    """A context manager running a controller and workers on this machine.
+
+    One island of ``hosts`` worker processes with ``devices_per_host`` CPU devices each, or
+    ``islands=[pw.Island(hosts=, devices_per_host=), ...]``. Inside the ``with`` block it is
+    the default session; ``.address`` is the controller's address.
+    """
+    return LocalCluster(list(islands) if islands else [Island(hosts, devices_per_host)], start_timeout)
+
+
+def status(address: str, timeout: float = 10.0) -> dict:
+    channel = rpc.open_channel(address)
+    try:
+        rpc.wait_ready(channel, address, timeout)
+        return codec.unpack(rpc.method(channel, rpc.CONTROLLER_SERVICE, "Status", "unary_unary")(b"", timeout=timeout))
+    finally:
+        channel.close()
+
+
+def worker_stats(address: str, timeout: float = 10.0) -> dict:
+    channel = rpc.open_channel(address)
+    try:
+        return codec.unpack(rpc.method(channel, rpc.WORKER_SERVICE, "Stats", "unary_unary")(b"", timeout=timeout))
+    finally:
+        channel.close()
+

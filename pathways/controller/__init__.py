@@ -1,0 +1,1 @@
+"""The controller: resource manager, lowering, island sequencing and dispatch."""

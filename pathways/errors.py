@@ -1,0 +1,39 @@
+"""The exceptions the runtime raises. Each message says what to do next."""
+
+from __future__ import annotations
+
+
+class PathwaysError(Exception):
+    """Base class of every error raised by pathways."""
+
+
+class ConnectError(PathwaysError):
+    """A controller or worker could not be reached, or the connection broke."""
+
+
+class PlacementError(PathwaysError):
+    """A virtual slice cannot be mapped onto the cluster's physical devices."""
+
+
+class SignatureError(PathwaysError, TypeError):
+    """Arguments do not match what a compiled function accepts."""
+
+
+class ProgramTraceError(PathwaysError, TypeError):
+    """A ``@pw.program`` did something other than call compiled functions."""
+
+
+class RemoteError(PathwaysError):
+    """A computation failed on a worker; the message is the worker's."""
+
+
+class DeadlineExceededError(PathwaysError, TimeoutError):
+    """A wait ran past its deadline."""
+
+
+class ArrayDeletedError(PathwaysError):
+    """The array's buffers were deleted, so it can no longer be used."""
+
+
+class WireError(PathwaysError):
+    """A wire message was malformed or violated the protocol."""

@@ -1,0 +1,137 @@
+"""The program IR shared by client, controller and workers.
+
+A program is a graph of sharded computations over numbered values. The client builds it
+by tracing; the controller lowers it (controller/lowering.py) to one op stream per worker.
+Everything here is plain data with a wire form; nothing here talks to a network or to JAX.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+from pathways.errors import WireError
+from pathways.wire.codec import int_list
+
+SpecEntry = Union[None, str, tuple[str, ...]]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where and how an array lives: a worker's devices, a mesh over them, a partition spec."""
+
+    worker: int
+    devices: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    spec: tuple[SpecEntry, ...]
+
+    def to_wire(self) -> list:
+        return [self.worker, list(self.devices), list(self.mesh_shape), list(self.axis_names),
+                [list(e) if isinstance(e, tuple) else e for e in self.spec]]
+
+    @staticmethod
+    def from_wire(raw: Any) -> "Layout":
+        if not isinstance(raw, list) or len(raw) != 5:
+            raise WireError("a layout must be a list [worker, devices, mesh_shape, axis_names, spec]")
+        worker, devices, mesh_shape, axis_names, spec = raw
+        if not isinstance(worker, int):
+            raise WireError("layout worker must be an integer")
+        if not isinstance(axis_names, list) or not all(isinstance(a, str) for a in axis_names):
+            raise WireError("layout axis_names must be a list of strings")
+        mesh_shape = int_list(mesh_shape, "layout mesh_shape")
+        devices = int_list(devices, "layout devices")
+        if len(mesh_shape) != len(axis_names) or _prod(mesh_shape) != len(devices):
+            raise WireError(f"layout mesh {mesh_shape} x {axis_names} does not fit {len(devices)} devices")
+        return Layout(worker, tuple(devices), tuple(mesh_shape), tuple(axis_names),
+                      spec_from_wire(spec, axis_names))
+
+
+def spec_from_wire(raw: Any, axis_names: list | tuple) -> tuple[SpecEntry, ...]:
+    if not isinstance(raw, list):
+        raise WireError("a partition spec must be a list")
+    out: list[SpecEntry] = []
+    for entry in raw:
+        names = [entry] if isinstance(entry, str) else entry
+        if entry is None:
+            out.append(None)
+            continue
+        if not isinstance(names, list) or not all(isinstance(n, str) and n in axis_names for n in names):
+            raise WireError(f"partition spec entry {entry!r} names no axis of mesh {list(axis_names)}")
+        out.append(entry if isinstance(entry, str) else tuple(entry))
+    return tuple(out)
+
+
+def _prod(xs: list[int] | tuple[int, ...]) -> int:
+    n = 1
+    for x in xs:
+        n *= x
+    return n
+
+
+@dataclass(frozen=True)
+class Node:
+    """One sharded computation: compiled function ``fn`` reading and writing value numbers."""
+
+    fn: int
+    ins: tuple[int, ...]
+    outs: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ProgramGraph:
+    """Values are numbered 0..nvalues-1; inputs are bound per call, nodes are in trace order."""
+
+    nvalues: int
+    inputs: tuple[int, ...]
+    nodes: tuple[Node, ...]
+    outputs: tuple[int, ...]
+
+    def to_wire(self) -> dict:
+        return {"nvalues": self.nvalues, "inputs": list(self.inputs),
+                "nodes": [[n.fn, list(n.ins), list(n.outs)] for n in self.nodes],
+                "outputs": list(self.outputs)}
+
+    @staticmethod
+    def from_wire(raw: Any) -> "ProgramGraph":
+        if not isinstance(raw, dict):
+            raise WireError("a program graph must be a map")
+        nvalues = raw.get("nvalues")
+        if not isinstance(nvalues, int) or not 0 < nvalues < 1 << 20:
+            raise WireError("program graph nvalues must be a positive integer below 2**20")
+        inputs = int_list(raw.get("inputs"), "program graph inputs")
+        outputs = int_list(raw.get("outputs"), "program graph outputs")
+        raw_nodes = raw.get("nodes")
+        if not isinstance(raw_nodes, list) or not raw_nodes:
+            raise WireError("program graph nodes must be a non-empty list")
+        nodes = []
+        for rn in raw_nodes:
+            if not isinstance(rn, list) or len(rn) != 3 or not isinstance(rn[0], int):
+                raise WireError("a program graph node must be [fn, ins, outs]")
+            nodes.append(Node(rn[0], tuple(int_list(rn[1], "node ins")), tuple(int_list(rn[2], "node outs"))))
+        graph = ProgramGraph(nvalues, tuple(inputs), tuple(nodes), tuple(outputs))
+        graph.check()
+        return graph
+
+    def check(self) -> None:
+        """Every value is defined once before it is read, and every number is in range."""
+        defined: set[int] = set()
+        for v in self.inputs:
+            self._define(v, defined)
+        for node in self.nodes:
+            for v in node.ins:
+                if v not in defined:
+                    raise WireError(f"node reads value {v} before any node defines it")
+            for v in node.outs:
+                self._define(v, defined)
+        for v in self.outputs:
+            if v not in defined:
+                raise WireError(f"program output {v} is never defined")
+
+    def _define(self, v: int, defined: set[int]) -> None:
+        if not 0 <= v < self.nvalues:
+            raise WireError(f"value number {v} is outside 0..{self.nvalues - 1}")
+        if v in defined:
+            raise WireError(f"value {v} is defined twice")
+        defined.add(v)
+

@@ -1,0 +1,139 @@
+"""msgpack encoding of messages and arrays, with validation on receipt.
+
+Every gRPC payload is one msgpack list of messages (a batch); every message is a map with
+a string field ``t`` naming its type. Arrays travel as raw buffers, never pickled.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator
+
+import msgpack
+import numpy as np
+
+from pathways.errors import WireError
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHUNK_BYTES = 4 * 1024 * 1024
+
+# dtypes that may cross the wire; anything else (object, void, ...) is refused.
+_WIRE_DTYPES = frozenset(
+    "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 "
+    "float16 float32 float64 complex64 complex128 bfloat16".split()
+)
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes) -> Any:
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise WireError(f"payload is not valid msgpack ({type(e).__name__}: {e})") from None
+
+
+def pack_batch(messages: list[dict]) -> bytes:
+    return pack(messages)
+
+
+def unpack_batch(data: bytes, schemas: dict[str, dict[str, Any]]) -> list[dict]:
+    """Decode a batch and validate each message against ``schemas`` (type -> fields)."""
+    batch = unpack(data)
+    if not isinstance(batch, list):
+        raise WireError(f"a payload must be a list of messages, got {type(batch).__name__}")
+    for msg in batch:
+        validate(msg, schemas)
+    return batch
+
+
+def validate(msg: Any, schemas: dict[str, dict[str, Any]]) -> dict:
+    """Check ``msg`` has a known type ``t`` and every field that type requires.
+
+    A schema maps a field name to a type or tuple of types accepted by isinstance.
+    """
+    if not isinstance(msg, dict):
+        raise WireError(f"a message must be a map, got {type(msg).__name__}")
+    kind = msg.get("t")
+    if kind not in schemas:
+        raise WireError(f"unknown message type {kind!r}; expected one of {sorted(schemas)}")
+    for field, types in schemas[kind].items():
+        if field not in msg:
+            raise WireError(f"message {kind!r} lacks field {field!r}")
+        value = msg[field]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in _as_tuple(types)):
+            raise WireError(
+                f"field {field!r} of message {kind!r} must be {_type_names(types)}, "
+                f"got {type(value).__name__}"
+            )
+    return msg
+
+
+def int_list(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise WireError(f"{what} must be a list of integers")
+    return value
+
+
+def _as_tuple(types: Any) -> tuple:
+    return types if isinstance(types, tuple) else (types,)
+
+
+def _type_names(types: Any) -> str:
+    return " or ".join(t.__name__ for t in _as_tuple(types))
+
+
+# ---- arrays -------------------------------------------------------------------------
+
+def array_header(arr: np.ndarray) -> dict:
+    return {"dtype": arr.dtype.name, "shape": list(arr.shape), "nbytes": arr.nbytes}
+
+
+def check_array_header(header: Any) -> tuple[np.dtype, tuple[int, ...], int]:
+    if not isinstance(header, dict):
+        raise WireError("array header must be a map")
+    dtype, shape, nbytes = header.get("dtype"), header.get("shape"), header.get("nbytes")
+    if dtype not in _WIRE_DTYPES:
+        raise WireError(f"array dtype {dtype!r} is not allowed on the wire")
+    shape = int_list(shape, "array shape")
+    if any(d < 0 for d in shape) or len(shape) > 64:
+        raise WireError(f"array shape {shape} is invalid")
+    np_dtype = _np_dtype(dtype)
+    expect = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
+    if nbytes != expect:
+        raise WireError(f"array header says {nbytes!r} bytes but {dtype}{shape} needs {expect}")
+    return np_dtype, tuple(shape), expect
+
+
+def _np_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def array_chunks(arr: np.ndarray) -> Iterator[bytes]:
+    """The raw bytes of ``arr`` in chunks of at most CHUNK_BYTES, zero-copy."""
+    flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+    for start in range(0, flat.size, CHUNK_BYTES):
+        yield flat[start:start + CHUNK_BYTES].tobytes()
+
+
+def assemble_array(header: Any, chunks: Iterable[bytes]) -> np.ndarray:
+    """Rebuild an array from its header and raw chunks, checking the byte count."""
+    dtype, shape, nbytes = check_array_header(header)
+    buf = bytearray(nbytes)
+    pos = 0
+    for chunk in chunks:
+        if not isinstance(chunk, (bytes, bytearray)):
+            raise WireError("array chunk must be binary")
+        if pos + len(chunk) > nbytes:
+            raise WireError(f"array data exceeds the {nbytes} bytes its header announced")
+        buf[pos:pos + len(chunk)] = chunk
+        pos += len(chunk)
+    if pos != nbytes:
+        raise WireError(f"array data has {pos} bytes, header announced {nbytes}")
+    return np.frombuffer(buf, dtype=dtype).reshape(shape)

@@ -1,0 +1,129 @@
+"""gRPC plumbing: generic handlers over raw bytes, channels, and batched stream outboxes.
+
+There is no protoc step: methods are registered with generic handlers and payloads are
+msgpack (see codec.py), decoded by the handlers themselves so a malformed payload becomes
+an error reply instead of a broken stream.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent import futures
+from typing import Callable, Iterator
+
+import grpc
+
+from pathways.errors import ConnectError
+from pathways.wire import codec
+
+CONTROLLER_SERVICE = "pathways.Controller"
+WORKER_SERVICE = "pathways.Worker"
+
+_OPTIONS = [
+    ("grpc.max_send_message_length", codec.MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
+
+
+def parse_address(address: str) -> str:
+    """``grpc://host:port`` or ``host:port`` -> ``host:port``."""
+    target = address[len("grpc://"):] if address.startswith("grpc://") else address
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConnectError(
+            f"address {address!r} is not of the form grpc://HOST:PORT; "
+            "pass the address `python -m pathways up` printed"
+        )
+    return target
+
+
+def make_server(service: str, handlers: dict[str, grpc.RpcMethodHandler], max_workers: int = 16) -> tuple[grpc.Server, int]:
+    """A server on a free loopback port running ``handlers``; returns (server, port)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=_OPTIONS)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
+def stream_stream(fn: Callable) -> grpc.RpcMethodHandler:
+    return grpc.stream_stream_rpc_method_handler(fn)
+
+
+def stream_unary(fn: Callable) -> grpc.RpcMethodHandler:
+    return grpc.stream_unary_rpc_method_handler(fn)
+
+
+def unary_stream(fn: Callable) -> grpc.RpcMethodHandler:
+    return grpc.unary_stream_rpc_method_handler(fn)
+
+
+def unary_unary(fn: Callable) -> grpc.RpcMethodHandler:
+    return grpc.unary_unary_rpc_method_handler(fn)
+
+
+def open_channel(address: str) -> grpc.Channel:
+    return grpc.insecure_channel(parse_address(address), options=_OPTIONS)
+
+
+def wait_ready(channel: grpc.Channel, address: str, timeout: float) -> None:
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout)
+    except grpc.FutureTimeoutError:
+        raise ConnectError(
+            f"nothing answered at {address} within {timeout:.0f} s; check the address, or start "
+            "a cluster with `python -m pathways up` (or call pw.connect() with no address to "
+            "start an embedded one)"
+        ) from None
+
+
+def method(channel: grpc.Channel, service: str, name: str, kind: str) -> Callable:
+    path = f"/{service}/{name}"
+    return getattr(channel, kind)(path, request_serializer=None, response_deserializer=None)
+
+
+class Outbox:
+    """A thread-safe queue of messages drained as batches by a gRPC stream generator.
+
+    Whatever has queued up while the stream was busy goes out as one payload.
+    """
+
+    _CLOSE = object()
+
+    def __init__(self, idle_timeout: float = 0.5) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = threading.Event()
+        self._idle_timeout = idle_timeout
+
+    def put(self, message: dict) -> None:
+        self._queue.put(message)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._queue.put(self._CLOSE)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def batches(self, still_wanted: Callable[[], bool] = lambda: True) -> Iterator[bytes]:
+        """Yield packed batches until closed or ``still_wanted()`` turns false."""
+        while not self._closed.is_set() and still_wanted():
+            try:
+                first = self._queue.get(timeout=self._idle_timeout)
+            except queue.Empty:
+                continue
+            batch = [] if first is self._CLOSE else [first]
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is self._CLOSE:
+                    self._closed.set()
+                else:
+                    batch.append(item)
+            if batch:
+                yield codec.pack_batch(batch)

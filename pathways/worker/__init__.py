@@ -1,0 +1,1 @@
+"""A worker host: executes op streams with JAX, keeps results in an object store."""

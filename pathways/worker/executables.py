@@ -1,0 +1,72 @@
+"""The executable cache: deserializes jax.export artifacts and compiles them in the background.
+
+Compilation starts when a function is registered, not when it is first run; two
+registrations of the same artifact on the same layouts share one compilation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from pathways.errors import WireError
+from pathways.ir import Layout
+
+
+class Executables:
+    def __init__(self) -> None:
+        self._devices = jax.local_devices()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pathways-compile")
+        self._by_fingerprint: dict[str, Future] = {}
+        self._by_key: dict[int, tuple[Future, str]] = {}
+        self._shardings: dict[Layout, NamedSharding] = {}
+        self._lock = threading.Lock()
+
+    def register(self, key: int, name: str, blob: bytes, ins: list[Layout], outs: list[Layout]) -> None:
+        for layout in (*ins, *outs):
+            self.sharding(layout)  # fail now, on the registration, for devices we lack
+        fingerprint = hashlib.sha256(blob + repr((ins, outs)).encode()).hexdigest()
+        with self._lock:
+            future = self._by_fingerprint.get(fingerprint)
+            if future is None:
+                future = self._pool.submit(self._compile, blob, ins, outs)
+                self._by_fingerprint[fingerprint] = future
+            self._by_key[key] = (future, name)
+
+    def get(self, key: int) -> tuple[Future, str] | None:
+        return self._by_key.get(key)
+
+    def sharding(self, layout: Layout) -> NamedSharding:
+        sharding = self._shardings.get(layout)
+        if sharding is None:
+            if any(d >= len(self._devices) for d in layout.devices):
+                raise WireError(f"layout names devices {list(layout.devices)} but this worker "
+                                f"has {len(self._devices)}")
+            devices = np.array([self._devices[d] for d in layout.devices]).reshape(layout.mesh_shape)
+            mesh = Mesh(devices, layout.axis_names)
+            sharding = NamedSharding(mesh, PartitionSpec(*layout.spec))
+            self._shardings[layout] = sharding
+        return sharding
+
+    def _compile(self, blob: bytes, ins: list[Layout], outs: list[Layout]) -> Any:
+        exported = jax.export.deserialize(bytearray(blob))
+        in_shardings = [self.sharding(x) for x in ins]
+        out_shardings = [self.sharding(x) for x in outs]
+        if len(exported.in_avals) != len(ins) or len(exported.out_avals) != len(outs):
+            raise WireError(f"artifact takes {len(exported.in_avals)} inputs and returns "
+                            f"{len(exported.out_avals)}, but {len(ins)} and {len(outs)} layouts were given")
+        jitted = jax.jit(exported.call, in_shardings=in_shardings, out_shardings=out_shardings)
+        args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(exported.in_avals, in_shardings)]
+        return jitted.lower(*args).compile()
+
+    def __len__(self) -> int:
+        return len(self._by_fingerprint)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

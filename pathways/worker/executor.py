@@ -1,0 +1,160 @@
+"""The executor: runs the op streams the controller lowered (controller/lowering.py).
+
+One thread runs every program in the order the controller sent them, which is the island's
+gang order. Values live in a per-run register file; only inputs, outputs and transfers go
+through the object store. A failed op poisons the registers it would have written, and
+poison flows through everything downstream to whoever reads the result.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Any, Callable
+
+import jax
+
+from pathways.errors import WireError
+from pathways.ir import Layout
+from pathways.wire.codec import int_list
+from pathways.worker.executables import Executables
+from pathways.worker.store import ObjectStore, Poison
+
+log = logging.getLogger("pathways.worker")
+
+_IN, _EXEC, _OUT, _SEND, _RESHARD, _DROP = range(6)
+
+
+class Executor:
+    def __init__(self, store: ObjectStore, executables: Executables,
+                 send: Callable[[int, int, Any, list], None], wait_timeout: float) -> None:
+        self._store = store
+        self._executables = executables
+        self._send = send
+        self._wait_timeout = wait_timeout
+        self._programs: dict[int, tuple[list[tuple], int, int]] = {}
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.worker_id = -1
+        self._thread = threading.Thread(target=self._loop, name="pathways-executor", daemon=True)
+        self._thread.start()
+
+    @property
+    def programs(self) -> int:
+        return len(self._programs)
+
+    def submit(self, msg: dict) -> None:
+        self._queue.put(msg)
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+    def define(self, msg: dict) -> None:
+        """Check and prepare an op stream; raises WireError for a malformed one."""
+        nvalues, ncopies = msg["nvalues"], msg["ncopies"]
+        nregs = nvalues + ncopies
+        prepared = [self._prepare(op, nregs) for op in msg["ops"]]
+        self._programs[msg["key"]] = (prepared, nvalues, nregs)
+
+    def _prepare(self, op: Any, nregs: int) -> tuple:
+        if not isinstance(op, list) or not op or not isinstance(op[0], str):
+            raise WireError(f"op {op!r} is not a list starting with its name")
+
+        def reg(v: Any) -> int:
+            if not isinstance(v, int) or not 0 <= v < nregs:
+                raise WireError(f"op {op[0]!r} names register {v!r} outside 0..{nregs - 1}")
+            return v
+
+        kind, arity = op[0], {"in": 3, "exec": 4, "out": 2, "send": 5, "reshard": 4, "drop": 2}.get(op[0])
+        if arity is None or len(op) != arity:
+            raise WireError(f"op {op!r} is unknown or has the wrong number of fields")
+        if kind == "in":
+            return (_IN, reg(op[1]), bool(op[2]))
+        if kind == "exec":
+            fn = self._executables.get(op[1]) if isinstance(op[1], int) else None
+            if fn is None:
+                raise WireError(f"exec names function {op[1]!r}, which was never registered here")
+            return (_EXEC, fn[0], fn[1], [reg(v) for v in int_list(op[2], "exec ins")],
+                    [reg(v) for v in int_list(op[3], "exec outs")])
+        if kind == "out":
+            return (_OUT, reg(op[1]))
+        if kind == "send":
+            Layout.from_wire(op[4])
+            if not isinstance(op[2], int):
+                raise WireError("send needs an integer worker id")
+            return (_SEND, reg(op[1]), op[2], reg(op[3]), op[4])
+        if kind == "reshard":
+            return (_RESHARD, reg(op[1]), reg(op[2]), self._executables.sharding(Layout.from_wire(op[3])))
+        return (_DROP, [reg(v) for v in int_list(op[1], "drop registers")])
+
+    def _loop(self) -> None:
+        while (msg := self._queue.get()) is not None:
+            try:
+                kind = msg["t"]
+                if kind == "run":
+                    self._run(msg)
+                elif kind == "delete":
+                    self._store.delete(msg["handles"])
+                elif kind == "drop_session":
+                    self._store.drop_session(msg["session"])
+            except Exception:  # a bug must not kill the executor; the message is dropped
+                log.exception("executor dropped message %r", msg.get("t"))
+
+    def _run(self, msg: dict) -> None:
+        program = self._programs.get(msg["key"])
+        if program is None:
+            log.error("run names program %r, which was never defined here", msg["key"])
+            return
+        ops, nvalues, nregs = program
+        base, tbase, args = msg["base"], msg["tbase"], msg["args"]
+
+        def handle(v: int) -> int:
+            h = args.get(v)
+            if h is None:
+                h = base + v if v < nvalues else tbase + v - nvalues
+            return h
+
+        regs: list[Any] = [None] * nregs
+        store = self._store
+        for op in ops:
+            code = op[0]
+            if code == _EXEC:
+                _, future, name, ins, outs = op
+                inputs = [regs[i] for i in ins]
+                bad = next((a for a in inputs if type(a) is Poison), None)
+                if bad is None:
+                    try:
+                        results = future.result(timeout=self._wait_timeout)(*inputs)
+                    except Exception as e:
+                        bad = Poison(f"{name} failed on worker {self.worker_id}: {type(e).__name__}: {e}")
+                    else:
+                        for o, r in zip(outs, results):
+                            regs[o] = r
+                        continue
+                for o in outs:
+                    regs[o] = bad
+            elif code == _IN:
+                h = handle(op[1])
+                value = store.wait(h, self._wait_timeout)
+                if value is None:
+                    value = Poison(f"array {h:#x} did not reach worker {self.worker_id} within "
+                                   f"{self._wait_timeout:.0f} s: it was deleted, or its sender failed")
+                elif not op[2]:
+                    store.pop(h)
+                regs[op[1]] = value
+            elif code == _OUT:
+                store.put(handle(op[1]), regs[op[1]])
+            elif code == _DROP:
+                for v in op[1]:
+                    regs[v] = None
+            elif code == _SEND:
+                self._send(op[2], handle(op[3]), regs[op[1]], op[4])
+            else:  # _RESHARD
+                value = regs[op[1]]
+                if type(value) is not Poison:
+                    try:
+                        value = jax.device_put(value, op[3])
+                    except Exception as e:
+                        value = Poison(f"moving an array on worker {self.worker_id} failed: {e}")
+                regs[op[2]] = value

@@ -1,0 +1,97 @@
+"""The object store: handles -> arrays (or the error that poisoned them).
+
+Values arrive from the executor, from clients' puts and from peers' pushes; readers wait
+with a deadline. A delete that overtakes its value's arrival leaves a tombstone so the
+late value is dropped instead of leaking.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Iterable, Optional
+
+from pathways.handles import session_of
+
+_MAX_TOMBSTONES = 100_000
+
+
+class Poison:
+    """Stands in for the value of a failed computation; carries the failure's message."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"Poison({self.message!r})"
+
+
+class ObjectStore:
+    def __init__(self) -> None:
+        self._entries: dict[int, Any] = {}
+        self._cond = threading.Condition()
+        self._tombstones: OrderedDict[int, None] = OrderedDict()
+        self._dropped_sessions: set[int] = set()
+
+    def put(self, handle: int, value: Any) -> bool:
+        """Store ``value``; False if the handle was deleted before it arrived."""
+        with self._cond:
+            if handle in self._tombstones:
+                del self._tombstones[handle]
+                return False
+            if session_of(handle) in self._dropped_sessions:
+                return False
+            self._entries[handle] = value
+            self._cond.notify_all()
+        return True
+
+    def get(self, handle: int) -> Optional[Any]:
+        return self._entries.get(handle)
+
+    def wait(self, handle: int, timeout: float) -> Optional[Any]:
+        """The value of ``handle``, waiting up to ``timeout`` seconds; None on timeout."""
+        value = self._entries.get(handle)
+        if value is not None:
+            return value
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while (value := self._entries.get(handle)) is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+        return value
+
+    def pop(self, handle: int) -> None:
+        with self._cond:
+            self._entries.pop(handle, None)
+
+    def delete(self, handles: Iterable[int]) -> None:
+        with self._cond:
+            for h in handles:
+                if self._entries.pop(h, None) is None:
+                    self._tombstones[h] = None
+                    if len(self._tombstones) > _MAX_TOMBSTONES:
+                        self._tombstones.popitem(last=False)
+
+    def drop_session(self, session: int) -> int:
+        """Delete every buffer of ``session`` and refuse its late arrivals; returns the count."""
+        with self._cond:
+            self._dropped_sessions.add(session)
+            doomed = [h for h in self._entries if session_of(h) == session]
+            for h in doomed:
+                del self._entries[h]
+        return len(doomed)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def session_counts(self) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        with self._cond:
+            for h in self._entries:
+                counts[session_of(h)] = counts.get(session_of(h), 0) + 1
+        return counts

@@ -1,0 +1,61 @@
+import os
+import time
+
+import pytest
+
+import pathways as pw
+from pathways.cluster import status, worker_stats
+
+
+def pids_alive(pids):
+    alive = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split()[2] != "Z":
+                    alive.append(pid)
+        except FileNotFoundError:
+            pass
+    return alive
+
+
+def wait_until(predicate, timeout=20.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def session_handles(address, session_id):
+    """How many buffers of ``session_id`` the workers of the cluster at ``address`` hold."""
+    return sum(worker_stats(w["address"])["sessions"].get(session_id, 0) for w in status(address)["workers"])
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """One island of two worker processes with four CPU devices each, shared by the tests."""
+    with pw.local_cluster(hosts=2, devices_per_host=4) as c:
+        pids = list(c.pids)
+        yield c
+    assert pids_alive(pids) == [], "the local cluster left processes behind"
+
+
+@pytest.fixture
+def session(cluster):
+    pw.connect(cluster.address)
+    yield pw.default_session()
+    pw.disconnect()
+
+
+@pytest.fixture(autouse=True)
+def _no_env_address(monkeypatch):
+    monkeypatch.delenv("PATHWAYS_ADDRESS", raising=False)
+    yield
+
+
+def pytest_configure(config):
+    os.environ.setdefault("PATHWAYS_LOG_LEVEL", "error")

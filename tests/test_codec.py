@@ -1,0 +1,81 @@
+import numpy as np
+import pytest
+
+from pathways.errors import WireError
+from pathways.ir import Layout, Node, ProgramGraph
+from pathways.wire import codec
+
+SCHEMAS = {"ping": {"n": int, "name": str}}
+
+
+def test_batch_round_trip_and_validation():
+    batch = [{"t": "ping", "n": 1, "name": "a"}, {"t": "ping", "n": 2, "name": "b"}]
+    assert codec.unpack_batch(codec.pack_batch(batch), SCHEMAS) == batch
+
+
+@pytest.mark.parametrize("payload, needle", [
+    (b"\xc1\xff\x00garbage", "not valid msgpack"),
+    (codec.pack({"t": "ping"}), "must be a list"),
+    (codec.pack([1]), "must be a map"),
+    (codec.pack([{"t": "pong"}]), "unknown message type 'pong'"),
+    (codec.pack([{"t": "ping", "n": 1}]), "lacks field 'name'"),
+    (codec.pack([{"t": "ping", "n": "1", "name": "a"}]), "field 'n' of message 'ping' must be int"),
+    (codec.pack([{"t": "ping", "n": True, "name": "a"}]), "must be int, got bool"),
+])
+def test_malformed_batches_are_refused_with_a_reason(payload, needle):
+    with pytest.raises(WireError, match=needle):
+        codec.unpack_batch(payload, SCHEMAS)
+
+
+@pytest.mark.parametrize("array", [
+    np.float32(3.5), np.arange(12, dtype=np.int64).reshape(3, 4), np.zeros((0, 5), np.float16),
+    np.array([True, False]), np.linspace(0, 1, 5 * 1024 * 1024 // 8 + 3),  # spans two chunks
+])
+def test_array_round_trip(array):
+    array = np.asarray(array)
+    back = codec.assemble_array(codec.array_header(array), codec.array_chunks(array))
+    assert back.dtype == array.dtype and back.shape == array.shape
+    np.testing.assert_array_equal(back, array)
+
+
+def test_array_bytes_must_match_header():
+    array = np.arange(4, dtype=np.float32)
+    header = codec.array_header(array)
+    with pytest.raises(WireError, match="header announced"):
+        codec.assemble_array(header, [array.tobytes()[:-1]])
+    with pytest.raises(WireError, match="exceeds"):
+        codec.assemble_array(header, [array.tobytes() + b"x"])
+    with pytest.raises(WireError, match="not allowed"):
+        codec.assemble_array({**header, "dtype": "object"}, [])
+    with pytest.raises(WireError, match="needs"):
+        codec.assemble_array({**header, "nbytes": 3}, [])
+
+
+def test_layout_and_graph_wire_forms():
+    layout = Layout(1, (0, 1, 2, 3), (2, 2), ("x", "y"), (("x", "y"), None))
+    assert Layout.from_wire(codec.unpack(codec.pack(layout.to_wire()))) == layout
+    graph = ProgramGraph(3, (0,), (Node(7, (0,), (1,)), Node(7, (1,), (2,))), (2,))
+    assert ProgramGraph.from_wire(codec.unpack(codec.pack(graph.to_wire()))) == graph
+
+
+@pytest.mark.parametrize("raw, needle", [
+    ([0, [0, 1], [3], ["x"], []], "does not fit"),
+    ([0, [0], [1], ["x"], ["z"]], "names no axis"),
+    ("layout", "must be a list"),
+])
+def test_bad_layouts(raw, needle):
+    with pytest.raises(WireError, match=needle):
+        Layout.from_wire(raw)
+
+
+@pytest.mark.parametrize("graph, needle", [
+    ({"nvalues": 2, "inputs": [0], "nodes": [[1, [1], [0]]], "outputs": [0]}, "before any node defines"),
+    ({"nvalues": 2, "inputs": [0], "nodes": [[1, [0], [0]]], "outputs": [0]}, "defined twice"),
+    ({"nvalues": 2, "inputs": [0], "nodes": [[1, [0], [5]]], "outputs": [0]}, "outside"),
+    ({"nvalues": 2, "inputs": [0], "nodes": [[1, [0], [1]]], "outputs": [3]}, "never defined"),
+    ({"nvalues": 2, "inputs": [0], "nodes": [], "outputs": []}, "non-empty"),
+    ({"nvalues": -1}, "positive"),
+])
+def test_bad_graphs(graph, needle):
+    with pytest.raises(WireError, match=needle):
+        ProgramGraph.from_wire(graph)

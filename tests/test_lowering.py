@@ -1,0 +1,67 @@
+import pytest
+
+from pathways.controller.lowering import FnLayouts, lower
+from pathways.errors import WireError
+from pathways.ir import Layout, Node, ProgramGraph
+
+
+def layout(worker, devices=(0,), spec=()):
+    return Layout(worker, devices, (len(devices),), ("d",), spec)
+
+
+def fn(worker, n_in=1, n_out=1, devices=(0,), spec=()):
+    return FnLayouts(worker, (layout(worker, devices, spec),) * n_in, (layout(worker, devices, spec),) * n_out)
+
+
+def test_a_chain_on_one_worker_is_loads_execs_and_one_output():
+    graph = ProgramGraph(4, (0,), tuple(Node(10, (i,), (i + 1,)) for i in range(3)), (3,))
+    low = lower(graph, {10: fn(0)}, {0: layout(0)})
+    assert low.ncopies == 0 and list(low.ops) == [0]
+    kinds = [op[0] for op in low.ops[0]]
+    assert kinds == ["in", "exec", "drop", "exec", "drop", "exec", "drop", "out", "drop"]
+    assert low.ops[0][0] == ["in", 0, True]
+    assert low.output_layouts == {3: layout(0)}
+
+
+def test_values_crossing_workers_are_sent_once_per_destination_layout():
+    # x = a(v) on worker 0; y = b(x) and w = b(x) on worker 1: x crosses once.
+    graph = ProgramGraph(4, (0,), (Node(1, (0,), (1,)), Node(2, (1,), (2,)), Node(2, (1,), (3,))), (2, 3))
+    low = lower(graph, {1: fn(0), 2: fn(1)}, {0: layout(0)})
+    sends = [op for op in low.ops[0] if op[0] == "send"]
+    assert sends == [["send", 1, 1, 4, layout(1).to_wire()]]
+    assert low.ncopies == 1
+    assert ["in", 4, False] in low.ops[1]  # the copy is removed from the store once loaded
+    assert low.output_layouts == {2: layout(1), 3: layout(1)}
+
+
+def test_same_worker_other_layout_is_a_local_reshard():
+    sharded = Layout(0, (0, 1), (2,), ("d",), ("d",))
+    graph = ProgramGraph(3, (0,), (Node(1, (0,), (1,)), Node(2, (1,), (2,))), (2,))
+    fns = {1: fn(0, devices=(0, 1)), 2: FnLayouts(0, (sharded,), (sharded,))}
+    low = lower(graph, fns, {0: layout(0, (0, 1))})
+    assert ["reshard", 1, 3, sharded.to_wire()] in low.ops[0]
+    assert not any(op[0] == "send" for op in low.ops[0])
+
+
+def test_inputs_living_elsewhere_are_moved_and_kept():
+    graph = ProgramGraph(2, (0,), (Node(1, (0,), (1,)),), (1,))
+    low = lower(graph, {1: fn(1)}, {0: layout(0)})
+    assert low.ops[0] == [["in", 0, True], ["send", 0, 1, 2, layout(1).to_wire()], ["drop", [0]]]
+
+
+def test_registers_are_dropped_after_their_last_read():
+    graph = ProgramGraph(4, (0,), (Node(1, (0,), (1,)), Node(1, (1,), (2,)), Node(1, (0,), (3,))), (2, 3))
+    ops = lower(graph, {1: fn(0)}, {0: layout(0)}).ops[0]
+    first_drop_of_0 = next(i for i, op in enumerate(ops) if op[0] == "drop" and 0 in op[1])
+    last_read_of_0 = max(i for i, op in enumerate(ops) if op[0] == "exec" and 0 in op[2])
+    assert first_drop_of_0 == last_read_of_0 + 1
+
+
+def test_unknown_functions_and_arity_mismatches_are_errors():
+    graph = ProgramGraph(2, (0,), (Node(1, (0,), (1,)),), (1,))
+    with pytest.raises(WireError, match="unknown compiled function"):
+        lower(graph, {}, {0: layout(0)})
+    with pytest.raises(WireError, match="takes 2"):
+        lower(graph, {1: fn(0, n_in=2)}, {0: layout(0)})
+    with pytest.raises(WireError, match="no location"):
+        lower(graph, {1: fn(0)}, {})

@@ -1,0 +1,71 @@
+import pytest
+
+from pathways.controller.placement import ResourceManager
+from pathways.errors import PlacementError
+
+
+def manager(*hosts):
+    rm = ResourceManager()
+    for worker, (island, n) in enumerate(hosts):
+        rm.add_host(worker, island, "cpu", n, 1 << 30)
+    return rm
+
+
+def test_slices_spread_over_hosts_and_devices():
+    rm = manager((0, 2), (0, 2))
+    a = rm.place(2, "cpu")
+    b = rm.place(2, "cpu")
+    assert {a.worker, b.worker} == {0, 1}
+    c = rm.place(1, "cpu")
+    d = rm.place(1, "cpu")
+    assert (c.worker, c.devices) != (d.worker, d.devices)
+    assert [sum(h.load) for h in rm.hosts.values()] == [3, 3]
+
+
+def test_sharing_when_the_cluster_is_smaller_than_the_requests():
+    rm = manager((0, 2))
+    slices = [rm.place(2, "cpu") for _ in range(3)]
+    assert all(s.devices == (0, 1) for s in slices)
+    assert rm.hosts[0].load == [3, 3]
+
+
+def test_exclusive_slices_get_dedicated_devices():
+    rm = manager((0, 4))
+    ex = rm.place(2, "cpu", exclusive=True)
+    shared = [rm.place(2, "cpu") for _ in range(2)]
+    assert all(set(s.devices).isdisjoint(ex.devices) for s in shared)
+    with pytest.raises(PlacementError, match="held exclusively"):
+        rm.place(3, "cpu")
+    rm.release(ex.slice_id)
+    assert rm.place(3, "cpu").devices
+
+
+def test_island_and_kind_constraints():
+    rm = manager((0, 2), (1, 4))
+    assert rm.place(2, "cpu", island=1).worker == 1
+    with pytest.raises(PlacementError, match="in island 0"):
+        rm.place(4, "cpu", island=0)
+    with pytest.raises(PlacementError, match="host 0 \\(island 0\\): 2 cpu, host 1 \\(island 1\\): 4 cpu"):
+        rm.place(1, "tpu")
+
+
+def test_mesh_shape_must_match_the_device_count():
+    rm = manager((0, 4))
+    assert rm.place(4, "cpu", mesh_shape=(2, 2)).mesh_shape == (2, 2)
+    with pytest.raises(PlacementError, match="make their product equal"):
+        rm.place(4, "cpu", mesh_shape=(3, 2))
+    with pytest.raises(PlacementError, match="at least one device"):
+        rm.place(0, "cpu")
+
+
+def test_release_owner_returns_the_devices():
+    rm = manager((0, 2))
+    rm.place(2, "cpu", owner=7)
+    rm.place(1, "cpu", owner=8)
+    rm.release_owner(7)
+    assert rm.hosts[0].load == [1, 0] and len(rm.slices) == 1
+
+
+def test_no_hosts_says_so():
+    with pytest.raises(PlacementError, match="no worker hosts"):
+        ResourceManager().place(1, "cpu")
