@@ -16,6 +16,7 @@ from pathways.client.devices import NamedSharding, VirtualDeviceSet, VirtualMesh
 from pathways.client.session import Session
 from pathways.errors import SignatureError
 from pathways.ir import Layout
+from pathways.wire.codec import is_wire_dtype
 
 _default: Optional[Session] = None
 _lock = threading.Lock()
@@ -103,8 +104,9 @@ def device_put(x: Any, devices_or_sharding: Any) -> Any:
         if isinstance(leaf, Array):
             leaf = leaf.to_numpy()
         value = np.asarray(leaf)
-        if value.dtype == object:
-            raise SignatureError(f"device_put takes arrays, got {type(leaf).__name__}")
+        if not is_wire_dtype(value.dtype):
+            raise SignatureError(f"device_put takes arrays of numbers, got a {type(leaf).__name__} "
+                                 f"of dtype {value.dtype}")
         value = value.astype(jax.dtypes.canonicalize_dtype(value.dtype), copy=False)
         if len(sharding.spec) > value.ndim:
             raise SignatureError(f"device_put: partition spec {sharding.spec} has more entries than "

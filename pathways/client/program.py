@@ -20,6 +20,7 @@ from pathways.client.compiled import Aval, CompiledFunction, ProgramSpec, regist
 from pathways.client.devices import NamedSharding
 from pathways.errors import ProgramTraceError, SignatureError
 from pathways.ir import Layout, Node, ProgramGraph
+from pathways.wire.codec import is_wire_dtype
 
 _local = threading.local()
 
@@ -55,7 +56,7 @@ for _name in ("__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __
               "__floordiv__ __rfloordiv__ __mod__ __rmod__ __pow__ __rpow__ __matmul__ __rmatmul__ "
               "__neg__ __pos__ __abs__ __invert__ __and__ __rand__ __or__ __ror__ __xor__ __rxor__ "
               "__lt__ __le__ __gt__ __ge__ __getitem__ __setitem__ __iter__ __len__ __bool__ "
-              "__int__ __float__ __complex__ __index__ __array__ __jax_array__").split():
+              "__int__ __float__ __complex__ __index__ __array__").split():
     setattr(Traced, _name, Traced._refuse)
 
 
@@ -169,16 +170,23 @@ class Program:
         _local.trace = trace
         try:
             result = self.fun(*jax.tree.unflatten(treedef, [Traced(trace, v, trace.avals[v]) for v in arg_values]))
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ProgramTraceError) or "Traced(" not in str(e):
+                raise
+            raise ProgramTraceError(
+                f"program {self.__name__} passed a traced value to a JAX or NumPy function, so it was "
+                "used outside a compiled function. Inside @pw.program only calls of pw.pmap/pw.jit "
+                f"functions are allowed: move this computation into a compiled function ({e})") from e
         finally:
             _local.trace = None
         out_leaves, out_tree, out_paths = _flatten(result)
         outputs = [trace.value_of(leaf, p, f"{self.__name__}'s result") for leaf, p in zip(out_leaves, out_paths)]
+        if not trace.nodes:
+            raise ProgramTraceError(f"program {self.__name__} calls no compiled function")
         unused = [paths[i] for i, v in enumerate(arg_values) if v not in trace.placement]
         if unused:
             raise ProgramTraceError(f"program {self.__name__}: argument(s) {', '.join(unused)} are never "
                                     "passed to a compiled function; drop them from the signature")
-        if not trace.nodes:
-            raise ProgramTraceError(f"program {self.__name__} calls no compiled function")
         graph = ProgramGraph(trace.nvalues, tuple(trace.inputs), tuple(trace.nodes), tuple(outputs))
         spec = register_program(session, graph, trace.avals, trace.shardings)
         return _Traced(spec, out_tree, tuple(arg_values), trace.captured, trace.placement, trace.shardings)
@@ -239,6 +247,7 @@ def _aval(leaf: Any, path: str, callee: str) -> Aval:
         arr = np.asarray(leaf)
     except Exception as e:
         raise SignatureError(f"argument {path} of {callee} is a {type(leaf).__name__}, not an array: {e}") from None
-    if arr.dtype == object:
-        raise SignatureError(f"argument {path} of {callee} is a {type(leaf).__name__}, not an array")
+    if not is_wire_dtype(arr.dtype):
+        raise SignatureError(f"argument {path} of {callee} is a {type(leaf).__name__} of dtype "
+                             f"{arr.dtype}, not an array of numbers")
     return tuple(arr.shape), np.dtype(jax.dtypes.canonicalize_dtype(arr.dtype))

@@ -187,13 +187,15 @@ class ControllerCore:
              "ins": msg["ins"], "outs": msg["outs"]})
 
     def _on_program(self, sid: int, s: SessionState, msg: dict) -> None:
-        s.programs[self._own(sid, msg["id"], "program")] = ProgramGraph.from_wire(msg["graph"])
+        program = self._own(sid, msg["id"], "program")
+        s.programs[program] = ProgramGraph.from_wire(msg["graph"])
 
     def _on_put(self, sid: int, s: SessionState, msg: dict) -> None:
+        handle = self._own(sid, msg["handle"], "handle")
         layout = Layout.from_wire(msg["layout"])
         if layout.worker not in self.workers:
             raise WireError(f"put names worker {layout.worker}, which is not attached")
-        s.handles[self._own(sid, msg["handle"], "handle")] = layout
+        s.handles[handle] = layout
 
     def _on_delete(self, sid: int, s: SessionState, msg: dict) -> None:
         by_worker: dict[int, list[int]] = {}

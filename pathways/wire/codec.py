@@ -24,6 +24,10 @@ _WIRE_DTYPES = frozenset(
 )
 
 
+def is_wire_dtype(dtype: np.dtype) -> bool:
+    return np.dtype(dtype).name in _WIRE_DTYPES
+
+
 def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 

@@ -1,0 +1,282 @@
+"""Failures and bad input: remote errors, malformed wire messages, dead peers, lost clients."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import grpc
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pathways as pw
+from pathways.cluster import status, worker_stats
+from pathways.handles import first_handle
+from pathways.wire import codec, rpc
+from tests.conftest import pids_alive, session_handles, wait_until
+
+
+def new_slice(n, **kw):
+    return pw.make_virtual_device_set().add_slice(cpu_devices=n, **kw)
+
+
+def test_remote_failure_poisons_outputs_and_the_runtime_keeps_serving(session):
+    s = new_slice(1)
+    boom = pw.jit(lambda x: jnp.ones((1 << 42,), jnp.float32) * x, mesh=s.mesh("d"))
+    total = pw.jit(lambda v: v[:2] + 1, mesh=s.mesh("d"))
+
+    @pw.program
+    def f(x):
+        return total(boom(x))
+
+    bad = boom(np.float32(1))
+    with pytest.raises(pw.RemoteError, match="RESOURCE_EXHAUSTED|[Oo]ut of memory"):
+        np.asarray(bad)
+    assert bad.is_ready()
+    downstream = f(np.float32(2))
+    with pytest.raises(pw.RemoteError, match="RESOURCE_EXHAUSTED|[Oo]ut of memory"):
+        downstream.block_until_ready()
+    fine = pw.jit(lambda x: x * 3, mesh=s.mesh("d"))
+    assert float(np.asarray(fine(np.float32(2)))) == 6.0
+
+
+def test_signature_errors_are_raised_before_anything_is_sent(session, monkeypatch):
+    s = new_slice(2)
+    p = pw.pmap(lambda x: x * 2, devices=s.devices)
+    j = pw.jit(lambda x, y: x @ y, mesh=s.mesh("x"), in_shardings=(pw.P("x"), None))
+    fixed = pw.jit(lambda x: x, mesh=s.mesh("x"), in_shardings=({"a": pw.P("x")},))
+    sent = []
+    monkeypatch.setattr(session, "send", sent.append)
+    with pytest.raises(pw.SignatureError, match=r"argument \[0\] has shape \(3,\).*leading axis of size 2"):
+        p(np.zeros(3, np.float32))
+    with pytest.raises(pw.SignatureError, match=r"shapes \[\[4, 3\], \[4, 5\]\].*dot_general"):
+        j(np.zeros((4, 3), np.float32), np.zeros((4, 5), np.float32))
+    with pytest.raises(pw.SignatureError, match=r"argument \[0\] has shape \(3, 3\).*2 parts"):
+        j(np.zeros((3, 3), np.float32), np.zeros((3, 3), np.float32))
+    with pytest.raises(pw.SignatureError, match="in_shardings does not match"):
+        fixed({"b": np.zeros(2, np.float32)})
+    with pytest.raises(pw.SignatureError, match="keyword"):
+        p(x=np.zeros(2, np.float32))
+    with pytest.raises(pw.SignatureError, match="not an array"):
+        p("text")
+    assert sent == []
+
+
+def test_anything_but_compiled_calls_inside_a_program_is_refused(session):
+    s = new_slice(1)
+    inc = pw.jit(lambda x: x + 1, mesh=s.mesh("d"))
+    x = np.float32(1)
+    cases = [
+        ("used outside a compiled function", lambda v: inc(v) + 1, (x,)),
+        (r"argument \[0\] of <lambda> is a float32.*Pass it as an argument", lambda v: inc(np.float32(3)), (x,)),
+        (r"argument <root> of <lambda>'s result is a float", lambda v: 2.0, (x,)),
+        (r"argument\(s\) \[1\] are never passed to a compiled function", lambda v, w: inc(v), (x, x)),
+    ]
+    for needle, body, args in cases:
+        with pytest.raises(pw.ProgramTraceError, match=needle):
+            pw.program(body)(*args)
+    with pytest.raises(pw.ProgramTraceError, match="outside a compiled function"):
+        pw.program(lambda v: jnp.sin(inc(v)))(x)
+    with pytest.raises(pw.ProgramTraceError, match="calls no compiled function"):
+        pw.program(lambda v: v)(pw.device_put(x, s.devices))
+    with pytest.raises(ValueError, match="dispatch"):
+        pw.program(lambda v: v, dispatch="eager")
+    assert float(np.asarray(pw.program(lambda v: inc(inc(v)))(x))) == 3.0  # and tracing still works
+
+
+def test_deleted_arrays_and_timeouts_give_clear_errors(session):
+    s = new_slice(1)
+    slow = pw.jit(lambda m: jnp.linalg.matrix_power(m, 20000), mesh=s.mesh("d"))
+    m = pw.device_put(np.eye(256, dtype=np.float32), s.devices)
+    slow(m).block_until_ready()
+    pending = slow(m)
+    with pytest.raises(pw.DeadlineExceededError, match="not ready after"):
+        pending.block_until_ready(timeout=0.001)
+    m.delete()
+    with pytest.raises(pw.ArrayDeletedError, match="was deleted"):
+        slow(m)
+    pending.block_until_ready()
+
+
+def raw_session(address):
+    """A Session stream driven by hand, to send what the client library never would."""
+    channel = rpc.open_channel(address)
+    outbox = rpc.Outbox()
+    replies = rpc.method(channel, rpc.CONTROLLER_SERVICE, "Session", "stream_stream")(_raw(outbox))
+    return channel, outbox, replies
+
+
+def _raw(outbox):
+    while True:
+        item = outbox._queue.get(timeout=30)
+        if item is None:
+            return
+        yield item
+
+
+def next_messages(replies):
+    return codec.unpack(next(replies))
+
+
+def test_malformed_session_messages_get_error_replies(cluster, session):
+    channel, outbox, replies = raw_session(cluster.address)
+    try:
+        outbox.put(codec.pack([{"t": "hello", "v": codec.PROTOCOL_VERSION}]))
+        sid = next_messages(replies)[0]["session"]
+        victim = session.allocate(1)
+        s = new_slice(1)
+        victim_array = pw.device_put(np.float32(7), s.devices)
+        bad_payloads = [
+            (b"\x00\xffnot msgpack", "not valid msgpack"),
+            (codec.pack({"t": "hello"}), "must be a list"),
+            (codec.pack([{"t": "launch_missiles"}]), "unknown message type"),
+            (codec.pack([{"t": "slice", "req": 1}]), "lacks field"),
+            (codec.pack([{"t": "slice", "req": 1, "kind": "cpu", "count": "two", "mesh_shape": None,
+                          "island": None, "exclusive": False}]), "must be int"),
+            (codec.pack([{"t": "run", "program": 5, "base": first_handle(sid), "inputs": []}]), "never registered"),
+            (codec.pack([{"t": "program", "id": first_handle(sid) + 1,
+                          "graph": {"nvalues": 1, "inputs": [0], "nodes": [[1, [3], [0]]], "outputs": [0]}}]),
+             "before any node defines"),
+            (codec.pack([{"t": "program", "id": victim, "graph": {}}]), "does not belong to this session"),
+            (codec.pack([{"t": "fn", "id": first_handle(sid) + 2, "slice": s.id, "name": "x", "blob": b"",
+                          "ins": [], "outs": []}]), "not one of this session's slices"),
+            (codec.pack([{"t": "hello", "v": 999}]), "protocol"),
+        ]
+        for payload, needle in bad_payloads:
+            outbox.put(payload)
+            reply = next_messages(replies)
+            assert reply[0]["t"] == "error" and needle in reply[0]["message"], (needle, reply)
+        # a hostile delete of another session's array is ignored
+        outbox.put(codec.pack([{"t": "delete", "handles": [victim_array.handle]}]))
+        outbox.put(codec.pack([{"t": "cluster", "req": 9}]))
+        assert next_messages(replies)[0]["req"] == 9  # the same stream still works
+    finally:
+        outbox.put(None)
+        channel.close()
+    assert float(np.asarray(victim_array)) == 7.0
+    assert len(status(cluster.address)["workers"]) == 2
+
+
+def test_malformed_worker_and_attach_messages_get_error_replies(cluster, session):
+    worker = status(cluster.address)["workers"][0]["address"]
+    channel = rpc.open_channel(worker)
+    put = rpc.method(channel, rpc.WORKER_SERVICE, "Put", "stream_unary")
+    fetch = rpc.method(channel, rpc.WORKER_SERVICE, "Fetch", "unary_stream")
+    layout = [0, [0], [1], ["d"], []]
+    good = np.arange(3, dtype=np.float32)
+    cases = [
+        ([b"garbage"], "not valid msgpack"),
+        ([codec.pack({"t": "put", "handle": 1})], "lacks field 'layout'"),
+        ([codec.pack({"t": "put", "handle": 1, "layout": [0, [99], [1], ["d"], []],
+                      "array": codec.array_header(good)}), good.tobytes()], "this worker has"),
+        ([codec.pack({"t": "put", "handle": 1, "layout": layout, "array": codec.array_header(good)}),
+          good.tobytes()[:5]], "header announced"),
+        ([codec.pack({"t": "put", "handle": 1, "layout": layout,
+                      "array": {**codec.array_header(good), "dtype": "object"}})], "not allowed"),
+    ]
+    try:
+        for chunks, needle in cases:
+            reply = codec.unpack(put(iter(chunks), timeout=10))
+            assert needle in reply.get("error", ""), (needle, reply)
+        reply = [codec.unpack(r) for r in fetch(b"\x93garbage", timeout=10)]
+        assert reply[0]["state"] == "error" and "msgpack" in reply[0]["message"]
+        reply = [codec.unpack(r) for r in fetch(codec.pack({"t": "fetch", "handle": 12345, "wait": 0.01,
+                                                             "data": True}), timeout=10)]
+        assert reply == [{"state": "pending"}]
+    finally:
+        channel.close()
+    # a worker-side Attach that sends garbage gets an error and is not registered
+    ctrl = rpc.open_channel(cluster.address)
+    try:
+        attach = rpc.method(ctrl, rpc.CONTROLLER_SERVICE, "Attach", "stream_stream")
+        replies = attach(iter([b"\x01\x02", codec.pack([{"t": "register", "address": "x"}])]), timeout=10)
+        messages = [m for r in replies for m in codec.unpack(r)]
+        assert [m["t"] for m in messages] == ["error", "error"]
+        assert "msgpack" in messages[0]["message"] and "lacks field" in messages[1]["message"]
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        ctrl.close()
+    assert len(status(cluster.address)["workers"]) == 2
+    s = new_slice(2)
+    f = pw.pmap(lambda x: x - 1, devices=s.devices)
+    np.testing.assert_array_equal(np.asarray(f(np.ones(2, np.float32))), np.zeros(2))
+
+
+CLIENT = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    import pathways as pw
+    session = pw.connect(sys.argv[1])
+    s = pw.make_virtual_device_set().add_slice(cpu_devices=2)
+    f = pw.jit(lambda x: x + 1, mesh=s.mesh("x"))
+    keep = [f(np.float32(i)) for i in range(10)]
+    keep[-1].block_until_ready()
+    print(session.id, flush=True)
+    time.sleep(300)
+""")
+
+
+def test_a_disconnected_clients_buffers_and_slices_are_freed(cluster, session):
+    slices_before = status(cluster.address)["slices"]
+    proc = subprocess.Popen([sys.executable, "-c", CLIENT, cluster.address], stdout=subprocess.PIPE, text=True)
+    try:
+        sid = int(proc.stdout.readline())
+        wait_until(lambda: session_handles(cluster.address, sid) == 10, what="the client's 10 arrays")
+        assert status(cluster.address)["slices"] == slices_before + 1
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    wait_until(lambda: session_handles(cluster.address, sid) == 0, what="the dead client's buffers freed")
+    wait_until(lambda: status(cluster.address)["slices"] == slices_before, what="its slice released")
+
+
+def test_wrong_addresses_fail_fast_with_advice():
+    with pytest.raises(pw.ConnectError, match="grpc://HOST:PORT"):
+        pw.connect("not-an-address")
+    with pytest.raises(pw.ConnectError, match="nothing answered at grpc://127.0.0.1:1 within 1 s"):
+        pw.connect("grpc://127.0.0.1:1", timeout=1)
+    out = subprocess.run([sys.executable, "-m", "pathways", "status", "--address", "grpc://127.0.0.1:1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "nothing answered" in out.stderr
+
+
+def test_a_dead_controller_gives_errors_not_hangs():
+    with pw.local_cluster(hosts=1, devices_per_host=1) as c:
+        s = new_slice(1)
+        f = pw.jit(lambda x: x * 2, mesh=s.mesh("d"))
+        y = f(np.float32(4))
+        assert float(np.asarray(y)) == 8.0
+        os.kill(c.pids[0], signal.SIGKILL)
+        wait_until(lambda: pids_alive(c.pids[1:]) == [], what="the worker to exit with its controller")
+        with pytest.raises(pw.ConnectError, match="controller at .* (closed|broke)"):
+            wait_until(lambda: f(np.float32(1)) and False, timeout=10, what="the session to notice")
+        with pytest.raises(pw.ConnectError):
+            np.asarray(y)
+    assert pids_alive(c.pids) == []
+
+
+PARENT = textwrap.dedent("""
+    import time
+    import pathways as pw
+    with pw.local_cluster(hosts=2, devices_per_host=1) as c:
+        print(" ".join(map(str, c.pids)), flush=True)
+        time.sleep(300)
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_no_process_outlives_its_client(sig):
+    proc = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 3 and pids_alive(pids) == pids
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+        wait_until(lambda: pids_alive(pids) == [], timeout=15, what="every cluster process to exit")
+    finally:
+        proc.kill()
+        proc.wait()
