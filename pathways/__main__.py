@@ -93,7 +93,7 @@ def _status(address: str | None) -> int:
     print(f"controller {address}: {len(st['workers'])} worker(s), {st['sessions']} session(s), "
           f"{st['slices']} slice(s), {st['arrays']} live array(s)")
     for w in st["workers"]:
-        print(f"  worker {w['worker']} island {w['island']} pid {w['pid']} {w['address']}: "
+        print(f"  worker {w['worker']} island {w['island']} host {w['host']} pid {w['pid']} {w['address']}: "
               f"{w['devices']} {w['kind']} device(s), slices per device {w['load']}")
     return 0
 

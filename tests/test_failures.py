@@ -8,6 +8,7 @@ import textwrap
 import time
 
 import grpc
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -89,8 +90,8 @@ def test_anything_but_compiled_calls_inside_a_program_is_refused(session):
 
 def test_deleted_arrays_and_timeouts_give_clear_errors(session):
     s = new_slice(1)
-    slow = pw.jit(lambda m: jnp.linalg.matrix_power(m, 20000), mesh=s.mesh("d"))
-    m = pw.device_put(np.eye(256, dtype=np.float32), s.devices)
+    slow = pw.jit(lambda x: jax.lax.fori_loop(0, 300, lambda i, m: jnp.tanh(m @ m), x), mesh=s.mesh("d"))
+    m = pw.device_put(np.eye(256, dtype=np.float32) * 0.5, s.devices)
     slow(m).block_until_ready()
     pending = slow(m)
     with pytest.raises(pw.DeadlineExceededError, match="not ready after"):

@@ -74,11 +74,12 @@ class CompiledFunction:
             return trace.call(self, args)
         return program.call_op_by_op(self, args)
 
-    def specialize(self, treedef: Any, avals: Sequence[Aval], paths: Sequence[str]) -> Specialization:
+    def specialize(self, treedef: Any, avals: Sequence[Aval], args: tuple) -> Specialization:
+        """The compiled function for this signature; ``args`` only names arguments in errors."""
         key = (treedef, tuple(avals))
         spec = self._cache.get(key)
         if spec is None:
-            spec = self._lower(treedef, list(avals), list(paths))
+            spec = self._lower(treedef, list(avals), arg_paths(args))
             self._cache[key] = spec
         return spec
 
@@ -162,6 +163,11 @@ class CompiledFunction:
                           [jax.ShapeDtypeStruct(s, d) for s, d in avals], avals)
         out_leaves, out_tree = jax.tree.flatten(out)
         return flat, out_tree, [(tuple(o.shape), np.dtype(o.dtype)) for o in out_leaves]
+
+
+def arg_paths(tree: Any) -> list[str]:
+    """Readable paths of the leaves of ``tree``, such as ``[0]['w']``."""
+    return [jax.tree_util.keystr(p) or "<root>" for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def register_program(session: Any, graph: ProgramGraph, value_avals: dict[int, Aval],

@@ -16,7 +16,7 @@ import numpy as np
 
 from pathways.client import api
 from pathways.client.array import Array, _Buffer
-from pathways.client.compiled import Aval, CompiledFunction, ProgramSpec, register_program
+from pathways.client.compiled import Aval, CompiledFunction, ProgramSpec, arg_paths, register_program
 from pathways.client.devices import NamedSharding
 from pathways.errors import ProgramTraceError, SignatureError
 from pathways.ir import Layout, Node, ProgramGraph
@@ -98,9 +98,9 @@ class _Trace:
     def call(self, fn: CompiledFunction, args: tuple) -> Any:
         if fn.slice.session is not self.session:
             raise ProgramTraceError(f"{fn.name} belongs to another session than this program")
-        leaves, treedef, paths = _flatten(args)
-        values = [self.value_of(leaf, p, fn.name) for leaf, p in zip(leaves, paths)]
-        spec = fn.specialize(treedef, [self.avals[v] for v in values], paths)
+        leaves, treedef = jax.tree.flatten(args)
+        values = [self.value_of(leaf, p, fn.name) for leaf, p in zip(leaves, arg_paths(args))]
+        spec = fn.specialize(treedef, [self.avals[v] for v in values], args)
         for v, layout in zip(values, spec.in_layouts):
             if v in self.inputs:
                 self.placement.setdefault(v, layout)
@@ -142,12 +142,12 @@ class Program:
             raise ProgramTraceError(f"program {self.__name__} was called while tracing another "
                                     "program; call its compiled functions directly instead")
         session = api.default_session()
-        leaves, treedef, paths = _flatten(args)
-        avals = [_aval(leaf, p, self.__name__) for leaf, p in zip(leaves, paths)]
+        leaves, treedef = jax.tree.flatten(args)
+        avals = _avals(leaves, args, self.__name__)
         key = (treedef, tuple(avals))
         traced = self._cache.get(key)
         if traced is None:
-            traced = self._trace(session, treedef, avals, paths)
+            traced = self._trace(session, treedef, avals, arg_paths(args))
             self._cache[key] = traced
         inputs: list[Array] = []
         for v, leaf in zip(traced.arg_values, leaves):
@@ -179,8 +179,9 @@ class Program:
                 f"functions are allowed: move this computation into a compiled function ({e})") from e
         finally:
             _local.trace = None
-        out_leaves, out_tree, out_paths = _flatten(result)
-        outputs = [trace.value_of(leaf, p, f"{self.__name__}'s result") for leaf, p in zip(out_leaves, out_paths)]
+        out_leaves, out_tree = jax.tree.flatten(result)
+        outputs = [trace.value_of(leaf, p, f"{self.__name__}'s result")
+                   for leaf, p in zip(out_leaves, arg_paths(result))]
         if not trace.nodes:
             raise ProgramTraceError(f"program {self.__name__} calls no compiled function")
         unused = [paths[i] for i, v in enumerate(arg_values) if v not in trace.placement]
@@ -201,9 +202,9 @@ def program(fun: Optional[Callable] = None, *, dispatch: str = "parallel") -> An
 
 def call_op_by_op(fn: CompiledFunction, args: tuple) -> Any:
     session = fn.slice.session
-    leaves, treedef, paths = _flatten(args)
-    avals = [_aval(leaf, p, fn.name) for leaf, p in zip(leaves, paths)]
-    spec = fn.specialize(treedef, avals, paths)
+    leaves, treedef = jax.tree.flatten(args)
+    avals = _avals(leaves, args, fn.name)
+    spec = fn.specialize(treedef, avals, args)
     inputs = []
     for leaf, layout, sharding, aval in zip(leaves, spec.in_layouts, spec.in_shardings, avals):
         if isinstance(leaf, Array):
@@ -235,19 +236,18 @@ def run(session: Any, spec: ProgramSpec, inputs: Sequence[Array]) -> list[Array]
     return outs
 
 
-def _flatten(tree: Any) -> tuple[list, Any, list[str]]:
-    with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    return [leaf for _, leaf in with_paths], treedef, [jax.tree_util.keystr(p) or "<root>" for p, _ in with_paths]
-
-
-def _aval(leaf: Any, path: str, callee: str) -> Aval:
-    if isinstance(leaf, (Array, Traced)):
-        return tuple(leaf.shape), np.dtype(leaf.dtype)
-    try:
-        arr = np.asarray(leaf)
-    except Exception as e:
-        raise SignatureError(f"argument {path} of {callee} is a {type(leaf).__name__}, not an array: {e}") from None
-    if not is_wire_dtype(arr.dtype):
-        raise SignatureError(f"argument {path} of {callee} is a {type(leaf).__name__} of dtype "
-                             f"{arr.dtype}, not an array of numbers")
-    return tuple(arr.shape), np.dtype(jax.dtypes.canonicalize_dtype(arr.dtype))
+def _avals(leaves: list, args: tuple, callee: str) -> list[Aval]:
+    avals = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, Array):
+            avals.append((leaf.shape, leaf.dtype))
+            continue
+        try:
+            arr = np.asarray(leaf)
+            problem = None if is_wire_dtype(arr.dtype) else f"of dtype {arr.dtype}, not an array of numbers"
+        except Exception as e:
+            problem = f"not an array: {e}"
+        if problem:
+            raise SignatureError(f"argument {arg_paths(args)[i]} of {callee} is a {type(leaf).__name__} {problem}")
+        avals.append((arr.shape, np.dtype(jax.dtypes.canonicalize_dtype(arr.dtype))))
+    return avals

@@ -43,7 +43,7 @@ class Session:
         self._pending: dict[Any, Future] = {}
         self._req_ids = itertools.count(1)
         self._dead: Optional[str] = None
-        self._workers: dict[str, tuple[Any, Any]] = {}
+        self._workers: dict[str, tuple[Any, Any, grpc.Channel]] = {}
         self._closed = threading.Event()
         self._welcome: Future = Future()
         self._pending["welcome"] = self._welcome
@@ -86,7 +86,10 @@ class Session:
         future: Future = Future()
         self._pending[req] = future
         self.send({**msg, "req": req})
-        return self._result(future, timeout, f"answer a {msg['t']!r} request")
+        try:
+            return self._result(future, timeout, f"answer a {msg['t']!r} request")
+        finally:
+            self._pending.pop(req, None)
 
     def _result(self, future: Future, timeout: float, what: str) -> Any:
         try:
@@ -151,12 +154,12 @@ class Session:
 
     # ---- data plane ------------------------------------------------------------------
 
-    def _stubs(self, address: str) -> tuple[Any, Any]:
+    def _stubs(self, address: str) -> tuple[Any, Any, grpc.Channel]:
         stubs = self._workers.get(address)
         if stubs is None:
             channel = rpc.open_channel(address)
             stubs = (rpc.method(channel, rpc.WORKER_SERVICE, "Put", "stream_unary"),
-                     rpc.method(channel, rpc.WORKER_SERVICE, "Fetch", "unary_stream"))
+                     rpc.method(channel, rpc.WORKER_SERVICE, "Fetch", "unary_stream"), channel)
             self._workers[address] = stubs
         return stubs
 
@@ -214,6 +217,8 @@ class Session:
         self._outbox.close()
         self._responses.cancel()
         self._channel.close()
+        for _, _, channel in self._workers.values():
+            channel.close()
         if self._owned_cluster is not None:
             self._owned_cluster.stop()
 

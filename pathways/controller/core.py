@@ -36,7 +36,7 @@ SESSION_MESSAGES = {
 }
 WORKER_MESSAGES = {
     "register": {"address": str, "kind": str, "devices": int, "island": int, "pid": int,
-                 "memory_bytes": int},
+                 "host": str, "memory_bytes": int},
     "error": {"message": str},
 }
 
@@ -58,6 +58,8 @@ class WorkerConn:
     kind: str = ""
     devices: int = 0
     pid: int = 0
+    host: str = ""
+    memory_bytes: int = 0
     defined: set[int] = field(default_factory=set)
 
 
@@ -103,7 +105,7 @@ class ControllerCore:
             return
         conn.worker = next(self._worker_ids)
         conn.address, conn.island, conn.kind = msg["address"], msg["island"], msg["kind"]
-        conn.devices, conn.pid = msg["devices"], msg["pid"]
+        conn.devices, conn.pid, conn.host, conn.memory_bytes = msg["devices"], msg["pid"], msg["host"], msg["memory_bytes"]
         self.workers[conn.worker] = conn
         self.rm.add_host(conn.worker, conn.island, conn.kind, conn.devices, msg["memory_bytes"])
         conn.outbox.put({"t": "welcome", "worker": conn.worker})
@@ -273,7 +275,8 @@ class ControllerCore:
     def status(self) -> dict[str, Any]:
         return {
             "workers": [{"worker": w.worker, "address": w.address, "island": w.island,
-                         "kind": w.kind, "devices": w.devices, "pid": w.pid,
+                         "kind": w.kind, "devices": w.devices, "pid": w.pid, "host": w.host,
+                         "memory_bytes": w.memory_bytes,
                          "load": list(self.rm.hosts[w.worker].load) if w.worker in self.rm.hosts else []}
                         for w in self.workers.values()],
             "sessions": len(self.sessions),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -215,7 +216,7 @@ async def _serve(controller: str, devices: int, island: int, wait_timeout: float
     try:
         await trio.to_thread.run_sync(rpc.wait_ready, channel, controller, connect_timeout)
         worker.outbox.put({"t": "register", "address": f"grpc://127.0.0.1:{port}", "kind": "cpu",
-                           "devices": devices, "island": island, "pid": os.getpid(),
+                           "devices": devices, "island": island, "pid": os.getpid(), "host": socket.gethostname(),
                            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")})
         attach = rpc.method(channel, rpc.CONTROLLER_SERVICE, "Attach", "stream_stream")
         responses = attach(worker.outbox.batches())
