@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import pathways as pw
-from pathways.cluster import status
+from pathways.cluster import status, worker_stats
 from tests.conftest import session_handles, wait_until
 
 
@@ -216,3 +216,24 @@ def test_intermediates_and_transfer_copies_are_not_kept(cluster):
                    what="only the program output left (its input was a temporary put)")
     finally:
         pw.disconnect()
+
+
+def test_compilation_starts_at_registration_and_is_shared_by_fingerprint(cluster, session):
+    s = new_slice(2)
+    worker = next(w["address"] for w in status(cluster.address)["workers"] if w["worker"] == s.worker)
+    before = worker_stats(worker)
+
+    def body(x):
+        return jnp.cos(x) * 7.25
+
+    first = pw.jit(body, mesh=s.mesh("x"))
+    twin = pw.jit(body, mesh=s.mesh("x"))
+    args = (np.zeros(3, np.float32),)
+    leaves, treedef = jax.tree.flatten(args)
+    avals = [((3,), np.dtype(np.float32))]
+    first.specialize(treedef, avals, args)  # registers the function; nothing runs
+    wait_until(lambda: worker_stats(worker)["compiled"] == before["compiled"] + 1,
+               what="the worker to compile the function without a call")
+    np.testing.assert_allclose(np.asarray(twin(*args)), np.full(3, 7.25))
+    after = worker_stats(worker)
+    assert after["executables"] == before["executables"] + 1, "the twin must reuse the executable"

@@ -7,6 +7,7 @@ registrations of the same artifact on the same layouts share one compilation.
 from __future__ import annotations
 
 import hashlib
+import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -31,11 +32,15 @@ class Executables:
     def register(self, key: int, name: str, blob: bytes, ins: list[Layout], outs: list[Layout]) -> None:
         for layout in (*ins, *outs):
             self.sharding(layout)  # fail now, on the registration, for devices we lack
-        fingerprint = hashlib.sha256(blob + repr((ins, outs)).encode()).hexdigest()
+        try:
+            exported = jax.export.deserialize(bytearray(blob))
+        except Exception as e:
+            raise WireError(f"function {name!r} is not a jax.export artifact: {e}") from None
+        fingerprint = _fingerprint(exported, ins, outs)
         with self._lock:
             future = self._by_fingerprint.get(fingerprint)
             if future is None:
-                future = self._pool.submit(self._compile, blob, ins, outs)
+                future = self._pool.submit(self._compile, exported, ins, outs)
                 self._by_fingerprint[fingerprint] = future
             self._by_key[key] = (future, name)
 
@@ -54,8 +59,7 @@ class Executables:
             self._shardings[layout] = sharding
         return sharding
 
-    def _compile(self, blob: bytes, ins: list[Layout], outs: list[Layout]) -> Any:
-        exported = jax.export.deserialize(bytearray(blob))
+    def _compile(self, exported: jax.export.Exported, ins: list[Layout], outs: list[Layout]) -> Any:
         in_shardings = [self.sharding(x) for x in ins]
         out_shardings = [self.sharding(x) for x in outs]
         if len(exported.in_avals) != len(ins) or len(exported.out_avals) != len(outs):
@@ -68,5 +72,23 @@ class Executables:
     def __len__(self) -> int:
         return len(self._by_fingerprint)
 
+    def compiled(self) -> int:
+        """How many distinct executables have finished compiling successfully."""
+        with self._lock:
+            futures = list(self._by_fingerprint.values())
+        return sum(1 for f in futures if f.done() and f.exception() is None)
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+_LOCATION_LINE = re.compile(r"^#loc\d*\s*=.*$", re.MULTILINE)
+_LOCATION_REF = re.compile(r"\s*loc\((?:#loc\d*|unknown)\)")
+
+
+def _fingerprint(exported: jax.export.Exported, ins: list[Layout], outs: list[Layout]) -> str:
+    """A hash of the computation and its layouts, blind to source locations, so the same
+    function lowered from two call sites (or by two clients) compiles once."""
+    stripped = _LOCATION_REF.sub("", _LOCATION_LINE.sub("", exported.mlir_module()))
+    module = "\n".join(line for line in stripped.splitlines() if line.strip())
+    return hashlib.sha256((module + repr((ins, outs))).encode()).hexdigest()

@@ -180,7 +180,8 @@ class Worker:
     def stats(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         return codec.pack({"worker": self.executor.worker_id, "handles": len(self.store),
                            "sessions": self.store.session_counts(),
-                           "executables": len(self.executables), "programs": self.executor.programs})
+                           "executables": len(self.executables), "compiled": self.executables.compiled(),
+                           "programs": self.executor.programs})
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         return {"Put": rpc.stream_unary(self.put), "Fetch": rpc.unary_stream(self.fetch),
@@ -225,8 +226,8 @@ async def _serve(controller: str, devices: int, island: int, wait_timeout: float
             try:
                 for payload in responses:
                     worker.on_batch(payload)
-            except grpc.RpcError as e:
-                log.info("controller stream ended: %s", e.details() if hasattr(e, "details") else e)
+            except Exception as e:  # RpcError, or ValueError once shutdown closed the channel
+                log.info("controller stream ended: %s", e)
             finally:
                 try:
                     token.run_sync_soon(ended.set)
