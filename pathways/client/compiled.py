@@ -64,8 +64,6 @@ class CompiledFunction:
         return self.mesh.slice
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from pathways.client import program
-
         if kwargs:
             raise SignatureError(f"{self.name}: pass arguments positionally; keyword arguments "
                                  f"{sorted(kwargs)} are not supported by compiled functions")
@@ -237,3 +235,7 @@ def jit(fun: Callable, mesh: VirtualMesh, in_shardings: Any = None, out_sharding
     if not isinstance(mesh, VirtualMesh):
         raise SignatureError(f"jit's mesh must come from slice.mesh(axis_names), got {type(mesh).__name__}")
     return CompiledFunction(fun, mesh, in_shardings, out_shardings, None)
+
+
+# program.py builds on this module; importing it last lets each refer to the other.
+from pathways.client import program  # noqa: E402

@@ -51,10 +51,14 @@ class Session:
         self._responses = stream(self._outbox.batches())
         threading.Thread(target=self._read, name="pathways-session", daemon=True).start()
         threading.Thread(target=self._flush_loop, name="pathways-flush", daemon=True).start()
-        self._outbox.put({"t": "hello", "v": codec.PROTOCOL_VERSION})
-        self.id: int = self._result(self._welcome, timeout, "greet the client")["session"]
         self._counter = itertools.count(1)
         self._counter_lock = threading.Lock()
+        self._outbox.put({"t": "hello", "v": codec.PROTOCOL_VERSION})
+        try:
+            self.id: int = self._result(self._welcome, timeout, "greet the client")["session"]
+        except BaseException:
+            self.close()
+            raise
 
     # ---- control plane ---------------------------------------------------------------
 

@@ -263,11 +263,11 @@ class ControllerCore:
                 lowered = lower(graph, s.fns, layouts)
             except WireError as e:
                 raise RunFailure(str(e)) from None
-            gone = [w for w in lowered.ops if w not in self.workers]
-            if gone:
-                raise RunFailure(f"the program needs worker(s) {gone}, which are gone")
             hit = (next(self._program_keys), lowered)
             s.lowered[cache_key] = hit
+        gone = [w for w in hit[1].ops if w not in self.workers]
+        if gone:
+            raise RunFailure(f"the program needs worker(s) {gone}, which are gone")
         return hit
 
     # ---- status ----------------------------------------------------------------------
