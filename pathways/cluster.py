@@ -209,21 +209,15 @@ def exit_with_parent() -> None:
 
 def wait_for_workers(address: str, count: int, timeout: float) -> dict:
     """Poll the controller until ``count`` workers have registered; returns its status."""
-    channel = rpc.open_channel(address)
-    try:
-        rpc.wait_ready(channel, address, timeout)
-        status_rpc = rpc.method(channel, rpc.CONTROLLER_SERVICE, "Status", "unary_unary")
-        deadline = time.monotonic() + timeout
-        while True:
-            status = codec.unpack(status_rpc(b"", timeout=max(1.0, deadline - time.monotonic())))
-            if len(status["workers"]) >= count:
-                return status
-            if time.monotonic() > deadline:
-                raise DeadlineExceededError(f"only {len(status['workers'])} of {count} workers registered "
-                                            f"within {timeout:.0f} s")
-            time.sleep(0.05)
-    finally:
-        channel.close()
+    deadline = time.monotonic() + timeout
+    while True:
+        st = status(address, timeout=max(1.0, deadline - time.monotonic()))
+        if len(st["workers"]) >= count:
+            return st
+        if time.monotonic() > deadline:
+            raise DeadlineExceededError(f"only {len(st['workers'])} of {count} workers registered "
+                                        f"within {timeout:.0f} s")
+        time.sleep(0.05)
 
 
 def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[Sequence[Island]] = None,

@@ -104,10 +104,6 @@ class Outbox:
         self._closed.set()
         self._queue.put(self._CLOSE)
 
-    @property
-    def closed(self) -> bool:
-        return self._closed.is_set()
-
     def batches(self, still_wanted: Callable[[], bool] = lambda: True) -> Iterator[bytes]:
         """Yield packed batches until closed or ``still_wanted()`` turns false."""
         while not self._closed.is_set() and still_wanted():
