@@ -232,18 +232,20 @@ def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[S
 
 
 def status(address: str, timeout: float = 10.0) -> dict:
-    channel = rpc.open_channel(address)
-    try:
-        rpc.wait_ready(channel, address, timeout)
-        return codec.unpack(rpc.method(channel, rpc.CONTROLLER_SERVICE, "Status", "unary_unary")(b"", timeout=timeout))
-    finally:
-        channel.close()
+    """The controller's view: workers, their devices and load, sessions, slices, arrays."""
+    return _unary(address, rpc.CONTROLLER_SERVICE, "Status", timeout)
 
 
 def worker_stats(address: str, timeout: float = 10.0) -> dict:
+    """One worker's object store and executable cache counts."""
+    return _unary(address, rpc.WORKER_SERVICE, "Stats", timeout)
+
+
+def _unary(address: str, service: str, name: str, timeout: float) -> dict:
     channel = rpc.open_channel(address)
     try:
-        return codec.unpack(rpc.method(channel, rpc.WORKER_SERVICE, "Stats", "unary_unary")(b"", timeout=timeout))
+        rpc.wait_ready(channel, address, timeout)
+        return codec.unpack(rpc.method(channel, service, name, "unary_unary")(b"", timeout=timeout))
     finally:
         channel.close()
 

@@ -12,11 +12,11 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from pathways.client.array import Array, _Buffer
+from pathways.client.compiled import check_divisible, host_array
 from pathways.client.devices import NamedSharding, VirtualDeviceSet, VirtualMesh, slice_of
 from pathways.client.session import Session
 from pathways.errors import SignatureError
 from pathways.ir import Layout
-from pathways.wire.codec import is_wire_dtype
 
 _default: Optional[Session] = None
 _lock = threading.Lock()
@@ -103,18 +103,11 @@ def device_put(x: Any, devices_or_sharding: Any) -> Any:
     def put(leaf: Any) -> Array:
         if isinstance(leaf, Array):
             leaf = leaf.to_numpy()
-        value = np.asarray(leaf)
-        if not is_wire_dtype(value.dtype):
-            raise SignatureError(f"device_put takes arrays of numbers, got a {type(leaf).__name__} "
-                                 f"of dtype {value.dtype}")
-        value = value.astype(jax.dtypes.canonicalize_dtype(value.dtype), copy=False)
-        if len(sharding.spec) > value.ndim:
-            raise SignatureError(f"device_put: partition spec {sharding.spec} has more entries than "
-                                 f"the array of shape {value.shape} has dimensions")
-        for dim, entry in zip(value.shape, sharding.spec):
-            if dim % sharding.mesh.axis_size(entry):
-                raise SignatureError(f"device_put: array of shape {value.shape} does not divide "
-                                     f"as partition spec {sharding.spec} asks on mesh {sharding.mesh.shape}")
+        try:
+            value = host_array(leaf)
+        except TypeError as e:
+            raise SignatureError(f"device_put takes arrays of numbers; a leaf {e}") from None
+        check_divisible("device_put", "the array", value.shape, sharding.spec, sharding.mesh)
         return put_layout(session, value, sharding.layout(), sharding)
 
     return jax.tree.map(put, x, is_leaf=lambda leaf: isinstance(leaf, Array))

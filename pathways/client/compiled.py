@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding as JaxNamedSharding
 from pathways.client.devices import NamedSharding, Slice, VirtualMesh, slice_of
 from pathways.errors import SignatureError
 from pathways.ir import Layout, ProgramGraph, Node
+from pathways.wire.codec import is_wire_dtype
 
 Aval = tuple[tuple[int, ...], np.dtype]
 
@@ -100,9 +101,9 @@ class CompiledFunction:
             fun, out_tree, out_avals = self._jit_body(treedef, avals)
             out_specs = _flat_specs(self._out_specs, out_tree, len(out_avals), f"{self.name}: out_shardings")
             for (shape, _), spec, path in zip(avals, in_specs, paths):
-                _check_divisible(self.name, f"argument {path}", shape, spec, mesh)
+                check_divisible(self.name, f"argument {path}", shape, spec, mesh)
             for (shape, _), spec, i in zip(out_avals, out_specs, itertools.count()):
-                _check_divisible(self.name, f"output {i}", shape, spec, mesh)
+                check_divisible(self.name, f"output {i}", shape, spec, mesh)
         in_sh = [JaxNamedSharding(abstract, s) for s in in_specs]
         out_sh = [JaxNamedSharding(abstract, s) for s in out_specs]
         args = [jax.ShapeDtypeStruct(shape, dtype, sharding=s) for (shape, dtype), s in zip(avals, in_sh)]
@@ -205,7 +206,18 @@ def _flat_specs(specs: Any, treedef: Any, n: int, what: str) -> list[PartitionSp
     return [s or PartitionSpec() for s in flat]
 
 
-def _check_divisible(name: str, what: str, shape: tuple[int, ...], spec: PartitionSpec, mesh: VirtualMesh) -> None:
+def host_array(leaf: Any) -> np.ndarray:
+    """``leaf`` as a numpy array with JAX's canonical dtype; TypeError says why it is not one."""
+    try:
+        value = np.asarray(leaf)
+    except Exception as e:
+        raise TypeError(f"is a {type(leaf).__name__}, not an array: {e}") from None
+    if not is_wire_dtype(value.dtype):
+        raise TypeError(f"is a {type(leaf).__name__} of dtype {value.dtype}, not an array of numbers")
+    return value.astype(jax.dtypes.canonicalize_dtype(value.dtype), copy=False)
+
+
+def check_divisible(name: str, what: str, shape: tuple[int, ...], spec: PartitionSpec, mesh: VirtualMesh) -> None:
     if len(spec) > len(shape):
         raise SignatureError(f"{name}: {what} has shape {shape} but its partition spec {spec} has "
                              f"{len(spec)} entries")

@@ -16,11 +16,11 @@ import numpy as np
 
 from pathways.client import api
 from pathways.client.array import Array, _Buffer
-from pathways.client.compiled import Aval, CompiledFunction, ProgramSpec, arg_paths, register_program
+from pathways.client.compiled import (Aval, CompiledFunction, ProgramSpec, arg_paths, host_array,
+                                      register_program)
 from pathways.client.devices import NamedSharding
 from pathways.errors import ProgramTraceError, SignatureError
 from pathways.ir import Layout, Node, ProgramGraph
-from pathways.wire.codec import is_wire_dtype
 
 _local = threading.local()
 
@@ -243,11 +243,8 @@ def _avals(leaves: list, args: tuple, callee: str) -> list[Aval]:
             avals.append((leaf.shape, leaf.dtype))
             continue
         try:
-            arr = np.asarray(leaf)
-            problem = None if is_wire_dtype(arr.dtype) else f"of dtype {arr.dtype}, not an array of numbers"
-        except Exception as e:
-            problem = f"not an array: {e}"
-        if problem:
-            raise SignatureError(f"argument {arg_paths(args)[i]} of {callee} is a {type(leaf).__name__} {problem}")
-        avals.append((arr.shape, np.dtype(jax.dtypes.canonicalize_dtype(arr.dtype))))
+            arr = host_array(leaf)
+        except TypeError as e:
+            raise SignatureError(f"argument {arg_paths(args)[i]} of {callee} {e}") from None
+        avals.append((arr.shape, arr.dtype))
     return avals

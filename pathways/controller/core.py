@@ -105,9 +105,10 @@ class ControllerCore:
             return
         conn.worker = next(self._worker_ids)
         conn.address, conn.island, conn.kind = msg["address"], msg["island"], msg["kind"]
-        conn.devices, conn.pid, conn.host, conn.memory_bytes = msg["devices"], msg["pid"], msg["host"], msg["memory_bytes"]
+        conn.devices, conn.pid = msg["devices"], msg["pid"]
+        conn.host, conn.memory_bytes = msg["host"], msg["memory_bytes"]
         self.workers[conn.worker] = conn
-        self.rm.add_host(conn.worker, conn.island, conn.kind, conn.devices, msg["memory_bytes"])
+        self.rm.add_host(conn.worker, conn.island, conn.kind, conn.devices, conn.memory_bytes)
         conn.outbox.put({"t": "welcome", "worker": conn.worker})
         peers = {w.worker: w.address for w in self.workers.values()}
         for w in self.workers.values():
