@@ -14,7 +14,8 @@ from pathways.client.devices import NamedSharding, Slice, VirtualDeviceSet, Virt
 from pathways.client.program import program
 from pathways.cluster import Island, local_cluster
 from pathways.errors import (ArrayDeletedError, ConnectError, DeadlineExceededError, PathwaysError,
-                             PlacementError, ProgramTraceError, RemoteError, SignatureError, WireError)
+                             PlacementError, ProgramTraceError, RemoteError, SignatureError, WireError,
+                             WorkerLostError)
 
 P = PartitionSpec
 
@@ -23,7 +24,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Array", "ArrayDeletedError", "ConnectError", "DeadlineExceededError", "Island", "NamedSharding",
     "P", "PartitionSpec", "PathwaysError", "PlacementError", "ProgramTraceError", "RemoteError",
-    "SignatureError", "Slice", "VirtualDeviceSet", "VirtualMesh", "WireError", "connect",
+    "SignatureError", "Slice", "VirtualDeviceSet", "VirtualMesh", "WireError", "WorkerLostError", "connect",
     "default_session", "device_get", "device_put", "disconnect", "jit", "local_cluster",
     "make_virtual_device_set", "pmap", "program",
 ]

@@ -19,7 +19,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default=os.environ.get("PATHWAYS_LOG_LEVEL", "warning"))
     sub = parser.add_subparsers(dest="command", required=True)
 
-    sub.add_parser("controller", help="run a controller; prints its address on stdout")
+    controller = sub.add_parser("controller", help="run a controller; prints its address on stdout")
+    controller.add_argument("--policy", choices=["fair", "fifo"], default="fair",
+                            help="order of runs between clients: proportional share by weight, or FIFO")
+    controller.add_argument("--window", type=int, default=8, help="runs in flight per island")
 
     worker = sub.add_parser("worker", help="run a worker host attached to a controller")
     worker.add_argument("--controller", required=True, help="grpc://HOST:PORT of the controller")
@@ -28,12 +31,21 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--wait-timeout", type=float, default=300.0,
                         help="seconds an op waits for an input array before poisoning its outputs")
     worker.add_argument("--connect-timeout", type=float, default=30.0)
+    worker.add_argument("--coordinator", help="HOST:PORT of the island's jax.distributed coordinator "
+                                              "(islands of several hosts; rank 0 runs it)")
+    worker.add_argument("--island-hosts", type=int, default=1, help="hosts in this worker's island")
+    worker.add_argument("--rank", type=int, default=0, help="this host's index within its island")
+    worker.add_argument("--unsafe-local-order", action="store_true",
+                        help="debugging only: order runs of different clients locally instead of in "
+                             "the island's gang order (collectives across hosts can hang)")
 
     up = sub.add_parser("up", help="run a local cluster until Ctrl-C; prints its address")
-    up.add_argument("--hosts", type=int, default=2)
-    up.add_argument("--devices-per-host", type=int, default=2)
+    up.add_argument("--islands", default="2x2",
+                    help="comma-separated HOSTSxDEVICES per island, e.g. 2x1,1x4 (default 2x2)")
+    up.add_argument("--policy", choices=["fair", "fifo"], default="fair")
+    up.add_argument("--window", type=int, default=8)
 
-    status = sub.add_parser("status", help="show the workers, devices and sessions of a cluster")
+    status = sub.add_parser("status", help="show islands, workers, devices, slices, clients and queues")
     status.add_argument("--address", default=os.environ.get("PATHWAYS_ADDRESS"))
 
     demo = sub.add_parser("demo", help="run the paper's Figure 2 program")
@@ -52,13 +64,23 @@ def main(argv: list[str] | None = None) -> int:
         exit_with_parent()
     if args.command == "controller":
         from pathways.controller.server import main as controller_main
-        controller_main()
+        controller_main(args.policy, args.window)
     elif args.command == "worker":
-        from pathways.worker.server import main as worker_main
-        worker_main(args.controller, args.devices, args.island, args.wait_timeout, args.connect_timeout)
+        from pathways.worker.server import IslandMembership, main as worker_main
+        membership = None
+        if args.island_hosts > 1:
+            if not args.coordinator or not 0 <= args.rank < args.island_hosts:
+                parser.error("a worker of a multi-host island needs --coordinator and 0 <= --rank < --island-hosts")
+            membership = IslandMembership(args.coordinator, args.island_hosts, args.rank)
+        worker_main(args.controller, args.devices, args.island, args.wait_timeout, args.connect_timeout,
+                    membership, args.unsafe_local_order)
     elif args.command == "up":
-        from pathways.cluster import LocalCluster
-        cluster = LocalCluster.of_hosts(args.hosts, args.devices_per_host).start()
+        from pathways.cluster import Island, LocalCluster
+        try:
+            islands = [Island(*map(int, spec.split("x"))) for spec in args.islands.split(",")]
+        except ValueError:
+            parser.error(f"--islands {args.islands!r} is not a list like 2x1,1x4")
+        cluster = LocalCluster(islands, policy=args.policy, window=args.window).start()
         print(f"pathways cluster up at {cluster.address}; export PATHWAYS_ADDRESS={cluster.address}", flush=True)
         try:
             while True:
@@ -90,11 +112,20 @@ def _status(address: str | None) -> int:
     except PathwaysError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"controller {address}: {len(st['workers'])} worker(s), {st['sessions']} session(s), "
-          f"{st['slices']} slice(s), {st['arrays']} live array(s)")
-    for w in st["workers"]:
-        print(f"  worker {w['worker']} island {w['island']} host {w['host']} pid {w['pid']} {w['address']}: "
-              f"{w['devices']} {w['kind']} device(s), slices per device {w['load']}")
+    print(f"controller {address}: {len(st['workers'])} worker(s), {len(st['sessions'])} client session(s), "
+          f"{st['slices']} slice(s), {st['arrays']} live array(s); policy {st['policy']}, "
+          f"window {st['window']} run(s) per island")
+    for i in st["islands"]:
+        print(f"  island {i['island']}: {'healthy' if i['healthy'] else 'UNHEALTHY (a host was lost)'}, "
+              f"{i['hosts']} host(s), {i['devices']} device(s), {i['queued']} run(s) queued, "
+              f"{i['inflight']} in flight")
+        for w in (w for w in st["workers"] if w["island"] == i["island"]):
+            print(f"    worker {w['worker']} rank {w['rank']} host {w['host']} pid {w['pid']} {w['address']}: "
+                  f"{w['devices']} {w['kind']} device(s), slices per device {w['load']}")
+    for c in st["sessions"]:
+        print(f"  client session {c['session']}: weight {c.get('weight', 1.0):g}, {c['slices']} slice(s), "
+              f"{c['arrays']} array(s), {c.get('queued', 0)} run(s) queued, {c.get('inflight', 0)} in flight, "
+              f"{c.get('completed', 0)} done, {c.get('device_seconds', 0.0):.3f} device-s")
     return 0
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -42,12 +43,26 @@ def _python_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "pathways", *args]
 
 
+def _free_port() -> int:
+    """A free loopback port for an island's jax.distributed coordinator, which cannot bind
+    port 0 and report back: the port is released just before the coordinator binds it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class LocalCluster:
-    def __init__(self, islands: Sequence[Island], start_timeout: float = 120.0) -> None:
+    def __init__(self, islands: Sequence[Island], start_timeout: float = 120.0, policy: str = "fair",
+                 window: int = 8, unsafe_local_order: bool = False) -> None:
         if not islands or any(i.hosts < 1 or i.devices_per_host < 1 for i in islands):
             raise ValueError("a local cluster needs at least one island of hosts >= 1 and devices_per_host >= 1")
+        if policy not in ("fair", "fifo") or window < 1:
+            raise ValueError(f"policy must be 'fair' or 'fifo' and window >= 1, got {policy!r} and {window}")
         self.islands = list(islands)
         self.start_timeout = start_timeout
+        self.policy = policy
+        self.window = window
+        self.unsafe_local_order = unsafe_local_order
         self.address: Optional[str] = None
         self.session: Any = None
         self.pids: list[int] = []
@@ -128,15 +143,19 @@ class LocalCluster:
                 with trio.fail_after(self.start_timeout):
                     env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
                     controller = await trio.lowlevel.open_process(
-                        _python_cmd("controller"), stdout=subprocess.PIPE, env=env)
+                        _python_cmd("controller", "--policy", self.policy, "--window", str(self.window)),
+                        stdout=subprocess.PIPE, env=env)
                     procs.append(controller)
                     address = await _read_address(controller.stdout)
                     for island_id, island in enumerate(self.islands):
-                        for _ in range(island.hosts):
+                        group = ["--island-hosts", str(island.hosts), "--coordinator",
+                                 f"127.0.0.1:{_free_port()}"] if island.hosts > 1 else []
+                        debug = ["--unsafe-local-order"] if self.unsafe_local_order else []
+                        for rank in range(island.hosts):
                             procs.append(await trio.lowlevel.open_process(
                                 _python_cmd("worker", "--controller", address,
                                             "--devices", str(island.devices_per_host),
-                                            "--island", str(island_id)),
+                                            "--island", str(island_id), "--rank", str(rank), *group, *debug),
                                 env=env))
                     self.pids = [p.pid for p in procs]
                     for p in procs:
@@ -154,7 +173,9 @@ class LocalCluster:
         finally:
             self._ready.set()
             with trio.CancelScope(shield=True):
-                await _reap(procs)
+                # The controller first, so that workers going away are not reported as lost.
+                await _reap(procs[:1])
+                await _reap(procs[1:])
 
     async def _watch(self, proc: trio.Process) -> None:
         code = await proc.wait()
@@ -221,14 +242,22 @@ def wait_for_workers(address: str, count: int, timeout: float) -> dict:
 
 
 def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[Sequence[Island]] = None,
-                  start_timeout: float = 120.0) -> LocalCluster:
+                  start_timeout: float = 120.0, policy: str = "fair", window: int = 8,
+                  unsafe_local_order: bool = False) -> LocalCluster:
     """A context manager running a controller and workers on this machine.
 
     One island of ``hosts`` worker processes with ``devices_per_host`` CPU devices each, or
-    ``islands=[pw.Island(hosts=, devices_per_host=), ...]``. Inside the ``with`` block it is
-    the default session; ``.address`` is the controller's address.
+    ``islands=[pw.Island(hosts=, devices_per_host=), ...]``; the hosts of an island form one
+    jax.distributed group, so a slice may span them. Inside the ``with`` block it is the
+    default session; ``.address`` is the controller's address.
+
+    ``policy`` orders runs between clients (``"fair"``: proportional share by the weight
+    given to ``pw.connect``; ``"fifo"``), ``window`` bounds the runs in flight per island.
+    ``unsafe_local_order`` is for demonstrating deadlock only: workers then order clients'
+    runs themselves instead of following the island's gang order.
     """
-    return LocalCluster(list(islands) if islands else [Island(hosts, devices_per_host)], start_timeout)
+    return LocalCluster(list(islands) if islands else [Island(hosts, devices_per_host)], start_timeout,
+                        policy, window, unsafe_local_order)
 
 
 def status(address: str, timeout: float = 10.0) -> dict:

@@ -37,3 +37,7 @@ class ArrayDeletedError(PathwaysError):
 
 class WireError(PathwaysError):
     """A wire message was malformed or violated the protocol."""
+
+
+class WorkerLostError(PathwaysError):
+    """A worker process died; arrays and computations that involved its island are gone."""

@@ -16,34 +16,52 @@ from pathways.wire.codec import int_list
 SpecEntry = Union[None, str, tuple[str, ...]]
 
 
+Device = tuple[int, int]  # (rank of the host in its island, local device index)
+
+
 @dataclass(frozen=True)
 class Layout:
-    """Where and how an array lives: a worker's devices, a mesh over them, a partition spec."""
+    """Where and how an array lives: devices of one or more hosts of an island, a mesh over
+    them (in mesh order), and a partition spec.
 
-    worker: int
-    devices: tuple[int, ...]
+    ``workers`` are the worker ids of the hosts involved, ordered by island rank; a device
+    is named by its host's island rank and its index among that host's devices.
+    """
+
+    workers: tuple[int, ...]
+    devices: tuple[Device, ...]
     mesh_shape: tuple[int, ...]
     axis_names: tuple[str, ...]
     spec: tuple[SpecEntry, ...]
 
+    @property
+    def multi_host(self) -> bool:
+        return len(self.workers) > 1
+
     def to_wire(self) -> list:
-        return [self.worker, list(self.devices), list(self.mesh_shape), list(self.axis_names),
-                [list(e) if isinstance(e, tuple) else e for e in self.spec]]
+        return [list(self.workers), [x for d in self.devices for x in d], list(self.mesh_shape),
+                list(self.axis_names), [list(e) if isinstance(e, tuple) else e for e in self.spec]]
 
     @staticmethod
     def from_wire(raw: Any) -> "Layout":
         if not isinstance(raw, list) or len(raw) != 5:
-            raise WireError("a layout must be a list [worker, devices, mesh_shape, axis_names, spec]")
-        worker, devices, mesh_shape, axis_names, spec = raw
-        if not isinstance(worker, int):
-            raise WireError("layout worker must be an integer")
+            raise WireError("a layout must be a list [workers, devices, mesh_shape, axis_names, spec]")
+        workers, devices, mesh_shape, axis_names, spec = raw
+        workers = int_list(workers, "layout workers")
+        if not workers or len(set(workers)) != len(workers):
+            raise WireError("layout workers must be a non-empty list of distinct worker ids")
         if not isinstance(axis_names, list) or not all(isinstance(a, str) for a in axis_names):
             raise WireError("layout axis_names must be a list of strings")
         mesh_shape = int_list(mesh_shape, "layout mesh_shape")
-        devices = int_list(devices, "layout devices")
-        if len(mesh_shape) != len(axis_names) or _prod(mesh_shape) != len(devices):
-            raise WireError(f"layout mesh {mesh_shape} x {axis_names} does not fit {len(devices)} devices")
-        return Layout(worker, tuple(devices), tuple(mesh_shape), tuple(axis_names),
+        flat = int_list(devices, "layout devices")
+        if len(flat) % 2 or any(x < 0 for x in flat):
+            raise WireError("layout devices must be a flat list of (host rank, device index) pairs")
+        pairs = tuple(zip(flat[::2], flat[1::2]))
+        if len(set(pairs)) != len(pairs):
+            raise WireError("layout devices must be distinct")
+        if len(mesh_shape) != len(axis_names) or _prod(mesh_shape) != len(pairs):
+            raise WireError(f"layout mesh {mesh_shape} x {axis_names} does not fit {len(pairs)} devices")
+        return Layout(tuple(workers), pairs, tuple(mesh_shape), tuple(axis_names),
                       spec_from_wire(spec, axis_names))
 
 

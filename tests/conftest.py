@@ -1,4 +1,5 @@
 import os
+import selectors
 import time
 
 import pytest
@@ -28,6 +29,15 @@ def wait_until(predicate, timeout=20.0, what="condition"):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.05)
+
+
+def read_line(proc, timeout=60.0):
+    """The next line of a child's stdout, or AssertionError after ``timeout`` seconds."""
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            raise AssertionError(f"the child process printed nothing within {timeout} s")
+    return proc.stdout.readline()
 
 
 def session_handles(address, session_id):

@@ -52,15 +52,18 @@ def test_array_bytes_must_match_header():
 
 
 def test_layout_and_graph_wire_forms():
-    layout = Layout(1, (0, 1, 2, 3), (2, 2), ("x", "y"), (("x", "y"), None))
+    layout = Layout((1, 2), ((0, 0), (0, 1), (1, 0), (1, 1)), (2, 2), ("x", "y"), (("x", "y"), None))
     assert Layout.from_wire(codec.unpack(codec.pack(layout.to_wire()))) == layout
     graph = ProgramGraph(3, (0,), (Node(7, (0,), (1,)), Node(7, (1,), (2,))), (2,))
     assert ProgramGraph.from_wire(codec.unpack(codec.pack(graph.to_wire()))) == graph
 
 
 @pytest.mark.parametrize("raw, needle", [
-    ([0, [0, 1], [3], ["x"], []], "does not fit"),
-    ([0, [0], [1], ["x"], ["z"]], "names no axis"),
+    ([[0], [0, 0, 0, 1], [3], ["x"], []], "does not fit"),
+    ([[0], [0, 0], [1], ["x"], ["z"]], "names no axis"),
+    ([[0], [0, 0, 0], [1], ["x"], []], "pairs"),
+    ([[0], [0, 0, 0, 0], [2], ["x"], []], "distinct"),
+    ([[], [0, 0], [1], ["x"], []], "non-empty"),
     ("layout", "must be a list"),
 ])
 def test_bad_layouts(raw, needle):
@@ -79,3 +82,32 @@ def test_bad_layouts(raw, needle):
 def test_bad_graphs(graph, needle):
     with pytest.raises(WireError, match=needle):
         ProgramGraph.from_wire(graph)
+
+
+def test_pieces_round_trip_and_assemble_from_several_senders():
+    full = np.arange(24, dtype=np.float32).reshape(4, 6)
+    top = [(((0, 2), (0, 6)), full[:2])]
+    bottom = [(((2, 4), (0, 3)), full[2:, :3]), (((2, 4), (3, 6)), full[2:, 3:])]
+    assembly = None
+    for pieces in (top, bottom):
+        header = codec.unpack(codec.pack(codec.pieces_header(full.dtype, full.shape, pieces)))
+        chunks = iter(list(codec.pieces_chunks(pieces)))
+        dtype, shape, got = codec.read_pieces(header, chunks)
+        codec.expect_end(chunks)
+        assembly = assembly or codec.Assembly(dtype, shape)
+        assembly.add(got)
+    np.testing.assert_array_equal(assembly.result(), full)
+
+
+def test_missing_or_misplaced_pieces_are_errors():
+    full = np.zeros((4,), np.int32)
+    assembly = codec.Assembly(full.dtype, full.shape)
+    assembly.add([(((0, 2),), full[:2])])
+    with pytest.raises(WireError, match="do not cover"):
+        assembly.result()
+    header = codec.pieces_header(full.dtype, full.shape, [(((2, 6),), full[:4])])
+    with pytest.raises(WireError, match="does not fit"):
+        codec.read_pieces(header, iter(codec.pieces_chunks([(((2, 6),), full[:4])])))
+    header = codec.pieces_header(full.dtype, full.shape, [(((0, 3),), full[:2])])
+    with pytest.raises(WireError, match="does not match its index"):
+        codec.read_pieces(header, iter(codec.pieces_chunks([(((0, 3),), full[:2])])))

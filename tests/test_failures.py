@@ -17,7 +17,7 @@ import pathways as pw
 from pathways.cluster import status, worker_stats
 from pathways.handles import first_handle
 from pathways.wire import codec, rpc
-from tests.conftest import pids_alive, session_handles, wait_until
+from tests.conftest import pids_alive, read_line, session_handles, wait_until
 
 
 def new_slice(n, **kw):
@@ -125,7 +125,7 @@ def next_messages(replies):
 def test_malformed_session_messages_get_error_replies(cluster, session):
     channel, outbox, replies = raw_session(cluster.address)
     try:
-        outbox.put(codec.pack([{"t": "hello", "v": codec.PROTOCOL_VERSION}]))
+        outbox.put(codec.pack([{"t": "hello", "v": codec.PROTOCOL_VERSION, "weight": 1}]))
         sid = next_messages(replies)[0]["session"]
         victim = session.allocate(1)
         s = new_slice(1)
@@ -144,7 +144,8 @@ def test_malformed_session_messages_get_error_replies(cluster, session):
             (codec.pack([{"t": "program", "id": victim, "graph": {}}]), "does not belong to this session"),
             (codec.pack([{"t": "fn", "id": first_handle(sid) + 2, "slice": s.id, "name": "x", "blob": b"",
                           "ins": [], "outs": []}]), "not one of this session's slices"),
-            (codec.pack([{"t": "hello", "v": 999}]), "protocol"),
+            (codec.pack([{"t": "hello", "v": 999, "weight": 1}]), "protocol"),
+            (codec.pack([{"t": "hello", "v": codec.PROTOCOL_VERSION, "weight": -2}]), "weight"),
         ]
         for payload, needle in bad_payloads:
             outbox.put(payload)
@@ -166,17 +167,28 @@ def test_malformed_worker_and_attach_messages_get_error_replies(cluster, session
     channel = rpc.open_channel(worker)
     put = rpc.method(channel, rpc.WORKER_SERVICE, "Put", "stream_unary")
     fetch = rpc.method(channel, rpc.WORKER_SERVICE, "Fetch", "unary_stream")
-    layout = [0, [0], [1], ["d"], []]
+    layout = [[0], [0, 0], [1], ["d"], []]
     good = np.arange(3, dtype=np.float32)
+
+    def put_header(layout=layout, of=1, array=None, pieces=None):
+        header = {"t": "put", "handle": 1, "layout": layout, "of": of,
+                  **codec.pieces_header(good.dtype, good.shape, [(((0, 3),), good)])}
+        if array is not None:
+            header["array"] = array
+        if pieces is not None:
+            header["pieces"] = pieces
+        return codec.pack(header)
+
     cases = [
         ([b"garbage"], "not valid msgpack"),
         ([codec.pack({"t": "put", "handle": 1})], "lacks field 'layout'"),
-        ([codec.pack({"t": "put", "handle": 1, "layout": [0, [99], [1], ["d"], []],
-                      "array": codec.array_header(good)}), good.tobytes()], "this worker has"),
-        ([codec.pack({"t": "put", "handle": 1, "layout": layout, "array": codec.array_header(good)}),
-          good.tobytes()[:5]], "header announced"),
-        ([codec.pack({"t": "put", "handle": 1, "layout": layout,
-                      "array": {**codec.array_header(good), "dtype": "object"}})], "not allowed"),
+        ([put_header(layout=[[0], [0, 99], [1], ["d"], []]), good.tobytes()], "island lacks"),
+        ([put_header(), good.tobytes()[:5]], "header announced"),
+        ([put_header(), good.tobytes(), b"extra"], "more array data"),
+        ([put_header(of=0), good.tobytes()], "senders"),
+        ([put_header(pieces=[{"index": [[1, 3]], "array": codec.array_header(good)}]), good.tobytes()],
+         "does not match its index"),
+        ([put_header(array={**codec.array_header(good), "dtype": "object"})], "not allowed"),
     ]
     try:
         for chunks, needle in cases:
@@ -225,7 +237,7 @@ def test_a_disconnected_clients_buffers_and_slices_are_freed(cluster, session):
     slices_before = status(cluster.address)["slices"]
     proc = subprocess.Popen([sys.executable, "-c", CLIENT, cluster.address], stdout=subprocess.PIPE, text=True)
     try:
-        sid = int(proc.stdout.readline())
+        sid = int(read_line(proc))
         wait_until(lambda: session_handles(cluster.address, sid) == 10, what="the client's 10 arrays")
         assert status(cluster.address)["slices"] == slices_before + 1
     finally:
@@ -273,7 +285,7 @@ PARENT = textwrap.dedent("""
 def test_no_process_outlives_its_client(sig):
     proc = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
     try:
-        pids = [int(p) for p in proc.stdout.readline().split()]
+        pids = [int(p) for p in read_line(proc).split()]
         assert len(pids) == 3 and pids_alive(pids) == pids
         proc.send_signal(sig)
         proc.wait(timeout=30)

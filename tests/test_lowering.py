@@ -6,11 +6,16 @@ from pathways.ir import Layout, Node, ProgramGraph
 
 
 def layout(worker, devices=(0,), spec=()):
-    return Layout(worker, devices, (len(devices),), ("d",), spec)
+    return Layout((worker,), tuple((0, d) for d in devices), (len(devices),), ("d",), spec)
 
 
 def fn(worker, n_in=1, n_out=1, devices=(0,), spec=()):
-    return FnLayouts(worker, (layout(worker, devices, spec),) * n_in, (layout(worker, devices, spec),) * n_out)
+    return FnLayouts((worker,), (layout(worker, devices, spec),) * n_in, (layout(worker, devices, spec),) * n_out)
+
+
+def two_hosts(spec=("d",)):
+    """A slice over workers 5 and 6 of one island, one device each."""
+    return Layout((5, 6), ((0, 0), (1, 0)), (2,), ("d",), spec)
 
 
 def test_a_chain_on_one_worker_is_loads_execs_and_one_output():
@@ -28,16 +33,17 @@ def test_values_crossing_workers_are_sent_once_per_destination_layout():
     graph = ProgramGraph(4, (0,), (Node(1, (0,), (1,)), Node(2, (1,), (2,)), Node(2, (1,), (3,))), (2, 3))
     low = lower(graph, {1: fn(0), 2: fn(1)}, {0: layout(0)})
     sends = [op for op in low.ops[0] if op[0] == "send"]
-    assert sends == [["send", 1, 1, 4, layout(1).to_wire()]]
+    assert sends == [["send", 1, [1], 4, layout(1).to_wire(), 1]]
+    assert low.transfers == ((0, 1, 4),)
     assert low.ncopies == 1
     assert ["in", 4, False] in low.ops[1]  # the copy is removed from the store once loaded
     assert low.output_layouts == {2: layout(1), 3: layout(1)}
 
 
 def test_same_worker_other_layout_is_a_local_reshard():
-    sharded = Layout(0, (0, 1), (2,), ("d",), ("d",))
+    sharded = Layout((0,), ((0, 0), (0, 1)), (2,), ("d",), ("d",))
     graph = ProgramGraph(3, (0,), (Node(1, (0,), (1,)), Node(2, (1,), (2,))), (2,))
-    fns = {1: fn(0, devices=(0, 1)), 2: FnLayouts(0, (sharded,), (sharded,))}
+    fns = {1: fn(0, devices=(0, 1)), 2: FnLayouts((0,), (sharded,), (sharded,))}
     low = lower(graph, fns, {0: layout(0, (0, 1))})
     assert ["reshard", 1, 3, sharded.to_wire()] in low.ops[0]
     assert not any(op[0] == "send" for op in low.ops[0])
@@ -46,7 +52,7 @@ def test_same_worker_other_layout_is_a_local_reshard():
 def test_inputs_living_elsewhere_are_moved_and_kept():
     graph = ProgramGraph(2, (0,), (Node(1, (0,), (1,)),), (1,))
     low = lower(graph, {1: fn(1)}, {0: layout(0)})
-    assert low.ops[0] == [["in", 0, True], ["send", 0, 1, 2, layout(1).to_wire()], ["drop", [0]]]
+    assert low.ops[0] == [["in", 0, True], ["send", 0, [1], 2, layout(1).to_wire(), 1], ["drop", [0]]]
 
 
 def test_registers_are_dropped_after_their_last_read():
@@ -65,3 +71,27 @@ def test_unknown_functions_and_arity_mismatches_are_errors():
         lower(graph, {1: fn(0, n_in=2)}, {0: layout(0)})
     with pytest.raises(WireError, match="no location"):
         lower(graph, {1: fn(0)}, {})
+
+
+def test_a_multi_host_computation_runs_on_every_host_of_its_slice():
+    mh = two_hosts()
+    graph = ProgramGraph(3, (0,), (Node(1, (0,), (1,)), Node(1, (1,), (2,))), (2,))
+    low = lower(graph, {1: FnLayouts(mh.workers, (mh,), (mh,))}, {0: mh})
+    assert set(low.ops) == {5, 6}
+    assert low.ops[5] == low.ops[6], "every host of the slice runs the same stream"
+    assert [op[0] for op in low.ops[5]] == ["in", "exec", "drop", "exec", "drop", "out", "drop"]
+    assert low.output_layouts == {2: mh} and low.transfers == ()
+
+
+def test_moving_between_a_multi_host_slice_and_one_host_sends_every_part():
+    mh = two_hosts()
+    graph = ProgramGraph(3, (0,), (Node(1, (0,), (1,)), Node(2, (1,), (2,))), (2,))
+    low = lower(graph, {1: FnLayouts(mh.workers, (mh,), (mh,)), 2: fn(0)}, {0: mh})
+    for host in (5, 6):  # each host sends its part; the receiver waits for both
+        assert ["send", 1, [0], 3, layout(0).to_wire(), 2] in low.ops[host]
+    assert ["in", 3, False] in low.ops[0]
+    assert sorted(low.transfers) == [(5, 0, 3), (6, 0, 3)]
+    back = lower(ProgramGraph(2, (0,), (Node(1, (0,), (1,)),), (1,)),
+                 {1: FnLayouts(mh.workers, (mh,), (mh,))}, {0: layout(0)})
+    assert back.ops[0][1] == ["send", 0, [5, 6], 2, mh.to_wire(), 1]
+    assert all(["in", 2, False] in back.ops[h] for h in (5, 6))

@@ -6,8 +6,10 @@ from pathways.errors import PlacementError
 
 def manager(*hosts):
     rm = ResourceManager()
+    ranks = {}
     for worker, (island, n) in enumerate(hosts):
-        rm.add_host(worker, island, "cpu", n, 1 << 30)
+        rm.add_host(worker, island, "cpu", n, 1 << 30, rank=ranks.setdefault(island, 0))
+        ranks[island] += 1
     return rm
 
 
@@ -15,17 +17,17 @@ def test_slices_spread_over_hosts_and_devices():
     rm = manager((0, 2), (0, 2))
     a = rm.place(2, "cpu")
     b = rm.place(2, "cpu")
-    assert {a.worker, b.worker} == {0, 1}
+    assert {a.workers, b.workers} == {(0,), (1,)}
     c = rm.place(1, "cpu")
     d = rm.place(1, "cpu")
-    assert (c.worker, c.devices) != (d.worker, d.devices)
+    assert (c.workers, c.devices) != (d.workers, d.devices)
     assert [sum(h.load) for h in rm.hosts.values()] == [3, 3]
 
 
 def test_sharing_when_the_cluster_is_smaller_than_the_requests():
     rm = manager((0, 2))
     slices = [rm.place(2, "cpu") for _ in range(3)]
-    assert all(s.devices == (0, 1) for s in slices)
+    assert all(s.devices == ((0, 0), (0, 1)) for s in slices)
     assert rm.hosts[0].load == [3, 3]
 
 
@@ -42,9 +44,9 @@ def test_exclusive_slices_get_dedicated_devices():
 
 def test_island_and_kind_constraints():
     rm = manager((0, 2), (1, 4))
-    assert rm.place(2, "cpu", island=1).worker == 1
+    assert rm.place(2, "cpu", island=1).workers == (1,)
     with pytest.raises(PlacementError, match="in island 0"):
-        rm.place(4, "cpu", island=0)
+        rm.place(3, "cpu", island=0)
     with pytest.raises(PlacementError, match="host 0 \\(island 0\\): 2 cpu, host 1 \\(island 1\\): 4 cpu"):
         rm.place(1, "tpu")
 
@@ -69,3 +71,23 @@ def test_release_owner_returns_the_devices():
 def test_no_hosts_says_so():
     with pytest.raises(PlacementError, match="no worker hosts"):
         ResourceManager().place(1, "cpu")
+
+
+def test_a_slice_larger_than_a_host_spans_hosts_of_one_island():
+    rm = manager((0, 2), (0, 2), (0, 2), (1, 4))
+    s = rm.place(4, "cpu", island=0)
+    assert len(s.workers) == 2 and s.island == 0
+    ranks = [rank for rank, _ in s.devices]
+    assert ranks == sorted(ranks) and len(set(ranks)) == 2, "hosts in rank order, two devices each"
+    wide = rm.place(6, "cpu")
+    assert wide.island == 0 and len(wide.workers) == 3
+    with pytest.raises(PlacementError, match="evenly"):
+        rm.place(5, "cpu", island=0)  # 5 devices do not split evenly over hosts of 2
+
+
+def test_unhealthy_islands_get_no_new_slices():
+    rm = manager((0, 2), (1, 2))
+    rm.mark_unhealthy(0)
+    assert all(rm.place(1, "cpu").island == 1 for _ in range(3))
+    with pytest.raises(PlacementError, match="unhealthy"):
+        rm.place(1, "cpu", island=0)

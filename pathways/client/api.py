@@ -27,23 +27,25 @@ EMBEDDED_HOSTS = 2
 EMBEDDED_DEVICES_PER_HOST = 2
 
 
-def connect(address: Optional[str] = None, timeout: float = 30.0) -> Session:
+def connect(address: Optional[str] = None, timeout: float = 30.0, weight: float = 1.0) -> Session:
     """Connect to a controller and make it the default session.
 
     ``address`` is ``grpc://host:port``; without it, ``PATHWAYS_ADDRESS`` is used, and
-    without that an embedded local cluster is started (and stopped at exit).
+    without that an embedded local cluster is started (and stopped at exit). ``weight`` is
+    this client's share of the devices under the controller's fair policy: clients that
+    keep an island busy get device time in proportion to their weights.
     """
     global _default
     from pathways.cluster import LocalCluster
 
     address = address or os.environ.get("PATHWAYS_ADDRESS")
     if address:
-        session = Session(address, timeout)
+        session = Session(address, timeout, weight=weight)
     else:
         cluster = LocalCluster.of_hosts(EMBEDDED_HOSTS, EMBEDDED_DEVICES_PER_HOST)
         cluster.start()
         try:
-            session = Session(cluster.address, timeout, owned_cluster=cluster)
+            session = Session(cluster.address, timeout, owned_cluster=cluster, weight=weight)
         except BaseException:
             cluster.stop()
             raise
@@ -86,8 +88,9 @@ def make_virtual_device_set() -> VirtualDeviceSet:
 
 def put_layout(session: Session, value: np.ndarray, layout: Layout, sharding: NamedSharding) -> Array:
     handle = session.allocate(1)
-    session.put(sharding.mesh.slice.address, handle, layout, value)
-    return Array(_Buffer(session, handle, sharding.mesh.slice.address), value.shape, value.dtype, sharding)
+    addresses = sharding.mesh.slice.addresses
+    session.put(addresses, handle, layout, value)
+    return Array(_Buffer(session, handle, addresses), value.shape, value.dtype, sharding)
 
 
 def device_put(x: Any, devices_or_sharding: Any) -> Any:

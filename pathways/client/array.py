@@ -12,18 +12,18 @@ from typing import Any, Optional
 import numpy as np
 
 from pathways.client.devices import NamedSharding
-from pathways.errors import ArrayDeletedError, DeadlineExceededError, RemoteError
+from pathways.errors import ArrayDeletedError, DeadlineExceededError, RemoteError, WorkerLostError
 
 
 class _Buffer:
     """Owns one handle; its finalizer releases the handle on the workers."""
 
-    __slots__ = ("session", "handle", "address", "deleted", "__weakref__")
+    __slots__ = ("session", "handle", "addresses", "deleted", "__weakref__")
 
-    def __init__(self, session: Any, handle: int, address: str) -> None:
+    def __init__(self, session: Any, handle: int, addresses: tuple[str, ...]) -> None:
         self.session = session
         self.handle = handle
-        self.address = address
+        self.addresses = addresses  # every host holding a part of the array
         self.deleted = False
 
     def delete(self) -> None:
@@ -71,22 +71,22 @@ class Array:
         """True once the value is computed (or its computation failed)."""
         b = self._live()
         try:
-            return b.session.fetch(b.address, b.handle, 0.0, data=False) is not None
-        except RemoteError:
+            return b.session.fetch(b.addresses, b.handle, 0.0, data=False) is not None
+        except (RemoteError, WorkerLostError):
             return True
 
     def block_until_ready(self, timeout: Optional[float] = None) -> "Array":
         """Wait until computed; raises RemoteError if its computation failed."""
         b = self._live()
         wait = b.session.timeout if timeout is None else timeout
-        if b.session.fetch(b.address, b.handle, wait, data=False) is None:
+        if b.session.fetch(b.addresses, b.handle, wait, data=False) is None:
             raise DeadlineExceededError(f"{self._describe()} was not ready after {wait:.0f} s")
         return self
 
     def to_numpy(self, timeout: Optional[float] = None) -> np.ndarray:
         b = self._live()
         wait = b.session.timeout if timeout is None else timeout
-        value = b.session.fetch(b.address, b.handle, wait, data=True)
+        value = b.session.fetch(b.addresses, b.handle, wait, data=True)
         if value is None:
             raise DeadlineExceededError(f"{self._describe()} was not ready after {wait:.0f} s; "
                                         "pass a longer timeout or check the cluster")

@@ -35,23 +35,25 @@ class VirtualDeviceSet:
         reply = self._session.request({"t": "slice", "kind": kind, "count": count,
                                        "mesh_shape": list(mesh_shape) if mesh_shape else None,
                                        "island": island, "exclusive": exclusive})
-        s = Slice(self._session, reply["slice"], kind, count, tuple(reply["mesh_shape"]),
-                  reply["island"], reply["worker"], reply["address"], tuple(reply["devices"]))
+        flat = reply["devices"]
+        s = Slice(self._session, reply["slice"], kind, count, tuple(reply["mesh_shape"]), reply["island"],
+                  tuple(reply["workers"]), tuple(reply["addresses"]), tuple(zip(flat[::2], flat[1::2])))
         self.slices.append(s)
         return s
 
 
 class Slice:
     def __init__(self, session, slice_id: int, kind: str, count: int, mesh_shape: tuple[int, ...],
-                 island: int, worker: int, address: str, physical: tuple[int, ...]) -> None:
+                 island: int, workers: tuple[int, ...], addresses: tuple[str, ...],
+                 physical: tuple[tuple[int, int], ...]) -> None:
         self.session = session
         self.id = slice_id
         self.kind = kind
         self.count = count
         self.mesh_shape = mesh_shape
         self.island = island
-        self.worker = worker
-        self.address = address
+        self.workers = workers  # the hosts holding the slice (several for a multi-host slice)
+        self.addresses = addresses
         self._physical = physical
 
     @property
@@ -86,10 +88,11 @@ class Slice:
 
     def layout(self, mesh_shape: tuple[int, ...], axis_names: tuple[str, ...], spec: PartitionSpec) -> Layout:
         entries = tuple(tuple(e) if isinstance(e, (tuple, list)) else e for e in spec)
-        return Layout(self.worker, self._physical, mesh_shape, axis_names, entries)
+        return Layout(self.workers, self._physical, mesh_shape, axis_names, entries)
 
     def __repr__(self) -> str:
-        return f"Slice(id={self.id}, {self.count} {self.kind}, mesh_shape={self.mesh_shape}, island={self.island})"
+        return (f"Slice(id={self.id}, {self.count} {self.kind}, mesh_shape={self.mesh_shape}, "
+                f"island={self.island}, hosts={len(self.workers)})")
 
 
 @dataclass(frozen=True)

@@ -232,7 +232,7 @@ def run(session: Any, spec: ProgramSpec, inputs: Sequence[Array]) -> list[Array]
             continue
         sharding = spec.value_shardings[v]
         shape, dtype = spec.value_avals[v]
-        outs.append(Array(_Buffer(session, base + v, sharding.mesh.slice.address), shape, dtype, sharding))
+        outs.append(Array(_Buffer(session, base + v, sharding.mesh.slice.addresses), shape, dtype, sharding))
     return outs
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from typing import Any, Iterator, Optional
@@ -26,14 +27,18 @@ log = logging.getLogger("pathways.client")
 
 DEFAULT_TIMEOUT = 300.0
 _FLUSH_SECONDS = 0.05
-_ERRORS = {cls.__name__: cls for cls in (errors.PlacementError, errors.WireError, errors.SignatureError)}
+_POLL_SECONDS = 1.0  # a long wait for an array is split so news of a lost worker cuts it short
+_ERRORS = {cls.__name__: cls for cls in (errors.PlacementError, errors.WireError, errors.SignatureError,
+                                         errors.RemoteError, errors.WorkerLostError)}
 
 
 class Session:
-    def __init__(self, address: str, timeout: float = 30.0, owned_cluster: Any = None) -> None:
+    def __init__(self, address: str, timeout: float = 30.0, owned_cluster: Any = None, weight: float = 1.0) -> None:
+        if not 0 < weight <= 1e6:
+            raise ValueError(f"a session's weight must be in (0, 1e6], got {weight!r}")
         self.address = address
         self.timeout = DEFAULT_TIMEOUT
-        self.poisoned: dict[int, str] = {}
+        self.poisoned: dict[int, tuple[type[errors.PathwaysError], str]] = {}
         self._owned_cluster = owned_cluster
         self._channel = rpc.open_channel(address)
         rpc.wait_ready(self._channel, address, timeout)
@@ -53,7 +58,7 @@ class Session:
         threading.Thread(target=self._flush_loop, name="pathways-flush", daemon=True).start()
         self._counter = itertools.count(1)
         self._counter_lock = threading.Lock()
-        self._outbox.put({"t": "hello", "v": codec.PROTOCOL_VERSION})
+        self._outbox.put({"t": "hello", "v": codec.PROTOCOL_VERSION, "weight": weight})
         try:
             self.id: int = self._result(self._welcome, timeout, "greet the client")["session"]
         except BaseException:
@@ -136,8 +141,9 @@ class Session:
         if kind == "welcome":
             self._welcome.set_result(msg)
         elif kind == "poisoned":
+            error = _ERRORS.get(msg.get("kind"), errors.RemoteError)
             for h in msg["handles"]:
-                self.poisoned[h] = msg["message"]
+                self.poisoned[h] = (error, msg["message"])
         elif kind == "error":
             future = self._pending.pop(msg.get("req"), None)
             error = _ERRORS.get(msg.get("kind"), errors.PathwaysError)(msg["message"])
@@ -167,29 +173,53 @@ class Session:
             self._workers[address] = stubs
         return stubs
 
-    def put(self, address: str, handle: int, layout: Layout, array: np.ndarray) -> None:
-        """Send ``array`` straight to its worker (not through the controller); no waiting."""
+    def put(self, addresses: tuple[str, ...], handle: int, layout: Layout, array: np.ndarray) -> None:
+        """Send ``array`` straight to the workers holding ``layout`` (not through the
+        controller); each keeps its own part. No waiting."""
         self._check_alive()
-        header = codec.pack({"t": "put", "handle": handle, "layout": layout.to_wire(),
-                             "array": codec.array_header(array)})
-        future = self._stubs(address)[0].future(_chunks(header, array), timeout=self.timeout)
-
-        def done(f: grpc.Future) -> None:
-            try:
-                reply = codec.unpack(f.result())
-                if "error" in reply:
-                    self.poisoned[handle] = f"the worker refused the array: {reply['error']}"
-            except grpc.RpcError as e:
-                self.poisoned[handle] = f"sending the array to {address} failed: {e.code().name}"
-
-        future.add_done_callback(done)
+        header = codec.pack({"t": "put", "handle": handle, "layout": layout.to_wire(), "of": 1,
+                             **codec.pieces_header(array.dtype, array.shape, [(codec.full_index(array.shape), array)])})
+        for address in addresses:
+            future = self._stubs(address)[0].future(_chunks(header, array), timeout=self.timeout)
+            future.add_done_callback(lambda f, address=address: self._put_done(f, address, handle))
         self.send({"t": "put", "handle": handle, "layout": layout.to_wire()})
 
-    def fetch(self, address: str, handle: int, wait: float, data: bool) -> Optional[np.ndarray | bool]:
-        """Ask the worker for ``handle``: None while pending after ``wait`` seconds, True when
-        ready (``data`` false) or the array; raises RemoteError if it was poisoned."""
+    def _put_done(self, f: grpc.Future, address: str, handle: int) -> None:
+        try:
+            reply = codec.unpack(f.result())
+            if "error" in reply:
+                self.poisoned[handle] = (errors.RemoteError, f"the worker refused the array: {reply['error']}")
+        except grpc.RpcError as e:
+            self.poisoned[handle] = (errors.RemoteError, f"sending the array to {address} failed: {e.code().name}")
+
+    def fetch(self, addresses: tuple[str, ...], handle: int, wait: float, data: bool) -> Optional[np.ndarray | bool]:
+        """Ask the workers holding ``handle`` for it: None while pending after ``wait``
+        seconds, True when ready (``data`` false) or the assembled array; raises the
+        error that poisoned it (RemoteError, WorkerLostError)."""
+        deadline = time.monotonic() + wait
+        assembly = None
+        for address in addresses:
+            while True:
+                self._raise_if_poisoned(handle)
+                left = max(deadline - time.monotonic(), 0.0)
+                reply = self._fetch_one(address, handle, min(left, _POLL_SECONDS), data)
+                if reply is not None:
+                    break
+                if left <= _POLL_SECONDS:
+                    return None
+            if data:
+                dtype, shape, pieces = reply
+                if assembly is None:
+                    assembly = codec.Assembly(dtype, shape)
+                assembly.add(pieces)
+        return assembly.result() if data else True
+
+    def _raise_if_poisoned(self, handle: int) -> None:
         if handle in self.poisoned:
-            raise errors.RemoteError(self.poisoned[handle])
+            error, message = self.poisoned[handle]
+            raise error(message)
+
+    def _fetch_one(self, address: str, handle: int, wait: float, data: bool) -> Any:
         self._check_alive()
         request = codec.pack({"t": "fetch", "handle": handle, "wait": wait, "data": data})
         try:
@@ -199,14 +229,21 @@ class Session:
             if state == "pending":
                 return None
             if state == "error":
-                raise errors.RemoteError(header["message"])
-            return codec.assemble_array(header["array"], replies) if data else True
+                raise _ERRORS.get(header.get("kind"), errors.RemoteError)(header["message"])
+            if not data:
+                return True
+            result = codec.read_pieces(header, replies)
+            codec.expect_end(replies)
+            return result
         except grpc.RpcError as e:
-            if handle in self.poisoned:
-                raise errors.RemoteError(self.poisoned[handle]) from None
+            self._raise_if_poisoned(handle)
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                raise errors.WorkerLostError(
+                    f"the worker at {address} holding array {handle:#x} is unreachable: it was lost, and "
+                    "the array with it. `python -m pathways status` shows the healthy islands") from None
             raise errors.ConnectError(
-                f"fetching from worker {address} failed ({e.code().name}); the worker may have "
-                "died: check `python -m pathways status`") from None
+                f"fetching from worker {address} failed ({e.code().name}); check "
+                "`python -m pathways status`") from None
 
     def cluster(self) -> dict:
         return self.request({"t": "cluster"})

@@ -1,10 +1,12 @@
 """The controller's state machine. Single-threaded: every call runs on the trio thread.
 
-It owns the resource manager, the registered functions and programs of each client
-session, the location of every live handle, and the cache of lowered programs. Sending
-is done through outboxes (anything with ``put(message)``), so this module does no I/O.
-Because one thread emits every worker's runs, all workers see programs in one global
-order: that is the gang order that keeps collectives from deadlocking.
+It owns the resource manager, the gang scheduler, the registered functions and programs
+of each client session, the location of every live handle, and the cache of lowered
+programs. Sending is done through outboxes (anything with ``put(message)``), so this
+module does no I/O. Runs are released by the scheduler (scheduler.py) from this one
+thread, so all workers see them in one global order: the gang order that keeps
+collectives from deadlocking. Workers report each run done; the reports free window
+slots and measure device time for the proportional-share policy.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, Protocol
 
 from pathways.controller.lowering import FnLayouts, Lowered, lower
 from pathways.controller.placement import ResourceManager
+from pathways.controller.scheduler import Run, Scheduler
 from pathways.errors import PathwaysError, WireError
 from pathways.handles import COUNTER_MASK, first_handle, session_of
 from pathways.ir import Layout, ProgramGraph
@@ -24,7 +27,7 @@ from pathways.wire import codec
 log = logging.getLogger("pathways.controller")
 
 SESSION_MESSAGES = {
-    "hello": {"v": int},
+    "hello": {"v": int, "weight": (int, float)},
     "slice": {"req": int, "kind": str, "count": int, "mesh_shape": (list, type(None)),
               "island": (int, type(None)), "exclusive": bool},
     "cluster": {"req": int},
@@ -35,10 +38,12 @@ SESSION_MESSAGES = {
     "delete": {"handles": list},
 }
 WORKER_MESSAGES = {
-    "register": {"address": str, "kind": str, "devices": int, "island": int, "pid": int,
+    "register": {"address": str, "kind": str, "devices": int, "island": int, "rank": int, "pid": int,
                  "host": str, "memory_bytes": int},
+    "done": {"run": int, "seconds": (int, float)},
     "error": {"message": str},
 }
+REMOTE, LOST = "RemoteError", "WorkerLostError"  # the error kinds a poisoned handle reports
 
 
 class Outbox(Protocol):
@@ -48,6 +53,10 @@ class Outbox(Protocol):
 class RunFailure(PathwaysError):
     """A run cannot be dispatched; its outputs are poisoned with this message."""
 
+    def __init__(self, message: str, kind: str = REMOTE) -> None:
+        super().__init__(message)
+        self.kind = kind
+
 
 @dataclass
 class WorkerConn:
@@ -55,6 +64,7 @@ class WorkerConn:
     worker: int = -1
     address: str = ""
     island: int = 0
+    rank: int = 0
     kind: str = ""
     devices: int = 0
     pid: int = 0
@@ -70,15 +80,34 @@ class SessionState:
     fns: dict[int, FnLayouts] = field(default_factory=dict)
     programs: dict[int, ProgramGraph] = field(default_factory=dict)
     handles: dict[int, Layout] = field(default_factory=dict)  # live handle -> location
-    poisoned: dict[int, str] = field(default_factory=dict)
+    poisoned: dict[int, tuple[str, str]] = field(default_factory=dict)  # handle -> (kind, message)
+    queued_reads: dict[int, int] = field(default_factory=dict)  # handle -> queued runs reading it
+    deferred_deletes: dict[int, Layout] = field(default_factory=dict)  # deleted while still to be read
     lowered: dict[tuple, tuple[int, Lowered]] = field(default_factory=dict)
 
 
+@dataclass
+class Dispatch:
+    """What a run sends to its workers, and the handles it defines for its session."""
+
+    key: int
+    lowered: Lowered
+    nvalues: int
+    base: int
+    tbase: int
+    args: dict[int, int]
+    outputs: dict[int, int]  # output value -> handle
+    waiting: set[int] = field(default_factory=set)  # workers yet to report the run done
+    seconds: float = 0.0
+
+
 class ControllerCore:
-    def __init__(self) -> None:
+    def __init__(self, policy: str = "fair", window: int = 8) -> None:
         self.rm = ResourceManager()
+        self.scheduler = Scheduler(policy, window)
         self.workers: dict[int, WorkerConn] = {}
         self.sessions: dict[int, SessionState] = {}
+        self._running: dict[int, Run] = {}  # dispatched runs, by scheduler run id
         self._worker_ids = itertools.count(0)
         self._program_keys = itertools.count(1)
         self._next_copy = first_handle(0) + 1
@@ -94,6 +123,8 @@ class ControllerCore:
         for msg in batch:
             if msg["t"] == "error":
                 log.warning("worker %s reported: %s", conn.worker, msg["message"])
+            elif msg["t"] == "done":
+                self._on_done(conn, msg["run"], float(msg["seconds"]))
             elif conn.worker >= 0:
                 conn.outbox.put({"t": "error", "message": "worker is already registered"})
             else:
@@ -104,11 +135,11 @@ class ControllerCore:
             conn.outbox.put({"t": "error", "message": "register needs devices >= 1 and kind cpu, gpu or tpu"})
             return
         conn.worker = next(self._worker_ids)
-        conn.address, conn.island, conn.kind = msg["address"], msg["island"], msg["kind"]
+        conn.address, conn.island, conn.rank, conn.kind = msg["address"], msg["island"], msg["rank"], msg["kind"]
         conn.devices, conn.pid = msg["devices"], msg["pid"]
         conn.host, conn.memory_bytes = msg["host"], msg["memory_bytes"]
         self.workers[conn.worker] = conn
-        self.rm.add_host(conn.worker, conn.island, conn.kind, conn.devices, conn.memory_bytes)
+        self.rm.add_host(conn.worker, conn.island, conn.kind, conn.devices, conn.memory_bytes, conn.rank)
         conn.outbox.put({"t": "welcome", "worker": conn.worker})
         peers = {w.worker: w.address for w in self.workers.values()}
         for w in self.workers.values():
@@ -116,19 +147,61 @@ class ControllerCore:
         log.info("worker %d registered: %d %s device(s) at %s", conn.worker, conn.devices, conn.kind, conn.address)
 
     def worker_lost(self, conn: WorkerConn) -> None:
-        if self.workers.pop(conn.worker, None) is not None:
-            self.rm.hosts.pop(conn.worker, None)
-            log.info("worker %d at %s disconnected", conn.worker, conn.address)
+        """A worker's stream ended. Its island is unhealthy from now on: a multi-host group
+        cannot run without one of its hosts, so every run, array and future that involves
+        any host of the island fails with WorkerLostError, and the surviving hosts of the
+        island are told to exit. Other islands keep serving."""
+        if self.workers.pop(conn.worker, None) is None:
+            return
+        island = conn.island
+        log.warning("worker %d (island %d) at %s was lost", conn.worker, island, conn.address)
+        self.rm.mark_unhealthy(island)
+        self.rm.hosts.pop(conn.worker, None)
+        lost = {w for w, h in self.rm.hosts.items() if h.island == island} | {conn.worker}
+        message = (f"worker {conn.worker} (pid {conn.pid}, island {island}) was lost; arrays and "
+                   f"computations on island {island} are gone. Recreate them on a healthy island "
+                   "(`python -m pathways status` shows which are healthy)")
+        queued, flying = self.scheduler.cancel(lambda r: bool(r.payload.lowered.workers & lost))
+        for run in flying:
+            self._running.pop(run.id, None)
+            d: Dispatch = run.payload
+            for sender, receiver, copy in d.lowered.transfers:
+                if sender in lost and receiver not in lost and receiver in self.workers:
+                    self.workers[receiver].outbox.put({"t": "poison", "handles": [d.tbase + copy - d.nvalues],
+                                                      "kind": LOST, "message": message})
+        for run in (*queued, *flying):
+            self._poison(run.session, run.payload.outputs.values(), LOST, message)
+        for run in queued:
+            self._reads_done(run)
+        for sid, s in self.sessions.items():
+            self._poison(sid, [h for h, layout in s.handles.items() if lost & set(layout.workers)], LOST, message)
+        for w in lost - {conn.worker}:
+            survivor = self.workers.pop(w, None)
+            self.rm.hosts.pop(w, None)
+            if survivor is not None:
+                survivor.outbox.put({"t": "shutdown", "reason": message})
+        self._pump()
+
+    def _poison(self, sid: int, handles: Any, kind: str, message: str) -> None:
+        s = self.sessions.get(sid)
+        handles = list(handles)
+        if s is None or not handles:
+            return
+        for h in handles:
+            s.poisoned[h] = (kind, message)
+        s.outbox.put({"t": "poisoned", "handles": handles, "kind": kind, "message": message})
 
     # ---- sessions --------------------------------------------------------------------
 
     def session_opened(self, sid: int, outbox: Outbox) -> None:
         self.sessions[sid] = SessionState(outbox)
+        self.scheduler.add_session(sid)
 
     def session_closed(self, sid: int) -> None:
         s = self.sessions.pop(sid, None)
         if s is None:
             return
+        self.scheduler.remove_session(sid)
         self.rm.release_owner(sid)
         for w in self.workers.values():
             w.outbox.put({"t": "drop_session", "session": sid})
@@ -159,6 +232,10 @@ class ControllerCore:
         if msg["v"] != codec.PROTOCOL_VERSION:
             raise WireError(f"client speaks protocol {msg['v']}, controller speaks "
                             f"{codec.PROTOCOL_VERSION}; install the same pathways version on both")
+        if not 0 < msg["weight"] <= 1e6:
+            raise WireError(f"a session's weight must be in (0, 1e6], got {msg['weight']!r}")
+        self.scheduler.remove_session(sid)
+        self.scheduler.add_session(sid, msg["weight"])
         s.outbox.put({"t": "welcome", "session": sid})
 
     def _on_cluster(self, sid: int, s: SessionState, msg: dict) -> None:
@@ -169,10 +246,9 @@ class ControllerCore:
                           tuple(codec.int_list(msg["mesh_shape"], "mesh_shape")) if msg["mesh_shape"] else None,
                           msg["island"], msg["exclusive"], owner=sid)
         s.slices.add(p.slice_id)
-        w = self.workers[p.worker]
-        s.outbox.put({"t": "slice", "req": msg["req"], "slice": p.slice_id, "worker": p.worker,
-                      "address": w.address, "island": p.island, "devices": list(p.devices),
-                      "mesh_shape": list(p.mesh_shape)})
+        s.outbox.put({"t": "slice", "req": msg["req"], "slice": p.slice_id, "workers": list(p.workers),
+                      "addresses": [self.workers[w].address for w in p.workers], "island": p.island,
+                      "devices": [x for d in p.devices for x in d], "mesh_shape": list(p.mesh_shape)})
 
     def _on_fn(self, sid: int, s: SessionState, msg: dict) -> None:
         fn = self._own(sid, msg["id"], "function")
@@ -182,12 +258,15 @@ class ControllerCore:
         ins = [Layout.from_wire(x) for x in msg["ins"]]
         outs = [Layout.from_wire(x) for x in msg["outs"]]
         for layout in (*ins, *outs):
-            if layout.worker != placement.worker or layout.devices != placement.devices:
+            if layout.workers != placement.workers or layout.devices != placement.devices:
                 raise WireError(f"function {msg['name']!r} names devices outside its slice")
-        s.fns[fn] = FnLayouts(placement.worker, tuple(ins), tuple(outs))
-        self.workers[placement.worker].outbox.put(
-            {"t": "compile", "fn": fn, "name": msg["name"], "blob": msg["blob"],
-             "ins": msg["ins"], "outs": msg["outs"]})
+        gone = [w for w in placement.workers if w not in self.workers]
+        if gone:
+            raise WireError(f"slice {msg['slice']} lost its worker(s) {gone}; ask for a new slice")
+        s.fns[fn] = FnLayouts(placement.workers, tuple(ins), tuple(outs))
+        for w in placement.workers:
+            self.workers[w].outbox.put({"t": "compile", "fn": fn, "name": msg["name"], "blob": msg["blob"],
+                                        "ins": msg["ins"], "outs": msg["outs"]})
 
     def _on_program(self, sid: int, s: SessionState, msg: dict) -> None:
         program = self._own(sid, msg["id"], "program")
@@ -196,17 +275,29 @@ class ControllerCore:
     def _on_put(self, sid: int, s: SessionState, msg: dict) -> None:
         handle = self._own(sid, msg["handle"], "handle")
         layout = Layout.from_wire(msg["layout"])
-        if layout.worker not in self.workers:
-            raise WireError(f"put names worker {layout.worker}, which is not attached")
+        gone = [w for w in layout.workers if w not in self.workers]
+        if gone:
+            raise WireError(f"put names worker(s) {gone}, which are not attached")
         s.handles[handle] = layout
 
     def _on_delete(self, sid: int, s: SessionState, msg: dict) -> None:
-        by_worker: dict[int, list[int]] = {}
+        doomed: dict[int, Layout] = {}
         for h in codec.int_list(msg["handles"], "delete handles"):
             s.poisoned.pop(h, None)
             layout = s.handles.pop(h, None) if session_of(h) == sid else None
-            if layout is not None:
-                by_worker.setdefault(layout.worker, []).append(h)
+            if layout is None:
+                continue
+            if s.queued_reads.get(h):
+                s.deferred_deletes[h] = layout  # a queued run still reads it: delete after dispatch
+            else:
+                doomed[h] = layout
+        self._send_deletes(doomed)
+
+    def _send_deletes(self, doomed: dict[int, Layout]) -> None:
+        by_worker: dict[int, list[int]] = {}
+        for h, layout in doomed.items():
+            for w in layout.workers:
+                by_worker.setdefault(w, []).append(h)
         for worker, handles in by_worker.items():
             if worker in self.workers:
                 self.workers[worker].outbox.put({"t": "delete", "handles": handles})
@@ -228,34 +319,77 @@ class ControllerCore:
         try:
             key, lowered = self._lowered(s, msg["program"], graph, args)
         except RunFailure as e:
-            for h in outputs.values():
-                s.poisoned[h] = str(e)
-            s.outbox.put({"t": "poisoned", "handles": list(outputs.values()), "message": str(e)})
+            self._poison(sid, outputs.values(), e.kind, str(e))
             return
         tbase = self._next_copy
         self._next_copy += lowered.ncopies
-        for worker, ops in lowered.ops.items():
-            conn = self.workers[worker]
-            if key not in conn.defined:
-                conn.outbox.put({"t": "define", "key": key, "nvalues": graph.nvalues,
-                                 "ncopies": lowered.ncopies, "ops": ops})
-                conn.defined.add(key)
-            conn.outbox.put({"t": "run", "key": key, "base": base, "tbase": tbase, "args": args})
         for v, h in outputs.items():
             if v not in args:
                 s.handles[h] = lowered.output_layouts[v]
+        for h in args.values():
+            s.queued_reads[h] = s.queued_reads.get(h, 0) + 1
+        islands = frozenset(self.workers[w].island for w in lowered.workers)
+        self.scheduler.submit(Run(sid, islands, key, Dispatch(key, lowered, graph.nvalues, base, tbase, args,
+                                                              {v: h for v, h in outputs.items() if v not in args})))
+        self._pump()
+
+    def _pump(self) -> None:
+        """Dispatch whatever the scheduler releases, in its order, to every worker involved."""
+        for run in self.scheduler.dispatchable():
+            d: Dispatch = run.payload
+            d.waiting = set(d.lowered.workers)
+            self._running[run.id] = run
+            for worker, ops in d.lowered.ops.items():
+                conn = self.workers[worker]
+                if d.key not in conn.defined:
+                    conn.outbox.put({"t": "define", "key": d.key, "nvalues": d.nvalues,
+                                     "ncopies": d.lowered.ncopies, "ops": ops})
+                    conn.defined.add(d.key)
+                conn.outbox.put({"t": "run", "id": run.id, "key": d.key, "base": d.base, "tbase": d.tbase,
+                                 "args": d.args})
+            self._reads_done(run)
+
+    def _reads_done(self, run: Run) -> None:
+        """A run left the queue (dispatched or dropped): deletes it held back can go now."""
+        s = self.sessions.get(run.session)
+        if s is None:
+            return
+        ready: dict[int, Layout] = {}
+        for h in run.payload.args.values():
+            left = s.queued_reads.get(h, 0) - 1
+            if left > 0:
+                s.queued_reads[h] = left
+                continue
+            s.queued_reads.pop(h, None)
+            if h in s.deferred_deletes:
+                ready[h] = s.deferred_deletes.pop(h)
+        self._send_deletes(ready)
+
+    def _on_done(self, conn: WorkerConn, run_id: int, seconds: float) -> None:
+        run = self._running.get(run_id)
+        if run is None:
+            return
+        d: Dispatch = run.payload
+        d.waiting.discard(conn.worker)
+        d.seconds += max(seconds, 0.0)
+        if not d.waiting:
+            del self._running[run_id]
+            self.scheduler.finish(run_id, d.seconds)
+            self._pump()
 
     def _lowered(self, s: SessionState, program: int, graph: ProgramGraph,
                  args: dict[int, int]) -> tuple[int, Lowered]:
         layouts: dict[int, Layout] = {}
         for v, h in args.items():
             if h in s.poisoned:
-                raise RunFailure(s.poisoned[h])
+                kind, message = s.poisoned[h]
+                raise RunFailure(message, kind)
             layout = s.handles.get(h)
             if layout is None:
                 raise RunFailure(f"input array {h:#x} was deleted or never created")
-            if layout.worker not in self.workers:
-                raise RunFailure(f"input array {h:#x} lived on worker {layout.worker}, which is gone")
+            if any(w not in self.workers for w in layout.workers):
+                raise RunFailure(f"input array {h:#x} lived on workers {list(layout.workers)}, "
+                                 "one of which is gone", LOST)
             layouts[v] = layout
         cache_key = (program, tuple(sorted(layouts.items())))
         hit = s.lowered.get(cache_key)
@@ -268,20 +402,29 @@ class ControllerCore:
             s.lowered[cache_key] = hit
         gone = [w for w in hit[1].ops if w not in self.workers]
         if gone:
-            raise RunFailure(f"the program needs worker(s) {gone}, which are gone")
+            raise RunFailure(f"the program needs worker(s) {gone}, which are gone; compile it for a "
+                             "slice of a healthy island", LOST)
         return hit
 
     # ---- status ----------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
+        islands = sorted({w.island for w in self.workers.values()} | self.rm.unhealthy)
         return {
-            "workers": [{"worker": w.worker, "address": w.address, "island": w.island,
+            "policy": self.scheduler.policy,
+            "window": self.scheduler.window,
+            "islands": [{"island": i, "healthy": i not in self.rm.unhealthy,
+                         "hosts": sum(1 for w in self.workers.values() if w.island == i),
+                         "devices": sum(w.devices for w in self.workers.values() if w.island == i),
+                         "queued": self.scheduler.queued(i), "inflight": self.scheduler.inflight(i)}
+                        for i in islands],
+            "workers": [{"worker": w.worker, "address": w.address, "island": w.island, "rank": w.rank,
                          "kind": w.kind, "devices": w.devices, "pid": w.pid, "host": w.host,
                          "memory_bytes": w.memory_bytes,
                          "load": list(self.rm.hosts[w.worker].load) if w.worker in self.rm.hosts else []}
                         for w in self.workers.values()],
-            "sessions": len(self.sessions),
+            "sessions": [{"session": sid, "slices": len(s.slices), "arrays": len(s.handles),
+                          **self.scheduler.session_stats(sid)} for sid, s in self.sessions.items()],
             "slices": len(self.rm.slices),
             "arrays": sum(len(s.handles) for s in self.sessions.values()),
         }
-

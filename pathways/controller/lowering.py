@@ -1,14 +1,16 @@
 """Lowering a program graph to one op stream per worker. Pure: no I/O, no JAX.
 
-The worker executes its stream in order with a register file indexed by value number
-(worker/executor.py). Ops, as wire lists:
+A value on a multi-host slice has one part on each of its hosts, so an op touching it
+appears in the stream of every one of them. The worker executes its stream in order with a
+register file indexed by value number (worker/executor.py). Ops, as wire lists:
 
 - ``["in", v, keep]``: wait for handle(v) in the object store, load it into register v;
   with keep false the store entry is removed (a transfer copy for this run only).
 - ``["exec", fn, ins, outs]``: run compiled function ``fn``.
 - ``["out", v]``: publish register v to the object store as handle(v).
-- ``["send", v, worker, dst, layout]``: push register v to ``worker``, arriving as handle(dst)
-  in ``layout``.
+- ``["send", v, workers, dst, layout, nsenders]``: push this host's part of register v to
+  each of ``workers``, arriving as handle(dst) in ``layout``; a receiver assembles the array
+  once all ``nsenders`` hosts of the source have sent their parts.
 - ``["reshard", v, dst, layout]``: copy register v into ``layout`` on this worker.
 - ``["drop", [v...]]``: release registers after their last use.
 
@@ -29,7 +31,7 @@ from pathways.ir import Layout, ProgramGraph
 class FnLayouts:
     """Where a compiled function runs and the layouts of its flat inputs and outputs."""
 
-    worker: int
+    workers: tuple[int, ...]
     ins: tuple[Layout, ...]
     outs: tuple[Layout, ...]
 
@@ -39,6 +41,11 @@ class Lowered:
     ops: dict[int, list[list]]  # worker -> op stream
     ncopies: int  # transfer copies numbered nvalues .. nvalues+ncopies-1
     output_layouts: dict[int, Layout]  # program output value -> where it lives
+    transfers: tuple[tuple[int, int, int], ...]  # (sender, receiver, copy value) per push
+
+    @property
+    def workers(self) -> frozenset[int]:
+        return frozenset(self.ops)
 
 
 def lower(graph: ProgramGraph, fns: Mapping[int, FnLayouts], input_layouts: Mapping[int, Layout]) -> Lowered:
@@ -53,6 +60,7 @@ def lower(graph: ProgramGraph, fns: Mapping[int, FnLayouts], input_layouts: Mapp
     in_store: set[int] = set()  # values that reach a worker through the object store
     loaded: set[tuple[int, int]] = set()
     outputs = set(graph.outputs)
+    transfers: list[tuple[int, int, int]] = []
     next_copy = graph.nvalues
 
     for v in graph.inputs:
@@ -75,11 +83,14 @@ def lower(graph: ProgramGraph, fns: Mapping[int, FnLayouts], input_layouts: Mapp
         src = copy_of[(v, src_layout)]
         dst = next_copy
         next_copy += 1
-        load(src_layout.worker, src)
-        if src_layout.worker == want.worker:
-            ops[want.worker].append(["reshard", src, dst, want.to_wire()])
+        for w in src_layout.workers:
+            load(w, src)
+        if src_layout.workers == want.workers and not want.multi_host:
+            ops[want.workers[0]].append(["reshard", src, dst, want.to_wire()])
         else:
-            ops[src_layout.worker].append(["send", src, want.worker, dst, want.to_wire()])
+            for w in src_layout.workers:
+                ops[w].append(["send", src, list(want.workers), dst, want.to_wire(), len(src_layout.workers)])
+                transfers.extend((w, r, dst) for r in want.workers)
             in_store.add(dst)
         copy_of[(v, want)] = dst
         return dst
@@ -93,17 +104,19 @@ def lower(graph: ProgramGraph, fns: Mapping[int, FnLayouts], input_layouts: Mapp
                 f"node of function {node.fn} has {len(node.ins)} inputs and {len(node.outs)} "
                 f"outputs; the function takes {len(fn.ins)} and returns {len(fn.outs)}")
         args = [materialize(v, layout) for v, layout in zip(node.ins, fn.ins)]
-        for a in args:
-            load(fn.worker, a)
-        ops[fn.worker].append(["exec", node.fn, args, list(node.outs)])
+        for w in fn.workers:
+            for a in args:
+                load(w, a)
+            ops[w].append(["exec", node.fn, args, list(node.outs)])
         for v, layout in zip(node.outs, fn.outs):
             home[v] = layout
             copy_of[(v, layout)] = v
             if v in outputs:
-                ops[fn.worker].append(["out", v])
+                for w in fn.workers:
+                    ops[w].append(["out", v])
 
     return Lowered({w: _with_drops(stream) for w, stream in ops.items()},
-                   next_copy - graph.nvalues, {v: home[v] for v in outputs})
+                   next_copy - graph.nvalues, {v: home[v] for v in outputs}, tuple(transfers))
 
 
 def _reads(op: list) -> list[int]:

@@ -1,8 +1,10 @@
 """The resource manager: maps virtual slices onto physical devices. Pure: no I/O.
 
-A slice lives on the devices of one worker host. Slices may share devices; the manager
-puts each new slice on the least-loaded devices that fit, and ``exclusive`` slices get
-devices nobody else uses (and keep them to themselves).
+A slice lives on the devices of one host when it fits on one, and otherwise on several
+hosts of one island (the same number of devices on each, hosts in rank order, so the
+mesh's leading axis spans hosts). Slices may share devices; the manager puts each new
+slice on the least-loaded devices that fit, and ``exclusive`` slices get devices nobody
+else uses. Islands marked unhealthy (a host was lost) get no new slices.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathways.errors import PlacementError
 class Host:
     worker: int
     island: int
+    rank: int  # the host's index within its island
     kind: str
     ndevices: int
     memory_bytes: int
@@ -31,10 +34,10 @@ class Host:
 @dataclass(frozen=True)
 class SlicePlacement:
     slice_id: int
-    worker: int
+    workers: tuple[int, ...]
     island: int
     kind: str
-    devices: tuple[int, ...]
+    devices: tuple[tuple[int, int], ...]  # (host rank, local device), in mesh order
     mesh_shape: tuple[int, ...]
     exclusive: bool
     owner: int
@@ -44,10 +47,15 @@ class ResourceManager:
     def __init__(self) -> None:
         self.hosts: dict[int, Host] = {}
         self.slices: dict[int, SlicePlacement] = {}
+        self.unhealthy: set[int] = set()  # islands that lost a host
         self._ids = itertools.count(1)
 
-    def add_host(self, worker: int, island: int, kind: str, ndevices: int, memory_bytes: int) -> None:
-        self.hosts[worker] = Host(worker, island, kind, ndevices, memory_bytes)
+    def add_host(self, worker: int, island: int, kind: str, ndevices: int, memory_bytes: int,
+                 rank: int = 0) -> None:
+        self.hosts[worker] = Host(worker, island, rank, kind, ndevices, memory_bytes)
+
+    def mark_unhealthy(self, island: int) -> None:
+        self.unhealthy.add(island)
 
     def place(self, count: int, kind: str, mesh_shape: Optional[tuple[int, ...]] = None,
               island: Optional[int] = None, exclusive: bool = False, owner: int = 0) -> SlicePlacement:
@@ -58,39 +66,81 @@ class ResourceManager:
         if _prod(mesh_shape) != count:
             raise PlacementError(f"mesh_shape {mesh_shape} has {_prod(mesh_shape)} devices, "
                                  f"but the slice asks for {count}; make their product equal")
-        candidates = [h for h in self.hosts.values()
-                      if h.kind == kind and (island is None or h.island == island)]
-        best: Optional[tuple[tuple, Host, list[int]]] = None
-        for host in candidates:
-            free = [d for d in range(host.ndevices) if d not in host.exclusive
-                    and (not exclusive or host.load[d] == 0)]
-            if len(free) < count:
-                continue
-            chosen = sorted(free, key=lambda d: (host.load[d], d))[:count]
-            score = (max(host.load[d] for d in chosen), sum(host.load), host.worker)
-            if best is None or score < best[0]:
-                best = (score, host, sorted(chosen))
+        candidates = [h for h in self.hosts.values() if h.kind == kind and h.island not in self.unhealthy
+                      and (island is None or h.island == island)]
+        best = self._best_on_one_host(candidates, count, exclusive)
+        if best is None:
+            best = self._best_across_hosts(candidates, count, exclusive)
         if best is None:
             raise PlacementError(self._explain(count, kind, island, exclusive))
-        _, host, devices = best
-        for d in devices:
-            host.load[d] += 1
-            if exclusive:
-                host.exclusive.add(d)
-        placement = SlicePlacement(next(self._ids), host.worker, host.island, kind,
-                                   tuple(devices), mesh_shape, exclusive, owner)
+        _, chosen = best
+        for host, devices in chosen:
+            for d in devices:
+                host.load[d] += 1
+                if exclusive:
+                    host.exclusive.add(d)
+        placement = SlicePlacement(next(self._ids), tuple(h.worker for h, _ in chosen), chosen[0][0].island,
+                                   kind, tuple((h.rank, d) for h, ds in chosen for d in ds),
+                                   mesh_shape, exclusive, owner)
         self.slices[placement.slice_id] = placement
         return placement
 
+    def _free(self, host: Host, exclusive: bool) -> list[int]:
+        return [d for d in range(host.ndevices) if d not in host.exclusive
+                and (not exclusive or host.load[d] == 0)]
+
+    def _best_on_one_host(self, candidates: list[Host], count: int, exclusive: bool) -> Optional[tuple]:
+        best: Optional[tuple] = None
+        for host in candidates:
+            free = self._free(host, exclusive)
+            if len(free) < count:
+                continue
+            chosen = sorted(sorted(free, key=lambda d: (host.load[d], d))[:count])
+            score = (max(host.load[d] for d in chosen), sum(host.load), host.worker)
+            if best is None or score < best[0]:
+                best = (score, [(host, chosen)])
+        return best
+
+    def _best_across_hosts(self, candidates: list[Host], count: int, exclusive: bool) -> Optional[tuple]:
+        """The least-loaded choice of k hosts of one island with count/k devices each, for
+        the smallest k that works."""
+        best: Optional[tuple] = None
+        islands = sorted({h.island for h in candidates})
+        for k in range(2, len(candidates) + 1):
+            if count % k:
+                continue
+            per_host = count // k
+            for isl in islands:
+                options = []
+                for host in (h for h in candidates if h.island == isl):
+                    free = self._free(host, exclusive)
+                    if len(free) >= per_host:
+                        chosen = sorted(sorted(free, key=lambda d: (host.load[d], d))[:per_host])
+                        options.append(((max(host.load[d] for d in chosen), sum(host.load), host.rank),
+                                        host, chosen))
+                if len(options) < k:
+                    continue
+                picked = sorted(options, key=lambda o: o[0])[:k]
+                score = (max(o[0][0] for o in picked), sum(o[0][1] for o in picked), isl)
+                if best is None or score < best[0]:
+                    best = (score, [(h, ds) for _, h, ds in sorted(picked, key=lambda o: o[1].rank)])
+            if best is not None:
+                return best
+        return None
+
     def release(self, slice_id: int) -> None:
         placement = self.slices.pop(slice_id, None)
-        host = self.hosts.get(placement.worker) if placement else None
-        if host is None:
+        if placement is None:
             return
-        for d in placement.devices:
-            host.load[d] -= 1
-            if placement.exclusive:
-                host.exclusive.discard(d)
+        for worker in placement.workers:
+            host = self.hosts.get(worker)
+            if host is None:
+                continue
+            for rank, d in placement.devices:
+                if rank == host.rank:
+                    host.load[d] -= 1
+                    if placement.exclusive:
+                        host.exclusive.discard(d)
 
     def release_owner(self, owner: int) -> None:
         for slice_id in [s.slice_id for s in self.slices.values() if s.owner == owner]:
@@ -100,14 +150,14 @@ class ResourceManager:
         if not self.hosts:
             return "the cluster has no worker hosts yet; start workers or wait for them to register"
         what = ", ".join(
-            f"host {h.worker} (island {h.island}): {h.ndevices} {h.kind}"
-            + (f", {len(h.exclusive)} held exclusively" if h.exclusive else "")
+            f"host {h.worker} (island {h.island}{', unhealthy' if h.island in self.unhealthy else ''}): "
+            f"{h.ndevices} {h.kind}" + (f", {len(h.exclusive)} held exclusively" if h.exclusive else "")
             for h in self.hosts.values())
         want = f"{count} {kind} device(s)" + (f" in island {island}" if island is not None else "")
         want += " not used by any other slice" if exclusive else ""
-        return (f"cannot place a slice of {want} on one host; the cluster has: {what}. "
-                "Ask for fewer devices, or start a cluster with more devices per host "
-                "(pw.local_cluster(devices_per_host=N))")
+        return (f"cannot place a slice of {want} on one host or evenly over the healthy hosts of one "
+                f"island; the cluster has: {what}. Ask for fewer devices, or start a cluster with more "
+                "(pw.local_cluster(islands=[pw.Island(hosts=H, devices_per_host=D)]))")
 
 
 def _prod(xs: tuple[int, ...]) -> int:

@@ -26,8 +26,8 @@ ADDRESS_LINE = "PATHWAYS_CONTROLLER_ADDRESS"
 
 
 class ControllerServer:
-    def __init__(self, token: trio.lowlevel.TrioToken) -> None:
-        self.core = ControllerCore()
+    def __init__(self, token: trio.lowlevel.TrioToken, policy: str, window: int) -> None:
+        self.core = ControllerCore(policy, window)
         self._token = token
         self._session_ids = itertools.count(1)
 
@@ -80,12 +80,12 @@ class ControllerServer:
                 "Status": rpc.unary_unary(self.status)}
 
 
-def main() -> None:
-    trio.run(_serve)
+def main(policy: str = "fair", window: int = 8) -> None:
+    trio.run(_serve, policy, window)
 
 
-async def _serve() -> None:
-    controller = ControllerServer(trio.lowlevel.current_trio_token())
+async def _serve(policy: str, window: int) -> None:
+    controller = ControllerServer(trio.lowlevel.current_trio_token(), policy, window)
     server, port = rpc.make_server(rpc.CONTROLLER_SERVICE, controller.handlers(), max_workers=64)
     print(f"{ADDRESS_LINE} grpc://127.0.0.1:{port}", flush=True)
     try:

@@ -127,17 +127,99 @@ def array_chunks(arr: np.ndarray) -> Iterator[bytes]:
 
 
 def assemble_array(header: Any, chunks: Iterable[bytes]) -> np.ndarray:
-    """Rebuild an array from its header and raw chunks, checking the byte count."""
+    """Rebuild an array from its header and the next raw chunks of ``chunks``, consuming
+    exactly the bytes the header announced (pass an iterator to read several in turn)."""
     dtype, shape, nbytes = check_array_header(header)
+    chunks = iter(chunks)
     buf = bytearray(nbytes)
     pos = 0
-    for chunk in chunks:
+    while pos < nbytes:
+        chunk = next(chunks, None)
+        if chunk is None:
+            raise WireError(f"array data has {pos} bytes, header announced {nbytes}")
         if not isinstance(chunk, (bytes, bytearray)):
             raise WireError("array chunk must be binary")
         if pos + len(chunk) > nbytes:
             raise WireError(f"array data exceeds the {nbytes} bytes its header announced")
         buf[pos:pos + len(chunk)] = chunk
         pos += len(chunk)
-    if pos != nbytes:
-        raise WireError(f"array data has {pos} bytes, header announced {nbytes}")
     return np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+def expect_end(chunks: Iterable[bytes]) -> None:
+    if next(iter(chunks), None) is not None:
+        raise WireError("more array data arrived than the headers announced")
+
+
+# ---- pieces: the parts of a sharded array one host holds -------------------------------
+
+Index = tuple[tuple[int, int], ...]  # (start, stop) per dimension
+Piece = tuple[Index, np.ndarray]
+
+
+def full_index(shape: tuple[int, ...]) -> Index:
+    return tuple((0, d) for d in shape)
+
+
+def pieces_header(dtype: np.dtype, shape: tuple[int, ...], pieces: list[Piece]) -> dict:
+    """Header fields describing ``pieces`` of an array of ``dtype`` and ``shape``."""
+    return {"array": {"dtype": np.dtype(dtype).name, "shape": list(shape),
+                      "nbytes": int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize},
+            "pieces": [{"index": [list(i) for i in index], "array": array_header(a)} for index, a in pieces]}
+
+
+def pieces_chunks(pieces: list[Piece]) -> Iterator[bytes]:
+    for _, a in pieces:
+        yield from array_chunks(a)
+
+
+def read_pieces(header: dict, chunks: Iterator[bytes]) -> tuple[np.dtype, tuple[int, ...], list[Piece]]:
+    """The full array's dtype and shape and the pieces that follow ``header``, checked."""
+    dtype, shape, _ = check_array_header(header.get("array"))
+    chunks = iter(chunks)
+    raw = header.get("pieces")
+    if not isinstance(raw, list):
+        raise WireError("array pieces must be a list")
+    pieces = []
+    for p in raw:
+        if not isinstance(p, dict) or not isinstance(p.get("index"), list) or len(p["index"]) != len(shape):
+            raise WireError(f"an array piece needs an index of {len(shape)} [start, stop] pairs")
+        index = tuple(tuple(int_list(i, "piece index")) for i in p["index"])
+        if any(len(i) != 2 or not 0 <= i[0] <= i[1] <= d for i, d in zip(index, shape)):
+            raise WireError(f"piece index {p['index']} does not fit array shape {list(shape)}")
+        array = assemble_array(p.get("array"), chunks)
+        if array.dtype != dtype or array.shape != tuple(b - a for a, b in index):
+            raise WireError(f"piece {array.dtype}{list(array.shape)} does not match its index {p['index']}")
+        pieces.append((index, array))
+    return dtype, shape, pieces
+
+
+class Assembly:
+    """Collects pieces of one array, possibly from several senders, until it is whole."""
+
+    def __init__(self, dtype: np.dtype, shape: tuple[int, ...]) -> None:
+        self.dtype, self.shape = dtype, shape
+        self._whole: np.ndarray | None = None
+        self._buf: np.ndarray | None = None
+        self._covered: np.ndarray | None = None
+
+    def add(self, pieces: list[Piece]) -> None:
+        for index, array in pieces:
+            if self._whole is not None:
+                return  # already whole; later pieces repeat replicated data
+            if self._buf is None and index == full_index(self.shape):
+                self._whole = array  # the common case: one piece is everything, no copy
+                continue
+            if self._buf is None:
+                self._buf = np.empty(self.shape, self.dtype)
+                self._covered = np.zeros(self.shape, bool)
+            window = tuple(slice(a, b) for a, b in index)
+            self._buf[window] = array
+            self._covered[window] = True
+
+    def result(self) -> np.ndarray:
+        if self._whole is not None:
+            return self._whole
+        if self._buf is None or not self._covered.all():
+            raise WireError(f"the pieces received do not cover the whole {self.dtype}{list(self.shape)} array")
+        return self._buf

@@ -20,12 +20,22 @@ from pathways.errors import WireError
 from pathways.ir import Layout
 
 
+def island_devices() -> dict[tuple[int, int], Any]:
+    """Every device of this host's island by (host rank, local index). Without
+    jax.distributed the island is this host alone, rank 0."""
+    by_rank: dict[int, list] = {}
+    for d in sorted(jax.devices(), key=lambda d: (d.process_index, d.id)):
+        by_rank.setdefault(d.process_index, []).append(d)
+    return {(rank, i): d for rank, ds in by_rank.items() for i, d in enumerate(ds)}
+
+
 class Executables:
     def __init__(self) -> None:
-        self._devices = jax.local_devices()
+        self._devices = island_devices()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pathways-compile")
         self._by_fingerprint: dict[str, Future] = {}
         self._by_key: dict[int, tuple[Future, str]] = {}
+        self._multi_device: set[int] = set()
         self._shardings: dict[Layout, NamedSharding] = {}
         self._lock = threading.Lock()
 
@@ -43,16 +53,23 @@ class Executables:
                 future = self._pool.submit(self._compile, exported, ins, outs)
                 self._by_fingerprint[fingerprint] = future
             self._by_key[key] = (future, name)
+            if any(len(layout.devices) > 1 for layout in ins + outs):
+                self._multi_device.add(key)
 
     def get(self, key: int) -> tuple[Future, str] | None:
         return self._by_key.get(key)
 
+    def multi_device(self, key: int) -> bool:
+        """Whether function ``key`` runs on several devices (so it may hold collectives)."""
+        return key in self._multi_device
+
     def sharding(self, layout: Layout) -> NamedSharding:
         sharding = self._shardings.get(layout)
         if sharding is None:
-            if any(d >= len(self._devices) for d in layout.devices):
-                raise WireError(f"layout names devices {list(layout.devices)} but this worker "
-                                f"has {len(self._devices)}")
+            missing = [d for d in layout.devices if d not in self._devices]
+            if missing:
+                raise WireError(f"layout names devices {missing} (host rank, index) that this worker's "
+                                f"island lacks; it has {sorted(self._devices)}")
             devices = np.array([self._devices[d] for d in layout.devices]).reshape(layout.mesh_shape)
             mesh = Mesh(devices, layout.axis_names)
             sharding = NamedSharding(mesh, PartitionSpec(*layout.spec))

@@ -3,19 +3,30 @@
 One thread runs every program in the order the controller sent them, which is the island's
 gang order. Values live in a per-run register file; only inputs, outputs and transfers go
 through the object store. A failed op poisons the registers it would have written, and
-poison flows through everything downstream to whoever reads the result.
+poison flows through everything downstream to whoever reads the result. A second thread
+waits for each run's results in order and reports the run done with the device time it
+took, which frees its slot in the controller's window and feeds the fair-share policy.
+
+``unsafe_local_order`` is a debugging switch that removes the gang order: the worker then
+interleaves the runs of different client sessions in an order of its own (random), as a
+runtime without a central sequencer would. Collectives spanning hosts then meet their
+peers in different orders on different hosts, and hang or mix up their data.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import random
 import threading
+import time
+from collections import deque
 from typing import Any, Callable
 
 import jax
 
 from pathways.errors import WireError
+from pathways.handles import session_of
 from pathways.ir import Layout
 from pathways.wire.codec import int_list
 from pathways.worker.executables import Executables
@@ -28,16 +39,23 @@ _IN, _EXEC, _OUT, _SEND, _RESHARD, _DROP = range(6)
 
 class Executor:
     def __init__(self, store: ObjectStore, executables: Executables,
-                 send: Callable[[int, int, Any, list], None], wait_timeout: float) -> None:
+                 send: Callable[[list[int], int, Any, list, int], None], done: Callable[[int, float], None],
+                 wait_timeout: float, sync_collectives: bool = False, unsafe_local_order: bool = False) -> None:
         self._store = store
         self._executables = executables
         self._send = send
+        self._done = done
         self._wait_timeout = wait_timeout
+        self._sync_collectives = sync_collectives
+        self._unsafe_local_order = unsafe_local_order
         self._programs: dict[int, tuple[list[tuple], int, int]] = {}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._finished: queue.SimpleQueue = queue.SimpleQueue()
         self.worker_id = -1
         self._thread = threading.Thread(target=self._loop, name="pathways-executor", daemon=True)
         self._thread.start()
+        self._reporter = threading.Thread(target=self._report_loop, name="pathways-done", daemon=True)
+        self._reporter.start()
 
     @property
     def programs(self) -> int:
@@ -48,6 +66,7 @@ class Executor:
 
     def stop(self) -> None:
         self._queue.put(None)
+        self._finished.put(None)
         self._thread.join(timeout=5)
 
     def define(self, msg: dict) -> None:
@@ -66,7 +85,7 @@ class Executor:
                 raise WireError(f"op {op[0]!r} names register {v!r} outside 0..{nregs - 1}")
             return v
 
-        kind, arity = op[0], {"in": 3, "exec": 4, "out": 2, "send": 5, "reshard": 4, "drop": 2}.get(op[0])
+        kind, arity = op[0], {"in": 3, "exec": 4, "out": 2, "send": 6, "reshard": 4, "drop": 2}.get(op[0])
         if arity is None or len(op) != arity:
             raise WireError(f"op {op!r} is unknown or has the wrong number of fields")
         if kind == "in":
@@ -76,20 +95,20 @@ class Executor:
             if fn is None:
                 raise WireError(f"exec names function {op[1]!r}, which was never registered here")
             return (_EXEC, fn[0], fn[1], [reg(v) for v in int_list(op[2], "exec ins")],
-                    [reg(v) for v in int_list(op[3], "exec outs")])
+                    [reg(v) for v in int_list(op[3], "exec outs")], self._executables.multi_device(op[1]))
         if kind == "out":
             return (_OUT, reg(op[1]))
         if kind == "send":
             Layout.from_wire(op[4])
-            if not isinstance(op[2], int):
-                raise WireError("send needs an integer worker id")
-            return (_SEND, reg(op[1]), op[2], reg(op[3]), op[4])
+            if not isinstance(op[5], int) or op[5] < 1:
+                raise WireError("send needs a positive sender count")
+            return (_SEND, reg(op[1]), int_list(op[2], "send workers"), reg(op[3]), op[4], op[5])
         if kind == "reshard":
             return (_RESHARD, reg(op[1]), reg(op[2]), self._executables.sharding(Layout.from_wire(op[3])))
         return (_DROP, [reg(v) for v in int_list(op[1], "drop registers")])
 
     def _loop(self) -> None:
-        while (msg := self._queue.get()) is not None:
+        for msg in self._messages():
             try:
                 kind = msg["t"]
                 if kind == "run":
@@ -100,6 +119,45 @@ class Executor:
                     self._store.drop_session(msg["session"])
             except Exception:  # a bug must not kill the executor; the message is dropped
                 log.exception("executor dropped message %r", msg.get("t"))
+
+    def _messages(self) -> Any:
+        """Messages in arrival order (the gang order), or, with the unsafe switch, each
+        session's messages in order but sessions interleaved at random."""
+        if not self._unsafe_local_order:
+            while (msg := self._queue.get()) is not None:
+                yield msg
+            return
+        pending: dict[int, deque] = {}
+        rng = random.Random()
+        while True:
+            block = not pending
+            try:
+                while True:
+                    msg = self._queue.get(block=block)
+                    if msg is None:
+                        return
+                    pending.setdefault(_session_of_message(msg), deque()).append(msg)
+                    block = False
+            except queue.Empty:
+                pass
+            sid = rng.choice(list(pending))
+            yield pending[sid].popleft()
+            if not pending[sid]:
+                del pending[sid]
+
+    def _report_loop(self) -> None:
+        """Wait for each run's results, in order, and report the device time it took."""
+        busy_until = 0.0
+        while (item := self._finished.get()) is not None:
+            run_id, started, results = item
+            try:
+                jax.block_until_ready(results)
+            except Exception:  # the failure reaches readers through the results themselves
+                pass
+            now = time.perf_counter()
+            seconds = now - max(started, busy_until)
+            busy_until = now
+            self._done(run_id, seconds)
 
     def _run(self, msg: dict) -> None:
         program = self._programs.get(msg["key"])
@@ -117,20 +175,25 @@ class Executor:
 
         regs: list[Any] = [None] * nregs
         store = self._store
+        started = time.perf_counter()
+        produced: list[Any] = []
         for op in ops:
             code = op[0]
             if code == _EXEC:
-                _, future, name, ins, outs = op
+                _, future, name, ins, outs, multi_device = op
                 inputs = [regs[i] for i in ins]
                 bad = next((a for a in inputs if type(a) is Poison), None)
                 if bad is None:
                     try:
                         results = future.result(timeout=self._wait_timeout)(*inputs)
+                        if multi_device and self._sync_collectives:
+                            jax.block_until_ready(results)
                     except Exception as e:
                         bad = Poison(f"{name} failed on worker {self.worker_id}: {type(e).__name__}: {e}")
                     else:
                         for o, r in zip(outs, results):
                             regs[o] = r
+                        produced.extend(results)
                         continue
                 for o in outs:
                     regs[o] = bad
@@ -149,7 +212,7 @@ class Executor:
                 for v in op[1]:
                     regs[v] = None
             elif code == _SEND:
-                self._send(op[2], handle(op[3]), regs[op[1]], op[4])
+                self._send(op[2], handle(op[3]), regs[op[1]], op[4], op[5])
             else:  # _RESHARD
                 value = regs[op[1]]
                 if type(value) is not Poison:
@@ -158,3 +221,13 @@ class Executor:
                     except Exception as e:
                         value = Poison(f"moving an array on worker {self.worker_id} failed: {e}")
                 regs[op[2]] = value
+        if "id" in msg:
+            self._finished.put((msg["id"], started, produced))
+
+
+def _session_of_message(msg: dict) -> int:
+    if msg["t"] == "run":
+        return session_of(msg["base"])
+    if msg["t"] == "drop_session":
+        return msg["session"]
+    return session_of(msg["handles"][0]) if msg.get("handles") else 0

@@ -1,8 +1,13 @@
 """The worker process: the gRPC shell around the store, executables and executor.
 
 It attaches to the controller with one long-lived stream (registration up, op batches
-down) and serves the data plane (puts, fetches, peer pushes) on its own port. When the
-controller's stream ends, the worker exits: a worker without a controller has no work.
+and done reports) and serves the data plane (puts, fetches, peer pushes) on its own port.
+The hosts of an island of several hosts form one ``jax.distributed`` group (CPU
+collectives over gloo). When the controller's stream ends, or the controller says the
+island is lost, the worker exits: a worker without a controller or island has no work.
+
+Arrays cross the data plane as pieces: each host sends the distinct shards it holds, and
+a receiver assembles them once every sending host has delivered.
 """
 
 from __future__ import annotations
@@ -14,9 +19,11 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import grpc
+import numpy as np
 import trio
 
 from pathways.errors import ConnectError, WireError
@@ -29,16 +36,20 @@ _CONTROLLER_MESSAGES = {
     "peers": {"peers": dict},
     "compile": {"fn": int, "name": str, "blob": bytes, "ins": list, "outs": list},
     "define": {"key": int, "nvalues": int, "ncopies": int, "ops": list},
-    "run": {"key": int, "base": int, "tbase": int, "args": dict},
+    "run": {"id": int, "key": int, "base": int, "tbase": int, "args": dict},
     "delete": {"handles": list},
     "drop_session": {"session": int},
+    "poison": {"handles": list, "kind": str, "message": str},
+    "shutdown": {"reason": str},
 }
-_PUT_FIELDS = {"put": {"handle": int, "layout": list}}
+_PUT_FIELDS = {"put": {"handle": int, "layout": list, "of": int}}
+_ERROR_KINDS = ("RemoteError", "WorkerLostError")
 _FETCH_FIELDS = {"fetch": {"handle": int, "wait": (int, float), "data": bool}}
 
 
 class Worker:
-    def __init__(self, wait_timeout: float) -> None:
+    def __init__(self, wait_timeout: float, sync_collectives: bool, unsafe_local_order: bool,
+                 on_shutdown: Any) -> None:
         import jax  # configured by main() before the first import of a backend
 
         from pathways.worker.executables import Executables
@@ -51,9 +62,16 @@ class Worker:
         self.peers: dict[int, str] = {}
         self._peer_put: dict[int, Any] = {}
         self._send_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pathways-send")
+        self._incoming: dict[int, tuple[Any, int]] = {}  # handle -> (assembly, senders seen)
+        self._incoming_lock = threading.Lock()
+        self._on_shutdown = on_shutdown
         self.wait_timeout = wait_timeout
-        self.executor = Executor(self.store, self.executables, self.send, wait_timeout)
         self.outbox = rpc.Outbox()
+        self.executor = Executor(self.store, self.executables, self.send, self._report_done, wait_timeout,
+                                 sync_collectives, unsafe_local_order)
+
+    def _report_done(self, run_id: int, seconds: float) -> None:
+        self.outbox.put({"t": "done", "run": run_id, "seconds": seconds})
 
     # ---- control plane --------------------------------------------------------------
 
@@ -83,6 +101,15 @@ class Worker:
             self.peers.update({int(k): v for k, v in msg["peers"].items()})
         elif kind == "welcome":
             self.executor.worker_id = msg["worker"]
+        elif kind == "poison":
+            from pathways.worker.store import Poison
+
+            error = msg["kind"] if msg["kind"] in _ERROR_KINDS else "RemoteError"
+            for h in codec.int_list(msg["handles"], "poison handles"):
+                self.store.put(h, Poison(msg["message"], error), replace=False)
+        elif kind == "shutdown":
+            log.warning("the controller shut this worker down: %s", msg["reason"])
+            self._on_shutdown()
         else:
             if kind == "run" and not all(isinstance(k, int) and isinstance(v, int) for k, v in msg["args"].items()):
                 raise WireError("run args must map register numbers to handles")
@@ -92,54 +119,104 @@ class Worker:
 
     # ---- data plane -----------------------------------------------------------------
 
-    def send(self, peer: int, handle: int, value: Any, layout: list) -> None:
-        self._send_pool.submit(self._push, peer, handle, value, layout)
+    def send(self, peers: list[int], handle: int, value: Any, layout: list, nsenders: int) -> None:
+        self._send_pool.submit(self._push, peers, handle, value, layout, nsenders)
 
-    def _push(self, peer: int, handle: int, value: Any, layout: list) -> None:
+    def _push(self, peers: list[int], handle: int, value: Any, layout: list, nsenders: int) -> None:
         from pathways.worker.store import Poison
 
-        header: dict = {"t": "put", "handle": handle, "layout": layout}
-        chunks: list[bytes] | Iterator[bytes] = []
+        header: dict = {"t": "put", "handle": handle, "layout": layout, "of": nsenders}
+        pieces: list = []
         if type(value) is Poison:
-            header["poison"] = value.message
+            header.update(poison=value.message, kind=value.kind)
         else:
             try:
-                array = self.jax.device_get(value)
-                header["array"] = codec.array_header(array)
-                chunks = codec.array_chunks(array)
+                dtype, shape, pieces = self.local_pieces(value)
+                header.update(codec.pieces_header(dtype, shape, pieces))
             except Exception as e:
                 header["poison"] = f"computing an array on worker {self.executor.worker_id} failed: {e}"
-        try:
-            put = self._peer_put.get(peer)
-            if put is None:
-                put = rpc.method(rpc.open_channel(self.peers[peer]), rpc.WORKER_SERVICE, "Put", "stream_unary")
-                self._peer_put[peer] = put
-            reply = codec.unpack(put(_prepend(codec.pack(header), chunks), timeout=self.wait_timeout))
-            if "error" in reply:
-                log.error("worker %s refused array %#x: %s", peer, handle, reply["error"])
-        except (grpc.RpcError, KeyError) as e:
-            log.error("sending array %#x to worker %s failed: %s", handle, peer, e)
+        for peer in peers:
+            if peer == self.executor.worker_id:
+                error = self.receive(header, codec.pieces_chunks(pieces))
+                if error:
+                    log.error("storing array %#x locally failed: %s", handle, error)
+                continue
+            try:
+                put = self._peer_put.get(peer)
+                if put is None:
+                    put = rpc.method(rpc.open_channel(self.peers[peer]), rpc.WORKER_SERVICE, "Put", "stream_unary")
+                    self._peer_put[peer] = put
+                stream = _prepend(codec.pack(header), codec.pieces_chunks(pieces))
+                reply = codec.unpack(put(stream, timeout=self.wait_timeout))
+                if "error" in reply:
+                    log.error("worker %s refused array %#x: %s", peer, handle, reply["error"])
+            except (grpc.RpcError, KeyError) as e:
+                log.error("sending array %#x to worker %s failed: %s", handle, peer, e)
 
-    def put(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+    def local_pieces(self, value: Any) -> tuple[Any, tuple[int, ...], list]:
+        """The distinct shards of ``value`` this host holds, as (index, numpy array)."""
+        shape = tuple(value.shape)
+        if value.is_fully_addressable:
+            return value.dtype, shape, [(codec.full_index(shape), np.asarray(self.jax.device_get(value)))]
+        pieces, seen = [], set()
+        for shard in value.addressable_shards:
+            index = tuple((s.start or 0, d if s.stop is None else s.stop) for s, d in zip(shard.index, shape))
+            if index not in seen:
+                seen.add(index)
+                pieces.append((index, np.asarray(shard.data)))
+        return value.dtype, shape, pieces
+
+    def receive(self, header: dict, chunks: Iterator[bytes]) -> str | None:
+        """Store an array (or its pieces from one sender) arriving as handle; returns an
+        error message, or None."""
         from pathways.ir import Layout
         from pathways.worker.store import Poison
 
         try:
-            chunks = iter(request_iterator)
-            header = codec.validate(codec.unpack(next(chunks, b"")), _PUT_FIELDS)
-            handle = header["handle"]
+            header = codec.validate(header, _PUT_FIELDS)
+            handle, nsenders = header["handle"], header["of"]
             layout = Layout.from_wire(header["layout"])
-            if self.store.get(handle) is not None:
-                raise WireError(f"array {handle:#x} already exists on this worker")
+            if not 1 <= nsenders <= 4096:
+                raise WireError(f"a put needs 1 to 4096 senders, got {nsenders}")
             if isinstance(header.get("poison"), str):
-                value: Any = Poison(header["poison"])
+                kind = header.get("kind") if header.get("kind") in _ERROR_KINDS else "RemoteError"
+                with self._incoming_lock:
+                    self._incoming.pop(handle, None)
+                self.store.put(handle, Poison(header["poison"], kind), replace=False)
+                return None
+            dtype, shape, pieces = codec.read_pieces(header, chunks)
+            codec.expect_end(chunks)
+            sharding = self.executables.sharding(layout)
+            with self._incoming_lock:
+                if self.store.get(handle) is not None:
+                    return None if nsenders > 1 else f"array {handle:#x} already exists on this worker"
+                assembly, seen = self._incoming.pop(handle, (None, 0))
+                if assembly is None:
+                    assembly = codec.Assembly(dtype, shape)
+                elif (assembly.dtype, assembly.shape) != (dtype, shape):
+                    raise WireError(f"pieces of array {handle:#x} disagree on its dtype and shape")
+                assembly.add(pieces)
+                if seen + 1 < nsenders:
+                    self._incoming[handle] = (assembly, seen + 1)
+                    return None
+            array = assembly.result()
+            if sharding.is_fully_addressable:
+                value: Any = self.jax.device_put(array, sharding)
             else:
-                array = codec.assemble_array(header.get("array"), chunks)
-                value = self.jax.device_put(array, self.executables.sharding(layout))
+                value = self.jax.make_array_from_callback(shape, sharding, lambda index: array[index])
             self.store.put(handle, value)
-            return codec.pack({"ok": True})
+            return None
+        except WireError as e:
+            return str(e)
+
+    def put(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        try:
+            chunks = iter(request_iterator)
+            header = codec.unpack(next(chunks, b""))
         except WireError as e:
             return codec.pack({"error": str(e)})
+        error = self.receive(header, chunks)
+        return codec.pack({"error": error} if error else {"ok": True})
 
     def fetch(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         from pathways.worker.store import Poison
@@ -156,7 +233,7 @@ class Worker:
             yield codec.pack({"state": "pending"})
             return
         if type(value) is Poison:
-            yield codec.pack({"state": "error", "message": value.message})
+            yield codec.pack({"state": "error", "kind": value.kind, "message": value.message})
             return
         pause = 0.0002
         while not value.is_ready():
@@ -169,13 +246,13 @@ class Worker:
             yield codec.pack({"state": "ready"})
             return
         try:
-            array = self.jax.device_get(value)
+            dtype, shape, pieces = self.local_pieces(value)
         except Exception as e:
             yield codec.pack({"state": "error", "message": f"computation failed on worker "
                                                           f"{self.executor.worker_id}: {e}"})
             return
-        yield codec.pack({"state": "ready", "array": codec.array_header(array)})
-        yield from codec.array_chunks(array)
+        yield codec.pack({"state": "ready", **codec.pieces_header(dtype, shape, pieces)})
+        yield from codec.pieces_chunks(pieces)
 
     def stats(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         return codec.pack({"worker": self.executor.worker_id, "handles": len(self.store),
@@ -199,25 +276,62 @@ def _prepend(first: bytes, rest: Any) -> Iterator[bytes]:
     yield from rest
 
 
-def main(controller: str, devices: int, island: int, wait_timeout: float, connect_timeout: float) -> None:
-    """Configure JAX for ``devices`` CPU devices, then serve until the controller goes away."""
+@dataclass(frozen=True)
+class IslandMembership:
+    """This host's place in a multi-host island: the jax.distributed group it joins."""
+
+    coordinator: str  # host:port of the group's coordination service (run by rank 0)
+    hosts: int
+    rank: int
+
+
+def main(controller: str, devices: int, island: int, wait_timeout: float, connect_timeout: float,
+         membership: IslandMembership | None = None, unsafe_local_order: bool = False) -> None:
+    """Configure JAX for ``devices`` CPU devices (joining the island's jax.distributed group
+    when it has several hosts), then serve until the controller goes away."""
     import jax
 
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", devices)
-    trio.run(_serve, controller, devices, island, wait_timeout, connect_timeout)
+    if membership is not None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        # A lost host is the controller's to handle (it fails the island's work and stops
+        # the other hosts); without this, jax aborts every other process of the group.
+        jax.config.update("jax_enable_recoverability", True)
+        jax.distributed.initialize(membership.coordinator, membership.hosts, membership.rank,
+                                   initialization_timeout=int(connect_timeout))
+    rank = membership.rank if membership else 0
+    # Under jax.distributed, a process with several devices hangs after a few dozen
+    # multi-device computations dispatched back to back (even ones local to the process);
+    # waiting for each before the next is safe (measured: DESIGN.md, BENCHMARKS.md).
+    sync = membership is not None and devices > 1
+    trio.run(_serve, controller, devices, island, rank, wait_timeout, connect_timeout, sync, unsafe_local_order)
+    if membership is not None:
+        # jax.distributed's exit handler waits at a barrier for every host of the island,
+        # which never comes when one of them is lost.
+        logging.shutdown()
+        os._exit(0)
 
 
-async def _serve(controller: str, devices: int, island: int, wait_timeout: float, connect_timeout: float) -> None:
-    worker = Worker(wait_timeout)
-    server, port = rpc.make_server(rpc.WORKER_SERVICE, worker.handlers())
-    channel = rpc.open_channel(controller)
+async def _serve(controller: str, devices: int, island: int, rank: int, wait_timeout: float,
+                 connect_timeout: float, sync_collectives: bool, unsafe_local_order: bool) -> None:
     ended = trio.Event()
     token = trio.lowlevel.current_trio_token()
+
+    def end() -> None:
+        try:
+            token.run_sync_soon(ended.set)
+        except trio.RunFinishedError:
+            pass
+
+    worker = Worker(wait_timeout, sync_collectives, unsafe_local_order, end)
+    server, port = rpc.make_server(rpc.WORKER_SERVICE, worker.handlers())
+    channel = rpc.open_channel(controller)
     try:
         await trio.to_thread.run_sync(rpc.wait_ready, channel, controller, connect_timeout)
         worker.outbox.put({"t": "register", "address": f"grpc://127.0.0.1:{port}", "kind": "cpu",
-                           "devices": devices, "island": island, "pid": os.getpid(), "host": socket.gethostname(),
+                           "devices": devices, "island": island, "rank": rank, "pid": os.getpid(),
+                           "host": socket.gethostname(),
                            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")})
         attach = rpc.method(channel, rpc.CONTROLLER_SERVICE, "Attach", "stream_stream")
         responses = attach(worker.outbox.batches())
@@ -229,10 +343,7 @@ async def _serve(controller: str, devices: int, island: int, wait_timeout: float
             except Exception as e:  # RpcError, or ValueError once shutdown closed the channel
                 log.info("controller stream ended: %s", e)
             finally:
-                try:
-                    token.run_sync_soon(ended.set)
-                except trio.RunFinishedError:
-                    pass
+                end()
 
         threading.Thread(target=read, name="pathways-attach", daemon=True).start()
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

@@ -18,15 +18,17 @@ _MAX_TOMBSTONES = 100_000
 
 
 class Poison:
-    """Stands in for the value of a failed computation; carries the failure's message."""
+    """Stands in for the value of a failed computation; carries the failure's message and
+    the kind of error its reader gets (RemoteError, or WorkerLostError)."""
 
-    __slots__ = ("message",)
+    __slots__ = ("message", "kind")
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, kind: str = "RemoteError") -> None:
         self.message = message
+        self.kind = kind
 
     def __repr__(self) -> str:
-        return f"Poison({self.message!r})"
+        return f"Poison({self.kind}: {self.message!r})"
 
 
 class ObjectStore:
@@ -36,9 +38,12 @@ class ObjectStore:
         self._tombstones: OrderedDict[int, None] = OrderedDict()
         self._dropped_sessions: set[int] = set()
 
-    def put(self, handle: int, value: Any) -> bool:
-        """Store ``value``; False if the handle was deleted before it arrived."""
+    def put(self, handle: int, value: Any, replace: bool = True) -> bool:
+        """Store ``value``; False if the handle was deleted before it arrived (or, with
+        ``replace`` false, already holds a value)."""
         with self._cond:
+            if not replace and handle in self._entries:
+                return False
             if handle in self._tombstones:
                 del self._tombstones[handle]
                 return False

@@ -1,0 +1,113 @@
+"""The gang scheduler as a pure function of submissions and completions."""
+
+from collections import Counter, deque
+
+import pytest
+
+from pathways.controller.scheduler import Run, Scheduler
+
+
+def saturate(sched, weights, costs, completions):
+    """Every session keeps work queued; the island finishes runs one at a time, oldest first.
+    Returns the device time each session received."""
+    for sid, w in weights.items():
+        sched.add_session(sid, w)
+    for sid in weights:
+        for _ in range(sched.window * 2):
+            sched.submit(Run(sid, frozenset({0}), ("prog", sid)))
+    flying: deque = deque(sched.dispatchable())
+    device = Counter()
+    for _ in range(completions):
+        run = flying.popleft()
+        device[run.session] += costs[run.session]
+        sched.finish(run.id, costs[run.session])
+        sched.submit(Run(run.session, frozenset({0}), ("prog", run.session)))
+        flying.extend(sched.dispatchable())
+    return device
+
+
+@pytest.mark.parametrize("weights", [{1: 1, 2: 1, 3: 1, 4: 1}, {1: 1, 2: 2, 3: 4, 4: 8}])
+def test_fair_policy_splits_device_time_by_weight(weights):
+    device = saturate(Scheduler("fair", window=4), weights, {s: 1e-3 for s in weights}, 3000)
+    total = sum(device.values())
+    for sid, w in weights.items():
+        assert device[sid] / total == pytest.approx(w / sum(weights.values()), rel=0.02)
+
+
+def test_fair_policy_counts_device_time_not_runs():
+    # Session 2's runs cost three times as much; equal weights still mean equal device time.
+    device = saturate(Scheduler("fair", window=2), {1: 1, 2: 1}, {1: 1e-3, 2: 3e-3}, 4000)
+    assert device[1] / device[2] == pytest.approx(1.0, rel=0.03)
+
+
+def test_fifo_releases_in_submission_order_within_the_window():
+    sched = Scheduler("fifo", window=3)
+    for sid in (1, 2):
+        sched.add_session(sid)
+    runs = [sched.submit(Run(sid, frozenset({0}), "p")) for sid in (2, 1, 2, 1, 2)]
+    first = list(sched.dispatchable())
+    assert first == runs[:3], "only a window's worth is in flight"
+    assert sched.inflight(0) == 3 and sched.queued(0) == 2
+    sched.finish(first[0].id, 1e-3)
+    assert list(sched.dispatchable()) == [runs[3]]
+
+
+def test_a_session_keeps_its_own_order():
+    sched = Scheduler("fair", window=100)
+    sched.add_session(1)
+    runs = [sched.submit(Run(1, frozenset({0}), i)) for i in range(10)]
+    assert list(sched.dispatchable()) == runs
+
+
+def test_an_idle_session_does_not_bank_credit():
+    sched = Scheduler("fair", window=1)
+    sched.add_session(1)
+    sched.add_session(2)
+    for _ in range(50):  # session 1 runs alone for a while
+        sched.submit(Run(1, frozenset({0}), "p"))
+        (run,) = sched.dispatchable()
+        sched.finish(run.id, 1e-3)
+    for sid in (1, 2):
+        for _ in range(20):
+            sched.submit(Run(sid, frozenset({0}), "p"))
+    order = []
+    for _ in range(20):
+        (run,) = sched.dispatchable()
+        order.append(run.session)
+        sched.finish(run.id, 1e-3)
+    assert 8 <= order.count(2) <= 12, f"session 2 should alternate with 1, not run 20 in a row: {order}"
+
+
+def test_runs_on_several_islands_need_room_on_each():
+    sched = Scheduler("fifo", window=1)
+    sched.add_session(1)
+    sched.add_session(2)
+    a = sched.submit(Run(1, frozenset({0}), "p"))
+    both = sched.submit(Run(2, frozenset({0, 1}), "q"))
+    assert list(sched.dispatchable()) == [a], "island 0 is full, so the two-island run waits"
+    sched.finish(a.id, 1e-3)
+    assert list(sched.dispatchable()) == [both]
+    assert sched.inflight(0) == sched.inflight(1) == 1
+
+
+def test_cancel_removes_queued_and_frees_in_flight_windows():
+    sched = Scheduler("fifo", window=1)
+    sched.add_session(1)
+    sched.add_session(2)
+    on0 = sched.submit(Run(1, frozenset({0}), "p"))
+    queued0 = sched.submit(Run(2, frozenset({0}), "p"))
+    on1 = sched.submit(Run(2, frozenset({1}), "p"))
+    assert list(sched.dispatchable()) == [on0]  # session 2's head waits for island 0
+    queued, flying = sched.cancel(lambda r: 0 in r.islands)
+    assert queued == [queued0] and flying == [on0]
+    assert sched.inflight(0) == 0
+    assert list(sched.dispatchable()) == [on1]
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="policy"):
+        Scheduler("lifo")
+    with pytest.raises(ValueError, match="window"):
+        Scheduler("fair", window=0)
+    with pytest.raises(ValueError, match="weight"):
+        Scheduler().add_session(1, weight=0)
