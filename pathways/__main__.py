@@ -52,9 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--address", default=None)
 
     bench = sub.add_parser("bench", help="run a benchmark")
-    bench.add_argument("name", choices=["dispatch"])
+    bench.add_argument("name", choices=["dispatch", "share"])
     bench.add_argument("--address", default=None)
     bench.add_argument("--rounds", type=int, default=5)
+    bench.add_argument("--seconds", type=float, default=10.0, help="share: measurement window per weight set")
 
     args = parser.parse_args(argv)
     _logging(args.log_level)
@@ -94,7 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "demo":
         from pathways.demo import figure2
         figure2(args.address)
-    elif args.command == "bench":
+    elif args.command == "bench" and args.name == "share":
+        from pathways.bench import share
+        share.main(args.address, args.seconds)
+    else:
         from pathways.bench import dispatch
         dispatch.main(args.address, args.rounds)
     return 0

@@ -180,7 +180,8 @@ class LocalCluster:
     async def _watch(self, proc: trio.Process) -> None:
         code = await proc.wait()
         if not self._stopping:
-            log.error("pathways process %d (%s) exited with code %s", proc.pid, proc.args[3], code)
+            log.log(logging.INFO if code == 0 else logging.ERROR,
+                    "pathways process %d (%s) exited with code %s", proc.pid, proc.args[3], code)
             if not self._ready.is_set():
                 self._failure = f"process {proc.args[3]} exited with code {code} during start-up"
                 self._ready.set()

@@ -277,7 +277,9 @@ class ControllerCore:
         layout = Layout.from_wire(msg["layout"])
         gone = [w for w in layout.workers if w not in self.workers]
         if gone:
-            raise WireError(f"put names worker(s) {gone}, which are not attached")
+            self._poison(sid, [handle], LOST, f"the array was put on worker(s) {gone}, which are gone; "
+                                              "put it on a slice of a healthy island")
+            return
         s.handles[handle] = layout
 
     def _on_delete(self, sid: int, s: SessionState, msg: dict) -> None:

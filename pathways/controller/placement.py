@@ -153,6 +153,8 @@ class ResourceManager:
             f"host {h.worker} (island {h.island}{', unhealthy' if h.island in self.unhealthy else ''}): "
             f"{h.ndevices} {h.kind}" + (f", {len(h.exclusive)} held exclusively" if h.exclusive else "")
             for h in self.hosts.values())
+        if self.unhealthy:
+            what += f"; island(s) {sorted(self.unhealthy)} lost a host and are unhealthy"
         want = f"{count} {kind} device(s)" + (f" in island {island}" if island is not None else "")
         want += " not used by any other slice" if exclusive else ""
         return (f"cannot place a slice of {want} on one host or evenly over the healthy hosts of one "

@@ -30,7 +30,7 @@ from pathways.handles import session_of
 from pathways.ir import Layout
 from pathways.wire.codec import int_list
 from pathways.worker.executables import Executables
-from pathways.worker.store import ObjectStore, Poison
+from pathways.worker.store import ObjectStore, Poison, failure
 
 log = logging.getLogger("pathways.worker")
 
@@ -189,7 +189,7 @@ class Executor:
                         if multi_device and self._sync_collectives:
                             jax.block_until_ready(results)
                     except Exception as e:
-                        bad = Poison(f"{name} failed on worker {self.worker_id}: {type(e).__name__}: {e}")
+                        bad = failure(f"{name} on worker {self.worker_id}", e)
                     else:
                         for o, r in zip(outs, results):
                             regs[o] = r

@@ -28,6 +28,7 @@ import trio
 
 from pathways.errors import ConnectError, WireError
 from pathways.wire import codec, rpc
+from pathways.worker.store import failure
 
 log = logging.getLogger("pathways.worker")
 
@@ -134,7 +135,8 @@ class Worker:
                 dtype, shape, pieces = self.local_pieces(value)
                 header.update(codec.pieces_header(dtype, shape, pieces))
             except Exception as e:
-                header["poison"] = f"computing an array on worker {self.executor.worker_id} failed: {e}"
+                poison = failure(f"computing array {handle:#x} on worker {self.executor.worker_id}", e)
+                header.update(poison=poison.message, kind=poison.kind)
         for peer in peers:
             if peer == self.executor.worker_id:
                 error = self.receive(header, codec.pieces_chunks(pieces))
@@ -248,8 +250,8 @@ class Worker:
         try:
             dtype, shape, pieces = self.local_pieces(value)
         except Exception as e:
-            yield codec.pack({"state": "error", "message": f"computation failed on worker "
-                                                          f"{self.executor.worker_id}: {e}"})
+            poison = failure(f"the computation of array {req['handle']:#x} on worker {self.executor.worker_id}", e)
+            yield codec.pack({"state": "error", "kind": poison.kind, "message": poison.message})
             return
         yield codec.pack({"state": "ready", **codec.pieces_header(dtype, shape, pieces)})
         yield from codec.pieces_chunks(pieces)

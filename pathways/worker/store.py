@@ -31,6 +31,15 @@ class Poison:
         return f"Poison({self.kind}: {self.message!r})"
 
 
+def failure(what: str, error: Exception) -> Poison:
+    """The poison for ``what`` having failed with ``error``. A collective that lost its peer
+    means a host of the island died: readers get WorkerLostError, as they do once the
+    controller notices the loss."""
+    if "gloo" in str(error).lower():
+        return Poison(f"{what} failed because another host of its island was lost: {error}", "WorkerLostError")
+    return Poison(f"{what} failed: {type(error).__name__}: {error}")
+
+
 class ObjectStore:
     def __init__(self) -> None:
         self._entries: dict[int, Any] = {}

@@ -1,0 +1,203 @@
+"""Islands of several hosts: multi-host SPMD, gang scheduling across clients, lost workers.
+
+Every test here runs real clusters: worker processes of one island form a jax.distributed
+group, and clients are separate processes.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import pathways as pw
+from pathways.cluster import status
+from tests.conftest import pids_alive, read_line, wait_until
+
+
+@pytest.fixture(scope="module")
+def islands():
+    """Island 0: two hosts of one device each (one jax.distributed group); island 1: one
+    host of two devices."""
+    with pw.local_cluster(islands=[pw.Island(hosts=2, devices_per_host=1),
+                                   pw.Island(hosts=1, devices_per_host=2)]) as c:
+        pids = list(c.pids)
+        yield c
+    assert pids_alive(pids) == []
+
+
+@pytest.fixture
+def client(islands):
+    pw.connect(islands.address)
+    yield pw.default_session()
+    pw.disconnect()
+
+
+def test_a_slice_spans_the_hosts_of_its_island_and_runs_one_spmd_program(client):
+    s = pw.make_virtual_device_set().add_slice(cpu_devices=2, island=0)
+    assert s.island == 0 and len(s.workers) == 2, "two one-device hosts hold a two-device slice"
+    total = pw.pmap(lambda x: jax.lax.psum(x, "i"), devices=s.devices)
+    np.testing.assert_array_equal(np.asarray(total(np.array([3.0, 4.0], np.float32))), [7.0, 7.0])
+
+    mesh = s.mesh("x")
+    rows = pw.jit(lambda a: a * 10 + a.sum(), mesh=mesh, in_shardings=pw.P("x"), out_shardings=pw.P("x"))
+    a = np.arange(8, dtype=np.float32).reshape(4, 2)
+    sharded = pw.device_put(a, pw.NamedSharding(mesh, pw.P("x")))
+    np.testing.assert_array_equal(np.asarray(sharded), a)  # assembled from both hosts' rows
+    np.testing.assert_array_equal(np.asarray(rows(sharded)), a * 10 + a.sum())
+
+
+def test_programs_move_arrays_between_a_multi_host_slice_and_another_island(client):
+    vds = pw.make_virtual_device_set()
+    wide = vds.add_slice(cpu_devices=2, island=0)
+    local = vds.add_slice(cpu_devices=2, island=1)
+    double = pw.jit(lambda a: a * 2, mesh=wide.mesh("x"), in_shardings=pw.P("x"), out_shardings=pw.P("x"))
+    shift = pw.jit(lambda a: a + 1, mesh=local.mesh("y"), in_shardings=pw.P(None, "y"), out_shardings=pw.P("y"))
+
+    @pw.program
+    def there_and_back(a):
+        return double(shift(double(a)))
+
+    a = np.arange(12, dtype=np.float32).reshape(4, 3)[:, :2]
+    for _ in range(3):
+        np.testing.assert_array_equal(np.asarray(there_and_back(a)), (a * 2 + 1) * 2)
+
+
+CLIENT = textwrap.dedent("""
+    import json, sys
+    import jax, numpy as np
+    import pathways as pw
+
+    address, order, iterations = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    pw.connect(address)
+    vds = pw.make_virtual_device_set()
+    a, b = vds.add_slice(cpu_devices=2, island=0), vds.add_slice(cpu_devices=2, island=0)
+    f = pw.pmap(lambda x: jax.lax.psum(x * 2.0, "i"), devices=a.devices)
+    g = pw.pmap(lambda x: jax.lax.psum(x + 1.0, "i"), devices=b.devices)
+
+    @pw.program
+    def f_then_g(x):
+        return f(x), g(x)
+
+    @pw.program
+    def g_then_f(x):
+        y = g(x)
+        return f(x), y
+
+    program = f_then_g if order == "fg" else g_then_f
+    np.asarray(program(np.zeros(2, np.float32))[0])
+    print("ready", flush=True)
+    sys.stdin.readline()
+    wrong, error, pending = 0, None, []
+    try:
+        for i in range(iterations):
+            pending.append((i, program(np.array([i, i + 1], np.float32))))
+            if len(pending) == 16 or i == iterations - 1:
+                for j, (fx, gx) in pending:
+                    if not (np.all(fx.to_numpy(timeout=20) == 2 * (2 * j + 1))
+                            and np.all(gx.to_numpy(timeout=20) == 2 * j + 3)):
+                        wrong += 1
+                pending = []
+    except pw.PathwaysError as e:
+        error = f"{type(e).__name__}: {e}"
+    print(json.dumps({"wrong": wrong, "error": error}), flush=True)
+""")
+
+
+def run_clients(address, orders, iterations, victim=False):
+    """Start one client process per order, release them together, and return each one's
+    report. With ``victim``, one more client starts the same work and is SIGKILLed."""
+    procs = [subprocess.Popen([sys.executable, "-c", CLIENT, address, order, str(iterations)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for order in (*orders, *(("fg",) if victim else ()))]
+    try:
+        for p in procs:
+            assert read_line(p, 120).strip() == "ready"
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        if victim:
+            time.sleep(0.5)
+            procs[-1].kill()
+        return [json.loads(read_line(p, 240)) for p in procs[:len(orders)]]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=10)
+
+
+def test_clients_submitting_in_opposite_orders_never_deadlock_and_stay_correct(islands):
+    """Two clients run programs whose SPMD computations span the same two hosts, in
+    opposite orders, hundreds of times; a third client dies in the middle of its run."""
+    reports = run_clients(islands.address, ["fg", "gf"], 200, victim=True)
+    assert reports == [{"wrong": 0, "error": None}] * 2
+    wait_until(lambda: len(status(islands.address)["sessions"]) == 0, what="the clients' sessions closed")
+    assert all(i["healthy"] and i["inflight"] == 0 for i in status(islands.address)["islands"])
+
+
+def test_without_the_gang_order_the_same_workload_is_unsafe():
+    """The debug switch lets each worker interleave the clients' runs by itself. The same
+    workload then pairs collectives of different computations across hosts: results come
+    out wrong, or the collectives hang until the clients' deadlines."""
+    with pw.local_cluster(islands=[pw.Island(hosts=2, devices_per_host=1)], unsafe_local_order=True) as c:
+        reports = run_clients(c.address, ["fg", "gf"], 200)
+    assert any(r["wrong"] or r["error"] for r in reports), reports
+
+
+SLOW = 300  # matmul steps of a run on the island that loses a host: a few seconds of work
+
+
+def test_a_killed_worker_fails_its_islands_futures_quickly_and_the_rest_keeps_serving():
+    with pw.local_cluster(islands=[pw.Island(hosts=2, devices_per_host=1),
+                                   pw.Island(hosts=1, devices_per_host=1)]) as c:
+        vds = pw.make_virtual_device_set()
+        doomed = vds.add_slice(cpu_devices=2, island=0)
+        safe = vds.add_slice(cpu_devices=1, island=1)
+
+        def slow(x):
+            w = jax.numpy.eye(x.shape[-1], dtype=x.dtype) * 0.5
+            return jax.lax.fori_loop(0, SLOW, lambda i, y: jax.numpy.tanh(y @ w) + y, x)
+
+        heavy = pw.jit(slow, mesh=doomed.mesh("x"), in_shardings=pw.P("x"), out_shardings=pw.P("x"))
+        light = pw.jit(lambda x: x * 3, mesh=safe.mesh("x"))
+        kept = pw.device_put(np.ones((2, 256), np.float32), pw.NamedSharding(doomed.mesh("x"), pw.P("x")))
+        kept.block_until_ready(timeout=60)
+        x = np.ones((256, 256), np.float32)
+        heavy(x).block_until_ready(timeout=120)  # compiled and warm
+
+        outs = [heavy(x) for _ in range(4)]
+        other = light(np.arange(3, dtype=np.float32))
+        time.sleep(0.5)  # the first run is computing
+        rank1 = next(w for w in status(c.address)["workers"] if w["island"] == 0 and w["rank"] == 1)
+        rank0 = next(w for w in status(c.address)["workers"] if w["island"] == 0 and w["rank"] == 0)
+        os.kill(rank1["pid"], signal.SIGKILL)
+        killed = time.monotonic()
+        for out in outs:
+            with pytest.raises(pw.WorkerLostError, match="was lost"):
+                out.block_until_ready(timeout=60)
+        assert time.monotonic() - killed < 10, "futures must fail within seconds"
+        with pytest.raises(pw.WorkerLostError):
+            np.asarray(kept)
+        with pytest.raises(pw.WorkerLostError):
+            heavy(x).block_until_ready(timeout=30)
+
+        np.testing.assert_array_equal(np.asarray(other), [0.0, 3.0, 6.0])
+        st = status(c.address)
+        assert [i["healthy"] for i in st["islands"]] == [False, True]
+        wait_until(lambda: pids_alive([rank0["pid"]]) == [], what="the island's other host to exit")
+        cli = subprocess.run([sys.executable, "-m", "pathways", "status", "--address", c.address],
+                             capture_output=True, text=True, timeout=60)
+        assert "island 0: UNHEALTHY" in cli.stdout and "island 1: healthy" in cli.stdout, cli.stdout
+
+        fresh = pw.make_virtual_device_set().add_slice(cpu_devices=1)
+        assert fresh.island == 1, "new slices go to healthy islands"
+        with pytest.raises(pw.PlacementError, match="unhealthy"):
+            pw.make_virtual_device_set().add_slice(cpu_devices=2, island=0)
+        again = pw.jit(lambda x: x - 1, mesh=fresh.mesh("x"))
+        np.testing.assert_array_equal(np.asarray(again(np.ones(2, np.float32))), [0.0, 0.0])
