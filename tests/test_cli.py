@@ -1,8 +1,13 @@
 """The command line: status of a running cluster, and the Figure 2 demo on an embedded one."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 import pathways as pw
 
@@ -11,12 +16,27 @@ def run(*args, timeout=120):
     return subprocess.run([sys.executable, "-m", "pathways", *args], capture_output=True, text=True, timeout=timeout)
 
 
-def test_status_lists_workers_devices_and_sessions(cluster, session):
-    pw.make_virtual_device_set().add_slice(cpu_devices=4)
+def test_status_shows_islands_hosts_slices_clients_queues_and_work_in_flight(cluster, session):
+    s = pw.make_virtual_device_set().add_slice(cpu_devices=4)
+
+    def slow(x):  # about a tenth of a second of work
+        return jax.lax.fori_loop(0, 300, lambda i, y: jnp.tanh(y @ y), x)
+
+    step = pw.jit(slow, mesh=s.mesh("x"))
+    x = np.eye(128, dtype=np.float32)
+    step(x).block_until_ready(timeout=60)
+    outs = [step(x) for _ in range(40)]
     out = run("status", "--address", cluster.address)
     assert out.returncode == 0, out.stderr
-    assert "2 worker(s)" in out.stdout and "session(s)" in out.stdout
+    assert "2 worker(s)" in out.stdout and "policy fair, window 8 run(s) per island" in out.stdout
+    island = re.search(r"island 0: healthy, 2 host\(s\), 8 device\(s\), (\d+) run\(s\) queued, (\d+) in flight",
+                       out.stdout)
+    assert island, out.stdout
+    assert int(island[2]) == 8 and int(island[1]) > 0, "a full window in flight, the rest queued"
     assert out.stdout.count("4 cpu device(s)") == 2
+    assert re.search(rf"client session {session.id}: weight 1, 1 slice\(s\), \d+ array\(s\), \d+ run\(s\) "
+                     r"queued, \d+ in flight", out.stdout), out.stdout
+    outs[-1].block_until_ready(timeout=120)
 
 
 def test_status_without_an_address_says_how_to_give_one(monkeypatch):

@@ -163,6 +163,7 @@ class Executor:
         program = self._programs.get(msg["key"])
         if program is None:
             log.error("run names program %r, which was never defined here", msg["key"])
+            self._finished.put((msg["id"], time.perf_counter(), []))  # free its window slot
             return
         ops, nvalues, nregs = program
         base, tbase, args = msg["base"], msg["tbase"], msg["args"]
@@ -221,8 +222,7 @@ class Executor:
                     except Exception as e:
                         value = Poison(f"moving an array on worker {self.worker_id} failed: {e}")
                 regs[op[2]] = value
-        if "id" in msg:
-            self._finished.put((msg["id"], started, produced))
+        self._finished.put((msg["id"], started, produced))
 
 
 def _session_of_message(msg: dict) -> int:
