@@ -15,6 +15,8 @@ def _logging(level: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pathways.controller.scheduler import DEFAULT_WINDOW
+
     parser = argparse.ArgumentParser(prog="pathways", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("PATHWAYS_LOG_LEVEL", "warning"))
     sub = parser.add_subparsers(dest="command", required=True)
@@ -22,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     controller = sub.add_parser("controller", help="run a controller; prints its address on stdout")
     controller.add_argument("--policy", choices=["fair", "fifo"], default="fair",
                             help="order of runs between clients: proportional share by weight, or FIFO")
-    controller.add_argument("--window", type=int, default=8, help="runs in flight per island")
+    controller.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="runs in flight per island")
 
     worker = sub.add_parser("worker", help="run a worker host attached to a controller")
     worker.add_argument("--controller", required=True, help="grpc://HOST:PORT of the controller")
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--islands", default="2x2",
                     help="comma-separated HOSTSxDEVICES per island, e.g. 2x1,1x4 (default 2x2)")
     up.add_argument("--policy", choices=["fair", "fifo"], default="fair")
-    up.add_argument("--window", type=int, default=8)
+    up.add_argument("--window", type=int, default=DEFAULT_WINDOW)
 
     status = sub.add_parser("status", help="show islands, workers, devices, slices, clients and queues")
     status.add_argument("--address", default=os.environ.get("PATHWAYS_ADDRESS"))

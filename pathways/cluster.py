@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence
 
 import trio
 
+from pathways.controller.scheduler import DEFAULT_WINDOW
 from pathways.controller.server import ADDRESS_LINE
 from pathways.errors import ConnectError, DeadlineExceededError
 from pathways.wire import codec, rpc
@@ -53,7 +54,7 @@ def _free_port() -> int:
 
 class LocalCluster:
     def __init__(self, islands: Sequence[Island], start_timeout: float = 120.0, policy: str = "fair",
-                 window: int = 8, unsafe_local_order: bool = False) -> None:
+                 window: int = DEFAULT_WINDOW, unsafe_local_order: bool = False) -> None:
         if not islands or any(i.hosts < 1 or i.devices_per_host < 1 for i in islands):
             raise ValueError("a local cluster needs at least one island of hosts >= 1 and devices_per_host >= 1")
         if policy not in ("fair", "fifo") or window < 1:
@@ -243,7 +244,7 @@ def wait_for_workers(address: str, count: int, timeout: float) -> dict:
 
 
 def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[Sequence[Island]] = None,
-                  start_timeout: float = 120.0, policy: str = "fair", window: int = 8,
+                  start_timeout: float = 120.0, policy: str = "fair", window: int = DEFAULT_WINDOW,
                   unsafe_local_order: bool = False) -> LocalCluster:
     """A context manager running a controller and workers on this machine.
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pathways as pw
+from pathways.controller.scheduler import DEFAULT_WINDOW
 
 
 def run(*args, timeout=120):
@@ -25,14 +26,14 @@ def test_status_shows_islands_hosts_slices_clients_queues_and_work_in_flight(clu
     step = pw.jit(slow, mesh=s.mesh("x"))
     x = np.eye(128, dtype=np.float32)
     step(x).block_until_ready(timeout=60)
-    outs = [step(x) for _ in range(40)]
+    outs = [step(x) for _ in range(3 * DEFAULT_WINDOW)]
     out = run("status", "--address", cluster.address)
     assert out.returncode == 0, out.stderr
-    assert "2 worker(s)" in out.stdout and "policy fair, window 8 run(s) per island" in out.stdout
+    assert "2 worker(s)" in out.stdout and f"policy fair, window {DEFAULT_WINDOW} run(s) per island" in out.stdout
     island = re.search(r"island 0: healthy, 2 host\(s\), 8 device\(s\), (\d+) run\(s\) queued, (\d+) in flight",
                        out.stdout)
     assert island, out.stdout
-    assert int(island[2]) == 8 and int(island[1]) > 0, "a full window in flight, the rest queued"
+    assert int(island[2]) == DEFAULT_WINDOW and int(island[1]) > 0, "a full window in flight, the rest queued"
     assert out.stdout.count("4 cpu device(s)") == 2
     assert re.search(rf"client session {session.id}: weight 1, 1 slice\(s\), \d+ array\(s\), \d+ run\(s\) "
                      r"queued, \d+ in flight", out.stdout), out.stdout

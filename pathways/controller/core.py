@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from pathways.controller.lowering import FnLayouts, Lowered, lower
 from pathways.controller.placement import ResourceManager
-from pathways.controller.scheduler import Run, Scheduler
+from pathways.controller.scheduler import DEFAULT_WINDOW, Run, Scheduler
 from pathways.errors import PathwaysError, WireError
 from pathways.handles import COUNTER_MASK, first_handle, session_of
 from pathways.ir import Layout, ProgramGraph
@@ -102,7 +102,7 @@ class Dispatch:
 
 
 class ControllerCore:
-    def __init__(self, policy: str = "fair", window: int = 8) -> None:
+    def __init__(self, policy: str = "fair", window: int = DEFAULT_WINDOW) -> None:
         self.rm = ResourceManager()
         self.scheduler = Scheduler(policy, window)
         self.workers: dict[int, WorkerConn] = {}

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterator
 
 POLICIES = ("fifo", "fair")
+DEFAULT_WINDOW = 32  # runs in flight per island: enough to hide a done report's round trip
 DEFAULT_COST = 1e-3  # seconds charged for a program that never finished before
 
 
@@ -52,7 +53,7 @@ class _Session:
 
 
 class Scheduler:
-    def __init__(self, policy: str = "fair", window: int = 8) -> None:
+    def __init__(self, policy: str = "fair", window: int = DEFAULT_WINDOW) -> None:
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {POLICIES}, got {policy!r}")
         if window < 1:

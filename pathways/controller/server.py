@@ -17,6 +17,7 @@ import grpc
 import trio
 
 from pathways.controller.core import ControllerCore, WorkerConn
+from pathways.controller.scheduler import DEFAULT_WINDOW
 from pathways.handles import MAX_SESSION
 from pathways.wire import codec, rpc
 
@@ -80,7 +81,7 @@ class ControllerServer:
                 "Status": rpc.unary_unary(self.status)}
 
 
-def main(policy: str = "fair", window: int = 8) -> None:
+def main(policy: str = "fair", window: int = DEFAULT_WINDOW) -> None:
     trio.run(_serve, policy, window)
 
 

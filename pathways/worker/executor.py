@@ -176,8 +176,8 @@ class Executor:
 
         regs: list[Any] = [None] * nregs
         store = self._store
-        started = time.perf_counter()
-        produced: list[Any] = []
+        started = 0.0  # when the first computation starts: waits for compiles and inputs are not device time
+        last: Any = ()  # the latest computation's results: ready means the run's work is done
         for op in ops:
             code = op[0]
             if code == _EXEC:
@@ -186,7 +186,9 @@ class Executor:
                 bad = next((a for a in inputs if type(a) is Poison), None)
                 if bad is None:
                     try:
-                        results = future.result(timeout=self._wait_timeout)(*inputs)
+                        executable = future.result(timeout=self._wait_timeout)
+                        started = started or time.perf_counter()
+                        results = executable(*inputs)
                         if multi_device and self._sync_collectives:
                             jax.block_until_ready(results)
                     except Exception as e:
@@ -194,7 +196,7 @@ class Executor:
                     else:
                         for o, r in zip(outs, results):
                             regs[o] = r
-                        produced.extend(results)
+                        last = results
                         continue
                 for o in outs:
                     regs[o] = bad
@@ -222,7 +224,7 @@ class Executor:
                     except Exception as e:
                         value = Poison(f"moving an array on worker {self.worker_id} failed: {e}")
                 regs[op[2]] = value
-        self._finished.put((msg["id"], started, produced))
+        self._finished.put((msg["id"], started or time.perf_counter(), last))
 
 
 def _session_of_message(msg: dict) -> int:
