@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -85,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--islands {args.islands!r} is not a list like 2x1,1x4")
         cluster = LocalCluster(islands, policy=args.policy, window=args.window).start()
         print(f"pathways cluster up at {cluster.address}; export PATHWAYS_ADDRESS={cluster.address}", flush=True)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the cluster on SIGTERM too
         try:
             while True:
                 time.sleep(3600)

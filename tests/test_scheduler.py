@@ -4,7 +4,7 @@ from collections import Counter, deque
 
 import pytest
 
-from pathways.controller.scheduler import Run, Scheduler
+from pathways.controller.scheduler import SOLO_FACTOR, Run, Scheduler
 
 
 def saturate(sched, weights, costs, completions):
@@ -44,12 +44,26 @@ def test_fifo_releases_in_submission_order_within_the_window():
     sched = Scheduler("fifo", window=3)
     for sid in (1, 2):
         sched.add_session(sid)
-    runs = [sched.submit(Run(sid, frozenset({0}), "p")) for sid in (2, 1, 2, 1, 2)]
+    runs = [sched.submit(Run(sid, frozenset({0}), "p")) for sid in (2, 1, 2, 1, 2, 1)]
     first = list(sched.dispatchable())
-    assert first == runs[:3], "only a window's worth is in flight"
-    assert sched.inflight(0) == 3 and sched.queued(0) == 2
+    assert first == runs[:3], "only a window's worth is in flight while sessions compete"
+    assert sched.inflight(0) == 3 and sched.queued(0) == 3
     sched.finish(first[0].id, 1e-3)
     assert list(sched.dispatchable()) == [runs[3]]
+
+
+def test_a_session_alone_may_run_ahead_a_few_windows():
+    sched = Scheduler("fair", window=2)
+    sched.add_session(1)
+    sched.add_session(2)
+    alone = [sched.submit(Run(1, frozenset({0}), "p")) for _ in range(20)]
+    assert list(sched.dispatchable()) == alone[:2 * SOLO_FACTOR], "nobody else waits: up to the solo bound"
+    late = sched.submit(Run(2, frozenset({0}), "p"))
+    for run in alone[:2 * SOLO_FACTOR - 2]:
+        sched.finish(run.id, 1e-3)
+        assert list(sched.dispatchable()) == [], "over the window while another session waits"
+    sched.finish(alone[2 * SOLO_FACTOR - 2].id, 1e-3)
+    assert list(sched.dispatchable())[0] == late, "back within the window, the waiting session goes first"
 
 
 def test_a_session_keeps_its_own_order():
@@ -84,22 +98,23 @@ def test_runs_on_several_islands_need_room_on_each():
     sched.add_session(2)
     a = sched.submit(Run(1, frozenset({0}), "p"))
     both = sched.submit(Run(2, frozenset({0, 1}), "q"))
+    a2 = sched.submit(Run(1, frozenset({0}), "p"))
     assert list(sched.dispatchable()) == [a], "island 0 is full, so the two-island run waits"
     sched.finish(a.id, 1e-3)
-    assert list(sched.dispatchable()) == [both]
-    assert sched.inflight(0) == sched.inflight(1) == 1
+    assert list(sched.dispatchable()) == [both, a2], "then a2, alone in the queue, may run ahead"
+    assert sched.inflight(0) == 2 and sched.inflight(1) == 1
 
 
 def test_cancel_removes_queued_and_frees_in_flight_windows():
     sched = Scheduler("fifo", window=1)
     sched.add_session(1)
     sched.add_session(2)
-    on0 = sched.submit(Run(1, frozenset({0}), "p"))
+    on0, next0 = (sched.submit(Run(1, frozenset({0}), "p")) for _ in range(2))
     queued0 = sched.submit(Run(2, frozenset({0}), "p"))
     on1 = sched.submit(Run(2, frozenset({1}), "p"))
-    assert list(sched.dispatchable()) == [on0]  # session 2's head waits for island 0
+    assert list(sched.dispatchable()) == [on0]  # both sessions wait for island 0
     queued, flying = sched.cancel(lambda r: 0 in r.islands)
-    assert queued == [queued0] and flying == [on0]
+    assert sorted(r.id for r in queued) == [next0.id, queued0.id] and flying == [on0]
     assert sched.inflight(0) == 0
     assert list(sched.dispatchable()) == [on1]
 

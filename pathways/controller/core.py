@@ -40,7 +40,7 @@ SESSION_MESSAGES = {
 WORKER_MESSAGES = {
     "register": {"address": str, "kind": str, "devices": int, "island": int, "rank": int, "pid": int,
                  "host": str, "memory_bytes": int},
-    "done": {"run": int, "seconds": (int, float)},
+    "done": {"runs": list},  # [[run id, device seconds], ...]
     "error": {"message": str},
 }
 REMOTE, LOST = "RemoteError", "WorkerLostError"  # the error kinds a poisoned handle reports
@@ -124,7 +124,7 @@ class ControllerCore:
             if msg["t"] == "error":
                 log.warning("worker %s reported: %s", conn.worker, msg["message"])
             elif msg["t"] == "done":
-                self._on_done(conn, msg["run"], float(msg["seconds"]))
+                self._on_done(conn, msg["runs"])
             elif conn.worker >= 0:
                 conn.outbox.put({"t": "error", "message": "worker is already registered"})
             else:
@@ -367,17 +367,22 @@ class ControllerCore:
                 ready[h] = s.deferred_deletes.pop(h)
         self._send_deletes(ready)
 
-    def _on_done(self, conn: WorkerConn, run_id: int, seconds: float) -> None:
-        run = self._running.get(run_id)
-        if run is None:
-            return
-        d: Dispatch = run.payload
-        d.waiting.discard(conn.worker)
-        d.seconds += max(seconds, 0.0)
-        if not d.waiting:
-            del self._running[run_id]
-            self.scheduler.finish(run_id, d.seconds)
-            self._pump()
+    def _on_done(self, conn: WorkerConn, reports: list) -> None:
+        for report in reports:
+            if not (isinstance(report, list) and len(report) == 2 and isinstance(report[0], int)
+                    and isinstance(report[1], (int, float))):
+                conn.outbox.put({"t": "error", "message": f"a done report must be [run, seconds], got {report!r}"})
+                continue
+            run = self._running.get(report[0])
+            if run is None:
+                continue
+            d: Dispatch = run.payload
+            d.waiting.discard(conn.worker)
+            d.seconds += max(float(report[1]), 0.0)
+            if not d.waiting:
+                del self._running[run.id]
+                self.scheduler.finish(run.id, d.seconds)
+        self._pump()
 
     def _lowered(self, s: SessionState, program: int, graph: ProgramGraph,
                  args: dict[int, int]) -> tuple[int, Lowered]:

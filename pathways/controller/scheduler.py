@@ -5,9 +5,11 @@ releases runs is the order in which every worker executes them. Since all worker
 island see one total order, SPMD computations spanning several hosts meet their peers in
 the same order everywhere and cannot deadlock, whichever client or program they came from.
 
-Admission is bounded per island: at most ``window`` runs touching an island are in flight
-(dispatched, not yet reported done). The bound keeps the devices fed while leaving queued
-work for the policy to order:
+Admission is bounded per island: while several sessions have work queued for an island, at
+most ``window`` runs touching it are in flight (dispatched, not yet reported done), which keeps
+the devices fed while leaving queued work for the policy to order. A session alone on an
+island has nothing to be ordered against, so it may run ahead up to ``SOLO_FACTOR`` windows,
+enough to hide the round trip of done reports behind small computations. The policies:
 
 - ``fifo``: the oldest admissible run first.
 - ``fair``: proportional share by session weight (stride scheduling). Each dispatch charges
@@ -25,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterator
 
 POLICIES = ("fifo", "fair")
-DEFAULT_WINDOW = 32  # runs in flight per island: enough to hide a done report's round trip
+DEFAULT_WINDOW = 8  # runs in flight per island: a client must keep more outstanding for its weight to count
+SOLO_FACTOR = 4  # how many windows a session alone on an island may have in flight
 DEFAULT_COST = 1e-3  # seconds charged for a program that never finished before
 
 
@@ -145,12 +148,21 @@ class Scheduler:
             if not s.queue:
                 continue
             head = s.queue[0]
-            if any(self._island_load.get(i, 0) >= self.window for i in head.islands):
+            if any(self._island_full(i, sid) for i in head.islands):
                 continue
             key = (head.seq,) if self.policy == "fifo" else (s.vtime, head.seq)
             if best is None or key < best_key:
                 best, best_key = head, key
         return best
+
+    def _island_full(self, island: int, session: int) -> bool:
+        load = self._island_load.get(island, 0)
+        if load < self.window:
+            return False
+        if load >= self.window * SOLO_FACTOR:
+            return True
+        return any(other != session and o.queue and island in o.queue[0].islands
+                   for other, o in self._sessions.items())
 
     # ---- status ---------------------------------------------------------------------
 

@@ -39,7 +39,7 @@ _IN, _EXEC, _OUT, _SEND, _RESHARD, _DROP = range(6)
 
 class Executor:
     def __init__(self, store: ObjectStore, executables: Executables,
-                 send: Callable[[list[int], int, Any, list, int], None], done: Callable[[int, float], None],
+                 send: Callable[[list[int], int, Any, list, int], None], done: Callable[[list], None],
                  wait_timeout: float, sync_collectives: bool = False, unsafe_local_order: bool = False) -> None:
         self._store = store
         self._executables = executables
@@ -146,18 +146,31 @@ class Executor:
                 del pending[sid]
 
     def _report_loop(self) -> None:
-        """Wait for each run's results, in order, and report the device time it took."""
+        """Wait for each run's results, in order, and report the device time each took.
+        Runs queued up while the thread was busy are reported together, in one message."""
         busy_until = 0.0
-        while (item := self._finished.get()) is not None:
-            run_id, started, results = item
-            try:
-                jax.block_until_ready(results)
-            except Exception:  # the failure reaches readers through the results themselves
-                pass
-            now = time.perf_counter()
-            seconds = now - max(started, busy_until)
-            busy_until = now
-            self._done(run_id, seconds)
+        stopping = False
+        while not stopping:
+            batch = [self._finished.get()]
+            while True:
+                try:
+                    batch.append(self._finished.get_nowait())
+                except queue.Empty:
+                    break
+            if None in batch:
+                stopping = True
+                batch = batch[:batch.index(None)]
+            reports = []
+            for run_id, started, results in batch:
+                try:
+                    jax.block_until_ready(results)
+                except Exception:  # the failure reaches readers through the results themselves
+                    pass
+                now = time.perf_counter()
+                reports.append([run_id, now - max(started, busy_until)])
+                busy_until = now
+            if reports:
+                self._done(reports)
 
     def _run(self, msg: dict) -> None:
         program = self._programs.get(msg["key"])

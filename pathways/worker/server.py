@@ -71,8 +71,8 @@ class Worker:
         self.executor = Executor(self.store, self.executables, self.send, self._report_done, wait_timeout,
                                  sync_collectives, unsafe_local_order)
 
-    def _report_done(self, run_id: int, seconds: float) -> None:
-        self.outbox.put({"t": "done", "run": run_id, "seconds": seconds})
+    def _report_done(self, reports: list) -> None:
+        self.outbox.put({"t": "done", "runs": reports})
 
     # ---- control plane --------------------------------------------------------------
 
