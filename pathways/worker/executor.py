@@ -21,7 +21,7 @@ import random
 import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 
@@ -120,7 +120,7 @@ class Executor:
             except Exception:  # a bug must not kill the executor; the message is dropped
                 log.exception("executor dropped message %r", msg.get("t"))
 
-    def _messages(self) -> Any:
+    def _messages(self) -> Iterator[dict]:
         """Messages in arrival order (the gang order), or, with the unsafe switch, each
         session's messages in order but sessions interleaved at random."""
         if not self._unsafe_local_order:
