@@ -36,6 +36,8 @@ class Executables:
         self._by_fingerprint: dict[str, Future] = {}
         self._by_key: dict[int, tuple[Future, str]] = {}
         self._multi_device: set[int] = set()
+        self._multi_host: dict[int, tuple[list, list[Layout]]] = {}  # key -> (input avals, layouts)
+        self._rank = jax.process_index()
         self._shardings: dict[Layout, NamedSharding] = {}
         self._lock = threading.Lock()
 
@@ -55,6 +57,8 @@ class Executables:
             self._by_key[key] = (future, name)
             if any(len(layout.devices) > 1 for layout in ins + outs):
                 self._multi_device.add(key)
+            if any(rank != self._rank for layout in ins + outs for rank, _ in layout.devices):
+                self._multi_host[key] = (list(exported.in_avals), ins)
 
     def get(self, key: int) -> tuple[Future, str] | None:
         return self._by_key.get(key)
@@ -62,6 +66,19 @@ class Executables:
     def multi_device(self, key: int) -> bool:
         """Whether function ``key`` runs on several devices (so it may hold collectives)."""
         return key in self._multi_device
+
+    def placeholders(self, key: int) -> list | None:
+        """Zero inputs for a multi-host function (None for others). A host whose inputs
+        were poisoned still runs such a function on these, so that its peers' collectives
+        find it and do not hang; its outputs are discarded."""
+        spec = self._multi_host.get(key)
+        if spec is None:
+            return None
+        out = []
+        for aval, layout in zip(*spec):
+            zeros = np.zeros(aval.shape, aval.dtype)
+            out.append(jax.make_array_from_callback(aval.shape, self.sharding(layout), lambda index: zeros[index]))
+        return out
 
     def sharding(self, layout: Layout) -> NamedSharding:
         sharding = self._shardings.get(layout)

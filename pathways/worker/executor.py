@@ -95,7 +95,7 @@ class Executor:
             if fn is None:
                 raise WireError(f"exec names function {op[1]!r}, which was never registered here")
             return (_EXEC, fn[0], fn[1], [reg(v) for v in int_list(op[2], "exec ins")],
-                    [reg(v) for v in int_list(op[3], "exec outs")], self._executables.multi_device(op[1]))
+                    [reg(v) for v in int_list(op[3], "exec outs")], self._executables.multi_device(op[1]), op[1])
         if kind == "out":
             return (_OUT, reg(op[1]))
         if kind == "send":
@@ -115,8 +115,6 @@ class Executor:
                     self._run(msg)
                 elif kind == "delete":
                     self._store.delete(msg["handles"])
-                elif kind == "drop_session":
-                    self._store.drop_session(msg["session"])
             except Exception:  # a bug must not kill the executor; the message is dropped
                 log.exception("executor dropped message %r", msg.get("t"))
 
@@ -172,6 +170,16 @@ class Executor:
             if reports:
                 self._done(reports)
 
+    def _keep_peers_company(self, future: Any, key: int) -> None:
+        """Run a multi-host function on zeros when this host's inputs are poisoned: the other
+        hosts run it with theirs and would wait in its collectives forever."""
+        try:
+            placeholders = self._executables.placeholders(key)
+            if placeholders is not None:
+                jax.block_until_ready(future.result(timeout=self._wait_timeout)(*placeholders))
+        except Exception:  # the outputs are poisoned either way
+            log.exception("running a multi-host function on placeholders failed")
+
     def _run(self, msg: dict) -> None:
         program = self._programs.get(msg["key"])
         if program is None:
@@ -194,10 +202,12 @@ class Executor:
         for op in ops:
             code = op[0]
             if code == _EXEC:
-                _, future, name, ins, outs, multi_device = op
+                _, future, name, ins, outs, multi_device, key = op
                 inputs = [regs[i] for i in ins]
                 bad = next((a for a in inputs if type(a) is Poison), None)
-                if bad is None:
+                if bad is not None:
+                    self._keep_peers_company(future, key)
+                else:
                     try:
                         executable = future.result(timeout=self._wait_timeout)
                         started = started or time.perf_counter()
@@ -243,6 +253,4 @@ class Executor:
 def _session_of_message(msg: dict) -> int:
     if msg["t"] == "run":
         return session_of(msg["base"])
-    if msg["t"] == "drop_session":
-        return msg["session"]
     return session_of(msg["handles"][0]) if msg.get("handles") else 0

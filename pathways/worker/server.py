@@ -108,6 +108,10 @@ class Worker:
             error = msg["kind"] if msg["kind"] in _ERROR_KINDS else "RemoteError"
             for h in codec.int_list(msg["handles"], "poison handles"):
                 self.store.put(h, Poison(msg["message"], error), replace=False)
+        elif kind == "drop_session":
+            # At once, not in executor order: the executor may be waiting for an array the
+            # departed client was still sending.
+            self.store.drop_session(msg["session"])
         elif kind == "shutdown":
             log.warning("the controller shut this worker down: %s", msg["reason"])
             self._on_shutdown()

@@ -73,6 +73,8 @@ class ObjectStore:
         deadline = time.monotonic() + timeout
         with self._cond:
             while (value := self._entries.get(handle)) is None:
+                if session_of(handle) in self._dropped_sessions:
+                    return Poison("the client session that owned this array disconnected")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
@@ -98,6 +100,7 @@ class ObjectStore:
             doomed = [h for h in self._entries if session_of(h) == session]
             for h in doomed:
                 del self._entries[h]
+            self._cond.notify_all()  # waiters for the session's arrays give up now
         return len(doomed)
 
     def __len__(self) -> int:
