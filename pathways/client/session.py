@@ -28,6 +28,7 @@ log = logging.getLogger("pathways.client")
 DEFAULT_TIMEOUT = 300.0
 _FLUSH_SECONDS = 0.05
 _POLL_SECONDS = 1.0  # a long wait for an array is split so news of a lost worker cuts it short
+_VERDICT_SECONDS = 3.0  # how long a failed fetch waits for the controller to say why
 _ERRORS = {cls.__name__: cls for cls in (errors.PlacementError, errors.WireError, errors.SignatureError,
                                          errors.RemoteError, errors.WorkerLostError)}
 
@@ -236,6 +237,11 @@ class Session:
             codec.expect_end(replies)
             return result
         except grpc.RpcError as e:
+            # A worker that died mid-call breaks the call in several ways; the controller's
+            # verdict on the handle, which follows within moments, is the better error.
+            deadline = time.monotonic() + _VERDICT_SECONDS
+            while handle not in self.poisoned and time.monotonic() < deadline and self._dead is None:
+                time.sleep(0.02)
             self._raise_if_poisoned(handle)
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 raise errors.WorkerLostError(
