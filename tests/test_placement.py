@@ -87,7 +87,7 @@ def test_a_slice_larger_than_a_host_spans_hosts_of_one_island():
 
 def test_unhealthy_islands_get_no_new_slices():
     rm = manager((0, 2), (1, 2))
-    rm.mark_unhealthy(0)
+    assert rm.lose_island(0) == {0}
     assert all(rm.place(1, "cpu").island == 1 for _ in range(3))
     with pytest.raises(PlacementError, match="unhealthy"):
         rm.place(1, "cpu", island=0)

@@ -107,7 +107,6 @@ class ControllerCore:
         self.scheduler = Scheduler(policy, window)
         self.workers: dict[int, WorkerConn] = {}
         self.sessions: dict[int, SessionState] = {}
-        self._running: dict[int, Run] = {}  # dispatched runs, by scheduler run id
         self._worker_ids = itertools.count(0)
         self._program_keys = itertools.count(1)
         self._next_copy = first_handle(0) + 1
@@ -155,15 +154,12 @@ class ControllerCore:
             return
         island = conn.island
         log.warning("worker %d (island %d) at %s was lost", conn.worker, island, conn.address)
-        self.rm.mark_unhealthy(island)
-        self.rm.hosts.pop(conn.worker, None)
-        lost = {w for w, h in self.rm.hosts.items() if h.island == island} | {conn.worker}
+        lost = self.rm.lose_island(island)
         message = (f"worker {conn.worker} (pid {conn.pid}, island {island}) was lost; arrays and "
                    f"computations on island {island} are gone. Recreate them on a healthy island "
                    "(`python -m pathways status` shows which are healthy)")
         queued, flying = self.scheduler.cancel(lambda r: bool(r.payload.lowered.workers & lost))
         for run in flying:
-            self._running.pop(run.id, None)
             d: Dispatch = run.payload
             for sender, receiver, copy in d.lowered.transfers:
                 if sender in lost and receiver not in lost and receiver in self.workers:
@@ -177,7 +173,6 @@ class ControllerCore:
             self._poison(sid, [h for h, layout in s.handles.items() if lost & set(layout.workers)], LOST, message)
         for w in lost - {conn.worker}:
             survivor = self.workers.pop(w, None)
-            self.rm.hosts.pop(w, None)
             if survivor is not None:
                 survivor.outbox.put({"t": "shutdown", "reason": message})
         self._pump()
@@ -234,8 +229,7 @@ class ControllerCore:
                             f"{codec.PROTOCOL_VERSION}; install the same pathways version on both")
         if not 0 < msg["weight"] <= 1e6:
             raise WireError(f"a session's weight must be in (0, 1e6], got {msg['weight']!r}")
-        self.scheduler.remove_session(sid)
-        self.scheduler.add_session(sid, msg["weight"])
+        self.scheduler.set_weight(sid, msg["weight"])
         s.outbox.put({"t": "welcome", "session": sid})
 
     def _on_cluster(self, sid: int, s: SessionState, msg: dict) -> None:
@@ -340,7 +334,6 @@ class ControllerCore:
         for run in self.scheduler.dispatchable():
             d: Dispatch = run.payload
             d.waiting = set(d.lowered.workers)
-            self._running[run.id] = run
             for worker, ops in d.lowered.ops.items():
                 conn = self.workers[worker]
                 if d.key not in conn.defined:
@@ -373,14 +366,13 @@ class ControllerCore:
                     and isinstance(report[1], (int, float))):
                 conn.outbox.put({"t": "error", "message": f"a done report must be [run, seconds], got {report!r}"})
                 continue
-            run = self._running.get(report[0])
+            run = self.scheduler.running(report[0])
             if run is None:
                 continue
             d: Dispatch = run.payload
             d.waiting.discard(conn.worker)
             d.seconds += max(float(report[1]), 0.0)
             if not d.waiting:
-                del self._running[run.id]
                 self.scheduler.finish(run.id, d.seconds)
         self._pump()
 

@@ -54,8 +54,14 @@ class ResourceManager:
                  rank: int = 0) -> None:
         self.hosts[worker] = Host(worker, island, rank, kind, ndevices, memory_bytes)
 
-    def mark_unhealthy(self, island: int) -> None:
+    def lose_island(self, island: int) -> set[int]:
+        """A host of ``island`` was lost: mark it unhealthy and forget all its hosts, whose
+        worker ids are returned."""
         self.unhealthy.add(island)
+        lost = {w for w, h in self.hosts.items() if h.island == island}
+        for w in lost:
+            del self.hosts[w]
+        return lost
 
     def place(self, count: int, kind: str, mesh_shape: Optional[tuple[int, ...]] = None,
               island: Optional[int] = None, exclusive: bool = False, owner: int = 0) -> SlicePlacement:
@@ -85,17 +91,20 @@ class ResourceManager:
         self.slices[placement.slice_id] = placement
         return placement
 
-    def _free(self, host: Host, exclusive: bool) -> list[int]:
-        return [d for d in range(host.ndevices) if d not in host.exclusive
+    def _least_loaded(self, host: Host, n: int, exclusive: bool) -> Optional[list[int]]:
+        """The ``n`` least-loaded usable devices of ``host`` in index order, if it has them."""
+        free = [d for d in range(host.ndevices) if d not in host.exclusive
                 and (not exclusive or host.load[d] == 0)]
+        if len(free) < n:
+            return None
+        return sorted(sorted(free, key=lambda d: (host.load[d], d))[:n])
 
     def _best_on_one_host(self, candidates: list[Host], count: int, exclusive: bool) -> Optional[tuple]:
         best: Optional[tuple] = None
         for host in candidates:
-            free = self._free(host, exclusive)
-            if len(free) < count:
+            chosen = self._least_loaded(host, count, exclusive)
+            if chosen is None:
                 continue
-            chosen = sorted(sorted(free, key=lambda d: (host.load[d], d))[:count])
             score = (max(host.load[d] for d in chosen), sum(host.load), host.worker)
             if best is None or score < best[0]:
                 best = (score, [(host, chosen)])
@@ -113,9 +122,8 @@ class ResourceManager:
             for isl in islands:
                 options = []
                 for host in (h for h in candidates if h.island == isl):
-                    free = self._free(host, exclusive)
-                    if len(free) >= per_host:
-                        chosen = sorted(sorted(free, key=lambda d: (host.load[d], d))[:per_host])
+                    chosen = self._least_loaded(host, per_host, exclusive)
+                    if chosen is not None:
                         options.append(((max(host.load[d] for d in chosen), sum(host.load), host.rank),
                                         host, chosen))
                 if len(options) < k:

@@ -40,8 +40,7 @@ class Run:
     islands: frozenset[int]
     program: Hashable  # runs of one program share a cost estimate
     payload: Any = None
-    id: int = -1
-    seq: int = -1
+    id: int = -1  # numbered in submission order
     charged: float = 0.0
 
 
@@ -77,10 +76,14 @@ class Scheduler:
             raise ValueError(f"a session's weight must be positive, got {weight!r}")
         self._sessions[session] = _Session(float(weight))
 
-    def remove_session(self, session: int) -> list[Run]:
-        """Forget a session; returns its queued (never dispatched) runs."""
-        s = self._sessions.pop(session, None)
-        return list(s.queue) if s else []
+    def set_weight(self, session: int, weight: float) -> None:
+        if not weight > 0:
+            raise ValueError(f"a session's weight must be positive, got {weight!r}")
+        self._sessions[session].weight = float(weight)
+
+    def remove_session(self, session: int) -> None:
+        """Forget a session and its queued runs; its runs in flight finish as usual."""
+        self._sessions.pop(session, None)
 
     # ---- runs -----------------------------------------------------------------------
 
@@ -90,7 +93,6 @@ class Scheduler:
             # A session returning from idle starts at the present, not with banked credit.
             s.vtime = max(s.vtime, self._vclock)
         run.id = next(self._ids)
-        run.seq = run.id
         s.queue.append(run)
         return run
 
@@ -107,6 +109,10 @@ class Scheduler:
             s.vtime += run.charged / s.weight
             self._inflight[run.id] = run
             yield run
+
+    def running(self, run_id: int) -> Run | None:
+        """The dispatched, unfinished run ``run_id``, if any."""
+        return self._inflight.get(run_id)
 
     def finish(self, run_id: int, device_seconds: float | None) -> Run | None:
         """A run completed on all its workers (``device_seconds`` None: it was abandoned)."""
@@ -133,8 +139,9 @@ class Scheduler:
         """
         queued: list[Run] = []
         for s in self._sessions.values():
-            keep = deque(r for r in s.queue if not doomed(r))
-            queued.extend(r for r in s.queue if doomed(r))
+            keep: deque[Run] = deque()
+            for r in s.queue:
+                (queued if doomed(r) else keep).append(r)
             s.queue = keep
         flying = [r for r in self._inflight.values() if doomed(r)]
         for r in flying:
@@ -150,7 +157,7 @@ class Scheduler:
             head = s.queue[0]
             if any(self._island_full(i, sid) for i in head.islands):
                 continue
-            key = (head.seq,) if self.policy == "fifo" else (s.vtime, head.seq)
+            key = (head.id,) if self.policy == "fifo" else (s.vtime, head.id)
             if best is None or key < best_key:
                 best, best_key = head, key
         return best
