@@ -55,9 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--address", default=None)
 
     bench = sub.add_parser("bench", help="run a benchmark")
-    bench.add_argument("name", choices=["dispatch", "share"])
-    bench.add_argument("--address", default=None)
-    bench.add_argument("--rounds", type=int, default=5)
+    bench.add_argument("name", choices=["dispatch", "share", "pipeline", "transfer", "train"])
+    bench.add_argument("--address", default=None, help="dispatch, share: a running cluster (default: start one)")
+    bench.add_argument("--rounds", type=int, default=5, help="repetitions of each measurement")
     bench.add_argument("--seconds", type=float, default=10.0, help="share: measurement window per weight set")
 
     args = parser.parse_args(argv)
@@ -99,12 +99,16 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "demo":
         from pathways.demo import figure2
         figure2(args.address)
-    elif args.command == "bench" and args.name == "share":
-        from pathways.bench import share
-        share.main(args.address, args.seconds)
-    else:
-        from pathways.bench import dispatch
-        dispatch.main(args.address, args.rounds)
+    elif args.command == "bench":
+        import importlib
+
+        bench_main = importlib.import_module(f"pathways.bench.{args.name}").main
+        if args.name == "dispatch":
+            bench_main(args.address, args.rounds)
+        elif args.name == "share":
+            bench_main(args.address, args.seconds)
+        else:  # these start the clusters they need
+            bench_main(args.rounds)
     return 0
 
 

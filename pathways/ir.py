@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from pathways.errors import WireError
-from pathways.wire.codec import int_list
+from pathways.wire.codec import int_list, is_wire_dtype_name
 
 SpecEntry = Union[None, str, tuple[str, ...]]
 
@@ -96,19 +96,30 @@ class Node:
     outs: tuple[int, ...]
 
 
+ValueType = tuple[str, tuple[int, ...]]  # (dtype name, shape)
+
+
 @dataclass(frozen=True)
 class ProgramGraph:
-    """Values are numbered 0..nvalues-1; inputs are bound per call, nodes are in trace order."""
+    """Values are numbered 0..nvalues-1; inputs are bound per call, nodes are in trace order.
+
+    Every value's dtype and shape is static and part of the graph: the lowering plans
+    transfers from them before anything has run.
+    """
 
     nvalues: int
     inputs: tuple[int, ...]
     nodes: tuple[Node, ...]
     outputs: tuple[int, ...]
+    types: tuple[ValueType, ...]
+
+    def shape(self, v: int) -> tuple[int, ...]:
+        return self.types[v][1]
 
     def to_wire(self) -> dict:
         return {"nvalues": self.nvalues, "inputs": list(self.inputs),
                 "nodes": [[n.fn, list(n.ins), list(n.outs)] for n in self.nodes],
-                "outputs": list(self.outputs)}
+                "outputs": list(self.outputs), "types": [[d, list(s)] for d, s in self.types]}
 
     @staticmethod
     def from_wire(raw: Any) -> "ProgramGraph":
@@ -127,7 +138,18 @@ class ProgramGraph:
             if not isinstance(rn, list) or len(rn) != 3 or not isinstance(rn[0], int):
                 raise WireError("a program graph node must be [fn, ins, outs]")
             nodes.append(Node(rn[0], tuple(int_list(rn[1], "node ins")), tuple(int_list(rn[2], "node outs"))))
-        graph = ProgramGraph(nvalues, tuple(inputs), tuple(nodes), tuple(outputs))
+        raw_types = raw.get("types")
+        if not isinstance(raw_types, list) or len(raw_types) != nvalues:
+            raise WireError(f"program graph types must list a [dtype, shape] for each of its {nvalues} values")
+        types = []
+        for t in raw_types:
+            if not isinstance(t, list) or len(t) != 2 or not is_wire_dtype_name(t[0]):
+                raise WireError(f"value type {t!r} is not a [dtype, shape] pair of an allowed dtype")
+            shape = int_list(t[1], "value shape")
+            if any(d < 0 for d in shape):
+                raise WireError(f"value shape {shape} has a negative dimension")
+            types.append((t[0], tuple(shape)))
+        graph = ProgramGraph(nvalues, tuple(inputs), tuple(nodes), tuple(outputs), tuple(types))
         graph.check()
         return graph
 

@@ -54,7 +54,8 @@ def test_array_bytes_must_match_header():
 def test_layout_and_graph_wire_forms():
     layout = Layout((1, 2), ((0, 0), (0, 1), (1, 0), (1, 1)), (2, 2), ("x", "y"), (("x", "y"), None))
     assert Layout.from_wire(codec.unpack(codec.pack(layout.to_wire()))) == layout
-    graph = ProgramGraph(3, (0,), (Node(7, (0,), (1,)), Node(7, (1,), (2,))), (2,))
+    graph = ProgramGraph(3, (0,), (Node(7, (0,), (1,)), Node(7, (1,), (2,))), (2,),
+                         (("float32", (2, 3)), ("bfloat16", ()), ("int8", (0,))))
     assert ProgramGraph.from_wire(codec.unpack(codec.pack(graph.to_wire()))) == graph
 
 
@@ -71,13 +72,22 @@ def test_bad_layouts(raw, needle):
         Layout.from_wire(raw)
 
 
+_TYPES = [["float32", [2]], ["float32", [2]]]
+
+
 @pytest.mark.parametrize("graph, needle", [
-    ({"nvalues": 2, "inputs": [0], "nodes": [[1, [1], [0]]], "outputs": [0]}, "before any node defines"),
-    ({"nvalues": 2, "inputs": [0], "nodes": [[1, [0], [0]]], "outputs": [0]}, "defined twice"),
-    ({"nvalues": 2, "inputs": [0], "nodes": [[1, [0], [5]]], "outputs": [0]}, "outside"),
-    ({"nvalues": 2, "inputs": [0], "nodes": [[1, [0], [1]]], "outputs": [3]}, "never defined"),
+    ({"nvalues": 2, "inputs": [0], "nodes": [[1, [1], [0]]], "outputs": [0], "types": _TYPES},
+     "before any node defines"),
+    ({"nvalues": 2, "inputs": [0], "nodes": [[1, [0], [0]]], "outputs": [0], "types": _TYPES}, "defined twice"),
+    ({"nvalues": 2, "inputs": [0], "nodes": [[1, [0], [5]]], "outputs": [0], "types": _TYPES}, "outside"),
+    ({"nvalues": 2, "inputs": [0], "nodes": [[1, [0], [1]]], "outputs": [3], "types": _TYPES}, "never defined"),
     ({"nvalues": 2, "inputs": [0], "nodes": [], "outputs": []}, "non-empty"),
     ({"nvalues": -1}, "positive"),
+    ({"nvalues": 2, "inputs": [0], "nodes": [[1, [0], [1]]], "outputs": [1]}, "types"),
+    ({"nvalues": 2, "inputs": [0], "nodes": [[1, [0], [1]]], "outputs": [1],
+      "types": [["object", []], ["int8", []]]}, "allowed dtype"),
+    ({"nvalues": 2, "inputs": [0], "nodes": [[1, [0], [1]]], "outputs": [1],
+      "types": [["int8", [-1]], ["int8", []]]}, "negative"),
 ])
 def test_bad_graphs(graph, needle):
     with pytest.raises(WireError, match=needle):
@@ -97,6 +107,23 @@ def test_pieces_round_trip_and_assemble_from_several_senders():
         assembly = assembly or codec.Assembly(dtype, shape)
         assembly.add(got)
     np.testing.assert_array_equal(assembly.result(), full)
+
+
+def test_an_assembly_of_some_regions_takes_only_what_covers_them():
+    full = np.arange(32, dtype=np.int32).reshape(8, 4)
+    wanted = [((0, 4), (0, 4)), ((4, 8), (0, 4))]
+    assembly = codec.Assembly(full.dtype, full.shape, wanted)
+    assembly.add([(((0, 2), (0, 4)), full[:2])])
+    assert not assembly.complete
+    assembly.add([(((2, 6), (0, 4)), full[2:6]), (((0, 2), (0, 4)), full[:2])])  # a replica is ignored
+    assembly.add([(((6, 8), (0, 4)), full[6:])])
+    assert assembly.complete
+    np.testing.assert_array_equal(assembly.region(wanted[0]), full[:4])
+    np.testing.assert_array_equal(assembly.region(wanted[1]), full[4:])
+    pieces = [(((0, 4), (0, 4)), full[:4])]
+    np.testing.assert_array_equal(codec.cut(pieces, ((1, 3), (2, 4))), full[1:3, 2:])
+    with pytest.raises(WireError, match="no piece"):
+        codec.cut(pieces, ((3, 5), (0, 4)))
 
 
 def test_missing_or_misplaced_pieces_are_errors():

@@ -138,10 +138,14 @@ def test_malformed_session_messages_get_error_replies(cluster, session):
             (codec.pack([{"t": "slice", "req": 1, "kind": "cpu", "count": "two", "mesh_shape": None,
                           "island": None, "exclusive": False}]), "must be int"),
             (codec.pack([{"t": "run", "program": 5, "base": first_handle(sid), "inputs": []}]), "never registered"),
-            (codec.pack([{"t": "program", "id": first_handle(sid) + 1,
-                          "graph": {"nvalues": 1, "inputs": [0], "nodes": [[1, [3], [0]]], "outputs": [0]}}]),
+            (codec.pack([{"t": "program", "id": first_handle(sid) + 1, "dispatch": "parallel",
+                          "graph": {"nvalues": 1, "inputs": [0], "nodes": [[1, [3], [0]]], "outputs": [0],
+                                    "types": [["float32", []]]}}]),
              "before any node defines"),
-            (codec.pack([{"t": "program", "id": victim, "graph": {}}]), "does not belong to this session"),
+            (codec.pack([{"t": "program", "id": first_handle(sid) + 1, "dispatch": "eventually",
+                          "graph": {}}]), "neither 'parallel' nor 'sequential'"),
+            (codec.pack([{"t": "program", "id": victim, "graph": {}, "dispatch": "parallel"}]),
+             "does not belong to this session"),
             (codec.pack([{"t": "fn", "id": first_handle(sid) + 2, "slice": s.id, "name": "x", "blob": b"",
                           "ins": [], "outs": []}]), "not one of this session's slices"),
             (codec.pack([{"t": "hello", "v": 999, "weight": 1}]), "protocol"),
@@ -189,6 +193,8 @@ def test_malformed_worker_and_attach_messages_get_error_replies(cluster, session
         ([put_header(pieces=[{"index": [[1, 3]], "array": codec.array_header(good)}]), good.tobytes()],
          "does not match its index"),
         ([put_header(array={**codec.array_header(good), "dtype": "object"})], "not allowed"),
+        ([put_header(pieces=[{"index": [[0, 2]], "array": codec.array_header(good[:2])}]), good[:2].tobytes()],
+         "do not cover"),
     ]
     try:
         for chunks, needle in cases:

@@ -2,7 +2,13 @@ import pytest
 
 from pathways.controller.lowering import FnLayouts, lower
 from pathways.errors import WireError
-from pathways.ir import Layout, Node, ProgramGraph
+from pathways.ir import Layout, Node
+from pathways.ir import ProgramGraph as _ProgramGraph
+
+
+def ProgramGraph(nvalues, inputs, nodes, outputs, shape=(4,)):
+    """A graph whose every value is a float32 array of ``shape``."""
+    return _ProgramGraph(nvalues, inputs, nodes, outputs, (("float32", shape),) * nvalues)
 
 
 def layout(worker, devices=(0,), spec=()):
@@ -33,7 +39,7 @@ def test_values_crossing_workers_are_sent_once_per_destination_layout():
     graph = ProgramGraph(4, (0,), (Node(1, (0,), (1,)), Node(2, (1,), (2,)), Node(2, (1,), (3,))), (2, 3))
     low = lower(graph, {1: fn(0), 2: fn(1)}, {0: layout(0)})
     sends = [op for op in low.ops[0] if op[0] == "send"]
-    assert sends == [["send", 1, [1], 4, layout(1).to_wire(), 1]]
+    assert sends == [["send", 1, 4, layout(1).to_wire(), [[1, 1, [[0, 4]]]]]]
     assert low.transfers == ((0, 1, 4),)
     assert low.ncopies == 1
     assert ["in", 4, False] in low.ops[1]  # the copy is removed from the store once loaded
@@ -52,7 +58,7 @@ def test_same_worker_other_layout_is_a_local_reshard():
 def test_inputs_living_elsewhere_are_moved_and_kept():
     graph = ProgramGraph(2, (0,), (Node(1, (0,), (1,)),), (1,))
     low = lower(graph, {1: fn(1)}, {0: layout(0)})
-    assert low.ops[0] == [["in", 0, True], ["send", 0, [1], 2, layout(1).to_wire(), 1], ["drop", [0]]]
+    assert low.ops[0] == [["in", 0, True], ["send", 0, 2, layout(1).to_wire(), [[1, 1, [[0, 4]]]]], ["drop", [0]]]
 
 
 def test_registers_are_dropped_after_their_last_read():
@@ -83,15 +89,50 @@ def test_a_multi_host_computation_runs_on_every_host_of_its_slice():
     assert low.output_layouts == {2: mh} and low.transfers == ()
 
 
-def test_moving_between_a_multi_host_slice_and_one_host_sends_every_part():
+def test_gathering_a_multi_host_array_onto_one_host_sends_each_part():
     mh = two_hosts()
     graph = ProgramGraph(3, (0,), (Node(1, (0,), (1,)), Node(2, (1,), (2,))), (2,))
     low = lower(graph, {1: FnLayouts(mh.workers, (mh,), (mh,)), 2: fn(0)}, {0: mh})
-    for host in (5, 6):  # each host sends its part; the receiver waits for both
-        assert ["send", 1, [0], 3, layout(0).to_wire(), 2] in low.ops[host]
+    # each host sends the half it holds; the receiver waits for both senders
+    assert ["send", 1, 3, layout(0).to_wire(), [[0, 2, [[0, 2]]]]] in low.ops[5]
+    assert ["send", 1, 3, layout(0).to_wire(), [[0, 2, [[2, 4]]]]] in low.ops[6]
     assert ["in", 3, False] in low.ops[0]
     assert sorted(low.transfers) == [(5, 0, 3), (6, 0, 3)]
+
+
+def test_scattering_onto_a_sharded_multi_host_slice_sends_each_host_only_its_block():
+    mh = two_hosts()
     back = lower(ProgramGraph(2, (0,), (Node(1, (0,), (1,)),), (1,)),
                  {1: FnLayouts(mh.workers, (mh,), (mh,))}, {0: layout(0)})
-    assert back.ops[0][1] == ["send", 0, [5, 6], 2, mh.to_wire(), 1]
+    assert back.ops[0][1] == ["send", 0, 2, mh.to_wire(), [[5, 1, [[0, 2]]], [6, 1, [[2, 4]]]]]
     assert all(["in", 2, False] in back.ops[h] for h in (5, 6))
+
+
+def test_a_replicated_source_shares_the_sending_and_keeps_local_blocks_local():
+    replicated, sharded = two_hosts(spec=()), two_hosts()
+    graph = ProgramGraph(2, (0,), (Node(1, (0,), (1,)),), (1,))
+    low = lower(graph, {1: FnLayouts(sharded.workers, (sharded,), (sharded,))}, {0: replicated})
+    # both hosts hold everything: each keeps its own block, nothing crosses the network
+    assert low.transfers == ((5, 5, 2), (6, 6, 2))
+    assert ["send", 0, 2, sharded.to_wire(), [[5, 1, [[0, 2]]]]] in low.ops[5]
+    to_one = lower(ProgramGraph(2, (0,), (Node(1, (0,), (1,)),), (1,), shape=(8,)),
+                   {1: FnLayouts((0,), (layout(0, (0, 1), ("d",)),), (layout(0, (0, 1), ("d",)),))},
+                   {0: replicated})
+    # two replicas feed one host's two blocks: one block each, not the whole array twice
+    assert sorted(to_one.transfers) == [(5, 0, 2), (6, 0, 2)]
+    assert to_one.ops[5][1][4] == [[0, 2, [[0, 4]]]] and to_one.ops[6][1][4] == [[0, 2, [[4, 8]]]]
+
+
+def test_sequential_dispatch_gates_each_node_behind_its_predecessors():
+    # a(v) on worker 0, then b on worker 1 twice (the second reads the first)
+    graph = ProgramGraph(4, (0,), (Node(1, (0,), (1,)), Node(2, (1,), (2,)), Node(2, (2,), (3,))), (3,))
+    low = lower(graph, {1: fn(0), 2: fn(1)}, {0: layout(0)}, sequential=True)
+    gates = low.gates
+    assert gates.preds == {0: (), 1: (0,), 2: (1,)} and gates.succs == {0: (1,), 1: (2,)}
+    assert gates.steps == {0: (0,), 1: (1,), 2: (1,)}
+    assert gates.waits == {1: (0, 1), 2: (1,)}, "node 1's sender and runner both wait for its release"
+    kinds0 = [op[0] for op in low.ops[0]]
+    assert kinds0.index("step") < kinds0.index("await") < kinds0.index("send")
+    ops1 = [op for op in low.ops[1] if op[0] != "drop"]
+    assert [op[0] for op in ops1] == ["await", "in", "exec", "step", "await", "exec", "step", "out"]
+    assert lower(graph, {1: fn(0), 2: fn(1)}, {0: layout(0)}).gates is None

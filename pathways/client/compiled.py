@@ -123,7 +123,7 @@ class CompiledFunction:
         n_in, n_out = len(avals), len(out_avals)
         graph = ProgramGraph(n_in + n_out, tuple(range(n_in)),
                              (Node(fn_id, tuple(range(n_in)), tuple(range(n_in, n_in + n_out))),),
-                             tuple(range(n_in, n_in + n_out)))
+                             tuple(range(n_in, n_in + n_out)), value_types([*avals, *out_avals]))
         single = register_program(session, graph,
                                   {n_in + i: a for i, a in enumerate(out_avals)},
                                   {n_in + i: s for i, s in enumerate(out_shardings)})
@@ -169,10 +169,15 @@ def arg_paths(tree: Any) -> list[str]:
     return [jax.tree_util.keystr(p) or "<root>" for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
+def value_types(avals: Sequence[Aval]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The program graph's (dtype name, shape) of each value."""
+    return tuple((np.dtype(dtype).name, tuple(shape)) for shape, dtype in avals)
+
+
 def register_program(session: Any, graph: ProgramGraph, value_avals: dict[int, Aval],
-                     value_shardings: dict[int, NamedSharding]) -> ProgramSpec:
+                     value_shardings: dict[int, NamedSharding], dispatch: str = "parallel") -> ProgramSpec:
     program_id = session.allocate(1)
-    session.send({"t": "program", "id": program_id, "graph": graph.to_wire()})
+    session.send({"t": "program", "id": program_id, "graph": graph.to_wire(), "dispatch": dispatch})
     return ProgramSpec(program_id, graph, value_avals, value_shardings)
 
 

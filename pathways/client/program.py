@@ -17,12 +17,13 @@ import numpy as np
 from pathways.client import api
 from pathways.client.array import Array, _Buffer
 from pathways.client.compiled import (Aval, CompiledFunction, ProgramSpec, arg_paths, host_array,
-                                      register_program)
+                                      register_program, value_types)
 from pathways.client.devices import NamedSharding
 from pathways.errors import ProgramTraceError, SignatureError
 from pathways.ir import Layout, Node, ProgramGraph
 
 _local = threading.local()
+DISPATCH_MODES = ("parallel", "sequential")
 
 
 def current_trace() -> Optional["_Trace"]:
@@ -128,9 +129,10 @@ class Program:
     """A traced multi-computation program; calling it submits one run to the controller."""
 
     def __init__(self, fun: Callable, dispatch: str = "parallel") -> None:
-        if dispatch != "parallel":
-            raise ValueError(f"dispatch={dispatch!r}: this runtime dispatches programs in parallel; "
-                             "use dispatch='parallel'")
+        if dispatch not in DISPATCH_MODES:
+            raise ValueError(f"dispatch={dispatch!r}: choose 'parallel' (every node is sent to its "
+                             "workers at once) or 'sequential' (a node is sent once its predecessors "
+                             "have finished; a baseline for comparison)")
         self.fun = fun
         self.dispatch = dispatch
         self.__name__ = getattr(fun, "__name__", "program")
@@ -188,13 +190,20 @@ class Program:
         if unused:
             raise ProgramTraceError(f"program {self.__name__}: argument(s) {', '.join(unused)} are never "
                                     "passed to a compiled function; drop them from the signature")
-        graph = ProgramGraph(trace.nvalues, tuple(trace.inputs), tuple(trace.nodes), tuple(outputs))
-        spec = register_program(session, graph, trace.avals, trace.shardings)
+        graph = ProgramGraph(trace.nvalues, tuple(trace.inputs), tuple(trace.nodes), tuple(outputs),
+                             value_types([trace.avals[v] for v in range(trace.nvalues)]))
+        spec = register_program(session, graph, trace.avals, trace.shardings, self.dispatch)
         return _Traced(spec, out_tree, tuple(arg_values), trace.captured, trace.placement, trace.shardings)
 
 
 def program(fun: Optional[Callable] = None, *, dispatch: str = "parallel") -> Any:
-    """Decorator: ``@pw.program`` or ``pw.program(fun, dispatch="parallel")``."""
+    """Decorator: ``@pw.program`` or ``pw.program(fun, dispatch="parallel" | "sequential")``.
+
+    ``parallel`` (the default) sends every node of a run to its workers in one step; a node
+    waits on its workers only for its input data. ``sequential`` sends a node only after
+    all the nodes it reads from have finished, a controller round trip per node: the
+    baseline that shows what parallel dispatch saves.
+    """
     if fun is None:
         return lambda f: Program(f, dispatch)
     return Program(fun, dispatch)

@@ -32,7 +32,7 @@ SESSION_MESSAGES = {
               "island": (int, type(None)), "exclusive": bool},
     "cluster": {"req": int},
     "fn": {"id": int, "slice": int, "name": str, "blob": bytes, "ins": list, "outs": list},
-    "program": {"id": int, "graph": dict},
+    "program": {"id": int, "graph": dict, "dispatch": str},
     "run": {"program": int, "base": int, "inputs": list},
     "put": {"handle": int, "layout": list},
     "delete": {"handles": list},
@@ -41,6 +41,7 @@ WORKER_MESSAGES = {
     "register": {"address": str, "kind": str, "devices": int, "island": int, "rank": int, "pid": int,
                  "host": str, "memory_bytes": int},
     "done": {"runs": list},  # [[run id, device seconds], ...]
+    "step": {"run": int, "node": int},  # a node of a sequentially dispatched run finished
     "error": {"message": str},
 }
 REMOTE, LOST = "RemoteError", "WorkerLostError"  # the error kinds a poisoned handle reports
@@ -79,6 +80,7 @@ class SessionState:
     slices: set[int] = field(default_factory=set)
     fns: dict[int, FnLayouts] = field(default_factory=dict)
     programs: dict[int, ProgramGraph] = field(default_factory=dict)
+    sequential: set[int] = field(default_factory=set)  # programs dispatched node by node
     handles: dict[int, Layout] = field(default_factory=dict)  # live handle -> location
     poisoned: dict[int, tuple[str, str]] = field(default_factory=dict)  # handle -> (kind, message)
     queued_reads: dict[int, int] = field(default_factory=dict)  # handle -> queued runs reading it
@@ -99,6 +101,8 @@ class Dispatch:
     outputs: dict[int, int]  # output value -> handle
     waiting: set[int] = field(default_factory=set)  # workers yet to report the run done
     seconds: float = 0.0
+    unfinished: dict[int, set[int]] = field(default_factory=dict)  # sequential: node -> workers running it
+    finished: set[int] = field(default_factory=set)  # sequential: nodes finished
 
 
 class ControllerCore:
@@ -124,6 +128,8 @@ class ControllerCore:
                 log.warning("worker %s reported: %s", conn.worker, msg["message"])
             elif msg["t"] == "done":
                 self._on_done(conn, msg["runs"])
+            elif msg["t"] == "step":
+                self._on_step(conn, msg["run"], msg["node"])
             elif conn.worker >= 0:
                 conn.outbox.put({"t": "error", "message": "worker is already registered"})
             else:
@@ -161,6 +167,7 @@ class ControllerCore:
         queued, flying = self.scheduler.cancel(lambda r: bool(r.payload.lowered.workers & lost))
         for run in flying:
             d: Dispatch = run.payload
+            self._release_all(run.id, d, lost)
             for sender, receiver, copy in d.lowered.transfers:
                 if sender in lost and receiver not in lost and receiver in self.workers:
                     self.workers[receiver].outbox.put({"t": "poison", "handles": [d.tbase + copy - d.nvalues],
@@ -264,7 +271,11 @@ class ControllerCore:
 
     def _on_program(self, sid: int, s: SessionState, msg: dict) -> None:
         program = self._own(sid, msg["id"], "program")
+        if msg["dispatch"] not in ("parallel", "sequential"):
+            raise WireError(f"dispatch {msg['dispatch']!r} is neither 'parallel' nor 'sequential'")
         s.programs[program] = ProgramGraph.from_wire(msg["graph"])
+        if msg["dispatch"] == "sequential":
+            s.sequential.add(program)
 
     def _on_put(self, sid: int, s: SessionState, msg: dict) -> None:
         handle = self._own(sid, msg["handle"], "handle")
@@ -334,6 +345,8 @@ class ControllerCore:
         for run in self.scheduler.dispatchable():
             d: Dispatch = run.payload
             d.waiting = set(d.lowered.workers)
+            if d.lowered.gates is not None:
+                d.unfinished = {n: set(ws) for n, ws in d.lowered.gates.steps.items()}
             for worker, ops in d.lowered.ops.items():
                 conn = self.workers[worker]
                 if d.key not in conn.defined:
@@ -376,6 +389,45 @@ class ControllerCore:
                 self.scheduler.finish(run.id, d.seconds)
         self._pump()
 
+    def _on_step(self, conn: WorkerConn, run_id: int, node: int) -> None:
+        """A worker finished its part of ``node`` of a sequential run: release the nodes
+        whose every predecessor has now finished."""
+        run = self.scheduler.running(run_id)
+        if run is None or run.payload.lowered.gates is None:
+            return
+        d: Dispatch = run.payload
+        gates = d.lowered.gates
+        left = d.unfinished.get(node)
+        if left is None or conn.worker not in left:
+            return
+        left.discard(conn.worker)
+        if left:
+            return
+        d.finished.add(node)
+        go: dict[int, list[int]] = {}
+        for succ in gates.succs.get(node, ()):
+            if all(p in d.finished for p in gates.preds[succ]):
+                for w in gates.waits.get(succ, ()):
+                    go.setdefault(w, []).append(succ)
+        for w, nodes in go.items():
+            if w in self.workers:
+                self.workers[w].outbox.put({"t": "go", "run": run_id, "nodes": nodes})
+
+    def _release_all(self, run_id: int, d: Dispatch, lost: set[int]) -> None:
+        """A cancelled sequential run: let the surviving workers through its gates (their
+        inputs are poisoned, so what they compute is too) instead of waiting forever."""
+        gates = d.lowered.gates
+        if gates is None:
+            return
+        go: dict[int, list[int]] = {}
+        for node, workers in gates.waits.items():
+            for w in workers:
+                if w not in lost:
+                    go.setdefault(w, []).append(node)
+        for w, nodes in go.items():
+            if w in self.workers:
+                self.workers[w].outbox.put({"t": "go", "run": run_id, "nodes": nodes})
+
     def _lowered(self, s: SessionState, program: int, graph: ProgramGraph,
                  args: dict[int, int]) -> tuple[int, Lowered]:
         layouts: dict[int, Layout] = {}
@@ -394,7 +446,7 @@ class ControllerCore:
         hit = s.lowered.get(cache_key)
         if hit is None:
             try:
-                lowered = lower(graph, s.fns, layouts)
+                lowered = lower(graph, s.fns, layouts, program in s.sequential)
             except WireError as e:
                 raise RunFailure(str(e)) from None
             hit = (next(self._program_keys), lowered)

@@ -8,11 +8,19 @@ register file indexed by value number (worker/executor.py). Ops, as wire lists:
   with keep false the store entry is removed (a transfer copy for this run only).
 - ``["exec", fn, ins, outs]``: run compiled function ``fn``.
 - ``["out", v]``: publish register v to the object store as handle(v).
-- ``["send", v, workers, dst, layout, nsenders]``: push this host's part of register v to
-  each of ``workers``, arriving as handle(dst) in ``layout``; a receiver assembles the array
-  once all ``nsenders`` hosts of the source have sent their parts.
+- ``["send", v, dst, layout, routes]``: push regions of register v to other hosts, where
+  they arrive as handle(dst) in ``layout``. ``routes`` is ``[[receiver, senders, regions],
+  ...]``: each receiver gets the listed regions (flat ``[start, stop, ...]`` per region)
+  from this host and assembles its part once all ``senders`` hosts have delivered. The
+  regions come from transfers.plan: each receiver gets only the blocks its devices hold.
 - ``["reshard", v, dst, layout]``: copy register v into ``layout`` on this worker.
 - ``["drop", [v...]]``: release registers after their last use.
+
+With sequential dispatch two more ops gate the stream on the controller:
+
+- ``["await", node]``: wait until the controller releases ``node``, which it does once
+  every node that ``node`` reads from has finished;
+- ``["step", node, outs]``: wait for ``node``'s outputs, then tell the controller it finished.
 
 Values numbered at or above the graph's ``nvalues`` are transfer copies created here.
 """
@@ -23,6 +31,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Mapping
 
+from pathways.controller.transfers import plan
 from pathways.errors import WireError
 from pathways.ir import Layout, ProgramGraph
 
@@ -37,22 +46,35 @@ class FnLayouts:
 
 
 @dataclass(frozen=True)
+class Gates:
+    """How a sequentially dispatched program is released node by node."""
+
+    preds: dict[int, tuple[int, ...]]  # node -> the nodes it reads from
+    succs: dict[int, tuple[int, ...]]  # node -> the nodes that read from it
+    steps: dict[int, tuple[int, ...]]  # node -> the workers that report it finished
+    waits: dict[int, tuple[int, ...]]  # node -> the workers that wait for its release
+
+
+@dataclass(frozen=True)
 class Lowered:
     ops: dict[int, list[list]]  # worker -> op stream
     ncopies: int  # transfer copies numbered nvalues .. nvalues+ncopies-1
     output_layouts: dict[int, Layout]  # program output value -> where it lives
     transfers: tuple[tuple[int, int, int], ...]  # (sender, receiver, copy value) per push
+    gates: Gates | None = None  # set for sequential dispatch
 
     @property
     def workers(self) -> frozenset[int]:
         return frozenset(self.ops)
 
 
-def lower(graph: ProgramGraph, fns: Mapping[int, FnLayouts], input_layouts: Mapping[int, Layout]) -> Lowered:
+def lower(graph: ProgramGraph, fns: Mapping[int, FnLayouts], input_layouts: Mapping[int, Layout],
+          sequential: bool = False) -> Lowered:
     """Lower ``graph`` given where its inputs live.
 
     Inputs belong to the caller and stay in the store; transfer copies exist for this run
-    only and are removed from the store as they are loaded.
+    only and are removed from the store as they are loaded. ``sequential`` adds the gates
+    of sequential dispatch.
     """
     ops: dict[int, list[list]] = defaultdict(list)
     home: dict[int, Layout] = {}
@@ -62,6 +84,17 @@ def lower(graph: ProgramGraph, fns: Mapping[int, FnLayouts], input_layouts: Mapp
     outputs = set(graph.outputs)
     transfers: list[tuple[int, int, int]] = []
     next_copy = graph.nvalues
+    producer: dict[int, int] = {}  # value -> index of the node computing it
+    preds: dict[int, tuple[int, ...]] = {}
+    steps: dict[int, tuple[int, ...]] = {}
+    waits: dict[int, list[int]] = defaultdict(list)
+    node_index = -1
+
+    def emit(worker: int, op: list) -> None:
+        if sequential and preds[node_index] and worker not in waits[node_index]:
+            waits[node_index].append(worker)
+            ops[worker].append(["await", node_index])
+        ops[worker].append(op)
 
     for v in graph.inputs:
         if v not in input_layouts:
@@ -72,7 +105,7 @@ def lower(graph: ProgramGraph, fns: Mapping[int, FnLayouts], input_layouts: Mapp
 
     def load(worker: int, v: int) -> None:
         if v in in_store and (worker, v) not in loaded:
-            ops[worker].append(["in", v, v < graph.nvalues])
+            emit(worker, ["in", v, v < graph.nvalues])
             loaded.add((worker, v))
 
     def materialize(v: int, want: Layout) -> int:
@@ -83,19 +116,28 @@ def lower(graph: ProgramGraph, fns: Mapping[int, FnLayouts], input_layouts: Mapp
         src = copy_of[(v, src_layout)]
         dst = next_copy
         next_copy += 1
-        for w in src_layout.workers:
-            load(w, src)
         if src_layout.workers == want.workers and not want.multi_host:
-            ops[want.workers[0]].append(["reshard", src, dst, want.to_wire()])
+            load(want.workers[0], src)
+            emit(want.workers[0], ["reshard", src, dst, want.to_wire()])
         else:
-            for w in src_layout.workers:
-                ops[w].append(["send", src, list(want.workers), dst, want.to_wire(), len(src_layout.workers)])
-                transfers.extend((w, r, dst) for r in want.workers)
+            routes = plan(graph.shape(v), src_layout, want)
+            senders_of: dict[int, int] = defaultdict(int)
+            for route in routes:
+                senders_of[route.receiver] += 1
+            by_sender: dict[int, list] = defaultdict(list)
+            for route in routes:
+                by_sender[route.sender].append(
+                    [route.receiver, senders_of[route.receiver],
+                     [[x for bounds in region for x in bounds] for region in route.regions]])
+                transfers.append((route.sender, route.receiver, dst))
+            for sender, sends in by_sender.items():
+                load(sender, src)
+                emit(sender, ["send", src, dst, want.to_wire(), sends])
             in_store.add(dst)
         copy_of[(v, want)] = dst
         return dst
 
-    for node in graph.nodes:
+    for node_index, node in enumerate(graph.nodes):
         fn = fns.get(node.fn)
         if fn is None:
             raise WireError(f"program calls unknown compiled function {node.fn}")
@@ -103,20 +145,33 @@ def lower(graph: ProgramGraph, fns: Mapping[int, FnLayouts], input_layouts: Mapp
             raise WireError(
                 f"node of function {node.fn} has {len(node.ins)} inputs and {len(node.outs)} "
                 f"outputs; the function takes {len(fn.ins)} and returns {len(fn.outs)}")
+        preds[node_index] = tuple(sorted({producer[v] for v in node.ins if v in producer}))
         args = [materialize(v, layout) for v, layout in zip(node.ins, fn.ins)]
         for w in fn.workers:
             for a in args:
                 load(w, a)
-            ops[w].append(["exec", node.fn, args, list(node.outs)])
+            emit(w, ["exec", node.fn, args, list(node.outs)])
+            if sequential:
+                emit(w, ["step", node_index, list(node.outs)])
+        steps[node_index] = fn.workers
         for v, layout in zip(node.outs, fn.outs):
+            producer[v] = node_index
             home[v] = layout
             copy_of[(v, layout)] = v
             if v in outputs:
                 for w in fn.workers:
-                    ops[w].append(["out", v])
+                    emit(w, ["out", v])
 
+    gates = None
+    if sequential:
+        succs: dict[int, list[int]] = defaultdict(list)
+        for n, ps in preds.items():
+            for p in ps:
+                succs[p].append(n)
+        gates = Gates(preds, {n: tuple(ss) for n, ss in succs.items()}, steps,
+                      {n: tuple(ws) for n, ws in waits.items()})
     return Lowered({w: _with_drops(stream) for w, stream in ops.items()},
-                   next_copy - graph.nvalues, {v: home[v] for v in outputs}, tuple(transfers))
+                   next_copy - graph.nvalues, {v: home[v] for v in outputs}, tuple(transfers), gates)
 
 
 def _reads(op: list) -> list[int]:
@@ -125,6 +180,8 @@ def _reads(op: list) -> list[int]:
         return op[2]
     if kind in ("send", "reshard", "out"):
         return [op[1]]
+    if kind == "step":
+        return op[2]
     return []
 
 

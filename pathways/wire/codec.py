@@ -28,6 +28,10 @@ def is_wire_dtype(dtype: np.dtype) -> bool:
     return np.dtype(dtype).name in _WIRE_DTYPES
 
 
+def is_wire_dtype_name(name: object) -> bool:
+    return name in _WIRE_DTYPES
+
+
 def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
@@ -194,32 +198,84 @@ def read_pieces(header: dict, chunks: Iterator[bytes]) -> tuple[np.dtype, tuple[
     return dtype, shape, pieces
 
 
-class Assembly:
-    """Collects pieces of one array, possibly from several senders, until it is whole."""
+def intersect(a: Index, b: Index) -> Index | None:
+    """The common part of two blocks, or None. Blocks of an empty dimension are all (0, 0)
+    and meet each other, so that empty arrays still have their (empty) pieces."""
+    out = []
+    for (x0, x1), (y0, y1) in zip(a, b):
+        lo, hi = max(x0, y0), min(x1, y1)
+        if not (lo < hi or x0 == x1 == y0 == y1):
+            return None
+        out.append((lo, hi))
+    return tuple(out)
 
-    def __init__(self, dtype: np.dtype, shape: tuple[int, ...]) -> None:
+
+def volume(index: Index) -> int:
+    n = 1
+    for lo, hi in index:
+        n *= hi - lo
+    return n
+
+
+def _window(inner: Index, outer: Index) -> tuple[slice, ...]:
+    """``inner`` in the coordinates of the block ``outer`` that contains it."""
+    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inner, outer))
+
+
+def _view(array: np.ndarray, inner: Index, outer: Index) -> np.ndarray:
+    # indexing a 0-d array with () gives a numpy scalar, not an array
+    return array if inner == outer else array[_window(inner, outer)]
+
+
+def cut(pieces: list[Piece], region: Index) -> np.ndarray:
+    """The part ``region`` of an array from the piece that contains it (a view)."""
+    for index, array in pieces:
+        if all(a <= r0 and r1 <= b for (a, b), (r0, r1) in zip(index, region)):
+            return _view(array, region, index)
+    raise WireError(f"no piece held here contains region {[list(r) for r in region]}")
+
+
+class Assembly:
+    """Collects the pieces of the ``regions`` of an array (default: all of it) that one
+    or more senders deliver, until every region is complete. Pieces of a sharded array
+    are blocks of one grid, so two pieces are either identical (replicas, kept once) or
+    disjoint, and counting elements tells when a region is complete."""
+
+    def __init__(self, dtype: np.dtype, shape: tuple[int, ...], regions: list[Index] | None = None) -> None:
         self.dtype, self.shape = dtype, shape
-        self._whole: np.ndarray | None = None
-        self._buf: np.ndarray | None = None
-        self._covered: np.ndarray | None = None
+        self.regions = [full_index(shape)] if regions is None else list(regions)
+        self._buffers: dict[Index, np.ndarray] = {}
+        self._missing = {r: volume(r) for r in self.regions}
+        self._seen: set[Index] = set()
 
     def add(self, pieces: list[Piece]) -> None:
         for index, array in pieces:
-            if self._whole is not None:
-                return  # already whole; later pieces repeat replicated data
-            if self._buf is None and index == full_index(self.shape):
-                self._whole = array  # the common case: one piece is everything, no copy
+            if index in self._seen:
                 continue
-            if self._buf is None:
-                self._buf = np.empty(self.shape, self.dtype)
-                self._covered = np.zeros(self.shape, bool)
-            window = tuple(slice(a, b) for a, b in index)
-            self._buf[window] = array
-            self._covered[window] = True
+            self._seen.add(index)
+            for region in self.regions:
+                common = intersect(index, region)
+                if common is None:
+                    continue
+                if common == region and region not in self._buffers:
+                    self._buffers[region] = _view(array, region, index)  # no copy
+                else:
+                    buf = self._buffers.get(region)
+                    if buf is None:
+                        buf = self._buffers[region] = np.empty(tuple(b - a for a, b in region), self.dtype)
+                    buf[_window(common, region)] = _view(array, common, index)
+                self._missing[region] -= volume(common)
+
+    @property
+    def complete(self) -> bool:
+        return not any(self._missing.values()) and len(self._buffers) == len(self.regions)
+
+    def region(self, index: Index) -> np.ndarray:
+        if not self.complete:
+            raise WireError(f"the pieces received do not cover the {self.dtype}{list(self.shape)} array's "
+                            f"regions {[[list(i) for i in r] for r in self.regions]}")
+        return self._buffers[index]
 
     def result(self) -> np.ndarray:
-        if self._whole is not None:
-            return self._whole
-        if self._buf is None or not self._covered.all():
-            raise WireError(f"the pieces received do not cover the whole {self.dtype}{list(self.shape)} array")
-        return self._buf
+        """The whole array (for an assembly of the default region)."""
+        return self.region(full_index(self.shape))

@@ -94,32 +94,33 @@ class Outbox:
 
     def __init__(self, idle_timeout: float = 0.5) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._closed = threading.Event()
         self._idle_timeout = idle_timeout
 
     def put(self, message: dict) -> None:
         self._queue.put(message)
 
     def close(self) -> None:
-        self._closed.set()
+        """End the stream after whatever was put before."""
         self._queue.put(self._CLOSE)
 
     def batches(self, still_wanted: Callable[[], bool] = lambda: True) -> Iterator[bytes]:
-        """Yield packed batches until closed or ``still_wanted()`` turns false."""
-        while not self._closed.is_set() and still_wanted():
+        """Yield packed batches until closed (everything put before the close goes out)
+        or ``still_wanted()`` turns false."""
+        closing = False
+        while not closing and still_wanted():
             try:
-                first = self._queue.get(timeout=self._idle_timeout)
+                item = self._queue.get(timeout=self._idle_timeout)
             except queue.Empty:
                 continue
-            batch = [] if first is self._CLOSE else [first]
+            batch = []
             while True:
+                if item is self._CLOSE:
+                    closing = True
+                else:
+                    batch.append(item)
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if item is self._CLOSE:
-                    self._closed.set()
-                else:
-                    batch.append(item)
             if batch:
                 yield codec.pack_batch(batch)

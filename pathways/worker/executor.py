@@ -21,7 +21,7 @@ import random
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator, Protocol
 
 import jax
 
@@ -34,17 +34,28 @@ from pathways.worker.store import ObjectStore, Poison, failure
 
 log = logging.getLogger("pathways.worker")
 
-_IN, _EXEC, _OUT, _SEND, _RESHARD, _DROP = range(6)
+_IN, _EXEC, _OUT, _SEND, _RESHARD, _DROP, _AWAIT, _STEP = range(8)
+_ARITY = {"in": 3, "exec": 4, "out": 2, "send": 5, "reshard": 4, "drop": 2, "await": 2, "step": 3}
+
+
+class Controls(Protocol):
+    """What the executor asks of its host: push arrays to peers, and talk to the controller."""
+
+    def send(self, handle: int, value: Any, layout: list, routes: list) -> None: ...
+
+    def done(self, reports: list) -> None: ...
+
+    def released(self, run: int, node: int, timeout: float) -> bool: ...
+
+    def step(self, run: int, node: int) -> None: ...
 
 
 class Executor:
-    def __init__(self, store: ObjectStore, executables: Executables,
-                 send: Callable[[list[int], int, Any, list, int], None], done: Callable[[list], None],
+    def __init__(self, store: ObjectStore, executables: Executables, controls: Controls,
                  wait_timeout: float, sync_collectives: bool = False, unsafe_local_order: bool = False) -> None:
         self._store = store
         self._executables = executables
-        self._send = send
-        self._done = done
+        self._controls = controls
         self._wait_timeout = wait_timeout
         self._sync_collectives = sync_collectives
         self._unsafe_local_order = unsafe_local_order
@@ -85,7 +96,7 @@ class Executor:
                 raise WireError(f"op {op[0]!r} names register {v!r} outside 0..{nregs - 1}")
             return v
 
-        kind, arity = op[0], {"in": 3, "exec": 4, "out": 2, "send": 6, "reshard": 4, "drop": 2}.get(op[0])
+        kind, arity = op[0], _ARITY.get(op[0])
         if arity is None or len(op) != arity:
             raise WireError(f"op {op!r} is unknown or has the wrong number of fields")
         if kind == "in":
@@ -99,12 +110,16 @@ class Executor:
         if kind == "out":
             return (_OUT, reg(op[1]))
         if kind == "send":
-            Layout.from_wire(op[4])
-            if not isinstance(op[5], int) or op[5] < 1:
-                raise WireError("send needs a positive sender count")
-            return (_SEND, reg(op[1]), int_list(op[2], "send workers"), reg(op[3]), op[4], op[5])
+            Layout.from_wire(op[3])
+            return (_SEND, reg(op[1]), reg(op[2]), op[3], _routes(op[4]))
         if kind == "reshard":
             return (_RESHARD, reg(op[1]), reg(op[2]), self._executables.sharding(Layout.from_wire(op[3])))
+        if kind in ("await", "step"):
+            if not isinstance(op[1], int) or op[1] < 0:
+                raise WireError(f"{kind} needs a node number")
+            if kind == "await":
+                return (_AWAIT, op[1])
+            return (_STEP, op[1], [reg(v) for v in int_list(op[2], "step outputs")])
         return (_DROP, [reg(v) for v in int_list(op[1], "drop registers")])
 
     def _loop(self) -> None:
@@ -168,7 +183,7 @@ class Executor:
                 reports.append([run_id, now - max(started, busy_until)])
                 busy_until = now
             if reports:
-                self._done(reports)
+                self._controls.done(reports)
 
     def _keep_peers_company(self, future: Any, key: int) -> None:
         """Run a multi-host function on zeros when this host's inputs are poisoned: the other
@@ -238,7 +253,17 @@ class Executor:
                 for v in op[1]:
                     regs[v] = None
             elif code == _SEND:
-                self._send(op[2], handle(op[3]), regs[op[1]], op[4], op[5])
+                self._controls.send(handle(op[2]), regs[op[1]], op[3], op[4])
+            elif code == _AWAIT:
+                if not self._controls.released(msg["id"], op[1], self._wait_timeout):
+                    log.error("run %d: node %d was not released within %.0f s; running it anyway",
+                              msg["id"], op[1], self._wait_timeout)
+            elif code == _STEP:
+                try:
+                    jax.block_until_ready([regs[v] for v in op[2] if type(regs[v]) is not Poison])
+                except Exception:  # the failure reaches readers through the outputs themselves
+                    pass
+                self._controls.step(msg["id"], op[1])
             else:  # _RESHARD
                 value = regs[op[1]]
                 if type(value) is not Poison:
@@ -248,6 +273,26 @@ class Executor:
                         value = Poison(f"moving an array on worker {self.worker_id} failed: {e}")
                 regs[op[2]] = value
         self._finished.put((msg["id"], started or time.perf_counter(), last))
+
+
+def _routes(raw: Any) -> list:
+    """Check a send's ``[[receiver, senders, [flat region, ...]], ...]``; regions become
+    ((start, stop), ...) tuples."""
+    if not isinstance(raw, list) or not raw:
+        raise WireError("send routes must be a non-empty list")
+    out = []
+    for route in raw:
+        if not (isinstance(route, list) and len(route) == 3 and isinstance(route[0], int)
+                and isinstance(route[1], int) and route[1] >= 1 and isinstance(route[2], list)):
+            raise WireError(f"send route {route!r} is not [receiver, senders >= 1, regions]")
+        regions = []
+        for flat in route[2]:
+            flat = int_list(flat, "send region")
+            if len(flat) % 2 or any(not 0 <= a <= b for a, b in zip(flat[::2], flat[1::2])):
+                raise WireError(f"send region {flat} is not a flat list of [start, stop] pairs")
+            regions.append(tuple(zip(flat[::2], flat[1::2])))
+        out.append((route[0], route[1], regions))
+    return out
 
 
 def _session_of_message(msg: dict) -> int:

@@ -42,6 +42,7 @@ _CONTROLLER_MESSAGES = {
     "drop_session": {"session": int},
     "poison": {"handles": list, "kind": str, "message": str},
     "shutdown": {"reason": str},
+    "go": {"run": int, "nodes": list},
 }
 _PUT_FIELDS = {"put": {"handle": int, "layout": list, "of": int}}
 _ERROR_KINDS = ("RemoteError", "WorkerLostError")
@@ -65,14 +66,30 @@ class Worker:
         self._send_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pathways-send")
         self._incoming: dict[int, tuple[Any, int]] = {}  # handle -> (assembly, senders seen)
         self._incoming_lock = threading.Lock()
+        self._released: set[tuple[int, int]] = set()  # (run, node) released by the controller
+        self._release = threading.Condition()
         self._on_shutdown = on_shutdown
         self.wait_timeout = wait_timeout
         self.outbox = rpc.Outbox()
-        self.executor = Executor(self.store, self.executables, self.send, self._report_done, wait_timeout,
-                                 sync_collectives, unsafe_local_order)
+        self.executor = Executor(self.store, self.executables, self, wait_timeout, sync_collectives,
+                                 unsafe_local_order)
 
-    def _report_done(self, reports: list) -> None:
+    # ---- what the executor asks of the host (executor.Controls) -------------------
+
+    def done(self, reports: list) -> None:
         self.outbox.put({"t": "done", "runs": reports})
+
+    def step(self, run: int, node: int) -> None:
+        self.outbox.put({"t": "step", "run": run, "node": node})
+
+    def released(self, run: int, node: int, timeout: float) -> bool:
+        """Wait until the controller releases ``node`` of ``run`` (sequential dispatch)."""
+        key = (run, node)
+        with self._release:
+            if not self._release.wait_for(lambda: key in self._released, timeout):
+                return False
+            self._released.discard(key)
+        return True
 
     # ---- control plane --------------------------------------------------------------
 
@@ -112,6 +129,11 @@ class Worker:
             # At once, not in executor order: the executor may be waiting for an array the
             # departed client was still sending.
             self.store.drop_session(msg["session"])
+        elif kind == "go":
+            # At once, not in executor order: the executor is waiting for it.
+            with self._release:
+                self._released.update((msg["run"], n) for n in codec.int_list(msg["nodes"], "go nodes"))
+                self._release.notify_all()
         elif kind == "shutdown":
             log.warning("the controller shut this worker down: %s", msg["reason"])
             self._on_shutdown()
@@ -124,57 +146,67 @@ class Worker:
 
     # ---- data plane -----------------------------------------------------------------
 
-    def send(self, peers: list[int], handle: int, value: Any, layout: list, nsenders: int) -> None:
-        self._send_pool.submit(self._push, peers, handle, value, layout, nsenders)
+    def send(self, handle: int, value: Any, layout: list, routes: list) -> None:
+        self._send_pool.submit(self._push, handle, value, layout, routes)
 
-    def _push(self, peers: list[int], handle: int, value: Any, layout: list, nsenders: int) -> None:
+    def _push(self, handle: int, value: Any, layout: list, routes: list) -> None:
+        """Send each receiver of ``routes`` its regions of ``value``; to this host itself
+        the regions are handed over in memory."""
         from pathways.worker.store import Poison
 
-        header: dict = {"t": "put", "handle": handle, "layout": layout, "of": nsenders}
-        pieces: list = []
-        if type(value) is Poison:
-            header.update(poison=value.message, kind=value.kind)
-        else:
+        poison = value if type(value) is Poison else None
+        held: list = []
+        if poison is None:
             try:
-                dtype, shape, pieces = self.local_pieces(value)
-                header.update(codec.pieces_header(dtype, shape, pieces))
+                dtype, shape, held = self.local_pieces(value)
             except Exception as e:
                 poison = failure(f"computing array {handle:#x} on worker {self.executor.worker_id}", e)
+        for receiver, senders, regions in routes:
+            header: dict = {"t": "put", "handle": handle, "layout": layout, "of": senders}
+            pieces: list = []
+            if poison is not None:
                 header.update(poison=poison.message, kind=poison.kind)
-        for peer in peers:
-            if peer == self.executor.worker_id:
-                error = self.receive(header, codec.pieces_chunks(pieces))
+            else:
+                try:
+                    pieces = [(region, codec.cut(held, region)) for region in regions]
+                except WireError as e:
+                    header.update(poison=f"array {handle:#x} on worker {self.executor.worker_id}: {e}")
+                else:
+                    header.update(codec.pieces_header(dtype, shape, pieces))
+            if receiver == self.executor.worker_id:
+                error = self.receive(header, local=pieces)
                 if error:
                     log.error("storing array %#x locally failed: %s", handle, error)
                 continue
             try:
-                put = self._peer_put.get(peer)
+                put = self._peer_put.get(receiver)
                 if put is None:
-                    put = rpc.method(rpc.open_channel(self.peers[peer]), rpc.WORKER_SERVICE, "Put", "stream_unary")
-                    self._peer_put[peer] = put
+                    put = rpc.method(rpc.open_channel(self.peers[receiver]), rpc.WORKER_SERVICE, "Put", "stream_unary")
+                    self._peer_put[receiver] = put
                 stream = _prepend(codec.pack(header), codec.pieces_chunks(pieces))
                 reply = codec.unpack(put(stream, timeout=self.wait_timeout))
                 if "error" in reply:
-                    log.error("worker %s refused array %#x: %s", peer, handle, reply["error"])
+                    log.error("worker %s refused array %#x: %s", receiver, handle, reply["error"])
             except (grpc.RpcError, KeyError) as e:
-                log.error("sending array %#x to worker %s failed: %s", handle, peer, e)
+                log.error("sending array %#x to worker %s failed: %s", handle, receiver, e)
 
     def local_pieces(self, value: Any) -> tuple[Any, tuple[int, ...], list]:
         """The distinct shards of ``value`` this host holds, as (index, numpy array)."""
         shape = tuple(value.shape)
-        if value.is_fully_addressable:
-            return value.dtype, shape, [(codec.full_index(shape), np.asarray(self.jax.device_get(value)))]
+        if value.is_fully_addressable and len(value.sharding.device_set) == 1:
+            return value.dtype, shape, [(codec.full_index(shape), np.asarray(value))]
         pieces, seen = [], set()
         for shard in value.addressable_shards:
-            index = tuple((s.start or 0, d if s.stop is None else s.stop) for s, d in zip(shard.index, shape))
+            index = _region(shard.index, shape)
             if index not in seen:
                 seen.add(index)
                 pieces.append((index, np.asarray(shard.data)))
         return value.dtype, shape, pieces
 
-    def receive(self, header: dict, chunks: Iterator[bytes]) -> str | None:
-        """Store an array (or its pieces from one sender) arriving as handle; returns an
-        error message, or None."""
+    def receive(self, header: dict, chunks: Iterator[bytes] | None = None, local: list | None = None) -> str | None:
+        """Take one sender's part of an array arriving as handle, from ``chunks`` or, when
+        the sender is this host, the ``local`` pieces; store the array once every sender
+        has delivered. Returns an error message, or None."""
         from pathways.ir import Layout
         from pathways.worker.store import Poison
 
@@ -190,27 +222,32 @@ class Worker:
                     self._incoming.pop(handle, None)
                 self.store.put(handle, Poison(header["poison"], kind), replace=False)
                 return None
-            dtype, shape, pieces = codec.read_pieces(header, chunks)
-            codec.expect_end(chunks)
+            if chunks is not None:
+                dtype, shape, pieces = codec.read_pieces(header, chunks)
+                codec.expect_end(chunks)
+            else:
+                dtype, shape, _ = codec.check_array_header(header.get("array"))
+                pieces = local or []
             sharding = self.executables.sharding(layout)
             with self._incoming_lock:
                 if self.store.get(handle) is not None:
                     return None if nsenders > 1 else f"array {handle:#x} already exists on this worker"
                 assembly, seen = self._incoming.pop(handle, (None, 0))
                 if assembly is None:
-                    assembly = codec.Assembly(dtype, shape)
+                    assembly = codec.Assembly(dtype, shape, _regions(sharding, shape))
                 elif (assembly.dtype, assembly.shape) != (dtype, shape):
                     raise WireError(f"pieces of array {handle:#x} disagree on its dtype and shape")
                 assembly.add(pieces)
                 if seen + 1 < nsenders:
                     self._incoming[handle] = (assembly, seen + 1)
                     return None
-            array = assembly.result()
-            if sharding.is_fully_addressable:
-                value: Any = self.jax.device_put(array, sharding)
-            else:
-                value = self.jax.make_array_from_callback(shape, sharding, lambda index: array[index])
-            self.store.put(handle, value)
+            if not assembly.complete:
+                message = (f"the senders of array {handle:#x} delivered pieces that do not cover "
+                           f"what this worker holds of it")
+                self.store.put(handle, Poison(message), replace=False)
+                return message
+            self.store.put(handle, self.jax.make_array_from_callback(
+                shape, sharding, lambda index: assembly.region(_region(index, shape))))
             return None
         except WireError as e:
             return str(e)
@@ -275,6 +312,21 @@ class Worker:
         self.executor.stop()
         self._send_pool.shutdown(wait=False, cancel_futures=True)
         self.executables.close()
+
+
+def _region(index: tuple, shape: tuple[int, ...]) -> tuple:
+    """A jax shard index (a tuple of slices) as ((start, stop), ...)."""
+    return tuple((s.start or 0, d if s.stop is None else s.stop) for s, d in zip(index, shape))
+
+
+def _regions(sharding: Any, shape: tuple[int, ...]) -> list:
+    """The distinct blocks of an array of ``shape`` that this host's devices hold."""
+    out: list = []
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        region = _region(index, shape)
+        if region not in out:
+            out.append(region)
+    return out
 
 
 def _prepend(first: bytes, rest: Any) -> Iterator[bytes]:

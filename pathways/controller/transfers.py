@@ -1,0 +1,83 @@
+"""Which bytes of an array go from which host to which host when it changes layout. Pure.
+
+A layout cuts an array into blocks, one per device (``NamedSharding`` semantics: a
+dimension sharded over mesh axes (a, b) has size(a) * size(b) blocks, a major). Each
+receiving host needs the distinct blocks of its own devices, and no more; each of those
+bytes comes from exactly one sending host that holds it, preferably the receiver itself
+(a local copy, not a network transfer), otherwise the holder with the fewest bytes
+assigned so far, so that replicated sources share the sending.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathways.ir import Layout
+from pathways.wire.codec import Index as Region
+from pathways.wire.codec import intersect, volume
+
+
+@dataclass(frozen=True)
+class Route:
+    """What one sender pushes to one receiver: the regions, in global coordinates."""
+
+    sender: int
+    receiver: int
+    regions: tuple[Region, ...]
+
+
+def device_regions(shape: tuple[int, ...], layout: Layout) -> list[Region]:
+    """The block of ``shape`` each device of ``layout`` holds, in the layout's device order."""
+    sizes = dict(zip(layout.axis_names, layout.mesh_shape))
+    strides: dict[str, int] = {}
+    stride = 1
+    for name, size in reversed(list(zip(layout.axis_names, layout.mesh_shape))):
+        strides[name] = stride
+        stride *= size
+    regions = []
+    for position in range(len(layout.devices)):
+        coords = {name: position // strides[name] % sizes[name] for name in layout.axis_names}
+        region = []
+        for dim, size in enumerate(shape):
+            entry = layout.spec[dim] if dim < len(layout.spec) else None
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+            blocks, block = 1, 0
+            for axis in axes:
+                blocks *= sizes[axis]
+                block = block * sizes[axis] + coords[axis]
+            step = size // blocks
+            region.append((block * step, (block + 1) * step))
+        regions.append(tuple(region))
+    return regions
+
+
+def host_regions(shape: tuple[int, ...], layout: Layout) -> dict[int, list[Region]]:
+    """The distinct blocks each worker of ``layout`` holds, in device order."""
+    out: dict[int, list[Region]] = {w: [] for w in layout.workers}
+    worker_of = dict(zip(sorted({rank for rank, _ in layout.devices}), layout.workers))
+    for (rank, _), region in zip(layout.devices, device_regions(shape, layout)):
+        held = out[worker_of[rank]]
+        if region not in held:
+            held.append(region)
+    return out
+
+
+def plan(shape: tuple[int, ...], src: Layout, dst: Layout) -> list[Route]:
+    """The routes that give every host of ``dst`` exactly the blocks it needs of an array
+    of ``shape`` laid out as ``src``, each byte sent once."""
+    sources = host_regions(shape, src)
+    holders: dict[Region, list[int]] = {}
+    for worker, regions in sources.items():
+        for region in regions:
+            holders.setdefault(region, []).append(worker)
+    assigned = dict.fromkeys(src.workers, 0)
+    routes: dict[tuple[int, int], list[Region]] = {}
+    for receiver, needed in host_regions(shape, dst).items():
+        for want in needed:
+            for block, owners in holders.items():
+                piece = intersect(want, block)
+                if piece is None:
+                    continue
+                sender = receiver if receiver in owners else min(owners, key=lambda w: (assigned[w], w))
+                assigned[sender] += volume(piece)
+                routes.setdefault((sender, receiver), []).append(piece)
+    return [Route(s, r, tuple(regions)) for (s, r), regions in routes.items()]
