@@ -449,6 +449,10 @@ class ControllerCore:
                 lowered = lower(graph, s.fns, layouts, program in s.sequential)
             except WireError as e:
                 raise RunFailure(str(e)) from None
+            except Exception as e:  # a bug must fail the run at once, not leave its outputs unresolved
+                log.exception("lowering program %#x failed", program)
+                raise RunFailure(f"the controller could not lower this program ({type(e).__name__}: {e}); "
+                                 "this is a bug in pathways, please report it with the program") from None
             hit = (next(self._program_keys), lowered)
             s.lowered[cache_key] = hit
         gone = [w for w in hit[1].ops if w not in self.workers]

@@ -6,8 +6,11 @@ The hosts of an island of several hosts form one ``jax.distributed`` group (CPU
 collectives over gloo). When the controller's stream ends, or the controller says the
 island is lost, the worker exits: a worker without a controller or island has no work.
 
-Arrays cross the data plane as pieces: each host sends the distinct shards it holds, and
-a receiver assembles them once every sending host has delivered.
+Arrays cross the data plane as pieces: each sender sends the blocks the receiver's devices
+hold (the controller's transfer plan), and a receiver assembles them once every sending
+host has delivered. Small arrays go over one long-lived stream per peer, fire and forget
+(a one-way message instead of a call's round trip: a pipeline stage's latency); large
+ones over a call of their own, in chunks.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ _CONTROLLER_MESSAGES = {
 _PUT_FIELDS = {"put": {"handle": int, "layout": list, "of": int}}
 _ERROR_KINDS = ("RemoteError", "WorkerLostError")
 _FETCH_FIELDS = {"fetch": {"handle": int, "wait": (int, float), "data": bool}}
+STREAM_BYTES = 1 << 20  # arrays up to this size travel inline on a peer's push stream
 
 
 class Worker:
@@ -63,6 +67,8 @@ class Worker:
         self.executables = Executables()
         self.peers: dict[int, str] = {}
         self._peer_put: dict[int, Any] = {}
+        self._peer_streams: dict[int, tuple[rpc.Outbox, Any]] = {}  # peer -> (outbox, call)
+        self._streams_lock = threading.Lock()
         self._send_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pathways-send")
         self._incoming: dict[int, tuple[Any, int]] = {}  # handle -> (assembly, senders seen)
         self._incoming_lock = threading.Lock()
@@ -178,6 +184,9 @@ class Worker:
                 if error:
                     log.error("storing array %#x locally failed: %s", handle, error)
                 continue
+            if sum(a.nbytes for _, a in pieces) <= STREAM_BYTES:
+                self._stream_to(receiver).put({**header, "data": list(codec.pieces_chunks(pieces))})
+                continue
             try:
                 put = self._peer_put.get(receiver)
                 if put is None:
@@ -189,6 +198,16 @@ class Worker:
                     log.error("worker %s refused array %#x: %s", receiver, handle, reply["error"])
             except (grpc.RpcError, KeyError) as e:
                 log.error("sending array %#x to worker %s failed: %s", handle, receiver, e)
+
+    def _stream_to(self, peer: int) -> rpc.Outbox:
+        """The outbox of the push stream to ``peer``, (re)opened if it is not running."""
+        with self._streams_lock:
+            entry = self._peer_streams.get(peer)
+            if entry is None or entry[1].done():
+                outbox = rpc.Outbox()
+                push = rpc.method(rpc.open_channel(self.peers[peer]), rpc.WORKER_SERVICE, "Push", "stream_unary")
+                entry = self._peer_streams[peer] = (outbox, push.future(outbox.batches()))
+            return entry[0]
 
     def local_pieces(self, value: Any) -> tuple[Any, tuple[int, ...], list]:
         """The distinct shards of ``value`` this host holds, as (index, numpy array)."""
@@ -261,6 +280,24 @@ class Worker:
         error = self.receive(header, chunks)
         return codec.pack({"error": error} if error else {"ok": True})
 
+    def push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        """A peer's stream of small arrays, each a put header with its bytes inline."""
+        for payload in request_iterator:
+            try:
+                batch = codec.unpack(payload)
+                if not isinstance(batch, list):
+                    raise WireError("a push payload must be a list of puts")
+                for header in batch:
+                    data = header.pop("data", None) if isinstance(header, dict) else None
+                    if not isinstance(data, list):
+                        raise WireError("a pushed put needs its data inline, as a list of chunks")
+                    error = self.receive(header, iter(data))
+                    if error:
+                        log.error("a peer pushed a bad array: %s", error)
+            except WireError as e:
+                log.error("dropped a push payload: %s", e)
+        return codec.pack({"ok": True})
+
     def fetch(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         from pathways.worker.store import Poison
 
@@ -304,11 +341,14 @@ class Worker:
                            "programs": self.executor.programs})
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
-        return {"Put": rpc.stream_unary(self.put), "Fetch": rpc.unary_stream(self.fetch),
+        return {"Put": rpc.stream_unary(self.put), "Push": rpc.stream_unary(self.push),
+                "Fetch": rpc.unary_stream(self.fetch),
                 "Stats": rpc.unary_unary(self.stats)}
 
     def close(self) -> None:
         self.outbox.close()
+        for outbox, _ in self._peer_streams.values():
+            outbox.close()
         self.executor.stop()
         self._send_pool.shutdown(wait=False, cancel_futures=True)
         self.executables.close()
@@ -383,7 +423,8 @@ async def _serve(controller: str, devices: int, island: int, rank: int, wait_tim
             pass
 
     worker = Worker(wait_timeout, sync_collectives, unsafe_local_order, end)
-    server, port = rpc.make_server(rpc.WORKER_SERVICE, worker.handlers())
+    # a thread per peer push stream, plus calls: room for clusters of a few hundred hosts
+    server, port = rpc.make_server(rpc.WORKER_SERVICE, worker.handlers(), max_workers=256)
     channel = rpc.open_channel(controller)
     try:
         await trio.to_thread.run_sync(rpc.wait_ready, channel, controller, connect_timeout)

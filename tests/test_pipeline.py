@@ -1,0 +1,90 @@
+"""GPipe pipeline-parallel training on real clusters, checked against plain JAX in this
+process, and the training-throughput benchmark at a tiny size."""
+
+import dataclasses
+import math
+import os
+
+import numpy as np
+import pytest
+
+import pathways as pw
+from pathways.bench import gpipe, train
+from tests.conftest import pids_alive
+
+SMALL = gpipe.Config(stages=4, microbatches=2, batch=16, width=8, hidden=16)
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def islands():
+    """Two islands of two one-device hosts each (each island one jax.distributed group)."""
+    with pw.local_cluster(islands=[pw.Island(hosts=2, devices_per_host=1),
+                                   pw.Island(hosts=2, devices_per_host=1)]) as c:
+        pids = list(c.pids)
+        yield c
+    assert pids_alive(pids) == []
+
+
+@pytest.fixture
+def client(islands):
+    pw.connect(islands.address)
+    yield pw.default_session()
+    pw.disconnect()
+
+
+def train_and_check(cfg, slices):
+    pipeline = gpipe.Pipeline(cfg, slices)
+    batches = gpipe.make_batches(cfg, STEPS)
+    params, losses = pipeline.train(gpipe.init_params(cfg), batches)
+    for stage, (p, s) in enumerate(zip(params, slices)):
+        assert all(isinstance(a, pw.Array) and a.sharding.mesh.slice is s for a in p.values()), (
+            f"stage {stage}'s parameters should stay on its slice between steps")
+    got = [float(loss.to_numpy(timeout=60)) for loss in losses]
+    want = gpipe.reference_train(cfg, batches)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    assert got[-1] < got[0], f"training did not reduce the loss: {got}"
+
+
+def test_pipeline_on_one_island_matches_plain_jax(client):
+    cfg = dataclasses.replace(SMALL, stages=3)
+    slices = gpipe.stage_slices(cfg.stages, islands=[0] * cfg.stages)
+    assert {s.island for s in slices} == {0}
+    assert len({w for s in slices for w in s.workers}) == 2, "the stages should use both hosts of island 0"
+    train_and_check(cfg, slices)
+
+
+def test_pipeline_across_two_islands_matches_plain_jax(client):
+    slices = gpipe.stage_slices(SMALL.stages, islands=[0, 0, 1, 1])
+    assert [s.island for s in slices] == [0, 0, 1, 1]
+    assert all(len(s.workers) == 1 for s in slices)
+    assert len({s.workers[0] for s in slices}) == 4, "every stage should have a host of its own"
+    train_and_check(SMALL, slices)
+
+
+def child_pids():
+    """This process's live children."""
+    children = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            children.add(int(entry))
+    return children
+
+
+def test_training_benchmark_reports_both_modes_and_agreeing_losses(capsys):
+    before = child_pids()
+    result = train.main(rounds=1, hosts=2, steps=2, cfg=SMALL)
+    assert child_pids() <= before, "the benchmark left its cluster running"
+    for key in ("pipeline_steps_per_s", "pipeline_samples_per_s", "data_parallel_steps_per_s",
+                "data_parallel_samples_per_s", "ratio"):
+        assert result[key] > 0 and math.isfinite(result[key]), (key, result)
+    assert result["max_loss_difference"] <= 1e-5
+    out = capsys.readouterr().out
+    assert "GPipe, 2 stages" in out and "data parallel, 1 slice of 2 hosts" in out
