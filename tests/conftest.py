@@ -20,6 +20,22 @@ def pids_alive(pids):
     return alive
 
 
+def child_pids():
+    """This process's live children (zombies excluded: they no longer run)."""
+    children = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            children.add(int(entry))
+    return children
+
+
 def wait_until(predicate, timeout=20.0, what="condition"):
     deadline = time.monotonic() + timeout
     while True:

@@ -22,7 +22,8 @@ def test_sequential_runs_release_each_node_after_its_predecessors_finish():
     workers = [WorkerConn(Box()) for _ in range(3)]
     for i, conn in enumerate(workers):
         core.on_worker_batch(conn, codec.pack_batch([{
-            "t": "register", "address": f"grpc://127.0.0.1:{i + 1}", "kind": "cpu", "devices": 1, "island": i,
+            "t": "register", "address": f"grpc://127.0.0.1:{i + 1}", "data_address": f"tcp://127.0.0.1:{i + 1}",
+            "kind": "cpu", "devices": 1, "island": i,
             "rank": 0, "pid": 1, "host": "h", "memory_bytes": 1 << 30}]))
     sid, client = 1, Box()
     core.session_opened(sid, client)

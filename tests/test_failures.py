@@ -2,10 +2,11 @@
 
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import textwrap
-import time
 
 import grpc
 import jax
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 import pathways as pw
-from pathways.cluster import status, worker_stats
+from pathways.cluster import status
 from pathways.handles import first_handle
 from pathways.wire import codec, rpc
 from tests.conftest import pids_alive, read_line, session_handles, wait_until
@@ -299,3 +300,26 @@ def test_no_process_outlives_its_client(sig):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_malformed_data_frames_close_their_connection_and_the_worker_keeps_serving(cluster, session):
+    worker = status(cluster.address)["workers"][0]
+    host, _, port = worker["data_address"].removeprefix("tcp://").rpartition(":")
+    for frame in [struct.pack("!I", 1 << 30),  # a header larger than any allowed
+                  struct.pack("!I", 4) + b"\xc1\xc1\xc1\xc1",  # not msgpack
+                  struct.pack("!I", 2) + codec.pack([1]),  # not a map
+                  _frame({"t": "put", "array": {"dtype": "object", "shape": [], "nbytes": 8}, "pieces": []})]:
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(frame)
+            assert sock.recv(1) == b"", "the worker should close a connection that sent a bad frame"
+    a = pw.make_virtual_device_set().add_slice(cpu_devices=4)
+    b = pw.make_virtual_device_set().add_slice(cpu_devices=4)
+    assert a.workers != b.workers, "the two slices should take one host each"
+    move = pw.program(lambda x: pw.jit(lambda v: v + 1, mesh=b.mesh("d"))(x))
+    np.testing.assert_array_equal(np.asarray(move(pw.device_put(np.arange(3.0, dtype=np.float32), a.devices))),
+                                  [1.0, 2.0, 3.0])
+
+
+def _frame(header):
+    body = codec.pack(header)
+    return struct.pack("!I", len(body)) + body

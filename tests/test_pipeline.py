@@ -3,14 +3,13 @@ process, and the training-throughput benchmark at a tiny size."""
 
 import dataclasses
 import math
-import os
 
 import numpy as np
 import pytest
 
 import pathways as pw
 from pathways.bench import gpipe, train
-from tests.conftest import pids_alive
+from tests.conftest import child_pids, pids_alive
 
 SMALL = gpipe.Config(stages=4, microbatches=2, batch=16, width=8, hidden=16)
 STEPS = 3
@@ -60,22 +59,6 @@ def test_pipeline_across_two_islands_matches_plain_jax(client):
     assert all(len(s.workers) == 1 for s in slices)
     assert len({s.workers[0] for s in slices}) == 4, "every stage should have a host of its own"
     train_and_check(SMALL, slices)
-
-
-def child_pids():
-    """This process's live children."""
-    children = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except FileNotFoundError:
-            continue
-        if int(fields[1]) == os.getpid() and fields[0] != "Z":
-            children.add(int(entry))
-    return children
 
 
 def test_training_benchmark_reports_both_modes_and_agreeing_losses(capsys):

@@ -1,6 +1,5 @@
 """The runtime end to end: real controller and worker processes, real JAX computations."""
 
-import time
 
 import jax
 import jax.numpy as jnp

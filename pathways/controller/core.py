@@ -38,7 +38,7 @@ SESSION_MESSAGES = {
     "delete": {"handles": list},
 }
 WORKER_MESSAGES = {
-    "register": {"address": str, "kind": str, "devices": int, "island": int, "rank": int, "pid": int,
+    "register": {"address": str, "data_address": str, "kind": str, "devices": int, "island": int, "rank": int, "pid": int,
                  "host": str, "memory_bytes": int},
     "done": {"runs": list},  # [[run id, device seconds], ...]
     "step": {"run": int, "node": int},  # a node of a sequentially dispatched run finished
@@ -64,6 +64,7 @@ class WorkerConn:
     outbox: Outbox
     worker: int = -1
     address: str = ""
+    data_address: str = ""  # where peers send it array bytes
     island: int = 0
     rank: int = 0
     kind: str = ""
@@ -141,12 +142,13 @@ class ControllerCore:
             return
         conn.worker = next(self._worker_ids)
         conn.address, conn.island, conn.rank, conn.kind = msg["address"], msg["island"], msg["rank"], msg["kind"]
+        conn.data_address = msg["data_address"]
         conn.devices, conn.pid = msg["devices"], msg["pid"]
         conn.host, conn.memory_bytes = msg["host"], msg["memory_bytes"]
         self.workers[conn.worker] = conn
         self.rm.add_host(conn.worker, conn.island, conn.kind, conn.devices, conn.memory_bytes, conn.rank)
         conn.outbox.put({"t": "welcome", "worker": conn.worker})
-        peers = {w.worker: w.address for w in self.workers.values()}
+        peers = {w.worker: w.data_address for w in self.workers.values()}
         for w in self.workers.values():
             w.outbox.put({"t": "peers", "peers": peers})
         log.info("worker %d registered: %d %s device(s) at %s", conn.worker, conn.devices, conn.kind, conn.address)
@@ -473,7 +475,8 @@ class ControllerCore:
                          "devices": sum(w.devices for w in self.workers.values() if w.island == i),
                          "queued": self.scheduler.queued(i), "inflight": self.scheduler.inflight(i)}
                         for i in islands],
-            "workers": [{"worker": w.worker, "address": w.address, "island": w.island, "rank": w.rank,
+            "workers": [{"worker": w.worker, "address": w.address, "data_address": w.data_address,
+                         "island": w.island, "rank": w.rank,
                          "kind": w.kind, "devices": w.devices, "pid": w.pid, "host": w.host,
                          "memory_bytes": w.memory_bytes,
                          "load": list(self.rm.hosts[w.worker].load) if w.worker in self.rm.hosts else []}

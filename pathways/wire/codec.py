@@ -6,6 +6,7 @@ a string field ``t`` naming its type. Arrays travel as raw buffers, never pickle
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable, Iterator
 
 import msgpack
@@ -109,7 +110,7 @@ def check_array_header(header: Any) -> tuple[np.dtype, tuple[int, ...], int]:
     if any(d < 0 for d in shape) or len(shape) > 64:
         raise WireError(f"array shape {shape} is invalid")
     np_dtype = _np_dtype(dtype)
-    expect = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
+    expect = math.prod(shape) * np_dtype.itemsize
     if nbytes != expect:
         raise WireError(f"array header says {nbytes!r} bytes but {dtype}{shape} needs {expect}")
     return np_dtype, tuple(shape), expect
@@ -168,7 +169,7 @@ def full_index(shape: tuple[int, ...]) -> Index:
 def pieces_header(dtype: np.dtype, shape: tuple[int, ...], pieces: list[Piece]) -> dict:
     """Header fields describing ``pieces`` of an array of ``dtype`` and ``shape``."""
     return {"array": {"dtype": np.dtype(dtype).name, "shape": list(shape),
-                      "nbytes": int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize},
+                      "nbytes": math.prod(shape) * np.dtype(dtype).itemsize},
             "pieces": [{"index": [list(i) for i in index], "array": array_header(a)} for index, a in pieces]}
 
 
@@ -177,24 +178,31 @@ def pieces_chunks(pieces: list[Piece]) -> Iterator[bytes]:
         yield from array_chunks(a)
 
 
-def read_pieces(header: dict, chunks: Iterator[bytes]) -> tuple[np.dtype, tuple[int, ...], list[Piece]]:
-    """The full array's dtype and shape and the pieces that follow ``header``, checked."""
+def piece_specs(header: dict) -> tuple[np.dtype, tuple[int, ...], list[tuple[Index, tuple[int, ...]]]]:
+    """The full array's dtype and shape and each announced piece's (index, shape), checked."""
     dtype, shape, _ = check_array_header(header.get("array"))
-    chunks = iter(chunks)
     raw = header.get("pieces")
     if not isinstance(raw, list):
         raise WireError("array pieces must be a list")
-    pieces = []
+    specs = []
     for p in raw:
         if not isinstance(p, dict) or not isinstance(p.get("index"), list) or len(p["index"]) != len(shape):
             raise WireError(f"an array piece needs an index of {len(shape)} [start, stop] pairs")
         index = tuple(tuple(int_list(i, "piece index")) for i in p["index"])
         if any(len(i) != 2 or not 0 <= i[0] <= i[1] <= d for i, d in zip(index, shape)):
             raise WireError(f"piece index {p['index']} does not fit array shape {list(shape)}")
-        array = assemble_array(p.get("array"), chunks)
-        if array.dtype != dtype or array.shape != tuple(b - a for a, b in index):
-            raise WireError(f"piece {array.dtype}{list(array.shape)} does not match its index {p['index']}")
-        pieces.append((index, array))
+        piece_dtype, piece_shape, _ = check_array_header(p.get("array"))
+        if piece_dtype != dtype or piece_shape != tuple(b - a for a, b in index):
+            raise WireError(f"piece {piece_dtype}{list(piece_shape)} does not match its index {p['index']}")
+        specs.append((index, piece_shape))
+    return dtype, shape, specs
+
+
+def read_pieces(header: dict, chunks: Iterator[bytes]) -> tuple[np.dtype, tuple[int, ...], list[Piece]]:
+    """The full array's dtype and shape and the pieces that follow ``header``, checked."""
+    dtype, shape, specs = piece_specs(header)
+    chunks = iter(chunks)
+    pieces = [(index, assemble_array(p["array"], chunks)) for (index, _), p in zip(specs, header["pieces"])]
     return dtype, shape, pieces
 
 

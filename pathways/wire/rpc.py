@@ -8,7 +8,6 @@ an error reply instead of a broken stream.
 from __future__ import annotations
 
 import queue
-import threading
 from concurrent import futures
 from typing import Callable, Iterator
 

@@ -8,13 +8,13 @@ island is lost, the worker exits: a worker without a controller or island has no
 
 Arrays cross the data plane as pieces: each sender sends the blocks the receiver's devices
 hold (the controller's transfer plan), and a receiver assembles them once every sending
-host has delivered. Small arrays go over one long-lived stream per peer, fire and forget
-(a one-way message instead of a call's round trip: a pipeline stage's latency); large
-ones over a call of their own, in chunks.
+host has delivered. Between workers the bytes go over plain TCP (wire/tcp.py); clients put
+and fetch over gRPC.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -30,8 +30,9 @@ import numpy as np
 import trio
 
 from pathways.errors import ConnectError, WireError
-from pathways.wire import codec, rpc
-from pathways.worker.store import failure
+from pathways.ir import Layout
+from pathways.wire import codec, rpc, tcp
+from pathways.worker.store import ObjectStore, Poison, failure
 
 log = logging.getLogger("pathways.worker")
 
@@ -50,7 +51,7 @@ _CONTROLLER_MESSAGES = {
 _PUT_FIELDS = {"put": {"handle": int, "layout": list, "of": int}}
 _ERROR_KINDS = ("RemoteError", "WorkerLostError")
 _FETCH_FIELDS = {"fetch": {"handle": int, "wait": (int, float), "data": bool}}
-STREAM_BYTES = 1 << 20  # arrays up to this size travel inline on a peer's push stream
+INLINE_SEND_BYTES = 1 << 20  # computed arrays up to this size are sent by the executor itself
 
 
 class Worker:
@@ -60,15 +61,14 @@ class Worker:
 
         from pathways.worker.executables import Executables
         from pathways.worker.executor import Executor
-        from pathways.worker.store import ObjectStore
 
         self.jax = jax
         self.store = ObjectStore()
         self.executables = Executables()
         self.peers: dict[int, str] = {}
-        self._peer_put: dict[int, Any] = {}
-        self._peer_streams: dict[int, tuple[rpc.Outbox, Any]] = {}  # peer -> (outbox, call)
-        self._streams_lock = threading.Lock()
+        self._put_shardings: dict[str, Any] = {}
+        self.links = tcp.Links(wait_timeout)
+        self.listener = tcp.Listener(self._receive_frame, wait_timeout)
         self._send_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pathways-send")
         self._incoming: dict[int, tuple[Any, int]] = {}  # handle -> (assembly, senders seen)
         self._incoming_lock = threading.Lock()
@@ -112,7 +112,6 @@ class Worker:
                 self.outbox.put({"t": "error", "message": f"worker dropped {msg['t']!r}: {e}"})
 
     def _on_message(self, msg: dict) -> None:
-        from pathways.ir import Layout
 
         kind = msg["t"]
         if kind == "compile":
@@ -126,7 +125,6 @@ class Worker:
         elif kind == "welcome":
             self.executor.worker_id = msg["worker"]
         elif kind == "poison":
-            from pathways.worker.store import Poison
 
             error = msg["kind"] if msg["kind"] in _ERROR_KINDS else "RemoteError"
             for h in codec.int_list(msg["handles"], "poison handles"):
@@ -153,12 +151,18 @@ class Worker:
     # ---- data plane -----------------------------------------------------------------
 
     def send(self, handle: int, value: Any, layout: list, routes: list) -> None:
-        self._send_pool.submit(self._push, handle, value, layout, routes)
+        # A small array already computed (tiny computations finish during their dispatch on
+        # CPU) goes at once, saving a thread handoff on a pipeline's critical path; anything
+        # else is sent from the pool so the executor can go on dispatching.
+
+        if type(value) is not Poison and value.nbytes <= INLINE_SEND_BYTES and value.is_ready():
+            self._push(handle, value, layout, routes)
+        else:
+            self._send_pool.submit(self._push, handle, value, layout, routes)
 
     def _push(self, handle: int, value: Any, layout: list, routes: list) -> None:
         """Send each receiver of ``routes`` its regions of ``value``; to this host itself
         the regions are handed over in memory."""
-        from pathways.worker.store import Poison
 
         poison = value if type(value) is Poison else None
         held: list = []
@@ -180,34 +184,17 @@ class Worker:
                 else:
                     header.update(codec.pieces_header(dtype, shape, pieces))
             if receiver == self.executor.worker_id:
-                error = self.receive(header, local=pieces)
+                error = self.receive(header, pieces=pieces)
                 if error:
                     log.error("storing array %#x locally failed: %s", handle, error)
                 continue
-            if sum(a.nbytes for _, a in pieces) <= STREAM_BYTES:
-                self._stream_to(receiver).put({**header, "data": list(codec.pieces_chunks(pieces))})
-                continue
             try:
-                put = self._peer_put.get(receiver)
-                if put is None:
-                    put = rpc.method(rpc.open_channel(self.peers[receiver]), rpc.WORKER_SERVICE, "Put", "stream_unary")
-                    self._peer_put[receiver] = put
-                stream = _prepend(codec.pack(header), codec.pieces_chunks(pieces))
-                reply = codec.unpack(put(stream, timeout=self.wait_timeout))
-                if "error" in reply:
-                    log.error("worker %s refused array %#x: %s", receiver, handle, reply["error"])
-            except (grpc.RpcError, KeyError) as e:
+                self.links.send(self.peers[receiver], header, pieces)
+            except (OSError, KeyError) as e:
                 log.error("sending array %#x to worker %s failed: %s", handle, receiver, e)
 
-    def _stream_to(self, peer: int) -> rpc.Outbox:
-        """The outbox of the push stream to ``peer``, (re)opened if it is not running."""
-        with self._streams_lock:
-            entry = self._peer_streams.get(peer)
-            if entry is None or entry[1].done():
-                outbox = rpc.Outbox()
-                push = rpc.method(rpc.open_channel(self.peers[peer]), rpc.WORKER_SERVICE, "Push", "stream_unary")
-                entry = self._peer_streams[peer] = (outbox, push.future(outbox.batches()))
-            return entry[0]
+    def _receive_frame(self, header: dict, pieces: list) -> str | None:
+        return self.receive(header, pieces=pieces)
 
     def local_pieces(self, value: Any) -> tuple[Any, tuple[int, ...], list]:
         """The distinct shards of ``value`` this host holds, as (index, numpy array)."""
@@ -222,17 +209,16 @@ class Worker:
                 pieces.append((index, np.asarray(shard.data)))
         return value.dtype, shape, pieces
 
-    def receive(self, header: dict, chunks: Iterator[bytes] | None = None, local: list | None = None) -> str | None:
-        """Take one sender's part of an array arriving as handle, from ``chunks`` or, when
-        the sender is this host, the ``local`` pieces; store the array once every sender
-        has delivered. Returns an error message, or None."""
-        from pathways.ir import Layout
-        from pathways.worker.store import Poison
+    def receive(self, header: dict, chunks: Iterator[bytes] | None = None, pieces: list | None = None) -> str | None:
+        """Take one sender's part of an array arriving as handle: its pieces follow in
+        ``chunks`` (a gRPC put) or were read already (``pieces``: from a peer's data
+        connection, or this host's own); store the array once every sender has delivered.
+        Returns an error message, or None."""
 
         try:
             header = codec.validate(header, _PUT_FIELDS)
             handle, nsenders = header["handle"], header["of"]
-            layout = Layout.from_wire(header["layout"])
+            sharding = self._sharding(header["layout"])
             if not 1 <= nsenders <= 4096:
                 raise WireError(f"a put needs 1 to 4096 senders, got {nsenders}")
             if isinstance(header.get("poison"), str):
@@ -246,8 +232,7 @@ class Worker:
                 codec.expect_end(chunks)
             else:
                 dtype, shape, _ = codec.check_array_header(header.get("array"))
-                pieces = local or []
-            sharding = self.executables.sharding(layout)
+                pieces = pieces or []
             with self._incoming_lock:
                 if self.store.get(handle) is not None:
                     return None if nsenders > 1 else f"array {handle:#x} already exists on this worker"
@@ -271,6 +256,18 @@ class Worker:
         except WireError as e:
             return str(e)
 
+    def _sharding(self, raw_layout: Any) -> Any:
+        """The sharding a put's wire layout names, cached: each run of a program sends the
+        same layouts, and parsing one costs more than the rest of a small put."""
+        key = repr(raw_layout)
+        sharding = self._put_shardings.get(key)
+        if sharding is None:
+
+            sharding = self.executables.sharding(Layout.from_wire(raw_layout))
+            if len(self._put_shardings) < 4096:
+                self._put_shardings[key] = sharding
+        return sharding
+
     def put(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
         try:
             chunks = iter(request_iterator)
@@ -280,26 +277,7 @@ class Worker:
         error = self.receive(header, chunks)
         return codec.pack({"error": error} if error else {"ok": True})
 
-    def push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
-        """A peer's stream of small arrays, each a put header with its bytes inline."""
-        for payload in request_iterator:
-            try:
-                batch = codec.unpack(payload)
-                if not isinstance(batch, list):
-                    raise WireError("a push payload must be a list of puts")
-                for header in batch:
-                    data = header.pop("data", None) if isinstance(header, dict) else None
-                    if not isinstance(data, list):
-                        raise WireError("a pushed put needs its data inline, as a list of chunks")
-                    error = self.receive(header, iter(data))
-                    if error:
-                        log.error("a peer pushed a bad array: %s", error)
-            except WireError as e:
-                log.error("dropped a push payload: %s", e)
-        return codec.pack({"ok": True})
-
     def fetch(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
-        from pathways.worker.store import Poison
 
         try:
             req = codec.validate(codec.unpack(request), _FETCH_FIELDS)
@@ -341,14 +319,13 @@ class Worker:
                            "programs": self.executor.programs})
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
-        return {"Put": rpc.stream_unary(self.put), "Push": rpc.stream_unary(self.push),
-                "Fetch": rpc.unary_stream(self.fetch),
+        return {"Put": rpc.stream_unary(self.put), "Fetch": rpc.unary_stream(self.fetch),
                 "Stats": rpc.unary_unary(self.stats)}
 
     def close(self) -> None:
         self.outbox.close()
-        for outbox, _ in self._peer_streams.values():
-            outbox.close()
+        self.listener.close()
+        self.links.close()
         self.executor.stop()
         self._send_pool.shutdown(wait=False, cancel_futures=True)
         self.executables.close()
@@ -359,6 +336,7 @@ def _region(index: tuple, shape: tuple[int, ...]) -> tuple:
     return tuple((s.start or 0, d if s.stop is None else s.stop) for s, d in zip(index, shape))
 
 
+@functools.lru_cache(maxsize=4096)
 def _regions(sharding: Any, shape: tuple[int, ...]) -> list:
     """The distinct blocks of an array of ``shape`` that this host's devices hold."""
     out: list = []
@@ -367,11 +345,6 @@ def _regions(sharding: Any, shape: tuple[int, ...]) -> list:
         if region not in out:
             out.append(region)
     return out
-
-
-def _prepend(first: bytes, rest: Any) -> Iterator[bytes]:
-    yield first
-    yield from rest
 
 
 @dataclass(frozen=True)
@@ -423,12 +396,12 @@ async def _serve(controller: str, devices: int, island: int, rank: int, wait_tim
             pass
 
     worker = Worker(wait_timeout, sync_collectives, unsafe_local_order, end)
-    # a thread per peer push stream, plus calls: room for clusters of a few hundred hosts
-    server, port = rpc.make_server(rpc.WORKER_SERVICE, worker.handlers(), max_workers=256)
+    server, port = rpc.make_server(rpc.WORKER_SERVICE, worker.handlers())
     channel = rpc.open_channel(controller)
     try:
         await trio.to_thread.run_sync(rpc.wait_ready, channel, controller, connect_timeout)
-        worker.outbox.put({"t": "register", "address": f"grpc://127.0.0.1:{port}", "kind": "cpu",
+        worker.outbox.put({"t": "register", "address": f"grpc://127.0.0.1:{port}",
+                           "data_address": worker.listener.address, "kind": "cpu",
                            "devices": devices, "island": island, "rank": rank, "pid": os.getpid(),
                            "host": socket.gethostname(),
                            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")})

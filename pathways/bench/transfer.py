@@ -1,0 +1,261 @@
+"""``python -m pathways bench transfer``: worker-to-worker transfer bandwidth next to raw TCP.
+
+One local cluster of three worker processes: an island of two hosts and an island of one
+host, one CPU device each. An array is put once on a slice of island 0's first host; a
+``@pw.program`` calls a cheap compiled function (``x[-1:]``) on a slice of another host, so
+every call moves the whole array over the data plane (worker-to-worker TCP, wire/tcp.py),
+either to the island's other host or to the other island (the paper's DCN case). The same sizes go
+through a plain TCP socket between two helper processes on loopback (a sender ``sendall``s
+a preallocated buffer, a receiver ``recv_into``s one and acks with one byte), the most this
+machine can move between two processes with one stream.
+
+For every size, in every round, the cases run alternately so that machine noise hits them
+alike. Each sample is the mean time of a few back-to-back runs, each waited for before the
+next; MB/s is 10^6 bytes of array per second of that time. The fixed cost of one run (a
+one-element array) is reported too, and the "net" column is the rate with it subtracted.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import selectors
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+MiB = 1 << 20
+SIZES: tuple[int, ...] = (1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB)
+ROUTES = ("same island", "other island")
+_SAMPLE_BYTES = 64 * MiB  # runs per sample: enough that small sizes are not timer noise
+_MAX_RUNS = 20
+_TIMEOUT = 120.0  # the longest one run, one raw transfer or a helper's start may take
+_IDLE_TIMEOUT = 600.0  # the longest the raw TCP helpers wait for the next transfer
+_GRACE_SECONDS = 3.0
+_HEADER = struct.Struct("!Q")
+
+
+def _runs(nbytes: int) -> int:
+    return max(2, min(_MAX_RUNS, _SAMPLE_BYTES // max(nbytes, 1)))
+
+
+def main(rounds: int = 5, sizes: Sequence[int] = SIZES) -> dict[str, Any]:
+    """Measure ``rounds`` alternating rounds for each size in bytes (whole float32 arrays);
+    print the table and return the medians (bytes/s) and the fixed cost per run (s)."""
+    # Imported here, not at module level: the raw socket helpers run this file as a script
+    # and should start without importing jax.
+    import numpy as np
+
+    import pathways as pw
+
+    sizes = [max(4, s - s % 4) for s in sizes]
+    print(f"worker-to-worker transfer vs raw TCP on loopback, {rounds} alternating rounds, medians; "
+          "MB = 10^6 bytes", flush=True)
+    with pw.local_cluster(islands=[pw.Island(hosts=2, devices_per_host=1),
+                                   pw.Island(hosts=1, devices_per_host=1)]):
+        raw = _RawSocket(max(sizes))
+        try:
+            source = pw.make_virtual_device_set().add_slice(cpu_devices=1, island=0)
+            routes = {"same island": pw.make_virtual_device_set().add_slice(cpu_devices=1, island=0),
+                      "other island": pw.make_virtual_device_set().add_slice(cpu_devices=1, island=1)}
+            if routes["same island"].workers == source.workers:
+                raise RuntimeError(f"both island-0 slices were placed on worker {source.workers}; "
+                                   "the benchmark needs them on different hosts")
+            programs = {route: _touch_program(pw, s) for route, s in routes.items()}
+            arrays = {n: pw.device_put(np.arange(n // 4, dtype=np.float32), source.devices)
+                      for n in [4, *sizes]}
+            for n, x in arrays.items():  # warm up: compile, and check that the array's end arrives
+                want = np.arange(n // 4, dtype=np.float32)[-1:]
+                for route, program in programs.items():
+                    got = np.asarray(program(x))
+                    if not np.array_equal(got, want):
+                        raise RuntimeError(f"{route}: a {n}-byte transfer delivered {got!r}, not {want!r}")
+                raw.seconds(n, 1)
+            cases: dict[str, Callable[[int, int], float]] = {
+                route: lambda n, k, p=program: _time_runs(p, arrays[n], k) for route, program in programs.items()}
+            cases["raw TCP"] = raw.seconds
+            samples: dict[str, dict[int, list[float]]] = {c: {n: [] for n in arrays} for c in cases}
+            for _ in range(rounds):
+                for n in arrays:
+                    for case, timed in cases.items():
+                        samples[case][n].append(timed(n, _runs(n)))
+        finally:
+            raw.close()
+    return _report(samples, sizes)
+
+
+def _touch_program(pw: Any, target: Any) -> Any:
+    touch = pw.jit(lambda x: x[-1:], mesh=target.mesh("d"))
+
+    @pw.program
+    def program(x: Any) -> Any:
+        return touch(x)
+
+    return program
+
+
+def _time_runs(program: Any, x: Any, runs: int) -> float:
+    """Seconds per run over ``runs`` runs, each waited for before the next."""
+    start = time.perf_counter()
+    for _ in range(runs):
+        program(x).block_until_ready(timeout=_TIMEOUT)
+    return (time.perf_counter() - start) / runs
+
+
+def _report(samples: dict[str, dict[int, list[float]]], sizes: list[int]) -> dict[str, Any]:
+    overhead = {route: statistics.median(samples[route][4]) for route in ROUTES}
+    rows = []
+    for n in sizes:
+        raw = n / statistics.median(samples["raw TCP"][n])
+        for route in ROUTES:
+            times = samples[route][n]
+            median = statistics.median(times)
+            net = median - overhead[route]
+            rows.append({"size": n, "route": route, "pathways": n / median, "min": n / max(times),
+                         "max": n / min(times), "net": n / net if net > 0 else float("nan"),
+                         "raw": raw, "ratio": n / median / raw})
+    print("fixed cost per run (one float32): " + ", ".join(
+        f"{route} {1e3 * s:.2f} ms" for route, s in overhead.items())
+        + f"; raw TCP round trip {1e3 * statistics.median(samples['raw TCP'][4]):.3f} ms")
+    print("| size | route | pathways MB/s (min-max) | net of fixed cost MB/s | raw TCP MB/s | pathways/raw |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {_size(r['size'])} | {r['route']} | {r['pathways'] / 1e6:,.0f} ({r['min'] / 1e6:,.0f}-"
+              f"{r['max'] / 1e6:,.0f}) | {_rate(r['net'])} | {r['raw'] / 1e6:,.0f} | {r['ratio']:.2f} |",
+              flush=True)
+    return {"rows": rows, "overhead_s": overhead}
+
+
+def _rate(bytes_per_second: float) -> str:
+    # Not a number when a run took no longer than the median fixed cost.
+    return "-" if math.isnan(bytes_per_second) else f"{bytes_per_second / 1e6:,.0f}"
+
+
+def _size(n: int) -> str:
+    return f"{n / MiB:g} MiB" if n >= MiB else f"{n / 1024:g} KiB" if n >= 1024 else f"{n} B"
+
+
+class _RawSocket:
+    """Two helper processes (this file run as a script) joined by one loopback TCP stream.
+
+    Started once and kept for the whole benchmark, so process start is never timed; the
+    sender takes ``SIZE RUNS`` lines on stdin and answers with the seconds per run.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.procs: list[subprocess.Popen] = []
+        try:
+            receiver = self._start("receive", str(capacity))
+            port = _read_line(receiver, _TIMEOUT)
+            self.sender = self._start("send", str(capacity), port)
+            if _read_line(self.sender, _TIMEOUT) != "connected":
+                raise RuntimeError("the raw TCP sender did not connect")
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, *args: str) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *args], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+        self.procs.append(proc)
+        return proc
+
+    def seconds(self, nbytes: int, runs: int) -> float:
+        self.sender.stdin.write(f"{nbytes} {runs}\n")
+        self.sender.stdin.flush()
+        return float(_read_line(self.sender, _TIMEOUT))
+
+    def close(self) -> None:
+        # The sender exits when its stdin closes, the receiver when the stream closes.
+        for proc in self.procs:
+            proc.stdin.close()
+        deadline = time.monotonic() + _GRACE_SECONDS
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(_GRACE_SECONDS)
+            proc.stdout.close()
+
+
+def _read_line(proc: subprocess.Popen, timeout: float) -> str:
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            raise TimeoutError(f"a raw TCP helper said nothing within {timeout:.0f} s")
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"a raw TCP helper exited (code {proc.poll()})")
+    return line.strip()
+
+
+def _connect_options(sock: socket.socket) -> None:
+    # Without it the ack (and a short tail of the data) may wait for a delayed ACK.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _receive(capacity: int) -> None:
+    buf = memoryview(bytearray(b"\0") * capacity)  # written now, so no page faults are timed
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        server.settimeout(_TIMEOUT)
+        print(server.getsockname()[1], flush=True)
+        conn, _ = server.accept()
+    with conn:
+        conn.settimeout(_IDLE_TIMEOUT)  # the sender idles while the cluster is measured
+        _connect_options(conn)
+        while True:
+            header = _recv_exactly(conn, memoryview(bytearray(_HEADER.size)))
+            if header is None:
+                return
+            nbytes, = _HEADER.unpack(header)
+            if nbytes > capacity or _recv_exactly(conn, buf[:nbytes]) is None:
+                return
+            conn.sendall(b"\1")
+
+
+def _recv_exactly(conn: socket.socket, view: memoryview) -> memoryview | None:
+    pos = 0
+    while pos < len(view):
+        got = conn.recv_into(view[pos:])
+        if not got:
+            return None
+        pos += got
+    return view
+
+
+def _send(capacity: int, port: int) -> None:
+    data = memoryview(bytearray(b"\x5a") * capacity)
+    with socket.create_connection(("127.0.0.1", port), timeout=_TIMEOUT) as conn:
+        conn.settimeout(_TIMEOUT)
+        _connect_options(conn)
+        print("connected", flush=True)
+        ack = bytearray(1)
+        with selectors.DefaultSelector() as sel:
+            sel.register(sys.stdin, selectors.EVENT_READ)
+            while sel.select(_IDLE_TIMEOUT) and (line := sys.stdin.readline()):
+                nbytes, runs = map(int, line.split())
+                start = time.perf_counter()
+                for _ in range(runs):
+                    conn.sendall(_HEADER.pack(nbytes))
+                    conn.sendall(data[:nbytes])
+                    if conn.recv_into(ack) != 1:
+                        raise RuntimeError("the raw TCP receiver closed the stream")
+                print((time.perf_counter() - start) / runs, flush=True)
+
+
+if __name__ == "__main__":
+    # The benchmark ends the helpers by closing their streams, also after a Ctrl-C that
+    # reached the whole process group.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.argv[1] == "receive":
+        _receive(int(sys.argv[2]))
+    else:
+        _send(int(sys.argv[2]), int(sys.argv[3]))
