@@ -61,6 +61,22 @@ def session_handles(address, session_id):
     return sum(worker_stats(w["address"])["sessions"].get(session_id, 0) for w in status(address)["workers"])
 
 
+def running_cluster(*islands):
+    """For a module-scoped fixture: a local cluster of ``islands``; afterwards, check that
+    none of its processes is left."""
+    with pw.local_cluster(islands=list(islands)) as c:
+        pids = list(c.pids)
+        yield c
+    assert pids_alive(pids) == [], "the local cluster left processes behind"
+
+
+def connected(cluster):
+    """For a fixture: this test's client session on ``cluster``."""
+    pw.connect(cluster.address)
+    yield pw.default_session()
+    pw.disconnect()
+
+
 @pytest.fixture(scope="session")
 def cluster():
     """One island of two worker processes with four CPU devices each, shared by the tests."""

@@ -11,20 +11,15 @@ import numpy as np
 import pytest
 
 import pathways as pw
-from tests.conftest import pids_alive
+from tests.conftest import connected, running_cluster
 
 
 @pytest.fixture(scope="module")
 def cluster():
     """Island 0: two hosts of two devices (one jax.distributed group); island 1: one host
     of two devices."""
-    with pw.local_cluster(islands=[pw.Island(hosts=2, devices_per_host=2),
-                                   pw.Island(hosts=1, devices_per_host=2)]) as c:
-        pids = list(c.pids)
-        pw.connect(c.address)
-        yield c
-        pw.disconnect()
-    assert pids_alive(pids) == []
+    for c in running_cluster(pw.Island(hosts=2, devices_per_host=2), pw.Island(hosts=1, devices_per_host=2)):
+        yield from connected(c)
 
 
 @pytest.fixture(scope="module")

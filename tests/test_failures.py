@@ -168,7 +168,7 @@ def test_malformed_session_messages_get_error_replies(cluster, session):
 
 
 def test_malformed_worker_and_attach_messages_get_error_replies(cluster, session):
-    worker = status(cluster.address)["workers"][0]["address"]
+    worker = next(w["address"] for w in status(cluster.address)["workers"] if w["rank"] == 0)
     channel = rpc.open_channel(worker)
     put = rpc.method(channel, rpc.WORKER_SERVICE, "Put", "stream_unary")
     fetch = rpc.method(channel, rpc.WORKER_SERVICE, "Fetch", "unary_stream")
@@ -188,6 +188,7 @@ def test_malformed_worker_and_attach_messages_get_error_replies(cluster, session
         ([b"garbage"], "not valid msgpack"),
         ([codec.pack({"t": "put", "handle": 1})], "lacks field 'layout'"),
         ([put_header(layout=[[0], [0, 99], [1], ["d"], []]), good.tobytes()], "island lacks"),
+        ([put_header(layout=[[0], [1, 0], [1], ["d"], []]), good.tobytes()], "none of it on this worker"),
         ([put_header(), good.tobytes()[:5]], "header announced"),
         ([put_header(), good.tobytes(), b"extra"], "more array data"),
         ([put_header(of=0), good.tobytes()], "senders"),

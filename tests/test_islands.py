@@ -18,25 +18,19 @@ import pytest
 
 import pathways as pw
 from pathways.cluster import status
-from tests.conftest import pids_alive, read_line, wait_until
+from tests.conftest import connected, pids_alive, read_line, running_cluster, wait_until
 
 
 @pytest.fixture(scope="module")
 def islands():
     """Island 0: two hosts of one device each (one jax.distributed group); island 1: one
     host of two devices."""
-    with pw.local_cluster(islands=[pw.Island(hosts=2, devices_per_host=1),
-                                   pw.Island(hosts=1, devices_per_host=2)]) as c:
-        pids = list(c.pids)
-        yield c
-    assert pids_alive(pids) == []
+    yield from running_cluster(pw.Island(hosts=2, devices_per_host=1), pw.Island(hosts=1, devices_per_host=2))
 
 
 @pytest.fixture
 def client(islands):
-    pw.connect(islands.address)
-    yield pw.default_session()
-    pw.disconnect()
+    yield from connected(islands)
 
 
 def test_a_slice_spans_the_hosts_of_its_island_and_runs_one_spmd_program(client):

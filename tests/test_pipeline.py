@@ -9,7 +9,7 @@ import pytest
 
 import pathways as pw
 from pathways.bench import gpipe, train
-from tests.conftest import child_pids, pids_alive
+from tests.conftest import child_pids, connected, running_cluster
 
 SMALL = gpipe.Config(stages=4, microbatches=2, batch=16, width=8, hidden=16)
 STEPS = 3
@@ -18,18 +18,12 @@ STEPS = 3
 @pytest.fixture(scope="module")
 def islands():
     """Two islands of two one-device hosts each (each island one jax.distributed group)."""
-    with pw.local_cluster(islands=[pw.Island(hosts=2, devices_per_host=1),
-                                   pw.Island(hosts=2, devices_per_host=1)]) as c:
-        pids = list(c.pids)
-        yield c
-    assert pids_alive(pids) == []
+    yield from running_cluster(pw.Island(hosts=2, devices_per_host=1), pw.Island(hosts=2, devices_per_host=1))
 
 
 @pytest.fixture
 def client(islands):
-    pw.connect(islands.address)
-    yield pw.default_session()
-    pw.disconnect()
+    yield from connected(islands)
 
 
 def train_and_check(cfg, slices):

@@ -238,7 +238,10 @@ class Worker:
                     return None if nsenders > 1 else f"array {handle:#x} already exists on this worker"
                 assembly, seen = self._incoming.pop(handle, (None, 0))
                 if assembly is None:
-                    assembly = codec.Assembly(dtype, shape, _regions(sharding, shape))
+                    regions = _regions(sharding, shape)
+                    if not regions:
+                        raise WireError(f"the layout of array {handle:#x} puts none of it on this worker's devices")
+                    assembly = codec.Assembly(dtype, shape, regions)
                 elif (assembly.dtype, assembly.shape) != (dtype, shape):
                     raise WireError(f"pieces of array {handle:#x} disagree on its dtype and shape")
                 assembly.add(pieces)
