@@ -306,10 +306,12 @@ def test_no_process_outlives_its_client(sig):
 def test_malformed_data_frames_close_their_connection_and_the_worker_keeps_serving(cluster, session):
     worker = status(cluster.address)["workers"][0]
     host, _, port = worker["data_address"].removeprefix("tcp://").rpartition(":")
+    huge = {"dtype": "uint8", "shape": [1 << 50], "nbytes": 1 << 50}  # more memory than any host has
     for frame in [struct.pack("!I", 1 << 30),  # a header larger than any allowed
                   struct.pack("!I", 4) + b"\xc1\xc1\xc1\xc1",  # not msgpack
                   struct.pack("!I", 2) + codec.pack([1]),  # not a map
-                  _frame({"t": "put", "array": {"dtype": "object", "shape": [], "nbytes": 8}, "pieces": []})]:
+                  _frame({"t": "put", "array": {"dtype": "object", "shape": [], "nbytes": 8}, "pieces": []}),
+                  _frame({"t": "put", "array": huge, "pieces": [{"index": [[0, 1 << 50]], "array": huge}]})]:
         with socket.create_connection((host, int(port)), timeout=10) as sock:
             sock.sendall(frame)
             assert sock.recv(1) == b"", "the worker should close a connection that sent a bad frame"

@@ -83,8 +83,8 @@ class Listener:
                 try:
                     if not self._frame(conn):
                         return
-                except (WireError, ValueError) as e:
-                    log.error("closing a data connection after a malformed frame: %s", e)
+                except (WireError, ValueError, MemoryError) as e:
+                    log.error("closing a data connection after a malformed frame: %s: %s", type(e).__name__, e)
                     return
                 except OSError:
                     return

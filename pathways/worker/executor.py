@@ -6,6 +6,8 @@ through the object store. A failed op poisons the registers it would have writte
 poison flows through everything downstream to whoever reads the result. A second thread
 waits for each run's results in order and reports the run done with the device time it
 took, which frees its slot in the controller's window and feeds the fair-share policy.
+Runs of sequentially dispatched programs wait at each node's gate until the controller
+releases it, and report each node finished (the ``await`` and ``step`` ops).
 
 ``unsafe_local_order`` is a debugging switch that removes the gang order: the worker then
 interleaves the runs of different client sessions in an order of its own (random), as a
