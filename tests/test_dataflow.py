@@ -146,3 +146,15 @@ def test_sequential_programs_keep_failures_and_fan_in(slices):
 def test_unknown_dispatch_modes_are_refused():
     with pytest.raises(ValueError, match="'parallel'.*'sequential'"):
         pw.program(lambda x: x, dispatch="eager")
+
+
+@pytest.mark.parametrize("specs", [(pw.P("x"), pw.P(None, "x")), (pw.P(), pw.P("x")), (pw.P("x"), pw.P())],
+                         ids=["rows-to-columns", "replicated-to-rows", "rows-to-replicated"])
+def test_resharding_within_a_multi_host_slice_is_exact(slices, specs):
+    """Both ends span the same two hosts: each host keeps what it holds and takes the rest
+    of its new blocks from the other."""
+    mesh = slices["both hosts"].mesh("x")
+    shape = (8, 4096)
+    make = pw.jit(lambda seed: _pattern(shape) + seed, mesh=mesh, out_shardings=specs[0])
+    check = pw.jit(lambda x: jnp.all(x == _pattern(shape) + 1), mesh=mesh, in_shardings=specs[1])
+    assert bool(np.asarray(pw.program(lambda seed: check(make(seed)))(np.int32(1))))

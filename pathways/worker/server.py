@@ -112,7 +112,6 @@ class Worker:
                 self.outbox.put({"t": "error", "message": f"worker dropped {msg['t']!r}: {e}"})
 
     def _on_message(self, msg: dict) -> None:
-
         kind = msg["t"]
         if kind == "compile":
             self.executables.register(msg["fn"], msg["name"], msg["blob"],
@@ -125,7 +124,6 @@ class Worker:
         elif kind == "welcome":
             self.executor.worker_id = msg["worker"]
         elif kind == "poison":
-
             error = msg["kind"] if msg["kind"] in _ERROR_KINDS else "RemoteError"
             for h in codec.int_list(msg["handles"], "poison handles"):
                 self.store.put(h, Poison(msg["message"], error), replace=False)
@@ -154,7 +152,6 @@ class Worker:
         # A small array already computed (tiny computations finish during their dispatch on
         # CPU) goes at once, saving a thread handoff on a pipeline's critical path; anything
         # else is sent from the pool so the executor can go on dispatching.
-
         if type(value) is not Poison and value.nbytes <= INLINE_SEND_BYTES and value.is_ready():
             self._push(handle, value, layout, routes)
         else:
@@ -163,7 +160,6 @@ class Worker:
     def _push(self, handle: int, value: Any, layout: list, routes: list) -> None:
         """Send each receiver of ``routes`` its regions of ``value``; to this host itself
         the regions are handed over in memory."""
-
         poison = value if type(value) is Poison else None
         held: list = []
         if poison is None:
@@ -214,7 +210,6 @@ class Worker:
         ``chunks`` (a gRPC put) or were read already (``pieces``: from a peer's data
         connection, or this host's own); store the array once every sender has delivered.
         Returns an error message, or None."""
-
         try:
             header = codec.validate(header, _PUT_FIELDS)
             handle, nsenders = header["handle"], header["of"]
@@ -265,7 +260,6 @@ class Worker:
         key = repr(raw_layout)
         sharding = self._put_shardings.get(key)
         if sharding is None:
-
             sharding = self.executables.sharding(Layout.from_wire(raw_layout))
             if len(self._put_shardings) < 4096:
                 self._put_shardings[key] = sharding
@@ -281,7 +275,6 @@ class Worker:
         return codec.pack({"error": error} if error else {"ok": True})
 
     def fetch(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
-
         try:
             req = codec.validate(codec.unpack(request), _FETCH_FIELDS)
         except WireError as e:
