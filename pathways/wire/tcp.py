@@ -16,8 +16,8 @@ connection (the stream cannot be resynchronized); the sender reconnects for the 
 
 from __future__ import annotations
 
-import math
 import logging
+import math
 import socket
 import struct
 import threading
