@@ -7,6 +7,7 @@ Everything here is plain data with a wire form; nothing here talks to a network 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -59,7 +60,7 @@ class Layout:
         pairs = tuple(zip(flat[::2], flat[1::2]))
         if len(set(pairs)) != len(pairs):
             raise WireError("layout devices must be distinct")
-        if len(mesh_shape) != len(axis_names) or _prod(mesh_shape) != len(pairs):
+        if len(mesh_shape) != len(axis_names) or math.prod(mesh_shape) != len(pairs):
             raise WireError(f"layout mesh {mesh_shape} x {axis_names} does not fit {len(pairs)} devices")
         return Layout(tuple(workers), pairs, tuple(mesh_shape), tuple(axis_names),
                       spec_from_wire(spec, axis_names))
@@ -80,13 +81,6 @@ def spec_from_wire(raw: Any, axis_names: list | tuple) -> tuple[SpecEntry, ...]:
     return tuple(out)
 
 
-def _prod(xs: list[int] | tuple[int, ...]) -> int:
-    n = 1
-    for x in xs:
-        n *= x
-    return n
-
-
 @dataclass(frozen=True)
 class Node:
     """One sharded computation: compiled function ``fn`` reading and writing value numbers."""
@@ -97,6 +91,7 @@ class Node:
 
 
 ValueType = tuple[str, tuple[int, ...]]  # (dtype name, shape)
+DISPATCH_MODES = ("parallel", "sequential")  # how a program's nodes reach their workers
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,9 @@ from pathways.client.compiled import (Aval, CompiledFunction, ProgramSpec, arg_p
                                       register_program, value_types)
 from pathways.client.devices import NamedSharding
 from pathways.errors import ProgramTraceError, SignatureError
-from pathways.ir import Layout, Node, ProgramGraph
+from pathways.ir import DISPATCH_MODES, Layout, Node, ProgramGraph
 
 _local = threading.local()
-DISPATCH_MODES = ("parallel", "sequential")
 
 
 def current_trace() -> Optional["_Trace"]:

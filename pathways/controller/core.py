@@ -21,7 +21,7 @@ from pathways.controller.placement import ResourceManager
 from pathways.controller.scheduler import DEFAULT_WINDOW, Run, Scheduler
 from pathways.errors import PathwaysError, WireError
 from pathways.handles import COUNTER_MASK, first_handle, session_of
-from pathways.ir import Layout, ProgramGraph
+from pathways.ir import DISPATCH_MODES, Layout, ProgramGraph
 from pathways.wire import codec
 
 log = logging.getLogger("pathways.controller")
@@ -38,8 +38,8 @@ SESSION_MESSAGES = {
     "delete": {"handles": list},
 }
 WORKER_MESSAGES = {
-    "register": {"address": str, "data_address": str, "kind": str, "devices": int, "island": int, "rank": int, "pid": int,
-                 "host": str, "memory_bytes": int},
+    "register": {"address": str, "data_address": str, "kind": str, "devices": int, "island": int, "rank": int,
+                 "pid": int, "host": str, "memory_bytes": int},
     "done": {"runs": list},  # [[run id, device seconds], ...]
     "step": {"run": int, "node": int},  # a node of a sequentially dispatched run finished
     "error": {"message": str},
@@ -273,7 +273,7 @@ class ControllerCore:
 
     def _on_program(self, sid: int, s: SessionState, msg: dict) -> None:
         program = self._own(sid, msg["id"], "program")
-        if msg["dispatch"] not in ("parallel", "sequential"):
+        if msg["dispatch"] not in DISPATCH_MODES:
             raise WireError(f"dispatch {msg['dispatch']!r} is neither 'parallel' nor 'sequential'")
         s.programs[program] = ProgramGraph.from_wire(msg["graph"])
         if msg["dispatch"] == "sequential":
@@ -411,9 +411,7 @@ class ControllerCore:
             if all(p in d.finished for p in gates.preds[succ]):
                 for w in gates.waits.get(succ, ()):
                     go.setdefault(w, []).append(succ)
-        for w, nodes in go.items():
-            if w in self.workers:
-                self.workers[w].outbox.put({"t": "go", "run": run_id, "nodes": nodes})
+        self._send_go(run_id, go)
 
     def _release_all(self, run_id: int, d: Dispatch, lost: set[int]) -> None:
         """A cancelled sequential run: let the surviving workers through its gates (their
@@ -426,6 +424,10 @@ class ControllerCore:
             for w in workers:
                 if w not in lost:
                     go.setdefault(w, []).append(node)
+        self._send_go(run_id, go)
+
+    def _send_go(self, run_id: int, go: dict[int, list[int]]) -> None:
+        """Release nodes of a sequential run: worker -> the nodes it may now run."""
         for w, nodes in go.items():
             if w in self.workers:
                 self.workers[w].outbox.put({"t": "go", "run": run_id, "nodes": nodes})

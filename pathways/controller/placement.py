@@ -10,6 +10,7 @@ else uses. Islands marked unhealthy (a host was lost) get no new slices.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -69,8 +70,8 @@ class ResourceManager:
         if count < 1:
             raise PlacementError(f"a slice needs at least one device, got {count}")
         mesh_shape = tuple(mesh_shape) if mesh_shape else (count,)
-        if _prod(mesh_shape) != count:
-            raise PlacementError(f"mesh_shape {mesh_shape} has {_prod(mesh_shape)} devices, "
+        if math.prod(mesh_shape) != count:
+            raise PlacementError(f"mesh_shape {mesh_shape} has {math.prod(mesh_shape)} devices, "
                                  f"but the slice asks for {count}; make their product equal")
         candidates = [h for h in self.hosts.values() if h.kind == kind and h.island not in self.unhealthy
                       and (island is None or h.island == island)]
@@ -168,10 +169,3 @@ class ResourceManager:
         return (f"cannot place a slice of {want} on one host or evenly over the healthy hosts of one "
                 f"island; the cluster has: {what}. Ask for fewer devices, or start a cluster with more "
                 "(pw.local_cluster(islands=[pw.Island(hosts=H, devices_per_host=D)]))")
-
-
-def _prod(xs: tuple[int, ...]) -> int:
-    n = 1
-    for x in xs:
-        n *= x
-    return n

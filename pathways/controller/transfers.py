@@ -10,6 +10,7 @@ assigned so far, so that replicated sources share the sending.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathways.ir import Layout
 from pathways.wire.codec import Index as Region
@@ -28,14 +29,9 @@ class Route:
 def device_regions(shape: tuple[int, ...], layout: Layout) -> list[Region]:
     """The block of ``shape`` each device of ``layout`` holds, in the layout's device order."""
     sizes = dict(zip(layout.axis_names, layout.mesh_shape))
-    strides: dict[str, int] = {}
-    stride = 1
-    for name, size in reversed(list(zip(layout.axis_names, layout.mesh_shape))):
-        strides[name] = stride
-        stride *= size
     regions = []
-    for position in range(len(layout.devices)):
-        coords = {name: position // strides[name] % sizes[name] for name in layout.axis_names}
+    for position in itertools.product(*map(range, layout.mesh_shape)):  # devices are in mesh order
+        coords = dict(zip(layout.axis_names, position))
         region = []
         for dim, size in enumerate(shape):
             entry = layout.spec[dim] if dim < len(layout.spec) else None

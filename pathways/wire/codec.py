@@ -219,10 +219,7 @@ def intersect(a: Index, b: Index) -> Index | None:
 
 
 def volume(index: Index) -> int:
-    n = 1
-    for lo, hi in index:
-        n *= hi - lo
-    return n
+    return math.prod(hi - lo for lo, hi in index)
 
 
 def _window(inner: Index, outer: Index) -> tuple[slice, ...]:
