@@ -11,11 +11,13 @@ from pathways.client.api import (connect, default_session, device_get, device_pu
 from pathways.client.array import Array
 from pathways.client.compiled import jit, pmap
 from pathways.client.devices import NamedSharding, Slice, VirtualDeviceSet, VirtualMesh
+from pathways.client.pipeline import pipeline
 from pathways.client.program import program
+from pathways import spmd
 from pathways.cluster import Island, local_cluster
 from pathways.errors import (ArrayDeletedError, ConnectError, DeadlineExceededError, PathwaysError,
-                             PlacementError, ProgramTraceError, RemoteError, SignatureError, WireError,
-                             WorkerLostError)
+                             PlacementError, ProgramTraceError, RemoteError, SignatureError, SpmdError,
+                             WireError, WorkerLostError)
 
 P = PartitionSpec
 
@@ -24,7 +26,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Array", "ArrayDeletedError", "ConnectError", "DeadlineExceededError", "Island", "NamedSharding",
     "P", "PartitionSpec", "PathwaysError", "PlacementError", "ProgramTraceError", "RemoteError",
-    "SignatureError", "Slice", "VirtualDeviceSet", "VirtualMesh", "WireError", "WorkerLostError", "connect",
+    "SignatureError", "Slice", "SpmdError", "VirtualDeviceSet", "VirtualMesh", "WireError", "WorkerLostError", "connect",
     "default_session", "device_get", "device_put", "disconnect", "jit", "local_cluster",
-    "make_virtual_device_set", "pmap", "program",
+    "make_virtual_device_set", "pipeline", "pmap", "program", "spmd",
 ]

@@ -1,4 +1,4 @@
-"""The ``pathways`` command line: controller, worker, up, status, demo, bench."""
+"""The ``pathways`` command line: controller, worker, up, status, demo, bench, spmd, plan."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ def _logging(level: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pathways.bench.suite import EXPERIMENTS
     from pathways.controller.scheduler import DEFAULT_WINDOW
 
     parser = argparse.ArgumentParser(prog="pathways", description=__doc__)
@@ -48,17 +49,36 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--policy", choices=["fair", "fifo"], default="fair")
     up.add_argument("--window", type=int, default=DEFAULT_WINDOW)
 
-    status = sub.add_parser("status", help="show islands, workers, devices, slices, clients and queues")
+    status = sub.add_parser("status", help="show islands, workers (speed, memory), links, slices, clients, queues")
     status.add_argument("--address", default=os.environ.get("PATHWAYS_ADDRESS"))
+    status.add_argument("--measure", action="store_true",
+                        help="have every worker measure its FLOP/s and links again first, and wait for it")
+    status.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the measurements")
 
     demo = sub.add_parser("demo", help="run the paper's Figure 2 program")
     demo.add_argument("--address", default=None)
 
-    bench = sub.add_parser("bench", help="run a benchmark")
-    bench.add_argument("name", choices=["dispatch", "share", "pipeline", "transfer", "train"])
-    bench.add_argument("--address", default=None, help="dispatch, share: a running cluster (default: start one)")
-    bench.add_argument("--rounds", type=int, default=5, help="repetitions of each measurement")
-    bench.add_argument("--seconds", type=float, default=10.0, help="share: measurement window per weight set")
+    bench = sub.add_parser("bench", help="run a benchmark, or all of them (regenerates BENCHMARKS.md)")
+    bench.add_argument("name", choices=[*EXPERIMENTS, "all"])
+    bench.add_argument("--rounds", type=int, default=None,
+                       help="alternating repetitions of each measurement (default: the benchmark's own)")
+    bench.add_argument("--tiny", action="store_true", help="the smallest sizes, to check that it runs")
+    bench.add_argument("--json", metavar="PATH", help="write the measurements as JSON")
+    bench.add_argument("--plot", metavar="PATH", help="write a PNG plot (one benchmark)")
+    bench.add_argument("--out", default="BENCHMARKS.md", help="all: the markdown file to write")
+    bench.add_argument("--plots", default="docs/bench", help="all: the folder for the plots")
+
+    spmd = sub.add_parser("spmd", help="run a script multi-controller: N processes under jax.distributed")
+    spmd.add_argument("processes", type=int, help="number of processes")
+    spmd.add_argument("script", help="the Python script every process runs as __main__")
+    spmd.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    spmd.add_argument("--devices-per-process", type=int, default=1)
+    spmd.add_argument("--timeout", type=float, default=3600.0, help="seconds before the processes are stopped")
+
+    plan = sub.add_parser("plan", help="plan a pipeline partition or a DAG schedule from a JSON file",
+                          add_help=False)
+    plan.add_argument("plan_args", nargs=argparse.REMAINDER,
+                      help="pipeline|dag FILE.json [options]; see `python -m pathways plan --help`")
 
     args = parser.parse_args(argv)
     _logging(args.log_level)
@@ -95,32 +115,44 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             cluster.stop()
     elif args.command == "status":
-        return _status(args.address)
+        return _status(args.address, args.measure, args.timeout)
     elif args.command == "demo":
         from pathways.demo import figure2
         figure2(args.address)
     elif args.command == "bench":
-        import importlib
+        from pathways.bench import suite
 
-        bench_main = importlib.import_module(f"pathways.bench.{args.name}").main
-        if args.name == "dispatch":
-            bench_main(args.address, args.rounds)
-        elif args.name == "share":
-            bench_main(args.address, args.seconds)
-        else:  # these start the clusters they need
-            bench_main(args.rounds)
+        if args.name == "all":
+            suite.run_all(args.rounds, args.tiny, args.out, args.plots, args.json)
+        else:
+            suite.run(args.name, args.rounds, args.tiny, args.json, args.plot)
+    elif args.command == "spmd":
+        from pathways.errors import SpmdError
+        from pathways.spmd import launch
+
+        if args.processes < 1 or args.devices_per_process < 1:
+            parser.error("spmd needs at least 1 process and 1 device per process")
+        try:
+            return launch(args.processes, args.script, args.args, args.devices_per_process, args.timeout)
+        except SpmdError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    elif args.command == "plan":
+        from pathways.planner.cli import main as plan_main
+
+        return plan_main(args.plan_args)
     return 0
 
 
-def _status(address: str | None) -> int:
-    from pathways.cluster import status
+def _status(address: str | None, measure: bool = False, timeout: float = 60.0) -> int:
+    from pathways import cluster
     from pathways.errors import PathwaysError
 
     if not address:
         print("no cluster address: pass --address grpc://HOST:PORT or set PATHWAYS_ADDRESS", file=sys.stderr)
         return 2
     try:
-        st = status(address)
+        st = cluster.measure(address, timeout) if measure else cluster.status(address)
     except PathwaysError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -132,13 +164,32 @@ def _status(address: str | None) -> int:
               f"{i['hosts']} host(s), {i['devices']} device(s), {i['queued']} run(s) queued, "
               f"{i['inflight']} in flight")
         for w in (w for w in st["workers"] if w["island"] == i["island"]):
+            speed = f"{w['flops'] / 1e9:.1f} GFLOP/s" if w.get("flops") else "FLOP/s not measured yet"
             print(f"    worker {w['worker']} rank {w['rank']} host {w['host']} pid {w['pid']} {w['address']}: "
-                  f"{w['devices']} {w['kind']} device(s), slices per device {w['load']}")
+                  f"{w['devices']} {w['kind']} device(s), {speed}, {w['memory_bytes'] / 2**30:.1f} GiB memory, "
+                  f"slices per device {w['load']}")
+    _print_links(st)
     for c in st["sessions"]:
         print(f"  client session {c['session']}: weight {c.get('weight', 1.0):g}, {c['slices']} slice(s), "
               f"{c['arrays']} array(s), {c.get('queued', 0)} run(s) queued, {c.get('inflight', 0)} in flight, "
               f"{c.get('completed', 0)} done, {c.get('device_seconds', 0.0):.3f} device-s")
     return 0
+
+
+def _print_links(st: dict) -> None:
+    """The measured links as two matrices, latency in us and bandwidth in MB/s (row: from,
+    column: to; ? where not measured)."""
+    ids = [w["worker"] for w in st["workers"]]
+    if len(ids) < 2:
+        return
+    links = {(x["src"], x["dst"]): x for x in st.get("links", [])}
+    for title, field, scale in (("latency in us", "latency", 1e6), ("bandwidth in MB/s", "bandwidth", 1e-6)):
+        print(f"  links, {title} (row: from worker, column: to worker):")
+        print("    " + " " * 6 + "".join(f"{w:>8}" for w in ids))
+        for a in ids:
+            cells = ["-" if a == b else f"{links[(a, b)][field] * scale:.0f}" if (a, b) in links else "?"
+                     for b in ids]
+            print(f"    {a:>6}" + "".join(f"{c:>8}" for c in cells))
 
 
 if __name__ == "__main__":

@@ -17,14 +17,17 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import trio
 
 from pathways.controller.scheduler import DEFAULT_WINDOW
 from pathways.controller.server import ADDRESS_LINE
-from pathways.errors import ConnectError, DeadlineExceededError
+from pathways.errors import ConnectError, DeadlineExceededError, WireError
 from pathways.wire import codec, rpc
+
+if TYPE_CHECKING:
+    from pathways.planner import Topology
 
 log = logging.getLogger("pathways.cluster")
 
@@ -272,11 +275,34 @@ def worker_stats(address: str, timeout: float = 10.0) -> dict:
     return _unary(address, rpc.WORKER_SERVICE, "Stats", timeout)
 
 
-def _unary(address: str, service: str, name: str, timeout: float) -> dict:
+def measure(address: str, timeout: float = 60.0) -> dict:
+    """Have every worker measure its FLOP/s, memory and links to the other workers again,
+    wait for all of them (at most ``timeout`` seconds), and return the controller's status
+    with the new figures (``status(...)["workers"][i]["flops"]``, ``["links"]``). Raises
+    DeadlineExceededError naming the workers that did not report in time."""
+    reply = _unary(address, rpc.CONTROLLER_SERVICE, "Measure", timeout + 10.0,
+                   codec.pack({"t": "measure", "timeout": timeout}))
+    if "error" in reply:
+        kind = DeadlineExceededError if reply.get("kind") == "DeadlineExceededError" else WireError
+        raise kind(reply["error"])
+    return reply["status"]
+
+
+def topology(address: str, measure_first: bool = False, timeout: float = 60.0) -> Topology:
+    """The cluster as a planner topology (pathways.planner.Topology): one device per
+    worker, named by its worker id, with its measured FLOP/s and memory, and the measured
+    links between workers. ``measure_first`` measures again before (see ``measure``);
+    without it, a worker not measured yet raises the planner's PlanError."""
+    from pathways.planner import Topology
+
+    return Topology.from_status(measure(address, timeout) if measure_first else status(address, timeout))
+
+
+def _unary(address: str, service: str, name: str, timeout: float, request: bytes = b"") -> dict:
     channel = rpc.open_channel(address)
     try:
         rpc.wait_ready(channel, address, timeout)
-        return codec.unpack(rpc.method(channel, service, name, "unary_unary")(b"", timeout=timeout))
+        return codec.unpack(rpc.method(channel, service, name, "unary_unary")(request, timeout=timeout))
     finally:
         channel.close()
 

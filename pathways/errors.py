@@ -41,3 +41,7 @@ class WireError(PathwaysError):
 
 class WorkerLostError(PathwaysError):
     """A worker process died; arrays and computations that involved its island are gone."""
+
+
+class SpmdError(PathwaysError):
+    """A process of a multi-controller (``pw.spmd``) group failed, died or could not start."""

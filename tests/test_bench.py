@@ -1,40 +1,124 @@
-"""The benchmarks at tiny sizes, on real clusters, so that they cannot rot."""
+"""Every benchmark at its tiny size, through the command line, on real clusters, so that none
+can rot: each must print its tables, write JSON with sane numbers and a PNG, and leave no
+process behind."""
 
+import json
 import math
 
-from pathways.bench import pipeline, transfer
+import pytest
+
+from pathways.__main__ import main
+from pathways.bench import report, suite
 from tests.conftest import child_pids
 
+PNG = b"\x89PNG\r\n\x1a\n"
 
-def test_transfer_bench_measures_both_routes_and_raw_tcp(capsys):
+
+def rate_ok(s):
+    return 0 < s["min"] <= s["median"] <= s["max"] and math.isfinite(s["max"])
+
+
+def check_dispatch(d):
+    assert d["hosts"] == [1, 2]
+    for h in ("1", "2"):
+        assert set(d["rates"][h]) == {"JAX-O", "JAX-F", "PW-O", "PW-C", "PW-F"}
+        assert all(rate_ok(s) for s in d["rates"][h].values())
+
+
+def check_parity(d):
+    assert d["hosts"] == [1, 2] and len(d["durations_ms"]) == 2
+    assert all(k >= 1 for k in d["steps"].values())
+    for h in ("1", "2"):
+        for ms in d["durations_ms"]:
+            assert rate_ok(d["rates"][h][str(ms)]["PW-O"]) and rate_ok(d["rates"][h][str(ms)]["JAX-O"])
+        assert d["parity_ms"][h] is None or d["parity_ms"][h] in d["durations_ms"]
+
+
+def check_pipeline(d):
+    assert d["stages"] == [1, 2]
+    assert all(rate_ok(d["rates"][n][m]) for n in ("1", "2") for m in ("parallel", "sequential"))
+
+
+def check_transfer(d):
+    assert [(r["size"], r["route"]) for r in d["rows"]] == [(n, route) for n in (4096, 2 << 20)
+                                                             for route in ("same island", "other island")]
+    for r in d["rows"]:
+        assert 0 < r["min"] <= r["pathways"] <= r["max"] and r["raw"] > 0 and r["ratio"] > 0
+    assert all(s > 0 for s in d["overhead_s"].values())
+
+
+def check_tenancy(d):
+    assert d["clients"] == [1, 2]
+    assert all(rate_ok(d["rates"][c][k]) for c in ("small", "large") for k in ("1", "2"))
+    assert set(d["shares"]) == {"1:1:1:1", "1:2:4:8"}
+    for label, r in d["shares"].items():
+        assert r["weights"] == [int(w) for w in label.split(":")]
+        assert all(s > 0 for s in r["device_seconds"]) and all(c > 0 for c in r["completed"])
+
+
+def check_train(d):
+    assert set(d["rates"]) == {"GPipe, pathways", "data parallel, pathways", "data parallel, JAX"}
+    assert all(rate_ok(s) for s in d["rates"].values())
+    # The same model, batches and initial parameters: the same losses in every mode.
+    assert all(v <= 1e-5 for v in d["losses"]["max_difference_vs_jax"].values()), d["losses"]
+    assert d["losses"]["last"] < d["losses"]["first"]
+
+
+def check_planner(d):
+    assert d  # its numbers are checked by tests/test_planner_cli.py
+
+
+CHECKS = {name: globals()[f"check_{name}"] for name in suite.EXPERIMENTS}
+
+
+@pytest.mark.parametrize("name", suite.EXPERIMENTS)
+def test_benchmark_runs_at_a_tiny_size(name, tmp_path, capsys):
     before = child_pids()
-    sizes = (4096, 2 * 1024 * 1024)  # copied into one write with the header, and sent from the array
-    result = transfer.main(rounds=1, sizes=sizes)
-    assert child_pids() <= before, "the benchmark left its cluster or socket helpers running"
-
-    rows = result["rows"]
-    assert [(r["size"], r["route"]) for r in rows] == [(n, route) for n in sizes for route in transfer.ROUTES]
-    for r in rows:
-        for key in ("pathways", "min", "max", "raw", "ratio"):
-            assert r[key] > 0 and math.isfinite(r[key]), (key, r)
-        assert r["min"] <= r["pathways"] <= r["max"]
-        assert math.isnan(r["net"]) or r["net"] >= r["pathways"]
-    assert set(result["overhead_s"]) == set(transfer.ROUTES) and all(s > 0 for s in result["overhead_s"].values())
-
-    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
-    assert len(table) == 2 + len(rows)  # header, separator, one line per row
-    assert all(line.count("|") == 7 for line in table)
-    assert table[2].startswith("| 4 KiB | same island |") and table[-1].startswith("| 2 MiB | other island |")
+    out_json, out_png = tmp_path / f"{name}.json", tmp_path / f"{name}.png"
+    assert main(["bench", name, "--tiny", "--json", str(out_json), "--plot", str(out_png)]) == 0
+    assert child_pids() <= before, f"bench {name} left processes running"
+    data = json.loads(out_json.read_text())
+    assert data["meta"]["name"] == name and data["meta"]["tiny"] and data["meta"]["rounds"] == 1
+    CHECKS[name](data)
+    assert out_png.read_bytes().startswith(PNG)
+    printed = capsys.readouterr()
+    module = suite.module(name)
+    for table in module.tables(data):
+        assert table.title in printed.out and len(table.rows) > 0
+    for line in module.summary(data):
+        assert line in printed.out
 
 
-def test_pipeline_bench_compares_parallel_and_sequential_dispatch(capsys):
-    before = child_pids()
-    result = pipeline.main(rounds=1, stages=(1, 2), computations=8)
-    assert child_pids() <= before, "the benchmark left its cluster running"
-    assert sorted(result) == [1, 2]
-    for n, r in result.items():
-        for mode in ("parallel", "sequential"):
-            low, high = r["spread"][mode]
-            assert 0 < low <= r[mode] <= high and math.isfinite(high), (n, mode, r)
-    table = capsys.readouterr().out.splitlines()
-    assert any(line.split()[:1] == ["2"] and line.endswith("x") for line in table)
+def test_bench_all_writes_a_markdown_section_per_experiment(tmp_path):
+    out = tmp_path / "BENCHMARKS.md"
+    suite.run_all(tiny=True, out=str(out), plots=str(tmp_path / "plots"), only=("planner",))
+    text = out.read_text()
+    module = suite.module("planner")
+    assert text.startswith("# Benchmarks") and f"## {module.TITLE}" in text
+    assert "python -m pathways bench planner --rounds 1" in text
+    assert "![planner](plots/planner.png)" in text
+    assert (tmp_path / "plots" / "planner.png").read_bytes().startswith(PNG)
+
+
+def test_progress_and_tables_render():
+    class Sink:
+        def __init__(self):
+            self.text = ""
+
+        def write(self, s):
+            self.text += s
+
+        def flush(self):
+            pass
+
+    sink = Sink()
+    p = report.Progress("x", stream=sink)
+    p.expect(20)
+    for i in range(20):
+        p.step(f"case {i}")
+    # Off a terminal: a line for the first step, then one per tenth.
+    assert sink.text.count("\n") == 11 and "20/20" in sink.text
+    t = report.Table("t", ["a", "b"], [["1", "22"], ["333", "4"]])
+    assert t.markdown().splitlines()[2:] == ["| a | b |", "| --- | ---: |", "| 1 | 22 |", "| 333 | 4 |"]
+    assert t.text().splitlines()[1:] == ["a     b", "---  --", "1    22", "333   4"]
+    assert report.stats([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}

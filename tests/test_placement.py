@@ -91,3 +91,54 @@ def test_unhealthy_islands_get_no_new_slices():
     assert all(rm.place(1, "cpu").island == 1 for _ in range(3))
     with pytest.raises(PlacementError, match="unhealthy"):
         rm.place(1, "cpu", island=0)
+
+
+def test_measured_speed_breaks_ties_between_equally_loaded_hosts():
+    rm = manager((0, 1), (0, 1), (0, 1), (0, 2))
+    for worker, flops in {0: 1e9, 1: 5e9, 2: 2e9, 3: 8e9}.items():  # host 3: 4e9 per device
+        rm.set_flops(worker, flops)
+    order = [rm.place(1, "cpu").workers[0] for _ in range(5)]
+    assert order == [1, 3, 2, 0, 3], "the fastest device first, but an idle host before a loaded one"
+    assert rm.place(1, "cpu").workers == (1,), "all equally loaded again: the fastest"
+
+
+def test_speeds_within_the_tolerance_count_as_equal_and_unmeasured_hosts_come_last():
+    rm = manager((0, 1), (0, 1), (0, 1))
+    rm.set_flops(1, 1.0e9)
+    rm.set_flops(2, 1.1e9)  # within 25% of host 1: noise, not a reason to prefer it
+    assert [rm.place(1, "cpu").workers[0] for _ in range(3)] == [1, 2, 0]
+
+
+def test_a_slice_over_several_hosts_prefers_the_hosts_with_the_fastest_links():
+    rm = manager((0, 1), (0, 1), (0, 1), (0, 1))
+    assert rm.place(2, "cpu", owner=1).workers == (0, 1), "unmeasured: the lowest ranks, as before"
+    rm.release_owner(1)
+    for a in range(4):
+        for b in range(4):
+            if a != b:
+                rm.set_latency(a, b, 1e-3)
+    rm.set_latency(1, 3, 2e-5)
+    rm.set_latency(3, 1, 3e-5)
+    assert rm.place(2, "cpu").workers == (1, 3)
+    assert rm.place(2, "cpu").workers == (0, 2), "load first: the idle hosts, however slow their link"
+    rm.set_latency(0, 2, None)  # an unmeasured link counts as slower than any measured one
+    rm.release_owner(0)
+    assert rm.place(2, "cpu").workers == (1, 3)
+
+
+def test_an_equally_loaded_island_with_faster_hosts_or_links_is_preferred():
+    rm = manager((0, 1), (0, 1), (1, 1), (1, 1))
+    for worker in (2, 3):
+        rm.set_flops(worker, 4e9)
+    for worker in (0, 1):
+        rm.set_flops(worker, 1e9)
+    assert rm.place(2, "cpu", owner=1).island == 1
+    rm.release_owner(1)
+    for worker in range(4):
+        rm.set_flops(worker, 1e9)
+    rm.set_latency(0, 1, 1e-5)
+    rm.set_latency(1, 0, 1e-5)
+    rm.set_latency(2, 3, 1e-3)
+    rm.set_latency(3, 2, 1e-3)
+    assert rm.place(2, "cpu").island == 0
+    assert rm.lose_island(0) == {0, 1} and set(rm.latency) == {(2, 3), (3, 2)}

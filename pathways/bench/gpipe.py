@@ -122,6 +122,15 @@ def sgd(params: StageParams, grads: StageParams, lr: float) -> StageParams:
 
 # ---- the pipeline on pathways -------------------------------------------------------------
 
+def data_parallel_step(params: list[StageParams], x: jax.Array, t: jax.Array,
+                       lr: float) -> tuple[list[StageParams], jax.Array]:
+    """One SGD step of the whole model on a batch: the same code serves pathways (``pw.jit``
+    on a slice's mesh) and multi-controller JAX (``jax.jit`` on ``pw.spmd.mesh``); with the
+    batch sharded, XLA inserts the gradients' all-reduce."""
+    loss, grads = jax.value_and_grad(model_loss)(params, x, t)
+    return [sgd(p, g, lr) for p, g in zip(params, grads)], loss
+
+
 def named(fun: Callable, name: str, **bound: Any) -> Callable:
     """``fun`` with keyword arguments bound, under the name the runtime reports it by."""
     bound_fun = functools.partial(fun, **bound)

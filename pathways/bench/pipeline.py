@@ -13,13 +13,13 @@ computations per second are S x runs / time, medians over rounds.
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Callable, Sequence
 
 import numpy as np
 
 import pathways as pw
+from pathways.bench import report
 
 STAGES = (1, 2, 4, 8, 16)
 
@@ -48,37 +48,81 @@ def _timed(program: Callable, first: pw.Slice, runs: int, stages: int) -> float:
     return runs * stages / elapsed
 
 
-def main(rounds: int = 5, stages: Sequence[int] = STAGES, computations: int = 256) -> dict[int, dict[str, float]]:
-    """Measure each chain length; each round runs about ``computations`` computations per mode."""
+TITLE = "Pipelines: parallel against sequential dispatch"
+PAPER = "Figure 7"
+PAPER_RESULT = ("parallel dispatch keeps a pipeline's throughput as stages are added, where sequential "
+                "dispatch pays a control round trip per stage")
+ROUNDS = 5
+
+ABOUT = """
+A program chains S scalar computations (`x + 1`), each on its own host (a one-host island
+each), S = 1 to 16. The client submits runs back to back, each reading the previous run's
+result, as a training loop does, and waits only at the end. With parallel dispatch every
+node of a run is at its worker before its input exists, so a stage costs one
+worker-to-worker transfer; with sequential dispatch the controller releases a node only
+after the nodes it reads from finished, so a stage also costs a round trip through the
+controller. Computations per second = S x runs / time. Target: parallel >= 3x sequential at
+16 stages.
+"""
+
+
+def measure(rounds: int, tiny: bool, progress: report.Progress) -> dict:
+    return _measure(rounds, (1, 2) if tiny else STAGES, 8 if tiny else 256, progress)
+
+
+def _measure(rounds: int, stages: Sequence[int], computations: int, progress: report.Progress) -> dict:
+    """Each chain length; each round runs about ``computations`` computations per mode."""
     hosts = max(stages)
-    print(f"starting {hosts} one-host islands ...", flush=True)
+    progress.expect(1 + len(stages) * rounds * 2)
+    progress.step(f"starting {hosts} one-host islands")
     with pw.local_cluster(islands=[pw.Island(hosts=1, devices_per_host=1)] * hosts, start_timeout=300.0):
         vds = pw.make_virtual_device_set()
         slices = [vds.add_slice(cpu_devices=1, island=i) for i in range(hosts)]
         if len({s.workers for s in slices}) != hosts:
             raise AssertionError("the stages did not land on distinct hosts")
-        results = {}
+        rates = {}
         for n in stages:
             programs = {mode: _chain(slices[:n], mode) for mode in ("parallel", "sequential")}
             runs = max(computations // n, 4)
-            for mode, program in programs.items():  # warm up: compile, first transfers
+            for program in programs.values():  # warm up: compile, first transfers
                 _timed(program, slices[0], 2, n)
-            rates: dict[str, list[float]] = {mode: [] for mode in programs}
-            for _ in range(rounds):
-                for mode, program in programs.items():
-                    rates[mode].append(_timed(program, slices[0], runs, n))
-            results[n] = {mode: statistics.median(r) for mode, r in rates.items()}
-            results[n]["spread"] = {mode: (min(r), max(r)) for mode, r in rates.items()}
-            print(f"  {n:2d} stage(s): parallel {results[n]['parallel']:8.0f}/s, "
-                  f"sequential {results[n]['sequential']:8.0f}/s", flush=True)
-    _print(results, rounds)
-    return results
+            cases = {mode: (lambda p=program: _timed(p, slices[0], runs, n)) for mode, program in programs.items()}
+            samples = report.alternate(rounds, cases, progress)
+            rates[str(n)] = {mode: report.stats(v) for mode, v in samples.items()}
+    return {"stages": list(stages), "rates": rates}
 
 
-def _print(results: dict[int, dict], rounds: int) -> None:
-    print(f"\ncomputations per second, scalar x + 1 per stage, one host per stage "
-          f"(median of {rounds} rounds; min-max)")
-    print(f"{'stages':>6}  {'parallel':>22}  {'sequential':>22}  {'parallel/sequential':>19}")
-    for n, r in results.items():
-        cells = [f"{r[m]:8.0f} ({r['spread'][m][0]:.0f}-{r['spread'][m][1]:.0f})" for m in ("parallel", "sequential")]
-        print(f"{n:>6}  {cells[0]:>22}  {cells[1]:>22}  {r['parallel'] / r['sequential']:>18.2f}x")
+def tables(data: dict) -> list[report.Table]:
+    rows = []
+    for n in data["stages"]:
+        r = data["rates"][str(n)]
+        rows.append([str(n), report.rate(r["parallel"]), report.rate(r["sequential"]),
+                     report.times(report.ratio(r["parallel"], r["sequential"]))])
+    return [report.Table("computations per second, one host per stage, median (min-max)",
+                         ["stages", "parallel", "sequential", "parallel/sequential"], rows)]
+
+
+def summary(data: dict) -> list[str]:
+    n = str(max(data["stages"]))
+    x = report.ratio(data["rates"][n]["parallel"], data["rates"][n]["sequential"])
+    verdict = "met" if x >= 3 else f"**missed** by {3 - x:.2f}x"
+    return [f"{n} stages: parallel is {x:.2f}x sequential (target >= 3x): {verdict}"]
+
+
+def notes(data: dict) -> str:
+    return """
+A stage costs about 1 ms here: 16 worker processes, the controller and the client share 2
+cores. Timestamps at each step of a stage (8 stages) gave medians of 107 us for the
+sender's writes, 356 us on the wire and waking the receiver, 319 us to receive and store,
+51 us to wake the executor; the same receive costs 37 us in isolation, so most of a stage
+is cross-process wake-ups and cold caches on shared cores. A sequential stage adds two gRPC
+stream hops and a controller hop (about 1 ms here), which is why the ratio stays near 2x
+rather than growing with the stage count. With a core per worker the control round trip
+would be two to three times a transfer.
+"""
+
+
+def plot(data: dict, path: str) -> None:
+    report.plot_lines(path, "Pipeline of one-host stages (Figure 7)", "stages", "computations/s",
+                      [(mode, data["stages"], [data["rates"][str(n)][mode]["median"] for n in data["stages"]])
+                       for mode in ("parallel", "sequential")], logx=True)

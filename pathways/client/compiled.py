@@ -148,8 +148,10 @@ class CompiledFunction:
             result = per_shard(*[b[0] for b in blocks])
             return [leaf[None] for leaf in jax.tree.leaves(result)]
 
+        # pmap semantics: no tracking of which values vary across the axis, so that, as
+        # with jax.pmap, a collective's result can be a loop carry.
         body = jax.shard_map(block, mesh=abstract, in_specs=tuple(PartitionSpec(axis) for _ in avals),
-                             out_specs=[PartitionSpec(axis)] * len(out_avals))
+                             out_specs=[PartitionSpec(axis)] * len(out_avals), check_vma=False)
         return body, out_tree, out_avals
 
     def _jit_body(self, treedef: Any, avals: list[Aval]) -> tuple[Callable, Any, list[Aval]]:

@@ -6,15 +6,19 @@ programs. Sending is done through outboxes (anything with ``put(message)``), so 
 module does no I/O. Runs are released by the scheduler (scheduler.py) from this one
 thread, so all workers see them in one global order: the gang order that keeps
 collectives from deadlocking. Workers report each run done; the reports free window
-slots and measure device time for the proportional-share policy.
+slots and measure device time for the proportional-share policy. Workers also report
+what they measured about themselves (FLOP/s, memory, the latency and bandwidth of their
+links to each other): the resource manager breaks placement ties with it, and ``status``
+shows it.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 from pathways.controller.lowering import FnLayouts, Lowered, lower
 from pathways.controller.placement import ResourceManager
@@ -43,6 +47,9 @@ WORKER_MESSAGES = {
     "done": {"runs": list},  # [[run id, device seconds], ...]
     "step": {"run": int, "node": int},  # a node of a sequentially dispatched run finished
     "error": {"message": str},
+    # what a worker measured: job id (0: on its own), FLOP/s (None: not measured), memory,
+    # [[peer, latency s, bandwidth B/s], ...] with None, None for a peer that did not answer
+    "measured": {"id": int, "flops": (int, float, type(None)), "memory_bytes": int, "links": list},
 }
 REMOTE, LOST = "RemoteError", "WorkerLostError"  # the error kinds a poisoned handle reports
 
@@ -72,6 +79,7 @@ class WorkerConn:
     pid: int = 0
     host: str = ""
     memory_bytes: int = 0
+    flops: Optional[float] = None  # measured FLOP/s of the whole host
     defined: set[int] = field(default_factory=set)
 
 
@@ -106,12 +114,24 @@ class Dispatch:
     finished: set[int] = field(default_factory=set)  # sequential: nodes finished
 
 
+@dataclass
+class Measurement:
+    """A request to measure again: the workers yet to report, in the order they are asked
+    (the first is measuring now), and what to call when none is left."""
+
+    waiting: list[int]
+    done: Callable[[], None]
+
+
 class ControllerCore:
     def __init__(self, policy: str = "fair", window: int = DEFAULT_WINDOW) -> None:
         self.rm = ResourceManager()
         self.scheduler = Scheduler(policy, window)
         self.workers: dict[int, WorkerConn] = {}
         self.sessions: dict[int, SessionState] = {}
+        self.links: dict[tuple[int, int], tuple[float, float]] = {}  # (src, dst) -> (latency s, bytes/s)
+        self._measurements: dict[int, Measurement] = {}
+        self._measurement_ids = itertools.count(1)
         self._worker_ids = itertools.count(0)
         self._program_keys = itertools.count(1)
         self._next_copy = first_handle(0) + 1
@@ -131,6 +151,11 @@ class ControllerCore:
                 self._on_done(conn, msg["runs"])
             elif msg["t"] == "step":
                 self._on_step(conn, msg["run"], msg["node"])
+            elif msg["t"] == "measured":
+                if conn.worker < 0:
+                    conn.outbox.put({"t": "error", "message": "a worker reports measurements after it registers"})
+                else:
+                    self._on_measured(conn, msg)
             elif conn.worker >= 0:
                 conn.outbox.put({"t": "error", "message": "worker is already registered"})
             else:
@@ -184,6 +209,9 @@ class ControllerCore:
             survivor = self.workers.pop(w, None)
             if survivor is not None:
                 survivor.outbox.put({"t": "shutdown", "reason": message})
+        self.links = {pair: figures for pair, figures in self.links.items() if not lost & set(pair)}
+        for mid in list(self._measurements):
+            self._measured_by(mid, lost)
         self._pump()
 
     def _poison(self, sid: int, handles: Any, kind: str, message: str) -> None:
@@ -194,6 +222,73 @@ class ControllerCore:
         for h in handles:
             s.poisoned[h] = (kind, message)
         s.outbox.put({"t": "poisoned", "handles": handles, "kind": kind, "message": message})
+
+    # ---- measurements ------------------------------------------------------------------
+
+    def measure(self, done: Callable[[], None]) -> int:
+        """Have every worker measure itself again, one at a time so that their probes and
+        matmuls do not disturb each other's figures (on a machine shared by several workers,
+        each then reports what the machine gives one worker alone); ``done()`` is called
+        once all have reported or were lost. Returns the request's id."""
+        mid = next(self._measurement_ids)
+        self._measurements[mid] = Measurement(sorted(self.workers), done)
+        self._ask_next(mid)
+        return mid
+
+    def abandon_measurement(self, mid: int) -> list[int]:
+        """Stop measurement ``mid``; returns the workers that did not report, the first of
+        them the one measuring (the others were not asked yet)."""
+        m = self._measurements.pop(mid, None)
+        return list(m.waiting) if m is not None else []
+
+    def _measured_by(self, mid: int, workers: set[int]) -> None:
+        m = self._measurements.get(mid)
+        if m is None:
+            return
+        measuring = m.waiting[0]
+        m.waiting = [w for w in m.waiting if w not in workers]
+        if measuring in workers:
+            self._ask_next(mid)
+
+    def _ask_next(self, mid: int) -> None:
+        m = self._measurements[mid]
+        m.waiting = [w for w in m.waiting if w in self.workers]
+        if not m.waiting:
+            del self._measurements[mid]
+            m.done()
+            return
+        self.workers[m.waiting[0]].outbox.put({"t": "measure", "id": mid})
+
+    def _on_measured(self, conn: WorkerConn, msg: dict) -> None:
+        flops = msg["flops"]
+        if flops is not None:
+            if math.isfinite(flops) and flops > 0:
+                conn.flops = float(flops)
+                self.rm.set_flops(conn.worker, conn.flops)
+            else:
+                conn.outbox.put({"t": "error", "message": f"measured flops must be positive, got {flops!r}"})
+        if msg["memory_bytes"] > 0:
+            conn.memory_bytes = msg["memory_bytes"]
+            if conn.worker in self.rm.hosts:
+                self.rm.hosts[conn.worker].memory_bytes = conn.memory_bytes
+        else:
+            conn.outbox.put({"t": "error", "message": f"measured memory_bytes must be positive, "
+                                                      f"got {msg['memory_bytes']!r}"})
+        for entry in msg["links"]:
+            if not (isinstance(entry, list) and len(entry) == 3 and type(entry[0]) is int
+                    and entry[0] != conn.worker and _link_figures(entry[1:])):
+                conn.outbox.put({"t": "error", "message": "a measured link must be [peer, latency, bandwidth], "
+                                                          f"both positive or both None; got {entry!r}"})
+                continue
+            peer, latency, bandwidth = entry
+            if peer not in self.workers:
+                continue
+            if latency is None:
+                self.links.pop((conn.worker, peer), None)
+            else:
+                self.links[(conn.worker, peer)] = (float(latency), float(bandwidth))
+            self.rm.set_latency(conn.worker, peer, latency)
+        self._measured_by(msg["id"], {conn.worker})
 
     # ---- sessions --------------------------------------------------------------------
 
@@ -480,11 +575,20 @@ class ControllerCore:
             "workers": [{"worker": w.worker, "address": w.address, "data_address": w.data_address,
                          "island": w.island, "rank": w.rank,
                          "kind": w.kind, "devices": w.devices, "pid": w.pid, "host": w.host,
-                         "memory_bytes": w.memory_bytes,
+                         "memory_bytes": w.memory_bytes, "flops": w.flops,
                          "load": list(self.rm.hosts[w.worker].load) if w.worker in self.rm.hosts else []}
                         for w in self.workers.values()],
+            "links": [{"src": src, "dst": dst, "latency": latency, "bandwidth": bandwidth}
+                      for (src, dst), (latency, bandwidth) in sorted(self.links.items())],
             "sessions": [{"session": sid, "slices": len(s.slices), "arrays": len(s.handles),
                           **self.scheduler.session_stats(sid)} for sid, s in self.sessions.items()],
             "slices": len(self.rm.slices),
             "arrays": sum(len(s.handles) for s in self.sessions.values()),
         }
+
+
+def _link_figures(figures: list) -> bool:
+    """Whether a measured link's [latency, bandwidth] are both positive numbers or both None."""
+    if figures == [None, None]:
+        return True
+    return all(type(x) in (int, float) and math.isfinite(x) and x > 0 for x in figures)

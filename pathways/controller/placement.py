@@ -5,6 +5,12 @@ hosts of one island (the same number of devices on each, hosts in rank order, so
 mesh's leading axis spans hosts). Slices may share devices; the manager puts each new
 slice on the least-loaded devices that fit, and ``exclusive`` slices get devices nobody
 else uses. Islands marked unhealthy (a host was lost) get no new slices.
+
+Measured figures break the ties these rules leave: among hosts that are otherwise equal,
+the faster devices (measured FLOP/s per device; hosts within SPEED_TOLERANCE of each
+other count as equally fast, so that measurement noise does not decide), and for a slice
+over several hosts, the set of hosts whose links to each other have the lowest measured
+latency.
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ from typing import Optional
 
 from pathways.errors import PlacementError
 
+SPEED_TOLERANCE = 1.25  # per-device FLOP/s within this factor of a faster host's count as equal
+UNMEASURED_LATENCY = 1.0  # seconds: a link not measured counts as slower than any measured one
+
 
 @dataclass
 class Host:
@@ -25,11 +34,16 @@ class Host:
     kind: str
     ndevices: int
     memory_bytes: int
+    flops: float = 0.0  # measured FLOP/s of the whole host; 0 until measured
     load: list[int] = field(default_factory=list)  # slices placed on each device
     exclusive: set[int] = field(default_factory=set)  # devices held by an exclusive slice
 
     def __post_init__(self) -> None:
         self.load = [0] * self.ndevices
+
+    @property
+    def device_flops(self) -> float:
+        return self.flops / self.ndevices
 
 
 @dataclass(frozen=True)
@@ -49,11 +63,24 @@ class ResourceManager:
         self.hosts: dict[int, Host] = {}
         self.slices: dict[int, SlicePlacement] = {}
         self.unhealthy: set[int] = set()  # islands that lost a host
+        self.latency: dict[tuple[int, int], float] = {}  # measured (from worker, to worker) -> seconds
         self._ids = itertools.count(1)
 
     def add_host(self, worker: int, island: int, kind: str, ndevices: int, memory_bytes: int,
                  rank: int = 0) -> None:
         self.hosts[worker] = Host(worker, island, rank, kind, ndevices, memory_bytes)
+
+    def set_flops(self, worker: int, flops: float) -> None:
+        """Record a host's measured FLOP/s (all its devices together)."""
+        if worker in self.hosts:
+            self.hosts[worker].flops = flops
+
+    def set_latency(self, src: int, dst: int, latency: Optional[float]) -> None:
+        """Record the measured latency from ``src`` to ``dst`` in seconds (None: unmeasured)."""
+        if latency is None or src not in self.hosts or dst not in self.hosts:
+            self.latency.pop((src, dst), None)
+        else:
+            self.latency[(src, dst)] = latency
 
     def lose_island(self, island: int) -> set[int]:
         """A host of ``island`` was lost: mark it unhealthy and forget all its hosts, whose
@@ -62,6 +89,7 @@ class ResourceManager:
         lost = {w for w, h in self.hosts.items() if h.island == island}
         for w in lost:
             del self.hosts[w]
+        self.latency = {pair: t for pair, t in self.latency.items() if not lost & set(pair)}
         return lost
 
     def place(self, count: int, kind: str, mesh_shape: Optional[tuple[int, ...]] = None,
@@ -75,9 +103,10 @@ class ResourceManager:
                                  f"but the slice asks for {count}; make their product equal")
         candidates = [h for h in self.hosts.values() if h.kind == kind and h.island not in self.unhealthy
                       and (island is None or h.island == island)]
-        best = self._best_on_one_host(candidates, count, exclusive)
+        slowness = _slowness(candidates)
+        best = self._best_on_one_host(candidates, count, exclusive, slowness)
         if best is None:
-            best = self._best_across_hosts(candidates, count, exclusive)
+            best = self._best_across_hosts(candidates, count, exclusive, slowness)
         if best is None:
             raise PlacementError(self._explain(count, kind, island, exclusive))
         _, chosen = best
@@ -100,20 +129,22 @@ class ResourceManager:
             return None
         return sorted(sorted(free, key=lambda d: (host.load[d], d))[:n])
 
-    def _best_on_one_host(self, candidates: list[Host], count: int, exclusive: bool) -> Optional[tuple]:
+    def _best_on_one_host(self, candidates: list[Host], count: int, exclusive: bool,
+                          slowness: dict[int, int]) -> Optional[tuple]:
         best: Optional[tuple] = None
         for host in candidates:
             chosen = self._least_loaded(host, count, exclusive)
             if chosen is None:
                 continue
-            score = (max(host.load[d] for d in chosen), sum(host.load), host.worker)
+            score = (max(host.load[d] for d in chosen), sum(host.load), slowness[host.worker], host.worker)
             if best is None or score < best[0]:
                 best = (score, [(host, chosen)])
         return best
 
-    def _best_across_hosts(self, candidates: list[Host], count: int, exclusive: bool) -> Optional[tuple]:
+    def _best_across_hosts(self, candidates: list[Host], count: int, exclusive: bool,
+                           slowness: dict[int, int]) -> Optional[tuple]:
         """The least-loaded choice of k hosts of one island with count/k devices each, for
-        the smallest k that works."""
+        the smallest k that works; then the fastest devices, then the fastest links."""
         best: Optional[tuple] = None
         islands = sorted({h.island for h in candidates})
         for k in range(2, len(candidates) + 1):
@@ -125,17 +156,46 @@ class ResourceManager:
                 for host in (h for h in candidates if h.island == isl):
                     chosen = self._least_loaded(host, per_host, exclusive)
                     if chosen is not None:
-                        options.append(((max(host.load[d] for d in chosen), sum(host.load), host.rank),
-                                        host, chosen))
+                        options.append(((max(host.load[d] for d in chosen), sum(host.load),
+                                         slowness[host.worker]), host, chosen))
                 if len(options) < k:
                     continue
-                picked = sorted(options, key=lambda o: o[0])[:k]
-                score = (max(o[0][0] for o in picked), sum(o[0][1] for o in picked), isl)
+                picked = self._pick_hosts(options, k)
+                score = (max(o[0][0] for o in picked), sum(o[0][1] for o in picked),
+                         max(o[0][2] for o in picked), self._link_cost([o[1] for o in picked]), isl)
                 if best is None or score < best[0]:
                     best = (score, [(h, ds) for _, h, ds in sorted(picked, key=lambda o: o[1].rank)])
             if best is not None:
                 return best
         return None
+
+    def _pick_hosts(self, options: list[tuple], k: int) -> list[tuple]:
+        """``k`` of ``options`` ((load and speed key, host, devices)): every host with a
+        better key than the k-th best, and among the hosts tied with it, those that make the
+        links of the whole set fastest (grown greedily from each possible start)."""
+        options = sorted(options, key=lambda o: (o[0], o[1].rank))
+        cut = options[k - 1][0]
+        must = [o for o in options if o[0] < cut]
+        ties = [o for o in options if o[0] == cut]
+        if len(must) + len(ties) == k:
+            return must + ties
+        best: Optional[tuple] = None
+        for seed in ([must] if must else [[t] for t in ties]):
+            group = list(seed)
+            rest = [t for t in ties if all(t is not g for g in group)]
+            while len(group) < k:
+                nxt = min(rest, key=lambda t: (self._link_cost([o[1] for o in group] + [t[1]]), t[1].rank))
+                group.append(nxt)
+                rest = [t for t in rest if t is not nxt]
+            key = (self._link_cost([o[1] for o in group]), sorted(o[1].rank for o in group))
+            if best is None or key < best[0]:
+                best = (key, group)
+        return best[1]
+
+    def _link_cost(self, hosts: list[Host]) -> float:
+        """The summed latency of the links between ``hosts``, both ways."""
+        return sum(self.latency.get((a.worker, b.worker), UNMEASURED_LATENCY)
+                   for a in hosts for b in hosts if a is not b)
 
     def release(self, slice_id: int) -> None:
         placement = self.slices.pop(slice_id, None)
@@ -169,3 +229,18 @@ class ResourceManager:
         return (f"cannot place a slice of {want} on one host or evenly over the healthy hosts of one "
                 f"island; the cluster has: {what}. Ask for fewer devices, or start a cluster with more "
                 "(pw.local_cluster(islands=[pw.Island(hosts=H, devices_per_host=D)]))")
+
+
+def _slowness(hosts: list[Host]) -> dict[int, int]:
+    """Each host's speed class, 0 for the fastest: hosts sorted by measured FLOP/s per
+    device fall into one class as long as they are within SPEED_TOLERANCE of its fastest.
+    Unmeasured hosts come last, in a class of their own."""
+    measured = sorted((h for h in hosts if h.flops > 0), key=lambda h: -h.device_flops)
+    classes: dict[int, int] = {}
+    level, top = 0, None
+    for h in measured:
+        if top is None or h.device_flops * SPEED_TOLERANCE < top:
+            level, top = (level + 1 if top is not None else 0), h.device_flops
+        classes[h.worker] = level
+    unmeasured = level + 1 if measured else 0
+    return {h.worker: classes.get(h.worker, unmeasured) for h in hosts}

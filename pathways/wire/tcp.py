@@ -12,6 +12,12 @@ A frame is a 4-byte big-endian length, a msgpack put header (codec.pieces_header
 plus handle, layout and sender count), then the raw bytes of each piece in order. Frames
 are fire and forget: a receiver that refuses one logs why. A malformed frame closes its
 connection (the stream cannot be resynchronized); the sender reconnects for the next one.
+
+A probe frame (header ``{"t": "probe", "bytes": n}`` followed by n bytes, n at most
+MAX_PROBE_BYTES) is the one frame that is answered: the listener reads the bytes and
+replies on the same connection with a frame of header ``{"t": "probe", "bytes": n}`` and no
+payload. ``probe`` uses it to measure a link's latency and bandwidth on its own connection,
+so that it never shares a socket with array traffic.
 """
 
 from __future__ import annotations
@@ -19,8 +25,10 @@ from __future__ import annotations
 import logging
 import math
 import socket
+import statistics
 import struct
 import threading
+import time
 from typing import Callable, Optional
 
 import numpy as np
@@ -34,6 +42,8 @@ _LENGTH = struct.Struct("!I")
 _MAX_HEADER_BYTES = 16 * 1024 * 1024
 _COALESCE_BYTES = 64 * 1024  # pieces up to this size are copied into the frame's one write
 _ALIGN = 64  # XLA's CPU client adopts host buffers aligned like this instead of copying them
+MAX_PROBE_BYTES = 8 * 1024 * 1024
+_PROBE_CHUNK = 1 << 20  # probe payloads are read into a scratch buffer this large, and discarded
 
 # receive(header, pieces) stores one sender's part of an array; returns an error or None
 Receive = Callable[[dict, list], Optional[str]]
@@ -104,6 +114,8 @@ class Listener:
         header = codec.unpack(bytes(raw))
         if not isinstance(header, dict):
             raise WireError("a data frame header must be a map")
+        if header.get("t") == "probe":
+            return self._answer_probe(conn, header)
         pieces = []
         if "poison" not in header:
             dtype, _, specs = codec.piece_specs(header)
@@ -117,8 +129,26 @@ class Listener:
             log.error("refused an array from a peer: %s", error)
         return True
 
+    def _answer_probe(self, conn: socket.socket, header: dict) -> bool:
+        n = header.get("bytes")
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_PROBE_BYTES:
+            raise WireError(f"a probe carries 0 to {MAX_PROBE_BYTES} bytes, its header says {n!r}")
+        scratch = memoryview(bytearray(min(n, _PROBE_CHUNK)))
+        while n:
+            step = min(n, len(scratch))
+            if not _recv_exactly(conn, scratch[:step]):
+                return False
+            n -= step
+        conn.sendall(_probe_frame(header["bytes"]))
+        return True
+
     def close(self) -> None:
         self._closed = True
+        try:
+            # wakes the accepting thread; a plain close leaves the port listening while it waits
+            self._server.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._server.close()
 
 
@@ -170,3 +200,47 @@ class Links:
             for sock, _ in self._links.values():
                 sock.close()
             self._links.clear()
+
+
+def _probe_frame(nbytes: int) -> bytes:
+    body = codec.pack({"t": "probe", "bytes": nbytes})
+    return _LENGTH.pack(len(body)) + body
+
+
+def probe(address: str, timeout: float, payload_bytes: int = 1 << 20, pings: int = 5,
+          rounds: int = 2) -> tuple[float, float]:
+    """Measure the link to the listener at ``address``: (latency in seconds, half the
+    median round trip of ``pings`` empty probes; bandwidth in bytes per second, of the
+    fastest of ``rounds`` transfers of ``payload_bytes``). Everything, connecting included,
+    finishes within ``timeout`` seconds or raises OSError; a reply that is not a probe's
+    raises WireError."""
+    if not 0 < payload_bytes <= MAX_PROBE_BYTES or pings < 1 or rounds < 1:
+        raise ValueError(f"a probe needs 0 < payload_bytes <= {MAX_PROBE_BYTES}, pings >= 1 and rounds >= 1")
+    deadline = time.monotonic() + timeout
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def exchange(nbytes: int, payload: bytes) -> float:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"probing {address} took longer than {timeout:.1f} s")
+            sock.settimeout(left)
+            start = time.perf_counter()
+            reply = _probe_frame(nbytes)  # the answer is the same frame, without the payload
+            sock.sendall(reply)
+            if payload:
+                sock.sendall(payload)
+            got = bytearray(len(reply))
+            if not _recv_exactly(sock, memoryview(got)):
+                raise ConnectionError(f"{address} closed the connection during a probe")
+            if got != reply:
+                raise WireError(f"{address} answered a probe with something else")
+            return time.perf_counter() - start
+
+        trips = [exchange(0, b"") for _ in range(pings)]
+        payload = bytes(payload_bytes)
+        fastest = min(exchange(payload_bytes, payload) for _ in range(rounds))
+    # A transfer's time includes a round trip; subtracting the quickest one seen, but never
+    # more than half the transfer, keeps a busy moment during the pings from inflating it.
+    return statistics.median(trips) / 2, payload_bytes / max(fastest - min(trips), fastest / 2)

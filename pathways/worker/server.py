@@ -2,6 +2,8 @@
 
 It attaches to the controller with one long-lived stream (registration up, op batches
 and done reports) and serves the data plane (puts, fetches, peer pushes) on its own port.
+In the background it measures its FLOP/s and its links to the other workers (measure.py):
+once when it joins, for each peer as the peer joins, and again when the controller asks.
 The hosts of an island of several hosts form one ``jax.distributed`` group (CPU
 collectives over gloo). When the controller's stream ends, or the controller says the
 island is lost, the worker exits: a worker without a controller or island has no work.
@@ -32,6 +34,7 @@ import trio
 from pathways.errors import ConnectError, WireError
 from pathways.ir import Layout
 from pathways.wire import codec, rpc, tcp
+from pathways.worker.measure import Measurer, host_memory_bytes
 from pathways.worker.store import ObjectStore, Poison, failure
 
 log = logging.getLogger("pathways.worker")
@@ -47,6 +50,7 @@ _CONTROLLER_MESSAGES = {
     "poison": {"handles": list, "kind": str, "message": str},
     "shutdown": {"reason": str},
     "go": {"run": int, "nodes": list},
+    "measure": {"id": int},
 }
 _PUT_FIELDS = {"put": {"handle": int, "layout": list, "of": int}}
 _ERROR_KINDS = ("RemoteError", "WorkerLostError")
@@ -77,6 +81,8 @@ class Worker:
         self._on_shutdown = on_shutdown
         self.wait_timeout = wait_timeout
         self.outbox = rpc.Outbox()
+        self.measurer = Measurer(jax, self.outbox.put)
+        self._probed: set[int] = set()  # peers whose link has been measured (or is being)
         self.executor = Executor(self.store, self.executables, self, wait_timeout, sync_collectives,
                                  unsafe_local_order)
 
@@ -120,9 +126,16 @@ class Worker:
         elif kind == "define":
             self.executor.define(msg)
         elif kind == "peers":
-            self.peers.update({int(k): v for k, v in msg["peers"].items()})
+            if not all(isinstance(k, int) and isinstance(v, str) for k, v in msg["peers"].items()):
+                raise WireError("peers must map worker ids to data addresses")
+            self.peers.update(msg["peers"])
+            self._measure_new_peers(flops=False)
         elif kind == "welcome":
             self.executor.worker_id = msg["worker"]
+            self._measure_new_peers(flops=True)
+        elif kind == "measure":
+            me = self.executor.worker_id
+            self.measurer.request(msg["id"], True, {p: a for p, a in self.peers.items() if p != me})
         elif kind == "poison":
             error = msg["kind"] if msg["kind"] in _ERROR_KINDS else "RemoteError"
             for h in codec.int_list(msg["handles"], "poison handles"):
@@ -145,6 +158,17 @@ class Worker:
             if kind == "delete":
                 codec.int_list(msg["handles"], "delete handles")
             self.executor.submit(msg)
+
+    def _measure_new_peers(self, flops: bool) -> None:
+        """Measure the links to peers not measured yet (and the FLOP/s if ``flops``), once
+        this worker knows its own id."""
+        me = self.executor.worker_id
+        if me < 0:
+            return
+        new = {p: a for p, a in self.peers.items() if p != me and p not in self._probed}
+        self._probed.update(new)
+        if flops or new:
+            self.measurer.request(0, flops, new)
 
     # ---- data plane -----------------------------------------------------------------
 
@@ -319,6 +343,7 @@ class Worker:
                 "Stats": rpc.unary_unary(self.stats)}
 
     def close(self) -> None:
+        self.measurer.stop()
         self.outbox.close()
         self.listener.close()
         self.links.close()
@@ -400,7 +425,7 @@ async def _serve(controller: str, devices: int, island: int, rank: int, wait_tim
                            "data_address": worker.listener.address, "kind": "cpu",
                            "devices": devices, "island": island, "rank": rank, "pid": os.getpid(),
                            "host": socket.gethostname(),
-                           "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")})
+                           "memory_bytes": host_memory_bytes()})
         attach = rpc.method(channel, rpc.CONTROLLER_SERVICE, "Attach", "stream_stream")
         responses = attach(worker.outbox.batches())
 

@@ -1,0 +1,197 @@
+"""What every benchmark shares: repetition statistics, tables, progress, JSON, plots and the
+markdown section that BENCHMARKS.md is made of.
+
+A benchmark is a module of ``pathways.bench`` with
+
+- ``TITLE`` (one line), ``PAPER`` (the paper's figure it reproduces, or ``""``),
+  ``PAPER_RESULT`` (what the paper reports there, or ``""``), ``ROUNDS`` (the default
+  repetitions) and ``ABOUT`` (markdown: what is measured, and how);
+- ``measure(rounds, tiny, progress) -> dict``: runs it; the dict is JSON-serializable and
+  holds every number the other functions show;
+- ``tables(data) -> list[Table]``, ``summary(data) -> list[str]`` (markdown lines: the
+  headline ratios and each target, met or missed and by how much) and ``notes(data) -> str``
+  (markdown: why the numbers are what they are);
+- ``plot(data, path)``: a PNG.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Any, Iterable, Sequence
+
+
+@dataclasses.dataclass
+class Table:
+    title: str
+    columns: list[str]
+    rows: list[list[str]]
+
+    def text(self) -> str:
+        widths = [max(len(c), *(len(r[i]) for r in self.rows)) if self.rows else len(c)
+                  for i, c in enumerate(self.columns)]
+        line = lambda cells: "  ".join(  # noqa: E731
+            (c.ljust(w) if i == 0 else c.rjust(w)) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "\n".join([self.title, line(self.columns), line(["-" * w for w in widths]),
+                          *(line(r) for r in self.rows)])
+
+    def markdown(self) -> str:
+        head = "| " + " | ".join(self.columns) + " |"
+        sep = "| " + " | ".join(["---"] + ["---:"] * (len(self.columns) - 1)) + " |"
+        return "\n".join([f"{self.title}:", "", head, sep, *("| " + " | ".join(r) + " |" for r in self.rows)])
+
+
+def stats(samples: Sequence[float]) -> dict[str, float]:
+    """Median and spread (min, max) of repetitions."""
+    if not samples:
+        raise ValueError("stats() needs at least one sample")
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "n": len(samples)}
+
+
+def ratio(a: dict[str, float], b: dict[str, float]) -> float:
+    """Ratio of two medians."""
+    return a["median"] / b["median"] if b["median"] else math.nan
+
+
+def rate(s: dict[str, float], digits: int = 0) -> str:
+    """``median (min-max)`` of a rate."""
+    return f"{s['median']:,.{digits}f} ({s['min']:,.{digits}f}-{s['max']:,.{digits}f})"
+
+
+def times(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{x:.2f}x"
+
+
+def alternate(rounds: int, cases: dict[str, Any], progress: "Progress") -> dict[str, list[float]]:
+    """Run every case once per round, in the same order each round, so that machine noise
+    hits them alike; ``cases`` maps a name to a callable returning one sample."""
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for r in range(rounds):
+        for name, run in cases.items():
+            progress.step(f"{name} (round {r + 1}/{rounds})")
+            samples[name].append(run())
+    return samples
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User plus system CPU time consumed so far by the processes ``pids`` (all threads)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone, or not Linux
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / ticks
+
+
+class Progress:
+    """A progress bar on stderr: redrawn in place on a terminal, a line per tenth otherwise."""
+
+    def __init__(self, label: str, stream=None):
+        self.label = label
+        self.total = 0
+        self.done = 0
+        self.stream = stream if stream is not None else sys.stderr
+        self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._start = time.monotonic()
+        self._shown_tenth = -1
+
+    def expect(self, steps: int) -> None:
+        """Announce ``steps`` more steps."""
+        self.total += steps
+
+    def step(self, what: str = "") -> None:
+        self.done += 1
+        self.total = max(self.total, self.done)
+        fraction = self.done / self.total
+        elapsed = time.monotonic() - self._start
+        bar = "#" * int(fraction * 24)
+        text = f"{self.label} [{bar:<24}] {self.done}/{self.total} {elapsed:5.0f}s {what}"
+        if self._tty:
+            self.stream.write("\r" + text[:120].ljust(120))
+        elif int(fraction * 10) != self._shown_tenth:
+            self._shown_tenth = int(fraction * 10)
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self._tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def section(module, data: dict, command: str) -> str:
+    """The markdown section of one benchmark's results."""
+    paper = f" (the paper's {module.PAPER})" if module.PAPER else ""
+    parts = [f"## {module.TITLE}{paper}", "", "```sh", command, "```", "", module.ABOUT.strip(), ""]
+    if module.PAPER_RESULT:
+        parts += [f"The paper: {module.PAPER_RESULT}.", ""]
+    meta = data.get("meta", {})
+    if meta:
+        parts += [f"Measured {meta.get('date', '?')} on {meta.get('machine', '?')}, "
+                  f"{meta.get('rounds', '?')} alternating rounds, in {meta.get('seconds', 0):.0f} s.", ""]
+    for t in module.tables(data):
+        parts += [t.markdown(), ""]
+    lines = module.summary(data)
+    if lines:
+        parts += [*(f"- {line}" for line in lines), ""]
+    notes = module.notes(data).strip()
+    if notes:
+        parts += [notes, ""]
+    return "\n".join(parts)
+
+
+def plot_lines(path: str, title: str, xlabel: str, ylabel: str,
+               series: Iterable[tuple[str, Sequence[float], Sequence[float]]],
+               logx: bool = False, logy: bool = False, hline: float | None = None) -> None:
+    """A PNG of a few named (x, y) series."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, xs, ys in series:
+        ax.plot(xs, ys, marker="o", label=name)
+    if hline is not None:
+        ax.axhline(hline, color="grey", linestyle="--", linewidth=1)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    if logx:
+        ax.set_xscale("log")
+    if logy:
+        ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_bars(path: str, title: str, ylabel: str, groups: Sequence[str],
+              series: dict[str, Sequence[float]], logy: bool = False) -> None:
+    """A PNG of grouped bars: one group per label, one bar per series."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    width = 0.8 / max(len(series), 1)
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar([g + i * width for g in range(len(groups))], values, width, label=name)
+    ax.set_xticks([g + width * (len(series) - 1) / 2 for g in range(len(groups))], groups)
+    ax.set(title=title, ylabel=ylabel)
+    if logy:
+        ax.set_yscale("log")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,110 @@
+"""Gantt charts of plans, as PNG files.
+
+matplotlib is imported inside the functions, with the Agg backend, so that importing the
+planner stays cheap and works on machines without a display.
+"""
+
+from __future__ import annotations
+
+from pathways.planner.partition import PipelinePlan
+from pathways.planner.schedule import Schedule
+from pathways.planner.topology import PlanError, Topology
+
+
+def _unit(seconds: float) -> tuple[float, str]:
+    """A time unit that keeps the axis numbers readable."""
+    for factor, name in ((1.0, "s"), (1e3, "ms"), (1e6, "us")):
+        if seconds * factor >= 1.0:
+            return factor, name
+    return 1e9, "ns"
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_schedule(schedule: Schedule, path: str, title: str = "") -> None:
+    """Write a Gantt chart of ``schedule`` to ``path``: one row per device, one bar per task."""
+    if not schedule.placements:
+        raise PlanError("the schedule has no placements to plot")
+    plt = _pyplot()
+    devices = sorted({p.device for p in schedule.placements.values()})
+    row = {d: k for k, d in enumerate(devices)}
+    factor, unit = _unit(max(schedule.makespan, 1e-12))
+    colors = plt.get_cmap("tab20").colors
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.5 * len(devices)))
+    for k, p in enumerate(sorted(schedule.placements.values(), key=lambda p: (p.start, p.task))):
+        width = (p.end - p.start) * factor
+        ax.broken_barh([(p.start * factor, width)], (row[p.device] - 0.4, 0.8),
+                       facecolors=colors[k % len(colors)], edgecolor="black", linewidth=0.5)
+        if width >= 0.04 * schedule.makespan * factor:
+            ax.text(p.start * factor + width / 2, row[p.device], p.task, ha="center", va="center", fontsize=7,
+                    clip_on=True)
+    ax.set_yticks(range(len(devices)), devices)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"time ({unit})")
+    ax.set_ylabel("device")
+    proof = "optimal" if schedule.optimal else f"lower bound {schedule.lower_bound * factor:.4g} {unit}"
+    ax.set_title(title or f"{schedule.method}: makespan {schedule.makespan * factor:.4g} {unit} ({proof})")
+    ax.grid(True, axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_pipeline(plan: PipelinePlan, topology: Topology, path: str, title: str = "",
+                  microbatches: int = 4) -> None:
+    """Write a Gantt chart of ``microbatches`` microbatches going through ``plan``'s stages
+    to ``path``: a row per stage's compute and a row per link (the return link included);
+    a stage computes a microbatch once it has arrived and the previous one is done, and a
+    link sends one microbatch at a time."""
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise PlanError(f"microbatches must be a positive integer, got {microbatches!r}")
+    for st in plan.stages:
+        topology.device(st.device)
+    plt = _pyplot()
+    stages = plan.stages
+    k = len(stages)
+    rows = []  # (label, [(start, end, microbatch)])
+    compute_rows = [[] for _ in stages]
+    link_rows = [[] for _ in stages] if k > 1 else []
+    compute_free = [0.0] * k
+    link_free = [0.0] * k
+    for b in range(microbatches):
+        arrive = 0.0
+        for i, st in enumerate(stages):
+            start = max(arrive, compute_free[i])
+            compute_free[i] = start + st.compute_s
+            compute_rows[i].append((start, compute_free[i], b))
+            if k > 1:
+                send = max(compute_free[i], link_free[i])
+                link_free[i] = send + st.send_s
+                link_rows[i].append((send, link_free[i], b))
+                arrive = link_free[i]
+    for i, st in enumerate(stages):
+        rows.append((f"{st.device} layers {st.start}-{st.end - 1}", compute_rows[i]))
+        if k > 1:
+            rows.append((f"{st.device} -> {stages[(i + 1) % k].device}", link_rows[i]))
+    end = max((e for _, bars in rows for _, e, _ in bars), default=0.0)
+    factor, unit = _unit(max(end, 1e-12))
+    colors = plt.get_cmap("tab10").colors
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.45 * len(rows)))
+    for r, (_, bars) in enumerate(rows):
+        for s, e, b in bars:
+            ax.broken_barh([(s * factor, (e - s) * factor)], (r - 0.4, 0.8), facecolors=colors[b % len(colors)],
+                           edgecolor="black", linewidth=0.5)
+    ax.set_yticks(range(len(rows)), [label for label, _ in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel(f"time ({unit}); colour: microbatch")
+    latency_factor, latency_unit = _unit(plan.latency)
+    ax.set_title(title or f"{plan.strategy} ({plan.objective}): latency {plan.latency * latency_factor:.4g} "
+                          f"{latency_unit}, {plan.throughput:.4g} microbatches/s")
+    ax.grid(True, axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,112 @@
+"""One process of a multi-controller group: joins ``jax.distributed``, then either serves calls
+from its :class:`pathways.spmd.Pool` or runs a script (``python -m pathways spmd``).
+
+Started by the parent with its place in the group in the environment (``_ENV`` keys). Calls
+arrive on an inherited socket as cloudpickled ``(fn, args, kwargs)``; the reply is the
+result with every ``jax.Array`` turned into the numpy value of the whole array, so that a
+process's reply does not depend on which shards it holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import runpy
+import sys
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import cloudpickle
+
+ENV_COORDINATOR = "PATHWAYS_SPMD_COORDINATOR"
+ENV_PROCESSES = "PATHWAYS_SPMD_PROCESSES"
+ENV_RANK = "PATHWAYS_SPMD_RANK"
+ENV_DEVICES = "PATHWAYS_SPMD_DEVICES"
+ENV_FD = "PATHWAYS_SPMD_FD"
+ENV_INIT_TIMEOUT = "PATHWAYS_SPMD_INIT_TIMEOUT"
+
+
+def initialize() -> None:
+    """Configure JAX for this process's devices and join the group."""
+    import jax
+
+    processes = int(os.environ[ENV_PROCESSES])
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", int(os.environ[ENV_DEVICES]))
+    if processes > 1:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(os.environ[ENV_COORDINATOR], processes, int(os.environ[ENV_RANK]),
+                                   initialization_timeout=int(float(os.environ.get(ENV_INIT_TIMEOUT, "120"))))
+
+
+def to_host(tree: Any) -> Any:
+    """Every ``jax.Array`` leaf as the numpy value of the whole (global) array. Every process
+    of the group must call this on the same structure: gathering a sharded array is a
+    collective."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    def leaf(x: Any) -> Any:
+        if not isinstance(x, jax.Array):
+            return x
+        if x.is_fully_addressable:
+            return np.asarray(x)
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(leaf, tree)
+
+
+def _serve(conn: Connection) -> None:
+    import jax
+
+    conn.send_bytes(cloudpickle.dumps(("ready", {"process": jax.process_index(), "devices": jax.device_count(),
+                                                 "local_devices": jax.local_device_count()})))
+    while True:
+        try:
+            payload = conn.recv_bytes()
+        except EOFError:  # the pool is gone
+            return
+        try:
+            message = cloudpickle.loads(payload)
+            if message[0] == "exit":
+                return
+            _, fn, args, kwargs = message
+            reply = ("ok", to_host(fn(*args, **kwargs)))
+        except BaseException as e:  # noqa: B036 - reported to the caller, which decides
+            reply = ("error", type(e).__name__, str(e), traceback.format_exc())
+        try:
+            conn.send_bytes(cloudpickle.dumps(reply))
+        except Exception as e:  # a result that cannot be pickled
+            conn.send_bytes(cloudpickle.dumps(("error", type(e).__name__, f"cannot send the result back: {e}",
+                                               traceback.format_exc())))
+
+
+def main() -> None:
+    from pathways.cluster import exit_with_parent
+
+    exit_with_parent()
+    code = 0
+    try:
+        initialize()
+        if ENV_FD in os.environ:
+            _serve(Connection(int(os.environ[ENV_FD])))
+        else:
+            script, *argv = sys.argv[1:]
+            sys.argv = [script, *argv]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: B036 - the traceback is this process's report
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    # jax.distributed's exit handler waits at a barrier for every process of the group,
+    # which never comes when another one failed.
+    os._exit(code)
