@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 from pathways.planner.partition import OBJECTIVES, STRATEGIES, Layer, PipelinePlan, pipeline_partition
 from pathways.planner.schedule import METHODS, Schedule, Task, schedule
-from pathways.planner.topology import PlanError, Topology, _field
+from pathways.planner.topology import PlanError, Topology, _field, _objects
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -96,12 +96,8 @@ def _read(path: str) -> dict:
 
 
 def _layers(data: dict) -> list[Layer]:
-    raw = _field(data, "layers", list, "")
     layers = []
-    for i, item in enumerate(raw):
-        where = f"layers[{i}]"
-        if not isinstance(item, dict):
-            raise PlanError(f"{where} must be an object, got {type(item).__name__}")
+    for where, item in _objects(_field(data, "layers", list, ""), "layers"):
         repeat = item.get("repeat", 1)
         if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
             raise PlanError(f"{where}.repeat must be a positive integer, got {repeat!r}")
@@ -113,12 +109,8 @@ def _layers(data: dict) -> list[Layer]:
 
 
 def _tasks(data: dict) -> list[Task]:
-    raw = _field(data, "tasks", list, "")
     tasks = []
-    for i, item in enumerate(raw):
-        where = f"tasks[{i}]"
-        if not isinstance(item, dict):
-            raise PlanError(f"{where} must be an object, got {type(item).__name__}")
+    for where, item in _objects(_field(data, "tasks", list, ""), "tasks"):
         durations = _optional(item, "durations", dict, where)
         eligible = _optional(item, "eligible", list, where)
         if eligible is not None and not all(isinstance(d, str) for d in eligible):

@@ -50,7 +50,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from pathways.planner.topology import PlanError, Topology, UnknownLinkError
+from pathways.planner.topology import (PlanError, Topology, UnknownLinkError, _check_amount, _check_time_limit,
+                                       _check_topology)
 
 if TYPE_CHECKING:
     from ortools.sat.python import cp_model
@@ -179,8 +180,7 @@ def pipeline_partition(topology: Topology, layers: Sequence[Layer], objective: s
         raise PlanError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     if strategy not in STRATEGIES:
         raise PlanError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if not (isinstance(time_limit, (int, float)) and time_limit > 0):
-        raise PlanError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
+    _check_time_limit(time_limit)
     model = _Model(topology, layers)
     if strategy == "memory_weighted":
         partitions = ring_memory_weighted_partitions(topology)
@@ -194,23 +194,16 @@ class _Model:
     """The validated inputs with their prefix sums and per-start memory tables."""
 
     def __init__(self, topology: Topology, layers: Sequence[Layer]) -> None:
-        if not isinstance(topology, Topology):
-            raise PlanError(f"topology must be a Topology, got {type(topology).__name__}")
-        if not topology.devices:
-            raise PlanError("the topology has no devices: add at least one device to plan a pipeline")
+        _check_topology(topology, "plan a pipeline")
         layers = tuple(layers)
         if not layers:
             raise PlanError("layers is empty: a pipeline needs at least one layer")
         for i, layer in enumerate(layers):
             if not isinstance(layer, Layer):
                 raise PlanError(f"layers[{i}] must be a Layer, got {type(layer).__name__}")
-            if isinstance(layer.flops, bool) or not isinstance(layer.flops, (int, float)) \
-                    or not math.isfinite(layer.flops) or layer.flops < 0:
-                raise PlanError(f"layers[{i}].flops must be a finite number >= 0, got {layer.flops!r}")
+            _check_amount(layer.flops, f"layers[{i}].flops")
             for name in ("param_bytes", "activation_bytes"):
-                v = getattr(layer, name)
-                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                    raise PlanError(f"layers[{i}].{name} must be an integer >= 0, got {v!r}")
+                _check_amount(getattr(layer, name), f"layers[{i}].{name}", integer=True)
         self.topology = topology
         self.layers = layers
         self.n = len(layers)

@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from pathways.planner.partition import _complete_hint, _cp_solver, _wrap_up
-from pathways.planner.topology import Link, PlanError, Topology, UnknownLinkError
+from pathways.planner.topology import (Link, PlanError, Topology, UnknownLinkError, _check_amount,
+                                       _check_time_limit, _check_topology)
 
 METHODS = ("heft", "optimal")
 
@@ -102,10 +103,7 @@ class _Problem:
     """Validated tasks: per-task eligible devices and durations, edges, a topological order."""
 
     def __init__(self, tasks: Sequence[Task], topology: Topology) -> None:
-        if not isinstance(topology, Topology):
-            raise PlanError(f"topology must be a Topology, got {type(topology).__name__}")
-        if not topology.devices:
-            raise PlanError("the topology has no devices: add at least one device to schedule on")
+        _check_topology(topology, "schedule on")
         tasks = tuple(tasks)
         if not tasks:
             raise PlanError("tasks is empty: give at least one task to schedule")
@@ -134,8 +132,7 @@ class _Problem:
                     raise PlanError(f"task {t.id!r} depends on unknown task {p!r}; add it or remove the dependency")
                 if p == t.id:
                     raise PlanError(f"task {t.id!r} depends on itself; remove that dependency")
-                if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-                    raise PlanError(f"task {t.id!r} dependency on {p!r} must be a byte count >= 0, got {nbytes!r}")
+                _check_amount(nbytes, f"task {t.id!r} dependency on {p!r}", integer=True, noun="a byte count")
                 self.succs[p].append(t.id)
             self.preds[t.id] = dict(t.deps)
         self.order = self._topological_order()
@@ -150,15 +147,10 @@ class _Problem:
             out = {}
             for dev, seconds in t.durations.items():
                 topo.device(dev)
-                if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) \
-                        or not math.isfinite(seconds) or seconds < 0:
-                    raise PlanError(f"task {t.id!r} duration on {dev!r} must be a finite number >= 0, "
-                                    f"got {seconds!r}")
+                _check_amount(seconds, f"task {t.id!r} duration on {dev!r}")
                 out[dev] = float(seconds)
         elif t.flops is not None:
-            if isinstance(t.flops, bool) or not isinstance(t.flops, (int, float)) \
-                    or not math.isfinite(t.flops) or t.flops < 0:
-                raise PlanError(f"task {t.id!r} flops must be a finite number >= 0, got {t.flops!r}")
+            _check_amount(t.flops, f"task {t.id!r} flops")
             out = {d.id: t.flops / d.flops for d in topo.devices}
         else:
             raise PlanError(f"task {t.id!r} has neither durations nor flops; give one of them")
@@ -166,8 +158,7 @@ class _Problem:
             for dev in t.eligible:
                 topo.device(dev)
             out = {dev: s for dev, s in out.items() if dev in t.eligible}
-        if isinstance(t.memory_bytes, bool) or not isinstance(t.memory_bytes, int) or t.memory_bytes < 0:
-            raise PlanError(f"task {t.id!r} memory_bytes must be an integer >= 0, got {t.memory_bytes!r}")
+        _check_amount(t.memory_bytes, f"task {t.id!r} memory_bytes", integer=True)
         roomy = {dev: s for dev, s in out.items() if topo.device(dev).memory_bytes >= t.memory_bytes}
         if not out:
             raise PlanError(f"task {t.id!r} has no eligible device: its durations and eligible set share no device")
@@ -288,8 +279,7 @@ def schedule(tasks: Sequence[Task], topology: Topology, method: str = "heft", *,
     """
     if method not in METHODS:
         raise PlanError(f"method must be one of {METHODS}, got {method!r}")
-    if not (isinstance(time_limit, (int, float)) and time_limit > 0):
-        raise PlanError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
+    _check_time_limit(time_limit)
     if hint is not None and not isinstance(hint, Schedule):
         raise PlanError(f"hint must be a Schedule (a previous plan), got {type(hint).__name__}")
     began = time.monotonic()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from pathways.errors import PathwaysError
 
@@ -56,6 +56,16 @@ def _check_number(value: Any, what: str, *, positive: bool, integer: bool = Fals
         raise PlanError(f"{what} must be positive, got {value!r}")
     if not positive and value < 0:
         raise PlanError(f"{what} must not be negative, got {value!r}")
+
+
+def _check_amount(value: Any, what: str, integer: bool = False, noun: str = "") -> None:
+    """``value`` is a count or a quantity of work or time: a finite number (an integer if
+    ``integer``) >= 0; ``noun`` names it in the error (default: "an integer" or "a finite
+    number")."""
+    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float)) and math.isfinite(value)
+    if isinstance(value, bool) or not ok_type or value < 0:
+        noun = noun or ("an integer" if integer else "a finite number")
+        raise PlanError(f"{what} must be {noun} >= 0, got {value!r}")
 
 
 def _check_link(link: Any, what: str) -> None:
@@ -158,21 +168,14 @@ class Topology:
         """Read the ``to_dict`` form; a missing key or a wrong type raises ``PlanError`` naming it."""
         if not isinstance(d, dict):
             raise PlanError(f"a topology must be a JSON object, got {type(d).__name__}")
-        raw_devices = _field(d, "devices", list, "topology")
         devices = []
-        for i, item in enumerate(raw_devices):
-            where = f"devices[{i}]"
-            if not isinstance(item, dict):
-                raise PlanError(f"{where} must be an object, got {type(item).__name__}")
+        for where, item in _objects(_field(d, "devices", list, "topology"), "devices"):
             devices.append(Device(id=_field(item, "id", str, where),
                                   memory_bytes=_field(item, "memory_bytes", int, where),
                                   flops=_field(item, "flops", (int, float), where),
                                   kind=item.get("kind", "cpu")))
         links = {}
-        for i, item in enumerate(d.get("links", [])):
-            where = f"links[{i}]"
-            if not isinstance(item, dict):
-                raise PlanError(f"{where} must be an object, got {type(item).__name__}")
+        for where, item in _objects(d.get("links", []), "links"):
             pair = (_field(item, "src", str, where), _field(item, "dst", str, where))
             links[pair] = _link(item, where)
         default = d.get("default_link")
@@ -189,10 +192,7 @@ class Topology:
             raise PlanError("the cluster status has no 'workers' list; pass the dict returned by "
                             "pathways.cluster.status(address)")
         devices = []
-        for i, w in enumerate(status["workers"]):
-            where = f"status['workers'][{i}]"
-            if not isinstance(w, dict):
-                raise PlanError(f"{where} must be a dict, got {type(w).__name__}")
+        for where, w in _objects(status["workers"], "status['workers']", "a dict"):
             wid = _field(w, "worker", int, where)
             flops = w.get("flops")
             if not flops:
@@ -202,12 +202,32 @@ class Topology:
                                   flops=_field(w, "flops", (int, float), where),
                                   kind=_field(w, "kind", str, where)))
         links = {}
-        for i, item in enumerate(status.get("links", [])):
-            where = f"status['links'][{i}]"
-            if not isinstance(item, dict):
-                raise PlanError(f"{where} must be a dict, got {type(item).__name__}")
+        for where, item in _objects(status.get("links", []), "status['links']", "a dict"):
             links[(str(_field(item, "src", int, where)), str(_field(item, "dst", int, where)))] = _link(item, where)
         return cls(devices, links)
+
+
+def _objects(items: Any, name: str, noun: str = "an object") -> Iterator[tuple[str, dict]]:
+    """Each element of the list ``items`` with its name in errors (``name[i]``), checked to
+    be a dict."""
+    for i, item in enumerate(items):
+        where = f"{name}[{i}]"
+        if not isinstance(item, dict):
+            raise PlanError(f"{where} must be {noun}, got {type(item).__name__}")
+        yield where, item
+
+
+def _check_topology(topology: Any, purpose: str) -> None:
+    """``topology`` is a Topology with at least one device to ``purpose`` on."""
+    if not isinstance(topology, Topology):
+        raise PlanError(f"topology must be a Topology, got {type(topology).__name__}")
+    if not topology.devices:
+        raise PlanError(f"the topology has no devices: add at least one device to {purpose}")
+
+
+def _check_time_limit(time_limit: Any) -> None:
+    if not (isinstance(time_limit, (int, float)) and time_limit > 0):
+        raise PlanError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
 
 
 def _field(d: dict, key: str, types: type | tuple[type, ...], where: str) -> Any:
