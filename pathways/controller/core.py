@@ -18,7 +18,7 @@ import itertools
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Protocol
 
 from pathways.controller.lowering import FnLayouts, Lowered, lower
 from pathways.controller.placement import ResourceManager
@@ -79,7 +79,6 @@ class WorkerConn:
     pid: int = 0
     host: str = ""
     memory_bytes: int = 0
-    flops: Optional[float] = None  # measured FLOP/s of the whole host
     defined: set[int] = field(default_factory=set)
 
 
@@ -263,8 +262,7 @@ class ControllerCore:
         flops = msg["flops"]
         if flops is not None:
             if math.isfinite(flops) and flops > 0:
-                conn.flops = float(flops)
-                self.rm.set_flops(conn.worker, conn.flops)
+                self.rm.set_flops(conn.worker, float(flops))
             else:
                 conn.outbox.put({"t": "error", "message": f"measured flops must be positive, got {flops!r}"})
         if msg["memory_bytes"] > 0:
@@ -562,6 +560,14 @@ class ControllerCore:
 
     # ---- status ----------------------------------------------------------------------
 
+    def _host_figures(self, worker: int) -> dict[str, Any]:
+        """A worker's measured FLOP/s (None until measured) and slices per device, as the
+        resource manager holds them."""
+        host = self.rm.hosts.get(worker)
+        if host is None:
+            return {"flops": None, "load": []}
+        return {"flops": host.flops or None, "load": list(host.load)}
+
     def status(self) -> dict[str, Any]:
         islands = sorted({w.island for w in self.workers.values()} | self.rm.unhealthy)
         return {
@@ -575,8 +581,7 @@ class ControllerCore:
             "workers": [{"worker": w.worker, "address": w.address, "data_address": w.data_address,
                          "island": w.island, "rank": w.rank,
                          "kind": w.kind, "devices": w.devices, "pid": w.pid, "host": w.host,
-                         "memory_bytes": w.memory_bytes, "flops": w.flops,
-                         "load": list(self.rm.hosts[w.worker].load) if w.worker in self.rm.hosts else []}
+                         "memory_bytes": w.memory_bytes, **self._host_figures(w.worker)}
                         for w in self.workers.values()],
             "links": [{"src": src, "dst": dst, "latency": latency, "bandwidth": bandwidth}
                       for (src, dst), (latency, bandwidth) in sorted(self.links.items())],
