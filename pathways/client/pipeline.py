@@ -125,12 +125,13 @@ def estimate_layers(layer_fn: Callable, params: Sequence[Any], example_input: An
     """Each layer's cost for an input like ``example_input``: the FLOPs XLA's cost analysis
     counts, the bytes of its parameters, and the bytes of its output."""
     x = jax.tree.map(_abstract, example_input)
+    jitted = jax.jit(layer_fn)
     out = []
     for i, p in enumerate(params):
         p = jax.tree.map(_abstract, p)
         try:
-            cost = jax.jit(layer_fn).lower(p, x).cost_analysis()
-            y = jax.eval_shape(layer_fn, p, x)
+            lowered = jitted.lower(p, x)  # one trace gives both the cost and the output's shape
+            cost, y = lowered.cost_analysis(), lowered.out_info
         except Exception as e:
             raise SignatureError(f"layer {i} failed to trace with its parameters and the previous layer's "
                                  f"output: {type(e).__name__}: {e}") from e
