@@ -47,7 +47,7 @@ def _python_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "pathways", *args]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A free loopback port for an island's jax.distributed coordinator, which cannot bind
     port 0 and report back: the port is released just before the coordinator binds it."""
     with socket.socket() as s:
@@ -153,7 +153,7 @@ class LocalCluster:
                     address = await _read_address(controller.stdout)
                     for island_id, island in enumerate(self.islands):
                         group = ["--island-hosts", str(island.hosts), "--coordinator",
-                                 f"127.0.0.1:{_free_port()}"] if island.hosts > 1 else []
+                                 f"127.0.0.1:{free_port()}"] if island.hosts > 1 else []
                         debug = ["--unsafe-local-order"] if self.unsafe_local_order else []
                         for rank in range(island.hosts):
                             procs.append(await trio.lowlevel.open_process(
@@ -213,6 +213,21 @@ async def _reap(procs: list[trio.Process]) -> None:
         if p.returncode is None:
             p.kill()
             await p.wait()
+
+
+def stop_processes(procs: Sequence[subprocess.Popen], grace: float = _GRACE_SECONDS) -> None:
+    """Stop and reap child processes: SIGTERM, then SIGKILL for those still running after
+    ``grace`` seconds (processes running JAX may ignore SIGTERM)."""
+    alive = [p for p in procs if p.poll() is None]
+    for p in alive:
+        p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in alive:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def exit_with_parent() -> None:

@@ -167,7 +167,7 @@ class _Clients:
         return self
 
     def __exit__(self, *exc) -> None:
-        from pathways.spmd._pool import _kill
+        from pathways.cluster import stop_processes
 
         for p in self.procs:
             try:
@@ -175,7 +175,7 @@ class _Clients:
                 p.stdin.close()
             except OSError:
                 pass
-        _kill(self.procs)
+        stop_processes(self.procs)
 
 
 def _by_session(st: dict) -> dict[int, dict]:

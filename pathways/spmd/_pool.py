@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import cloudpickle
 
-from pathways.cluster import PARENT_PID_ENV, _free_port
+from pathways.cluster import PARENT_PID_ENV, free_port, stop_processes
 from pathways.errors import DeadlineExceededError, SpmdError
 from pathways.spmd import _child
 
@@ -68,7 +67,7 @@ class _Group:
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         self.outputs: list[_Output] = []
-        coordinator = f"127.0.0.1:{_free_port()}"
+        coordinator = f"127.0.0.1:{free_port()}"
         try:
             for rank in range(num_processes):
                 env = {**os.environ, PARENT_PID_ENV: str(os.getpid()), _child.ENV_COORDINATOR: coordinator,
@@ -98,7 +97,7 @@ class _Group:
         except BaseException:
             self.kill()
             raise
-        self._finalizer = weakref.finalize(self, _kill, list(self.procs))
+        self._finalizer = weakref.finalize(self, stop_processes, list(self.procs))
 
     def tail(self, rank: int) -> str:
         lines = [*self.outputs[2 * rank].tail, *self.outputs[2 * rank + 1].tail]
@@ -107,24 +106,11 @@ class _Group:
     def kill(self, grace: float = _GRACE_SECONDS) -> None:
         """Stop every process: SIGTERM, then SIGKILL after ``grace`` (JAX processes may ignore
         SIGTERM), and reap them."""
-        _kill(self.procs, grace)
+        stop_processes(self.procs, grace)
         for conn in self.conns:
             conn.close()
         for out in self.outputs:
             out.join(timeout=1.0)
-
-
-def _kill(procs: list[subprocess.Popen], grace: float = _GRACE_SECONDS) -> None:
-    alive = [p for p in procs if p.poll() is None]
-    for p in alive:
-        p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for p in alive:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 class Pool:
