@@ -134,8 +134,7 @@ class Worker:
             self.executor.worker_id = msg["worker"]
             self._measure_new_peers(flops=True)
         elif kind == "measure":
-            me = self.executor.worker_id
-            self.measurer.request(msg["id"], True, {p: a for p, a in self.peers.items() if p != me})
+            self.measurer.request(msg["id"], True, self._other_peers())
         elif kind == "poison":
             error = msg["kind"] if msg["kind"] in _ERROR_KINDS else "RemoteError"
             for h in codec.int_list(msg["handles"], "poison handles"):
@@ -162,13 +161,16 @@ class Worker:
     def _measure_new_peers(self, flops: bool) -> None:
         """Measure the links to peers not measured yet (and the FLOP/s if ``flops``), once
         this worker knows its own id."""
-        me = self.executor.worker_id
-        if me < 0:
+        if self.executor.worker_id < 0:
             return
-        new = {p: a for p, a in self.peers.items() if p != me and p not in self._probed}
+        new = {p: a for p, a in self._other_peers().items() if p not in self._probed}
         self._probed.update(new)
         if flops or new:
             self.measurer.request(0, flops, new)
+
+    def _other_peers(self) -> dict[int, str]:
+        """Every other worker's data address."""
+        return {p: a for p, a in self.peers.items() if p != self.executor.worker_id}
 
     # ---- data plane -----------------------------------------------------------------
 
