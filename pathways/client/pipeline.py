@@ -17,7 +17,7 @@ slice's. The slices must lie on distinct workers, so that those figures are thei
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import jax
 import numpy as np
@@ -29,7 +29,11 @@ from pathways.client.devices import Slice
 from pathways.client.program import program
 from pathways.errors import PlacementError, SignatureError
 from pathways.ir import DISPATCH_MODES
-from pathways.planner import Device, Layer, Link, PipelinePlan, Topology, pipeline_partition
+
+# The planner is imported where a pipeline is planned, not with the package: every worker
+# and controller process imports the package and never plans.
+if TYPE_CHECKING:
+    from pathways.planner import Layer, PipelinePlan, Topology
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,8 @@ def pipeline(layer_fn: Callable, params: Sequence[Any], example_input: Any, slic
     its devices must be named like the slices (see the module's docstring). The plan
     may leave slices out. ``dispatch``: as for ``pw.program``.
     """
+    from pathways.planner import Topology, pipeline_partition
+
     params = list(params)
     slices = list(slices)
     if not params:
@@ -124,6 +130,8 @@ def pipeline(layer_fn: Callable, params: Sequence[Any], example_input: Any, slic
 def estimate_layers(layer_fn: Callable, params: Sequence[Any], example_input: Any) -> list[Layer]:
     """Each layer's cost for an input like ``example_input``: the FLOPs XLA's cost analysis
     counts, the bytes of its parameters, and the bytes of its output."""
+    from pathways.planner import Layer
+
     x = jax.tree.map(_abstract, example_input)
     jitted = jax.jit(layer_fn)
     out = []
@@ -145,6 +153,8 @@ def estimate_layers(layer_fn: Callable, params: Sequence[Any], example_input: An
 def slice_topology(slices: Sequence[Slice], status: dict) -> Topology:
     """The planner topology of ``slices`` from the controller's ``status``: one device per
     slice and the links between every two of them, from the measured figures."""
+    from pathways.planner import Device, Link, Topology
+
     workers = {w["worker"]: w for w in status["workers"]}
     devices, missing = [], []
     for s in slices:
