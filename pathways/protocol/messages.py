@@ -1,0 +1,433 @@
+"""Every message of the control plane, one frozen dataclass per kind, and the tables that
+say which kinds each stream accepts.
+
+A message travels as a msgpack list ``[tag, field, ...]`` in declaration order, inside a
+batch (a msgpack list of messages: whatever queued up while the stream was busy). Each
+field declares its checker (check.py), so decoding is the one validation at the trust
+boundary: it returns typed messages whose every number, size and length is bounded, or a
+``Malformed`` entry saying what was wrong with that one message; the rest of the batch is
+unaffected. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Union
+
+import msgpack
+
+from pathways.errors import WireError
+from pathways.ir import DISPATCH_MODES, Layout, ProgramGraph
+from pathways.protocol.check import (MAX_ITEMS, MAX_NAME, MAX_TEXT, Anything, Bool, Bytes, Checker, Custom, Fixed,
+                                     Float, Int, Optional, Seq, Str)
+from pathways.protocol.errors import KINDS, POISON_KINDS
+from pathways.protocol.handles import MAX_HANDLE, MAX_SESSION
+from pathways.protocol.ops import LAYOUT, MAX_NODES, MAX_REGISTERS, decode_op, encode_op
+
+PROTOCOL_VERSION = 2
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # one gRPC payload
+MAX_DEVICES_PER_HOST = 1024  # more than any accelerator host has; bounds a register's cost
+MAX_ISLAND = (1 << 31) - 1
+MAX_RANK = 1 << 16
+MAX_WAIT_SECONDS = 3600.0  # the longest any request may ask a server to wait
+DEVICE_KINDS = frozenset({"cpu", "gpu", "tpu"})
+
+HANDLE = Int(0, MAX_HANDLE)
+HANDLES = Seq(HANDLE)
+REQ = Int(1, MAX_HANDLE)
+NAME = Str(MAX_NAME)
+TEXT = Str(MAX_TEXT)
+WORKER = Int(0, MAX_ITEMS)
+WORKERS = Seq(WORKER)
+BLOB = Bytes(MAX_MESSAGE_BYTES)
+LAYOUTS = Seq(LAYOUT, max_len=1 << 16)
+GRAPH = Custom(ProgramGraph.from_wire, ProgramGraph.to_wire)
+
+
+def _pairs_to_dict(checker: Checker) -> Custom:
+    """A map of integers, sent as a list of [key, value] pairs (msgpack maps may carry keys
+    of any type; pairs are checked like any list)."""
+    pairs = Seq(Fixed(checker, checker))
+    return Custom(lambda raw: dict(pairs.check(raw, "pairs")), lambda d: [[k, v] for k, v in d.items()])
+
+
+def wire(checker: Checker) -> Any:
+    """Declare a message field and the checker its wire value must pass."""
+    return dataclasses.field(metadata={"check": checker})
+
+
+class Message:
+    """Base of every message kind (see ``message``)."""
+
+    TAG: ClassVar[str]
+    FIELDS: ClassVar[tuple[tuple[str, Checker], ...]]
+
+    def encode(self) -> list:
+        return [self.TAG, *(c.encode(getattr(self, name)) for name, c in self.FIELDS)]
+
+    def checked(self) -> "Message":
+        """Checks that span several fields, after each field was checked on its own."""
+        return self
+
+
+def message(tag: str):
+    def wrap(cls: type) -> type:
+        cls = dataclasses.dataclass(frozen=True, slots=True)(cls)
+        cls.TAG = tag
+        cls.FIELDS = tuple((f.name, f.metadata["check"]) for f in dataclasses.fields(cls))
+        return cls
+    return wrap
+
+
+@dataclasses.dataclass(frozen=True)
+class Malformed:
+    """A message of a batch that failed its check: what was wrong, and the request id it
+    carried if it had a readable one (so that the error reaches the waiting caller)."""
+
+    error: WireError
+    tag: str
+    req: int | None
+
+
+class Table:
+    """The message kinds one direction of one stream accepts."""
+
+    def __init__(self, name: str, *kinds: type[Message]) -> None:
+        self.name = name
+        self.kinds: dict[str, type[Message]] = {k.TAG: k for k in kinds}
+
+    def decode(self, raw: Any) -> Message:
+        if type(raw) is not list or not raw or type(raw[0]) is not str:
+            raise WireError(f"a message must be a list [tag, field, ...], got {type(raw).__name__}")
+        cls = self.kinds.get(raw[0])
+        if cls is None:
+            raise WireError(f"unknown message {raw[0][:64]!r} on the {self.name} stream; "
+                            f"expected one of {sorted(self.kinds)}")
+        fields = cls.FIELDS
+        if len(raw) != len(fields) + 1:
+            raise WireError(f"message {cls.TAG!r} has {len(raw) - 1} fields; it takes {len(fields)} "
+                            f"({', '.join(n for n, _ in fields)}): are client and server the same version?")
+        values = [c.check(v, f"field {name!r} of message {cls.TAG!r}") for (name, c), v in zip(fields, raw[1:])]
+        return cls(*values).checked()
+
+    def decode_batch(self, payload: bytes) -> list[Union[Message, Malformed]]:
+        """The messages of one payload; a message that fails its check becomes a
+        ``Malformed`` in its place. A payload that is no list of messages at all raises
+        WireError."""
+        batch = unpack(payload)
+        if type(batch) is not list:
+            raise WireError(f"a payload must be a list of messages, got {type(batch).__name__}")
+        out: list[Union[Message, Malformed]] = []
+        for raw in batch:
+            try:
+                out.append(self.decode(raw))
+            except WireError as e:
+                out.append(Malformed(e, *_tag_and_req(raw, self)))
+        return out
+
+    def decode_one(self, payload: bytes) -> Message:
+        """A payload that is a single message (unary requests); raises WireError."""
+        return self.decode(unpack(payload))
+
+
+def _tag_and_req(raw: Any, table: Table) -> tuple[str, int | None]:
+    if type(raw) is not list or not raw or type(raw[0]) is not str:
+        return "?", None
+    cls = table.kinds.get(raw[0])
+    names = [n for n, _ in cls.FIELDS] if cls else []
+    if "req" in names and len(raw) > names.index("req") + 1:
+        req = raw[names.index("req") + 1]
+        if type(req) is int and REQ.lo <= req <= REQ.hi:
+            return cls.TAG, req
+    return (cls.TAG if cls else "?"), None
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes) -> Any:
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise WireError(f"a payload of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise WireError(f"payload is not valid msgpack ({type(e).__name__}: {e})") from None
+
+
+def encode_batch(messages: list[Message]) -> bytes:
+    return pack([m.encode() for m in messages])
+
+
+# ---- client <-> controller (the Session stream) -------------------------------------------
+
+@message("hello")
+class Hello(Message):
+    version: int = wire(Int(0, 1 << 16))
+    weight: float = wire(Float(0.0, 1e6, open_lo=True))
+
+
+@message("slice")
+class SliceRequest(Message):
+    req: int = wire(REQ)
+    kind: str = wire(Str(8, DEVICE_KINDS))
+    count: int = wire(Int(1, 1 << 24))
+    mesh_shape: tuple[int, ...] | None = wire(Optional(Seq(Int(1, 1 << 24), max_len=16, min_len=1)))
+    island: int | None = wire(Optional(Int(0, MAX_ISLAND)))
+    exclusive: bool = wire(Bool())
+
+
+@message("cluster")
+class ClusterRequest(Message):
+    req: int = wire(REQ)
+
+
+@message("fn")
+class DefineFunction(Message):
+    id: int = wire(HANDLE)
+    slice: int = wire(Int(0, MAX_HANDLE))
+    name: str = wire(NAME)
+    blob: bytes = wire(BLOB)
+    ins: tuple[Layout, ...] = wire(LAYOUTS)
+    outs: tuple[Layout, ...] = wire(LAYOUTS)
+
+
+@message("program")
+class DefineProgram(Message):
+    id: int = wire(HANDLE)
+    graph: ProgramGraph = wire(GRAPH)
+    dispatch: str = wire(Str(16, frozenset(DISPATCH_MODES)))
+
+
+@message("run")
+class Run(Message):
+    program: int = wire(HANDLE)
+    base: int = wire(HANDLE)
+    inputs: dict[int, int] = wire(Custom(lambda raw: dict(Seq(Fixed(Int(0, MAX_REGISTERS), HANDLE)).check(raw, "inputs")),
+                                         lambda d: [[v, h] for v, h in d.items()]))
+
+
+@message("put")
+class PutNotice(Message):
+    """A client put an array on the workers of ``layout`` as ``handle``."""
+
+    handle: int = wire(HANDLE)
+    layout: Layout = wire(LAYOUT)
+
+
+@message("delete")
+class Delete(Message):
+    handles: tuple[int, ...] = wire(HANDLES)
+
+
+@message("welcome")
+class SessionWelcome(Message):
+    session: int = wire(Int(1, MAX_SESSION))
+
+
+@message("slice")
+class SliceReply(Message):
+    req: int = wire(REQ)
+    slice: int = wire(Int(0, MAX_HANDLE))
+    workers: tuple[int, ...] = wire(WORKERS)
+    addresses: tuple[str, ...] = wire(Seq(NAME))
+    island: int = wire(Int(0, MAX_ISLAND))
+    devices: tuple[int, ...] = wire(Seq(Int(0, MAX_ITEMS)))  # flat (host rank, device index) pairs
+    mesh_shape: tuple[int, ...] = wire(Seq(Int(1, 1 << 24), max_len=16))
+
+
+@message("cluster")
+class ClusterReply(Message):
+    req: int = wire(REQ)
+    status: dict = wire(Anything())
+
+
+@message("poisoned")
+class Poisoned(Message):
+    """These handles of the session will never hold a value: reading them raises ``kind``."""
+
+    handles: tuple[int, ...] = wire(HANDLES)
+    kind: str = wire(Str(32, POISON_KINDS))
+    message: str = wire(TEXT)
+
+
+@message("error")
+class Error(Message):
+    """A request failed (``req``), or, with no ``req``, a message was refused."""
+
+    req: int | None = wire(Optional(REQ))
+    kind: str = wire(Str(32, frozenset(KINDS)))
+    message: str = wire(TEXT)
+
+
+# ---- worker <-> controller (the Attach stream) ----------------------------------------------
+
+@message("register")
+class Register(Message):
+    address: str = wire(NAME)
+    data_address: str = wire(NAME)
+    kind: str = wire(Str(8, DEVICE_KINDS))
+    devices: int = wire(Int(1, MAX_DEVICES_PER_HOST))
+    island: int = wire(Int(0, MAX_ISLAND))
+    rank: int = wire(Int(0, MAX_RANK))
+    pid: int = wire(Int(0, 1 << 32))
+    host: str = wire(NAME)
+    memory_bytes: int = wire(Int(0, 1 << 60))
+
+
+@message("done")
+class Done(Message):
+    """Runs this worker finished, each with the device seconds it took."""
+
+    runs: tuple[tuple[int, float], ...] = wire(Seq(Fixed(Int(0), Float(0.0, 1e9))))
+
+
+@message("step")
+class Step(Message):
+    """A node of a sequentially dispatched run finished on this worker."""
+
+    run: int = wire(Int(0))
+    node: int = wire(Int(0, MAX_NODES))
+
+
+@message("notice")
+class Notice(Message):
+    """Something the other side should log: a message it sent was refused, and why."""
+
+    message: str = wire(TEXT)
+
+
+_SECONDS = Optional(Float(0.0, 3600.0, open_lo=True))
+_BYTES_PER_SECOND = Optional(Float(0.0, 1e15, open_lo=True))
+
+
+@message("measured")
+class Measured(Message):
+    """What a worker measured: job id (0: on its own), FLOP/s (None: not measured),
+    memory, and ``(peer, latency s, bandwidth B/s)`` per link, both None for a peer that
+    did not answer."""
+
+    id: int = wire(Int(0))
+    flops: float | None = wire(Optional(Float(0.0, 1e21, open_lo=True)))
+    memory_bytes: int = wire(Int(1, 1 << 60))
+    links: tuple[tuple[int, float | None, float | None], ...] = wire(
+        Seq(Fixed(WORKER, _SECONDS, _BYTES_PER_SECOND), max_len=1 << 16))
+
+    def checked(self) -> "Measured":
+        for peer, latency, bandwidth in self.links:
+            if (latency is None) != (bandwidth is None):
+                raise WireError(f"the link to worker {peer} needs both latency and bandwidth, or neither")
+        return self
+
+
+@message("welcome")
+class WorkerWelcome(Message):
+    worker: int = wire(WORKER)
+
+
+@message("peers")
+class Peers(Message):
+    """Every worker's data-plane address."""
+
+    peers: tuple[tuple[int, str], ...] = wire(Seq(Fixed(WORKER, NAME)))
+
+
+@message("compile")
+class Compile(Message):
+    fn: int = wire(HANDLE)
+    name: str = wire(NAME)
+    blob: bytes = wire(BLOB)
+    ins: tuple[Layout, ...] = wire(LAYOUTS)
+    outs: tuple[Layout, ...] = wire(LAYOUTS)
+
+
+def _encode_ops(ops: Any) -> list:
+    return [op if type(op) is list else encode_op(op) for op in ops]
+
+
+@message("define")
+class Define(Message):
+    """A lowered program's op stream for this worker (ops.py), run later by ``RunProgram``."""
+
+    key: int = wire(Int(1))
+    session: int = wire(Int(0, MAX_SESSION))
+    nvalues: int = wire(Int(1, 1 << 20))
+    ncopies: int = wire(Int(0, MAX_REGISTERS - (1 << 20)))
+    ops: tuple = wire(Custom(lambda raw: tuple(Seq(Anything(), max_len=1 << 20).check(raw, "ops")), _encode_ops))
+
+    def checked(self) -> "Define":
+        nregs = self.nvalues + self.ncopies
+        return dataclasses.replace(self, ops=tuple(decode_op(op, nregs) for op in self.ops))
+
+
+@message("run")
+class RunProgram(Message):
+    id: int = wire(Int(0))
+    key: int = wire(Int(1))
+    base: int = wire(HANDLE)
+    tbase: int = wire(HANDLE)
+    args: dict[int, int] = wire(Custom(lambda raw: dict(Seq(Fixed(Int(0, MAX_REGISTERS), HANDLE)).check(raw, "args")),
+                                       lambda d: [[v, h] for v, h in d.items()]))
+
+
+@message("drop_session")
+class DropSession(Message):
+    """A client left: free its arrays, functions and these program definitions."""
+
+    session: int = wire(Int(1, MAX_SESSION))
+    programs: tuple[int, ...] = wire(Seq(Int(1)))
+
+
+@message("poison")
+class Poison(Message):
+    handles: tuple[int, ...] = wire(HANDLES)
+    kind: str = wire(Str(32, POISON_KINDS))
+    message: str = wire(TEXT)
+
+
+@message("shutdown")
+class Shutdown(Message):
+    reason: str = wire(TEXT)
+
+
+@message("go")
+class Go(Message):
+    """Nodes of a sequentially dispatched run that this worker may now run."""
+
+    run: int = wire(Int(0))
+    nodes: tuple[int, ...] = wire(Seq(Int(0, MAX_NODES)))
+
+
+@message("measure")
+class Measure(Message):
+    id: int = wire(Int(1))
+
+
+# ---- unary requests -------------------------------------------------------------------------
+
+@message("measure")
+class MeasureRequest(Message):
+    """Have every worker measure again; wait at most ``timeout`` seconds."""
+
+    timeout: float = wire(Float(0.0, MAX_WAIT_SECONDS, open_lo=True))
+
+
+@message("fetch")
+class FetchRequest(Message):
+    """Ask a worker for an array: wait up to ``wait`` seconds for it, send its bytes if
+    ``data``, else only say it is ready."""
+
+    handle: int = wire(HANDLE)
+    wait: float = wire(Float(0.0, MAX_WAIT_SECONDS))
+    data: bool = wire(Bool())
+
+
+SESSION_UP = Table("session (client to controller)", Hello, SliceRequest, ClusterRequest, DefineFunction,
+                   DefineProgram, Run, PutNotice, Delete)
+SESSION_DOWN = Table("session (controller to client)", SessionWelcome, SliceReply, ClusterReply, Poisoned, Error)
+WORKER_UP = Table("attach (worker to controller)", Register, Done, Step, Notice, Measured)
+WORKER_DOWN = Table("attach (controller to worker)", WorkerWelcome, Peers, Compile, Define, RunProgram, Delete,
+                    DropSession, Poison, Shutdown, Go, Measure, Notice)
+MEASURE = Table("measure request", MeasureRequest)
+FETCH = Table("fetch request", FetchRequest)
+
