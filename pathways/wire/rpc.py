@@ -14,14 +14,14 @@ from typing import Callable, Iterator
 import grpc
 
 from pathways.errors import ConnectError
-from pathways.wire import codec
+from pathways.protocol.messages import MAX_MESSAGE_BYTES, Message, encode_batch
 
 CONTROLLER_SERVICE = "pathways.Controller"
 WORKER_SERVICE = "pathways.Worker"
 
 _OPTIONS = [
-    ("grpc.max_send_message_length", codec.MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
 ]
 
@@ -95,7 +95,7 @@ class Outbox:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._idle_timeout = idle_timeout
 
-    def put(self, message: dict) -> None:
+    def put(self, message: Message) -> None:
         self._queue.put(message)
 
     def close(self) -> None:
@@ -122,4 +122,4 @@ class Outbox:
                 except queue.Empty:
                     break
             if batch:
-                yield codec.pack_batch(batch)
+                yield encode_batch(batch)
