@@ -24,7 +24,9 @@ import trio
 from pathways.controller.scheduler import DEFAULT_WINDOW
 from pathways.controller.server import ADDRESS_LINE
 from pathways.errors import ConnectError, DeadlineExceededError, WireError
-from pathways.wire import codec, rpc
+from pathways.protocol.errors import error_of
+from pathways.protocol.messages import MeasureRequest, pack, unpack
+from pathways.wire import rpc
 
 if TYPE_CHECKING:
     from pathways.planner import Topology
@@ -296,10 +298,9 @@ def measure(address: str, timeout: float = 60.0) -> dict:
     with the new figures (``status(...)["workers"][i]["flops"]``, ``["links"]``). Raises
     DeadlineExceededError naming the workers that did not report in time."""
     reply = _unary(address, rpc.CONTROLLER_SERVICE, "Measure", timeout + 10.0,
-                   codec.pack({"t": "measure", "timeout": timeout}))
+                   pack(MeasureRequest(timeout).encode()))
     if "error" in reply:
-        kind = DeadlineExceededError if reply.get("kind") == "DeadlineExceededError" else WireError
-        raise kind(reply["error"])
+        raise error_of(reply.get("kind"), reply["error"], WireError)
     return reply["status"]
 
 
@@ -317,7 +318,7 @@ def _unary(address: str, service: str, name: str, timeout: float, request: bytes
     channel = rpc.open_channel(address)
     try:
         rpc.wait_ready(channel, address, timeout)
-        return codec.unpack(rpc.method(channel, service, name, "unary_unary")(request, timeout=timeout))
+        return unpack(rpc.method(channel, service, name, "unary_unary")(request, timeout=timeout))
     finally:
         channel.close()
 

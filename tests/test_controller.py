@@ -1,11 +1,13 @@
-"""The controller's state machine without processes: sequential dispatch releases each node
-only once the nodes it reads from have reported finishing. (Pure logic; the runtime tests
-in test_dataflow.py run the same programs on a real cluster.)"""
+"""The controller's core without processes: typed messages in, typed messages out. (Pure
+logic; the runtime tests run the same programs on a real cluster.)"""
+
+import pytest
 
 from pathways.controller.core import ControllerCore, WorkerConn
-from pathways.handles import first_handle
+from pathways.controller.handles import HandleTable
 from pathways.ir import Layout
-from pathways.wire import codec
+from pathways.protocol import messages as m
+from pathways.protocol.handles import first_handle
 
 
 class Box(list):
@@ -14,53 +16,115 @@ class Box(list):
 
 
 def _of(box, kind):
-    return [m for m in box if m["t"] == kind]
+    return [x for x in box if type(x) is kind]
+
+
+def register(core, n, devices=1):
+    conns = [WorkerConn(Box()) for _ in range(n)]
+    for i, conn in enumerate(conns):
+        core.on_worker_batch(conn, m.encode_batch([m.Register(
+            f"grpc://127.0.0.1:{i + 1}", f"tcp://127.0.0.1:{i + 1}", "cpu", devices, i, 0, 1, "h", 1 << 30)]))
+    return conns
+
+
+def session(core, sid=1):
+    client = Box()
+    core.session_opened(sid, client)
+    core.on_session_batch(sid, m.encode_batch([m.Hello(m.PROTOCOL_VERSION, 1.0)]))
+    assert _of(client, m.SessionWelcome) == [m.SessionWelcome(sid)]
+    return client
 
 
 def test_sequential_runs_release_each_node_after_its_predecessors_finish():
     core = ControllerCore()
-    workers = [WorkerConn(Box()) for _ in range(3)]
-    for i, conn in enumerate(workers):
-        core.on_worker_batch(conn, codec.pack_batch([{
-            "t": "register", "address": f"grpc://127.0.0.1:{i + 1}", "data_address": f"tcp://127.0.0.1:{i + 1}",
-            "kind": "cpu", "devices": 1, "island": i,
-            "rank": 0, "pid": 1, "host": "h", "memory_bytes": 1 << 30}]))
-    sid, client = 1, Box()
-    core.session_opened(sid, client)
-    core.on_session_batch(sid, codec.pack_batch(
-        [{"t": "hello", "v": codec.PROTOCOL_VERSION, "weight": 1}]
-        + [{"t": "slice", "req": i, "kind": "cpu", "count": 1, "mesh_shape": None, "island": i, "exclusive": False}
-           for i in range(3)]))
-    slices = {m["req"]: m for m in _of(client, "slice")}
-    layouts = [Layout(tuple(slices[i]["workers"]), ((0, 0),), (1,), ("x",), ()) for i in range(3)]
+    workers = register(core, 3)
+    sid = 1
+    client = session(core, sid)
+    core.on_session_batch(sid, m.encode_batch([m.SliceRequest(i + 1, "cpu", 1, None, i, False) for i in range(3)]))
+    slices = {x.req - 1: x for x in _of(client, m.SliceReply)}
+    layouts = [Layout(slices[i].workers, ((0, 0),), (1,), ("x",), ()) for i in range(3)]
     ids = iter(range(first_handle(sid) + 1, first_handle(sid) + 1000))
     fns = [next(ids) for _ in range(3)]
     program, data, base = next(ids), next(ids), next(ids)
-    chain = {"nvalues": 4, "inputs": [0], "nodes": [[fns[i], [i], [i + 1]] for i in range(3)], "outputs": [3],
-             "types": [["float32", [2]]] * 4}
-    core.on_session_batch(sid, codec.pack_batch(
-        [{"t": "fn", "id": fns[i], "slice": slices[i]["slice"], "name": f"f{i}", "blob": b"artifact",
-          "ins": [layouts[i].to_wire()], "outs": [layouts[i].to_wire()]} for i in range(3)]
-        + [{"t": "program", "id": program, "graph": chain, "dispatch": "sequential"},
-           {"t": "put", "handle": data, "layout": layouts[0].to_wire()},
-           {"t": "run", "program": program, "base": base, "inputs": [[0, data]]}]))
-    assert not _of(client, "error"), client
-    assert [slices[i]["workers"] for i in range(3)] == [[c.worker] for c in workers]
+    chain = m.GRAPH.check({"nvalues": 4, "inputs": [0], "nodes": [[fns[i], [i], [i + 1]] for i in range(3)],
+                           "outputs": [3], "types": [["float32", [2]]] * 4}, "graph")
+    core.on_session_batch(sid, m.encode_batch(
+        [m.DefineFunction(fns[i], slices[i].slice, f"f{i}", b"artifact", (layouts[i],), (layouts[i],))
+         for i in range(3)]
+        + [m.DefineProgram(program, chain, "sequential"), m.PutNotice(data, layouts[0]), m.Run(program, base, {0: data})]))
+    assert not _of(client, m.Error), client
+    assert [slices[i].workers for i in range(3)] == [(c.worker,) for c in workers]
     w0, w1, w2 = workers
-    run_id = _of(w0.outbox, "run")[0]["id"]
-    assert all(_of(c.outbox, "run") for c in (w0, w1, w2)), "the whole run is sent at once, gated"
-    assert not any(_of(c.outbox, "go") for c in (w0, w1, w2))
+    run_id = _of(w0.outbox, m.RunProgram)[0].id
+    assert all(_of(c.outbox, m.RunProgram) for c in (w0, w1, w2)), "the whole run is sent at once, gated"
+    assert all(_of(c.outbox, m.Define)[0].session == sid for c in (w0, w1, w2))
+    assert not any(_of(c.outbox, m.Go) for c in (w0, w1, w2))
 
     def step(conn, node):
-        core.on_worker_batch(conn, codec.pack_batch([{"t": "step", "run": run_id, "node": node}]))
+        core.on_worker_batch(conn, m.encode_batch([m.Step(run_id, node)]))
 
     step(w0, 0)
     # node 1 reads node 0's output: its sender (w0) and runner (w1) are released, w2 is not
-    assert [m["nodes"] for m in _of(w0.outbox, "go")] == [[1]]
-    assert [m["nodes"] for m in _of(w1.outbox, "go")] == [[1]]
-    assert not _of(w2.outbox, "go")
+    assert [x.nodes for x in _of(w0.outbox, m.Go)] == [(1,)]
+    assert [x.nodes for x in _of(w1.outbox, m.Go)] == [(1,)]
+    assert not _of(w2.outbox, m.Go)
     step(w2, 1)  # a report from a worker that does not run node 1 changes nothing
-    assert not _of(w2.outbox, "go")
+    assert not _of(w2.outbox, m.Go)
     step(w1, 1)
-    assert [m["nodes"] for m in _of(w1.outbox, "go")] == [[1], [2]]
-    assert [m["nodes"] for m in _of(w2.outbox, "go")] == [[2]]
+    assert [x.nodes for x in _of(w1.outbox, m.Go)] == [(1,), (2,)]
+    assert [x.nodes for x in _of(w2.outbox, m.Go)] == [(2,)]
+
+    # the session closes: every worker is told to drop its arrays, functions and programs
+    key = _of(w0.outbox, m.Define)[0].key
+    core.session_closed(sid)
+    for c in workers:
+        assert _of(c.outbox, m.DropSession) == [m.DropSession(sid, (key,))]
+        assert not c.defined
+
+
+def test_a_malformed_message_is_refused_alone_and_its_request_answered():
+    """A list where a string belongs used to raise TypeError, and the controller dropped
+    the whole batch without a reply: the valid request in the same batch waited out its
+    timeout."""
+    core = ControllerCore()
+    register(core, 1)
+    client = session(core)
+    bad = ["slice", 7, ["cpu"], 1, None, None, False]
+    core.on_session_batch(1, m.pack([bad, m.ClusterRequest(8).encode(), ["hello", float("nan"), 1.0], "junk"]))
+    errors = _of(client, m.Error)
+    assert [(e.req, e.kind) for e in errors] == [(7, "WireError"), (None, "WireError"), (None, "WireError")]
+    assert "kind" in errors[0].message and "string" in errors[0].message
+    assert [r.req for r in _of(client, m.ClusterReply)] == [8]
+
+
+def test_a_worker_claiming_more_devices_than_a_host_can_have_is_refused():
+    """A register claiming 10^8 devices grew the controller by 760 MB and broke status."""
+    core = ControllerCore()
+    conn = WorkerConn(Box())
+    core.on_worker_batch(conn, m.pack([["register", "grpc://h:1", "tcp://h:2", "cpu", 10 ** 8, 0, 0, 1, "h", 1 << 30]]))
+    assert conn.worker == -1 and not core.workers
+    notices = _of(conn.outbox, m.Notice)
+    assert len(notices) == 1 and "devices" in notices[0].message and str(m.MAX_DEVICES_PER_HOST) in notices[0].message
+    assert core.status()["workers"] == []
+
+
+def test_handle_table_defers_deletes_of_arrays_queued_runs_still_read():
+    layout = Layout((0,), ((0, 0),), (1,), ("x",), ())
+    table = HandleTable()
+    table.live.update({1: layout, 2: layout})
+    table.reads_queued([1, 1])
+    assert table.delete([1, 2, 3]) == {2: layout}
+    assert table.reads_done([1]) == {}
+    assert table.reads_done([1]) == {1: layout}
+    table.poison([5], "RemoteError", "failed")
+    assert table.delete([5]) == {} and not table.poisoned
+
+
+@pytest.mark.parametrize("weight", [0.0, -2.0, float("nan"), float("inf"), 1e7])
+def test_a_session_weight_outside_its_bounds_is_refused(weight):
+    core = ControllerCore()
+    client = Box()
+    core.session_opened(1, client)
+    core.on_session_batch(1, m.pack([["hello", m.PROTOCOL_VERSION, weight]]))
+    assert not _of(client, m.SessionWelcome)
+    assert "weight" in _of(client, m.Error)[0].message

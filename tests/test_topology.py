@@ -18,6 +18,7 @@ from pathways import cluster
 from pathways.controller.core import ControllerCore, WorkerConn
 from pathways.errors import DeadlineExceededError
 from pathways.planner import Topology
+from pathways.protocol import messages as m
 from pathways.wire import codec, rpc, tcp
 from tests.conftest import running_cluster, wait_until
 
@@ -82,9 +83,11 @@ def test_malformed_measure_requests_get_error_replies(islands):
     measure = rpc.method(channel, rpc.CONTROLLER_SERVICE, "Measure", "unary_unary")
     try:
         for request, needle in [(b"\xc1garbage", "not valid msgpack"),
-                                (codec.pack({"t": "measure"}), "lacks field 'timeout'"),
-                                (codec.pack({"t": "measure", "timeout": "soon"}), "must be int or float"),
-                                (codec.pack({"t": "measure", "timeout": -1}), "timeout must be in")]:
+                                (codec.pack({"t": "measure"}), "must be a list [tag, field, ...]"),
+                                (codec.pack(["measure"]), "it takes 1"),
+                                (codec.pack(["measure", "soon"]), "must be a number"),
+                                (codec.pack(["measure", -1]), "must be a finite number in (0"),
+                                (codec.pack(["measure", float("nan")]), "must be a finite number in (0")]:
             reply = codec.unpack(measure(request, timeout=10))
             assert needle in reply.get("error", ""), (needle, reply)
     finally:
@@ -102,19 +105,21 @@ def test_a_silent_peer_leaves_its_links_unmeasured_and_the_rest_keeps_working(is
     try:
         attach = rpc.method(ctrl, rpc.CONTROLLER_SERVICE, "Attach", "stream_stream")
         replies = attach(outbox.batches(), timeout=120)
-        outbox.put({"t": "register", "address": "grpc://127.0.0.1:1",
-                    "data_address": f"tcp://127.0.0.1:{silent.getsockname()[1]}", "kind": "cpu", "devices": 1,
-                    "island": 99, "rank": 0, "pid": 1, "host": "nowhere", "memory_bytes": 1 << 30})
-        fake = next(m["worker"] for batch in replies for m in codec.unpack(batch) if m["t"] == "welcome")
-        for bad, needle in [({"flops": -1.0}, "must be positive"),
-                            ({"links": [[fake, 1e-5, 1e9]]}, "must be [peer, latency, bandwidth]"),
-                            ({"links": [[0, None, 1e9]]}, "both positive or both None"),
-                            ({"links": [[0, 1e-5]]}, "must be [peer, latency, bandwidth]"),
-                            ({"memory_bytes": 0}, "memory_bytes must be positive"),
-                            ({"flops": "fast"}, "must be int or float or NoneType")]:
-            outbox.put({"t": "measured", "id": 0, "flops": None, "memory_bytes": 1 << 30, "links": [], **bad})
-            error = next(m for batch in replies for m in codec.unpack(batch) if m["t"] == "error")
-            assert needle in error["message"], (needle, error)
+        outbox.put(m.Register("grpc://127.0.0.1:1", f"tcp://127.0.0.1:{silent.getsockname()[1]}", "cpu", 1,
+                              99, 0, 1, "nowhere", 1 << 30))
+        fake = next(x.worker for batch in replies for x in m.WORKER_DOWN.decode_batch(batch)
+                    if type(x) is m.WorkerWelcome)
+        measured = {"flops": None, "memory_bytes": 1 << 30, "links": []}
+        for bad, needle in [({"flops": -1.0}, "'flops' of message 'measured' must be a finite number in (0"),
+                            ({"links": [[fake, 1e-5, 1e9]]}, "a link to itself"),
+                            ({"links": [[0, None, 1e9]]}, "needs both latency and bandwidth, or neither"),
+                            ({"links": [[0, 1e-5]]}, "must be a list of 3 entries"),
+                            ({"memory_bytes": 0}, "'memory_bytes' of message 'measured' must be in [1,"),
+                            ({"flops": "fast"}, "must be a number, got str")]:
+            raw = {**measured, **bad}
+            outbox.put(_Raw(["measured", 0, raw["flops"], raw["memory_bytes"], raw["links"]]))
+            notice = next(x for batch in replies for x in m.WORKER_DOWN.decode_batch(batch) if type(x) is m.Notice)
+            assert needle in notice.message, (needle, notice)
         def drain():  # read on, as a live worker would, so that the stream never backs up
             try:
                 for _ in replies:
@@ -148,18 +153,26 @@ class Box(list):
         self.append(message)
 
 
+class _Raw:
+    """A message as raw wire fields, to send what no typed message would let through."""
+
+    def __init__(self, fields):
+        self.fields = fields
+
+    def encode(self):
+        return self.fields
+
+
 def register(core, n):
     conns = [WorkerConn(Box()) for _ in range(n)]
     for i, conn in enumerate(conns):
-        core.on_worker_batch(conn, codec.pack_batch([{
-            "t": "register", "address": f"grpc://127.0.0.1:{i + 1}", "data_address": f"tcp://127.0.0.1:{i + 1}",
-            "kind": "cpu", "devices": 2, "island": i, "rank": 0, "pid": 1, "host": "h", "memory_bytes": 1 << 30}]))
+        core.on_worker_batch(conn, m.encode_batch([m.Register(
+            f"grpc://127.0.0.1:{i + 1}", f"tcp://127.0.0.1:{i + 1}", "cpu", 2, i, 0, 1, "h", 1 << 30)]))
     return conns
 
 
 def report(core, conn, mid=0, flops=None, links=(), memory=1 << 30):
-    core.on_worker_batch(conn, codec.pack_batch([{"t": "measured", "id": mid, "flops": flops,
-                                                  "memory_bytes": memory, "links": list(links)}]))
+    core.on_worker_batch(conn, m.pack([["measured", mid, flops, memory, [list(x) for x in links]]]))
 
 
 def test_the_controller_keeps_the_latest_figures_and_feeds_placement():
@@ -178,7 +191,7 @@ def test_the_controller_keeps_the_latest_figures_and_feeds_placement():
     report(core, a, links=[[2, None, None]])  # the peer stopped answering: the link is unmeasured again
     assert [(x["src"], x["dst"]) for x in core.status()["links"]] == [(0, 1), (1, 0)]
     assert core.status()["workers"][0]["flops"] == 4e9, "a report without flops keeps the last figure"
-    assert not [m for conn in (a, b, c) for m in conn.outbox if m["t"] == "error"]
+    assert not [x for conn in (a, b, c) for x in conn.outbox if type(x) is m.Notice]
 
 
 def test_a_measurement_asks_one_worker_at_a_time_until_all_reported_or_were_lost():
@@ -187,7 +200,7 @@ def test_a_measurement_asks_one_worker_at_a_time_until_all_reported_or_were_lost
     finished = []
 
     def asked(mid):
-        return [conn.worker for conn in (a, b, c) if {"t": "measure", "id": mid} in conn.outbox]
+        return [conn.worker for conn in (a, b, c) if m.Measure(mid) in conn.outbox]
 
     mid = core.measure(lambda: finished.append(True))
     assert asked(mid) == [0]

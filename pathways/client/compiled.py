@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding as JaxNamedSharding
 from pathways.client.devices import NamedSharding, Slice, VirtualMesh, slice_of
 from pathways.errors import SignatureError
 from pathways.ir import Layout, ProgramGraph, Node
+from pathways.protocol import messages as m
 from pathways.wire.codec import is_wire_dtype
 
 Aval = tuple[tuple[int, ...], np.dtype]
@@ -116,9 +117,8 @@ class CompiledFunction:
         fn_id = session.allocate(1)
         in_layouts = tuple(self.slice.layout(mesh.shape, mesh.axis_names, s) for s in in_specs)
         out_layouts = tuple(self.slice.layout(mesh.shape, mesh.axis_names, s) for s in out_specs)
-        session.send({"t": "fn", "id": fn_id, "slice": self.slice.id, "name": self.name,
-                      "blob": bytes(exported.serialize()), "ins": [x.to_wire() for x in in_layouts],
-                      "outs": [x.to_wire() for x in out_layouts]})
+        session.send(m.DefineFunction(fn_id, self.slice.id, self.name, bytes(exported.serialize()),
+                                      in_layouts, out_layouts))
         out_shardings = tuple(NamedSharding(mesh, s) for s in out_specs)
         n_in, n_out = len(avals), len(out_avals)
         graph = ProgramGraph(n_in + n_out, tuple(range(n_in)),
@@ -179,7 +179,7 @@ def value_types(avals: Sequence[Aval]) -> tuple[tuple[str, tuple[int, ...]], ...
 def register_program(session: Any, graph: ProgramGraph, value_avals: dict[int, Aval],
                      value_shardings: dict[int, NamedSharding], dispatch: str = "parallel") -> ProgramSpec:
     program_id = session.allocate(1)
-    session.send({"t": "program", "id": program_id, "graph": graph.to_wire(), "dispatch": dispatch})
+    session.send(m.DefineProgram(program_id, graph, dispatch))
     return ProgramSpec(program_id, graph, value_avals, value_shardings)
 
 

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec
 
 from pathways.errors import PlacementError
 from pathways.ir import Layout
+from pathways.protocol import messages as m
 
 
 class VirtualDeviceSet:
@@ -32,12 +33,11 @@ class VirtualDeviceSet:
         (kind, count), = asked.items()
         if not isinstance(count, int) or count < 1:
             raise PlacementError(f"{kind}_devices must be a positive integer, got {count!r}")
-        reply = self._session.request({"t": "slice", "kind": kind, "count": count,
-                                       "mesh_shape": list(mesh_shape) if mesh_shape else None,
-                                       "island": island, "exclusive": exclusive})
-        flat = reply["devices"]
-        s = Slice(self._session, reply["slice"], kind, count, tuple(reply["mesh_shape"]), reply["island"],
-                  tuple(reply["workers"]), tuple(reply["addresses"]), tuple(zip(flat[::2], flat[1::2])))
+        reply = self._session.request(lambda req: m.SliceRequest(
+            req, kind, count, tuple(mesh_shape) if mesh_shape else None, island, exclusive))
+        flat = reply.devices
+        s = Slice(self._session, reply.slice, kind, count, reply.mesh_shape, reply.island,
+                  reply.workers, reply.addresses, tuple(zip(flat[::2], flat[1::2])))
         self.slices.append(s)
         return s
 

@@ -21,6 +21,7 @@ from pathways.client.compiled import (Aval, CompiledFunction, ProgramSpec, arg_p
 from pathways.client.devices import NamedSharding
 from pathways.errors import ProgramTraceError, SignatureError
 from pathways.ir import DISPATCH_MODES, Layout, Node, ProgramGraph
+from pathways.protocol import messages as m
 
 _local = threading.local()
 
@@ -231,8 +232,7 @@ def run(session: Any, spec: ProgramSpec, inputs: Sequence[Array]) -> list[Array]
         arr._live()
     base = session.allocate(graph.nvalues)
     bound = dict(zip(graph.inputs, inputs))
-    session.send({"t": "run", "program": spec.program_id, "base": base,
-                  "inputs": [[v, arr.handle] for v, arr in bound.items()]})
+    session.send(m.Run(spec.program_id, base, {v: arr.handle for v, arr in bound.items()}))
     outs = []
     for v in graph.outputs:
         if v in bound:

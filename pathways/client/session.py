@@ -13,14 +13,16 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import grpc
 import numpy as np
 
 from pathways import errors
-from pathways.handles import COUNTER_MASK, first_handle
 from pathways.ir import Layout
+from pathways.protocol import messages as m
+from pathways.protocol.errors import error_of
+from pathways.protocol.handles import COUNTER_MASK, first_handle
 from pathways.wire import codec, rpc
 
 log = logging.getLogger("pathways.client")
@@ -29,8 +31,6 @@ DEFAULT_TIMEOUT = 300.0
 _FLUSH_SECONDS = 0.05
 _POLL_SECONDS = 1.0  # a long wait for an array is split so news of a lost worker cuts it short
 _VERDICT_SECONDS = 3.0  # how long a failed fetch waits for the controller to say why
-_ERRORS = {cls.__name__: cls for cls in (errors.PlacementError, errors.WireError, errors.SignatureError,
-                                         errors.RemoteError, errors.WorkerLostError)}
 
 
 class Session:
@@ -59,9 +59,9 @@ class Session:
         threading.Thread(target=self._flush_loop, name="pathways-flush", daemon=True).start()
         self._counter = itertools.count(1)
         self._counter_lock = threading.Lock()
-        self._outbox.put({"t": "hello", "v": codec.PROTOCOL_VERSION, "weight": weight})
+        self._outbox.put(m.Hello(m.PROTOCOL_VERSION, weight))
         try:
-            self.id: int = self._result(self._welcome, timeout, "greet the client")["session"]
+            self.id: int = self._result(self._welcome, timeout, "greet the client").session
         except BaseException:
             self.close()
             raise
@@ -78,7 +78,7 @@ class Session:
             raise errors.PathwaysError("this session has used up its handles; open a new session")
         return first_handle(self.id) + start
 
-    def send(self, msg: dict) -> None:
+    def send(self, msg: m.Message) -> None:
         self._check_alive()
         with self._lock:
             self._flush_deletes()
@@ -89,15 +89,17 @@ class Session:
         while self._deletes:
             handles.append(self._deletes.popleft())
         if handles:
-            self._outbox.put({"t": "delete", "handles": handles})
+            self._outbox.put(m.Delete(tuple(handles)))
 
-    def request(self, msg: dict, timeout: float = 30.0) -> dict:
+    def request(self, make: Callable[[int], m.Message], timeout: float = 30.0) -> Any:
+        """Send ``make(req)`` and wait for the reply carrying its request id ``req``."""
         req = next(self._req_ids)
         future: Future = Future()
         self._pending[req] = future
-        self.send({**msg, "req": req})
+        msg = make(req)
+        self.send(msg)
         try:
-            return self._result(future, timeout, f"answer a {msg['t']!r} request")
+            return self._result(future, timeout, f"answer a {msg.TAG!r} request")
         finally:
             self._pending.pop(req, None)
 
@@ -123,7 +125,7 @@ class Session:
     def _read(self) -> None:
         try:
             for payload in self._responses:
-                for msg in codec.unpack(payload):
+                for msg in m.SESSION_DOWN.decode_batch(payload):
                     self._on_message(msg)
             reason = "closed the session"
         except grpc.RpcError as e:
@@ -137,24 +139,26 @@ class Session:
                 future.set_exception(errors.ConnectError(self._dead))
         self._pending.clear()
 
-    def _on_message(self, msg: dict) -> None:
-        kind = msg.get("t")
-        if kind == "welcome":
+    def _on_message(self, msg: m.Message | m.Malformed) -> None:
+        kind = type(msg)
+        if kind is m.SessionWelcome:
             self._welcome.set_result(msg)
-        elif kind == "poisoned":
-            error = _ERRORS.get(msg.get("kind"), errors.RemoteError)
-            for h in msg["handles"]:
-                self.poisoned[h] = (error, msg["message"])
-        elif kind == "error":
-            future = self._pending.pop(msg.get("req"), None)
-            error = _ERRORS.get(msg.get("kind"), errors.PathwaysError)(msg["message"])
+        elif kind is m.Poisoned:
+            error = type(error_of(msg.kind, "", errors.RemoteError))
+            for h in msg.handles:
+                self.poisoned[h] = (error, msg.message)
+        elif kind is m.Error or kind is m.Malformed:
+            if kind is m.Malformed:
+                msg = m.Error(msg.req, "WireError", f"the controller sent a malformed {msg.tag!r}: {msg.error}")
+            future = self._pending.pop(msg.req, None)
+            error = error_of(msg.kind, msg.message)
             if future is not None:
                 future.set_exception(error)
             elif "welcome" in self._pending and not self._welcome.done():
                 self._welcome.set_exception(error)
             else:
-                log.error("controller reported: %s", msg["message"])
-        elif (future := self._pending.pop(msg.get("req"), None)) is not None:
+                log.error("controller reported: %s", msg.message)
+        elif (future := self._pending.pop(msg.req, None)) is not None:
             future.set_result(msg)
 
     def _check_alive(self) -> None:
@@ -183,7 +187,7 @@ class Session:
         for address in addresses:
             future = self._stubs(address)[0].future(_chunks(header, array), timeout=self.timeout)
             future.add_done_callback(lambda f, address=address: self._put_done(f, address, handle))
-        self.send({"t": "put", "handle": handle, "layout": layout.to_wire()})
+        self.send(m.PutNotice(handle, layout))
 
     def _put_done(self, f: grpc.Future, address: str, handle: int) -> None:
         try:
@@ -222,7 +226,7 @@ class Session:
 
     def _fetch_one(self, address: str, handle: int, wait: float, data: bool) -> Any:
         self._check_alive()
-        request = codec.pack({"t": "fetch", "handle": handle, "wait": wait, "data": data})
+        request = m.pack(m.FetchRequest(handle, wait, data).encode())
         try:
             replies = iter(self._stubs(address)[1](request, timeout=wait + 30.0))
             header = codec.unpack(next(replies))
@@ -230,7 +234,7 @@ class Session:
             if state == "pending":
                 return None
             if state == "error":
-                raise _ERRORS.get(header.get("kind"), errors.RemoteError)(header["message"])
+                raise error_of(header.get("kind"), str(header.get("message")), errors.RemoteError)
             if not data:
                 return True
             result = codec.read_pieces(header, replies)
@@ -252,7 +256,7 @@ class Session:
                 "`python -m pathways status`") from None
 
     def cluster(self) -> dict:
-        return self.request({"t": "cluster"})
+        return self.request(m.ClusterRequest).status
 
     def close(self) -> None:
         if self._closed.is_set():

@@ -2,25 +2,9 @@
 
 A value on a multi-host slice has one part on each of its hosts, so an op touching it
 appears in the stream of every one of them. The worker executes its stream in order with a
-register file indexed by value number (worker/executor.py). Ops, as wire lists:
-
-- ``["in", v, keep]``: wait for handle(v) in the object store, load it into register v;
-  with keep false the store entry is removed (a transfer copy for this run only).
-- ``["exec", fn, ins, outs]``: run compiled function ``fn``.
-- ``["out", v]``: publish register v to the object store as handle(v).
-- ``["send", v, dst, layout, routes]``: push regions of register v to other hosts, where
-  they arrive as handle(dst) in ``layout``. ``routes`` is ``[[receiver, senders, regions],
-  ...]``: each receiver gets the listed regions (flat ``[start, stop, ...]`` per region)
-  from this host and assembles its part once all ``senders`` hosts have delivered. The
-  regions come from transfers.plan: each receiver gets only the blocks its devices hold.
-- ``["reshard", v, dst, layout]``: copy register v into ``layout`` on this worker.
-- ``["drop", [v...]]``: release registers after their last use.
-
-With sequential dispatch two more ops gate the stream on the controller:
-
-- ``["await", node]``: wait until the controller releases ``node``, which it does once
-  every node that ``node`` reads from has finished;
-- ``["step", node, outs]``: wait for ``node``'s outputs, then tell the controller it finished.
+register file indexed by value number (worker/executor.py). The ops are protocol/ops.py's
+``Op`` vocabulary, emitted as wire lists ``[Op.X, field, ...]``; sequential dispatch adds
+``AWAIT`` and ``STEP`` gates on the controller.
 
 Values numbered at or above the graph's ``nvalues`` are transfer copies created here.
 """
@@ -34,6 +18,7 @@ from typing import Mapping
 from pathways.controller.transfers import plan
 from pathways.errors import WireError
 from pathways.ir import Layout, ProgramGraph
+from pathways.protocol.ops import Op
 
 
 @dataclass(frozen=True)
@@ -93,7 +78,7 @@ def lower(graph: ProgramGraph, fns: Mapping[int, FnLayouts], input_layouts: Mapp
     def emit(worker: int, op: list) -> None:
         if sequential and preds[node_index] and worker not in waits[node_index]:
             waits[node_index].append(worker)
-            ops[worker].append(["await", node_index])
+            ops[worker].append([Op.AWAIT, node_index])
         ops[worker].append(op)
 
     for v in graph.inputs:
@@ -105,7 +90,7 @@ def lower(graph: ProgramGraph, fns: Mapping[int, FnLayouts], input_layouts: Mapp
 
     def load(worker: int, v: int) -> None:
         if v in in_store and (worker, v) not in loaded:
-            emit(worker, ["in", v, v < graph.nvalues])
+            emit(worker, [Op.IN, v, v < graph.nvalues])
             loaded.add((worker, v))
 
     def materialize(v: int, want: Layout) -> int:
@@ -118,7 +103,7 @@ def lower(graph: ProgramGraph, fns: Mapping[int, FnLayouts], input_layouts: Mapp
         next_copy += 1
         if src_layout.workers == want.workers and not want.multi_host:
             load(want.workers[0], src)
-            emit(want.workers[0], ["reshard", src, dst, want.to_wire()])
+            emit(want.workers[0], [Op.RESHARD, src, dst, want.to_wire()])
         else:
             routes = plan(graph.shape(v), src_layout, want)
             senders_of: dict[int, int] = defaultdict(int)
@@ -132,7 +117,7 @@ def lower(graph: ProgramGraph, fns: Mapping[int, FnLayouts], input_layouts: Mapp
                 transfers.append((route.sender, route.receiver, dst))
             for sender, sends in by_sender.items():
                 load(sender, src)
-                emit(sender, ["send", src, dst, want.to_wire(), sends])
+                emit(sender, [Op.SEND, src, dst, want.to_wire(), sends])
             in_store.add(dst)
         copy_of[(v, want)] = dst
         return dst
@@ -150,9 +135,9 @@ def lower(graph: ProgramGraph, fns: Mapping[int, FnLayouts], input_layouts: Mapp
         for w in fn.workers:
             for a in args:
                 load(w, a)
-            emit(w, ["exec", node.fn, args, list(node.outs)])
+            emit(w, [Op.EXEC, node.fn, args, list(node.outs)])
             if sequential:
-                emit(w, ["step", node_index, list(node.outs)])
+                emit(w, [Op.STEP, node_index, list(node.outs)])
         steps[node_index] = fn.workers
         for v, layout in zip(node.outs, fn.outs):
             producer[v] = node_index
@@ -160,7 +145,7 @@ def lower(graph: ProgramGraph, fns: Mapping[int, FnLayouts], input_layouts: Mapp
             copy_of[(v, layout)] = v
             if v in outputs:
                 for w in fn.workers:
-                    emit(w, ["out", v])
+                    emit(w, [Op.OUT, v])
 
     gates = None
     if sequential:
@@ -175,12 +160,12 @@ def lower(graph: ProgramGraph, fns: Mapping[int, FnLayouts], input_layouts: Mapp
 
 
 def _reads(op: list) -> list[int]:
-    kind = op[0]
-    if kind == "exec":
+    code = op[0]
+    if code is Op.EXEC:
         return op[2]
-    if kind in ("send", "reshard", "out"):
+    if code in (Op.SEND, Op.RESHARD, Op.OUT):
         return [op[1]]
-    if kind == "step":
+    if code is Op.STEP:
         return op[2]
     return []
 
@@ -198,5 +183,5 @@ def _with_drops(stream: list[list]) -> list[list]:
     for i, op in enumerate(stream):
         out.append(op)
         if i in drops:
-            out.append(["drop", sorted(drops[i])])
+            out.append([Op.DROP, sorted(drops[i])])
     return out

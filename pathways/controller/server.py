@@ -10,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import logging
-import math
 import signal
 import threading
 from typing import Any, Callable, Iterator
@@ -21,14 +20,13 @@ import trio
 from pathways.controller.core import ControllerCore, WorkerConn
 from pathways.controller.scheduler import DEFAULT_WINDOW
 from pathways.errors import WireError
-from pathways.handles import MAX_SESSION
-from pathways.wire import codec, rpc
+from pathways.protocol import messages as m
+from pathways.protocol.handles import MAX_SESSION
+from pathways.wire import rpc
 
 log = logging.getLogger("pathways.controller")
 
 ADDRESS_LINE = "PATHWAYS_CONTROLLER_ADDRESS"
-MAX_MEASURE_SECONDS = 3600.0
-_MEASURE_REQUEST = {"measure": {"timeout": (int, float)}}
 
 
 class ControllerServer:
@@ -79,19 +77,16 @@ class ControllerServer:
         return conn.outbox.batches(context.is_active)
 
     def status(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        return codec.pack(trio.from_thread.run_sync(self.core.status, trio_token=self._token))
+        return m.pack(trio.from_thread.run_sync(self.core.status, trio_token=self._token))
 
     def measure(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         """Have every worker measure itself again (one after the other), wait up to the
         request's timeout for all of them, and reply ``{"status": ...}`` with the new figures, or ``{"error": ...,
         "kind": ...}``."""
         try:
-            req = codec.validate(codec.unpack(request), _MEASURE_REQUEST)
-            timeout = float(req["timeout"])
-            if not (math.isfinite(timeout) and 0 < timeout <= MAX_MEASURE_SECONDS):
-                raise WireError(f"a measure timeout must be in (0, {MAX_MEASURE_SECONDS:.0f}] s, got {timeout!r}")
+            timeout = m.MEASURE.decode_one(request).timeout
         except WireError as e:
-            return codec.pack({"error": f"measure: {e}", "kind": "WireError"})
+            return m.pack({"error": f"measure: {e}", "kind": "WireError"})
         finished: concurrent.futures.Future = concurrent.futures.Future()
         mid = trio.from_thread.run_sync(self.core.measure, lambda: finished.set_result(None),
                                         trio_token=self._token)
@@ -101,10 +96,10 @@ class ControllerServer:
             silent = trio.from_thread.run_sync(self.core.abandon_measurement, mid, trio_token=self._token)
             if silent:
                 later = f"; worker(s) {silent[1:]}, which measure after it, were not asked" if silent[1:] else ""
-                return codec.pack({"error": f"worker {silent[0]} did not report its measurements within "
+                return m.pack({"error": f"worker {silent[0]} did not report its measurements within "
                                             f"{timeout:g} s{later}. The figures of the others are in "
                                             "`python -m pathways status`", "kind": "DeadlineExceededError"})
-        return codec.pack({"status": trio.from_thread.run_sync(self.core.status, trio_token=self._token)})
+        return m.pack({"status": trio.from_thread.run_sync(self.core.status, trio_token=self._token)})
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         return {"Session": rpc.stream_stream(self.session), "Attach": rpc.stream_stream(self.attach),

@@ -14,18 +14,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, Union
 
-import msgpack
-
 from pathways.errors import WireError
 from pathways.ir import DISPATCH_MODES, Layout, ProgramGraph
 from pathways.protocol.check import (MAX_ITEMS, MAX_NAME, MAX_TEXT, Anything, Bool, Bytes, Checker, Custom, Fixed,
                                      Float, Int, Optional, Seq, Str)
 from pathways.protocol.errors import KINDS, POISON_KINDS
 from pathways.protocol.handles import MAX_HANDLE, MAX_SESSION
+from pathways.wire.codec import MAX_MESSAGE_BYTES, pack, unpack
 from pathways.protocol.ops import LAYOUT, MAX_NODES, MAX_REGISTERS, decode_op, encode_op
 
 PROTOCOL_VERSION = 2
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # one gRPC payload
 MAX_DEVICES_PER_HOST = 1024  # more than any accelerator host has; bounds a register's cost
 MAX_ISLAND = (1 << 31) - 1
 MAX_RANK = 1 << 16
@@ -140,19 +138,6 @@ def _tag_and_req(raw: Any, table: Table) -> tuple[str, int | None]:
         if type(req) is int and REQ.lo <= req <= REQ.hi:
             return cls.TAG, req
     return (cls.TAG if cls else "?"), None
-
-
-def pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
-
-
-def unpack(data: bytes) -> Any:
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise WireError(f"a payload of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
-    try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except Exception as e:  # msgpack raises several unrelated types on garbage
-        raise WireError(f"payload is not valid msgpack ({type(e).__name__}: {e})") from None
 
 
 def encode_batch(messages: list[Message]) -> bytes:

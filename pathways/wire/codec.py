@@ -1,7 +1,8 @@
-"""msgpack encoding of messages and arrays, with validation on receipt.
+"""msgpack encoding, and arrays on the wire: headers, raw chunks, pieces of sharded arrays.
 
-Every gRPC payload is one msgpack list of messages (a batch); every message is a map with
-a string field ``t`` naming its type. Arrays travel as raw buffers, never pickled.
+Control messages are typed (pathways/protocol); what is here carries array bytes: the
+headers of puts, fetch replies and data-plane frames, checked on receipt, and the raw
+buffers that follow them, never pickled.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ import numpy as np
 
 from pathways.errors import WireError
 
-PROTOCOL_VERSION = 1
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # one gRPC payload
 CHUNK_BYTES = 4 * 1024 * 1024
 
 # dtypes that may cross the wire; anything else (object, void, ...) is refused.
@@ -38,60 +38,18 @@ def pack(obj: Any) -> bytes:
 
 
 def unpack(data: bytes) -> Any:
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise WireError(f"a payload of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception as e:  # msgpack raises several unrelated types on garbage
         raise WireError(f"payload is not valid msgpack ({type(e).__name__}: {e})") from None
 
 
-def pack_batch(messages: list[dict]) -> bytes:
-    return pack(messages)
-
-
-def unpack_batch(data: bytes, schemas: dict[str, dict[str, Any]]) -> list[dict]:
-    """Decode a batch and validate each message against ``schemas`` (type -> fields)."""
-    batch = unpack(data)
-    if not isinstance(batch, list):
-        raise WireError(f"a payload must be a list of messages, got {type(batch).__name__}")
-    for msg in batch:
-        validate(msg, schemas)
-    return batch
-
-
-def validate(msg: Any, schemas: dict[str, dict[str, Any]]) -> dict:
-    """Check ``msg`` has a known type ``t`` and every field that type requires.
-
-    A schema maps a field name to a type or tuple of types accepted by isinstance.
-    """
-    if not isinstance(msg, dict):
-        raise WireError(f"a message must be a map, got {type(msg).__name__}")
-    kind = msg.get("t")
-    if kind not in schemas:
-        raise WireError(f"unknown message type {kind!r}; expected one of {sorted(schemas)}")
-    for field, types in schemas[kind].items():
-        if field not in msg:
-            raise WireError(f"message {kind!r} lacks field {field!r}")
-        value = msg[field]
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in _as_tuple(types)):
-            raise WireError(
-                f"field {field!r} of message {kind!r} must be {_type_names(types)}, "
-                f"got {type(value).__name__}"
-            )
-    return msg
-
-
 def int_list(value: Any, what: str) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise WireError(f"{what} must be a list of integers")
     return value
-
-
-def _as_tuple(types: Any) -> tuple:
-    return types if isinstance(types, tuple) else (types,)
-
-
-def _type_names(types: Any) -> str:
-    return " or ".join(t.__name__ for t in _as_tuple(types))
 
 
 # ---- arrays -------------------------------------------------------------------------

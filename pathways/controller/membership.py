@@ -1,0 +1,152 @@
+"""Worker membership: who is attached, where they are reached, what they measured.
+
+Workers register on their Attach stream, get an id and the data-plane address of every
+peer; the resource manager learns their devices. A lost worker takes its island with it
+(what that means for runs and arrays is the core's business, see core.py). Workers also
+report what they measured about themselves (FLOP/s, memory, their links to each other);
+``measure`` asks them to measure again, one at a time, so that their probes and matmuls do
+not disturb each other's figures. Single-threaded; sends only through outboxes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Protocol
+
+from pathways.controller.placement import ResourceManager
+from pathways.protocol import messages as m
+
+log = logging.getLogger("pathways.controller")
+
+MAX_WORKERS = 4096  # attached at once; bounds the peers list and status
+
+
+class Outbox(Protocol):
+    def put(self, message: m.Message) -> None: ...
+
+
+@dataclass
+class WorkerConn:
+    """One Attach stream; ``worker`` is -1 until it registers."""
+
+    outbox: Outbox
+    worker: int = -1
+    info: m.Register | None = None
+    defined: set[int] = field(default_factory=set)  # program keys sent to it
+
+    @property
+    def island(self) -> int:
+        return self.info.island if self.info else -1
+
+    @property
+    def address(self) -> str:
+        return self.info.address if self.info else ""
+
+
+@dataclass
+class Measurement:
+    """A request to measure again: the workers yet to report, in the order they are asked
+    (the first is measuring now), and what to call when none is left."""
+
+    waiting: list[int]
+    done: Callable[[], None]
+
+
+class Membership:
+    def __init__(self, rm: ResourceManager) -> None:
+        self.rm = rm
+        self.workers: dict[int, WorkerConn] = {}
+        self.links: dict[tuple[int, int], tuple[float, float]] = {}  # (src, dst) -> (latency s, bytes/s)
+        self._measurements: dict[int, Measurement] = {}
+        self._measurement_ids = itertools.count(1)
+        self._worker_ids = itertools.count(0)
+
+    def register(self, conn: WorkerConn, msg: m.Register) -> None:
+        if conn.worker >= 0:
+            conn.outbox.put(m.Notice("worker is already registered"))
+            return
+        if len(self.workers) >= MAX_WORKERS:
+            conn.outbox.put(m.Notice(f"the controller already has {MAX_WORKERS} workers; start another "
+                                     "controller for more"))
+            return
+        conn.worker = next(self._worker_ids)
+        conn.info = msg
+        self.workers[conn.worker] = conn
+        self.rm.add_host(conn.worker, msg.island, msg.kind, msg.devices, msg.memory_bytes, msg.rank)
+        conn.outbox.put(m.WorkerWelcome(conn.worker))
+        peers = m.Peers(tuple((w.worker, w.info.data_address) for w in self.workers.values()))
+        for w in self.workers.values():
+            w.outbox.put(peers)
+        log.info("worker %d registered: %d %s device(s) at %s", conn.worker, msg.devices, msg.kind, msg.address)
+
+    def remove(self, worker: int) -> WorkerConn | None:
+        """Forget ``worker``: its links, and its turn in any measurement."""
+        conn = self.workers.pop(worker, None)
+        if conn is None:
+            return None
+        self.links = {pair: figures for pair, figures in self.links.items() if worker not in pair}
+        for mid in list(self._measurements):
+            self._measured_by(mid, worker)
+        return conn
+
+    def gone(self, workers: Iterable[int]) -> list[int]:
+        """Those of ``workers`` that are no longer attached."""
+        return [w for w in workers if w not in self.workers]
+
+    # ---- measurements ------------------------------------------------------------------
+
+    def measure(self, done: Callable[[], None]) -> int:
+        """Have every worker measure itself again, one at a time; ``done()`` is called once
+        all have reported or were lost. Returns the request's id."""
+        mid = next(self._measurement_ids)
+        self._measurements[mid] = Measurement(sorted(self.workers), done)
+        self._ask_next(mid)
+        return mid
+
+    def abandon_measurement(self, mid: int) -> list[int]:
+        """Stop measurement ``mid``; returns the workers that did not report, the first of
+        them the one measuring (the others were not asked yet)."""
+        req = self._measurements.pop(mid, None)
+        return list(req.waiting) if req is not None else []
+
+    def measured(self, conn: WorkerConn, msg: m.Measured) -> None:
+        if conn.worker < 0:
+            conn.outbox.put(m.Notice("a worker reports measurements after it registers"))
+            return
+        if conn.worker not in self.workers:  # its island was lost meanwhile
+            return
+        if msg.flops is not None:
+            self.rm.set_flops(conn.worker, msg.flops)
+        self.rm.hosts[conn.worker].memory_bytes = msg.memory_bytes
+        for peer, latency, bandwidth in msg.links:
+            if peer == conn.worker:
+                conn.outbox.put(m.Notice(f"worker {peer} reported a link to itself; a link joins two workers"))
+                continue
+            if peer not in self.workers:
+                continue
+            if latency is None:
+                self.links.pop((conn.worker, peer), None)
+            else:
+                self.links[(conn.worker, peer)] = (latency, bandwidth)
+            self.rm.set_latency(conn.worker, peer, latency)
+        self._measured_by(msg.id, conn.worker)
+
+    def _measured_by(self, mid: int, worker: int) -> None:
+        req = self._measurements.get(mid)
+        if req is None:
+            return
+        measuring = req.waiting[0]
+        req.waiting = [w for w in req.waiting if w != worker]
+        if measuring == worker:
+            self._ask_next(mid)
+
+    def _ask_next(self, mid: int) -> None:
+        req = self._measurements[mid]
+        req.waiting = [w for w in req.waiting if w in self.workers]
+        if not req.waiting:
+            del self._measurements[mid]
+            req.done()
+            return
+        self.workers[req.waiting[0]].outbox.put(m.Measure(mid))

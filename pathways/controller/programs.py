@@ -1,0 +1,85 @@
+"""One session's compiled functions and programs, and the cache of their lowerings.
+
+A program is lowered once per combination of input locations (lowering.py is pure); runs
+of the same program on arrays in the same places reuse it, and the worker keeps the op
+stream it was sent under the lowering's key. No I/O.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping
+
+from pathways.controller.lowering import FnLayouts, Lowered, lower
+from pathways.controller.handles import HandleTable
+from pathways.errors import PathwaysError, WireError
+from pathways.ir import Layout, ProgramGraph
+from pathways.protocol.errors import LOST, REMOTE
+
+log = logging.getLogger("pathways.controller")
+
+_keys = itertools.count(1)  # lowering keys, unique across sessions: workers cache by key
+
+
+class RunFailure(PathwaysError):
+    """A run cannot be dispatched; its outputs are poisoned with this message."""
+
+    def __init__(self, message: str, kind: str = REMOTE) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class SessionPrograms:
+    fns: dict[int, FnLayouts] = field(default_factory=dict)
+    graphs: dict[int, ProgramGraph] = field(default_factory=dict)
+    sequential: set[int] = field(default_factory=set)  # programs dispatched node by node
+    _lowered: dict[tuple, tuple[int, Lowered]] = field(default_factory=dict)
+
+    def define(self, program: int, graph: ProgramGraph, sequential: bool) -> None:
+        self.graphs[program] = graph
+        if sequential:
+            self.sequential.add(program)
+
+    @property
+    def keys(self) -> list[int]:
+        """Every lowering key this session's runs used (workers hold their op streams)."""
+        return [key for key, _ in self._lowered.values()]
+
+    def lowered(self, program: int, args: Mapping[int, int], handles: HandleTable,
+                gone: Callable[[Iterable[int]], list[int]]) -> tuple[int, Lowered]:
+        """The lowering of ``program`` for inputs ``args`` (value -> handle), and its key.
+        Raises RunFailure when an input is poisoned, deleted or lost, or a worker it needs
+        is gone."""
+        graph = self.graphs[program]
+        layouts: dict[int, Layout] = {}
+        for v, h in args.items():
+            if h in handles.poisoned:
+                kind, message = handles.poisoned[h]
+                raise RunFailure(message, kind)
+            layout = handles.live.get(h)
+            if layout is None:
+                raise RunFailure(f"input array {h:#x} was deleted or never created")
+            if gone(layout.workers):
+                raise RunFailure(f"input array {h:#x} lived on workers {list(layout.workers)}, "
+                                 "one of which is gone", LOST)
+            layouts[v] = layout
+        cache_key = (program, tuple(sorted(layouts.items())))
+        hit = self._lowered.get(cache_key)
+        if hit is None:
+            try:
+                lowered = lower(graph, self.fns, layouts, program in self.sequential)
+            except WireError as e:
+                raise RunFailure(str(e)) from None
+            except Exception as e:  # a bug must fail the run at once, not leave its outputs unresolved
+                log.exception("lowering program %#x failed", program)
+                raise RunFailure(f"the controller could not lower this program ({type(e).__name__}: {e}); "
+                                 "this is a bug in pathways, please report it with the program") from None
+            hit = self._lowered[cache_key] = (next(_keys), lowered)
+        missing = gone(hit[1].ops)
+        if missing:
+            raise RunFailure(f"the program needs worker(s) {missing}, which are gone; compile it for a "
+                             "slice of a healthy island", LOST)
+        return hit

@@ -1,0 +1,39 @@
+"""The cluster's status as the controller sees it: islands, workers with their measured
+figures, links, sessions and totals. A pure function of the core's parts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def status(core: Any) -> dict[str, Any]:
+    """``core`` is a ControllerCore (not imported: the core imports this module)."""
+    rm, scheduler, workers = core.rm, core.scheduler, core.membership.workers
+    islands = sorted({w.island for w in workers.values()} | rm.unhealthy)
+    return {
+        "policy": scheduler.policy,
+        "window": scheduler.window,
+        "islands": [{"island": i, "healthy": i not in rm.unhealthy,
+                     "hosts": sum(1 for w in workers.values() if w.island == i),
+                     "devices": sum(w.info.devices for w in workers.values() if w.island == i),
+                     "queued": scheduler.queued(i), "inflight": scheduler.inflight(i)}
+                    for i in islands],
+        "workers": [_worker(w, rm.hosts.get(w.worker)) for w in workers.values()],
+        "links": [{"src": src, "dst": dst, "latency": latency, "bandwidth": bandwidth}
+                  for (src, dst), (latency, bandwidth) in sorted(core.membership.links.items())],
+        "sessions": [{"session": sid, "slices": len(s.slices), "arrays": len(s.handles.live),
+                      **scheduler.session_stats(sid)} for sid, s in core.sessions.items()],
+        "slices": len(rm.slices),
+        "arrays": sum(len(s.handles.live) for s in core.sessions.values()),
+    }
+
+
+def _worker(conn: Any, host: Any) -> dict[str, Any]:
+    info = conn.info
+    return {"worker": conn.worker, "address": info.address, "data_address": info.data_address,
+            "island": info.island, "rank": info.rank, "kind": info.kind, "devices": info.devices,
+            "pid": info.pid, "host": info.host,
+            "memory_bytes": host.memory_bytes if host is not None else info.memory_bytes,
+            # measured FLOP/s (None until measured) and slices per device
+            "flops": (host.flops or None) if host is not None else None,
+            "load": list(host.load) if host is not None else []}
