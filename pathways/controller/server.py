@@ -20,13 +20,13 @@ import trio
 
 from pathways.controller.core import ControllerCore, WorkerConn
 from pathways.controller.scheduler import DEFAULT_WINDOW
+from pathways.defaults import ADDRESS_LINE
 from pathways.errors import WireError
 from pathways.handles import MAX_SESSION
 from pathways.wire import codec, rpc
 
 log = logging.getLogger("pathways.controller")
 
-ADDRESS_LINE = "PATHWAYS_CONTROLLER_ADDRESS"
 MAX_MEASURE_SECONDS = 3600.0
 _MEASURE_REQUEST = {"measure": {"timeout": (int, float)}}
 
