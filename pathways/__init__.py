@@ -7,14 +7,14 @@ functions onto them with ``pw.pmap``/``pw.jit``, and trace several into one ``@p
 from jax.sharding import PartitionSpec
 
 from pathways.client.api import (connect, default_session, device_get, device_put, disconnect,
-                                 make_virtual_device_set)
+                                 local_cluster, make_virtual_device_set)
 from pathways.client.array import Array
 from pathways.client.compiled import jit, pmap
 from pathways.client.devices import NamedSharding, Slice, VirtualDeviceSet, VirtualMesh
 from pathways.client.pipeline import pipeline
 from pathways.client.program import program
 from pathways import spmd
-from pathways.cluster import Island, local_cluster
+from pathways.cluster import Island
 from pathways.errors import (ArrayDeletedError, ConnectError, DeadlineExceededError, PathwaysError,
                              PlacementError, ProgramTraceError, RemoteError, SignatureError, SpmdError,
                              WireError, WorkerLostError)

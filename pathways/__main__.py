@@ -18,7 +18,7 @@ def _logging(level: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from pathways.bench.suite import EXPERIMENTS
-    from pathways.controller.scheduler import DEFAULT_WINDOW
+    from pathways.defaults import DEFAULT_WINDOW
 
     parser = argparse.ArgumentParser(prog="pathways", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("PATHWAYS_LOG_LEVEL", "warning"))

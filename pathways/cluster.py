@@ -1,4 +1,5 @@
-"""``pw.local_cluster``: a controller and worker processes on this machine, supervised by trio.
+"""A controller and worker processes on this machine, supervised by trio (``pw.local_cluster``
+connects a session to them), and queries of a running cluster's status.
 
 The supervisor runs in a background thread of the client process. Children die with it:
 each watches its parent (PATHWAYS_PARENT_PID) and exits when it is gone, and on stop (normal exit, error, Ctrl-C) every child is
@@ -17,12 +18,11 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import trio
 
-from pathways.controller.scheduler import DEFAULT_WINDOW
-from pathways.controller.server import ADDRESS_LINE
+from pathways.defaults import ADDRESS_LINE, DEFAULT_WINDOW
 from pathways.errors import ConnectError, DeadlineExceededError, WireError
 from pathways.protocol.errors import error_of
 from pathways.protocol.messages import MeasureRequest, pack, unpack
@@ -70,7 +70,6 @@ class LocalCluster:
         self.window = window
         self.unsafe_local_order = unsafe_local_order
         self.address: Optional[str] = None
-        self.session: Any = None
         self.pids: list[int] = []
         self._ready = threading.Event()
         self._failure: Optional[str] = None
@@ -111,30 +110,6 @@ class LocalCluster:
     def _cancel_all(self) -> None:
         if self._cancel is not None:
             self._cancel.cancel()
-
-    def __enter__(self) -> "LocalCluster":
-        from pathways.client import api
-        from pathways.client.session import Session
-
-        self.start()
-        try:
-            self.session = Session(self.address)
-        except BaseException:
-            self.stop()
-            raise
-        api.set_default_session(self.session)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        from pathways.client import api
-
-        try:
-            if self.session is not None:
-                if api._default is self.session:
-                    api.set_default_session(None)
-                self.session.close()
-        finally:
-            self.stop()
 
     # ---- the supervisor (trio thread) -----------------------------------------------
 
@@ -261,25 +236,6 @@ def wait_for_workers(address: str, count: int, timeout: float) -> dict:
             raise DeadlineExceededError(f"only {len(st['workers'])} of {count} workers registered "
                                         f"within {timeout:.0f} s")
         time.sleep(0.05)
-
-
-def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[Sequence[Island]] = None,
-                  start_timeout: float = 120.0, policy: str = "fair", window: int = DEFAULT_WINDOW,
-                  unsafe_local_order: bool = False) -> LocalCluster:
-    """A context manager running a controller and workers on this machine.
-
-    One island of ``hosts`` worker processes with ``devices_per_host`` CPU devices each, or
-    ``islands=[pw.Island(hosts=, devices_per_host=), ...]``; the hosts of an island form one
-    jax.distributed group, so a slice may span them. Inside the ``with`` block it is the
-    default session; ``.address`` is the controller's address.
-
-    ``policy`` orders runs between clients (``"fair"``: proportional share by the weight
-    given to ``pw.connect``; ``"fifo"``), ``window`` bounds the runs in flight per island.
-    ``unsafe_local_order`` is for demonstrating deadlock only: workers then order clients'
-    runs themselves instead of following the island's gang order.
-    """
-    return LocalCluster(list(islands) if islands else [Island(hosts, devices_per_host)], start_timeout,
-                        policy, window, unsafe_local_order)
 
 
 def status(address: str, timeout: float = 10.0) -> dict:

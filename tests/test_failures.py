@@ -16,7 +16,7 @@ import pytest
 
 import pathways as pw
 from pathways.cluster import status
-from pathways.handles import first_handle
+from pathways.protocol.handles import first_handle
 from pathways.wire import codec, rpc
 from tests.conftest import pids_alive, read_line, session_handles, wait_until
 

@@ -5,18 +5,18 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import jax
-import numpy as np
 from jax.sharding import PartitionSpec
 
-from pathways.client.array import Array, _Buffer
+from pathways.client.array import Array
 from pathways.client.compiled import check_divisible, host_array
 from pathways.client.devices import NamedSharding, VirtualDeviceSet, VirtualMesh, slice_of
 from pathways.client.session import Session
+from pathways.cluster import Island, LocalCluster
+from pathways.defaults import DEFAULT_WINDOW
 from pathways.errors import SignatureError
-from pathways.ir import Layout
 
 _default: Optional[Session] = None
 _lock = threading.Lock()
@@ -36,8 +36,6 @@ def connect(address: Optional[str] = None, timeout: float = 30.0, weight: float 
     keep an island busy get device time in proportion to their weights.
     """
     global _default
-    from pathways.cluster import LocalCluster
-
     address = address or os.environ.get("PATHWAYS_ADDRESS")
     if address:
         session = Session(address, timeout, weight=weight)
@@ -82,15 +80,53 @@ def disconnect() -> None:
 atexit.register(disconnect)
 
 
+class ConnectedCluster(LocalCluster):
+    """A local cluster that, inside a ``with`` block, has a session connected to it as the
+    default session."""
+
+    session: Optional[Session] = None
+
+    def __enter__(self) -> "ConnectedCluster":
+        self.start()
+        try:
+            self.session = Session(self.address)
+        except BaseException:
+            self.stop()
+            raise
+        set_default_session(self.session)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            if self.session is not None:
+                if _default is self.session:
+                    set_default_session(None)
+                self.session.close()
+        finally:
+            self.stop()
+
+
+def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[Sequence[Island]] = None,
+                  start_timeout: float = 120.0, policy: str = "fair", window: int = DEFAULT_WINDOW,
+                  unsafe_local_order: bool = False) -> ConnectedCluster:
+    """A context manager running a controller and workers on this machine.
+
+    One island of ``hosts`` worker processes with ``devices_per_host`` CPU devices each, or
+    ``islands=[pw.Island(hosts=, devices_per_host=), ...]``; the hosts of an island form one
+    jax.distributed group, so a slice may span them. Inside the ``with`` block it is the
+    default session; ``.address`` is the controller's address.
+
+    ``policy`` orders runs between clients (``"fair"``: proportional share by the weight
+    given to ``pw.connect``; ``"fifo"``), ``window`` bounds the runs in flight per island.
+    ``unsafe_local_order`` is for demonstrating deadlock only: workers then order clients'
+    runs themselves instead of following the island's gang order.
+    """
+    return ConnectedCluster(list(islands) if islands else [Island(hosts, devices_per_host)], start_timeout,
+                            policy, window, unsafe_local_order)
+
+
 def make_virtual_device_set() -> VirtualDeviceSet:
     return VirtualDeviceSet(default_session())
-
-
-def put_layout(session: Session, value: np.ndarray, layout: Layout, sharding: NamedSharding) -> Array:
-    handle = session.allocate(1)
-    addresses = sharding.mesh.slice.addresses
-    session.put(addresses, handle, layout, value)
-    return Array(_Buffer(session, handle, addresses), value.shape, value.dtype, sharding)
 
 
 def device_put(x: Any, devices_or_sharding: Any) -> Any:
@@ -111,7 +147,7 @@ def device_put(x: Any, devices_or_sharding: Any) -> Any:
         except TypeError as e:
             raise SignatureError(f"device_put takes arrays of numbers; a leaf {e}") from None
         check_divisible("device_put", "the array", value.shape, sharding.spec, sharding.mesh)
-        return put_layout(session, value, sharding.layout(), sharding)
+        return session.put_layout(value, sharding.layout(), sharding)
 
     return jax.tree.map(put, x, is_leaf=lambda leaf: isinstance(leaf, Array))
 

@@ -17,7 +17,9 @@ import numpy as np
 from jax.sharding import AbstractMesh, PartitionSpec
 from jax.sharding import NamedSharding as JaxNamedSharding
 
+from pathways.client.array import Array, _Buffer
 from pathways.client.devices import NamedSharding, Slice, VirtualMesh, slice_of
+from pathways.client.tracing import current_trace
 from pathways.errors import SignatureError
 from pathways.ir import Layout, ProgramGraph, Node
 from pathways.protocol import messages as m
@@ -69,10 +71,10 @@ class CompiledFunction:
         if kwargs:
             raise SignatureError(f"{self.name}: pass arguments positionally; keyword arguments "
                                  f"{sorted(kwargs)} are not supported by compiled functions")
-        trace = program.current_trace()
+        trace = current_trace()
         if trace is not None:
             return trace.call(self, args)
-        return program.call_op_by_op(self, args)
+        return call_op_by_op(self, args)
 
     def specialize(self, treedef: Any, avals: Sequence[Aval], args: tuple) -> Specialization:
         """The compiled function for this signature; ``args`` only names arguments in errors."""
@@ -256,5 +258,52 @@ def jit(fun: Callable, mesh: VirtualMesh, in_shardings: Any = None, out_sharding
     return CompiledFunction(fun, mesh, in_shardings, out_shardings, None)
 
 
-# program.py builds on this module; importing it last lets each refer to the other.
-from pathways.client import program  # noqa: E402
+def call_op_by_op(fn: CompiledFunction, args: tuple) -> Any:
+    """Call ``fn`` outside a program: host arguments are put on its slice, then its one-node program runs."""
+    session = fn.slice.session
+    leaves, treedef = jax.tree.flatten(args)
+    avals = arg_avals(leaves, args, fn.name)
+    spec = fn.specialize(treedef, avals, args)
+    inputs = []
+    for leaf, layout, sharding, aval in zip(leaves, spec.in_layouts, spec.in_shardings, avals):
+        if isinstance(leaf, Array):
+            if leaf._buffer.session is not session:
+                raise SignatureError(f"{fn.name}: an argument belongs to another session")
+            inputs.append(leaf)
+        else:
+            inputs.append(session.put_layout(np.asarray(leaf, dtype=aval[1]), layout, sharding))
+    return jax.tree.unflatten(spec.out_tree, run(session, spec.single, inputs))
+
+
+def run(session: Any, spec: ProgramSpec, inputs: Sequence[Array]) -> list[Array]:
+    """Submit one run of ``spec`` with ``inputs`` bound to the graph's inputs, in order."""
+    graph = spec.graph
+    for arr in inputs:
+        arr._live()
+    base = session.allocate(graph.nvalues)
+    bound = dict(zip(graph.inputs, inputs))
+    session.send(m.Run(spec.program_id, base, {v: arr.handle for v, arr in bound.items()}))
+    outs = []
+    for v in graph.outputs:
+        if v in bound:
+            outs.append(bound[v])
+            continue
+        sharding = spec.value_shardings[v]
+        shape, dtype = spec.value_avals[v]
+        outs.append(Array(_Buffer(session, base + v, sharding.mesh.slice.addresses), shape, dtype, sharding))
+    return outs
+
+
+def arg_avals(leaves: list, args: tuple, callee: str) -> list[Aval]:
+    """The (shape, dtype) of each leaf of ``args`` as it will be sent; SignatureError names one that is not an array."""
+    avals = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, Array):
+            avals.append((leaf.shape, leaf.dtype))
+            continue
+        try:
+            arr = host_array(leaf)
+        except TypeError as e:
+            raise SignatureError(f"argument {arg_paths(args)[i]} of {callee} {e}") from None
+        avals.append((arr.shape, arr.dtype))
+    return avals

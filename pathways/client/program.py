@@ -7,27 +7,20 @@ every later call is a single ``run`` message naming it, fire and forget.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
 
 from pathways.client import api
-from pathways.client.array import Array, _Buffer
-from pathways.client.compiled import (Aval, CompiledFunction, ProgramSpec, arg_paths, host_array,
-                                      register_program, value_types)
+from pathways.client.array import Array
+from pathways.client.compiled import (Aval, CompiledFunction, ProgramSpec, arg_avals, arg_paths,
+                                      register_program, run, value_types)
 from pathways.client.devices import NamedSharding
-from pathways.errors import ProgramTraceError, SignatureError
+from pathways.client.tracing import current_trace, tracing
+from pathways.errors import ProgramTraceError
 from pathways.ir import DISPATCH_MODES, Layout, Node, ProgramGraph
-from pathways.protocol import messages as m
-
-_local = threading.local()
-
-
-def current_trace() -> Optional["_Trace"]:
-    return getattr(_local, "trace", None)
 
 
 class Traced:
@@ -145,7 +138,7 @@ class Program:
                                     "program; call its compiled functions directly instead")
         session = api.default_session()
         leaves, treedef = jax.tree.flatten(args)
-        avals = _avals(leaves, args, self.__name__)
+        avals = arg_avals(leaves, args, self.__name__)
         key = (treedef, tuple(avals))
         traced = self._cache.get(key)
         if traced is None:
@@ -156,8 +149,8 @@ class Program:
             if isinstance(leaf, Array):
                 inputs.append(leaf)
             else:
-                inputs.append(api.put_layout(session, np.asarray(leaf, dtype=avals[v][1]),
-                                             traced.placement[v], traced.shardings[v]))
+                inputs.append(session.put_layout(np.asarray(leaf, dtype=avals[v][1]),
+                                                 traced.placement[v], traced.shardings[v]))
         inputs.extend(traced.captured.values())
         outs = run(session, traced.spec, inputs)
         return jax.tree.unflatten(traced.out_tree, outs)
@@ -169,9 +162,9 @@ class Program:
             v = trace.new_value(aval)
             trace.inputs.append(v)
             arg_values.append(v)
-        _local.trace = trace
         try:
-            result = self.fun(*jax.tree.unflatten(treedef, [Traced(trace, v, trace.avals[v]) for v in arg_values]))
+            with tracing(trace):
+                result = self.fun(*jax.tree.unflatten(treedef, [Traced(trace, v, trace.avals[v]) for v in arg_values]))
         except (TypeError, ValueError) as e:
             if isinstance(e, ProgramTraceError) or "Traced(" not in str(e):
                 raise
@@ -179,8 +172,6 @@ class Program:
                 f"program {self.__name__} passed a traced value to a JAX or NumPy function, so it was "
                 "used outside a compiled function. Inside @pw.program only calls of pw.pmap/pw.jit "
                 f"functions are allowed: move this computation into a compiled function ({e})") from e
-        finally:
-            _local.trace = None
         out_leaves, out_tree = jax.tree.flatten(result)
         outputs = [trace.value_of(leaf, p, f"{self.__name__}'s result")
                    for leaf, p in zip(out_leaves, arg_paths(result))]
@@ -207,52 +198,3 @@ def program(fun: Optional[Callable] = None, *, dispatch: str = "parallel") -> An
     if fun is None:
         return lambda f: Program(f, dispatch)
     return Program(fun, dispatch)
-
-
-def call_op_by_op(fn: CompiledFunction, args: tuple) -> Any:
-    session = fn.slice.session
-    leaves, treedef = jax.tree.flatten(args)
-    avals = _avals(leaves, args, fn.name)
-    spec = fn.specialize(treedef, avals, args)
-    inputs = []
-    for leaf, layout, sharding, aval in zip(leaves, spec.in_layouts, spec.in_shardings, avals):
-        if isinstance(leaf, Array):
-            if leaf._buffer.session is not session:
-                raise SignatureError(f"{fn.name}: an argument belongs to another session")
-            inputs.append(leaf)
-        else:
-            inputs.append(api.put_layout(session, np.asarray(leaf, dtype=aval[1]), layout, sharding))
-    return jax.tree.unflatten(spec.out_tree, run(session, spec.single, inputs))
-
-
-def run(session: Any, spec: ProgramSpec, inputs: Sequence[Array]) -> list[Array]:
-    """Submit one run of ``spec`` with ``inputs`` bound to the graph's inputs, in order."""
-    graph = spec.graph
-    for arr in inputs:
-        arr._live()
-    base = session.allocate(graph.nvalues)
-    bound = dict(zip(graph.inputs, inputs))
-    session.send(m.Run(spec.program_id, base, {v: arr.handle for v, arr in bound.items()}))
-    outs = []
-    for v in graph.outputs:
-        if v in bound:
-            outs.append(bound[v])
-            continue
-        sharding = spec.value_shardings[v]
-        shape, dtype = spec.value_avals[v]
-        outs.append(Array(_Buffer(session, base + v, sharding.mesh.slice.addresses), shape, dtype, sharding))
-    return outs
-
-
-def _avals(leaves: list, args: tuple, callee: str) -> list[Aval]:
-    avals = []
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, Array):
-            avals.append((leaf.shape, leaf.dtype))
-            continue
-        try:
-            arr = host_array(leaf)
-        except TypeError as e:
-            raise SignatureError(f"argument {arg_paths(args)[i]} of {callee} {e}") from None
-        avals.append((arr.shape, arr.dtype))
-    return avals

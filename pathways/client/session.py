@@ -19,6 +19,8 @@ import grpc
 import numpy as np
 
 from pathways import errors
+from pathways.client.array import Array, _Buffer
+from pathways.client.devices import NamedSharding
 from pathways.ir import Layout
 from pathways.protocol import messages as m
 from pathways.protocol.errors import error_of
@@ -177,6 +179,14 @@ class Session:
                      rpc.method(channel, rpc.WORKER_SERVICE, "Fetch", "unary_stream"), channel)
             self._workers[address] = stubs
         return stubs
+
+    def put_layout(self, value: np.ndarray, layout: Layout, sharding: NamedSharding) -> Array:
+        """A new pw.Array of host ``value``, sent to the workers of ``sharding``'s slice
+        laid out by ``layout``; the array can be used at once."""
+        handle = self.allocate(1)
+        addresses = sharding.mesh.slice.addresses
+        self.put(addresses, handle, layout, value)
+        return Array(_Buffer(self, handle, addresses), value.shape, value.dtype, sharding)
 
     def put(self, addresses: tuple[str, ...], handle: int, layout: Layout, array: np.ndarray) -> None:
         """Send ``array`` straight to the workers holding ``layout`` (not through the

@@ -26,8 +26,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterator
 
+from pathways.defaults import DEFAULT_WINDOW
+
 POLICIES = ("fifo", "fair")
-DEFAULT_WINDOW = 8  # runs in flight per island: a client must keep more outstanding for its weight to count
 SOLO_FACTOR = 4  # how many windows a session alone on an island may have in flight
 DEFAULT_COST = 1e-3  # seconds charged for a program that never finished before
 

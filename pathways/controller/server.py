@@ -19,6 +19,7 @@ import trio
 
 from pathways.controller.core import ControllerCore, WorkerConn
 from pathways.controller.scheduler import DEFAULT_WINDOW
+from pathways.defaults import ADDRESS_LINE
 from pathways.errors import WireError
 from pathways.protocol import messages as m
 from pathways.protocol.handles import MAX_SESSION
@@ -26,7 +27,6 @@ from pathways.wire import rpc
 
 log = logging.getLogger("pathways.controller")
 
-ADDRESS_LINE = "PATHWAYS_CONTROLLER_ADDRESS"
 
 
 class ControllerServer:

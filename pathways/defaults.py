@@ -1,0 +1,8 @@
+"""Values the controller shares with the processes that launch it.
+
+They live outside ``pathways.controller`` so that a client, which launches local clusters
+and names their defaults, does not import the controller to learn them.
+"""
+
+ADDRESS_LINE = "PATHWAYS_CONTROLLER_ADDRESS"  # the controller prints it, then its address, once serving
+DEFAULT_WINDOW = 8  # runs in flight per island: a client must keep more outstanding for its weight to count
