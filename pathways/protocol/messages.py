@@ -20,8 +20,8 @@ from pathways.protocol.check import (MAX_ITEMS, MAX_NAME, MAX_TEXT, Anything, Bo
                                      Float, Int, Optional, Seq, Str)
 from pathways.protocol.errors import KINDS, POISON_KINDS
 from pathways.protocol.handles import MAX_HANDLE, MAX_SESSION
-from pathways.wire.codec import MAX_MESSAGE_BYTES, pack, unpack
 from pathways.protocol.ops import LAYOUT, MAX_NODES, MAX_REGISTERS, decode_op, encode_op
+from pathways.wire.codec import MAX_MESSAGE_BYTES, pack, unpack
 
 PROTOCOL_VERSION = 2
 MAX_DEVICES_PER_HOST = 1024  # more than any accelerator host has; bounds a register's cost
@@ -42,11 +42,14 @@ LAYOUTS = Seq(LAYOUT, max_len=1 << 16)
 GRAPH = Custom(ProgramGraph.from_wire, ProgramGraph.to_wire)
 
 
-def _pairs_to_dict(checker: Checker) -> Custom:
-    """A map of integers, sent as a list of [key, value] pairs (msgpack maps may carry keys
-    of any type; pairs are checked like any list)."""
-    pairs = Seq(Fixed(checker, checker))
+def _map(key: Checker, value: Checker) -> Custom:
+    """A map sent as a list of [key, value] pairs (msgpack maps may carry keys of any
+    type; pairs are checked like any list)."""
+    pairs = Seq(Fixed(key, value))
     return Custom(lambda raw: dict(pairs.check(raw, "pairs")), lambda d: [[k, v] for k, v in d.items()])
+
+
+BINDINGS = _map(Int(0, MAX_REGISTERS), HANDLE)  # a run's program value -> the handle bound to it
 
 
 def wire(checker: Checker) -> Any:
@@ -188,8 +191,7 @@ class DefineProgram(Message):
 class Run(Message):
     program: int = wire(HANDLE)
     base: int = wire(HANDLE)
-    inputs: dict[int, int] = wire(Custom(lambda raw: dict(Seq(Fixed(Int(0, MAX_REGISTERS), HANDLE)).check(raw, "inputs")),
-                                         lambda d: [[v, h] for v, h in d.items()]))
+    inputs: dict[int, int] = wire(BINDINGS)
 
 
 @message("put")
@@ -351,8 +353,7 @@ class RunProgram(Message):
     key: int = wire(Int(1))
     base: int = wire(HANDLE)
     tbase: int = wire(HANDLE)
-    args: dict[int, int] = wire(Custom(lambda raw: dict(Seq(Fixed(Int(0, MAX_REGISTERS), HANDLE)).check(raw, "args")),
-                                       lambda d: [[v, h] for v, h in d.items()]))
+    args: dict[int, int] = wire(BINDINGS)
 
 
 @message("drop_session")

@@ -1,0 +1,100 @@
+"""Each part of the controller's core on its own, without processes."""
+
+import pytest
+
+from pathways.controller import membership as ms
+from pathways.controller.core import ControllerCore
+from pathways.controller.handles import HandleTable
+from pathways.controller.placement import ResourceManager
+from pathways.controller.programs import RunFailure, SessionPrograms
+from pathways.controller.lowering import FnLayouts
+from pathways.ir import Layout
+from pathways.protocol import messages as m
+from tests.test_controller import Box, _of, register, session
+
+
+def _register(i, island=0, devices=1):
+    return m.Register(f"grpc://h:{i}", f"tcp://h:{i}", "cpu", devices, island, i, 1, "h", 1 << 30)
+
+
+def test_membership_welcomes_each_worker_and_tells_everyone_every_peer():
+    members = ms.Membership(ResourceManager())
+    conns = [ms.WorkerConn(Box()) for _ in range(3)]
+    for i, conn in enumerate(conns):
+        members.register(conn, _register(i))
+    assert [_of(c.outbox, m.WorkerWelcome) for c in conns] == [[m.WorkerWelcome(i)] for i in range(3)]
+    everyone = ((0, "tcp://h:0"), (1, "tcp://h:1"), (2, "tcp://h:2"))
+    assert all(_of(c.outbox, m.Peers)[-1].peers == everyone for c in conns)
+    members.register(conns[0], _register(9))
+    assert "already registered" in _of(conns[0].outbox, m.Notice)[0].message
+    assert members.gone([0, 1, 7]) == [7]
+
+
+def test_membership_refuses_workers_beyond_its_bound(monkeypatch):
+    monkeypatch.setattr(ms, "MAX_WORKERS", 2)
+    members = ms.Membership(ResourceManager())
+    conns = [ms.WorkerConn(Box()) for _ in range(3)]
+    for i, conn in enumerate(conns):
+        members.register(conn, _register(i))
+    assert len(members.workers) == 2 and conns[2].worker == -1
+    assert "2 workers" in _of(conns[2].outbox, m.Notice)[0].message
+
+
+def test_removing_a_worker_forgets_its_links_and_moves_a_measurement_on():
+    members = ms.Membership(ResourceManager())
+    conns = [ms.WorkerConn(Box()) for _ in range(2)]
+    for i, conn in enumerate(conns):
+        members.register(conn, _register(i))
+    members.measured(conns[1], m.Measured(0, 1e9, 1 << 30, ((0, 1e-4, 1e9),)))
+    assert members.links == {(1, 0): (1e-4, 1e9)}
+    done = []
+    mid = members.measure(lambda: done.append(mid))
+    assert _of(conns[0].outbox, m.Measure) == [m.Measure(mid)]
+    members.remove(0)
+    assert members.links == {} and _of(conns[1].outbox, m.Measure) == [m.Measure(mid)]
+    members.measured(conns[1], m.Measured(mid, None, 1 << 30, ()))
+    assert done == [mid]
+
+
+def test_the_dispatcher_sends_a_program_once_per_worker_and_frees_the_window_when_all_report():
+    core = ControllerCore()
+    w0, = register(core, 1)
+    client = session(core)
+    core.on_session_batch(1, m.encode_batch([m.SliceRequest(1, "cpu", 1, None, 0, False)]))
+    layout = Layout((0,), ((0, 0),), (1,), ("x",), ())
+    fn, program, data = (1 << 40) + 1, (1 << 40) + 2, (1 << 40) + 3
+    graph = m.GRAPH.check({"nvalues": 2, "inputs": [0], "nodes": [[fn, [0], [1]]], "outputs": [1],
+                           "types": [["float32", [1]]] * 2}, "graph")
+    core.on_session_batch(1, m.encode_batch([
+        m.DefineFunction(fn, _of(client, m.SliceReply)[0].slice, "f", b"x", (layout,), (layout,)),
+        m.DefineProgram(program, graph, "parallel"), m.PutNotice(data, layout),
+        m.Run(program, (1 << 40) + 10, {0: data}), m.Run(program, (1 << 40) + 20, {0: data})]))
+    assert not _of(client, m.Error)
+    assert len(_of(w0.outbox, m.Define)) == 1, "the op stream goes once; each run is a small message"
+    runs = _of(w0.outbox, m.RunProgram)
+    assert [r.base for r in runs] == [(1 << 40) + 10, (1 << 40) + 20]
+    assert core.scheduler.running(runs[0].id) is not None
+    core.on_worker_batch(w0, m.encode_batch([m.Done(((runs[0].id, 0.5), (runs[1].id, 0.25)))]))
+    assert core.scheduler.running(runs[0].id) is None and core.scheduler.running(runs[1].id) is None
+    assert core.status()["sessions"][0]["arrays"] == 3
+
+
+def test_session_programs_cache_lowerings_and_refuse_poisoned_or_lost_inputs():
+    layout = Layout((0,), ((0, 0),), (1,), ("x",), ())
+    programs = SessionPrograms()
+    programs.fns[7] = FnLayouts((0,), (layout,), (layout,))
+    graph = m.GRAPH.check({"nvalues": 2, "inputs": [0], "nodes": [[7, [0], [1]]], "outputs": [1],
+                           "types": [["float32", [1]]] * 2}, "graph")
+    programs.define(9, graph, sequential=False)
+    table = HandleTable(live={100: layout})
+    key, lowered = programs.lowered(9, {0: 100}, table, lambda ws: [])
+    assert programs.lowered(9, {0: 100}, table, lambda ws: []) == (key, lowered)
+    assert programs.keys == [key]
+    with pytest.raises(RunFailure, match="gone") as lost:
+        programs.lowered(9, {0: 100}, table, lambda ws: list(ws))
+    assert lost.value.kind == "WorkerLostError"
+    table.poison([100], "RemoteError", "it failed")
+    with pytest.raises(RunFailure, match="it failed"):
+        programs.lowered(9, {0: 100}, table, lambda ws: [])
+    with pytest.raises(RunFailure, match="deleted or never created"):
+        programs.lowered(9, {0: 101}, table, lambda ws: [])

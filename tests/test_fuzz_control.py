@@ -1,0 +1,169 @@
+"""Fuzzing what faces the network on the control plane: the controller's Session and Attach
+streams and its Status and Measure requests, and a worker's Put, Fetch and Stats, with
+tens of thousands of generated messages, mostly broken (tests/fuzzing.py). Every broken
+message gets an error reply, the servers keep serving a normal client correctly, and
+their memory stays bounded. (The data plane is fuzzed in its own test.)"""
+
+import queue
+import random
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+import pathways as pw
+from pathways import cluster
+from pathways.protocol import messages as m
+from pathways.wire import codec, rpc
+from tests import fuzzing
+from tests.conftest import pids_alive
+
+MESSAGES = 10_000
+RSS_SLACK = 100 * 1024 * 1024
+
+
+def rss(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+class RawStream:
+    """A bidirectional stream fed with raw payloads, read on a thread."""
+
+    def __init__(self, channel, service, name):
+        self._out = queue.SimpleQueue()
+        self.replies = queue.SimpleQueue()
+        self._call = rpc.method(channel, service, name, "stream_stream")(iter(self._out.get, None), timeout=300)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        try:
+            for payload in self._call:
+                self.replies.put(payload)
+        except grpc.RpcError as e:
+            self.replies.put(e)
+
+    def send(self, payload):
+        self._out.put(payload)
+
+    def close(self):
+        self._out.put(None)
+        self._call.cancel()
+
+    def until(self, table, predicate, timeout=60):
+        """Decoded replies up to and including the first one ``predicate`` accepts."""
+        got, deadline = [], time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                payload = self.replies.get(timeout=1)
+            except queue.Empty:
+                continue
+            assert not isinstance(payload, Exception), f"the stream broke: {payload}"
+            for msg in table.decode_batch(payload):
+                got.append(msg)
+                if predicate(msg):
+                    return got
+        raise AssertionError(f"no awaited reply within {timeout} s; got {len(got)} messages")
+
+
+@pytest.fixture(scope="module")
+def target():
+    with pw.local_cluster(hosts=2) as c:
+        pids = list(c.pids)
+        yield c
+    assert pids_alive(pids) == []
+
+
+def test_a_normal_client_is_served_correctly_after_tens_of_thousands_of_hostile_messages(target):
+    rng = random.Random(20261122)
+    st = cluster.status(target.address)
+    worker_address = st["workers"][0]["address"]
+    before = {pid: rss(pid) for pid in target.pids}
+    channel = rpc.open_channel(target.address)
+    wchannel = rpc.open_channel(worker_address)
+    try:
+        # the Session stream: every refused message gets an Error reply, in order
+        session = RawStream(channel, rpc.CONTROLLER_SERVICE, "Session")
+        session.send(m.encode_batch([m.Hello(m.PROTOCOL_VERSION, 1.0)]))
+        refused = sent = 0
+        while sent < MESSAGES:
+            payload, n = fuzzing.batch(m.SESSION_UP, rng, 100)
+            if rng.random() < 0.1:
+                session.send(fuzzing.corrupt(payload, rng))
+            else:
+                session.send(payload)
+                refused += n
+            sent += 100
+        session.send(m.encode_batch([m.ClusterRequest(987654321)]))
+        replies = session.until(m.SESSION_DOWN, lambda x: type(x) is m.ClusterReply and x.req == 987654321)
+        errors = [x for x in replies if type(x) is m.Error]
+        assert len(errors) >= refused, (len(errors), refused)
+        assert not [x for x in replies if type(x) is m.Malformed], "the controller's replies are well formed"
+        session.close()
+
+        # the Attach stream: every refused message gets a Notice; fake workers it registers
+        # stay out of the real island
+        attach = RawStream(channel, rpc.CONTROLLER_SERVICE, "Attach")
+        sent = 0
+        while sent < MESSAGES:
+            payload, _ = fuzzing.batch(m.WORKER_UP, rng, 100, pin={"island": 1000 + rng.randrange(100)})
+            attach.send(payload if rng.random() >= 0.1 else fuzzing.corrupt(payload, rng))
+            sent += 100
+        attach.send(m.pack([["end of fuzz"]]))
+        notices = attach.until(m.WORKER_DOWN, lambda x: type(x) is m.Notice and "end of fuzz" in x.message)
+        assert len([x for x in notices if type(x) is m.Notice]) > MESSAGES // 2
+        attach.close()
+
+        # unary requests to the controller
+        measure = rpc.method(channel, rpc.CONTROLLER_SERVICE, "Measure", "unary_unary")
+        status = rpc.method(channel, rpc.CONTROLLER_SERVICE, "Status", "unary_unary")
+        for i in range(500):
+            raw, bad = fuzzing.message(m.MEASURE, rng, start={"timeout": 5.0})
+            payload = m.pack(raw) if i % 10 else fuzzing.corrupt(m.pack(raw), rng)
+            if bad or i % 10 == 0:
+                assert "error" in codec.unpack(measure(payload, timeout=30))
+            assert "workers" in codec.unpack(status(fuzzing.corrupt(payload, rng), timeout=30))
+
+        # a worker's Fetch, Put and Stats
+        fetch = rpc.method(wchannel, rpc.WORKER_SERVICE, "Fetch", "unary_stream")
+        put = rpc.method(wchannel, rpc.WORKER_SERVICE, "Put", "stream_unary")
+        stats = rpc.method(wchannel, rpc.WORKER_SERVICE, "Stats", "unary_unary")
+        for i in range(MESSAGES // 2):
+            raw, bad = fuzzing.message(m.FETCH, rng, start={"wait": 0.0})
+            try:
+                first = codec.unpack(next(iter(fetch(m.pack(raw), timeout=5))))
+            except grpc.RpcError as e:
+                raise AssertionError(f"fetch {raw!r:.200} broke the call: {e.code()}") from None
+            if bad:
+                assert first.get("state") == "error", (raw, first)
+            header = {"t": "put", "handle": rng.randrange(1 << 40), "layout": fuzzing.LAYOUT, "of": 1,
+                      **codec.pieces_header(np.float32, (2,), [(((0, 2),), np.zeros(2, np.float32))])}
+            broken = fuzzing.mutate([header[k] for k in header], rng)
+            if isinstance(broken, list) and len(broken) >= len(header):
+                header = dict(zip(header, broken))
+            else:
+                header = broken
+            chunks = [codec.pack(header), rng.randbytes(rng.choice([0, 3, 8, 100]))]
+            if i % 10 == 0:
+                chunks = [fuzzing.corrupt(chunks[0], rng)]
+            reply = codec.unpack(put(iter(chunks), timeout=10))
+            assert "error" in reply or reply == {"ok": True}, reply
+        assert "handles" in codec.unpack(stats(b"\xc1", timeout=10))
+
+        # the servers still serve a normal client, correctly
+        pw.connect(target.address)
+        try:
+            s = pw.make_virtual_device_set().add_slice(cpu_devices=2, island=0)
+            double = pw.pmap(lambda x: x * 2.0, devices=s.devices)
+            np.testing.assert_array_equal(np.asarray(double(np.array([1.0, 2.0], np.float32))), [2.0, 4.0])
+        finally:
+            pw.disconnect()
+        assert len(cluster.status(target.address)["workers"]) == 2, "the real workers are still there"
+        after = {pid: rss(pid) for pid in target.pids}
+        grown = {pid: after[pid] - before[pid] for pid in before}
+        assert all(g < RSS_SLACK for g in grown.values()), grown
+    finally:
+        channel.close()
+        wchannel.close()
