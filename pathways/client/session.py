@@ -23,7 +23,7 @@ from pathways.client.array import Array, _Buffer
 from pathways.client.devices import NamedSharding
 from pathways.ir import Layout
 from pathways.protocol import messages as m
-from pathways.protocol.errors import error_of
+from pathways.protocol.errors import error_of, kind_of
 from pathways.protocol.handles import COUNTER_MASK, first_handle
 from pathways.wire import codec, rpc
 
@@ -151,7 +151,7 @@ class Session:
                 self.poisoned[h] = (error, msg.message)
         elif kind is m.Error or kind is m.Malformed:
             if kind is m.Malformed:
-                msg = m.Error(msg.req, "WireError", f"the controller sent a malformed {msg.tag!r}: {msg.error}")
+                msg = m.Error(msg.req, kind_of(msg.error), f"the controller sent a malformed {msg.tag!r}: {msg.error}")
             future = self._pending.pop(msg.req, None)
             error = error_of(msg.kind, msg.message)
             if future is not None:

@@ -146,7 +146,7 @@ class ControllerCore:
         try:
             batch = m.SESSION_UP.decode_batch(payload)
         except WireError as e:
-            s.outbox.put(m.Error(None, "WireError", f"controller dropped a batch: {e}"))
+            s.outbox.put(m.Error(None, kind_of(e), f"controller dropped a batch: {e}"))
             return
         for msg in batch:
             self.on_session_message(sid, msg)
@@ -156,7 +156,7 @@ class ControllerCore:
         if s is None:
             return
         if type(msg) is m.Malformed:
-            s.outbox.put(m.Error(msg.req, "WireError", f"{msg.tag}: {msg.error}"))
+            s.outbox.put(m.Error(msg.req, kind_of(msg.error), f"{msg.tag}: {msg.error}"))
             return
         try:
             self._handlers[type(msg)](self, sid, s, msg)
