@@ -1,7 +1,8 @@
 """The executable cache: deserializes jax.export artifacts and compiles them in the background.
 
 Compilation starts when a function is registered, not when it is first run; two
-registrations of the same artifact on the same layouts share one compilation.
+registrations of the same artifact on the same layouts share one compilation, which is
+freed when the last session that registered it is dropped.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pathways.errors import WireError
 from pathways.ir import Layout
+from pathways.protocol.handles import session_of
+
+MAX_CACHED_SHARDINGS = 4096  # layouts come from the wire: the cache must not grow without bound
 
 
 def island_devices() -> dict[tuple[int, int], Any]:
@@ -35,6 +39,7 @@ class Executables:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pathways-compile")
         self._by_fingerprint: dict[str, Future] = {}
         self._by_key: dict[int, tuple[Future, str]] = {}
+        self._fingerprint_of: dict[int, str] = {}
         self._multi_device: set[int] = set()
         self._multi_host: dict[int, tuple[list, list[Layout]]] = {}  # key -> (input avals, layouts)
         self._rank = jax.process_index()
@@ -55,10 +60,35 @@ class Executables:
                 future = self._pool.submit(self._compile, exported, ins, outs)
                 self._by_fingerprint[fingerprint] = future
             self._by_key[key] = (future, name)
+            previous = self._fingerprint_of.get(key)
+            self._fingerprint_of[key] = fingerprint
+            if previous is not None and previous != fingerprint:
+                self._forget_unused((previous,))
             if any(len(layout.devices) > 1 for layout in ins + outs):
                 self._multi_device.add(key)
             if any(rank != self._rank for layout in ins + outs for rank, _ in layout.devices):
                 self._multi_host[key] = (list(exported.in_avals), ins)
+
+    def drop_session(self, session: int) -> int:
+        """Forget the functions of ``session`` (their keys are the session's handles), and
+        every compilation no other session's function shares; returns how many keys went."""
+        with self._lock:
+            keys = [k for k in self._by_key if session_of(k) == session]
+            fingerprints = set()
+            for k in keys:
+                del self._by_key[k]
+                fingerprints.add(self._fingerprint_of.pop(k))
+                self._multi_device.discard(k)
+                self._multi_host.pop(k, None)
+            self._forget_unused(fingerprints)
+        return len(keys)
+
+    def _forget_unused(self, fingerprints: Any) -> None:
+        """Drop the compilations of ``fingerprints`` that no key refers to (lock held)."""
+        used = set(self._fingerprint_of.values())
+        for fingerprint in fingerprints:
+            if fingerprint not in used:
+                self._by_fingerprint.pop(fingerprint).cancel()  # stops it only if not started yet
 
     def get(self, key: int) -> tuple[Future, str] | None:
         return self._by_key.get(key)
@@ -90,7 +120,8 @@ class Executables:
             devices = np.array([self._devices[d] for d in layout.devices]).reshape(layout.mesh_shape)
             mesh = Mesh(devices, layout.axis_names)
             sharding = NamedSharding(mesh, PartitionSpec(*layout.spec))
-            self._shardings[layout] = sharding
+            if len(self._shardings) < MAX_CACHED_SHARDINGS:
+                self._shardings[layout] = sharding
         return sharding
 
     def _compile(self, exported: jax.export.Exported, ins: list[Layout], outs: list[Layout]) -> Any:

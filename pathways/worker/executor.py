@@ -23,29 +23,35 @@ import random
 import threading
 import time
 from collections import deque
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterator, Protocol, Union
 
 import jax
 
 from pathways.errors import WireError
-from pathways.handles import session_of
-from pathways.ir import Layout
-from pathways.wire.codec import int_list
+from pathways.protocol.handles import session_of, value_handle
+from pathways.protocol.messages import Define, Delete, DropSession, RunProgram
+from pathways.protocol.ops import Op
 from pathways.worker.executables import Executables
 from pathways.worker.store import ObjectStore, Poison, failure
 
 log = logging.getLogger("pathways.worker")
 
-_IN, _EXEC, _OUT, _SEND, _RESHARD, _DROP, _AWAIT, _STEP = range(8)
-_ARITY = {"in": 3, "exec": 4, "out": 2, "send": 5, "reshard": 4, "drop": 2, "await": 2, "step": 3}
+# The loop compares op codes by identity with these (decode_op returns Op members).
+_IN, _EXEC, _OUT, _SEND, _RESHARD, _DROP, _AWAIT, _STEP = (Op.IN, Op.EXEC, Op.OUT, Op.SEND, Op.RESHARD, Op.DROP,
+                                                          Op.AWAIT, Op.STEP)
+
+# What the executor runs in order: runs, deletes, and the forgetting of a closed session's
+# programs and functions (in order, so that every host of an island runs the runs queued
+# before it and their collectives meet).
+Work = Union[RunProgram, Delete, DropSession]
 
 
 class Controls(Protocol):
     """What the executor asks of its host: push arrays to peers, and talk to the controller."""
 
-    def send(self, handle: int, value: Any, layout: list, routes: list) -> None: ...
+    def send(self, handle: int, value: Any, layout: list, routes: tuple) -> None: ...
 
-    def done(self, reports: list) -> None: ...
+    def done(self, reports: list[tuple[int, float]]) -> None: ...
 
     def released(self, run: int, node: int, timeout: float) -> bool: ...
 
@@ -74,7 +80,7 @@ class Executor:
     def programs(self) -> int:
         return len(self._programs)
 
-    def submit(self, msg: dict) -> None:
+    def submit(self, msg: Work) -> None:
         self._queue.put(msg)
 
     def stop(self) -> None:
@@ -82,60 +88,48 @@ class Executor:
         self._finished.put(None)
         self._thread.join(timeout=5)
 
-    def define(self, msg: dict) -> None:
-        """Check and prepare an op stream; raises WireError for a malformed one."""
-        nvalues, ncopies = msg["nvalues"], msg["ncopies"]
-        nregs = nvalues + ncopies
-        prepared = [self._prepare(op, nregs) for op in msg["ops"]]
-        self._programs[msg["key"]] = (prepared, nvalues, nregs)
+    def define(self, msg: Define) -> None:
+        """Prepare a decoded op stream (ops.decode_op checked it): resolve each function to
+        its executable and each layout to what the loop uses. Raises WireError for a
+        function or device this worker does not have."""
+        nregs = msg.nvalues + msg.ncopies
+        self._programs[msg.key] = ([self._prepare(op) for op in msg.ops], msg.nvalues, nregs)
 
-    def _prepare(self, op: Any, nregs: int) -> tuple:
-        if not isinstance(op, list) or not op or not isinstance(op[0], str):
-            raise WireError(f"op {op!r} is not a list starting with its name")
-
-        def reg(v: Any) -> int:
-            if not isinstance(v, int) or not 0 <= v < nregs:
-                raise WireError(f"op {op[0]!r} names register {v!r} outside 0..{nregs - 1}")
-            return v
-
-        kind, arity = op[0], _ARITY.get(op[0])
-        if arity is None or len(op) != arity:
-            raise WireError(f"op {op!r} is unknown or has the wrong number of fields")
-        if kind == "in":
-            return (_IN, reg(op[1]), bool(op[2]))
-        if kind == "exec":
-            fn = self._executables.get(op[1]) if isinstance(op[1], int) else None
+    def _prepare(self, op: tuple) -> tuple:
+        code = op[0]
+        if code is _EXEC:
+            _, key, ins, outs = op
+            fn = self._executables.get(key)
             if fn is None:
-                raise WireError(f"exec names function {op[1]!r}, which was never registered here")
-            return (_EXEC, fn[0], fn[1], [reg(v) for v in int_list(op[2], "exec ins")],
-                    [reg(v) for v in int_list(op[3], "exec outs")], self._executables.multi_device(op[1]), op[1])
-        if kind == "out":
-            return (_OUT, reg(op[1]))
-        if kind == "send":
-            Layout.from_wire(op[3])
-            return (_SEND, reg(op[1]), reg(op[2]), op[3], _routes(op[4]))
-        if kind == "reshard":
-            return (_RESHARD, reg(op[1]), reg(op[2]), self._executables.sharding(Layout.from_wire(op[3])))
-        if kind in ("await", "step"):
-            if not isinstance(op[1], int) or op[1] < 0:
-                raise WireError(f"{kind} needs a node number")
-            if kind == "await":
-                return (_AWAIT, op[1])
-            return (_STEP, op[1], [reg(v) for v in int_list(op[2], "step outputs")])
-        return (_DROP, [reg(v) for v in int_list(op[1], "drop registers")])
+                raise WireError(f"exec names function {key:#x}, which was never compiled on this worker")
+            return (_EXEC, fn[0], fn[1], ins, outs, self._executables.multi_device(key), key)
+        if code is _SEND:  # the put header carries the layout in its wire form
+            _, v, dst, layout, routes = op
+            return (_SEND, v, dst, layout.to_wire(), routes)
+        if code is _RESHARD:
+            _, v, dst, layout = op
+            return (_RESHARD, v, dst, self._executables.sharding(layout))
+        return op
 
     def _loop(self) -> None:
         for msg in self._messages():
             try:
-                kind = msg["t"]
-                if kind == "run":
+                kind = type(msg)
+                if kind is RunProgram:
                     self._run(msg)
-                elif kind == "delete":
-                    self._store.delete(msg["handles"])
+                elif kind is Delete:
+                    self._store.delete(msg.handles)
+                else:
+                    self._drop_session(msg)
             except Exception:  # a bug must not kill the executor; the message is dropped
-                log.exception("executor dropped message %r", msg.get("t"))
+                log.exception("executor dropped message %r", msg.TAG)
 
-    def _messages(self) -> Iterator[dict]:
+    def _drop_session(self, msg: DropSession) -> None:
+        for key in msg.programs:
+            self._programs.pop(key, None)
+        self._executables.drop_session(msg.session)
+
+    def _messages(self) -> Iterator[Work]:
         """Messages in arrival order (the gang order), or, with the unsafe switch, each
         session's messages in order but sessions interleaved at random."""
         if not self._unsafe_local_order:
@@ -182,7 +176,7 @@ class Executor:
                 except Exception:  # the failure reaches readers through the results themselves
                     pass
                 now = time.perf_counter()
-                reports.append([run_id, now - max(started, busy_until)])
+                reports.append((run_id, now - max(started, busy_until)))
                 busy_until = now
             if reports:
                 self._controls.done(reports)
@@ -197,20 +191,14 @@ class Executor:
         except Exception:  # the outputs are poisoned either way
             log.exception("running a multi-host function on placeholders failed")
 
-    def _run(self, msg: dict) -> None:
-        program = self._programs.get(msg["key"])
+    def _run(self, msg: RunProgram) -> None:
+        program = self._programs.get(msg.key)
         if program is None:
-            log.error("run names program %r, which was never defined here", msg["key"])
-            self._finished.put((msg["id"], time.perf_counter(), []))  # free its window slot
+            log.error("run names program %r, which was never defined here", msg.key)
+            self._finished.put((msg.id, time.perf_counter(), []))  # free its window slot
             return
         ops, nvalues, nregs = program
-        base, tbase, args = msg["base"], msg["tbase"], msg["args"]
-
-        def handle(v: int) -> int:
-            h = args.get(v)
-            if h is None:
-                h = base + v if v < nvalues else tbase + v - nvalues
-            return h
+        run_id, base, tbase, args = msg.id, msg.base, msg.tbase, msg.args
 
         regs: list[Any] = [None] * nregs
         store = self._store
@@ -218,7 +206,7 @@ class Executor:
         last: Any = ()  # the latest computation's results: ready means the run's work is done
         for op in ops:
             code = op[0]
-            if code == _EXEC:
+            if code is _EXEC:
                 _, future, name, ins, outs, multi_device, key = op
                 inputs = [regs[i] for i in ins]
                 bad = next((a for a in inputs if type(a) is Poison), None)
@@ -240,8 +228,8 @@ class Executor:
                         continue
                 for o in outs:
                     regs[o] = bad
-            elif code == _IN:
-                h = handle(op[1])
+            elif code is _IN:
+                h = value_handle(op[1], base, tbase, nvalues, args)
                 value = store.wait(h, self._wait_timeout)
                 if value is None:
                     value = Poison(f"array {h:#x} did not reach worker {self.worker_id} within "
@@ -249,23 +237,23 @@ class Executor:
                 elif not op[2]:
                     store.pop(h)
                 regs[op[1]] = value
-            elif code == _OUT:
-                store.put(handle(op[1]), regs[op[1]])
-            elif code == _DROP:
+            elif code is _OUT:
+                store.put(value_handle(op[1], base, tbase, nvalues, args), regs[op[1]])
+            elif code is _DROP:
                 for v in op[1]:
                     regs[v] = None
-            elif code == _SEND:
-                self._controls.send(handle(op[2]), regs[op[1]], op[3], op[4])
-            elif code == _AWAIT:
-                if not self._controls.released(msg["id"], op[1], self._wait_timeout):
+            elif code is _SEND:
+                self._controls.send(value_handle(op[2], base, tbase, nvalues, args), regs[op[1]], op[3], op[4])
+            elif code is _AWAIT:
+                if not self._controls.released(run_id, op[1], self._wait_timeout):
                     log.error("run %d: node %d was not released within %.0f s; running it anyway",
-                              msg["id"], op[1], self._wait_timeout)
-            elif code == _STEP:
+                              run_id, op[1], self._wait_timeout)
+            elif code is _STEP:
                 try:
                     jax.block_until_ready([regs[v] for v in op[2] if type(regs[v]) is not Poison])
                 except Exception:  # the failure reaches readers through the outputs themselves
                     pass
-                self._controls.step(msg["id"], op[1])
+                self._controls.step(run_id, op[1])
             else:  # _RESHARD
                 value = regs[op[1]]
                 if type(value) is not Poison:
@@ -274,30 +262,12 @@ class Executor:
                     except Exception as e:
                         value = Poison(f"moving an array on worker {self.worker_id} failed: {e}")
                 regs[op[2]] = value
-        self._finished.put((msg["id"], started or time.perf_counter(), last))
+        self._finished.put((run_id, started or time.perf_counter(), last))
 
 
-def _routes(raw: Any) -> list:
-    """Check a send's ``[[receiver, senders, [flat region, ...]], ...]``; regions become
-    ((start, stop), ...) tuples."""
-    if not isinstance(raw, list) or not raw:
-        raise WireError("send routes must be a non-empty list")
-    out = []
-    for route in raw:
-        if not (isinstance(route, list) and len(route) == 3 and isinstance(route[0], int)
-                and isinstance(route[1], int) and route[1] >= 1 and isinstance(route[2], list)):
-            raise WireError(f"send route {route!r} is not [receiver, senders >= 1, regions]")
-        regions = []
-        for flat in route[2]:
-            flat = int_list(flat, "send region")
-            if len(flat) % 2 or any(not 0 <= a <= b for a, b in zip(flat[::2], flat[1::2])):
-                raise WireError(f"send region {flat} is not a flat list of [start, stop] pairs")
-            regions.append(tuple(zip(flat[::2], flat[1::2])))
-        out.append((route[0], route[1], regions))
-    return out
-
-
-def _session_of_message(msg: dict) -> int:
-    if msg["t"] == "run":
-        return session_of(msg["base"])
-    return session_of(msg["handles"][0]) if msg.get("handles") else 0
+def _session_of_message(msg: Work) -> int:
+    if type(msg) is RunProgram:
+        return session_of(msg.base)
+    if type(msg) is Delete:
+        return session_of(msg.handles[0]) if msg.handles else 0
+    return msg.session

@@ -2,7 +2,7 @@
 and the latency and bandwidth of its links to the other workers.
 
 One background thread does the measurements in turn, so that they never compete with each
-other, and reports each job's figures as a ``measured`` message. A job is cheap, since a
+other, and reports each job's figures as a ``Measured`` message. A job is cheap, since a
 local cluster of 16 workers on two cores measures itself all at once when it starts: for
 the FLOP/s, compiling a small matmul once per device and six rounds of it (0.2 GFLOP per
 device), and per peer one connection, five empty round trips and two transfers of 512 KiB
@@ -23,6 +23,7 @@ from typing import Any, Callable
 import numpy as np
 
 from pathways.errors import WireError
+from pathways.protocol.messages import Measured
 from pathways.wire import tcp
 
 log = logging.getLogger("pathways.worker")
@@ -69,7 +70,7 @@ class Measurer:
     """Runs measurement jobs on one background thread and hands each job's ``measured``
     message to ``report``."""
 
-    def __init__(self, jax: Any, report: Callable[[dict], None], probe_timeout: float = PROBE_TIMEOUT) -> None:
+    def __init__(self, jax: Any, report: Callable[[Measured], None], probe_timeout: float = PROBE_TIMEOUT) -> None:
         self._jax = jax
         self._report = report
         self._probe_timeout = probe_timeout
@@ -100,8 +101,7 @@ class Measurer:
                     latency, bandwidth = tcp.probe(address, self._probe_timeout, PROBE_BYTES)
                 except (OSError, ValueError, WireError) as e:  # ValueError: a malformed address
                     log.info("the link to worker %d at %s stays unmeasured: %s", peer, address, e)
-                    links.append([peer, None, None])
+                    links.append((peer, None, None))
                 else:
-                    links.append([peer, latency, bandwidth])
-            self._report({"t": "measured", "id": job, "flops": self._flops, "memory_bytes": host_memory_bytes(),
-                          "links": links})
+                    links.append((peer, latency, bandwidth))
+            self._report(Measured(job, self._flops, host_memory_bytes(), tuple(links)))

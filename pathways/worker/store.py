@@ -10,11 +10,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
-from pathways.handles import session_of
+from pathways.protocol.handles import session_of
 
 _MAX_TOMBSTONES = 100_000
+# A waiter that may be abandoned (a fetch whose caller hung up) looks again at least this
+# often, in case nobody woke it: a bound on how long an abandoned request keeps its thread.
+_RECHECK_SECONDS = 0.5
 
 
 class Poison:
@@ -65,8 +68,11 @@ class ObjectStore:
     def get(self, handle: int) -> Optional[Any]:
         return self._entries.get(handle)
 
-    def wait(self, handle: int, timeout: float) -> Optional[Any]:
-        """The value of ``handle``, waiting up to ``timeout`` seconds; None on timeout."""
+    def wait(self, handle: int, timeout: float, still_wanted: Optional[Callable[[], bool]] = None) -> Optional[Any]:
+        """The value of ``handle``, waiting up to ``timeout`` seconds (finite: callers take
+        it from a checked message or a validated option); None on timeout, or as soon as
+        ``still_wanted()`` turns false (checked whenever ``wake`` is called, and at least
+        every half second)."""
         value = self._entries.get(handle)
         if value is not None:
             return value
@@ -78,8 +84,17 @@ class ObjectStore:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
+                if still_wanted is not None:
+                    if not still_wanted():
+                        return None
+                    left = min(left, _RECHECK_SECONDS)
                 self._cond.wait(left)
         return value
+
+    def wake(self) -> None:
+        """Have every waiter look again (one of them may no longer be wanted)."""
+        with self._cond:
+            self._cond.notify_all()
 
     def pop(self, handle: int) -> None:
         with self._cond:

@@ -1,0 +1,381 @@
+"""The worker's core: everything a worker does, without processes, sockets it listens on,
+or gRPC handlers (server.py is the shell around it), so that it runs and is tested in one
+process.
+
+It takes the controller's typed messages (``on_batch`` / ``on_message``), takes arrays
+(``receive``: a client's put, a peer's frame, or this host's own send), answers fetches
+(``fetch``), and owns the object store, the executable cache, the executor and the
+measurer. What it says to the controller goes to ``up`` as typed messages.
+
+Arrays cross the data plane as pieces: each sender sends the blocks the receiver's devices
+hold (the controller's transfer plan), and a receiver assembles them once every sending
+host has delivered. Put headers are msgpack maps from clients and peers, so their fields
+are checked here with the protocol's checkers: a malformed one is refused with WireError,
+whatever its types.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterator, Optional
+
+import jax
+import numpy as np
+
+from pathways.errors import WireError
+from pathways.protocol.check import MAX_TEXT, Int, Str
+from pathways.protocol.errors import POISON_KINDS, REMOTE
+from pathways.protocol.handles import MAX_HANDLE
+from pathways.protocol.messages import (Compile, Define, Delete, Done, DropSession, FetchRequest, Go, Malformed,
+                                        Measure, Message, Notice, Peers, Poison as PoisonMessage, RunProgram,
+                                        Shutdown, Step, WorkerWelcome, WORKER_DOWN)
+from pathways.protocol.ops import LAYOUT, MAX_SENDERS
+from pathways.wire import codec, tcp
+from pathways.worker.executables import Executables
+from pathways.worker.executor import Executor
+from pathways.worker.measure import Measurer
+from pathways.worker.store import ObjectStore, Poison, failure
+
+log = logging.getLogger("pathways.worker")
+
+INLINE_SEND_BYTES = 1 << 20  # computed arrays up to this size are sent by the executor itself
+MAX_CACHED_LAYOUTS = 4096
+_READY_POLL_MAX = 0.02  # longest pause between looks at whether a fetched array is computed
+
+_PUT_HANDLE = Int(0, MAX_HANDLE)
+_PUT_SENDERS = Int(1, MAX_SENDERS)
+_PUT_POISON = Str(MAX_TEXT)
+_PUT_KIND = Str(32)
+_PUT_TYPE = Str(8, frozenset({"put"}))
+_PUT_REQUIRED = ("t", "handle", "layout", "of")
+
+
+class WorkerCore:
+    """One worker's state and behaviour. ``up`` takes each message for the controller (an
+    outbox's ``put``); ``on_shutdown`` is called when the controller says to stop."""
+
+    def __init__(self, up: Callable[[Message], None], wait_timeout: float, sync_collectives: bool = False,
+                 unsafe_local_order: bool = False, on_shutdown: Callable[[], None] = lambda: None) -> None:
+        if not (math.isfinite(wait_timeout) and wait_timeout > 0):
+            raise ValueError(f"wait_timeout must be a finite number of seconds above 0, got {wait_timeout!r}")
+        self.up = up
+        self.wait_timeout = wait_timeout
+        self.store = ObjectStore()
+        self.executables = Executables()
+        self.peers: dict[int, str] = {}
+        self.links = tcp.Links(wait_timeout)
+        self.measurer = Measurer(jax, up)
+        self.executor = Executor(self.store, self.executables, self, wait_timeout, sync_collectives,
+                                 unsafe_local_order)
+        self._on_shutdown = on_shutdown
+        self._put_shardings: dict[str, Any] = {}
+        self._send_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pathways-send")
+        self._incoming: dict[int, tuple[codec.Assembly, int]] = {}  # handle -> (assembly, senders seen)
+        self._incoming_lock = threading.Lock()
+        self._released: set[tuple[int, int]] = set()  # (run, node) released by the controller
+        self._release = threading.Condition()
+        self._probed: set[int] = set()  # peers whose link has been measured (or is being)
+
+    @property
+    def worker_id(self) -> int:
+        return self.executor.worker_id
+
+    # ---- what the executor asks of its host (executor.Controls) ---------------------
+
+    def done(self, reports: list[tuple[int, float]]) -> None:
+        self.up(Done(tuple(reports)))
+
+    def step(self, run: int, node: int) -> None:
+        self.up(Step(run, node))
+
+    def released(self, run: int, node: int, timeout: float) -> bool:
+        """Wait until the controller releases ``node`` of ``run`` (sequential dispatch)."""
+        key = (run, node)
+        with self._release:
+            if not self._release.wait_for(lambda: key in self._released, timeout):
+                return False
+            self._released.discard(key)
+        return True
+
+    # ---- control plane --------------------------------------------------------------
+
+    def on_batch(self, payload: bytes) -> None:
+        """Handle one payload of the controller's stream; each message that fails its check
+        or its handling is answered with a Notice, and the rest of the batch goes on."""
+        try:
+            batch = WORKER_DOWN.decode_batch(payload)
+        except WireError as e:
+            self.up(Notice(f"worker {self.worker_id} dropped a batch: {e}"))
+            return
+        for msg in batch:
+            if type(msg) is Malformed:
+                self.up(Notice(f"worker {self.worker_id} dropped a {msg.tag!r} message: {msg.error}"))
+                continue
+            try:
+                self.on_message(msg)
+            except WireError as e:
+                self.up(Notice(f"worker {self.worker_id} dropped a {msg.TAG!r} message: {e}"))
+
+    def on_message(self, msg: Message) -> None:
+        """Handle one decoded message from the controller; raises WireError for one this
+        worker cannot carry out (a function it cannot compile, a device it lacks)."""
+        kind = type(msg)
+        if kind is RunProgram or kind is Delete:
+            self.executor.submit(msg)
+        elif kind is Go:
+            # At once, not in executor order: the executor is waiting for it.
+            with self._release:
+                self._released.update((msg.run, n) for n in msg.nodes)
+                self._release.notify_all()
+        elif kind is Define:
+            self.executor.define(msg)
+        elif kind is Compile:
+            self.executables.register(msg.fn, msg.name, msg.blob, list(msg.ins), list(msg.outs))
+        elif kind is PoisonMessage:
+            for h in msg.handles:
+                self.store.put(h, Poison(msg.message, msg.kind), replace=False)
+        elif kind is DropSession:
+            # The arrays at once, not in executor order: the executor may be waiting for one
+            # the departed client was still sending. Its programs and functions in order:
+            # the runs queued before the drop still run (on poison), as on the island's
+            # other hosts, whose collectives they meet.
+            self.store.drop_session(msg.session)
+            self.executor.submit(msg)
+        elif kind is Peers:
+            self.peers.update(msg.peers)
+            self._measure_new_peers(flops=False)
+        elif kind is WorkerWelcome:
+            self.executor.worker_id = msg.worker
+            self._measure_new_peers(flops=True)
+        elif kind is Measure:
+            self.measurer.request(msg.id, True, self._other_peers())
+        elif kind is Shutdown:
+            log.warning("the controller shut this worker down: %s", msg.reason)
+            self._on_shutdown()
+        elif kind is Notice:
+            log.warning("the controller refused a message of this worker: %s", msg.message)
+        else:  # a kind the table accepts but this worker does not handle: a bug, said once
+            raise WireError(f"this worker does not handle {msg.TAG!r} messages")
+
+    def _measure_new_peers(self, flops: bool) -> None:
+        """Measure the links to peers not measured yet (and the FLOP/s if ``flops``), once
+        this worker knows its own id."""
+        if self.worker_id < 0:
+            return
+        new = {p: a for p, a in self._other_peers().items() if p not in self._probed}
+        self._probed.update(new)
+        if flops or new:
+            self.measurer.request(0, flops, new)
+
+    def _other_peers(self) -> dict[int, str]:
+        """Every other worker's data address."""
+        return {p: a for p, a in self.peers.items() if p != self.worker_id}
+
+    # ---- data plane: sending ----------------------------------------------------------
+
+    def send(self, handle: int, value: Any, layout: list, routes: tuple) -> None:
+        # A small array already computed (tiny computations finish during their dispatch on
+        # CPU) goes at once, saving a thread handoff on a pipeline's critical path; anything
+        # else is sent from the pool so the executor can go on dispatching.
+        if type(value) is not Poison and value.nbytes <= INLINE_SEND_BYTES and value.is_ready():
+            self._push(handle, value, layout, routes)
+        else:
+            self._send_pool.submit(self._push, handle, value, layout, routes)
+
+    def _push(self, handle: int, value: Any, layout: list, routes: tuple) -> None:
+        """Send each receiver of ``routes`` its regions of ``value``; to this host itself
+        the regions are handed over in memory."""
+        poison = value if type(value) is Poison else None
+        held: list = []
+        if poison is None:
+            try:
+                dtype, shape, held = local_pieces(value)
+            except Exception as e:
+                poison = failure(f"computing array {handle:#x} on worker {self.worker_id}", e)
+        for receiver, senders, regions in routes:
+            header: dict = {"t": "put", "handle": handle, "layout": layout, "of": senders}
+            pieces: list = []
+            if poison is not None:
+                header.update(poison=poison.message, kind=poison.kind)
+            else:
+                try:
+                    pieces = [(region, codec.cut(held, region)) for region in regions]
+                except WireError as e:
+                    header.update(poison=f"array {handle:#x} on worker {self.worker_id}: {e}")
+                else:
+                    header.update(codec.pieces_header(dtype, shape, pieces))
+            if receiver == self.worker_id:
+                error = self.receive(header, pieces=pieces)
+                if error:
+                    log.error("storing array %#x locally failed: %s", handle, error)
+                continue
+            try:
+                self.links.send(self.peers[receiver], header, pieces)
+            except (OSError, KeyError) as e:
+                log.error("sending array %#x to worker %s failed: %s", handle, receiver, e)
+
+    # ---- data plane: receiving ----------------------------------------------------------
+
+    def receive_frame(self, header: dict, pieces: list) -> Optional[str]:
+        """A peer's data frame (tcp.Listener's receiver)."""
+        return self.receive(header, pieces=pieces)
+
+    def receive(self, header: Any, chunks: Optional[Iterator[bytes]] = None,
+                pieces: Optional[list] = None) -> Optional[str]:
+        """Take one sender's part of an array arriving as handle: its pieces follow in
+        ``chunks`` (a gRPC put) or were read already (``pieces``: from a peer's data
+        connection, or this host's own); store the array once every sender has delivered.
+        Returns an error message, or None."""
+        try:
+            return self._receive(header, chunks, pieces)
+        except WireError as e:
+            return str(e)
+        except (TypeError, ValueError) as e:  # the array fields' reader (codec) on a hostile header
+            return f"malformed array header ({type(e).__name__}: {e})"
+
+    def _receive(self, header: Any, chunks: Optional[Iterator[bytes]], pieces: Optional[list]) -> Optional[str]:
+        if type(header) is not dict:
+            raise WireError(f"a put header must be a map, got {type(header).__name__}")
+        missing = next((f for f in _PUT_REQUIRED if f not in header), None)
+        if missing is not None:
+            raise WireError(f"put header lacks field {missing!r}")
+        _PUT_TYPE.check(header.get("t"), "put header field 't'")
+        handle = _PUT_HANDLE.check(header.get("handle"), "put header field 'handle'")
+        nsenders = _PUT_SENDERS.check(header.get("of"), "put header field 'of' (the number of senders)")
+        sharding = self._sharding(header.get("layout"))
+        if "poison" in header:
+            message = _PUT_POISON.check(header["poison"], "put header field 'poison'")
+            kind = _PUT_KIND.check(header.get("kind", REMOTE), "put header field 'kind'")
+            with self._incoming_lock:
+                self._incoming.pop(handle, None)
+            # an unknown kind (a newer peer's) reads as a failed computation
+            self.store.put(handle, Poison(message, kind if kind in POISON_KINDS else REMOTE), replace=False)
+            return None
+        if chunks is not None:
+            dtype, shape, pieces = codec.read_pieces(header, chunks)
+            codec.expect_end(chunks)
+        else:
+            dtype, shape, _ = codec.check_array_header(header.get("array"))
+            pieces = pieces or []
+        with self._incoming_lock:
+            if self.store.get(handle) is not None:
+                return None if nsenders > 1 else f"array {handle:#x} already exists on this worker"
+            assembly, seen = self._incoming.pop(handle, (None, 0))
+            if assembly is None:
+                regions = _regions(sharding, shape)
+                if not regions:
+                    raise WireError(f"the layout of array {handle:#x} puts none of it on this worker's devices")
+                assembly = codec.Assembly(dtype, shape, regions)
+            elif (assembly.dtype, assembly.shape) != (dtype, shape):
+                raise WireError(f"pieces of array {handle:#x} disagree on its dtype and shape")
+            assembly.add(pieces)
+            if seen + 1 < nsenders:
+                self._incoming[handle] = (assembly, seen + 1)
+                return None
+        if not assembly.complete:
+            message = (f"the senders of array {handle:#x} delivered pieces that do not cover "
+                       f"what this worker holds of it")
+            self.store.put(handle, Poison(message), replace=False)
+            return message
+        self.store.put(handle, jax.make_array_from_callback(
+            shape, sharding, lambda index: assembly.region(_region(index, shape))))
+        return None
+
+    def _sharding(self, raw_layout: Any) -> Any:
+        """The sharding a put's wire layout names, cached: each run of a program sends the
+        same layouts, and parsing one costs more than the rest of a small put."""
+        key = repr(raw_layout)
+        sharding = self._put_shardings.get(key)
+        if sharding is None:
+            sharding = self.executables.sharding(LAYOUT.check(raw_layout, "put header field 'layout'"))
+            if len(self._put_shardings) < MAX_CACHED_LAYOUTS:
+                self._put_shardings[key] = sharding
+        return sharding
+
+    # ---- fetches ------------------------------------------------------------------------
+
+    def fetch(self, req: FetchRequest, still_wanted: Callable[[], bool]) -> Iterator[bytes]:
+        """The reply frames to a fetch: ``{"state": "pending"}`` if the array is not
+        computed within ``req.wait`` seconds (finite and bounded: FetchRequest's checker),
+        an error, ``{"state": "ready"}``, or, with ``req.data``, that and the pieces this
+        host holds. Stops waiting, with no reply, once ``still_wanted()`` turns false (the
+        caller hung up): an abandoned request must not keep its server thread."""
+        deadline = time.monotonic() + req.wait
+        value = self.store.wait(req.handle, req.wait, still_wanted)
+        if value is None:
+            if still_wanted():
+                yield codec.pack({"state": "pending"})
+            return
+        if type(value) is Poison:
+            yield codec.pack({"state": "error", "kind": value.kind, "message": value.message})
+            return
+        pause = 0.0002
+        while not value.is_ready():
+            if time.monotonic() >= deadline:
+                yield codec.pack({"state": "pending"})
+                return
+            if not still_wanted():
+                return
+            time.sleep(pause)
+            pause = min(pause * 2, _READY_POLL_MAX)
+        if not req.data:
+            yield codec.pack({"state": "ready"})
+            return
+        try:
+            dtype, shape, pieces = local_pieces(value)
+        except Exception as e:
+            poison = failure(f"the computation of array {req.handle:#x} on worker {self.worker_id}", e)
+            yield codec.pack({"state": "error", "kind": poison.kind, "message": poison.message})
+            return
+        yield codec.pack({"state": "ready", **codec.pieces_header(dtype, shape, pieces)})
+        yield from codec.pieces_chunks(pieces)
+
+    # ---- the rest -------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Counts for the Stats RPC (and tests): arrays, per session, executables, programs."""
+        return {"worker": self.worker_id, "handles": len(self.store), "sessions": self.store.session_counts(),
+                "executables": len(self.executables), "compiled": self.executables.compiled(),
+                "programs": self.executor.programs}
+
+    def close(self) -> None:
+        self.measurer.stop()
+        self.links.close()
+        self.executor.stop()
+        self._send_pool.shutdown(wait=False, cancel_futures=True)
+        self.executables.close()
+
+
+def local_pieces(value: Any) -> tuple[Any, tuple[int, ...], list]:
+    """The distinct shards of ``value`` this host holds, as (index, numpy array)."""
+    shape = tuple(value.shape)
+    if value.is_fully_addressable and len(value.sharding.device_set) == 1:
+        return value.dtype, shape, [(codec.full_index(shape), np.asarray(value))]
+    pieces, seen = [], set()
+    for shard in value.addressable_shards:
+        index = _region(shard.index, shape)
+        if index not in seen:
+            seen.add(index)
+            pieces.append((index, np.asarray(shard.data)))
+    return value.dtype, shape, pieces
+
+
+def _region(index: tuple, shape: tuple[int, ...]) -> tuple:
+    """A jax shard index (a tuple of slices) as ((start, stop), ...)."""
+    return tuple((s.start or 0, d if s.stop is None else s.stop) for s, d in zip(index, shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def _regions(sharding: Any, shape: tuple[int, ...]) -> list:
+    """The distinct blocks of an array of ``shape`` that this host's devices hold."""
+    out: list = []
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        region = _region(index, shape)
+        if region not in out:
+            out.append(region)
+    return out

@@ -1,0 +1,113 @@
+"""Resource bounds of the worker against hostile or careless callers: fetches that would
+wait forever or spin, fetches their callers abandoned, put headers of the wrong types, and
+closed sessions' functions and programs. The gRPC tests serve a worker core in this process
+over real gRPC; the last one runs a real cluster."""
+
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+import pathways as pw
+from pathways.cluster import status, worker_stats
+from pathways.protocol.handles import first_handle
+from pathways.wire import codec, rpc
+from pathways.worker.core import WorkerCore
+from pathways.worker.server import WorkerService
+from tests.test_worker_core import put, put_header
+from tests.conftest import wait_until
+
+THREADS = 16  # the worker's gRPC server threads (rpc.make_server)
+MISSING = first_handle(9) + 12345
+
+
+@pytest.fixture
+def served():
+    """A worker core behind a real gRPC server in this process; its Fetch and Put stubs."""
+    core = WorkerCore(lambda msg: None, wait_timeout=5.0)
+    server, port = rpc.make_server(rpc.WORKER_SERVICE, WorkerService(core).handlers(), max_workers=THREADS)
+    channel = rpc.open_channel(f"127.0.0.1:{port}")
+    fetch = rpc.method(channel, rpc.WORKER_SERVICE, "Fetch", "unary_stream")
+    put_stub = rpc.method(channel, rpc.WORKER_SERVICE, "Put", "stream_unary")
+    yield core, fetch, put_stub
+    channel.close()
+    server.stop(grace=0).wait(timeout=5)
+    core.close()
+
+
+def fetch_request(handle, wait, data=True):
+    return codec.pack(["fetch", handle, wait, data])
+
+
+def answered(fetch, handle, wait=0.01, timeout=3.0):
+    """The reply header of a fetch that must be answered within ``timeout`` seconds."""
+    return codec.unpack(list(fetch(fetch_request(handle, wait), timeout=timeout))[0])
+
+
+def test_a_fetch_with_a_nan_or_infinite_wait_is_refused(served):
+    core, fetch, _ = served
+    start = time.monotonic()
+    for wait in [float("nan")] * THREADS + [float("inf"), -1.0, 1e9, "1"]:
+        reply = answered(fetch, MISSING, wait)
+        assert reply["state"] == "error" and reply["kind"] == "WireError", reply
+        assert "'wait'" in reply["message"], reply
+    put(core, first_handle(9) + 1, np.arange(3, dtype=np.float32))
+    assert answered(fetch, first_handle(9) + 1, 1.0)["state"] == "ready"
+    assert time.monotonic() - start < 10
+
+
+def test_abandoned_fetches_give_their_threads_back(served):
+    core, fetch, _ = served
+    calls = [fetch(fetch_request(MISSING, 3000.0), timeout=0.5) for _ in range(2 * THREADS)]
+    for i, call in enumerate(calls):
+        if i % 2:
+            call.cancel()  # the caller gives up on its own; the others run past their deadline
+        with pytest.raises(grpc.RpcError) as caught:
+            next(call)
+        assert caught.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
+    start = time.monotonic()
+    assert answered(fetch, MISSING, 0.01, timeout=5.0) == {"state": "pending"}
+    assert time.monotonic() - start < 2.0
+
+
+@pytest.mark.parametrize("fields, needle", [
+    ({"t": ["put"]}, "'t'"),
+    ({"handle": [1]}, "'handle' must be an integer"),
+    ({"handle": -1}, "'handle'"),
+    ({"layout": {"x": 1}}, "'layout'"),
+    ({"of": True}, "'of'"),
+    ({"array": {"dtype": ["float32"], "shape": [3], "nbytes": 12}}, "array header"),
+    ({"pieces": [{"index": [[0, 3]], "array": {"dtype": {"f": 4}, "shape": [3], "nbytes": 12}}]}, "array header"),
+])
+def test_a_put_header_of_the_wrong_types_gets_an_error_reply(served, fields, needle):
+    _, _, put_stub = served
+    good = np.ones(3, np.float32)
+    header = {**put_header(first_handle(9) + 2, good), **fields}
+    reply = codec.unpack(put_stub(iter([codec.pack(header), good.tobytes()]), timeout=10))
+    assert needle in reply.get("error", ""), reply
+
+
+def test_a_closed_sessions_functions_and_programs_are_freed_on_the_workers():
+    with pw.local_cluster(hosts=1, devices_per_host=1) as cluster:
+        worker = status(cluster.address)["workers"][0]["address"]
+        before = worker_stats(worker)
+        session = pw.connect(cluster.address)
+        try:
+            s = pw.make_virtual_device_set().add_slice(cpu_devices=1)
+            double = pw.pmap(lambda x: x * 2.0, devices=s.devices)
+            inc = pw.pmap(lambda x: x + 1.0, devices=s.devices)
+
+            @pw.program
+            def both(x):
+                return inc(double(x))
+
+            np.testing.assert_array_equal(np.asarray(both(np.ones(1, np.float32))), [3.0])
+            during = worker_stats(worker)
+            assert during["executables"] >= before["executables"] + 2
+            assert during["programs"] >= before["programs"] + 1
+        finally:
+            session.close()
+        wait_until(lambda: (lambda now: (now["executables"], now["programs"], now["sessions"])
+                            == (before["executables"], before["programs"], before["sessions"]))(worker_stats(worker)),
+                   timeout=20, what="the worker to free the closed session's functions, programs and arrays")
