@@ -159,8 +159,6 @@ class WorkerCore:
             self._on_shutdown()
         elif kind is Notice:
             log.warning("the controller refused a message of this worker: %s", msg.message)
-        else:  # a kind the table accepts but this worker does not handle: a bug, said once
-            raise WireError(f"this worker does not handle {msg.TAG!r} messages")
 
     def _measure_new_peers(self, flops: bool) -> None:
         """Measure the links to peers not measured yet (and the FLOP/s if ``flops``), once
