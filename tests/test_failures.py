@@ -16,6 +16,7 @@ import pytest
 
 import pathways as pw
 from pathways.cluster import status
+from pathways.protocol import messages as m
 from pathways.protocol.handles import first_handle
 from pathways.wire import codec, rpc
 from tests.conftest import pids_alive, read_line, session_handles, wait_until
@@ -120,46 +121,48 @@ def _raw(outbox):
 
 
 def next_messages(replies):
-    return codec.unpack(next(replies))
+    return m.SESSION_DOWN.decode_batch(next(replies))
 
 
 def test_malformed_session_messages_get_error_replies(cluster, session):
     channel, outbox, replies = raw_session(cluster.address)
     try:
-        outbox.put(codec.pack([{"t": "hello", "v": codec.PROTOCOL_VERSION, "weight": 1}]))
-        sid = next_messages(replies)[0]["session"]
+        outbox.put(m.encode_batch([m.Hello(m.PROTOCOL_VERSION, 1.0)]))
+        sid = next_messages(replies)[0].session
         victim = session.allocate(1)
         s = new_slice(1)
         victim_array = pw.device_put(np.float32(7), s.devices)
+        graph = {"nvalues": 1, "inputs": [0], "nodes": [[1, [3], [0]]], "outputs": [0], "types": [["float32", []]]}
+        good = {"nvalues": 2, "inputs": [0], "nodes": [[1, [0], [1]]], "outputs": [1], "types": [["float32", []]] * 2}
         bad_payloads = [
             (b"\x00\xffnot msgpack", "not valid msgpack"),
             (codec.pack({"t": "hello"}), "must be a list"),
-            (codec.pack([{"t": "launch_missiles"}]), "unknown message type"),
-            (codec.pack([{"t": "slice", "req": 1}]), "lacks field"),
-            (codec.pack([{"t": "slice", "req": 1, "kind": "cpu", "count": "two", "mesh_shape": None,
-                          "island": None, "exclusive": False}]), "must be int"),
-            (codec.pack([{"t": "run", "program": 5, "base": first_handle(sid), "inputs": []}]), "never registered"),
-            (codec.pack([{"t": "program", "id": first_handle(sid) + 1, "dispatch": "parallel",
-                          "graph": {"nvalues": 1, "inputs": [0], "nodes": [[1, [3], [0]]], "outputs": [0],
-                                    "types": [["float32", []]]}}]),
-             "before any node defines"),
-            (codec.pack([{"t": "program", "id": first_handle(sid) + 1, "dispatch": "eventually",
-                          "graph": {}}]), "neither 'parallel' nor 'sequential'"),
-            (codec.pack([{"t": "program", "id": victim, "graph": {}, "dispatch": "parallel"}]),
+            (codec.pack([["launch_missiles"]]), "unknown message 'launch_missiles'"),
+            (codec.pack([{"t": "hello", "v": 2, "weight": 1}]), "must be a list [tag, field, ...]"),
+            (codec.pack([["slice", 1]]), "it takes 6"),
+            (codec.pack([["slice", 1, "cpu", "two", None, None, False]]), "'count' of message 'slice' must be an integer"),
+            (codec.pack([["slice", 1, ["cpu"], 2, None, None, False]]), "'kind' of message 'slice' must be a string"),
+            (codec.pack([["run", 5, first_handle(sid), []]]), "never registered"),
+            (codec.pack([["program", first_handle(sid) + 1, graph, "parallel"]]), "before any node defines"),
+            (codec.pack([["program", first_handle(sid) + 1, {}, "eventually"]]), "graph"),
+            (codec.pack([["program", first_handle(sid) + 1, good, "eventually"]]),
+             "must be one of ['parallel', 'sequential']"),
+            (m.encode_batch([m.DefineProgram(victim, m.GRAPH.check(good, "graph"), "parallel")]),
              "does not belong to this session"),
-            (codec.pack([{"t": "fn", "id": first_handle(sid) + 2, "slice": s.id, "name": "x", "blob": b"",
-                          "ins": [], "outs": []}]), "not one of this session's slices"),
-            (codec.pack([{"t": "hello", "v": 999, "weight": 1}]), "protocol"),
-            (codec.pack([{"t": "hello", "v": codec.PROTOCOL_VERSION, "weight": -2}]), "weight"),
+            (m.encode_batch([m.DefineFunction(first_handle(sid) + 2, s.id, "x", b"", (), ())]),
+             "not one of this session's slices"),
+            (m.encode_batch([m.Hello(999, 1.0)]), "protocol"),
+            (codec.pack([["hello", m.PROTOCOL_VERSION, -2]]), "weight"),
+            (codec.pack([["hello", m.PROTOCOL_VERSION, float("nan")]]), "weight"),
         ]
         for payload, needle in bad_payloads:
             outbox.put(payload)
             reply = next_messages(replies)
-            assert reply[0]["t"] == "error" and needle in reply[0]["message"], (needle, reply)
+            assert type(reply[0]) is m.Error and needle in reply[0].message, (needle, reply)
         # a hostile delete of another session's array is ignored
-        outbox.put(codec.pack([{"t": "delete", "handles": [victim_array.handle]}]))
-        outbox.put(codec.pack([{"t": "cluster", "req": 9}]))
-        assert next_messages(replies)[0]["req"] == 9  # the same stream still works
+        outbox.put(m.encode_batch([m.Delete((victim_array.handle,))]))
+        outbox.put(m.encode_batch([m.ClusterRequest(9)]))
+        assert next_messages(replies)[0].req == 9  # the same stream still works
     finally:
         outbox.put(None)
         channel.close()
@@ -204,8 +207,7 @@ def test_malformed_worker_and_attach_messages_get_error_replies(cluster, session
             assert needle in reply.get("error", ""), (needle, reply)
         reply = [codec.unpack(r) for r in fetch(b"\x93garbage", timeout=10)]
         assert reply[0]["state"] == "error" and "msgpack" in reply[0]["message"]
-        reply = [codec.unpack(r) for r in fetch(codec.pack({"t": "fetch", "handle": 12345, "wait": 0.01,
-                                                             "data": True}), timeout=10)]
+        reply = [codec.unpack(r) for r in fetch(m.pack(m.FetchRequest(12345, 0.01, True).encode()), timeout=10)]
         assert reply == [{"state": "pending"}]
     finally:
         channel.close()
@@ -213,10 +215,10 @@ def test_malformed_worker_and_attach_messages_get_error_replies(cluster, session
     ctrl = rpc.open_channel(cluster.address)
     try:
         attach = rpc.method(ctrl, rpc.CONTROLLER_SERVICE, "Attach", "stream_stream")
-        replies = attach(iter([b"\x01\x02", codec.pack([{"t": "register", "address": "x"}])]), timeout=10)
-        messages = [m for r in replies for m in codec.unpack(r)]
-        assert [m["t"] for m in messages] == ["error", "error"]
-        assert "msgpack" in messages[0]["message"] and "lacks field" in messages[1]["message"]
+        replies = attach(iter([b"\x01\x02", codec.pack([["register", "x"]])]), timeout=10)
+        messages = [x for r in replies for x in m.WORKER_DOWN.decode_batch(r)]
+        assert [type(x) for x in messages] == [m.Notice, m.Notice]
+        assert "msgpack" in messages[0].message and "it takes 9" in messages[1].message
     except grpc.RpcError as e:
         assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     finally:

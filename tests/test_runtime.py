@@ -122,7 +122,7 @@ def test_program_is_one_submission_with_one_node_per_computation(session, monkey
     real_send = session.send
     monkeypatch.setattr(session, "send", lambda msg: (sent.append(msg), real_send(msg)))
     out = chain(x)
-    assert [m["t"] for m in sent] == ["run"]
+    assert [x.TAG for x in sent] == ["run"]
     graph = chain._cache[next(iter(chain._cache))].spec.graph
     assert len(graph.nodes) == 128
     np.testing.assert_array_equal(np.asarray(out), np.full(4, 128.0))
