@@ -78,6 +78,9 @@ def spec_from_wire(raw: Any, axis_names: list | tuple) -> tuple[SpecEntry, ...]:
         if not isinstance(names, list) or not all(isinstance(n, str) and n in axis_names for n in names):
             raise WireError(f"partition spec entry {entry!r} names no axis of mesh {list(axis_names)}")
         out.append(entry if isinstance(entry, str) else tuple(entry))
+    named = [n for e in out if e is not None for n in ((e,) if isinstance(e, str) else e)]
+    if len(set(named)) != len(named):
+        raise WireError(f"partition spec {raw} names a mesh axis more than once")
     return tuple(out)
 
 

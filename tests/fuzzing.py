@@ -131,7 +131,7 @@ def batch(table: m.Table, rng: random.Random, size: int, pin: dict[str, Any] | N
 
 def corrupt(payload: bytes, rng: random.Random) -> bytes:
     """The payload truncated, with random bytes, or replaced."""
-    choice = rng.randrange(4)
+    choice = rng.randrange(4) if len(payload) > 1 else 2
     if choice == 0:
         return payload[:rng.randrange(len(payload))]
     if choice == 1:

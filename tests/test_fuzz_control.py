@@ -130,7 +130,7 @@ def test_a_normal_client_is_served_correctly_after_tens_of_thousands_of_hostile_
         fetch = rpc.method(wchannel, rpc.WORKER_SERVICE, "Fetch", "unary_stream")
         put = rpc.method(wchannel, rpc.WORKER_SERVICE, "Put", "stream_unary")
         stats = rpc.method(wchannel, rpc.WORKER_SERVICE, "Stats", "unary_unary")
-        for i in range(MESSAGES // 2):
+        for i in range(MESSAGES):
             raw, bad = fuzzing.message(m.FETCH, rng, start={"wait": 0.0})
             try:
                 first = codec.unpack(next(iter(fetch(m.pack(raw), timeout=5))))

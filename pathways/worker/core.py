@@ -233,8 +233,9 @@ class WorkerCore:
             return self._receive(header, chunks, pieces)
         except WireError as e:
             return str(e)
-        except (TypeError, ValueError) as e:  # the array fields' reader (codec) on a hostile header
-            return f"malformed array header ({type(e).__name__}: {e})"
+        except Exception as e:  # JAX refusing a hostile layout for this array, say: refuse the put
+            log.warning("refused a put: %s: %s", type(e).__name__, e)
+            return f"the array cannot be stored as its header describes it ({type(e).__name__}: {e})"
 
     def _receive(self, header: Any, chunks: Optional[Iterator[bytes]], pieces: Optional[list]) -> Optional[str]:
         if type(header) is not dict:
