@@ -148,7 +148,9 @@ class Listener:
                     if not self._frame(conn):
                         return
                 except WireError as e:
-                    log.error("closing a data connection after a refused frame: %s", e)
+                    # the text, not the exception: a handler that keeps records would keep its
+                    # traceback, and with it the frame's buffers
+                    log.error("closing a data connection after a refused frame: %s", str(e))
                     return
                 except OSError:
                     return  # the peer left, or stalled within a frame
