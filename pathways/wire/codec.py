@@ -8,6 +8,7 @@ buffers that follow them, never pickled.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Iterable, Iterator
 
 import msgpack
@@ -30,7 +31,7 @@ def is_wire_dtype(dtype: np.dtype) -> bool:
 
 
 def is_wire_dtype_name(name: object) -> bool:
-    return name in _WIRE_DTYPES
+    return isinstance(name, str) and name in _WIRE_DTYPES  # a list or map is unhashable
 
 
 def pack(obj: Any) -> bytes:
@@ -54,24 +55,63 @@ def int_list(value: Any, what: str) -> list[int]:
 
 # ---- arrays -------------------------------------------------------------------------
 
+MAX_RANK = 64  # numpy's own limit on dimensions
+MAX_PIECES = 4096  # pieces of one array a sender may announce: more than any host holds
+_ALIGN = 64  # XLA's CPU client adopts host buffers aligned like this instead of copying them
+
+
+def host_memory_bytes() -> int:
+    """This host's physical memory: no array announced larger than it can be stored here."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised array aligned for XLA. np.empty maps large buffers without touching
+    them, so memory is committed page by page as data is written into it, never up front."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    try:
+        raw = np.empty(nbytes + _ALIGN, np.uint8)
+    except (MemoryError, ValueError) as e:
+        raise WireError(f"cannot allocate {nbytes} bytes for an incoming {dtype}{list(shape)} array "
+                        f"({type(e).__name__}); send it in smaller pieces or free memory on this host") from None
+    start = -raw.ctypes.data % _ALIGN
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
 def array_header(arr: np.ndarray) -> dict:
     return {"dtype": arr.dtype.name, "shape": list(arr.shape), "nbytes": arr.nbytes}
 
 
 def check_array_header(header: Any) -> tuple[np.dtype, tuple[int, ...], int]:
+    """The dtype, shape and size an array header announces; WireError for anything else,
+    whatever the types inside it, and for a size larger than this host's memory."""
     if not isinstance(header, dict):
         raise WireError("array header must be a map")
     dtype, shape, nbytes = header.get("dtype"), header.get("shape"), header.get("nbytes")
-    if dtype not in _WIRE_DTYPES:
-        raise WireError(f"array dtype {dtype!r} is not allowed on the wire")
+    if not is_wire_dtype_name(dtype):
+        raise WireError(f"array dtype {brief(dtype)} is not allowed on the wire; "
+                        f"use one of {sorted(_WIRE_DTYPES)}")
+    if not isinstance(shape, list) or len(shape) > MAX_RANK:
+        raise WireError(f"array shape must be a list of at most {MAX_RANK} sizes, got {brief(shape)}")
     shape = int_list(shape, "array shape")
-    if any(d < 0 for d in shape) or len(shape) > 64:
-        raise WireError(f"array shape {shape} is invalid")
+    if any(d < 0 for d in shape):
+        raise WireError(f"array shape {shape} has a negative size")
     np_dtype = _np_dtype(dtype)
     expect = math.prod(shape) * np_dtype.itemsize
-    if nbytes != expect:
-        raise WireError(f"array header says {nbytes!r} bytes but {dtype}{shape} needs {expect}")
+    if nbytes != expect or isinstance(nbytes, bool):
+        raise WireError(f"array header says {brief(nbytes)} bytes but {dtype}{shape} needs {expect}")
+    limit = host_memory_bytes()
+    if expect > limit:
+        raise WireError(f"a {dtype}{shape} array of {expect} bytes exceeds this host's {limit} bytes of "
+                        f"memory; shard it over more hosts")
     return np_dtype, tuple(shape), expect
+
+
+def brief(value: Any) -> str:
+    """A hostile value's repr, cut short for an error message."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _np_dtype(name: str) -> np.dtype:
@@ -91,10 +131,13 @@ def array_chunks(arr: np.ndarray) -> Iterator[bytes]:
 
 def assemble_array(header: Any, chunks: Iterable[bytes]) -> np.ndarray:
     """Rebuild an array from its header and the next raw chunks of ``chunks``, consuming
-    exactly the bytes the header announced (pass an iterator to read several in turn)."""
+    exactly the bytes the header announced (pass an iterator to read several in turn).
+    The array is aligned for XLA, and its memory is committed only as chunks arrive: a
+    header announcing gigabytes followed by a few bytes costs a few pages, not gigabytes."""
     dtype, shape, nbytes = check_array_header(header)
     chunks = iter(chunks)
-    buf = bytearray(nbytes)
+    array = aligned_empty(shape, dtype)
+    flat = array.reshape(-1).view(np.uint8)
     pos = 0
     while pos < nbytes:
         chunk = next(chunks, None)
@@ -104,9 +147,9 @@ def assemble_array(header: Any, chunks: Iterable[bytes]) -> np.ndarray:
             raise WireError("array chunk must be binary")
         if pos + len(chunk) > nbytes:
             raise WireError(f"array data exceeds the {nbytes} bytes its header announced")
-        buf[pos:pos + len(chunk)] = chunk
+        flat[pos:pos + len(chunk)] = np.frombuffer(chunk, np.uint8)
         pos += len(chunk)
-    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+    return array
 
 
 def expect_end(chunks: Iterable[bytes]) -> None:
@@ -136,22 +179,25 @@ def pieces_chunks(pieces: list[Piece]) -> Iterator[bytes]:
         yield from array_chunks(a)
 
 
-def piece_specs(header: dict) -> tuple[np.dtype, tuple[int, ...], list[tuple[Index, tuple[int, ...]]]]:
-    """The full array's dtype and shape and each announced piece's (index, shape), checked."""
+def piece_specs(header: Any) -> tuple[np.dtype, tuple[int, ...], list[tuple[Index, tuple[int, ...]]]]:
+    """The full array's dtype and shape and each announced piece's (index, shape), checked:
+    WireError for any other shape of header, at most MAX_PIECES pieces."""
+    if not isinstance(header, dict):
+        raise WireError("an array's header must be a map")
     dtype, shape, _ = check_array_header(header.get("array"))
     raw = header.get("pieces")
-    if not isinstance(raw, list):
-        raise WireError("array pieces must be a list")
+    if not isinstance(raw, list) or len(raw) > MAX_PIECES:
+        raise WireError(f"array pieces must be a list of at most {MAX_PIECES}; send more in separate puts")
     specs = []
     for p in raw:
         if not isinstance(p, dict) or not isinstance(p.get("index"), list) or len(p["index"]) != len(shape):
             raise WireError(f"an array piece needs an index of {len(shape)} [start, stop] pairs")
         index = tuple(tuple(int_list(i, "piece index")) for i in p["index"])
         if any(len(i) != 2 or not 0 <= i[0] <= i[1] <= d for i, d in zip(index, shape)):
-            raise WireError(f"piece index {p['index']} does not fit array shape {list(shape)}")
+            raise WireError(f"piece index {brief(p['index'])} does not fit array shape {list(shape)}")
         piece_dtype, piece_shape, _ = check_array_header(p.get("array"))
         if piece_dtype != dtype or piece_shape != tuple(b - a for a, b in index):
-            raise WireError(f"piece {piece_dtype}{list(piece_shape)} does not match its index {p['index']}")
+            raise WireError(f"piece {piece_dtype}{list(piece_shape)} does not match its index {brief(p['index'])}")
         specs.append((index, piece_shape))
     return dtype, shape, specs
 

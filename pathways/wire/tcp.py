@@ -22,6 +22,7 @@ so that it never shares a socket with array traffic.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import socket
@@ -39,40 +40,85 @@ from pathways.wire import codec
 log = logging.getLogger("pathways.wire")
 
 _LENGTH = struct.Struct("!I")
-_MAX_HEADER_BYTES = 16 * 1024 * 1024
+_MAX_HEADER_BYTES = 1 << 20  # a put header names a few pieces and a layout: kilobytes
+# A header byte can unpack into a 64-byte Python object (an empty list or map), so while a
+# frame's header lives, the frame is charged this many bytes per header byte.
+_HEADER_EXPANSION = 64
+# Beyond the per-read timeout, a frame must arrive at this average rate at least, so that
+# a peer trickling a byte per timeout cannot hold its reservation for ever.
+_MIN_FRAME_RATE = 1 << 20  # bytes per second
 _COALESCE_BYTES = 64 * 1024  # pieces up to this size are copied into the frame's one write
-_ALIGN = 64  # XLA's CPU client adopts host buffers aligned like this instead of copying them
 MAX_PROBE_BYTES = 8 * 1024 * 1024
 _PROBE_CHUNK = 1 << 20  # probe payloads are read into a scratch buffer this large, and discarded
+# accept() errors that mean "out of descriptors or memory for now", not "listener closed"
+_ACCEPT_RETRY = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED}
 
 # receive(header, pieces) stores one sender's part of an array; returns an error or None
 Receive = Callable[[dict, list], Optional[str]]
 
 
-def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    dtype = np.dtype(dtype)
-    nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + _ALIGN, np.uint8)
-    start = -raw.ctypes.data % _ALIGN
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
-
-
-def _recv_exactly(sock: socket.socket, view: memoryview) -> bool:
-    """Fill ``view`` from ``sock``; False if the peer closed the connection first."""
+def _recv_exactly(sock: socket.socket, view: memoryview, deadline: float | None = None) -> bool:
+    """Fill ``view`` from ``sock``; False if the peer closed the connection first. Past
+    ``deadline`` (time.monotonic()) raises WireError."""
     while view:
         n = sock.recv_into(view)
         if n == 0:
             return False
         view = view[n:]
+        if deadline is not None and view and time.monotonic() > deadline:
+            raise WireError(f"a data frame arrived slower than {_MIN_FRAME_RATE} bytes/s")
     return True
 
 
-class Listener:
-    """Accepts peers' connections on a loopback port and hands every frame to ``receive``."""
+class Budget:
+    """The bytes that frames being received may hold, across all connections of a listener.
+    A frame reserves its buffers here before allocating them and releases them once its
+    receiver has taken them, so many peers announcing large frames and trickling their
+    bytes cannot together hold more than ``capacity``."""
 
-    def __init__(self, receive: Receive, timeout: float, host: str = "127.0.0.1") -> None:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._used = 0
+        self._changed = threading.Condition()
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+    def reserve(self, nbytes: int, timeout: float) -> bool:
+        """Take ``nbytes``, waiting up to ``timeout`` seconds for other frames to finish;
+        False if they did not."""
+        if nbytes > self.capacity:
+            return False
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._used + nbytes <= self.capacity, timeout):
+                return False
+            self._used += nbytes
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self._changed:
+            self._used -= nbytes
+            self._changed.notify_all()
+
+
+class Listener:
+    """Accepts peers' connections on a loopback port and hands every frame to ``receive``.
+
+    Memory is bounded: a frame (its header and its pieces) may hold at most
+    ``connection_bytes`` (by default a quarter of this host's memory), and all frames being
+    received at once at most ``budget_bytes`` (by default half of it). A frame that cannot reserve its
+    bytes within ``timeout`` seconds is refused and its connection closed: waiting a while
+    lets a burst of legitimate transfers through one after another, and refusing after it
+    keeps a peer that never finishes from stalling every other one."""
+
+    def __init__(self, receive: Receive, timeout: float, host: str = "127.0.0.1",
+                 budget_bytes: int | None = None, connection_bytes: int | None = None) -> None:
         self._receive = receive
         self._timeout = timeout
+        memory = codec.host_memory_bytes()
+        self.budget = Budget(memory // 2 if budget_bytes is None else budget_bytes)
+        self._connection_bytes = memory // 4 if connection_bytes is None else connection_bytes
         self._server = socket.create_server((host, 0))
         self.address = f"tcp://{host}:{self._server.getsockname()[1]}"
         self._closed = False
@@ -82,10 +128,18 @@ class Listener:
         while not self._closed:
             try:
                 conn, _ = self._server.accept()
-            except OSError:
-                return  # closed
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn,), name="pathways-data-in", daemon=True).start()
+            except OSError as e:
+                if self._closed or e.errno not in _ACCEPT_RETRY:
+                    return  # closed
+                log.error("a data listener cannot accept connections for now (%s); retrying", e)
+                time.sleep(0.1)
+                continue
+            try:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                threading.Thread(target=self._serve, args=(conn,), name="pathways-data-in", daemon=True).start()
+            except (OSError, RuntimeError) as e:  # the peer left already; or no thread can start
+                log.error("dropped a data connection: %s: %s", type(e).__name__, e)
+                conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
@@ -93,10 +147,15 @@ class Listener:
                 try:
                     if not self._frame(conn):
                         return
-                except (WireError, ValueError, MemoryError) as e:
-                    log.error("closing a data connection after a malformed frame: %s: %s", type(e).__name__, e)
+                except WireError as e:
+                    # the text, not the exception: a handler that keeps records would keep its
+                    # traceback, and with it the frame's buffers
+                    log.error("closing a data connection after a refused frame: %s", str(e))
                     return
                 except OSError:
+                    return  # the peer left, or stalled within a frame
+                except Exception:  # a bug here or in the receiver must not go unnoticed, nor leak the connection
+                    log.exception("closing a data connection after an unexpected error")
                     return
 
     def _frame(self, conn: socket.socket) -> bool:
@@ -108,38 +167,60 @@ class Listener:
         (n,) = _LENGTH.unpack(length)
         if n > _MAX_HEADER_BYTES:
             raise WireError(f"a data frame header of {n} bytes exceeds {_MAX_HEADER_BYTES}")
-        raw = bytearray(n)
-        if not _recv_exactly(conn, memoryview(raw)):
-            return False
-        header = codec.unpack(bytes(raw))
-        if not isinstance(header, dict):
-            raise WireError("a data frame header must be a map")
-        if header.get("t") == "probe":
-            return self._answer_probe(conn, header)
-        pieces = []
-        if "poison" not in header:
-            dtype, _, specs = codec.piece_specs(header)
-            for index, shape in specs:
-                array = aligned_empty(shape, dtype)
-                if array.nbytes and not _recv_exactly(conn, memoryview(array.reshape(-1).view(np.uint8))):
-                    return False
-                pieces.append((index, array))
-        error = self._receive(header, pieces)
-        if error:
-            log.error("refused an array from a peer: %s", error)
-        return True
-
-    def _answer_probe(self, conn: socket.socket, header: dict) -> bool:
-        n = header.get("bytes")
-        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_PROBE_BYTES:
-            raise WireError(f"a probe carries 0 to {MAX_PROBE_BYTES} bytes, its header says {n!r}")
-        scratch = memoryview(bytearray(min(n, _PROBE_CHUNK)))
-        while n:
-            step = min(n, len(scratch))
-            if not _recv_exactly(conn, scratch[:step]):
+        held = 0
+        try:
+            held = self._reserve(n * _HEADER_EXPANSION, 0, "its header")
+            deadline = time.monotonic() + self._timeout + n / _MIN_FRAME_RATE
+            raw = bytearray(n)
+            if not _recv_exactly(conn, memoryview(raw), deadline):
                 return False
-            n -= step
-        conn.sendall(_probe_frame(header["bytes"]))
+            header = codec.unpack(bytes(raw))
+            del raw
+            if not isinstance(header, dict):
+                raise WireError("a data frame header must be a map")
+            if header.get("t") == "probe":
+                n = _probe_bytes(header)
+                held += self._reserve(min(n, _PROBE_CHUNK), held, "a probe")
+                return self._answer_probe(conn, n, deadline + n / _MIN_FRAME_RATE)
+            pieces = []
+            if "poison" not in header:
+                dtype, _, specs = codec.piece_specs(header)
+                sizes = [dtype.itemsize * math.prod(shape) for _, shape in specs]
+                held += self._reserve(sum(sizes), held, f"{len(specs)} pieces of a {dtype} array")
+                deadline += sum(sizes) / _MIN_FRAME_RATE
+                for (index, shape), size in zip(specs, sizes):
+                    array = codec.aligned_empty(shape, dtype)
+                    if size and not _recv_exactly(conn, memoryview(array.reshape(-1).view(np.uint8)), deadline):
+                        return False
+                    pieces.append((index, array))
+            error = self._receive(header, pieces)
+            if error:
+                log.error("refused an array from a peer: %s", error)
+            return True
+        finally:
+            self.budget.release(held)
+
+    def _reserve(self, nbytes: int, held: int, what: str) -> int:
+        """Reserve ``nbytes`` more for a frame already holding ``held``; WireError if the
+        frame would exceed its connection's cap, or the listener's budget stays short."""
+        if held + nbytes > self._connection_bytes:
+            raise WireError(f"a data frame needs {held + nbytes} bytes for {what}, more than the "
+                            f"{self._connection_bytes} bytes one connection may hold; send smaller pieces")
+        if not self.budget.reserve(nbytes, self._timeout):
+            raise WireError(f"a data frame needs {nbytes} bytes for {what} but frames on other connections "
+                            f"hold {self.budget.used} of this listener's {self.budget.capacity} for longer "
+                            f"than {self._timeout} s; retry when they are done, or send smaller pieces")
+        return nbytes
+
+    def _answer_probe(self, conn: socket.socket, n: int, deadline: float) -> bool:
+        scratch = memoryview(bytearray(min(n, _PROBE_CHUNK)))
+        left = n
+        while left:
+            step = min(left, len(scratch))
+            if not _recv_exactly(conn, scratch[:step], deadline):
+                return False
+            left -= step
+        conn.sendall(_probe_frame(n))
         return True
 
     def close(self) -> None:
@@ -150,6 +231,13 @@ class Listener:
         except OSError:
             pass
         self._server.close()
+
+
+def _probe_bytes(header: dict) -> int:
+    n = header.get("bytes")
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_PROBE_BYTES:
+        raise WireError(f"a probe carries 0 to {MAX_PROBE_BYTES} bytes, its header says {codec.brief(n)}")
+    return n
 
 
 class Links:
