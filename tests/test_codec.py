@@ -5,28 +5,6 @@ from pathways.errors import WireError
 from pathways.ir import Layout, Node, ProgramGraph
 from pathways.wire import codec
 
-SCHEMAS = {"ping": {"n": int, "name": str}}
-
-
-def test_batch_round_trip_and_validation():
-    batch = [{"t": "ping", "n": 1, "name": "a"}, {"t": "ping", "n": 2, "name": "b"}]
-    assert codec.unpack_batch(codec.pack_batch(batch), SCHEMAS) == batch
-
-
-@pytest.mark.parametrize("payload, needle", [
-    (b"\xc1\xff\x00garbage", "not valid msgpack"),
-    (codec.pack({"t": "ping"}), "must be a list"),
-    (codec.pack([1]), "must be a map"),
-    (codec.pack([{"t": "pong"}]), "unknown message type 'pong'"),
-    (codec.pack([{"t": "ping", "n": 1}]), "lacks field 'name'"),
-    (codec.pack([{"t": "ping", "n": "1", "name": "a"}]), "field 'n' of message 'ping' must be int"),
-    (codec.pack([{"t": "ping", "n": True, "name": "a"}]), "must be int, got bool"),
-])
-def test_malformed_batches_are_refused_with_a_reason(payload, needle):
-    with pytest.raises(WireError, match=needle):
-        codec.unpack_batch(payload, SCHEMAS)
-
-
 @pytest.mark.parametrize("array", [
     np.float32(3.5), np.arange(12, dtype=np.int64).reshape(3, 4), np.zeros((0, 5), np.float16),
     np.array([True, False]), np.linspace(0, 1, 5 * 1024 * 1024 // 8 + 3),  # spans two chunks

@@ -102,7 +102,7 @@ class ControllerCore:
             self.dispatcher.release_all(run, lost)
             for sender, receiver, copy in d.lowered.transfers:
                 if sender in lost and receiver not in lost and receiver in self.workers:
-                    self.workers[receiver].outbox.put(m.Poison((d.tbase + copy - d.nvalues,), LOST, message))
+                    self.workers[receiver].outbox.put(m.Poisoned((d.tbase + copy - d.nvalues,), LOST, message))
         for run in (*queued, *flying):
             self._poison(run.session, run.payload.outputs.values(), LOST, message)
         for run in queued:

@@ -231,7 +231,8 @@ class ClusterReply(Message):
 
 @message("poisoned")
 class Poisoned(Message):
-    """These handles of the session will never hold a value: reading them raises ``kind``."""
+    """These handles will never hold a value: reading them raises ``kind``. To a client:
+    its arrays; to a worker: copies on their way to it from a lost host."""
 
     handles: tuple[int, ...] = wire(HANDLES)
     kind: str = wire(Str(32, POISON_KINDS))
@@ -364,13 +365,6 @@ class DropSession(Message):
     programs: tuple[int, ...] = wire(Seq(Int(1)))
 
 
-@message("poison")
-class Poison(Message):
-    handles: tuple[int, ...] = wire(HANDLES)
-    kind: str = wire(Str(32, POISON_KINDS))
-    message: str = wire(TEXT)
-
-
 @message("shutdown")
 class Shutdown(Message):
     reason: str = wire(TEXT)
@@ -413,7 +407,7 @@ SESSION_UP = Table("session (client to controller)", Hello, SliceRequest, Cluste
 SESSION_DOWN = Table("session (controller to client)", SessionWelcome, SliceReply, ClusterReply, Poisoned, Error)
 WORKER_UP = Table("attach (worker to controller)", Register, Done, Step, Notice, Measured)
 WORKER_DOWN = Table("attach (controller to worker)", WorkerWelcome, Peers, Compile, Define, RunProgram, Delete,
-                    DropSession, Poison, Shutdown, Go, Measure, Notice)
+                    DropSession, Poisoned, Shutdown, Go, Measure, Notice)
 MEASURE = Table("measure request", MeasureRequest)
 FETCH = Table("fetch request", FetchRequest)
 

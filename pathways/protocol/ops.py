@@ -83,8 +83,11 @@ def decode_op(raw: Any, nregs: int) -> tuple:
 
 def encode_op(op: tuple) -> list:
     """The wire form of a checked op tuple (the lowering's ops are already lists)."""
-    code = op[0]
-    return [int(code), *(c.encode(v) for c, v in zip(_FIELDS[code], op[1:]))]
+    code, *values = op
+    if code is Op.SEND:  # regions back to flat [start, stop, ...] lists
+        values[3] = [(receiver, senders, [[x for pair in region for x in pair] for region in regions])
+                     for receiver, senders, regions in values[3]]
+    return [int(code), *(c.encode(v) for c, v in zip(_FIELDS[code], values))]
 
 
 def _registers(op: Op, values: list) -> list[int]:

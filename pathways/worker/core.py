@@ -32,7 +32,7 @@ from pathways.protocol.check import MAX_TEXT, Int, Str
 from pathways.protocol.errors import POISON_KINDS, REMOTE
 from pathways.protocol.handles import MAX_HANDLE
 from pathways.protocol.messages import (Compile, Define, Delete, Done, DropSession, FetchRequest, Go, Malformed,
-                                        Measure, Message, Notice, Peers, Poison as PoisonMessage, RunProgram,
+                                        Measure, Message, Notice, Peers, Poisoned, RunProgram,
                                         Shutdown, Step, WorkerWelcome, WORKER_DOWN)
 from pathways.protocol.ops import LAYOUT, MAX_SENDERS
 from pathways.wire import codec, tcp
@@ -136,7 +136,7 @@ class WorkerCore:
             self.executor.define(msg)
         elif kind is Compile:
             self.executables.register(msg.fn, msg.name, msg.blob, list(msg.ins), list(msg.outs))
-        elif kind is PoisonMessage:
+        elif kind is Poisoned:
             for h in msg.handles:
                 self.store.put(h, Poison(msg.message, msg.kind), replace=False)
         elif kind is DropSession:

@@ -1,0 +1,113 @@
+"""The typed protocol: every message kind round-trips through its table, and everything a
+peer can get wrong is refused with a WireError that names the field."""
+
+import math
+import random
+
+import pytest
+
+from pathways import errors
+from pathways.errors import WireError
+from pathways.protocol import check as c
+from pathways.protocol import messages as m
+from pathways.protocol.errors import error_of, kind_of
+from pathways.protocol.handles import first_handle, fits, session_of, value_handle
+from pathways.protocol.ops import Op, decode_op, encode_op
+from tests import fuzzing
+
+TABLES = [m.SESSION_UP, m.SESSION_DOWN, m.WORKER_UP, m.WORKER_DOWN, m.FETCH, m.MEASURE]
+
+
+@pytest.mark.parametrize("table", TABLES, ids=lambda t: t.name)
+def test_every_message_kind_round_trips_through_its_table(table):
+    rng = random.Random(1)
+    for cls in table.kinds.values():
+        for _ in range(5):
+            msg = table.decode(fuzzing.valid(cls, rng))
+            assert type(msg) is cls
+            assert table.decode_batch(m.encode_batch([msg])) == [msg]
+
+
+@pytest.mark.parametrize("payload, needle", [
+    (b"\xc1\xff\x00garbage", "not valid msgpack"),
+    (m.pack({"t": "hello"}), "must be a list of messages"),
+])
+def test_a_payload_that_is_no_batch_is_refused(payload, needle):
+    with pytest.raises(WireError, match=needle):
+        m.SESSION_UP.decode_batch(payload)
+
+
+@pytest.mark.parametrize("raw, needle", [
+    (1, "must be a list \\[tag"),
+    (["pong"], "unknown message 'pong'"),
+    (["hello", 2], "has 1 fields; it takes 2"),
+    (["hello", "2", 1.0], "'version' of message 'hello' must be an integer, got str"),
+    (["hello", True, 1.0], "must be an integer, got bool"),
+    (["hello", 2, float("nan")], "finite number"),
+    (["hello", 2, float("inf")], "finite number"),
+    (["hello", 2, 0], r"in \(0, 1e\+06\]"),
+    (["slice", 1, {"cpu": 1}, 1, None, None, False], "'kind' of message 'slice' must be a string, got dict"),
+    (["slice", 1, "qpu", 1, None, None, False], "must be one of"),
+    (["slice", 1, "cpu", 1, [2] * 17, None, False], "must have 1 to 16 entries"),
+    (["delete", [1, "2"]], "an entry of field 'handles'"),
+    (["delete", [-1]], r"must be in \[0,"),
+    (["fn", 1, 1, "x" * 5000, b"", [], []], "at most 1024"),
+    (["run", 1, 1, [[0, 1, 2]]], "a list of 2 entries"),
+    (["program", 1, {"nvalues": 2 ** 40}, "parallel"], "nvalues"),
+])
+def test_a_malformed_message_is_refused_with_its_field_named(raw, needle):
+    with pytest.raises(WireError, match=needle):
+        m.SESSION_UP.decode(raw)
+    [malformed] = m.SESSION_UP.decode_batch(m.pack([raw]))
+    assert type(malformed) is m.Malformed and isinstance(malformed.error, WireError)
+
+
+def test_a_malformed_request_keeps_its_request_id_so_the_caller_hears_back():
+    [bad] = m.SESSION_UP.decode_batch(m.pack([["slice", 42, ["cpu"], 1, None, None, False]]))
+    assert (bad.tag, bad.req) == ("slice", 42)
+
+
+def test_waits_are_bounded_and_never_nan():
+    for wait in (float("nan"), float("inf"), -1.0, m.MAX_WAIT_SECONDS * 2):
+        with pytest.raises(WireError):
+            m.FETCH.decode(["fetch", 1, wait, True])
+    assert m.FETCH.decode(["fetch", 1, 0, True]).wait == 0.0
+
+
+def test_checkers_bound_what_they_accept():
+    assert c.Seq(c.Int(0, 9), max_len=3).check([1, 2], "x") == (1, 2)
+    with pytest.raises(WireError, match="0 to 3 entries"):
+        c.Seq(c.Int(0, 9), max_len=3).check([1] * 4, "x")
+    with pytest.raises(WireError, match="at most 4"):
+        c.Bytes(4).check(b"12345", "x")
+    with pytest.raises(WireError, match="is malformed"):
+        c.Custom(lambda raw: raw["k"], lambda v: v).check([], "x")
+    assert math.isclose(c.Float(0, 1).check(1, "x"), 1.0)
+
+
+def test_ops_decode_only_within_their_register_file():
+    layout = fuzzing.LAYOUT
+    send = [int(Op.SEND), 1, 2, layout, [[1, 1, [[0, 2]]]]]
+    op = decode_op(send, nregs=3)
+    assert op[0] is Op.SEND and op[4] == ((1, 1, (((0, 2),),)),)
+    assert encode_op(decode_op([int(Op.IN), 0, True], 1)) == [0, 0, True]
+    for raw, needle in [([int(Op.IN), 5, True], "register 5 outside 0..2"), ([99, 0], "op code"),
+                        (["in", 0, True], "op code"), ([int(Op.EXEC), 1, [0]], "takes 3"),
+                        ([int(Op.SEND), 1, 2, layout, [[1, 1, [[0]]]]], "start, stop")]:
+        with pytest.raises(WireError, match=needle):
+            decode_op(raw, nregs=3)
+
+
+def test_handle_arithmetic():
+    h = first_handle(3) + 5
+    assert session_of(h) == 3 and fits(h, 10) and not fits(first_handle(3) + (1 << 40) - 2, 5)
+    assert value_handle(0, base=100, tbase=900, nvalues=4, args={0: 7}) == 7
+    assert value_handle(2, base=100, tbase=900, nvalues=4, args={}) == 102
+    assert value_handle(5, base=100, tbase=900, nvalues=4, args={}) == 901
+
+
+def test_error_kinds_map_to_the_errors_readers_raise():
+    assert type(error_of("WorkerLostError", "x")) is errors.WorkerLostError
+    assert type(error_of("NoSuchError", "x", errors.RemoteError)) is errors.RemoteError
+    assert kind_of(errors.PlacementError("x")) == "PlacementError"
+    assert kind_of(errors.SpmdError("x")) == "PathwaysError"
