@@ -263,6 +263,11 @@ def launch(num_processes: int, script: str, argv: Sequence[str] = (), devices_pe
         pending = set(range(num_processes))
         while pending:
             if time.monotonic() > deadline:
+                if code:  # the grace after a failure ran out: the others wait for the failed one
+                    print(f"pathways spmd: process(es) {sorted(pending)} still running "
+                          f"{_FAILURE_GRACE_SECONDS:g} s after the failure (likely waiting in a collective); "
+                          "stopping them", file=sys.stderr)
+                    return code
                 print(f"pathways spmd: {sorted(pending)} still running after {timeout:g} s; stopping",
                       file=sys.stderr)
                 return 124
