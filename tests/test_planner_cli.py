@@ -40,15 +40,21 @@ def test_pipeline_memory_weighted_strategy_is_selectable(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("method", ["heft", "optimal"])
-def test_dag_example_prints_the_schedule_and_writes_png_next_to_the_file_by_default(method, tmp_path, capsys):
-    path = tmp_path / "dag.json"
+def test_dag_example_prints_the_schedule_and_writes_png_in_the_current_directory_by_default(
+        method, tmp_path, capsys, monkeypatch):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "out").mkdir()
+    path = tmp_path / "in" / "dag.json"
     shutil.copy(os.path.join(EXAMPLES, "dag.json"), path)
+    monkeypatch.chdir(tmp_path / "out")
     assert main(["dag", str(path), "--method", method, "--time-limit", "20"]) == 0
     text = capsys.readouterr().out
     assert f"schedule: method {method}" in text and "makespan" in text and "lower bound" in text
     for task in ("load", "embed", "block0", "block1", "aux", "head", "loss", "metrics"):
         assert f"\n{task} " in text
-    assert is_png(tmp_path / "dag.png")
+    assert is_png(tmp_path / "out" / "dag.png"), "the chart goes to the current directory"
+    assert not (tmp_path / "in" / "dag.png").exists(), "not next to the input"
+    assert f"Gantt chart written to {tmp_path / 'out' / 'dag.png'}" in text
 
 
 def write(tmp_path, data) -> str:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import cloudpickle
 
-from pathways.cluster import PARENT_PID_ENV, free_port, stop_processes
+from pathways.cluster import PARENT_PID_ENV, child_log_env, free_port, stop_processes
 from pathways.errors import DeadlineExceededError, SpmdError
 from pathways.spmd import _child
 
@@ -70,7 +70,7 @@ class _Group:
         coordinator = f"127.0.0.1:{free_port()}"
         try:
             for rank in range(num_processes):
-                env = {**os.environ, PARENT_PID_ENV: str(os.getpid()), _child.ENV_COORDINATOR: coordinator,
+                env = {**os.environ, PARENT_PID_ENV: str(os.getpid()), **child_log_env(), _child.ENV_COORDINATOR: coordinator,
                        _child.ENV_PROCESSES: str(num_processes), _child.ENV_RANK: str(rank),
                        _child.ENV_DEVICES: str(devices_per_process), _child.ENV_INIT_TIMEOUT: str(init_timeout)}
                 env.pop(_child.ENV_FD, None)
