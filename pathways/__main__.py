@@ -8,15 +8,24 @@ import logging
 import os
 import signal
 import sys
-import time
 
 
 def _logging(level: str) -> None:
+    # Child processes (a local cluster's controller and workers) log at the same level.
+    os.environ["PATHWAYS_LOG_LEVEL"] = level
     logging.basicConfig(level=getattr(logging, level.upper(), logging.WARNING),
                         format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # stdout closed early (`pathways status | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the exit flush cannot fail
+        return 128 + signal.SIGPIPE
+
+
+def _main(argv: list[str] | None) -> int:
     from pathways.bench.suite import EXPERIMENTS
     from pathways.defaults import DEFAULT_WINDOW
 
@@ -83,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("plan_args", nargs=argparse.REMAINDER,
                       help="pipeline|dag FILE.json [options]; see `python -m pathways plan --help`")
 
-    args = parser.parse_args(argv)
+    # Known arguments only, so that `plan --help` reaches the planner's own parser.
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args.command != "plan":
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     _logging(args.log_level)
 
     if args.command in ("controller", "worker"):
@@ -111,8 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pathways cluster up at {cluster.address}; export PATHWAYS_ADDRESS={cluster.address}", flush=True)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the cluster on SIGTERM too
         try:
-            while True:
-                time.sleep(3600)
+            while not cluster.controller_exited.wait(3600):
+                pass
+            print(f"pathways up: the controller exited with code {cluster.controller_code}; stopping the cluster",
+                  file=sys.stderr)
+            return 1
         except KeyboardInterrupt:
             pass
         finally:
@@ -148,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "plan":
         from pathways.planner.cli import main as plan_main
 
-        return plan_main(args.plan_args)
+        return plan_main([*unknown, *args.plan_args])
     return 0
 
 

@@ -35,6 +35,10 @@ log = logging.getLogger("pathways.cluster")
 
 _GRACE_SECONDS = 3.0
 PARENT_PID_ENV = "PATHWAYS_PARENT_PID"
+LOG_LEVEL_ENV = "PATHWAYS_LOG_LEVEL"
+# Workers' fd 1 goes to the client's stderr: C++ libraries (gloo) print notices on stdout,
+# which belongs to the user's program.
+_STDERR_FD = 2
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,16 @@ class Island:
 
 def _python_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "pathways", *args]
+
+
+def child_log_env() -> dict[str, str]:
+    """The environment that makes child processes log like this one: at PATHWAYS_LOG_LEVEL
+    (or this process's level). Their C++ logs (XLA, its coordination service: start-up
+    notices and warnings) follow it too: errors only, unless the level is INFO or DEBUG.
+    TF_CPP_MIN_LOG_LEVEL is set here whatever its value, since JAX sets it on import."""
+    level = os.environ.get(LOG_LEVEL_ENV) or logging.getLevelName(logging.getLogger("pathways").getEffectiveLevel())
+    verbose = getattr(logging, level.upper(), logging.WARNING) <= logging.INFO
+    return {LOG_LEVEL_ENV: level, "TF_CPP_MIN_LOG_LEVEL": "0" if verbose else "2"}
 
 
 def free_port() -> int:
@@ -77,6 +91,10 @@ class LocalCluster:
         self._token: Optional[trio.lowlevel.TrioToken] = None
         self._cancel: Optional[trio.CancelScope] = None
         self._thread: Optional[threading.Thread] = None
+        # Set when the controller exits while the cluster runs (controller_code is its exit code):
+        # the cluster is then of no use, and `pathways up` exits.
+        self.controller_exited = threading.Event()
+        self.controller_code: Optional[int] = None
 
     @classmethod
     def of_hosts(cls, hosts: int, devices_per_host: int) -> "LocalCluster":
@@ -122,7 +140,7 @@ class LocalCluster:
                 if self._stopping:
                     return
                 with trio.fail_after(self.start_timeout):
-                    env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
+                    env = {**os.environ, PARENT_PID_ENV: str(os.getpid()), **child_log_env()}
                     controller = await trio.lowlevel.open_process(
                         _python_cmd("controller", "--policy", self.policy, "--window", str(self.window)),
                         stdout=subprocess.PIPE, env=env)
@@ -137,7 +155,7 @@ class LocalCluster:
                                 _python_cmd("worker", "--controller", address,
                                             "--devices", str(island.devices_per_host),
                                             "--island", str(island_id), "--rank", str(rank), *group, *debug),
-                                env=env))
+                                env=env, stdout=_STDERR_FD))
                     self.pids = [p.pid for p in procs]
                     for p in procs:
                         nursery.start_soon(self._watch, p)
@@ -163,6 +181,9 @@ class LocalCluster:
         if not self._stopping:
             log.log(logging.INFO if code == 0 else logging.ERROR,
                     "pathways process %d (%s) exited with code %s", proc.pid, proc.args[3], code)
+            if proc.args[3] == "controller":
+                self.controller_code = code
+                self.controller_exited.set()
             if not self._ready.is_set():
                 self._failure = f"process {proc.args[3]} exited with code {code} during start-up"
                 self._ready.set()

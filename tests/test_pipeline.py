@@ -53,3 +53,23 @@ def test_pipeline_across_two_islands_matches_plain_jax(client):
     assert len({s.workers[0] for s in slices}) == 4, "every stage should have a host of its own"
     train_and_check(SMALL, slices)
 
+
+
+def test_the_example_defines_its_model_and_matches_plain_jax():
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    example = os.path.join(root, "examples", "pipeline.py")
+    with open(example) as f:
+        source = f.read()
+    assert not re.search(r"^(from|import) pathways\.bench", source, re.M), "a reader must see the model in the example"
+    assert "def stage_forward" in source
+    done = subprocess.run([sys.executable, example, "--steps", "3"], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "one step: a program of 32 compiled-function calls" in done.stdout
+    steps = re.findall(r"^\s+\d+\s+(\S+)\s+(\S+)$", done.stdout, re.M)
+    assert len(steps) == 3 and all(a == b for a, b in steps), done.stdout
+    assert float(steps[-1][0]) < float(steps[0][0]), "training reduces the loss"

@@ -40,15 +40,21 @@ def test_pipeline_memory_weighted_strategy_is_selectable(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("method", ["heft", "optimal"])
-def test_dag_example_prints_the_schedule_and_writes_png_next_to_the_file_by_default(method, tmp_path, capsys):
-    path = tmp_path / "dag.json"
+def test_dag_example_prints_the_schedule_and_writes_png_in_the_current_directory_by_default(
+        method, tmp_path, capsys, monkeypatch):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "out").mkdir()
+    path = tmp_path / "in" / "dag.json"
     shutil.copy(os.path.join(EXAMPLES, "dag.json"), path)
+    monkeypatch.chdir(tmp_path / "out")
     assert main(["dag", str(path), "--method", method, "--time-limit", "20"]) == 0
     text = capsys.readouterr().out
     assert f"schedule: method {method}" in text and "makespan" in text and "lower bound" in text
     for task in ("load", "embed", "block0", "block1", "aux", "head", "loss", "metrics"):
         assert f"\n{task} " in text
-    assert is_png(tmp_path / "dag.png")
+    assert is_png(tmp_path / "out" / "dag.png"), "the chart goes to the current directory"
+    assert not (tmp_path / "in" / "dag.png").exists(), "not next to the input"
+    assert f"Gantt chart written to {tmp_path / 'out' / 'dag.png'}" in text
 
 
 def write(tmp_path, data) -> str:
@@ -112,3 +118,33 @@ def test_benchmark_tiny_run_produces_tables_summary_and_plot(tmp_path):
     assert bench.notes(data).strip()
     bench.plot(data, str(tmp_path / "planner.png"))
     assert is_png(tmp_path / "planner.png")
+
+
+def test_dag_chart_draws_transfers_with_their_time_and_names_narrow_tasks(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    from pathways.planner import Task, schedule
+    from pathways.planner.gantt import plot_schedule, transfers
+
+    topo = Topology([Device("a", 1 << 30, 1e12), Device("b", 1 << 30, 1e12)],
+                    default_link=Link(latency=0.0, bandwidth=1e6))
+    tasks = [Task("load", durations={"a": 1.0}), Task("tiny", durations={"a": 0.001}, deps={"load": 0}),
+             Task("train", durations={"b": 1.0}, deps={"load": 500_000})]  # 0.5 s over the link
+    plan = schedule(tasks, topo, "heft")
+    assert transfers(plan) == [("load", "train", 1.0, 1.5)]
+    assert plan.placements["train"].start >= 1.5
+    drawn = {}
+    real_savefig = Figure.savefig
+
+    def spy(fig, *args, **kwargs):  # what the chart holds, read just before it is written
+        ax = fig.axes[0]
+        drawn["texts"] = [t.get_text() for t in ax.texts]
+        drawn["hatched"] = [c for c in ax.collections if c.get_hatch()]
+        return real_savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", spy)
+    plot_schedule(plan, str(tmp_path / "dag.png"))
+    assert is_png(tmp_path / "dag.png")
+    assert "500 ms" in drawn["texts"], drawn["texts"]  # the transfer, labelled with its time
+    assert len(drawn["hatched"]) == 1
+    assert {"load", "tiny", "train"} <= set(drawn["texts"]), "every task is named, the narrow one too"

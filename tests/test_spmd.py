@@ -193,3 +193,27 @@ def test_the_example_trains_identically_in_both_modes():
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 0, done.stderr
     assert "identical: True" in done.stdout
+
+
+EARLY_FAILURE = """
+import jax
+import jax.numpy as jnp
+from jax.experimental import multihost_utils
+
+if jax.process_index() == 1:
+    raise RuntimeError("rank 1 fails before the collective")
+multihost_utils.process_allgather(jnp.array([1.0]))  # rank 0 waits here for rank 1
+"""
+
+
+def test_cli_exits_with_the_failing_code_when_the_others_wait_in_a_collective(tmp_path):
+    script = tmp_path / "early.py"
+    script.write_text(textwrap.dedent(EARLY_FAILURE))
+    started = time.monotonic()
+    failed = subprocess.run([sys.executable, "-m", "pathways", "spmd", "--timeout", "60", "2", str(script)],
+                            capture_output=True, text=True, timeout=120)
+    assert failed.returncode == 1, failed.stderr  # the failing process's code, not the timeout's 124
+    assert "process 1 exited with code 1" in failed.stderr
+    assert "after the failure" in failed.stderr and "after 60 s" not in failed.stderr, failed.stderr
+    assert time.monotonic() - started < 45
+    assert not spmd_processes(), "the command left processes behind"

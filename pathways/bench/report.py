@@ -58,8 +58,25 @@ def ratio(a: dict[str, float], b: dict[str, float]) -> float:
 
 
 def rate(s: dict[str, float], digits: int = 0) -> str:
-    """``median (min-max)`` of a rate."""
+    """``median (min-max)`` of a rate; just the value when it is one round's."""
+    if s.get("n") == 1:
+        return f"{s['median']:,.{digits}f}"
     return f"{s['median']:,.{digits}f} ({s['min']:,.{digits}f}-{s['max']:,.{digits}f})"
+
+
+# The short names of the benchmarks' modes, explained under the tables that use them.
+LEGEND = {
+    "JAX-O": "multi-controller JAX (pw.spmd), one jitted call per computation, dispatched asynchronously",
+    "JAX-F": "multi-controller JAX, the computations fused in one jitted loop",
+    "PW-O": "pathways op by op: every call its own submission from the client",
+    "PW-C": "pathways, a @pw.program chaining the calls: one submission per chain",
+    "PW-F": "pathways running the fused function",
+}
+
+
+def legend(text: str) -> list[str]:
+    """``NAME: meaning`` for every short name of LEGEND that ``text`` uses."""
+    return [f"{name}: {meaning}" for name, meaning in LEGEND.items() if name in text]
 
 
 def times(x: float) -> str:

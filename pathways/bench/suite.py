@@ -67,8 +67,12 @@ def run(name: str, rounds: Optional[int] = None, tiny: bool = False, json_path: 
                     "command": command(name, rounds if rounds != mod.ROUNDS else None)}
     if not quiet:
         print(f"\n{mod.TITLE}" + (f" (the paper's {mod.PAPER})" if mod.PAPER else ""))
-        for t in mod.tables(data):
-            print("\n" + t.text())
+        tables = [t.text() for t in mod.tables(data)]
+        for t in tables:
+            print("\n" + t)
+        names = report.legend("\n".join(tables))
+        if names:
+            print("\n" + "\n".join(names))
         print()
         for line in mod.summary(data):
             print(f"- {line}")

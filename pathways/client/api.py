@@ -31,7 +31,9 @@ def connect(address: Optional[str] = None, timeout: float = 30.0, weight: float 
     """Connect to a controller and make it the default session.
 
     ``address`` is ``grpc://host:port``; without it, ``PATHWAYS_ADDRESS`` is used, and
-    without that an embedded local cluster is started (and stopped at exit). ``weight`` is
+    without that an embedded local cluster is started (and stopped at exit). ``timeout`` is
+    how many seconds to wait for the controller to answer; a refused connection raises
+    ``ConnectError`` within about 2 s, and an address of another form at once. ``weight`` is
     this client's share of the devices under the controller's fair policy: clients that
     keep an island busy get device time in proportion to their weights.
     """

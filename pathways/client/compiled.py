@@ -209,7 +209,12 @@ def _flat_specs(specs: Any, treedef: Any, n: int, what: str) -> list[PartitionSp
         full = jax.tree.broadcast(specs, jax.tree.unflatten(treedef, [0] * n), is_leaf=_is_spec_leaf)
         flat = jax.tree.leaves(full, is_leaf=_is_spec_leaf)
     except (ValueError, TypeError) as e:
-        raise SignatureError(f"{what} does not match the structure {treedef}: {e}") from None
+        # As jax.jit says: in_shardings is a prefix of the tuple of arguments, so the specs of
+        # one dict or list argument must be wrapped in a one-element tuple.
+        tip = (f"; in_shardings is a prefix of the tuple of arguments: for one {type(specs).__name__} argument, "
+               f"wrap its specs in a one-element tuple, in_shardings=({specs!r},)"
+               if what.endswith("in_shardings") and not isinstance(specs, tuple) else "")
+        raise SignatureError(f"{what} does not match the structure {treedef}: {e}{tip}") from None
     if len(flat) != n:
         raise SignatureError(f"{what} gives {len(flat)} specs for {n} arrays of structure {treedef}")
     return [s or PartitionSpec() for s in flat]

@@ -165,8 +165,12 @@ class Program:
         try:
             with tracing(trace):
                 result = self.fun(*jax.tree.unflatten(treedef, [Traced(trace, v, trace.avals[v]) for v in arg_values]))
+        except ProgramTraceError as e:  # raised by a traced value (e.g. np.sin(x)) or a call: name the program
+            if str(e).startswith(f"program {self.__name__} "):
+                raise
+            raise ProgramTraceError(f"program {self.__name__}: {e}").with_traceback(e.__traceback__) from None
         except (TypeError, ValueError) as e:
-            if isinstance(e, ProgramTraceError) or "Traced(" not in str(e):
+            if "Traced(" not in str(e):
                 raise
             raise ProgramTraceError(
                 f"program {self.__name__} passed a traced value to a JAX or NumPy function, so it was "

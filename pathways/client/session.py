@@ -33,6 +33,8 @@ DEFAULT_TIMEOUT = 300.0
 _FLUSH_SECONDS = 0.05
 _POLL_SECONDS = 1.0  # a long wait for an array is split so news of a lost worker cuts it short
 _VERDICT_SECONDS = 3.0  # how long a failed fetch waits for the controller to say why
+_CONNECT_ADVICE = (f"{rpc.START_ADVICE}, or call pw.connect() with no address (and PATHWAYS_ADDRESS unset) "
+                   "to start an embedded one")
 
 
 class Session:
@@ -44,7 +46,11 @@ class Session:
         self.poisoned: dict[int, tuple[type[errors.PathwaysError], str]] = {}
         self._owned_cluster = owned_cluster
         self._channel = rpc.open_channel(address)
-        rpc.wait_ready(self._channel, address, timeout)
+        try:
+            rpc.wait_ready(self._channel, address, timeout, advice=_CONNECT_ADVICE)
+        except BaseException:
+            self._channel.close()
+            raise
         self._outbox = rpc.Outbox()
         self._lock = threading.Lock()
         self._deletes: deque[int] = deque()

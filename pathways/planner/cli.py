@@ -41,14 +41,19 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="kind", required=True)
     pipe = sub.add_parser("pipeline", help="split a model's layers over the devices as a ring pipeline")
     pipe.add_argument("file", help="JSON file: topology and layers")
-    pipe.add_argument("--objective", choices=OBJECTIVES, default="latency")
-    pipe.add_argument("--strategy", choices=STRATEGIES, default="optimal")
+    pipe.add_argument("--objective", choices=OBJECTIVES, default="latency",
+                      help="minimize one token's time through the ring (latency), or maximize microbatches "
+                           "per second (throughput, the slowest stage)")
+    pipe.add_argument("--strategy", choices=STRATEGIES, default="optimal",
+                      help="optimal: exact (CP-SAT); memory_weighted: exo's layers in proportion to memory")
     pipe.add_argument("--microbatches", type=int, default=4, help="microbatches drawn in the Gantt chart")
     dag = sub.add_parser("dag", help="schedule a task graph on the devices")
     dag.add_argument("file", help="JSON file: topology and tasks")
-    dag.add_argument("--method", choices=METHODS, default="heft")
+    dag.add_argument("--method", choices=METHODS, default="heft",
+                     help="heft: the list-scheduling heuristic; optimal: exact (CP-SAT) within --time-limit")
     for p in (pipe, dag):
-        p.add_argument("--png", help="where to write the Gantt chart (default: FILE with .png)")
+        p.add_argument("--png", help="where to write the Gantt chart (default: FILE's name with .png, in the "
+                                     "current directory)")
         p.add_argument("--time-limit", type=float, default=10.0, help="seconds the optimal solver may take")
     return parser
 
@@ -59,7 +64,8 @@ def main(argv: Sequence[str]) -> int:
         args = _parser().parse_args(list(argv))
     except SystemExit as e:  # argparse has printed the usage error or the help
         return int(e.code or 0)
-    png = args.png or os.path.splitext(args.file)[0] + ".png"
+    # By default in the current directory, not next to the input (which may be the package's examples).
+    png = args.png or os.path.splitext(os.path.basename(args.file))[0] + ".png"
     try:
         data = _read(args.file)
         topology = Topology.from_dict({k: v for k, v in data.items() if k in ("devices", "links", "default_link")})
@@ -78,7 +84,7 @@ def main(argv: Sequence[str]) -> int:
     except PlanError as e:
         print(f"error: {args.file}: {e}", file=sys.stderr)
         return 2
-    print(f"Gantt chart: {png}")
+    print(f"Gantt chart written to {os.path.abspath(png)}")
     return 0
 
 

@@ -28,8 +28,28 @@ def _pyplot():
     return plt
 
 
+def transfers(schedule: Schedule) -> list[tuple[str, str, float, float]]:
+    """The data moves of ``schedule`` between devices: ``(from task, to task, start, end)``,
+    each starting when its producer ends and taking the link's time for the bytes it
+    carries (empty when the schedule does not carry its tasks and topology)."""
+    if schedule.topology is None:
+        return []
+    moves = []
+    for task in schedule.tasks:
+        dst = schedule.placements[task.id]
+        for pred, nbytes in task.deps.items():
+            src = schedule.placements[pred]
+            if src.device != dst.device:
+                moves.append((pred, task.id, src.end,
+                              src.end + schedule.topology.transfer_time(src.device, dst.device, nbytes)))
+    return moves
+
+
 def plot_schedule(schedule: Schedule, path: str, title: str = "") -> None:
-    """Write a Gantt chart of ``schedule`` to ``path``: one row per device, one bar per task."""
+    """Write a Gantt chart of ``schedule`` to ``path``: one row per device, one bar per task
+    (named inside it, or above it when it is too narrow), and for every dependency between
+    devices a hatched bar on the receiving device's row for the transfer, labelled with its
+    time, and an arrow from the producer to the consumer."""
     if not schedule.placements:
         raise PlanError("the schedule has no placements to plot")
     plt = _pyplot()
@@ -37,17 +57,29 @@ def plot_schedule(schedule: Schedule, path: str, title: str = "") -> None:
     row = {d: k for k, d in enumerate(devices)}
     factor, unit = _unit(max(schedule.makespan, 1e-12))
     colors = plt.get_cmap("tab20").colors
-    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.5 * len(devices)))
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.7 * len(devices)))
     for k, p in enumerate(sorted(schedule.placements.values(), key=lambda p: (p.start, p.task))):
         width = (p.end - p.start) * factor
-        ax.broken_barh([(p.start * factor, width)], (row[p.device] - 0.4, 0.8),
+        ax.broken_barh([(p.start * factor, width)], (row[p.device] - 0.3, 0.6),
                        facecolors=colors[k % len(colors)], edgecolor="black", linewidth=0.5)
         if width >= 0.04 * schedule.makespan * factor:
             ax.text(p.start * factor + width / 2, row[p.device], p.task, ha="center", va="center", fontsize=7,
                     clip_on=True)
+        else:  # too narrow for its name: above the bar
+            ax.text(p.start * factor + width / 2, row[p.device] - 0.32, p.task, ha="center", va="bottom",
+                    fontsize=6)
+    for src, dst, start, end in transfers(schedule):
+        a, b = schedule.placements[src], schedule.placements[dst]
+        ax.broken_barh([(start * factor, (end - start) * factor)], (row[b.device] + 0.3, 0.15),
+                       facecolors="white", edgecolor="grey", hatch="////", linewidth=0.5)
+        ax.annotate("", xy=(b.start * factor, row[b.device] + 0.3), xytext=(a.end * factor, row[a.device] + 0.3),
+                    arrowprops={"arrowstyle": "->", "color": "grey", "linewidth": 0.7})
+        t_factor, t_unit = _unit(max(end - start, 1e-12))
+        ax.text((start + end) / 2 * factor, row[b.device] + 0.47, f"{(end - start) * t_factor:.3g} {t_unit}",
+                ha="center", va="top", fontsize=6, color="dimgrey")
     ax.set_yticks(range(len(devices)), devices)
-    ax.invert_yaxis()
-    ax.set_xlabel(f"time ({unit})")
+    ax.set_ylim(len(devices) - 0.4, -0.7)  # inverted, with room for names above the first row's bars
+    ax.set_xlabel(f"time ({unit}); hatched: a transfer between devices, with its time")
     ax.set_ylabel("device")
     proof = "optimal" if schedule.optimal else f"lower bound {schedule.lower_bound * factor:.4g} {unit}"
     ax.set_title(title or f"{schedule.method}: makespan {schedule.makespan * factor:.4g} {unit} ({proof})")

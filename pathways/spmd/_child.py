@@ -87,6 +87,11 @@ def main() -> None:
     from pathways.cluster import exit_with_parent
 
     exit_with_parent()
+    # C++ libraries (gloo) print connection notices on fd 1: send fd 1 to stderr and keep
+    # stdout, through a copy of the original fd, for the function's and the script's output.
+    stdout = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(stdout, "w", buffering=1)
     code = 0
     try:
         initialize()

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import cloudpickle
 
-from pathways.cluster import PARENT_PID_ENV, free_port, stop_processes
+from pathways.cluster import PARENT_PID_ENV, child_log_env, free_port, stop_processes
 from pathways.errors import DeadlineExceededError, SpmdError
 from pathways.spmd import _child
 
@@ -70,7 +70,7 @@ class _Group:
         coordinator = f"127.0.0.1:{free_port()}"
         try:
             for rank in range(num_processes):
-                env = {**os.environ, PARENT_PID_ENV: str(os.getpid()), _child.ENV_COORDINATOR: coordinator,
+                env = {**os.environ, PARENT_PID_ENV: str(os.getpid()), **child_log_env(), _child.ENV_COORDINATOR: coordinator,
                        _child.ENV_PROCESSES: str(num_processes), _child.ENV_RANK: str(rank),
                        _child.ENV_DEVICES: str(devices_per_process), _child.ENV_INIT_TIMEOUT: str(init_timeout)}
                 env.pop(_child.ENV_FD, None)
@@ -263,6 +263,11 @@ def launch(num_processes: int, script: str, argv: Sequence[str] = (), devices_pe
         pending = set(range(num_processes))
         while pending:
             if time.monotonic() > deadline:
+                if code:  # the grace after a failure ran out: the others wait for the failed one
+                    print(f"pathways spmd: process(es) {sorted(pending)} still running "
+                          f"{_FAILURE_GRACE_SECONDS:g} s after the failure (likely waiting in a collective); "
+                          "stopping them", file=sys.stderr)
+                    return code
                 print(f"pathways spmd: {sorted(pending)} still running after {timeout:g} s; stopping",
                       file=sys.stderr)
                 return 124

@@ -8,6 +8,7 @@ an error reply instead of a broken stream.
 from __future__ import annotations
 
 import queue
+import time
 from concurrent import futures
 from typing import Callable, Iterator
 
@@ -19,6 +20,12 @@ from pathways.protocol.messages import MAX_MESSAGE_BYTES, Message, encode_batch
 CONTROLLER_SERVICE = "pathways.Controller"
 WORKER_SERVICE = "pathways.Worker"
 
+# How long a refused connection is retried: one reconnection attempt (gRPC's first backoff is
+# 1 s) for a server that is just starting, instead of the caller's whole timeout.
+REFUSED_GRACE_SECONDS = 2.0
+START_ADVICE = ("check the address (the one `python -m pathways up` printed), or start a cluster with "
+                "`python -m pathways up`")
+
 _OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -27,12 +34,13 @@ _OPTIONS = [
 
 
 def parse_address(address: str) -> str:
-    """``grpc://host:port`` or ``host:port`` -> ``host:port``."""
-    target = address[len("grpc://"):] if address.startswith("grpc://") else address
+    """``grpc://host:port`` -> ``host:port``; anything else raises ConnectError at once, so
+    that a mistyped address does not wait for a connection that cannot happen."""
+    target = address[len("grpc://"):] if isinstance(address, str) and address.startswith("grpc://") else ""
     host, sep, port = target.rpartition(":")
-    if not sep or not host or not port.isdigit():
+    if not sep or not host or any(c in host for c in "/ @") or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConnectError(
-            f"address {address!r} is not of the form grpc://HOST:PORT; "
+            f"address {address!r} is not of the form grpc://HOST:PORT (e.g. grpc://127.0.0.1:50051); "
             "pass the address `python -m pathways up` printed"
         )
     return target
@@ -67,15 +75,34 @@ def open_channel(address: str) -> grpc.Channel:
     return grpc.insecure_channel(parse_address(address), options=_OPTIONS)
 
 
-def wait_ready(channel: grpc.Channel, address: str, timeout: float) -> None:
+def wait_ready(channel: grpc.Channel, address: str, timeout: float, advice: str = START_ADVICE,
+               refused_grace: float = REFUSED_GRACE_SECONDS) -> None:
+    """Wait until ``channel`` is connected. A refused connection (or a host name that does not
+    resolve) fails after ``refused_grace`` seconds, time for one reconnection attempt in case
+    the server is just starting, instead of waiting for the whole ``timeout``. ``advice``
+    ends the error message: what the caller can do about it."""
+    states: queue.SimpleQueue = queue.SimpleQueue()
+    watch = states.put
+    channel.subscribe(watch, try_to_connect=True)
     try:
-        grpc.channel_ready_future(channel).result(timeout=timeout)
-    except grpc.FutureTimeoutError:
-        raise ConnectError(
-            f"nothing answered at {address} within {timeout:.0f} s; check the address, or start "
-            "a cluster with `python -m pathways up` (or call pw.connect() with no address to "
-            "start an embedded one)"
-        ) from None
+        deadline = time.monotonic() + timeout
+        refused_at = None
+        while True:
+            limit = deadline if refused_at is None else min(deadline, refused_at + refused_grace)
+            try:
+                state = states.get(timeout=max(0.0, limit - time.monotonic()))
+            except queue.Empty:
+                break
+            if state is grpc.ChannelConnectivity.READY:
+                return
+            if state is grpc.ChannelConnectivity.TRANSIENT_FAILURE and refused_at is None:
+                refused_at = time.monotonic()
+    finally:
+        channel.unsubscribe(watch)
+    if refused_at is not None:
+        raise ConnectError(f"could not connect to {address}: the connection was refused (or the host name does "
+                           f"not resolve); {advice}")
+    raise ConnectError(f"nothing answered at {address} within {timeout:.0f} s; {advice}")
 
 
 def method(channel: grpc.Channel, service: str, name: str, kind: str) -> Callable:

@@ -1,0 +1,60 @@
+"""Connecting to a controller: refused connections and malformed addresses fail fast, with
+advice that fits the caller (the library or the command line)."""
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import pathways as pw
+from pathways.cluster import free_port
+
+
+def test_a_refused_connection_fails_within_seconds_with_advice_for_the_library():
+    address = f"grpc://127.0.0.1:{free_port()}"  # nothing listens there
+    started = time.monotonic()
+    with pytest.raises(pw.ConnectError, match="refused") as info:
+        pw.connect(address, timeout=30)
+    assert time.monotonic() - started < 5, "a refusal is immediate: no need to wait for the 30 s timeout"
+    assert address in str(info.value) and "pw.connect()" in str(info.value)
+
+
+def test_pathways_address_is_checked_the_same_way(monkeypatch):
+    monkeypatch.setenv("PATHWAYS_ADDRESS", f"grpc://127.0.0.1:{free_port()}")
+    started = time.monotonic()
+    with pytest.raises(pw.ConnectError, match="refused"):
+        pw.connect()
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:1", "http://127.0.0.1:1", "grpc://127.0.0.1", "grpc://:1",
+                                     "grpc://127.0.0.1:99999", "grpc://127.0.0.1:1/x"])
+def test_an_address_not_of_the_form_grpc_host_port_is_rejected_at_once(address):
+    started = time.monotonic()
+    with pytest.raises(pw.ConnectError, match="grpc://HOST:PORT"):
+        pw.connect(address)
+    assert time.monotonic() - started < 1
+
+
+def test_a_host_name_is_accepted(cluster):
+    port = cluster.address.rpartition(":")[2]
+    pw.connect(f"grpc://localhost:{port}", timeout=30)
+    try:
+        s = pw.make_virtual_device_set().add_slice(cpu_devices=2)
+        double = pw.pmap(lambda x: x * 2.0, devices=s.devices)
+        assert np.asarray(double(np.array([1.0, 2.0], np.float32))).tolist() == [2.0, 4.0]
+    finally:
+        pw.disconnect()
+
+
+def test_status_of_a_refused_address_fails_fast_with_advice_for_the_command_line():
+    address = f"grpc://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "pathways", "status", "--address", address],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert time.monotonic() - started < 8, "python start-up plus a refusal, not the 10 s status timeout"
+    assert "refused" in out.stderr and "pathways up" in out.stderr, out.stderr
+    assert "pw.connect" not in out.stderr, "advice for the library does not apply on the command line"

@@ -1,0 +1,127 @@
+"""What a user sees on the terminal: the user's stdout carries only the program's output,
+the command line exits with meaningful codes, and its help and pipes behave."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from tests.conftest import pids_alive, read_line, wait_until
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pathways(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "pathways", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def children_of(pid):
+    found = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().split(b"\0")
+        except OSError:
+            continue
+        if ppid == pid:
+            found[int(entry)] = [c.decode() for c in cmdline]
+    return found
+
+
+MULTI_HOST_SCRIPT = """
+import jax, numpy as np, pathways as pw
+with pw.local_cluster(hosts=2, devices_per_host=1):
+    s = pw.make_virtual_device_set().add_slice(cpu_devices=2)
+    total = pw.pmap(lambda x: jax.lax.psum(x, "i"), devices=s.devices)
+    print(np.asarray(total(np.array([3.0, 4.0], np.float32))))
+"""
+
+
+def test_a_script_on_a_multi_host_cluster_gets_a_clean_stdout_and_no_start_up_notices(tmp_path, monkeypatch):
+    monkeypatch.delenv("PATHWAYS_LOG_LEVEL", raising=False)  # the default level, as a user has it
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(MULTI_HOST_SCRIPT))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "[7. 7.]\n", "gloo's notices of the workers must not reach the user's stdout"
+    assert "coordination_service" not in out.stderr, out.stderr
+
+
+SPMD_SCRIPT = """
+import jax, jax.numpy as jnp
+from jax.experimental import multihost_utils
+print("total", float(multihost_utils.process_allgather(jnp.array([1.0])).sum()))
+"""
+
+
+def test_spmd_processes_print_only_the_script_output_on_stdout(tmp_path, monkeypatch):
+    monkeypatch.delenv("PATHWAYS_LOG_LEVEL", raising=False)
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(SPMD_SCRIPT))
+    out = pathways("spmd", "2", str(script))
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.splitlines()) == ["[0] total 2.0", "[1] total 2.0"]
+    assert "coordination_service" not in out.stderr, out.stderr
+
+
+def test_up_exits_non_zero_when_its_controller_dies():
+    up = subprocess.Popen([sys.executable, "-m", "pathways", "up", "--islands", "1x1"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    children = {}
+    try:
+        assert "pathways cluster up at grpc://" in read_line(up, timeout=90)
+        children = children_of(up.pid)
+        controller = next(pid for pid, cmd in children.items() if "controller" in cmd)
+        os.kill(controller, signal.SIGKILL)
+        assert up.wait(timeout=30) == 1
+        assert "the controller exited" in up.stderr.read()
+        wait_until(lambda: not pids_alive(children), timeout=10, what="the workers to be stopped")
+    finally:
+        for pid in [up.pid, *children]:
+            if pids_alive([pid]):
+                os.kill(pid, signal.SIGKILL)
+        up.wait(timeout=10)
+        up.stdout.close()
+        up.stderr.close()
+
+
+def test_plan_help_shows_the_planners_options():
+    for flag in ("--help", "-h"):
+        out = pathways("plan", flag)
+        assert out.returncode == 0, out.stderr
+        assert "pipeline" in out.stdout and "dag" in out.stdout, out.stdout
+    out = pathways("plan", "pipeline", "--help")
+    assert out.returncode == 0 and "--objective" in out.stdout and "--time-limit" in out.stdout
+    assert pathways("status", "--bogus").returncode == 2, "other commands still reject unknown arguments"
+
+
+def test_status_into_a_closed_pipe_exits_quietly(cluster):
+    proc = subprocess.Popen([sys.executable, "-m", "pathways", "status", "--address", cluster.address],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    proc.stdout.close()  # like `| head` that has read what it wanted: every write fails
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert proc.returncode == 128 + signal.SIGPIPE
+    assert b"BrokenPipeError" not in err and b"Traceback" not in err, err.decode()
+
+
+def test_bench_explains_its_mode_names_and_prints_one_rounds_value_alone(monkeypatch):
+    monkeypatch.delenv("PATHWAYS_LOG_LEVEL", raising=False)
+    started = time.monotonic()
+    out = pathways("bench", "dispatch", "--tiny", "--rounds", "1", timeout=300)
+    assert out.returncode == 0, out.stderr
+    for name in ("JAX-O", "JAX-F", "PW-O", "PW-C", "PW-F"):
+        assert f"\n{name}: " in out.stdout, out.stdout
+    rows = out.stdout.split("median (min-max) of the rounds\n")[1].split("\n\n")[0].splitlines()[2:]
+    assert rows and not any("(" in row for row in rows), f"one round has no (min-max) spread:\n{rows}"
+    assert "[Gloo]" not in out.stdout and "coordination_service" not in out.stderr
+    assert time.monotonic() - started < 300
