@@ -42,38 +42,51 @@ def _guarded(fn: Callable, *args: Any) -> None:
         log.exception("controller dropped a message in %s", getattr(fn, "__name__", fn))
 
 
-async def _stream(context: grpc.aio.ServicerContext, outbox: rpc.LoopOutbox,
-                  on_payload: Callable[[bytes], None], on_end: Callable[[], None]) -> None:
-    """Feed a stream's payloads to ``on_payload`` while a writer task sends its outbox;
-    call ``on_end`` exactly once, whether the peer finished sending, the call was
-    cancelled (the peer vanished) or the server is stopping."""
-    writer = asyncio.create_task(outbox.write_to(context))
-    try:
-        while True:
-            payload = await context.read()
-            if payload is grpc.aio.EOF:
-                break
-            _guarded(on_payload, payload)
-    except BaseException:
-        writer.cancel()
-        raise
-    finally:
-        _guarded(on_end)
-        outbox.close()
-    try:
-        await asyncio.wait_for(writer, _DRAIN_SECONDS)
-    except (asyncio.TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError):
-        pass  # the peer is gone or not reading: what was left for it is dropped
-
-
 class ControllerServer:
     def __init__(self, policy: str, window: int) -> None:
         self.core = ControllerCore(policy, window)
         self._session_ids = itertools.count(1)
-        self.stopping = False  # set when the process stops: its streams end, but nothing was lost
+        self._streams: set[asyncio.Task] = set()
+        self._stopping = False  # the process is stopping: its streams end, but nothing was lost
 
-    def _ended(self, fn: Callable, *args: Any) -> Callable[[], None]:
-        return lambda: None if self.stopping else fn(*args)
+    async def _stream(self, context: grpc.aio.ServicerContext, outbox: rpc.LoopOutbox,
+                      on_payload: Callable[[bytes], None], on_end: Callable[[], None]) -> None:
+        """Feed a stream's payloads to ``on_payload`` while a writer task sends its outbox.
+        ``on_end`` is called exactly once, whether the peer finished sending or the call
+        was cancelled (the peer vanished), unless the controller is stopping."""
+        task = asyncio.current_task()
+        self._streams.add(task)
+        writer = asyncio.create_task(outbox.write_to(context))
+        try:
+            while True:
+                payload = await context.read()
+                if payload is grpc.aio.EOF:
+                    break
+                _guarded(on_payload, payload)
+        except asyncio.CancelledError:
+            writer.cancel()
+            if not self._stopping:
+                raise
+            return  # stop() ended it: the call ends with OK, so that the peer sees a clean end
+        except BaseException:
+            writer.cancel()
+            raise
+        finally:
+            self._streams.discard(task)
+            if not self._stopping:
+                _guarded(on_end)
+            outbox.close()
+        try:
+            await asyncio.wait_for(writer, _DRAIN_SECONDS)
+        except (asyncio.TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError):
+            pass  # the peer is gone or not reading: what was left for it is dropped
+
+    async def stop(self, server: grpc.aio.Server) -> None:
+        """End every stream, then the server."""
+        self._stopping = True
+        for task in list(self._streams):
+            task.cancel()
+        await server.stop(grace=_STOP_GRACE_SECONDS)
 
     async def session(self, requests: Any, context: grpc.aio.ServicerContext) -> None:
         sid = next(self._session_ids)
@@ -81,13 +94,13 @@ class ControllerServer:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "session ids exhausted; restart the controller")
         outbox = rpc.LoopOutbox()
         self.core.session_opened(sid, outbox)
-        await _stream(context, outbox, lambda p: self.core.on_session_batch(sid, p),
-                      self._ended(self.core.session_closed, sid))
+        await self._stream(context, outbox, lambda p: self.core.on_session_batch(sid, p),
+                           lambda: self.core.session_closed(sid))
 
     async def attach(self, requests: Any, context: grpc.aio.ServicerContext) -> None:
         conn = WorkerConn(rpc.LoopOutbox())
-        await _stream(context, conn.outbox, lambda p: self.core.on_worker_batch(conn, p),
-                      self._ended(self.core.worker_lost, conn))
+        await self._stream(context, conn.outbox, lambda p: self.core.on_worker_batch(conn, p),
+                           lambda: self.core.worker_lost(conn))
 
     async def status(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return codec.pack(self.core.status())
@@ -144,5 +157,4 @@ async def _serve(policy: str, window: int) -> None:
     try:
         log.info("controller stopping on signal %d", await stopping)
     finally:
-        controller.stopping = True
-        await server.stop(grace=_STOP_GRACE_SECONDS)
+        await controller.stop(server)
