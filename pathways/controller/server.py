@@ -78,8 +78,8 @@ class ControllerServer:
             outbox.close()
         try:
             await asyncio.wait_for(writer, _DRAIN_SECONDS)
-        except (asyncio.TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError):
-            pass  # the peer is gone or not reading: what was left for it is dropped
+        except asyncio.TimeoutError:
+            pass  # the peer stopped reading too: what was left for it is dropped
 
     async def stop(self, server: grpc.aio.Server) -> None:
         """End every stream, then the server."""

@@ -179,7 +179,8 @@ class LoopOutbox:
             self._wake.set_result(None)
 
     async def write_to(self, context: grpc.aio.ServicerContext) -> None:
-        """Write batches to ``context`` until closed and drained."""
+        """Write batches to ``context`` until closed and drained, or until the call ends.
+        The stream's reader learns of an ended call itself (EOF or cancellation)."""
         loop = asyncio.get_running_loop()
         while True:
             if not self._messages:
@@ -189,4 +190,8 @@ class LoopOutbox:
                 await self._wake
                 continue
             batch, self._messages = self._messages, []
-            await context.write(codec.pack_batch(batch))
+            payload = codec.pack_batch(batch)
+            try:
+                await context.write(payload)
+            except Exception:  # the call ended under it (peer gone, server stopping): nothing more goes out
+                return
