@@ -362,13 +362,24 @@ def summary(data: dict) -> list[str]:
 
 
 def notes(data: dict) -> str:
-    return """
-The figures include the client's side, which is the same synchronous grpcio stream for both
-gRPC rows (a request-iterator thread and a reading thread), so the difference between those
-rows is the server's alone. The sync row includes the hop to the core's trio thread that
-the former controller made for every payload. In a burst, gRPC's per-message cost is what a
-stream pays when nothing is coalesced; the controller's outboxes coalesce whatever queued
-while the stream was busy, which divides it by the batch size.
+    ping, server = data["ping_cpu_us"], data["ping_server_us"]
+    return f"""
+What it means. Moving the controller to grpc.aio was for scale (a stream costs a coroutine,
+not a thread: tests/test_scale.py holds 1,000 sessions and 256 workers on one controller),
+and it costs no more CPU per message: the server's side is \
+{server['aio gRPC']['median']:.0f} us on grpc.aio against {server['sync gRPC']['median']:.0f} us on the thread pool.
+Either way grpcio's Python layer is most of a control message's cost, on both ends:
+framed TCP does the same exchange for {report.ratio(ping['framed TCP'], ping['aio gRPC']):.2f}x the CPU of aio gRPC.
+The controller-worker streams, which carry every run's `go` and `done`, are therefore the
+candidates for the data plane's framing (DESIGN.md section 4); client sessions stay on gRPC.
+
+The figures include the client's side, the same synchronous grpcio stream for both gRPC
+rows (a request-iterator thread and a reading thread), so the difference between those
+rows is the server's. The sync row includes the hop to the core's trio thread that the
+former controller made for every payload. In a burst nothing is coalesced here; the
+controller's outboxes and the clients' coalesce whatever queued while a stream was busy,
+which divides the per-message cost by the batch size. CPU is read in clock ticks (10 ms),
+hence the round figures.
 """
 
 
