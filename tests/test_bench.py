@@ -69,6 +69,16 @@ def check_planner(d):
     assert d  # its numbers are checked by tests/test_planner_cli.py
 
 
+def check_control(d):
+    assert d["transports"] == ["sync gRPC", "aio gRPC", "framed TCP"]
+    for figure in ("ping_cpu_us", "burst_cpu_us", "ping_server_us", "burst_server_us", "round_trip_us"):
+        assert set(d[figure]) == set(d["transports"])
+    # CPU is counted in clock ticks: a tiny sample may round to zero, never below it
+    assert all(s["min"] >= 0 and math.isfinite(s["max"]) for f in ("ping_cpu_us", "burst_cpu_us")
+               for s in d[f].values())
+    assert all(rate_ok(s) for s in d["round_trip_us"].values())
+
+
 CHECKS = {name: globals()[f"check_{name}"] for name in suite.EXPERIMENTS}
 
 

@@ -23,8 +23,10 @@ def test_membership_welcomes_each_worker_and_tells_everyone_every_peer():
     for i, conn in enumerate(conns):
         members.register(conn, _register(i))
     assert [_of(c.outbox, m.WorkerWelcome) for c in conns] == [[m.WorkerWelcome(i)] for i in range(3)]
-    everyone = ((0, "tcp://h:0"), (1, "tcp://h:1"), (2, "tcp://h:2"))
-    assert all(_of(c.outbox, m.Peers)[-1].peers == everyone for c in conns)
+    known = [{p for x in _of(c.outbox, m.Peers) for p in x.peers} for c in conns]
+    assert known == [{(0, "tcp://h:0"), (1, "tcp://h:1"), (2, "tcp://h:2")}] * 3
+    assert [len(_of(c.outbox, m.Peers)[0].peers) for c in conns] == [1, 2, 3], "each newcomer gets the full list"
+    assert all(len(x.peers) == 1 for c in conns for x in _of(c.outbox, m.Peers)[1:]), "the others, the newcomer"
     members.register(conns[0], _register(9))
     assert "already registered" in _of(conns[0].outbox, m.Notice)[0].message
     assert members.gone([0, 1, 7]) == [7]

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from pathways.bench import report
 
-EXPERIMENTS = ("dispatch", "parity", "pipeline", "transfer", "tenancy", "train", "planner")
+EXPERIMENTS = ("dispatch", "parity", "pipeline", "transfer", "tenancy", "train", "planner", "control")
 
 _HEADER = """# Benchmarks
 

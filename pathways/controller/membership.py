@@ -76,9 +76,13 @@ class Membership:
         self.workers[conn.worker] = conn
         self.rm.add_host(conn.worker, msg.island, msg.kind, msg.devices, msg.memory_bytes, msg.rank)
         conn.outbox.put(m.WorkerWelcome(conn.worker))
-        peers = m.Peers(tuple((w.worker, w.info.data_address) for w in self.workers.values()))
+        # the newcomer learns every peer; the others learn only the newcomer (peers add up on
+        # a worker), so that n registrations send O(n) addresses, not O(n^2)
+        conn.outbox.put(m.Peers(tuple((w.worker, w.info.data_address) for w in self.workers.values())))
+        newcomer = m.Peers(((conn.worker, msg.data_address),))
         for w in self.workers.values():
-            w.outbox.put(peers)
+            if w is not conn:
+                w.outbox.put(newcomer)
         log.info("worker %d registered: %d %s device(s) at %s", conn.worker, msg.devices, msg.kind, msg.address)
 
     def remove(self, worker: int) -> WorkerConn | None:

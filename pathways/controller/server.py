@@ -1,105 +1,132 @@
 """The controller process: the gRPC shell around ControllerCore.
 
-gRPC's threads do not decode; they forward raw payloads: each inbound payload is
-handed to the trio thread with ``run_sync_soon`` (about 8 us, measured), where the core
-runs single-threaded. Outbound messages leave through per-stream outboxes, batched.
+One asyncio loop runs everything: grpc.aio serves the streams as coroutines (no thread
+per stream, so thousands of sessions and workers fit), and the core runs on the same
+loop, called directly by the stream that received a payload, so it stays single-threaded
+without a hop between threads. Each stream has a LoopOutbox and a writer task that sends
+whatever the core put there since its last write as one batch.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import asyncio
 import itertools
 import logging
 import signal
-import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import grpc
-import trio
 
 from pathways.controller.core import ControllerCore, WorkerConn
 from pathways.controller.scheduler import DEFAULT_WINDOW
 from pathways.defaults import ADDRESS_LINE
-from pathways.errors import WireError
+from pathways.errors import DeadlineExceededError, WireError
 from pathways.protocol import messages as m
+from pathways.protocol.errors import kind_of
 from pathways.protocol.handles import MAX_SESSION
 from pathways.wire import rpc
 
 log = logging.getLogger("pathways.controller")
 
+# After a peer stops sending, how long its stream may take to deliver what is still queued
+# for it (a peer that stopped reading too must not hold the stream open forever).
+_DRAIN_SECONDS = 5.0
+_STOP_GRACE_SECONDS = 0.5
+
+
+def _guarded(fn: Callable, *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception:  # the core must outlive any one bad message
+        log.exception("controller dropped a message in %s", getattr(fn, "__name__", fn))
 
 
 class ControllerServer:
-    def __init__(self, token: trio.lowlevel.TrioToken, policy: str, window: int) -> None:
+    def __init__(self, policy: str, window: int) -> None:
         self.core = ControllerCore(policy, window)
-        self._token = token
         self._session_ids = itertools.count(1)
+        self._streams: set[asyncio.Task] = set()
+        self._stopping = False  # the process is stopping: its streams end, but nothing was lost
 
-    def _soon(self, fn: Callable, *args: Any) -> None:
+    async def _stream(self, context: grpc.aio.ServicerContext, outbox: rpc.LoopOutbox,
+                      on_payload: Callable[[bytes], None], on_end: Callable[[], None]) -> None:
+        """Feed a stream's payloads to ``on_payload`` while a writer task sends its outbox.
+        ``on_end`` is called exactly once, whether the peer finished sending or the call
+        was cancelled (the peer vanished), unless the controller is stopping."""
+        task = asyncio.current_task()
+        self._streams.add(task)
+        writer = asyncio.create_task(outbox.write_to(context))
         try:
-            self._token.run_sync_soon(self._guarded, fn, *args)
-        except trio.RunFinishedError:  # shutting down: nobody is left to tell
-            pass
-
-    @staticmethod
-    def _guarded(fn: Callable, *args: Any) -> None:
+            while True:
+                payload = await context.read()
+                if payload is grpc.aio.EOF:
+                    break
+                _guarded(on_payload, payload)
+        except asyncio.CancelledError:
+            writer.cancel()
+            if not self._stopping:
+                raise
+            return  # stop() ended it: the call ends with OK, so that the peer sees a clean end
+        except BaseException:
+            writer.cancel()
+            raise
+        finally:
+            self._streams.discard(task)
+            if not self._stopping:
+                _guarded(on_end)
+            outbox.close()
         try:
-            fn(*args)
-        except Exception:  # the core must outlive any one bad message
-            log.exception("controller dropped a message in %s", getattr(fn, "__name__", fn))
+            await asyncio.wait_for(writer, _DRAIN_SECONDS)
+        except asyncio.TimeoutError:
+            pass  # the peer stopped reading too: what was left for it is dropped
 
-    def _pump(self, request_iterator: Iterator[bytes], on_payload: Callable, on_end: Callable) -> None:
-        def run() -> None:
-            try:
-                for payload in request_iterator:
-                    self._soon(on_payload, payload)
-            except grpc.RpcError:
-                pass
-            finally:
-                self._soon(on_end)
+    async def stop(self, server: grpc.aio.Server) -> None:
+        """End every stream, then the server."""
+        self._stopping = True
+        for task in list(self._streams):
+            task.cancel()
+        await server.stop(grace=_STOP_GRACE_SECONDS)
 
-        threading.Thread(target=run, name="pathways-pump", daemon=True).start()
-
-    def session(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+    async def session(self, requests: Any, context: grpc.aio.ServicerContext) -> None:
         sid = next(self._session_ids)
         if sid > MAX_SESSION:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "session ids exhausted; restart the controller")
-        outbox = rpc.Outbox()
-        self._soon(self.core.session_opened, sid, outbox)
-        self._pump(request_iterator, lambda p: self.core.on_session_batch(sid, p),
-                   lambda: (self.core.session_closed(sid), outbox.close()))
-        return outbox.batches(context.is_active)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "session ids exhausted; restart the controller")
+        outbox = rpc.LoopOutbox()
+        self.core.session_opened(sid, outbox)
+        await self._stream(context, outbox, lambda p: self.core.on_session_batch(sid, p),
+                           lambda: self.core.session_closed(sid))
 
-    def attach(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
-        conn = WorkerConn(rpc.Outbox())
-        self._pump(request_iterator, lambda p: self.core.on_worker_batch(conn, p),
-                   lambda: (self.core.worker_lost(conn), conn.outbox.close()))
-        return conn.outbox.batches(context.is_active)
+    async def attach(self, requests: Any, context: grpc.aio.ServicerContext) -> None:
+        conn = WorkerConn(rpc.LoopOutbox())
+        await self._stream(context, conn.outbox, lambda p: self.core.on_worker_batch(conn, p),
+                           lambda: self.core.worker_lost(conn))
 
-    def status(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        return m.pack(trio.from_thread.run_sync(self.core.status, trio_token=self._token))
+    async def status(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return m.pack(self.core.status())
 
-    def measure(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+    async def measure(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """Have every worker measure itself again (one after the other), wait up to the
         request's timeout for all of them, and reply ``{"status": ...}`` with the new figures, or ``{"error": ...,
         "kind": ...}``."""
         try:
             timeout = m.MEASURE.decode_one(request).timeout
         except WireError as e:
-            return m.pack({"error": f"measure: {e}", "kind": "WireError"})
-        finished: concurrent.futures.Future = concurrent.futures.Future()
-        mid = trio.from_thread.run_sync(self.core.measure, lambda: finished.set_result(None),
-                                        trio_token=self._token)
+            return m.pack({"error": f"measure: {e}", "kind": kind_of(e)})
+        finished = asyncio.get_running_loop().create_future()
+        mid = self.core.measure(lambda: finished.done() or finished.set_result(None))
         try:
-            finished.result(timeout)
-        except concurrent.futures.TimeoutError:
-            silent = trio.from_thread.run_sync(self.core.abandon_measurement, mid, trio_token=self._token)
+            await asyncio.wait_for(finished, timeout)
+        except asyncio.TimeoutError:
+            silent = self.core.abandon_measurement(mid)
             if silent:
                 later = f"; worker(s) {silent[1:]}, which measure after it, were not asked" if silent[1:] else ""
                 return m.pack({"error": f"worker {silent[0]} did not report its measurements within "
                                             f"{timeout:g} s{later}. The figures of the others are in "
-                                            "`python -m pathways status`", "kind": "DeadlineExceededError"})
-        return m.pack({"status": trio.from_thread.run_sync(self.core.status, trio_token=self._token)})
+                                            "`python -m pathways status`", "kind": DeadlineExceededError.__name__})
+        except asyncio.CancelledError:  # the caller gave up: stop waiting for the workers too
+            self.core.abandon_measurement(mid)
+            raise
+        return m.pack({"status": self.core.status()})
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         return {"Session": rpc.stream_stream(self.session), "Attach": rpc.stream_stream(self.attach),
@@ -107,17 +134,23 @@ class ControllerServer:
 
 
 def main(policy: str = "fair", window: int = DEFAULT_WINDOW) -> None:
-    trio.run(_serve, policy, window)
+    asyncio.run(_serve(policy, window))
 
 
 async def _serve(policy: str, window: int) -> None:
-    controller = ControllerServer(trio.lowlevel.current_trio_token(), policy, window)
-    server, port = rpc.make_server(rpc.CONTROLLER_SERVICE, controller.handlers(), max_workers=64)
+    controller = ControllerServer(policy, window)
+    server, port = await rpc.start_aio_server(rpc.CONTROLLER_SERVICE, controller.handlers())
     print(f"{ADDRESS_LINE} grpc://127.0.0.1:{port}", flush=True)
+    stopping: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def on_signal(signum: int) -> None:
+        if not stopping.done():
+            stopping.set_result(signum)
+
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, on_signal, signum)
     try:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async for signum in signals:
-                log.info("controller stopping on signal %d", signum)
-                break
+        log.info("controller stopping on signal %d", await stopping)
     finally:
-        server.stop(grace=0.5)
+        await controller.stop(server)

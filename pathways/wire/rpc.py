@@ -3,14 +3,21 @@
 There is no protoc step: methods are registered with generic handlers and payloads are
 msgpack (see codec.py), decoded by the handlers themselves so a malformed payload becomes
 an error reply instead of a broken stream.
+
+Two kinds of server: ``make_server`` (a thread pool; a streaming call holds a thread for
+its lifetime, fine for a worker's few streams) and ``start_aio_server`` (grpc.aio on the
+running asyncio loop; a stream costs a coroutine, not a thread, as the controller needs
+for thousands of sessions and workers). ``Outbox`` feeds a synchronous stream from any
+thread; ``LoopOutbox`` feeds an aio stream from its loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import time
 from concurrent import futures
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import grpc
 
@@ -55,6 +62,21 @@ def make_server(service: str, handlers: dict[str, grpc.RpcMethodHandler], max_wo
     return server, port
 
 
+# HTTP/2 streams a client may have open on one connection to the aio server: each session
+# or worker is one long-lived stream, and a client process may hold many.
+MAX_CONCURRENT_STREAMS = 1 << 16
+
+
+async def start_aio_server(service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> tuple[grpc.aio.Server, int]:
+    """A grpc.aio server on a free loopback port, serving coroutine ``handlers`` on the
+    running loop; returns (server, port)."""
+    server = grpc.aio.server(options=[*_OPTIONS, ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS)])
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
 def stream_stream(fn: Callable) -> grpc.RpcMethodHandler:
     return grpc.stream_stream_rpc_method_handler(fn)
 
@@ -73,6 +95,10 @@ def unary_unary(fn: Callable) -> grpc.RpcMethodHandler:
 
 def open_channel(address: str) -> grpc.Channel:
     return grpc.insecure_channel(parse_address(address), options=_OPTIONS)
+
+
+def open_aio_channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(parse_address(address), options=_OPTIONS)
 
 
 def wait_ready(channel: grpc.Channel, address: str, timeout: float, advice: str = START_ADVICE,
@@ -150,3 +176,49 @@ class Outbox:
                     break
             if batch:
                 yield encode_batch(batch)
+
+
+class LoopOutbox:
+    """The messages waiting for one aio stream; used only from its event loop.
+
+    ``put`` appends and wakes the stream's writer, which sends whatever has queued by the
+    time it runs as one payload: everything one inbound batch caused goes out together.
+    """
+
+    __slots__ = ("_messages", "_wake", "_closed")
+
+    def __init__(self) -> None:
+        self._messages: list[dict] = []
+        self._wake: Optional[asyncio.Future] = None
+        self._closed = False
+
+    def put(self, message: dict) -> None:
+        if self._closed:  # the stream is ending: nobody will send it
+            return
+        self._messages.append(message)
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    def close(self) -> None:
+        """End the stream after whatever was put before."""
+        self._closed = True
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    async def write_to(self, context: grpc.aio.ServicerContext) -> None:
+        """Write batches to ``context`` until closed and drained, or until the call ends.
+        The stream's reader learns of an ended call itself (EOF or cancellation)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._messages:
+                if self._closed:
+                    return
+                self._wake = loop.create_future()
+                await self._wake
+                continue
+            batch, self._messages = self._messages, []
+            payload = encode_batch(batch)
+            try:
+                await context.write(payload)
+            except Exception:  # the call ended under it (peer gone, server stopping): nothing more goes out
+                return
