@@ -2,6 +2,7 @@ import os
 import selectors
 import time
 
+import numpy as np
 import pytest
 
 import pathways as pw
@@ -59,6 +60,17 @@ def read_line(proc, timeout=60.0):
 def session_handles(address, session_id):
     """How many buffers of ``session_id`` the workers of the cluster at ``address`` hold."""
     return sum(worker_stats(w["address"])["sessions"].get(session_id, 0) for w in status(address)["workers"])
+
+
+def check_a_transfer_between_the_hosts():
+    """On the default session's cluster of two hosts with four devices each: an array moves
+    from one host to the other and comes back computed on."""
+    a = pw.make_virtual_device_set().add_slice(cpu_devices=4)
+    b = pw.make_virtual_device_set().add_slice(cpu_devices=4)
+    assert a.workers != b.workers, "the two slices should take one host each"
+    move = pw.program(lambda x: pw.jit(lambda v: v + 1, mesh=b.mesh("d"))(x))
+    np.testing.assert_array_equal(np.asarray(move(pw.device_put(np.arange(3.0, dtype=np.float32), a.devices))),
+                                  [1.0, 2.0, 3.0])
 
 
 def running_cluster(*islands):

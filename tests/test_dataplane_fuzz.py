@@ -14,6 +14,7 @@ import numpy as np
 import pathways as pw
 from pathways.cluster import status
 from pathways.wire import codec, tcp
+from tests.conftest import check_a_transfer_between_the_hosts
 from tests.test_dataplane_bounds import Collector, closed_by_peer, connect, frame, rss_bytes, thread_deaths
 
 _SEED = 20261122
@@ -178,9 +179,4 @@ def test_fuzzed_frames_are_delivered_intact_or_closed_and_nothing_leaks(monkeypa
     grown = {pid: rss_bytes(pid) - workers_before[pid] for pid in workers}
     assert max(grown.values()) < 100 << 20, grown
     assert len(status(cluster.address)["workers"]) == 2
-    a = pw.make_virtual_device_set().add_slice(cpu_devices=4)
-    b = pw.make_virtual_device_set().add_slice(cpu_devices=4)
-    assert a.workers != b.workers, "the two slices should take one host each"
-    move = pw.program(lambda x: pw.jit(lambda v: v + 1, mesh=b.mesh("d"))(x))
-    np.testing.assert_array_equal(np.asarray(move(pw.device_put(np.arange(3.0, dtype=np.float32), a.devices))),
-                                  [1.0, 2.0, 3.0])
+    check_a_transfer_between_the_hosts()

@@ -19,7 +19,7 @@ from pathways.cluster import status
 from pathways.protocol import messages as m
 from pathways.protocol.handles import first_handle
 from pathways.wire import codec, rpc
-from tests.conftest import pids_alive, read_line, session_handles, wait_until
+from tests.conftest import check_a_transfer_between_the_hosts, pids_alive, read_line, session_handles, wait_until
 
 
 def new_slice(n, **kw):
@@ -260,11 +260,11 @@ def test_a_disconnected_clients_buffers_and_slices_are_freed(cluster, session):
 def test_wrong_addresses_fail_fast_with_advice():
     with pytest.raises(pw.ConnectError, match="grpc://HOST:PORT"):
         pw.connect("not-an-address")
-    with pytest.raises(pw.ConnectError, match="nothing answered at grpc://127.0.0.1:1 within 1 s"):
+    with pytest.raises(pw.ConnectError, match="could not connect to grpc://127.0.0.1:1: the connection was refused"):
         pw.connect("grpc://127.0.0.1:1", timeout=1)
     out = subprocess.run([sys.executable, "-m", "pathways", "status", "--address", "grpc://127.0.0.1:1"],
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode == 1 and "nothing answered" in out.stderr
+    assert out.returncode == 1 and "the connection was refused" in out.stderr
 
 
 def test_a_dead_controller_gives_errors_not_hangs():
@@ -317,12 +317,7 @@ def test_malformed_data_frames_close_their_connection_and_the_worker_keeps_servi
         with socket.create_connection((host, int(port)), timeout=10) as sock:
             sock.sendall(frame)
             assert sock.recv(1) == b"", "the worker should close a connection that sent a bad frame"
-    a = pw.make_virtual_device_set().add_slice(cpu_devices=4)
-    b = pw.make_virtual_device_set().add_slice(cpu_devices=4)
-    assert a.workers != b.workers, "the two slices should take one host each"
-    move = pw.program(lambda x: pw.jit(lambda v: v + 1, mesh=b.mesh("d"))(x))
-    np.testing.assert_array_equal(np.asarray(move(pw.device_put(np.arange(3.0, dtype=np.float32), a.devices))),
-                                  [1.0, 2.0, 3.0])
+    check_a_transfer_between_the_hosts()
 
 
 def _frame(header):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import queue
-import selectors
 import signal
 import socket
 import struct
@@ -190,7 +189,7 @@ class _Transport:
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), kind], stdout=subprocess.PIPE,
                                      text=True)
         try:
-            port = int(_read_line(self.proc, _TIMEOUT))
+            port = int(report.read_line(self.proc, _TIMEOUT, "a control benchmark server"))
             if kind == "tcp":
                 self.sock = socket.create_connection(("127.0.0.1", port), _TIMEOUT)
                 self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -206,8 +205,8 @@ class _Transport:
     def _start_grpc(self, port: int) -> None:
         from pathways.wire import rpc
 
-        self.channel = rpc.open_channel(f"127.0.0.1:{port}")
-        rpc.wait_ready(self.channel, f"127.0.0.1:{port}", _TIMEOUT)
+        self.channel = rpc.open_channel(f"grpc://127.0.0.1:{port}")
+        rpc.wait_ready(self.channel, f"grpc://127.0.0.1:{port}", _TIMEOUT)
         self.outgoing: queue.SimpleQueue = queue.SimpleQueue()
 
         def requests() -> Iterator[bytes]:
@@ -235,17 +234,6 @@ class _Transport:
             self.sock.close()
         stop_processes([self.proc], _GRACE_SECONDS)
         self.proc.stdout.close()
-
-
-def _read_line(proc: subprocess.Popen, timeout: float) -> str:
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout):
-            raise TimeoutError(f"a control benchmark server said nothing within {timeout:.0f} s")
-    line = proc.stdout.readline()
-    if not line:
-        raise RuntimeError(f"a control benchmark server exited (code {proc.poll()})")
-    return line.strip()
 
 
 def _messages(n: int, answered: Callable[[int], bool]) -> list[bytes]:

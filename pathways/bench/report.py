@@ -19,7 +19,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import selectors
 import statistics
+import subprocess
 import sys
 import time
 from typing import Any, Iterable, Sequence
@@ -212,3 +214,16 @@ def plot_bars(path: str, title: str, ylabel: str, groups: Sequence[str],
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def read_line(proc: subprocess.Popen, timeout: float, what: str) -> str:
+    """The next line a helper process (``what``) prints, stripped; TimeoutError if it says
+    nothing within ``timeout`` seconds, RuntimeError if it exits first."""
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            raise TimeoutError(f"{what} said nothing within {timeout:.0f} s")
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"{what} exited (code {proc.poll()})")
+    return line.strip()

@@ -29,6 +29,8 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
+from pathways.bench import report
+
 MiB = 1 << 20
 SIZES: tuple[int, ...] = (1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB)
 ROUTES = ("same island", "other island")
@@ -146,8 +148,6 @@ def _report(samples: dict[str, dict[int, list[float]]], sizes: list[int]) -> dic
 
 
 def tables(data: dict) -> list:
-    from pathways.bench import report
-
     rows = [[_size(r["size"]), r["route"], f"{r['pathways'] / 1e6:,.0f} ({r['min'] / 1e6:,.0f}-{r['max'] / 1e6:,.0f})",
              _rate(r["net"]), f"{r['raw'] / 1e6:,.0f}", report.times(r["ratio"])] for r in data["rows"]]
     return [report.Table("MB/s (10^6 bytes), median (min-max) of the rounds",
@@ -174,8 +174,6 @@ the receiver faults in fresh memory for the array; runs vary with it.
 
 
 def plot(data: dict, path: str) -> None:
-    from pathways.bench import report
-
     sizes = sorted({r["size"] for r in data["rows"]})
     series = [(route, [s / MiB for s in sizes], [next(r["pathways"] / 1e6 for r in data["rows"]
                                                      if r["size"] == s and r["route"] == route) for s in sizes])
@@ -206,9 +204,9 @@ class _RawSocket:
         self.procs: list[subprocess.Popen] = []
         try:
             receiver = self._start("receive", str(capacity))
-            port = _read_line(receiver, _TIMEOUT)
+            port = report.read_line(receiver, _TIMEOUT, "a raw TCP helper")
             self.sender = self._start("send", str(capacity), port)
-            if _read_line(self.sender, _TIMEOUT) != "connected":
+            if report.read_line(self.sender, _TIMEOUT, "a raw TCP helper") != "connected":
                 raise RuntimeError("the raw TCP sender did not connect")
         except BaseException:
             self.close()
@@ -223,7 +221,7 @@ class _RawSocket:
     def seconds(self, nbytes: int, runs: int) -> float:
         self.sender.stdin.write(f"{nbytes} {runs}\n")
         self.sender.stdin.flush()
-        return float(_read_line(self.sender, _TIMEOUT))
+        return float(report.read_line(self.sender, _TIMEOUT, "a raw TCP helper"))
 
     def close(self) -> None:
         # The sender exits when its stdin closes, the receiver when the stream closes.
@@ -237,17 +235,6 @@ class _RawSocket:
                 proc.kill()
                 proc.wait(_GRACE_SECONDS)
             proc.stdout.close()
-
-
-def _read_line(proc: subprocess.Popen, timeout: float) -> str:
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout):
-            raise TimeoutError(f"a raw TCP helper said nothing within {timeout:.0f} s")
-    line = proc.stdout.readline()
-    if not line:
-        raise RuntimeError(f"a raw TCP helper exited (code {proc.poll()})")
-    return line.strip()
 
 
 def _connect_options(sock: socket.socket) -> None:
