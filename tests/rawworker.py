@@ -82,7 +82,21 @@ class RawWorker:
                 return False
         return False
 
+    def drain(self) -> None:
+        """Read on, as a live worker would, so that the stream never backs up, until closed
+        (by the controller, or by ``close``): call it on a thread."""
+        self.sock.settimeout(None)
+        try:
+            while self.read() is not None:
+                pass
+        except (OSError, ValueError):
+            pass  # close() shut the connection
+
     def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in drain()
+        except OSError:
+            pass  # the controller closed it already
         self.reader.close()
         self.sock.close()
 
