@@ -20,6 +20,7 @@ from pathways.protocol import messages as m
 from pathways.protocol.handles import first_handle
 from pathways.wire import codec, rpc
 from tests.conftest import check_a_transfer_between_the_hosts, pids_alive, read_line, session_handles, wait_until
+from tests.rawworker import RawWorker
 
 
 def new_slice(n, **kw):
@@ -211,18 +212,16 @@ def test_malformed_worker_and_attach_messages_get_error_replies(cluster, session
         assert reply == [{"state": "pending"}]
     finally:
         channel.close()
-    # a worker-side Attach that sends garbage gets an error and is not registered
-    ctrl = rpc.open_channel(cluster.address)
+    # a fake worker that sends garbage on the worker stream gets an error and is not registered
+    raw = RawWorker(cluster.address)
     try:
-        attach = rpc.method(ctrl, rpc.CONTROLLER_SERVICE, "Attach", "stream_stream")
-        replies = attach(iter([b"\x01\x02", codec.pack([["register", "x"]])]), timeout=10)
-        messages = [x for r in replies for x in m.WORKER_DOWN.decode_batch(r)]
+        raw.send(b"\x01\x02")
+        raw.send(codec.pack([["register", "x"]]))
+        messages = raw.finish()
         assert [type(x) for x in messages] == [m.Notice, m.Notice]
         assert "msgpack" in messages[0].message and "it takes 9" in messages[1].message
-    except grpc.RpcError as e:
-        assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     finally:
-        ctrl.close()
+        raw.close()
     assert len(status(cluster.address)["workers"]) == 2
     s = new_slice(2)
     f = pw.pmap(lambda x: x - 1, devices=s.devices)

@@ -1,11 +1,12 @@
-"""Fuzzing what faces the network on the control plane: the controller's Session and Attach
-streams and its Status and Measure requests, and a worker's Put, Fetch and Stats, with
+"""Fuzzing what faces the network on the control plane: the controller's Session stream
+(gRPC) and worker stream (framed TCP, whose frames are broken too) and its Status and Measure requests, and a worker's Put, Fetch and Stats, with
 tens of thousands of generated messages, mostly broken (tests/fuzzing.py). Every broken
 message gets an error reply, the servers keep serving a normal client correctly, and
 their memory stays bounded. (The data plane is fuzzed in its own test.)"""
 
 import queue
 import random
+import socket
 import threading
 import time
 
@@ -15,10 +16,12 @@ import pytest
 
 import pathways as pw
 from pathways import cluster
+from pathways.controller import server as controller_server
 from pathways.protocol import messages as m
-from pathways.wire import codec, rpc
+from pathways.wire import codec, frames, rpc
 from tests import fuzzing
-from tests.conftest import pids_alive
+from tests.conftest import pids_alive, wait_until
+from tests.rawworker import RawWorker
 
 MESSAGES = 10_000
 RSS_SLACK = 100 * 1024 * 1024
@@ -103,18 +106,43 @@ def test_a_normal_client_is_served_correctly_after_tens_of_thousands_of_hostile_
         assert not [x for x in replies if type(x) is m.Malformed], "the controller's replies are well formed"
         session.close()
 
-        # the Attach stream: every refused message gets a Notice; fake workers it registers
+        # the worker stream: every refused message gets a Notice; fake workers it registers
         # stay out of the real island
-        attach = RawStream(channel, rpc.CONTROLLER_SERVICE, "Attach")
+        attach = RawWorker(target.address, timeout=60.0)
         sent = 0
         while sent < MESSAGES:
             payload, _ = fuzzing.batch(m.WORKER_UP, rng, 100, pin={"island": 1000 + rng.randrange(100)})
             attach.send(payload if rng.random() >= 0.1 else fuzzing.corrupt(payload, rng))
             sent += 100
         attach.send(m.pack([["end of fuzz"]]))
-        notices = attach.until(m.WORKER_DOWN, lambda x: type(x) is m.Notice and "end of fuzz" in x.message)
+        notices = attach.until(lambda x: type(x) is m.Notice and "end of fuzz" in x.message)
         assert len([x for x in notices if type(x) is m.Notice]) > MESSAGES // 2
         attach.close()
+
+        # broken frames: each closes its own connection, and only it
+        bystander = RawWorker(target.address)
+        over_limit = frames.LENGTH.pack(m.MAX_MESSAGE_BYTES + 1) + bytes(100)
+        over_stranger_limit = frames.LENGTH.pack(controller_server.UNREGISTERED_FRAME_BYTES + 1) + bytes(100)
+        for broken, registered, end_sending in [
+                (over_limit, True, False),  # a registered worker's frames may be 64 MiB, not more
+                (over_stranger_limit, False, False),  # before registering, 64 KiB
+                (frames.LENGTH.pack(1000) + b"\x91\xa3cut", True, True),  # the connection ends inside a frame
+                (b"\0\0", False, True)]:  # ... or inside a length
+            raw = RawWorker(target.address)
+            try:
+                if registered:
+                    raw.register(island=1000)
+                raw.sock.sendall(broken)
+                if end_sending:
+                    raw.sock.shutdown(socket.SHUT_WR)
+                assert raw.closed_by_peer(10.0), f"the controller kept the connection open after {broken[:6]!r}"
+            finally:
+                raw.close()
+        bystander.send(m.pack([["still here"]]))
+        assert "still here" in bystander.until(lambda x: type(x) is m.Notice)[-1].message
+        bystander.close()
+        wait_until(lambda: len(cluster.status(target.address)["workers"]) == 2, timeout=10.0,
+                   what="the fake workers to be dropped, the two real ones left")
 
         # unary requests to the controller
         measure = rpc.method(channel, rpc.CONTROLLER_SERVICE, "Measure", "unary_unary")

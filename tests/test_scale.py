@@ -13,8 +13,9 @@ import pytest
 import pathways as pw
 from pathways.cluster import free_port, status
 from pathways.protocol import messages as m
-from pathways.wire import rpc
+from pathways.wire import frames, rpc
 from tests.conftest import wait_until
+from tests.rawworker import attach_address
 
 SESSIONS = 1000
 FAKE_WORKERS = 256
@@ -23,8 +24,8 @@ OPEN_SECONDS = 40.0
 
 
 class Crowd:
-    """Raw Session and Attach streams held open from an asyncio loop on a thread of the test
-    process: idle clients that said hello, and fake workers that registered."""
+    """Raw Session streams and worker connections held open from an asyncio loop on a thread
+    of the test process: idle clients that said hello, and fake workers that registered."""
 
     def __init__(self, address: str) -> None:
         self.address = address
@@ -33,6 +34,7 @@ class Crowd:
         self.thread.start()
         self.calls: list[Any] = []
         self.channels: list[Any] = []
+        self.writers: list[asyncio.StreamWriter] = []
 
     def run(self, coro: Coroutine, timeout: float) -> Any:
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
@@ -50,18 +52,29 @@ class Crowd:
         await call.write(m.encode_batch([message]))
         return replies.decode_batch(await call.read())  # the first batch it was sent; the rest is left unread
 
+    async def _attach(self, host: str, port: int, message: m.Message) -> list:
+        reader, writer = await asyncio.open_connection(host, port)
+        self.writers.append(writer)
+        writer.write(frames.frame(m.encode_batch([message])))
+        await writer.drain()
+        # the first batch it was sent; the rest is left unread
+        return m.WORKER_DOWN.decode_batch(await frames.read_frame(reader, m.MAX_MESSAGE_BYTES, OPEN_SECONDS))
+
     async def open(self, sessions: int, workers: int) -> tuple[list, list]:
         dead = f"127.0.0.1:{free_port()}"  # nothing listens there: links to fake workers fail fast
         hello = m.Hello(m.PROTOCOL_VERSION, 1.0)
         welcomed = await asyncio.gather(*(self._call(i, "Session", hello, m.SESSION_DOWN) for i in range(sessions)))
-        registered = await asyncio.gather(*(self._call(i, "Attach", m.Register(
-            f"grpc://{dead}", f"tcp://{dead}", "cpu", 1, 1000 + i, 0, os.getpid(), "fake", 1 << 30), m.WORKER_DOWN)
+        host, _, port = (await asyncio.to_thread(attach_address, self.address)).removeprefix("tcp://").rpartition(":")
+        registered = await asyncio.gather(*(self._attach(host, int(port), m.Register(
+            f"grpc://{dead}", f"tcp://{dead}", "cpu", 1, 1000 + i, 0, os.getpid(), "fake", 1 << 30))
             for i in range(workers)))
         return welcomed, registered
 
     async def _close(self) -> None:
         for call in self.calls:
             call.cancel()
+        for writer in self.writers:
+            writer.close()
         for channel in self.channels:
             await channel.close()
 

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 
-import grpc
 import pytest
 
 import pathways as pw
@@ -21,6 +20,7 @@ from pathways.planner import Topology
 from pathways.protocol import messages as m
 from pathways.wire import codec, rpc, tcp
 from tests.conftest import running_cluster, wait_until
+from tests.rawworker import RawWorker
 
 
 @pytest.fixture(scope="module")
@@ -100,15 +100,9 @@ def test_a_silent_peer_leaves_its_links_unmeasured_and_the_rest_keeps_working(is
     and never replies: the others' probes of it time out, a measurement names it after its
     timeout, and every other figure is still measured."""
     silent = socket.create_server(("127.0.0.1", 0))
-    ctrl = rpc.open_channel(islands.address)
-    outbox = rpc.Outbox()
+    fake_worker = RawWorker(islands.address)
     try:
-        attach = rpc.method(ctrl, rpc.CONTROLLER_SERVICE, "Attach", "stream_stream")
-        replies = attach(outbox.batches(), timeout=120)
-        outbox.put(m.Register("grpc://127.0.0.1:1", f"tcp://127.0.0.1:{silent.getsockname()[1]}", "cpu", 1,
-                              99, 0, 1, "nowhere", 1 << 30))
-        fake = next(x.worker for batch in replies for x in m.WORKER_DOWN.decode_batch(batch)
-                    if type(x) is m.WorkerWelcome)
+        fake = fake_worker.register(island=99, data_address=f"tcp://127.0.0.1:{silent.getsockname()[1]}")
         measured = {"flops": None, "memory_bytes": 1 << 30, "links": []}
         for bad, needle in [({"flops": -1.0}, "'flops' of message 'measured' must be a finite number in (0"),
                             ({"links": [[fake, 1e-5, 1e9]]}, "a link to itself"),
@@ -117,17 +111,11 @@ def test_a_silent_peer_leaves_its_links_unmeasured_and_the_rest_keeps_working(is
                             ({"memory_bytes": 0}, "'memory_bytes' of message 'measured' must be in [1,"),
                             ({"flops": "fast"}, "must be a number, got str")]:
             raw = {**measured, **bad}
-            outbox.put(_Raw(["measured", 0, raw["flops"], raw["memory_bytes"], raw["links"]]))
-            notice = next(x for batch in replies for x in m.WORKER_DOWN.decode_batch(batch) if type(x) is m.Notice)
+            # raw wire fields: what no typed message would let through
+            fake_worker.send(m.pack([["measured", 0, raw["flops"], raw["memory_bytes"], raw["links"]]]))
+            notice = fake_worker.until(lambda x: type(x) is m.Notice)[-1]
             assert needle in notice.message, (needle, notice)
-        def drain():  # read on, as a live worker would, so that the stream never backs up
-            try:
-                for _ in replies:
-                    pass
-            except grpc.RpcError:
-                pass  # the test closed the stream
-
-        threading.Thread(target=drain, daemon=True).start()
+        threading.Thread(target=fake_worker.drain, daemon=True).start()
         # workers are asked one at a time, in id order: the real ones first, each waiting
         # PROBE_TIMEOUT for the silent peer, then the silent one, which never answers
         with pytest.raises(DeadlineExceededError, match=rf"worker {fake} did not report"):
@@ -138,8 +126,7 @@ def test_a_silent_peer_leaves_its_links_unmeasured_and_the_rest_keeps_working(is
         assert {(x["src"], x["dst"]) for x in st["links"]} == {(a, b) for a in real for b in real if a != b}
         assert next(w for w in st["workers"] if w["worker"] == fake)["flops"] is None
     finally:
-        outbox.close()
-        ctrl.close()
+        fake_worker.close()
         silent.close()
     wait_until(lambda: len(cluster.status(islands.address)["workers"]) == 3, what="the silent worker to be dropped")
     check_figures(cluster.measure(islands.address, timeout=60))
@@ -151,16 +138,6 @@ def test_a_silent_peer_leaves_its_links_unmeasured_and_the_rest_keeps_working(is
 class Box(list):
     def put(self, message):
         self.append(message)
-
-
-class _Raw:
-    """A message as raw wire fields, to send what no typed message would let through."""
-
-    def __init__(self, fields):
-        self.fields = fields
-
-    def encode(self):
-        return self.fields
 
 
 def register(core, n):

@@ -21,7 +21,6 @@ import os
 import queue
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -29,6 +28,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from pathways.bench import report
+from pathways.wire import frames
 
 TITLE = "Control messages: CPU per message on the controller's transports"
 PAPER = ""
@@ -43,7 +43,7 @@ _TINY_PING_PONGS, _TINY_BURST = 100, 200
 _TCP_SCALE = 10
 _TIMEOUT = 60.0
 _GRACE_SECONDS = 2.0
-_LENGTH = struct.Struct("!I")
+_MAX_FRAME_BYTES = 1 << 20  # a batch of run or done messages, or a reply: kilobytes
 _ANSWER = 1  # the program id of a run message the server answers; others it only decodes
 
 ABOUT = f"""
@@ -164,18 +164,13 @@ def _serve_tcp() -> None:
         print(listener.getsockname()[1], flush=True)
         conn, _ = listener.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    with conn, conn.makefile("rb") as reader:  # buffered: one recv may bring several frames
-        while True:
-            head = reader.read(_LENGTH.size)
-            if len(head) < _LENGTH.size:
-                return
-            replies = core.handle(reader.read(_LENGTH.unpack(head)[0]))
+    reader = frames.FrameReader(conn)  # buffered: one recv may bring several frames
+    with conn:
+        while (payload := reader.read(_MAX_FRAME_BYTES)) is not None:
+            replies = core.handle(payload)
             if replies:
-                conn.sendall(_frame(encode_batch(replies)))
-
-
-def _frame(payload: bytes) -> bytes:
-    return _LENGTH.pack(len(payload)) + payload
+                conn.sendall(frames.frame(encode_batch(replies)))
+    reader.close()
 
 
 # ---- the client side ---------------------------------------------------------------
@@ -193,8 +188,8 @@ class _Transport:
             if kind == "tcp":
                 self.sock = socket.create_connection(("127.0.0.1", port), _TIMEOUT)
                 self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                self.reader = self.sock.makefile("rb")
-                self.send: Callable[[bytes], None] = lambda payload: self.sock.sendall(_frame(payload))
+                self.reader = frames.FrameReader(self.sock)
+                self.send: Callable[[bytes], None] = lambda payload: self.sock.sendall(frames.frame(payload))
                 self.receive: Callable[[], bytes] = self._receive_frame
             else:
                 self._start_grpc(port)
@@ -205,8 +200,9 @@ class _Transport:
     def _start_grpc(self, port: int) -> None:
         from pathways.wire import rpc
 
-        self.channel = rpc.open_channel(f"grpc://127.0.0.1:{port}")
-        rpc.wait_ready(self.channel, f"grpc://127.0.0.1:{port}", _TIMEOUT)
+        address = f"grpc://127.0.0.1:{port}"
+        self.channel = rpc.open_channel(address)
+        rpc.wait_ready(self.channel, address, _TIMEOUT)
         self.outgoing: queue.SimpleQueue = queue.SimpleQueue()
 
         def requests() -> Iterator[bytes]:
@@ -218,10 +214,10 @@ class _Transport:
         self.receive = lambda: next(responses)
 
     def _receive_frame(self) -> bytes:
-        head = self.reader.read(_LENGTH.size)
-        if len(head) < _LENGTH.size:
+        payload = self.reader.read(_MAX_FRAME_BYTES)
+        if payload is None:
             raise ConnectionError("the framed TCP server closed the connection")
-        return self.reader.read(_LENGTH.unpack(head)[0])
+        return payload
 
     def close(self) -> None:
         from pathways.cluster import stop_processes

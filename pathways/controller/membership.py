@@ -1,6 +1,6 @@
 """Worker membership: who is attached, where they are reached, what they measured.
 
-Workers register on their Attach stream, get an id and the data-plane address of every
+Workers register on their stream (framed TCP), get an id and the data-plane address of every
 peer; the resource manager learns their devices. A lost worker takes its island with it
 (what that means for runs and arrays is the core's business, see core.py). Workers also
 report what they measured about themselves (FLOP/s, memory, their links to each other);
@@ -29,7 +29,7 @@ class Outbox(Protocol):
 
 @dataclass
 class WorkerConn:
-    """One Attach stream; ``worker`` is -1 until it registers."""
+    """One worker stream; ``worker`` is -1 until it registers."""
 
     outbox: Outbox
     worker: int = -1

@@ -1,19 +1,24 @@
-"""The controller process: the gRPC shell around ControllerCore.
+"""The controller process: the gRPC and socket shell around ControllerCore.
 
-One asyncio loop runs everything: grpc.aio serves the streams as coroutines (no thread
-per stream, so thousands of sessions and workers fit), and the core runs on the same
-loop, called directly by the stream that received a payload, so it stays single-threaded
-without a hop between threads. Each stream has a LoopOutbox and a writer task that sends
-whatever the core put there since its last write as one batch.
+One asyncio loop runs everything: grpc.aio serves clients' Session streams and the unary
+methods as coroutines, and ``asyncio.start_server`` serves workers' streams as framed TCP
+connections (wire/frames.py; a control message costs a fifteenth of the CPU it costs over
+grpc.aio, BENCHMARKS.md "control"), a coroutine per stream, so thousands of sessions and
+workers fit. The core runs on the same loop, called directly by the stream that received
+a payload, so it stays single-threaded without a hop between threads. Each stream has a
+LoopOutbox and a writer task that sends whatever the core put there since its last write
+as one batch. A worker learns the TCP address from the gRPC method AttachAddress.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import signal
-from typing import Any, Callable
+import socket
+from typing import Any, Awaitable, Callable, Optional
 
 import grpc
 
@@ -24,7 +29,8 @@ from pathways.errors import DeadlineExceededError, WireError
 from pathways.protocol import messages as m
 from pathways.protocol.errors import kind_of
 from pathways.protocol.handles import MAX_SESSION
-from pathways.wire import rpc
+from pathways.wire import frames, rpc
+from pathways.wire.codec import MAX_MESSAGE_BYTES
 
 log = logging.getLogger("pathways.controller")
 
@@ -32,6 +38,16 @@ log = logging.getLogger("pathways.controller")
 # for it (a peer that stopped reading too must not hold the stream open forever).
 _DRAIN_SECONDS = 5.0
 _STOP_GRACE_SECONDS = 0.5
+# A worker's frame, once its length has arrived, must complete within this many seconds: a
+# 64 MiB Compile crosses loopback in well under a second, so this leaves ample room for a
+# host busy compiling, while a peer that announces a frame and stalls holds its buffer for
+# no longer (workers wait for the controller 300 s by default; a frame is a small part).
+FRAME_SECONDS = 30.0
+# Until a connection has registered, its frames may be at most this long (a Register is a
+# few hundred bytes), so that strangers cannot make the controller buffer 64 MiB each.
+UNREGISTERED_FRAME_BYTES = 64 * 1024
+
+Read = Callable[[], Awaitable[Optional[bytes]]]  # the next payload of a stream; None at its end
 
 
 def _guarded(fn: Callable, *args: Any) -> None:
@@ -47,26 +63,26 @@ class ControllerServer:
         self._session_ids = itertools.count(1)
         self._streams: set[asyncio.Task] = set()
         self._stopping = False  # the process is stopping: its streams end, but nothing was lost
+        self._attach_server: Optional[asyncio.AbstractServer] = None
+        self.worker_address = ""  # tcp://HOST:PORT once listen() ran
 
-    async def _stream(self, context: grpc.aio.ServicerContext, outbox: rpc.LoopOutbox,
+    async def _stream(self, read: Read, send: Callable[[bytes], Awaitable[None]], outbox: rpc.LoopOutbox,
                       on_payload: Callable[[bytes], None], on_end: Callable[[], None]) -> None:
-        """Feed a stream's payloads to ``on_payload`` while a writer task sends its outbox.
-        ``on_end`` is called exactly once, whether the peer finished sending or the call
-        was cancelled (the peer vanished), unless the controller is stopping."""
+        """Feed a stream's payloads (from ``read``) to ``on_payload`` while a writer task
+        sends its outbox with ``send``. ``on_end`` is called exactly once, whether the peer
+        finished sending or the stream was cancelled (the peer vanished), unless the
+        controller is stopping."""
         task = asyncio.current_task()
         self._streams.add(task)
-        writer = asyncio.create_task(outbox.write_to(context))
+        writer = asyncio.create_task(outbox.write_to(send))
         try:
-            while True:
-                payload = await context.read()
-                if payload is grpc.aio.EOF:
-                    break
+            while (payload := await read()) is not None:
                 _guarded(on_payload, payload)
         except asyncio.CancelledError:
             writer.cancel()
             if not self._stopping:
                 raise
-            return  # stop() ended it: the call ends with OK, so that the peer sees a clean end
+            return  # stop() ended it: the stream ends cleanly, so that the peer sees a clean end
         except BaseException:
             writer.cancel()
             raise
@@ -80,9 +96,20 @@ class ControllerServer:
         except asyncio.TimeoutError:
             pass  # the peer stopped reading too: what was left for it is dropped
 
+    async def listen(self, host: str) -> str:
+        """Accept workers' framed TCP streams on a free port of ``host``; returns the
+        address, ``tcp://HOST:PORT``, that AttachAddress tells workers."""
+        self._attach_server = await asyncio.start_server(self.attach, host, 0)
+        port = self._attach_server.sockets[0].getsockname()[1]
+        self.worker_address = f"tcp://{host}:{port}"
+        return self.worker_address
+
     async def stop(self, server: grpc.aio.Server) -> None:
-        """End every stream, then the server."""
+        """Stop accepting workers, end every stream (a worker's connection closes after
+        what was queued for it), then the gRPC server."""
         self._stopping = True
+        if self._attach_server is not None:
+            self._attach_server.close()
         for task in list(self._streams):
             task.cancel()
         await server.stop(grace=_STOP_GRACE_SECONDS)
@@ -93,13 +120,45 @@ class ControllerServer:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "session ids exhausted; restart the controller")
         outbox = rpc.LoopOutbox()
         self.core.session_opened(sid, outbox)
-        await self._stream(context, outbox, lambda p: self.core.on_session_batch(sid, p),
+
+        async def read() -> Optional[bytes]:
+            payload = await context.read()
+            return None if payload is grpc.aio.EOF else payload
+
+        await self._stream(read, context.write, outbox, lambda p: self.core.on_session_batch(sid, p),
                            lambda: self.core.session_closed(sid))
 
-    async def attach(self, requests: Any, context: grpc.aio.ServicerContext) -> None:
+    async def attach(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One worker's stream: a TCP connection of frames (wire/frames.py). A broken frame
+        (over its limit, cut short, or not complete within FRAME_SECONDS) ends the stream
+        like a closed connection: the stream cannot be resynchronized."""
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = writer.get_extra_info("peername")
         conn = WorkerConn(rpc.LoopOutbox())
-        await self._stream(context, conn.outbox, lambda p: self.core.on_worker_batch(conn, p),
-                           lambda: self.core.worker_lost(conn))
+
+        async def read() -> Optional[bytes]:
+            limit = MAX_MESSAGE_BYTES if conn.worker >= 0 else UNREGISTERED_FRAME_BYTES
+            try:
+                return await frames.read_frame(reader, limit, FRAME_SECONDS)
+            except WireError as e:
+                log.warning("closing the worker connection from %s (worker %d): %s", peer, conn.worker, e)
+            except OSError as e:  # reset by the peer
+                log.info("the worker connection from %s (worker %d) ended: %s", peer, conn.worker, e)
+            return None
+
+        try:
+            await self._stream(read, lambda payload: frames.write_frame(writer, payload), conn.outbox,
+                               lambda p: self.core.on_worker_batch(conn, p), lambda: self.core.worker_lost(conn))
+        finally:
+            writer.close()  # after what is buffered: the worker sees a clean end
+            with contextlib.suppress(Exception):  # a reset peer, or the loop stopping
+                await asyncio.wait_for(writer.wait_closed(), _DRAIN_SECONDS)
+
+    async def attach_address(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """Where workers attach: ``{"address": "tcp://HOST:PORT"}``."""
+        return m.pack({"address": self.worker_address})
 
     async def status(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return m.pack(self.core.status())
@@ -129,7 +188,8 @@ class ControllerServer:
         return m.pack({"status": self.core.status()})
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
-        return {"Session": rpc.stream_stream(self.session), "Attach": rpc.stream_stream(self.attach),
+        return {"Session": rpc.stream_stream(self.session),
+                "AttachAddress": rpc.unary_unary(self.attach_address),
                 "Status": rpc.unary_unary(self.status), "Measure": rpc.unary_unary(self.measure)}
 
 
@@ -139,8 +199,9 @@ def main(policy: str = "fair", window: int = DEFAULT_WINDOW) -> None:
 
 async def _serve(policy: str, window: int) -> None:
     controller = ControllerServer(policy, window)
+    await controller.listen(rpc.LOOPBACK)  # before the gRPC server: AttachAddress must know it
     server, port = await rpc.start_aio_server(rpc.CONTROLLER_SERVICE, controller.handlers())
-    print(f"{ADDRESS_LINE} grpc://127.0.0.1:{port}", flush=True)
+    print(f"{ADDRESS_LINE} grpc://{rpc.LOOPBACK}:{port}", flush=True)
     stopping: asyncio.Future = asyncio.get_running_loop().create_future()
 
     def on_signal(signum: int) -> None:

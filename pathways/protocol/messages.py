@@ -248,7 +248,7 @@ class Error(Message):
     message: str = wire(TEXT)
 
 
-# ---- worker <-> controller (the Attach stream) ----------------------------------------------
+# ---- worker <-> controller (the worker stream: framed TCP) ----------------------------------------------
 
 @message("register")
 class Register(Message):

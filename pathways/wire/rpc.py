@@ -8,7 +8,7 @@ Two kinds of server: ``make_server`` (a thread pool; a streaming call holds a th
 its lifetime, fine for a worker's few streams) and ``start_aio_server`` (grpc.aio on the
 running asyncio loop; a stream costs a coroutine, not a thread, as the controller needs
 for thousands of sessions and workers). ``Outbox`` feeds a synchronous stream from any
-thread; ``LoopOutbox`` feeds an aio stream from its loop.
+thread; ``LoopOutbox`` feeds an aio stream (gRPC, or framed TCP: wire/frames.py) from its loop.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import asyncio
 import queue
 import time
 from concurrent import futures
-from typing import Callable, Iterator, Optional
+from typing import Awaitable, Callable, Iterator, Optional
 
 import grpc
 
@@ -25,6 +25,7 @@ from pathways.errors import ConnectError
 from pathways.protocol.messages import MAX_MESSAGE_BYTES, Message, encode_batch
 
 CONTROLLER_SERVICE = "pathways.Controller"
+LOOPBACK = "127.0.0.1"  # where servers listen: every process of a cluster runs on this host today
 WORKER_SERVICE = "pathways.Worker"
 
 # How long a refused connection is retried: one reconnection attempt (gRPC's first backoff is
@@ -57,7 +58,7 @@ def make_server(service: str, handlers: dict[str, grpc.RpcMethodHandler], max_wo
     """A server on a free loopback port running ``handlers``; returns (server, port)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=_OPTIONS)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"{LOOPBACK}:0")
     server.start()
     return server, port
 
@@ -72,7 +73,7 @@ async def start_aio_server(service: str, handlers: dict[str, grpc.RpcMethodHandl
     running loop; returns (server, port)."""
     server = grpc.aio.server(options=[*_OPTIONS, ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS)])
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"{LOOPBACK}:0")
     await server.start()
     return server, port
 
@@ -179,7 +180,7 @@ class Outbox:
 
 
 class LoopOutbox:
-    """The messages waiting for one aio stream; used only from its event loop.
+    """The messages waiting for one stream served on an event loop; used only from that loop.
 
     ``put`` appends and wakes the stream's writer, which sends whatever has queued by the
     time it runs as one payload: everything one inbound batch caused goes out together.
@@ -205,9 +206,10 @@ class LoopOutbox:
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
 
-    async def write_to(self, context: grpc.aio.ServicerContext) -> None:
-        """Write batches to ``context`` until closed and drained, or until the call ends.
-        The stream's reader learns of an ended call itself (EOF or cancellation)."""
+    async def write_to(self, send: Callable[[bytes], Awaitable[None]]) -> None:
+        """Send batches with ``send`` (a gRPC call's ``write``, or a framed socket's) until
+        closed and drained, or until the stream ends. The stream's reader learns of an
+        ended stream itself (EOF, a reset, or cancellation)."""
         loop = asyncio.get_running_loop()
         while True:
             if not self._messages:
@@ -219,6 +221,6 @@ class LoopOutbox:
             batch, self._messages = self._messages, []
             payload = encode_batch(batch)
             try:
-                await context.write(payload)
-            except Exception:  # the call ended under it (peer gone, server stopping): nothing more goes out
+                await send(payload)
+            except Exception:  # the stream ended under it (peer gone, server stopping): nothing more goes out
                 return

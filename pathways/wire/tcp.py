@@ -27,7 +27,6 @@ import logging
 import math
 import socket
 import statistics
-import struct
 import threading
 import time
 from typing import Callable, Optional
@@ -36,10 +35,10 @@ import numpy as np
 
 from pathways.errors import WireError
 from pathways.wire import codec
+from pathways.wire.frames import LENGTH, frame, recv_exactly
 
 log = logging.getLogger("pathways.wire")
 
-_LENGTH = struct.Struct("!I")
 _MAX_HEADER_BYTES = 1 << 20  # a put header names a few pieces and a layout: kilobytes
 # A header byte can unpack into a 64-byte Python object (an empty list or map), so while a
 # frame's header lives, the frame is charged this many bytes per header byte.
@@ -55,19 +54,6 @@ _ACCEPT_RETRY = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.
 
 # receive(header, pieces) stores one sender's part of an array; returns an error or None
 Receive = Callable[[dict, list], Optional[str]]
-
-
-def _recv_exactly(sock: socket.socket, view: memoryview, deadline: float | None = None) -> bool:
-    """Fill ``view`` from ``sock``; False if the peer closed the connection first. Past
-    ``deadline`` (time.monotonic()) raises WireError."""
-    while view:
-        n = sock.recv_into(view)
-        if n == 0:
-            return False
-        view = view[n:]
-        if deadline is not None and view and time.monotonic() > deadline:
-            raise WireError(f"a data frame arrived slower than {_MIN_FRAME_RATE} bytes/s")
-    return True
 
 
 class Budget:
@@ -159,12 +145,12 @@ class Listener:
                     return
 
     def _frame(self, conn: socket.socket) -> bool:
-        length = bytearray(_LENGTH.size)
+        length = bytearray(LENGTH.size)
         conn.settimeout(None)  # between frames a peer may stay quiet for as long as it likes
-        if not _recv_exactly(conn, memoryview(length)):
+        if not recv_exactly(conn, memoryview(length)):
             return False
         conn.settimeout(self._timeout)  # within a frame it may not
-        (n,) = _LENGTH.unpack(length)
+        (n,) = LENGTH.unpack(length)
         if n > _MAX_HEADER_BYTES:
             raise WireError(f"a data frame header of {n} bytes exceeds {_MAX_HEADER_BYTES}")
         held = 0
@@ -172,7 +158,7 @@ class Listener:
             held = self._reserve(n * _HEADER_EXPANSION, 0, "its header")
             deadline = time.monotonic() + self._timeout + n / _MIN_FRAME_RATE
             raw = bytearray(n)
-            if not _recv_exactly(conn, memoryview(raw), deadline):
+            if not recv_exactly(conn, memoryview(raw), deadline):
                 return False
             header = codec.unpack(bytes(raw))
             del raw
@@ -190,7 +176,7 @@ class Listener:
                 deadline += sum(sizes) / _MIN_FRAME_RATE
                 for (index, shape), size in zip(specs, sizes):
                     array = codec.aligned_empty(shape, dtype)
-                    if size and not _recv_exactly(conn, memoryview(array.reshape(-1).view(np.uint8)), deadline):
+                    if size and not recv_exactly(conn, memoryview(array.reshape(-1).view(np.uint8)), deadline):
                         return False
                     pieces.append((index, array))
             error = self._receive(header, pieces)
@@ -217,7 +203,7 @@ class Listener:
         left = n
         while left:
             step = min(left, len(scratch))
-            if not _recv_exactly(conn, scratch[:step], deadline):
+            if not recv_exactly(conn, scratch[:step], deadline):
                 return False
             left -= step
         conn.sendall(_probe_frame(n))
@@ -240,6 +226,16 @@ def _probe_bytes(header: dict) -> int:
     return n
 
 
+def connect(address: str, timeout: float) -> socket.socket:
+    """A connection to ``tcp://HOST:PORT``, opened within ``timeout`` seconds (OSError if
+    not; ValueError for a port that is not a number), with Nagle's delay off: frames are
+    sent whole, and a small one must not wait for the acknowledgement of the last."""
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    sock = socket.create_connection((host, int(port)), timeout=timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
 class Links:
     """Connections to peers' listeners, opened on first use and reopened after a failure."""
 
@@ -250,16 +246,15 @@ class Links:
 
     def send(self, address: str, header: dict, pieces: list) -> None:
         """Send one frame; raises OSError if the peer cannot be reached."""
-        frame = codec.pack(header)
-        frame = _LENGTH.pack(len(frame)) + frame
+        head = frame(codec.pack(header))
         arrays = [np.ascontiguousarray(array) for _, array in pieces]
         if sum(a.nbytes for a in arrays) <= _COALESCE_BYTES:  # one write, one wakeup of the receiver
-            frame += b"".join(a.tobytes() for a in arrays)
+            head += b"".join(a.tobytes() for a in arrays)
             arrays = []
         sock, lock = self._link(address)
         with lock:
             try:
-                sock.sendall(frame)
+                sock.sendall(head)
                 for data in arrays:
                     if data.nbytes:
                         sock.sendall(memoryview(data.reshape(-1).view(np.uint8)))
@@ -271,9 +266,7 @@ class Links:
         with self._lock:
             link = self._links.get(address)
             if link is None:
-                host, _, port = address.removeprefix("tcp://").rpartition(":")
-                sock = socket.create_connection((host, int(port)), timeout=self._timeout)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock = connect(address, self._timeout)
                 link = self._links[address] = (sock, threading.Lock())
             return link
 
@@ -291,8 +284,7 @@ class Links:
 
 
 def _probe_frame(nbytes: int) -> bytes:
-    body = codec.pack({"t": "probe", "bytes": nbytes})
-    return _LENGTH.pack(len(body)) + body
+    return frame(codec.pack({"t": "probe", "bytes": nbytes}))
 
 
 def probe(address: str, timeout: float, payload_bytes: int = 1 << 20, pings: int = 5,
@@ -305,9 +297,7 @@ def probe(address: str, timeout: float, payload_bytes: int = 1 << 20, pings: int
     if not 0 < payload_bytes <= MAX_PROBE_BYTES or pings < 1 or rounds < 1:
         raise ValueError(f"a probe needs 0 < payload_bytes <= {MAX_PROBE_BYTES}, pings >= 1 and rounds >= 1")
     deadline = time.monotonic() + timeout
-    host, _, port = address.removeprefix("tcp://").rpartition(":")
-    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    with connect(address, timeout) as sock:
 
         def exchange(nbytes: int, payload: bytes) -> float:
             left = deadline - time.monotonic()
@@ -320,7 +310,7 @@ def probe(address: str, timeout: float, payload_bytes: int = 1 << 20, pings: int
             if payload:
                 sock.sendall(payload)
             got = bytearray(len(reply))
-            if not _recv_exactly(sock, memoryview(got)):
+            if not recv_exactly(sock, memoryview(got)):
                 raise ConnectionError(f"{address} closed the connection during a probe")
             if got != reply:
                 raise WireError(f"{address} answered a probe with something else")

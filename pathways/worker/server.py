@@ -1,7 +1,8 @@
 """The worker process: the gRPC and socket shell around the worker's core (core.py).
 
-It attaches to the controller with one long-lived stream (registration up, op batches
-and done reports down), serves clients' puts and fetches over gRPC, and hands the data
+It attaches to the controller with one long-lived stream, a TCP connection of frames
+(wire/frames.py) at the address the controller's AttachAddress method names (registration
+and done reports up, op batches down; a reader and a sender thread), serves clients' puts and fetches over gRPC, and hands the data
 plane's frames from peers (wire/tcp.py) to the core. In the background the core measures
 its FLOP/s and its links to the other workers (measure.py). The hosts of an island of
 several hosts form one ``jax.distributed`` group (CPU collectives over gloo). When the
@@ -11,6 +12,7 @@ worker without a controller or island has no work.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -24,8 +26,8 @@ import grpc
 import trio
 
 from pathways.errors import ConnectError, WireError
-from pathways.protocol.messages import FETCH, Register
-from pathways.wire import codec, rpc, tcp
+from pathways.protocol.messages import FETCH, MAX_MESSAGE_BYTES, Register
+from pathways.wire import codec, frames, rpc, tcp
 from pathways.worker.core import WorkerCore
 from pathways.worker.measure import host_memory_bytes
 
@@ -109,6 +111,20 @@ def main(controller: str, devices: int, island: int, wait_timeout: float, connec
         os._exit(0)
 
 
+def _attach(channel: grpc.Channel, controller: str, timeout: float) -> socket.socket:
+    """Ask the controller at ``controller`` where workers attach, and connect there, within
+    ``timeout`` seconds each."""
+    ask = rpc.method(channel, rpc.CONTROLLER_SERVICE, "AttachAddress", "unary_unary")
+    try:
+        sock = tcp.connect(codec.unpack(ask(b"", timeout=timeout))["address"], timeout)
+    except (grpc.RpcError, OSError, WireError, KeyError, TypeError, ValueError) as e:
+        raise ConnectError(f"could not attach to the controller at {controller} ({type(e).__name__}: {e}); "
+                           "check that it is running and that it is a pathways controller of this version "
+                           "(`python -m pathways status` asks it)") from None
+    sock.settimeout(None)  # between frames the controller may stay quiet as long as it likes
+    return sock
+
+
 async def _serve(controller: str, devices: int, island: int, rank: int, wait_timeout: float,
                  connect_timeout: float, sync_collectives: bool, unsafe_local_order: bool) -> None:
     ended = trio.Event()
@@ -125,22 +141,35 @@ async def _serve(controller: str, devices: int, island: int, rank: int, wait_tim
     listener = tcp.Listener(core.receive_frame, wait_timeout)
     server, port = rpc.make_server(rpc.WORKER_SERVICE, WorkerService(core).handlers())
     channel = rpc.open_channel(controller)
+    sock: socket.socket | None = None
     try:
         await trio.to_thread.run_sync(rpc.wait_ready, channel, controller, connect_timeout)
-        outbox.put(Register(f"grpc://127.0.0.1:{port}", listener.address, "cpu", devices, island, rank,
+        sock = await trio.to_thread.run_sync(_attach, channel, controller, connect_timeout)
+        outbox.put(Register(f"grpc://{rpc.LOOPBACK}:{port}", listener.address, "cpu", devices, island, rank,
                             os.getpid(), socket.gethostname(), host_memory_bytes()))
-        attach = rpc.method(channel, rpc.CONTROLLER_SERVICE, "Attach", "stream_stream")
-        responses = attach(outbox.batches())
+        reader = frames.FrameReader(sock)
+
+        def send() -> None:
+            try:
+                for payload in outbox.batches():
+                    sock.sendall(frames.frame(payload))
+            except OSError as e:
+                log.info("controller stream ended while sending: %s", e)
+                end()
 
         def read() -> None:
             try:
-                for payload in responses:
+                # No deadline within a frame: the controller is this worker's one trusted
+                # peer, and when its process ends the kernel closes the connection.
+                while (payload := reader.read(MAX_MESSAGE_BYTES)) is not None:
                     core.on_batch(payload)
-            except Exception as e:  # RpcError, or ValueError once shutdown closed the channel
+                log.info("controller stream ended")
+            except Exception as e:  # OSError or WireError, or ValueError once shutdown closed the reader
                 log.info("controller stream ended: %s", e)
             finally:
                 end()
 
+        threading.Thread(target=send, name="pathways-attach-send", daemon=True).start()
         threading.Thread(target=read, name="pathways-attach", daemon=True).start()
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
@@ -154,6 +183,10 @@ async def _serve(controller: str, devices: int, island: int, rank: int, wait_tim
         log.error("%s", e)
     finally:
         outbox.close()
+        if sock is not None:
+            with contextlib.suppress(OSError):  # the controller may have closed it already
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the reader thread
+            sock.close()
         listener.close()
         core.close()
         server.stop(grace=0.5)
