@@ -38,6 +38,7 @@ log = logging.getLogger("pathways.controller")
 # for it (a peer that stopped reading too must not hold the stream open forever).
 _DRAIN_SECONDS = 5.0
 _STOP_GRACE_SECONDS = 0.5
+_STOP_SECONDS = 5.0  # how long stopping waits for the streams to end before cancelling them
 # A worker's frame, once its length has arrived, must complete within this many seconds: a
 # 64 MiB Compile crosses loopback in well under a second, so this leaves ample room for a
 # host busy compiling, while a peer that announces a frame and stalls holds its buffer for
@@ -79,10 +80,17 @@ class ControllerServer:
             while (payload := await read()) is not None:
                 _guarded(on_payload, payload)
         except asyncio.CancelledError:
-            writer.cancel()
             if not self._stopping:
+                writer.cancel()
                 raise
-            return  # stop() ended it: the stream ends cleanly, so that the peer sees a clean end
+            # stop() ended it: let a write still in flight complete (ending a call while one is
+            # pending fails in gRPC's core), then end cleanly so that the peer sees a clean end
+            outbox.close()
+            try:
+                await asyncio.wait_for(writer, _STOP_GRACE_SECONDS)
+            except asyncio.TimeoutError:
+                pass
+            return
         except BaseException:
             writer.cancel()
             raise
@@ -110,8 +118,14 @@ class ControllerServer:
         self._stopping = True
         if self._attach_server is not None:
             self._attach_server.close()
-        for task in list(self._streams):
+        streams = list(self._streams)
+        for task in streams:
             task.cancel()
+        # Let every stream finish its call before the server cancels what is left: a call
+        # the server cancels while its handler is finishing fails in gRPC's core, and its
+        # peer sees UNAVAILABLE instead of a clean end (on a busy host this takes a while).
+        if streams:
+            await asyncio.wait(streams, timeout=_STOP_SECONDS)
         await server.stop(grace=_STOP_GRACE_SECONDS)
 
     async def session(self, requests: Any, context: grpc.aio.ServicerContext) -> None:
