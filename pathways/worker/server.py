@@ -2,8 +2,9 @@
 
 It attaches to the controller with one long-lived stream, a TCP connection of frames
 (wire/frames.py) at the address the controller's AttachAddress method names (registration
-and done reports up, op batches down; a reader and a sender thread), serves clients' puts and fetches over gRPC, and hands the data
-plane's frames from peers (wire/tcp.py) to the core. In the background the core measures
+and done reports up, op batches down; a reader and a sender thread), serves clients' puts
+and fetches over gRPC, and hands the data plane's frames from peers (wire/tcp.py) to the
+core. In the background the core measures
 its FLOP/s and its links to the other workers (measure.py). The hosts of an island of
 several hosts form one ``jax.distributed`` group (CPU collectives over gloo). When the
 controller's stream ends, or the controller says the island is lost, the worker exits: a
