@@ -8,7 +8,7 @@ import math
 import pytest
 
 from pathways.__main__ import main
-from pathways.bench import parity, report, suite
+from pathways.bench import netns, parity, report, suite
 from tests.conftest import child_pids
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -46,6 +46,16 @@ def check_transfer(d):
     for r in d["rows"]:
         assert 0 < r["min"] <= r["pathways"] <= r["max"] and r["raw"] > 0 and r["ratio"] > 0
     assert all(s > 0 for s in d["overhead_s"].values())
+    across = d["netns"]  # measured across network namespaces where they can be made, else why not
+    reason = netns.unavailable()
+    if reason:
+        assert across == {"skipped": reason}
+    else:
+        assert [r["size"] for r in across["rows"]] == [4096, 2 << 20] and across["columns"] == ["pathways"]
+        for r in across["rows"]:
+            assert all(rate_ok(s) for s in r["rates"].values()) and set(r["rates"]) == {"pathways", "raw TCP"}
+            assert r["ratios"]["pathways"] > 0
+        assert all(s > 0 for s in across["round_trip_s"].values())
 
 
 def check_tenancy(d):

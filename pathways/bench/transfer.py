@@ -9,6 +9,12 @@ through a plain TCP socket between two helper processes on loopback (a sender ``
 a preallocated buffer, a receiver ``recv_into``s one and acks with one byte), the most this
 machine can move between two processes with one stream.
 
+Across two network namespaces joined by a bridge (pathways/bench/netns.py; needs root), the
+data plane itself is measured next to the same raw TCP copy over the same veth link: a
+``tcp.Listener`` in one namespace receives put frames that ``tcp.connect`` and
+``tcp.send_frame`` send from the other, and acknowledges each on a side connection. Where
+namespaces cannot be made, the results say why and the rest runs as before.
+
 For every size, in every round, the cases run alternately so that machine noise hits them
 alike. Each sample is the mean time of a few back-to-back runs, each waited for before the
 next; MB/s is 10^6 bytes of array per second of that time. The fixed cost of one run (a
@@ -17,6 +23,8 @@ one-element array) is reported too, and the "net" column is the rate with it sub
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import os
 import selectors
@@ -27,9 +35,9 @@ import struct
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-from pathways.bench import report
+from pathways.bench import netns, report
 
 MiB = 1 << 20
 SIZES: tuple[int, ...] = (1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB)
@@ -40,6 +48,15 @@ _TIMEOUT = 120.0  # the longest one run, one raw transfer or a helper's start ma
 _IDLE_TIMEOUT = 600.0  # the longest the raw TCP helpers wait for the next transfer
 _GRACE_SECONDS = 3.0
 _HEADER = struct.Struct("!Q")
+LOOPBACK = "127.0.0.1"
+NETNS_HOSTS = ("sender", "receiver")
+NETNS = "netns "  # starts the names of the cases across namespaces
+
+# The data plane's columns across the namespaces: column -> transport, a string handed to both
+# helpers, which turn it into tcp.Listener's and tcp.connect's arguments with
+# _data_plane_security(). A data-plane TLS column is one more entry here (e.g.
+# "pathways TLS": "tls:DIR", DIR holding a certificate both helpers read) and one more case there.
+DATA_PLANE = {"pathways": "plain"}
 
 
 def _runs(nbytes: int) -> int:
@@ -61,6 +78,11 @@ this machine moves between two processes with one stream. Each sample is the mea
 back-to-back runs, each waited for; MB/s is 10^6 bytes of array per second. "Net" subtracts
 the fixed cost of one run (a one-element array: dispatch, two workers, the client's fetch).
 Target: pathways >= 0.5x raw TCP from 16 MiB.
+
+Across two network namespaces joined by a bridge (a veth pair each; needs root), the data
+plane alone is measured: a `tcp.Listener` in one namespace receives put frames of the same
+sizes sent with `tcp.connect` and `tcp.send_frame` from the other, each acknowledged with one
+byte, next to the same raw TCP copy over the same link, alternated in the same rounds.
 """
 
 
@@ -78,40 +100,66 @@ def _measure(rounds: int, sizes: Sequence[int], progress: Any) -> dict[str, Any]
     import pathways as pw
 
     sizes = [max(4, s - s % 4) for s in sizes]
-    progress.expect(1 + rounds * (len(sizes) + 1))
+    progress.expect(2 + rounds * (len(sizes) + 1))
     progress.step("starting 3 hosts on 2 islands")
-    with pw.local_cluster(islands=[pw.Island(hosts=2, devices_per_host=1),
-                                   pw.Island(hosts=1, devices_per_host=1)]):
-        raw = _RawSocket(max(sizes))
-        try:
-            source = pw.make_virtual_device_set().add_slice(cpu_devices=1, island=0)
-            routes = {"same island": pw.make_virtual_device_set().add_slice(cpu_devices=1, island=0),
-                      "other island": pw.make_virtual_device_set().add_slice(cpu_devices=1, island=1)}
-            if routes["same island"].workers == source.workers:
-                raise RuntimeError(f"both island-0 slices were placed on worker {source.workers}; "
-                                   "the benchmark needs them on different hosts")
-            programs = {route: _touch_program(pw, s) for route, s in routes.items()}
-            arrays = {n: pw.device_put(np.arange(n // 4, dtype=np.float32), source.devices)
-                      for n in [4, *sizes]}
-            for n, x in arrays.items():  # warm up: compile, and check that the array's end arrives
-                want = np.arange(n // 4, dtype=np.float32)[-1:]
-                for route, program in programs.items():
-                    got = np.asarray(program(x))
-                    if not np.array_equal(got, want):
-                        raise RuntimeError(f"{route}: a {n}-byte transfer delivered {got!r}, not {want!r}")
-                raw.seconds(n, 1)
-            cases: dict[str, Callable[[int, int], float]] = {
-                route: lambda n, k, p=program: _time_runs(p, arrays[n], k) for route, program in programs.items()}
-            cases["raw TCP"] = raw.seconds
-            samples: dict[str, dict[int, list[float]]] = {c: {n: [] for n in arrays} for c in cases}
-            for r in range(rounds):
-                for n in arrays:
-                    progress.step(f"{_size(n)} (round {r + 1}/{rounds})")
-                    for case, timed in cases.items():
-                        samples[case][n].append(timed(n, _runs(n)))
-        finally:
-            raw.close()
-    return _report(samples, sizes)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(pw.local_cluster(islands=[pw.Island(hosts=2, devices_per_host=1),
+                                                      pw.Island(hosts=1, devices_per_host=1)]))
+        raw = _Pair(["raw-receive", str(max(sizes)), LOOPBACK], ["raw-send", str(max(sizes))])
+        stack.callback(raw.close)
+        source = pw.make_virtual_device_set().add_slice(cpu_devices=1, island=0)
+        routes = {"same island": pw.make_virtual_device_set().add_slice(cpu_devices=1, island=0),
+                  "other island": pw.make_virtual_device_set().add_slice(cpu_devices=1, island=1)}
+        if routes["same island"].workers == source.workers:
+            raise RuntimeError(f"both island-0 slices were placed on worker {source.workers}; "
+                               "the benchmark needs them on different hosts")
+        programs = {route: _touch_program(pw, s) for route, s in routes.items()}
+        arrays = {n: pw.device_put(np.arange(n // 4, dtype=np.float32), source.devices)
+                  for n in [4, *sizes]}
+        cases: dict[str, Callable[[int, int], float]] = {
+            route: lambda n, k, p=program: _time_runs(p, arrays[n], k) for route, program in programs.items()}
+        cases["raw TCP"] = raw.seconds
+        progress.step("starting helpers in two network namespaces")
+        across, skipped = _across_namespaces(stack, max(sizes))
+        cases.update(across)
+        for n, x in arrays.items():  # warm up: compile, and check that the array's end arrives
+            want = np.arange(n // 4, dtype=np.float32)[-1:]
+            for route, program in programs.items():
+                got = np.asarray(program(x))
+                if not np.array_equal(got, want):
+                    raise RuntimeError(f"{route}: a {n}-byte transfer delivered {got!r}, not {want!r}")
+            for case in ["raw TCP", *across]:
+                cases[case](n, 1)
+        samples: dict[str, dict[int, list[float]]] = {c: {n: [] for n in arrays} for c in cases}
+        for r in range(rounds):
+            for n in arrays:
+                progress.step(f"{_size(n)} (round {r + 1}/{rounds})")
+                for case, timed in cases.items():
+                    samples[case][n].append(timed(n, _runs(n)))
+    data = _report(samples, sizes)
+    data["netns"] = {"skipped": skipped} if skipped else _report_across(samples, sizes)
+    return data
+
+
+def _across_namespaces(stack: contextlib.ExitStack, capacity: int) -> tuple[dict[str, Callable[[int, int], float]],
+                                                                           Optional[str]]:
+    """The cases across two network namespaces, closed by ``stack``: each data-plane column
+    and raw TCP, by name; or none and why namespaces cannot be made here."""
+    reason = netns.unavailable()
+    if reason:
+        return {}, reason
+    net = stack.enter_context(netns.Network(NETNS_HOSTS))
+    launch = functools.partial(_launch_in, net)
+    receiver = net.addr("receiver")
+    cases = {}
+    for column, transport in DATA_PLANE.items():
+        pair = _Pair(["dp-receive", transport, receiver], ["dp-send", transport, str(capacity)], launch)
+        stack.callback(pair.close)
+        cases[NETNS + column] = pair.seconds
+    raw = _Pair(["raw-receive", str(capacity), receiver], ["raw-send", str(capacity)], launch)
+    stack.callback(raw.close)
+    cases[NETNS + "raw TCP"] = raw.seconds
+    return cases, None
 
 
 def _touch_program(pw: Any, target: Any) -> Any:
@@ -147,11 +195,30 @@ def _report(samples: dict[str, dict[int, list[float]]], sizes: list[int]) -> dic
     return {"rows": rows, "overhead_s": overhead, "raw_round_trip_s": statistics.median(samples["raw TCP"][4])}
 
 
+def _report_across(samples: dict[str, dict[int, list[float]]], sizes: list[int]) -> dict[str, Any]:
+    rows = []
+    for n in sizes:
+        rates = {c: report.stats([n / t for t in samples[NETNS + c][n]]) for c in [*DATA_PLANE, "raw TCP"]}
+        rows.append({"size": n, "rates": rates,
+                     "ratios": {c: report.ratio(rates[c], rates["raw TCP"]) for c in DATA_PLANE}})
+    return {"columns": list(DATA_PLANE), "rows": rows,
+            "round_trip_s": {c: statistics.median(samples[NETNS + c][4]) for c in [*DATA_PLANE, "raw TCP"]}}
+
+
 def tables(data: dict) -> list:
     rows = [[_size(r["size"]), r["route"], f"{r['pathways'] / 1e6:,.0f} ({r['min'] / 1e6:,.0f}-{r['max'] / 1e6:,.0f})",
              _rate(r["net"]), f"{r['raw'] / 1e6:,.0f}", report.times(r["ratio"])] for r in data["rows"]]
-    return [report.Table("MB/s (10^6 bytes), median (min-max) of the rounds",
-                         ["size", "route", "pathways", "net of fixed cost", "raw TCP", "pathways/raw"], rows)]
+    out = [report.Table("MB/s (10^6 bytes), median (min-max) of the rounds",
+                        ["size", "route", "pathways", "net of fixed cost", "raw TCP", "pathways/raw"], rows)]
+    across = data.get("netns", {})
+    if across.get("rows"):
+        columns = across["columns"]
+        out.append(report.Table(
+            "Across two network namespaces, data plane only: MB/s (10^6 bytes), median (min-max) of the rounds",
+            ["size", *columns, "raw TCP", *(f"{c}/raw" for c in columns)],
+            [[_size(r["size"]), *(report.rate(_mb(r["rates"][c])) for c in [*columns, "raw TCP"]),
+              *(report.times(r["ratios"][c]) for c in columns)] for r in across["rows"]]))
+    return out
 
 
 def summary(data: dict) -> list[str]:
@@ -162,6 +229,15 @@ def summary(data: dict) -> list[str]:
         if r["size"] >= 16 * MiB:
             verdict = "met" if r["ratio"] >= 0.5 else f"**missed** by {0.5 - r['ratio']:.2f}x"
             lines.append(f"{_size(r['size'])}, {r['route']}: {r['ratio']:.2f}x raw TCP (target >= 0.5x): {verdict}")
+    across = data.get("netns", {})
+    if "skipped" in across:
+        lines.append(f"across network namespaces: not measured: {across['skipped']}")
+    elif across:
+        lines.append("across network namespaces, round trip of one float32: " + ", ".join(
+            f"{c} {1e3 * s:.3f} ms" for c, s in across["round_trip_s"].items()))
+        largest = across["rows"][-1]
+        lines.append(f"across network namespaces, {_size(largest['size'])}: " + ", ".join(
+            f"{c} {largest['ratios'][c]:.2f}x raw TCP" for c in across["columns"]))
     return lines
 
 
@@ -178,8 +254,12 @@ def plot(data: dict, path: str) -> None:
     series = [(route, [s / MiB for s in sizes], [next(r["pathways"] / 1e6 for r in data["rows"]
                                                      if r["size"] == s and r["route"] == route) for s in sizes])
               for route in ROUTES]
-    series.append(("raw TCP", [s / MiB for s in sizes],
+    series.append(("raw TCP, loopback", [s / MiB for s in sizes],
                    [next(r["raw"] / 1e6 for r in data["rows"] if r["size"] == s) for s in sizes]))
+    across = data.get("netns", {})
+    for c in [*across.get("columns", []), "raw TCP"] if across.get("rows") else []:
+        series.append((f"{c}, across namespaces", [r["size"] / MiB for r in across["rows"]],
+                       [r["rates"][c]["median"] / 1e6 for r in across["rows"]]))
     report.plot_lines(path, "Worker-to-worker transfer bandwidth", "array size (MiB)", "MB/s", series,
                       logx=True, logy=True)
 
@@ -189,39 +269,60 @@ def _rate(bytes_per_second: float) -> str:
     return "-" if math.isnan(bytes_per_second) else f"{bytes_per_second / 1e6:,.0f}"
 
 
+def _mb(rate: dict[str, float]) -> dict[str, float]:
+    return {k: v / 1e6 if k in ("median", "min", "max") else v for k, v in rate.items()}
+
+
 def _size(n: int) -> str:
     return f"{n / MiB:g} MiB" if n >= MiB else f"{n / 1024:g} KiB" if n >= 1024 else f"{n} B"
 
 
-class _RawSocket:
-    """Two helper processes (this file run as a script) joined by one loopback TCP stream.
+Launch = Callable[[str, list], subprocess.Popen]
 
-    Started once and kept for the whole benchmark, so process start is never timed; the
-    sender takes ``SIZE RUNS`` lines on stdin and answers with the seconds per run.
+
+def _launch_here(role: str, argv: list) -> subprocess.Popen:
+    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def _launch_in(net: netns.Network, role: str, argv: list) -> subprocess.Popen:
+    # The helpers run this file as a script: the data plane's need the package on their path.
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+    return net.popen(role, argv, env={"PYTHONPATH": path}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                     text=True)
+
+
+class _Pair:
+    """Two helper processes (this file run as a script) joined by one TCP stream, a receiver
+    and a sender, started with ``launch`` (in their roles' namespaces, or here).
+
+    Started once and kept for the whole benchmark, so process start is never timed. The
+    receiver, started with the arguments ``receiver``, prints the arguments that the sender
+    (started with ``sender`` and those) needs to reach it. The sender takes ``SIZE RUNS``
+    lines on stdin and answers with the seconds per run, each run waited for.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, receiver: list[str], sender: list[str], launch: Launch = _launch_here) -> None:
         self.procs: list[subprocess.Popen] = []
         try:
-            receiver = self._start("receive", str(capacity))
-            port = report.read_line(receiver, _TIMEOUT, "a raw TCP helper")
-            self.sender = self._start("send", str(capacity), port)
-            if report.read_line(self.sender, _TIMEOUT, "a raw TCP helper") != "connected":
-                raise RuntimeError("the raw TCP sender did not connect")
+            rx = self._start(launch, "receiver", receiver)
+            peer = report.read_line(rx, _TIMEOUT, f"the {receiver[0]} helper").split()
+            self.sender = self._start(launch, "sender", [*sender, *peer])
+            if report.read_line(self.sender, _TIMEOUT, f"the {sender[0]} helper") != "connected":
+                raise RuntimeError(f"the {sender[0]} helper did not connect")
         except BaseException:
             self.close()
             raise
 
-    def _start(self, *args: str) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *args], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True)
+    def _start(self, launch: Launch, role: str, args: list[str]) -> subprocess.Popen:
+        proc = launch(role, [sys.executable, os.path.abspath(__file__), *args])
         self.procs.append(proc)
         return proc
 
     def seconds(self, nbytes: int, runs: int) -> float:
         self.sender.stdin.write(f"{nbytes} {runs}\n")
         self.sender.stdin.flush()
-        return float(report.read_line(self.sender, _TIMEOUT, "a raw TCP helper"))
+        return float(report.read_line(self.sender, _TIMEOUT, "a transfer helper"))
 
     def close(self) -> None:
         # The sender exits when its stdin closes, the receiver when the stream closes.
@@ -235,6 +336,7 @@ class _RawSocket:
                 proc.kill()
                 proc.wait(_GRACE_SECONDS)
             proc.stdout.close()
+        self.procs.clear()
 
 
 def _connect_options(sock: socket.socket) -> None:
@@ -242,17 +344,26 @@ def _connect_options(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def _receive(capacity: int) -> None:
-    buf = memoryview(bytearray(b"\0") * capacity)  # written now, so no page faults are timed
-    with socket.socket() as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen(1)
-        server.settimeout(_TIMEOUT)
-        print(server.getsockname()[1], flush=True)
+def _listen(host: str) -> socket.socket:
+    server = socket.create_server((host, 0))
+    server.settimeout(_TIMEOUT)
+    return server
+
+
+def _accept(server: socket.socket) -> socket.socket:
+    """The one connection ``server`` takes; then it closes."""
+    with server:
         conn, _ = server.accept()
-    with conn:
+    _connect_options(conn)
+    return conn
+
+
+def _receive(capacity: int, host: str) -> None:
+    buf = memoryview(bytearray(b"\0") * capacity)  # written now, so no page faults are timed
+    server = _listen(host)
+    print(host, server.getsockname()[1], flush=True)
+    with _accept(server) as conn:
         conn.settimeout(_IDLE_TIMEOUT)  # the sender idles while the cluster is measured
-        _connect_options(conn)
         while True:
             header = _recv_exactly(conn, memoryview(bytearray(_HEADER.size)))
             if header is None:
@@ -273,31 +384,107 @@ def _recv_exactly(conn: socket.socket, view: memoryview) -> memoryview | None:
     return view
 
 
-def _send(capacity: int, port: int) -> None:
-    data = memoryview(bytearray(b"\x5a") * capacity)
-    with socket.create_connection(("127.0.0.1", port), timeout=_TIMEOUT) as conn:
-        conn.settimeout(_TIMEOUT)
-        _connect_options(conn)
-        print("connected", flush=True)
-        ack = bytearray(1)
-        with selectors.DefaultSelector() as sel:
-            sel.register(sys.stdin, selectors.EVENT_READ)
-            while sel.select(_IDLE_TIMEOUT) and (line := sys.stdin.readline()):
-                nbytes, runs = map(int, line.split())
-                start = time.perf_counter()
-                for _ in range(runs):
-                    conn.sendall(_HEADER.pack(nbytes))
-                    conn.sendall(data[:nbytes])
-                    if conn.recv_into(ack) != 1:
-                        raise RuntimeError("the raw TCP receiver closed the stream")
-                print((time.perf_counter() - start) / runs, flush=True)
+def _connected(host: str, port: int) -> socket.socket:
+    conn = socket.create_connection((host, port), timeout=_TIMEOUT)
+    _connect_options(conn)
+    return conn
 
+
+def _serve(transfer: Callable[[int], None]) -> None:
+    """Answer every ``SIZE RUNS`` line on stdin with the seconds per ``transfer(SIZE)``; end
+    when stdin closes (or stays quiet for the idle timeout)."""
+    print("connected", flush=True)
+    with selectors.DefaultSelector() as sel:
+        sel.register(sys.stdin, selectors.EVENT_READ)
+        while sel.select(_IDLE_TIMEOUT) and (line := sys.stdin.readline()):
+            nbytes, runs = map(int, line.split())
+            start = time.perf_counter()
+            for _ in range(runs):
+                transfer(nbytes)
+            print((time.perf_counter() - start) / runs, flush=True)
+
+
+def _send(capacity: int, host: str, port: int) -> None:
+    data = memoryview(bytearray(b"\x5a") * capacity)
+    ack = bytearray(1)
+    with _connected(host, port) as conn:
+
+        def transfer(nbytes: int) -> None:
+            conn.sendall(_HEADER.pack(nbytes))
+            conn.sendall(data[:nbytes])
+            if conn.recv_into(ack) != 1:
+                raise RuntimeError("the raw TCP receiver closed the stream")
+
+        _serve(transfer)
+
+
+def _data_plane_security(transport: str) -> dict[str, Any]:
+    """The keyword arguments that select ``transport`` (a value of DATA_PLANE) on
+    tcp.Listener and tcp.connect: none for the plain data plane."""
+    if transport == "plain":
+        return {}
+    raise ValueError(f"unknown data-plane transport {transport!r}; choose one of {sorted(DATA_PLANE.values())}")
+
+
+def _dp_receive(transport: str, host: str) -> None:
+    """A data-plane listener on ``host`` that acknowledges every frame with one byte on a
+    side connection; prints ``LISTENER_ADDRESS HOST ACK_PORT``."""
+    from pathways.wire import tcp
+
+    acked: list[socket.socket] = []  # the acknowledgements' connection, once the sender opened it
+
+    def receive(header: dict, pieces: list) -> None:
+        acked[0].sendall(b"\1")  # the pieces are dropped, as a store would after use
+
+    listener = tcp.Listener(receive, _TIMEOUT, host=host, **_data_plane_security(transport))
+    try:
+        server = _listen(host)
+        print(listener.address, host, server.getsockname()[1], flush=True)
+        with _accept(server) as conn:
+            acked.append(conn)
+            conn.sendall(b"\1")  # ready: no frame may arrive before this connection is known
+            conn.settimeout(_IDLE_TIMEOUT)
+            conn.recv(1)  # returns when the sender closes its end, or raises after the idle timeout
+    finally:
+        listener.close()
+
+
+def _dp_send(transport: str, capacity: int, address: str, ack_host: str, ack_port: int) -> None:
+    """Put frames of SIZE bytes (a float32 array) to the listener at ``address``, as a worker
+    sends them to a peer, each waited for until its receiver acknowledged it."""
+    import numpy as np
+
+    from pathways.wire import codec, tcp
+
+    data = np.full(capacity // 4, 1.0, np.float32)  # written now, so no page faults are timed
+    ack = bytearray(1)
+    with _connected(ack_host, ack_port) as acks, \
+            tcp.connect(address, _TIMEOUT, **_data_plane_security(transport)) as conn:
+        conn.settimeout(_TIMEOUT)
+        if acks.recv_into(ack) != 1:
+            raise RuntimeError("the data-plane receiver closed its acknowledgements")
+
+        def transfer(nbytes: int) -> None:
+            x = data[:nbytes // 4]
+            pieces = [(codec.full_index(x.shape), x)]
+            tcp.send_frame(conn, {"t": "put", "handle": 1, "layout": [], "of": 1,
+                                  **codec.pieces_header(x.dtype, x.shape, pieces)}, pieces)
+            if acks.recv_into(ack) != 1:
+                raise RuntimeError("the data-plane receiver closed its acknowledgements")
+
+        _serve(transfer)
+
+
+_HELPERS: dict[str, Callable[..., None]] = {
+    "raw-receive": lambda capacity, host: _receive(int(capacity), host),
+    "raw-send": lambda capacity, host, port: _send(int(capacity), host, int(port)),
+    "dp-receive": _dp_receive,
+    "dp-send": lambda transport, capacity, address, host, port: _dp_send(transport, int(capacity), address, host,
+                                                                        int(port)),
+}
 
 if __name__ == "__main__":
     # The benchmark ends the helpers by closing their streams, also after a Ctrl-C that
     # reached the whole process group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if sys.argv[1] == "receive":
-        _receive(int(sys.argv[2]))
-    else:
-        _send(int(sys.argv[2]), int(sys.argv[3]))
+    _HELPERS[sys.argv[1]](*sys.argv[2:])

@@ -236,6 +236,28 @@ def connect(address: str, timeout: float) -> socket.socket:
     return sock
 
 
+def send_frame(sock: socket.socket, header: dict, pieces: list) -> None:
+    """Send one frame on ``sock``: ``header`` and the arrays of ``pieces`` (``(index, array)``
+    pairs), as a worker sends them to a peer's listener."""
+    _send_parts(sock, *_frame_parts(header, pieces))
+
+
+def _frame_parts(header: dict, pieces: list) -> tuple[bytes, list[np.ndarray]]:
+    head = frame(codec.pack(header))
+    arrays = [np.ascontiguousarray(array) for _, array in pieces]
+    if sum(a.nbytes for a in arrays) <= _COALESCE_BYTES:  # one write, one wakeup of the receiver
+        head += b"".join(a.tobytes() for a in arrays)
+        arrays = []
+    return head, arrays
+
+
+def _send_parts(sock: socket.socket, head: bytes, arrays: list[np.ndarray]) -> None:
+    sock.sendall(head)
+    for data in arrays:
+        if data.nbytes:
+            sock.sendall(memoryview(data.reshape(-1).view(np.uint8)))
+
+
 class Links:
     """Connections to peers' listeners, opened on first use and reopened after a failure."""
 
@@ -246,18 +268,11 @@ class Links:
 
     def send(self, address: str, header: dict, pieces: list) -> None:
         """Send one frame; raises OSError if the peer cannot be reached."""
-        head = frame(codec.pack(header))
-        arrays = [np.ascontiguousarray(array) for _, array in pieces]
-        if sum(a.nbytes for a in arrays) <= _COALESCE_BYTES:  # one write, one wakeup of the receiver
-            head += b"".join(a.tobytes() for a in arrays)
-            arrays = []
+        head, arrays = _frame_parts(header, pieces)  # copies, if any, outside the link's lock
         sock, lock = self._link(address)
         with lock:
             try:
-                sock.sendall(head)
-                for data in arrays:
-                    if data.nbytes:
-                        sock.sendall(memoryview(data.reshape(-1).view(np.uint8)))
+                _send_parts(sock, head, arrays)
             except OSError:
                 self._drop(address, sock)
                 raise
