@@ -114,11 +114,10 @@ def sweep(prefix: str = PREFIX) -> list[str]:
     _wait_gone(namespaces, _KILL_WAIT)
     links = sorted((name for name in os.listdir("/sys/class/net") if stale(name)),
                    key=lambda name: not name.endswith(tuple("0123456789")))  # veths before bridges
-    for link in links:
-        _ip("link", "del", link, check=False)  # a veth goes with its namespace: may be gone already
-    for ns in namespaces:
-        _ip("netns", "del", ns)
-    return namespaces + links
+    # Another run may be sweeping the same leftovers, and a veth goes with its namespace: a
+    # name already gone is no failure.
+    deleted = [link for link in links if _ip("link", "del", link, check=False).returncode == 0]
+    return [ns for ns in namespaces if _ip("netns", "del", ns, check=False).returncode == 0] + deleted
 
 
 def _wait_gone(namespaces: Sequence[str], timeout: float) -> list[int]:
@@ -316,7 +315,10 @@ class Network:
                 sweep(self.prefix)
                 self._make()
             except BaseException:
-                self._close()
+                try:
+                    self._close()
+                except NetnsError as e:  # the error that stopped the making matters more
+                    log.error("cleaning up network namespaces %s-*: %s", self.tag, e)
                 raise
         return self
 

@@ -434,7 +434,8 @@ def _dp_receive(transport: str, host: str) -> None:
     acked: list[socket.socket] = []  # the acknowledgements' connection, once the sender opened it
 
     def receive(header: dict, pieces: list) -> None:
-        acked[0].sendall(b"\1")  # the pieces are dropped, as a store would after use
+        # 1 if the array's last element arrived as sent; then the pieces are dropped
+        acked[0].sendall(b"\1" if pieces[-1][1][-1] == 1.0 else b"\0")
 
     listener = tcp.Listener(receive, _TIMEOUT, host=host, **_data_plane_security(transport))
     try:
@@ -471,6 +472,8 @@ def _dp_send(transport: str, capacity: int, address: str, ack_host: str, ack_por
                                   **codec.pieces_header(x.dtype, x.shape, pieces)}, pieces)
             if acks.recv_into(ack) != 1:
                 raise RuntimeError("the data-plane receiver closed its acknowledgements")
+            if ack != b"\1":
+                raise RuntimeError(f"a {nbytes}-byte put frame arrived with other data than was sent")
 
         _serve(transfer)
 
