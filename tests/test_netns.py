@@ -182,7 +182,9 @@ def test_unavailable_says_why_without_root():
 
 
 @pytest.mark.parametrize("hosts, kw, message", [
-    (["a", "a"], {}, "distinct"),
+    (["a", "a"], {}, "distinct names"),
+    ({"a": "10.77.0.1", "b": "10.77.0.1"}, {}, "distinct addresses"),
+    ("ab", {}, "a list of names"),
     (["a b"], {}, "letters, digits"),
     ({"a": "10.78.0.1"}, {}, "not a host address of subnet 10.77.0.0/24"),
     ({"a": "10.77.0.255"}, {}, "not a host address"),

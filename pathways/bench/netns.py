@@ -181,8 +181,12 @@ class Network:
             self.subnet = ipaddress.IPv4Network(subnet)
         except ValueError as e:
             raise ValueError(f"subnet must be an IPv4 network such as {SUBNET!r}: {e}") from None
+        if isinstance(hosts, str):
+            raise ValueError(f"hosts must be a list of names or a mapping from name to address, not {hosts!r}")
         if isinstance(hosts, Mapping):
             self._addresses = {name: self._checked_address(name, a) for name, a in hosts.items()}
+            if len(set(self._addresses.values())) != len(self._addresses):
+                raise ValueError(f"hosts must have distinct addresses; got {dict(hosts)}")
         else:
             usable = list(itertools.islice(self.subnet.hosts(), len(hosts)))
             if len(set(hosts)) != len(hosts) or len(usable) < len(hosts):
