@@ -112,13 +112,15 @@ def test_each_session_has_its_own_credential_and_every_worker_learns_it_before_t
     credentials = {sid: core.sessions[sid].credential for sid in clients}
     assert len(set(credentials.values())) == 3 and all(len(c) == m.CREDENTIAL_BYTES for c in credentials.values())
     assert {sid: _of(c, m.SessionWelcome)[0].credential for sid, c in clients.items()} == credentials
-    assert _of(early.outbox, m.SessionOpen) == [m.SessionOpen(sid, credentials[sid]) for sid in (1, 2, 3)]
+    digests = {sid: m.digest(c) for sid, c in credentials.items()}
+    assert _of(early.outbox, m.SessionOpen) == [m.SessionOpen(sid, digests[sid]) for sid in (1, 2, 3)]
+    assert all(c not in digests.values() for c in credentials.values()), "workers get digests, not secrets"
     core.session_closed(2)
     assert _of(early.outbox, m.DropSession)[0].session == 2
     # a worker that registers later hears of every open session, in the order they opened
     late = WorkerConn(Box())
     core.on_worker_batch(late, m.encode_batch([_register(5)]))
-    assert _of(late.outbox, m.SessionOpen) == [m.SessionOpen(1, credentials[1]), m.SessionOpen(3, credentials[3])]
+    assert _of(late.outbox, m.SessionOpen) == [m.SessionOpen(1, digests[1]), m.SessionOpen(3, digests[3])]
     # a second Register on the same stream is refused and announces nothing again
     core.on_worker_batch(late, m.encode_batch([_register(6)]))
     assert len(_of(late.outbox, m.SessionOpen)) == 2

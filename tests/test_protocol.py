@@ -87,9 +87,9 @@ def test_a_session_credential_is_exactly_its_length_of_binary(credential, needle
     for table, raw in ((m.FETCH, ["fetch", 1, 0, True, credential]),
                        (m.SESSION_DOWN, ["welcome", 1, credential]),
                        (m.WORKER_DOWN, ["open_session", 1, credential])):
-        with pytest.raises(WireError, match=f"'credential'.*{needle}"):
+        with pytest.raises(WireError, match=f"'(credential|digest)'.*{needle}"):
             table.decode(raw)
-    assert m.WORKER_DOWN.decode(["open_session", 1, CREDENTIAL]) == m.SessionOpen(1, CREDENTIAL)
+    assert m.WORKER_DOWN.decode(["open_session", 1, m.digest(CREDENTIAL)]) == m.SessionOpen(1, m.digest(CREDENTIAL))
 
 
 def test_checkers_bound_what_they_accept():

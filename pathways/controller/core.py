@@ -81,7 +81,7 @@ class ControllerCore:
                 # in the order the sessions opened: a worker takes a session it has not
                 # heard of yet that is older than one it has as closed (worker/sessions.py)
                 for sid in sorted(self.sessions):
-                    conn.outbox.put(m.SessionOpen(sid, self.sessions[sid].credential))
+                    conn.outbox.put(m.SessionOpen(sid, m.digest(self.sessions[sid].credential)))
         elif kind is m.Measured:
             self.membership.measured(conn, msg)
         elif kind is m.Notice:
@@ -131,11 +131,11 @@ class ControllerCore:
 
     def session_opened(self, sid: int, outbox: Outbox) -> None:
         """A client connected as session ``sid`` (ids increase): draw its credential and
-        tell every worker, before the client learns it in the welcome, so that its puts
+        tell every worker (its digest), before the client learns it in the welcome, so that its puts
         seldom wait for it (they travel on other connections, so they still may)."""
         s = self.sessions[sid] = SessionState(outbox, secrets.token_bytes(m.CREDENTIAL_BYTES))
         self.scheduler.add_session(sid)
-        opened = m.SessionOpen(sid, s.credential)
+        opened = m.SessionOpen(sid, m.digest(s.credential))
         for w in self.workers.values():
             w.outbox.put(opened)
 

@@ -12,6 +12,7 @@ unaffected. Nothing here does I/O.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any, ClassVar, Union
 
 from pathways.errors import WireError
@@ -42,6 +43,13 @@ LAYOUTS = Seq(LAYOUT, max_len=1 << 16)
 GRAPH = Custom(ProgramGraph.from_wire, ProgramGraph.to_wire)
 CREDENTIAL_BYTES = 32  # a session's secret: 256 random bits, drawn by the controller
 CREDENTIAL = Bytes(CREDENTIAL_BYTES, min_len=CREDENTIAL_BYTES)
+DIGEST = Bytes(32, min_len=32)
+
+
+def digest(credential: bytes) -> bytes:
+    """What workers are told of a session's credential: its SHA-256, so that whoever reads
+    the controller's stream to a worker (or attaches as one) cannot present it."""
+    return hashlib.sha256(credential).digest()
 
 
 def _map(key: Checker, value: Checker) -> Custom:
@@ -376,10 +384,10 @@ class DropSession(Message):
 @message("open_session")
 class SessionOpen(Message):
     """A client session opened: serve puts and fetches of its handles to whoever presents
-    ``credential`` (until DropSession)."""
+    the credential whose ``digest`` this is (until DropSession)."""
 
     session: int = wire(Int(1, MAX_SESSION))
-    credential: bytes = wire(CREDENTIAL)
+    digest: bytes = wire(DIGEST)
 
 
 @message("shutdown")

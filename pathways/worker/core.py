@@ -153,7 +153,7 @@ class WorkerCore:
             for h in msg.handles:
                 self.store.put(h, Poison(msg.message, msg.kind), replace=False)
         elif kind is SessionOpen:
-            self.sessions.open(msg.session, msg.credential)
+            self.sessions.open(msg.session, msg.digest)
         elif kind is DropSession:
             # The arrays at once, not in executor order: the executor may be waiting for one
             # the departed client was still sending. Its programs and functions in order:

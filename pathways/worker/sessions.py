@@ -1,10 +1,10 @@
 """Which client sessions a worker serves, and the credential each must present.
 
 The controller draws a secret per session and tells every worker when the session opens
-(SessionOpen) and closes (DropSession). A client's put or fetch names a handle and carries
-a credential; it is served only when the credential is that of the handle's session
-(``session_of``; compared in constant time). Handles of the controller's own session 0
-(transfer copies) are never served to clients.
+(SessionOpen, with the secret's digest) and closes (DropSession). A client's put or fetch
+names a handle and carries a credential; it is served only when the credential is that of
+the handle's session (``session_of``; digests compared in constant time). Handles of the
+controller's own session 0 (transfer copies) are never served to clients.
 
 The client learns its credential on its own connection to the controller, the worker on
 another, so a client's first put may arrive before the worker has heard of its session:
@@ -21,6 +21,7 @@ import threading
 
 from pathways.errors import AccessDeniedError
 from pathways.protocol.handles import session_of
+from pathways.protocol.messages import digest
 
 SESSION_WAIT_SECONDS = 5.0  # how long a put waits for the controller to announce its session
 
@@ -28,19 +29,19 @@ SESSION_WAIT_SECONDS = 5.0  # how long a put waits for the controller to announc
 class Sessions:
     def __init__(self, wait: float = SESSION_WAIT_SECONDS) -> None:
         self.wait = wait
-        self._credentials: dict[int, bytes] = {}
+        self._digests: dict[int, bytes] = {}  # open session -> digest of its credential
         self._highest = 0  # the highest session id heard of, open or closed
         self._cond = threading.Condition()
 
-    def open(self, session: int, credential: bytes) -> None:
+    def open(self, session: int, credential_digest: bytes) -> None:
         with self._cond:
-            self._credentials[session] = credential
+            self._digests[session] = credential_digest
             self._highest = max(self._highest, session)
             self._cond.notify_all()
 
     def close(self, session: int) -> None:
         with self._cond:
-            self._credentials.pop(session, None)
+            self._digests.pop(session, None)
             self._highest = max(self._highest, session)
             self._cond.notify_all()
 
@@ -65,12 +66,12 @@ class Sessions:
                                     "this client's session; if they are, check that the worker and the client "
                                     "talk to the same controller (`python -m pathways status`)")
         with self._cond:
-            expected = self._credentials.get(session)
+            expected = self._digests.get(session)
         if expected is None:
             raise AccessDeniedError(f"this worker refused a {what} of array {handle:#x}: its session {session} "
                                     "has closed, and its arrays with it; connect again (pw.connect) and "
                                     "recreate them")
-        if not hmac.compare_digest(expected, credential):
+        if not hmac.compare_digest(expected, digest(credential)):
             raise AccessDeniedError(f"this worker refused a {what} of array {handle:#x}: the array belongs to "
                                     f"session {session}, and the credential presented is not that session's. "
                                     "A client reads and writes only the arrays it created itself")
