@@ -24,7 +24,8 @@ P = PartitionSpec
 __version__ = "0.1.0"
 
 __all__ = [
-    "AccessDeniedError", "Array", "ArrayDeletedError", "ConnectError", "DeadlineExceededError", "Island", "NamedSharding",
+    "AccessDeniedError", "Array", "ArrayDeletedError", "ConnectError", "DeadlineExceededError", "Island",
+    "NamedSharding",
     "P", "PartitionSpec", "PathwaysError", "PlacementError", "ProgramTraceError", "RemoteError",
     "SignatureError", "Slice", "SpmdError", "VirtualDeviceSet", "VirtualMesh", "WireError", "WorkerLostError", "connect",
     "default_session", "device_get", "device_put", "disconnect", "jit", "local_cluster",

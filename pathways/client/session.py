@@ -201,8 +201,9 @@ class Session:
         """Send ``array`` straight to the workers holding ``layout`` (not through the
         controller); each keeps its own part. No waiting."""
         self._check_alive()
+        pieces = codec.pieces_header(array.dtype, array.shape, [(codec.full_index(array.shape), array)])
         header = codec.pack({"t": "put", "handle": handle, "layout": layout.to_wire(), "of": 1,
-                             "credential": self._credential, **codec.pieces_header(array.dtype, array.shape, [(codec.full_index(array.shape), array)])})
+                             "credential": self._credential, **pieces})
         for address in addresses:
             future = self._stubs(address)[0].future(_chunks(header, array), timeout=self.timeout)
             future.add_done_callback(lambda f, address=address: self._put_done(f, address, handle))

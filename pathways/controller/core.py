@@ -78,8 +78,8 @@ class ControllerCore:
             self.dispatcher.step(conn, msg.run, msg.node)
         elif kind is m.Register:
             if self.membership.register(conn, msg):
-                # in the order the sessions opened: a worker takes a session it has not
-                # heard of yet that is older than one it has as closed (worker/sessions.py)
+                # in the order they opened: a worker takes a session that is not open and
+                # older than the newest it heard of as closed (worker/sessions.py)
                 for sid in sorted(self.sessions):
                     conn.outbox.put(m.SessionOpen(sid, m.digest(self.sessions[sid].credential)))
         elif kind is m.Measured:
@@ -131,8 +131,8 @@ class ControllerCore:
 
     def session_opened(self, sid: int, outbox: Outbox) -> None:
         """A client connected as session ``sid`` (ids increase): draw its credential and
-        tell every worker (its digest), before the client learns it in the welcome, so that its puts
-        seldom wait for it (they travel on other connections, so they still may)."""
+        tell every worker its digest before the client learns it in the welcome, so that
+        its puts seldom wait for it (they travel on other connections, so they still may)."""
         s = self.sessions[sid] = SessionState(outbox, secrets.token_bytes(m.CREDENTIAL_BYTES))
         self.scheduler.add_session(sid)
         opened = m.SessionOpen(sid, m.digest(s.credential))
