@@ -286,7 +286,7 @@ class WorkerCore:
             log.warning("refused a put: %s: %s", type(e).__name__, e)
             return f"the array cannot be stored as its header describes it ({type(e).__name__}: {e})"
 
-    def _put_header(self, header: Any) -> "_Put":
+    def _put_header(self, header: Any) -> _Put:
         """A put header's fields that say where the array goes; WireError if malformed."""
         if type(header) is not dict:
             raise WireError(f"a put header must be a map, got {type(header).__name__}")
@@ -298,7 +298,7 @@ class WorkerCore:
         nsenders = _PUT_SENDERS.check(header.get("of"), "put header field 'of' (the number of senders)")
         return _Put(header, handle, nsenders, self._sharding(header.get("layout")))
 
-    def _store(self, put: "_Put", chunks: Optional[Iterator[bytes]], pieces: Optional[list]) -> Optional[str]:
+    def _store(self, put: _Put, chunks: Optional[Iterator[bytes]], pieces: Optional[list]) -> Optional[str]:
         header, handle, nsenders, sharding = put
         if "poison" in header:
             message = _PUT_POISON.check(header["poison"], "put header field 'poison'")
