@@ -15,7 +15,7 @@ from pathways.client.pipeline import pipeline
 from pathways.client.program import program
 from pathways import spmd
 from pathways.cluster import Island
-from pathways.errors import (ArrayDeletedError, ConnectError, DeadlineExceededError, PathwaysError,
+from pathways.errors import (AccessDeniedError, ArrayDeletedError, ConnectError, DeadlineExceededError, PathwaysError,
                              PlacementError, ProgramTraceError, RemoteError, SignatureError, SpmdError,
                              WireError, WorkerLostError)
 
@@ -24,7 +24,8 @@ P = PartitionSpec
 __version__ = "0.1.0"
 
 __all__ = [
-    "Array", "ArrayDeletedError", "ConnectError", "DeadlineExceededError", "Island", "NamedSharding",
+    "AccessDeniedError", "Array", "ArrayDeletedError", "ConnectError", "DeadlineExceededError", "Island",
+    "NamedSharding",
     "P", "PartitionSpec", "PathwaysError", "PlacementError", "ProgramTraceError", "RemoteError",
     "SignatureError", "Slice", "SpmdError", "VirtualDeviceSet", "VirtualMesh", "WireError", "WorkerLostError", "connect",
     "default_session", "device_get", "device_put", "disconnect", "jit", "local_cluster",

@@ -39,6 +39,11 @@ class WireError(PathwaysError):
     """A wire message was malformed or violated the protocol."""
 
 
+class AccessDeniedError(PathwaysError):
+    """A client named an array, function or program of another session, or a worker was
+    given the wrong session credential: each session reads and writes only its own."""
+
+
 class WorkerLostError(PathwaysError):
     """A worker process died; arrays and computations that involved its island are gone."""
 

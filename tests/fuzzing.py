@@ -52,7 +52,7 @@ def sample(checker: c.Checker, rng: random.Random, field: str) -> Any:
             return rng.choice(sorted(checker.choices))
         return rng.choice(["", "name", "grpc://127.0.0.1:1", "tcp://127.0.0.1:1"])
     if isinstance(checker, c.Bytes):
-        return b"blob"
+        return b"blob".ljust(checker.min_len, b"\x00")
     if isinstance(checker, c.Optional):
         return None if rng.random() < 0.3 else sample(checker.inner, rng, field)
     if isinstance(checker, c.Seq):

@@ -31,7 +31,7 @@ def session(core, sid=1):
     client = Box()
     core.session_opened(sid, client)
     core.on_session_batch(sid, m.encode_batch([m.Hello(m.PROTOCOL_VERSION, 1.0)]))
-    assert _of(client, m.SessionWelcome) == [m.SessionWelcome(sid)]
+    assert _of(client, m.SessionWelcome) == [m.SessionWelcome(sid, core.sessions[sid].credential)]
     return client
 
 

@@ -3,13 +3,14 @@
 import pytest
 
 from pathways.controller import membership as ms
-from pathways.controller.core import ControllerCore
+from pathways.controller.core import ControllerCore, WorkerConn
 from pathways.controller.handles import HandleTable
 from pathways.controller.placement import ResourceManager
 from pathways.controller.programs import RunFailure, SessionPrograms
 from pathways.controller.lowering import FnLayouts
 from pathways.ir import Layout
 from pathways.protocol import messages as m
+from pathways.protocol.handles import first_handle
 from tests.test_controller import Box, _of, register, session
 
 
@@ -100,3 +101,84 @@ def test_session_programs_cache_lowerings_and_refuse_poisoned_or_lost_inputs():
         programs.lowered(9, {0: 100}, table, lambda ws: [])
     with pytest.raises(RunFailure, match="deleted or never created"):
         programs.lowered(9, {0: 101}, table, lambda ws: [])
+
+
+# ---- session isolation ------------------------------------------------------------------
+
+def test_each_session_has_its_own_credential_and_every_worker_learns_it_before_the_client():
+    core = ControllerCore()
+    early, = register(core, 1)
+    clients = {sid: session(core, sid) for sid in (1, 2, 3)}
+    credentials = {sid: core.sessions[sid].credential for sid in clients}
+    assert len(set(credentials.values())) == 3 and all(len(c) == m.CREDENTIAL_BYTES for c in credentials.values())
+    assert {sid: _of(c, m.SessionWelcome)[0].credential for sid, c in clients.items()} == credentials
+    digests = {sid: m.digest(c) for sid, c in credentials.items()}
+    assert _of(early.outbox, m.SessionOpen) == [m.SessionOpen(sid, digests[sid]) for sid in (1, 2, 3)]
+    assert all(c not in digests.values() for c in credentials.values()), "workers get digests, not secrets"
+    core.session_closed(2)
+    assert _of(early.outbox, m.DropSession)[0].session == 2
+    # a worker that registers later hears of every open session, in the order they opened
+    late = WorkerConn(Box())
+    core.on_worker_batch(late, m.encode_batch([_register(5)]))
+    assert _of(late.outbox, m.SessionOpen) == [m.SessionOpen(1, digests[1]), m.SessionOpen(3, digests[3])]
+    # a second Register on the same stream is refused and announces nothing again
+    core.on_worker_batch(late, m.encode_batch([_register(6)]))
+    assert len(_of(late.outbox, m.SessionOpen)) == 2
+
+
+def _two_sessions_with_a_program():
+    """Session 1 holds a live array; session 2 has a function and a program of its own."""
+    core = ControllerCore()
+    w0, = register(core, 1)
+    victim, thief = session(core, 1), session(core, 2)
+    layout = Layout((0,), ((0, 0),), (1,), ("x",), ())
+    victim_array = first_handle(1) + 5
+    core.on_session_batch(1, m.encode_batch([m.PutNotice(victim_array, layout)]))
+    core.on_session_batch(2, m.encode_batch([m.SliceRequest(1, "cpu", 1, None, 0, False)]))
+    fn, program = first_handle(2) + 1, first_handle(2) + 2
+    graph = m.GRAPH.check({"nvalues": 2, "inputs": [0], "nodes": [[fn, [0], [1]]], "outputs": [1],
+                           "types": [["float32", [1]]] * 2}, "graph")
+    core.on_session_batch(2, m.encode_batch([
+        m.DefineFunction(fn, _of(thief, m.SliceReply)[0].slice, "f", b"x", (layout,), (layout,)),
+        m.DefineProgram(program, graph, "parallel")]))
+    assert not _of(victim, m.Error) and not _of(thief, m.Error)
+    return core, w0, victim, thief, victim_array, program, layout
+
+
+def test_a_session_cannot_run_its_program_on_another_sessions_array():
+    core, w0, victim, thief, victim_array, program, layout = _two_sessions_with_a_program()
+    base = first_handle(2) + 100
+    core.on_session_batch(2, m.encode_batch([m.Run(program, base, {0: victim_array})]))
+    poisoned = _of(thief, m.Poisoned)
+    assert [(p.handles, p.kind) for p in poisoned] == [((base + 1,), "AccessDeniedError")]
+    assert f"{victim_array:#x}" in poisoned[0].message and "belongs to session 1" in poisoned[0].message
+    assert not _of(w0.outbox, m.RunProgram) and not _of(w0.outbox, m.Define), "nothing ran"
+    assert not _of(victim, m.Poisoned) and victim_array in core.sessions[1].handles.live
+    # the same program on the thief's own array runs
+    own = first_handle(2) + 50
+    core.on_session_batch(2, m.encode_batch([m.PutNotice(own, layout), m.Run(program, base + 10, {0: own})]))
+    assert len(_of(w0.outbox, m.RunProgram)) == 1 and len(_of(thief, m.Poisoned)) == 1
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda h, layout: m.PutNotice(h, layout), "does not belong to this session"),
+    (lambda h, layout: m.Delete((first_handle(2) + 7, h)), "1 of the 2 array(s) to delete belong to other sessions"),
+    (lambda h, layout: m.DefineProgram(h, m.GRAPH.check(
+        {"nvalues": 2, "inputs": [0], "nodes": [[first_handle(2) + 1, [0], [1]]], "outputs": [1],
+         "types": [["float32", [1]]] * 2}, "graph"), "parallel"), "does not belong to this session"),
+])
+def test_a_session_naming_another_sessions_handle_is_refused_and_nothing_changes(make, needle):
+    core, w0, victim, thief, victim_array, program, layout = _two_sessions_with_a_program()
+    own = first_handle(2) + 7
+    core.on_session_batch(2, m.encode_batch([m.PutNotice(own, layout)]))
+    sent_to_worker = list(w0.outbox)
+    core.on_session_batch(2, m.encode_batch([make(victim_array, layout), m.ClusterRequest(9)]))
+    errors = _of(thief, m.Error)
+    assert len(errors) == 1 and errors[0].kind == "AccessDeniedError", errors
+    assert needle in errors[0].message and f"{victim_array:#x}" in errors[0].message
+    assert list(w0.outbox) == sent_to_worker, "no worker was told anything"
+    assert core.sessions[1].handles.live == {victim_array: layout}
+    assert own in core.sessions[2].handles.live, "a refused delete deletes none of its handles"
+    assert victim_array not in core.sessions[2].handles.live
+    assert [r.req for r in _of(thief, m.ClusterReply)] == [9], "the session goes on"
+    assert not _of(victim, m.Error) and not _of(victim, m.Poisoned)

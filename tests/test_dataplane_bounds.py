@@ -14,6 +14,7 @@ import pytest
 
 from pathways.cluster import status
 from pathways.errors import WireError
+from pathways.protocol.handles import first_handle
 from pathways.wire import codec, rpc, tcp
 from tests.conftest import wait_until
 
@@ -64,12 +65,13 @@ def test_an_assembled_array_is_aligned_writable_and_exact():
     assert back.ctypes.data % 64 == 0 and back.flags.writeable
 
 
-def test_a_worker_refuses_a_huge_put_without_committing_its_memory(cluster):
+def test_a_worker_refuses_a_huge_put_without_committing_its_memory(cluster, session):
     worker = next(w for w in status(cluster.address)["workers"] if w["rank"] == 0)
     workers = [pid for pid in cluster.pids if b"worker" in open(f"/proc/{pid}/cmdline", "rb").read()]
     before = {pid: peak_rss_bytes(pid) for pid in workers}
     header = {"dtype": "uint8", "shape": [4 * _GIB], "nbytes": 4 * _GIB}
-    put_message = codec.pack({"t": "put", "handle": 77, "layout": [[0], [0, 0], [1], ["d"], []], "of": 1,
+    put_message = codec.pack({"t": "put", "handle": first_handle(session.id) + 77, "credential": session._credential,
+                              "layout": [[0], [0, 0], [1], ["d"], []], "of": 1,
                               "array": header, "pieces": [{"index": [[0, 4 * _GIB]], "array": header}]})
     channel = rpc.open_channel(worker["address"])
     try:
@@ -78,7 +80,8 @@ def test_a_worker_refuses_a_huge_put_without_committing_its_memory(cluster):
         reply = codec.unpack(put(iter([put_message, b"0123456789"]), timeout=30))
         assert time.monotonic() - start < 5.0
         assert "header announced" in reply.get("error", ""), reply
-        huge = codec.pack({"t": "put", "handle": 78, "layout": [[0], [0, 0], [1], ["d"], []], "of": 1,
+        huge = codec.pack({"t": "put", "handle": first_handle(session.id) + 78, "credential": session._credential,
+                           "layout": [[0], [0, 0], [1], ["d"], []], "of": 1,
                            "array": {"dtype": "uint8", "shape": [1 << 62], "nbytes": 1 << 62}, "pieces": []})
         assert "exceeds this host's" in codec.unpack(put(iter([huge]), timeout=30)).get("error", "")
     finally:

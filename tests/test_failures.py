@@ -160,8 +160,10 @@ def test_malformed_session_messages_get_error_replies(cluster, session):
             outbox.put(payload)
             reply = next_messages(replies)
             assert type(reply[0]) is m.Error and needle in reply[0].message, (needle, reply)
-        # a hostile delete of another session's array is ignored
+        # a hostile delete of another session's array is refused
         outbox.put(m.encode_batch([m.Delete((victim_array.handle,))]))
+        [refused] = next_messages(replies)
+        assert refused.kind == "AccessDeniedError" and "belong to other sessions" in refused.message
         outbox.put(m.encode_batch([m.ClusterRequest(9)]))
         assert next_messages(replies)[0].req == 9  # the same stream still works
     finally:
@@ -180,7 +182,8 @@ def test_malformed_worker_and_attach_messages_get_error_replies(cluster, session
     good = np.arange(3, dtype=np.float32)
 
     def put_header(layout=layout, of=1, array=None, pieces=None):
-        header = {"t": "put", "handle": 1, "layout": layout, "of": of,
+        header = {"t": "put", "handle": first_handle(session.id) + (1 << 30), "layout": layout, "of": of,
+                  "credential": session._credential,
                   **codec.pieces_header(good.dtype, good.shape, [(((0, 3),), good)])}
         if array is not None:
             header["array"] = array
@@ -208,7 +211,8 @@ def test_malformed_worker_and_attach_messages_get_error_replies(cluster, session
             assert needle in reply.get("error", ""), (needle, reply)
         reply = [codec.unpack(r) for r in fetch(b"\x93garbage", timeout=10)]
         assert reply[0]["state"] == "error" and "msgpack" in reply[0]["message"]
-        reply = [codec.unpack(r) for r in fetch(m.pack(m.FetchRequest(12345, 0.01, True).encode()), timeout=10)]
+        request = m.FetchRequest(first_handle(session.id) + 12345, 0.01, True, session._credential)
+        reply = [codec.unpack(r) for r in fetch(m.pack(request.encode()), timeout=10)]
         assert reply == [{"state": "pending"}]
     finally:
         channel.close()

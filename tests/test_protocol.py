@@ -67,11 +67,29 @@ def test_a_malformed_request_keeps_its_request_id_so_the_caller_hears_back():
     assert (bad.tag, bad.req) == ("slice", 42)
 
 
+CREDENTIAL = bytes(range(m.CREDENTIAL_BYTES))
+
+
 def test_waits_are_bounded_and_never_nan():
     for wait in (float("nan"), float("inf"), -1.0, m.MAX_WAIT_SECONDS * 2):
-        with pytest.raises(WireError):
-            m.FETCH.decode(["fetch", 1, wait, True])
-    assert m.FETCH.decode(["fetch", 1, 0, True]).wait == 0.0
+        with pytest.raises(WireError, match="'wait'"):
+            m.FETCH.decode(["fetch", 1, wait, True, CREDENTIAL])
+    assert m.FETCH.decode(["fetch", 1, 0, True, CREDENTIAL]).wait == 0.0
+
+
+@pytest.mark.parametrize("credential, needle", [
+    (None, "must be binary, got nil"),
+    ("0" * m.CREDENTIAL_BYTES, "must be binary, got str"),
+    (CREDENTIAL[:-1], f"at least {m.CREDENTIAL_BYTES} are needed"),
+    (CREDENTIAL + b"x", f"at most {m.CREDENTIAL_BYTES} are allowed"),
+])
+def test_a_session_credential_is_exactly_its_length_of_binary(credential, needle):
+    for table, raw in ((m.FETCH, ["fetch", 1, 0, True, credential]),
+                       (m.SESSION_DOWN, ["welcome", 1, credential]),
+                       (m.WORKER_DOWN, ["open_session", 1, credential])):
+        with pytest.raises(WireError, match=f"'(credential|digest)'.*{needle}"):
+            table.decode(raw)
+    assert m.WORKER_DOWN.decode(["open_session", 1, m.digest(CREDENTIAL)]) == m.SessionOpen(1, m.digest(CREDENTIAL))
 
 
 def test_checkers_bound_what_they_accept():

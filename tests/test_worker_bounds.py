@@ -11,6 +11,7 @@ import pytest
 
 import pathways as pw
 from pathways.cluster import status, worker_stats
+from pathways.protocol import messages as m
 from pathways.protocol.handles import first_handle
 from pathways.wire import codec, rpc
 from pathways.worker.core import WorkerCore
@@ -20,12 +21,14 @@ from tests.conftest import wait_until
 
 THREADS = 16  # the worker's gRPC server threads (rpc.make_server)
 MISSING = first_handle(9) + 12345
+CREDENTIAL = b"9" * m.CREDENTIAL_BYTES  # session 9's
 
 
 @pytest.fixture
 def served():
     """A worker core behind a real gRPC server in this process; its Fetch and Put stubs."""
     core = WorkerCore(lambda msg: None, wait_timeout=5.0)
+    core.on_batch(m.encode_batch([m.SessionOpen(9, m.digest(CREDENTIAL))]))
     server, port = rpc.make_server(rpc.WORKER_SERVICE, WorkerService(core).handlers(), max_workers=THREADS)
     channel = rpc.open_channel(f"grpc://127.0.0.1:{port}")
     fetch = rpc.method(channel, rpc.WORKER_SERVICE, "Fetch", "unary_stream")
@@ -36,13 +39,13 @@ def served():
     core.close()
 
 
-def fetch_request(handle, wait, data=True):
-    return codec.pack(["fetch", handle, wait, data])
+def fetch_request(handle, wait, data=True, credential=CREDENTIAL):
+    return codec.pack(["fetch", handle, wait, data, credential])
 
 
-def answered(fetch, handle, wait=0.01, timeout=3.0):
+def answered(fetch, handle, wait=0.01, timeout=3.0, credential=CREDENTIAL):
     """The reply header of a fetch that must be answered within ``timeout`` seconds."""
-    return codec.unpack(list(fetch(fetch_request(handle, wait), timeout=timeout))[0])
+    return codec.unpack(list(fetch(fetch_request(handle, wait, credential=credential), timeout=timeout))[0])
 
 
 def test_a_fetch_with_a_nan_or_infinite_wait_is_refused(served):
@@ -83,9 +86,25 @@ def test_abandoned_fetches_give_their_threads_back(served):
 def test_a_put_header_of_the_wrong_types_gets_an_error_reply(served, fields, needle):
     _, _, put_stub = served
     good = np.ones(3, np.float32)
-    header = {**put_header(first_handle(9) + 2, good), **fields}
+    header = {**put_header(first_handle(9) + 2, good, credential=CREDENTIAL), **fields}
     reply = codec.unpack(put_stub(iter([codec.pack(header), good.tobytes()]), timeout=10))
     assert needle in reply.get("error", ""), reply
+
+
+def test_a_put_or_fetch_with_another_sessions_credential_is_refused_as_access_denied(served):
+    core, fetch, put_stub = served
+    good = np.ones(3, np.float32)
+    other = b"x" * m.CREDENTIAL_BYTES
+    header = put_header(first_handle(9) + 3, good, credential=other)
+    start = time.monotonic()
+    reply = codec.unpack(put_stub(iter([codec.pack(header), good.tobytes()]), timeout=10))
+    assert reply["kind"] == "AccessDeniedError" and "not that session's" in reply["error"], reply
+    assert core.store.get(first_handle(9) + 3) is None
+    put(core, first_handle(9) + 4, good)
+    reply = answered(fetch, first_handle(9) + 4, credential=other)
+    assert reply["state"] == "error" and reply["kind"] == "AccessDeniedError", reply
+    assert time.monotonic() - start < 3.0
+    assert answered(fetch, first_handle(9) + 4)["state"] == "ready"
 
 
 def test_a_closed_sessions_functions_and_programs_are_freed_on_the_workers():

@@ -2,6 +2,7 @@
 fetches and session drops, on real JAX (CPU) with no processes and no sockets listened on."""
 
 import math
+import threading
 import time
 
 import jax
@@ -9,15 +10,17 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
+from pathways.errors import AccessDeniedError
 from pathways.ir import Layout
 from pathways.protocol import messages as m
-from pathways.protocol.handles import first_handle
+from pathways.protocol.handles import first_handle, session_of
 from pathways.protocol.ops import Op
 from pathways.wire import codec
 from pathways.worker.core import WorkerCore
 
 LAYOUT = Layout((0,), ((0, 0),), (1,), ("d",), ())
 SESSION = 5
+CREDENTIALS = {SESSION: b"5" * m.CREDENTIAL_BYTES, SESSION + 1: b"6" * m.CREDENTIAL_BYTES}
 
 
 def export(fun, shape=(3,), dtype=np.float32) -> bytes:
@@ -38,8 +41,11 @@ def put(core, handle, array):
     assert core.receive(put_header(handle, array), pieces=[(codec.full_index(array.shape), array)]) is None
 
 
-def fetch(core, handle, wait=10.0, data=True, still_wanted=lambda: True):
-    frames = list(core.fetch(m.FetchRequest(handle, wait, data), still_wanted))
+def fetch(core, handle, wait=10.0, data=True, still_wanted=lambda: True, credential=None):
+    """A client's fetch, with the credential of the handle's session unless one is given."""
+    if credential is None:
+        credential = CREDENTIALS.get(session_of(handle), bytes(m.CREDENTIAL_BYTES))
+    frames = list(core.fetch(m.FetchRequest(handle, wait, data, credential), still_wanted))
     header = codec.unpack(frames[0]) if frames else None
     if header and header["state"] == "ready" and data:
         _, _, pieces = codec.read_pieces(header, iter(frames[1:]))
@@ -68,7 +74,7 @@ def up():
 @pytest.fixture
 def core(up):
     c = WorkerCore(up.append, wait_timeout=5.0)
-    c.on_batch(m.encode_batch([m.WorkerWelcome(0)]))
+    c.on_batch(m.encode_batch([m.WorkerWelcome(0), *(m.SessionOpen(s, m.digest(cred)) for s, cred in CREDENTIALS.items())]))
     yield c
     c.close()
 
@@ -220,3 +226,130 @@ def test_a_put_header_of_the_wrong_types_is_a_wire_error(core, fields, needle):
     error = core.receive(header, iter([good.tobytes()]))
     assert error is not None and needle in error, error
     assert core.receive([1, 2], iter([])) == "a put header must be a map, got list"
+
+
+# ---- session isolation ------------------------------------------------------------------
+
+def client_put(core, handle, array, credential=None, **fields):
+    """A client's put; returns (reply, whether any of the array's bytes were read)."""
+    read = []
+
+    def chunks():
+        read.append(True)
+        yield array.tobytes()
+
+    if credential is None:
+        credential = CREDENTIALS[session_of(handle)]
+    return core.client_put(put_header(handle, array, credential=credential, **fields), chunks()), bool(read)
+
+
+def test_a_client_put_is_stored_only_with_the_credential_of_the_handles_session(core, up):
+    mine, theirs = first_handle(SESSION) + 100, first_handle(SESSION + 1) + 100
+    assert client_put(core, mine, np.arange(3, dtype=np.float32)) == (None, True)
+    for handle, credential in ((mine, CREDENTIALS[SESSION + 1]), (theirs, CREDENTIALS[SESSION]),
+                               (first_handle(0) + 3, CREDENTIALS[SESSION])):
+        start = time.monotonic()
+        with pytest.raises(AccessDeniedError, match=f"refused a put of array {handle:#x}") as refused:
+            client_put(core, handle, np.full(3, 9.0, np.float32), credential)
+        assert time.monotonic() - start < 1.0, "a known session is refused at once"
+        if handle == first_handle(0) + 3:
+            assert "copy the controller made" in str(refused.value)
+        else:
+            assert f"belongs to session {session_of(handle)}" in str(refused.value)
+    np.testing.assert_array_equal(fetch(core, mine)[1], [0.0, 1.0, 2.0])
+    assert core.store.get(theirs) is None and core.store.get(first_handle(0) + 3) is None
+    # a refused put reads none of the array, so a hostile caller costs it no memory
+    read = []
+
+    def chunks():
+        read.append(True)
+        yield np.ones(3, np.float32).tobytes()
+
+    header = put_header(theirs, np.ones(3, np.float32), credential=CREDENTIALS[SESSION])
+    with pytest.raises(AccessDeniedError):
+        core.client_put(header, chunks())
+    assert not read and core.store.get(theirs) is None
+
+
+def test_a_put_under_another_sessions_pending_output_leaves_the_output_to_its_program(core, up):
+    define_double(core)
+    x, base = first_handle(SESSION) + 100, first_handle(SESSION) + 200
+    put(core, x, np.ones(3, np.float32))
+    with pytest.raises(AccessDeniedError):
+        client_put(core, base + 1, np.full(3, 666.0, np.float32), CREDENTIALS[SESSION + 1])
+    assert core.store.get(base + 1) is None
+    run(core, 1, base, x)
+    np.testing.assert_array_equal(fetch(core, base + 1)[1], [2.0, 2.0, 2.0])
+
+
+@pytest.mark.parametrize("credential, needle", [
+    (None, "lacks field 'credential'"),
+    ("secret", "'credential' must be binary"),
+    (b"short", "'credential' has 5 bytes"),
+])
+def test_a_client_put_without_a_wellformed_credential_is_a_wire_error(core, credential, needle):
+    handle = first_handle(SESSION) + 1
+    header = put_header(handle, np.ones(3, np.float32))
+    if credential is not None:
+        header["credential"] = credential
+    error = core.client_put(header, iter([np.ones(3, np.float32).tobytes()]))
+    assert error is not None and needle in error, error
+    assert core.store.get(handle) is None
+
+
+def test_a_fetch_is_answered_only_with_the_credential_of_the_handles_session(core):
+    mine = first_handle(SESSION) + 100
+    put(core, mine, np.arange(3, dtype=np.float32))
+    for credential in (CREDENTIALS[SESSION + 1], bytes(m.CREDENTIAL_BYTES)):
+        for data in (True, False):
+            start = time.monotonic()
+            header, value = fetch(core, mine, wait=30.0, data=data, credential=credential)
+            assert time.monotonic() - start < 1.0
+            assert header["state"] == "error" and header["kind"] == "AccessDeniedError" and value is None
+            assert "not that session's" in header["message"]
+    header, _ = fetch(core, first_handle(0) + 1, wait=30.0, credential=CREDENTIALS[SESSION])
+    assert header["kind"] == "AccessDeniedError" and "copy the controller made" in header["message"]
+    np.testing.assert_array_equal(fetch(core, mine)[1], [0.0, 1.0, 2.0])
+
+
+def test_a_session_not_announced_yet_is_waited_for_a_bounded_time(core):
+    core.sessions.wait = 0.5
+    late, never = SESSION + 2, SESSION + 3
+    credential = b"7" * m.CREDENTIAL_BYTES
+    threading.Timer(0.2, core.on_batch, [m.encode_batch([m.SessionOpen(late, m.digest(credential))])]).start()
+    # a put that races ahead of the announcement waits for it, and is stored
+    assert client_put(core, first_handle(late) + 1, np.ones(3, np.float32), credential) == (None, True)
+    np.testing.assert_array_equal(fetch(core, first_handle(late) + 1, credential=credential)[1], np.ones(3))
+    # a session never announced: a short fetch is pending, a put and a long fetch are refused in time
+    assert fetch(core, first_handle(never) + 1, wait=0.1, credential=credential)[0] == {"state": "pending"}
+    start = time.monotonic()
+    with pytest.raises(AccessDeniedError, match=f"did not announce its session {never} within 0.5 s"):
+        client_put(core, first_handle(never) + 1, np.ones(3, np.float32), credential)
+    header, _ = fetch(core, first_handle(never) + 1, wait=30.0, credential=credential)
+    assert header["kind"] == "AccessDeniedError" and "did not announce" in header["message"]
+    assert 1.0 <= time.monotonic() - start < 3.0
+
+
+def test_a_closed_session_or_one_closed_before_this_worker_heard_of_it_is_refused_at_once(core):
+    mine = first_handle(SESSION) + 100
+    put(core, mine, np.ones(3, np.float32))
+    core.on_batch(m.encode_batch([m.DropSession(SESSION, ())]))
+    for handle in (mine, first_handle(2) + 1):  # session 2 is older than the open session 6
+        start = time.monotonic()
+        with pytest.raises(AccessDeniedError, match="has closed"):
+            client_put(core, handle, np.ones(3, np.float32), CREDENTIALS[SESSION])
+        header, _ = fetch(core, handle, wait=30.0, credential=CREDENTIALS[SESSION])
+        assert header["kind"] == "AccessDeniedError" and "has closed" in header["message"]
+        assert time.monotonic() - start < 1.0
+
+
+def test_a_data_plane_frame_carries_only_the_controllers_transfer_copies(core):
+    array = np.arange(3, dtype=np.float32)
+    pieces = [(codec.full_index(array.shape), array)]
+    client_array = first_handle(SESSION) + 1
+    error = core.receive_frame(put_header(client_array, array), pieces)
+    assert error is not None and "clients put arrays with the Put method" in error
+    assert core.store.get(client_array) is None
+    copy = first_handle(0) + 1
+    assert core.receive_frame(put_header(copy, array), pieces) is None
+    assert core.store.get(copy) is not None

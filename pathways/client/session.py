@@ -69,10 +69,13 @@ class Session:
         self._counter_lock = threading.Lock()
         self._outbox.put(m.Hello(m.PROTOCOL_VERSION, weight))
         try:
-            self.id: int = self._result(self._welcome, timeout, "greet the client").session
+            welcome = self._result(self._welcome, timeout, "greet the client")
         except BaseException:
             self.close()
             raise
+        self.id: int = welcome.session
+        # what workers ask of every put and fetch of this session's arrays: never shown
+        self._credential: bytes = welcome.credential
 
     # ---- control plane ---------------------------------------------------------------
 
@@ -198,8 +201,9 @@ class Session:
         """Send ``array`` straight to the workers holding ``layout`` (not through the
         controller); each keeps its own part. No waiting."""
         self._check_alive()
+        pieces = codec.pieces_header(array.dtype, array.shape, [(codec.full_index(array.shape), array)])
         header = codec.pack({"t": "put", "handle": handle, "layout": layout.to_wire(), "of": 1,
-                             **codec.pieces_header(array.dtype, array.shape, [(codec.full_index(array.shape), array)])})
+                             "credential": self._credential, **pieces})
         for address in addresses:
             future = self._stubs(address)[0].future(_chunks(header, array), timeout=self.timeout)
             future.add_done_callback(lambda f, address=address: self._put_done(f, address, handle))
@@ -209,7 +213,8 @@ class Session:
         try:
             reply = codec.unpack(f.result())
             if "error" in reply:
-                self.poisoned[handle] = (errors.RemoteError, f"the worker refused the array: {reply['error']}")
+                error = type(error_of(reply.get("kind"), "", errors.RemoteError))
+                self.poisoned[handle] = (error, f"the worker at {address} refused the array: {reply['error']}")
         except grpc.RpcError as e:
             self.poisoned[handle] = (errors.RemoteError, f"sending the array to {address} failed: {e.code().name}")
 
@@ -242,7 +247,7 @@ class Session:
 
     def _fetch_one(self, address: str, handle: int, wait: float, data: bool) -> Any:
         self._check_alive()
-        request = m.pack(m.FetchRequest(handle, wait, data).encode())
+        request = m.pack(m.FetchRequest(handle, wait, data, self._credential).encode())
         try:
             replies = iter(self._stubs(address)[1](request, timeout=wait + 30.0))
             header = codec.unpack(next(replies))

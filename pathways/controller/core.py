@@ -13,6 +13,7 @@ drives a session through the same typed messages with ``on_session_message``.
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Union
 
@@ -24,10 +25,10 @@ from pathways.controller.placement import ResourceManager
 from pathways.controller.programs import RunFailure, SessionPrograms
 from pathways.controller.scheduler import DEFAULT_WINDOW, Run, Scheduler
 from pathways.controller.status import status
-from pathways.errors import PathwaysError, WireError
+from pathways.errors import AccessDeniedError, PathwaysError, WireError
 from pathways.ir import Layout
 from pathways.protocol import messages as m
-from pathways.protocol.errors import LOST, kind_of
+from pathways.protocol.errors import DENIED, LOST, kind_of
 from pathways.protocol.handles import first_handle, fits, session_of
 
 log = logging.getLogger("pathways.controller")
@@ -38,6 +39,7 @@ __all__ = ["ControllerCore", "WorkerConn", "Outbox"]
 @dataclass
 class SessionState:
     outbox: Outbox
+    credential: bytes  # the secret workers ask of this session's puts and fetches
     slices: set[int] = field(default_factory=set)
     handles: HandleTable = field(default_factory=HandleTable)
     programs: SessionPrograms = field(default_factory=SessionPrograms)
@@ -75,7 +77,11 @@ class ControllerCore:
         elif kind is m.Step:
             self.dispatcher.step(conn, msg.run, msg.node)
         elif kind is m.Register:
-            self.membership.register(conn, msg)
+            if self.membership.register(conn, msg):
+                # in the order they opened: a worker takes a session that is not open and
+                # older than the newest it heard of as closed (worker/sessions.py)
+                for sid in sorted(self.sessions):
+                    conn.outbox.put(m.SessionOpen(sid, m.digest(self.sessions[sid].credential)))
         elif kind is m.Measured:
             self.membership.measured(conn, msg)
         elif kind is m.Notice:
@@ -124,8 +130,14 @@ class ControllerCore:
     # ---- sessions --------------------------------------------------------------------
 
     def session_opened(self, sid: int, outbox: Outbox) -> None:
-        self.sessions[sid] = SessionState(outbox)
+        """A client connected as session ``sid`` (ids increase): draw its credential and
+        tell every worker its digest before the client learns it in the welcome, so that
+        its puts seldom wait for it (they travel on other connections, so they still may)."""
+        s = self.sessions[sid] = SessionState(outbox, secrets.token_bytes(m.CREDENTIAL_BYTES))
         self.scheduler.add_session(sid)
+        opened = m.SessionOpen(sid, m.digest(s.credential))
+        for w in self.workers.values():
+            w.outbox.put(opened)
 
     def session_closed(self, sid: int) -> None:
         s = self.sessions.pop(sid, None)
@@ -166,7 +178,9 @@ class ControllerCore:
     @staticmethod
     def _own(sid: int, ident: int, what: str) -> int:
         if session_of(ident) != sid:
-            raise WireError(f"{what} {ident:#x} does not belong to this session")
+            raise AccessDeniedError(f"{what} {ident:#x} does not belong to this session (it is numbered in "
+                                    f"session {session_of(ident)}'s range): a client names only the arrays, "
+                                    "functions and programs it created itself")
         return ident
 
     def _hello(self, sid: int, s: SessionState, msg: m.Hello) -> None:
@@ -174,7 +188,7 @@ class ControllerCore:
             raise WireError(f"client speaks protocol {msg.version}, controller speaks "
                             f"{m.PROTOCOL_VERSION}; install the same pathways version on both")
         self.scheduler.set_weight(sid, msg.weight)
-        s.outbox.put(m.SessionWelcome(sid))
+        s.outbox.put(m.SessionWelcome(sid, s.credential))
 
     def _cluster(self, sid: int, s: SessionState, msg: m.ClusterRequest) -> None:
         s.outbox.put(m.ClusterReply(msg.req, self.status()))
@@ -214,7 +228,12 @@ class ControllerCore:
         s.handles.live[handle] = msg.layout
 
     def _delete(self, sid: int, s: SessionState, msg: m.Delete) -> None:
-        self._send_deletes(s.handles.delete(h for h in msg.handles if session_of(h) == sid))
+        foreign = [h for h in msg.handles if session_of(h) != sid]
+        if foreign:
+            raise AccessDeniedError(f"{len(foreign)} of the {len(msg.handles)} array(s) to delete belong to other "
+                                    f"sessions (the first: {foreign[0]:#x}, session {session_of(foreign[0])}'s); "
+                                    "a client deletes only its own arrays, so none was deleted")
+        self._send_deletes(s.handles.delete(msg.handles))
 
     def _run(self, sid: int, s: SessionState, msg: m.Run) -> None:
         graph = s.programs.graphs.get(msg.program)
@@ -227,6 +246,14 @@ class ControllerCore:
         if set(args) != set(graph.inputs):
             raise WireError(f"run binds inputs {sorted(args)}; the program has {sorted(graph.inputs)}")
         outputs = {v: args.get(v, base + v) for v in graph.outputs}
+        foreign = next(((v, h) for v, h in sorted(args.items()) if session_of(h) != sid), None)
+        if foreign is not None:
+            # the outputs are the reply: the client waits on them, not on this message
+            v, h = foreign
+            self._poison(sid, (out for w, out in outputs.items() if w not in args), DENIED,
+                         f"the run binds array {h:#x}, which belongs to session {session_of(h)}, as input {v} of "
+                         f"program {msg.program:#x}: a program reads only arrays its own client created")
+            return
         try:
             key, lowered = s.programs.lowered(msg.program, args, s.handles, self.membership.gone)
         except RunFailure as e:

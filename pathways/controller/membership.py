@@ -63,14 +63,15 @@ class Membership:
         self._measurement_ids = itertools.count(1)
         self._worker_ids = itertools.count(0)
 
-    def register(self, conn: WorkerConn, msg: m.Register) -> None:
+    def register(self, conn: WorkerConn, msg: m.Register) -> bool:
+        """Welcome a new worker; False (with a Notice to it) if it is refused."""
         if conn.worker >= 0:
             conn.outbox.put(m.Notice("worker is already registered"))
-            return
+            return False
         if len(self.workers) >= MAX_WORKERS:
             conn.outbox.put(m.Notice(f"the controller already has {MAX_WORKERS} workers; start another "
                                      "controller for more"))
-            return
+            return False
         conn.worker = next(self._worker_ids)
         conn.info = msg
         self.workers[conn.worker] = conn
@@ -84,6 +85,7 @@ class Membership:
             if w is not conn:
                 w.outbox.put(newcomer)
         log.info("worker %d registered: %d %s device(s) at %s", conn.worker, msg.devices, msg.kind, msg.address)
+        return True
 
     def remove(self, worker: int) -> WorkerConn | None:
         """Forget ``worker``: its links, and its turn in any measurement."""

@@ -85,14 +85,16 @@ class Str(Checker[str]):
 
 
 class Bytes(Checker[bytes]):
-    def __init__(self, max_len: int) -> None:
-        self.max_len = max_len
+    def __init__(self, max_len: int, min_len: int = 0) -> None:
+        self.max_len, self.min_len = max_len, min_len
 
     def check(self, value: Any, what: str) -> bytes:
         if type(value) is not bytes:
             raise WireError(f"{what} must be binary, got {_kind(value)}")
         if len(value) > self.max_len:
             raise WireError(f"{what} has {len(value)} bytes; at most {self.max_len} are allowed")
+        if len(value) < self.min_len:
+            raise WireError(f"{what} has {len(value)} bytes; at least {self.min_len} are needed")
         return value
 
 

@@ -13,10 +13,12 @@ from pathways import errors
 KINDS: dict[str, type[errors.PathwaysError]] = {cls.__name__: cls for cls in (
     errors.PathwaysError, errors.PlacementError, errors.WireError, errors.SignatureError,
     errors.RemoteError, errors.WorkerLostError, errors.DeadlineExceededError, errors.ConnectError,
+    errors.AccessDeniedError,
 )}
-# what a poisoned handle may report: a failed computation, or a lost host
-POISON_KINDS = frozenset({"RemoteError", "WorkerLostError"})
-REMOTE, LOST = "RemoteError", "WorkerLostError"
+# what a poisoned handle may report: a failed computation, a lost host, or a run refused
+# because it named another session's array
+POISON_KINDS = frozenset({"RemoteError", "WorkerLostError", "AccessDeniedError"})
+REMOTE, LOST, DENIED = "RemoteError", "WorkerLostError", "AccessDeniedError"
 
 
 def kind_of(error: BaseException) -> str:

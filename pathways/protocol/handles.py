@@ -5,6 +5,15 @@ The controller owns session 0 and numbers transfer copies from it, so every clie
 handles and the controller's never collide, and a session's buffers can be found by
 prefix. A run of a program numbers its values from a base the client chose (``base + v``)
 and its transfer copies from one the controller chose (``tbase + copy``).
+
+Handles need not be unguessable, and are not: they are counters, and anyone can work out
+another session's. Knowing one grants nothing. The controller refuses every message of a
+session that names a handle of another session (a Run binding it as an input, a
+PutNotice, a Delete), and a worker serves a put or fetch of a handle only to a caller
+presenting the credential of the handle's session (``session_of``): a secret the
+controller draws per session and gives to that session's client and to the workers. The
+controller's session 0 has no credential, so its transfer copies are never served to
+clients.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ unaffected. Nothing here does I/O.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any, ClassVar, Union
 
 from pathways.errors import WireError
@@ -23,7 +24,7 @@ from pathways.protocol.handles import MAX_HANDLE, MAX_SESSION
 from pathways.protocol.ops import LAYOUT, MAX_NODES, MAX_REGISTERS, decode_op, encode_op
 from pathways.wire.codec import MAX_MESSAGE_BYTES, pack, unpack
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_DEVICES_PER_HOST = 1024  # more than any accelerator host has; bounds a register's cost
 MAX_ISLAND = (1 << 31) - 1
 MAX_RANK = 1 << 16
@@ -40,6 +41,15 @@ WORKERS = Seq(WORKER)
 BLOB = Bytes(MAX_MESSAGE_BYTES)
 LAYOUTS = Seq(LAYOUT, max_len=1 << 16)
 GRAPH = Custom(ProgramGraph.from_wire, ProgramGraph.to_wire)
+CREDENTIAL_BYTES = 32  # a session's secret: 256 random bits, drawn by the controller
+CREDENTIAL = Bytes(CREDENTIAL_BYTES, min_len=CREDENTIAL_BYTES)
+DIGEST = Bytes(32, min_len=32)
+
+
+def digest(credential: bytes) -> bytes:
+    """What workers are told of a session's credential: its SHA-256, so that whoever reads
+    the controller's stream to a worker (or attaches as one) cannot present it."""
+    return hashlib.sha256(credential).digest()
 
 
 def _map(key: Checker, value: Checker) -> Custom:
@@ -209,7 +219,11 @@ class Delete(Message):
 
 @message("welcome")
 class SessionWelcome(Message):
+    """The session's number, and its credential: the secret that workers ask of every put
+    and fetch of its arrays."""
+
     session: int = wire(Int(1, MAX_SESSION))
+    credential: bytes = wire(CREDENTIAL)
 
 
 @message("slice")
@@ -365,6 +379,17 @@ class DropSession(Message):
     programs: tuple[int, ...] = wire(Seq(Int(1)))
 
 
+# ---- session isolation: which sessions a worker serves, and their credentials ---------------
+
+@message("open_session")
+class SessionOpen(Message):
+    """A client session opened: serve puts and fetches of its handles to whoever presents
+    the credential whose ``digest`` this is (until DropSession)."""
+
+    session: int = wire(Int(1, MAX_SESSION))
+    digest: bytes = wire(DIGEST)
+
+
 @message("shutdown")
 class Shutdown(Message):
     reason: str = wire(TEXT)
@@ -395,11 +420,12 @@ class MeasureRequest(Message):
 @message("fetch")
 class FetchRequest(Message):
     """Ask a worker for an array: wait up to ``wait`` seconds for it, send its bytes if
-    ``data``, else only say it is ready."""
+    ``data``, else only say it is ready. ``credential`` is that of the handle's session."""
 
     handle: int = wire(HANDLE)
     wait: float = wire(Float(0.0, MAX_WAIT_SECONDS))
     data: bool = wire(Bool())
+    credential: bytes = wire(CREDENTIAL)
 
 
 SESSION_UP = Table("session (client to controller)", Hello, SliceRequest, ClusterRequest, DefineFunction,
@@ -407,7 +433,7 @@ SESSION_UP = Table("session (client to controller)", Hello, SliceRequest, Cluste
 SESSION_DOWN = Table("session (controller to client)", SessionWelcome, SliceReply, ClusterReply, Poisoned, Error)
 WORKER_UP = Table("attach (worker to controller)", Register, Done, Step, Notice, Measured)
 WORKER_DOWN = Table("attach (controller to worker)", WorkerWelcome, Peers, Compile, Define, RunProgram, Delete,
-                    DropSession, Poisoned, Shutdown, Go, Measure, Notice)
+                    DropSession, Poisoned, Shutdown, Go, Measure, Notice, SessionOpen)
 MEASURE = Table("measure request", MeasureRequest)
 FETCH = Table("fetch request", FetchRequest)
 

@@ -7,6 +7,10 @@ It takes the controller's typed messages (``on_batch`` / ``on_message``), takes 
 (``fetch``), and owns the object store, the executable cache, the executor and the
 measurer. What it says to the controller goes to ``up`` as typed messages.
 
+Clients' puts (``client_put``) and fetches are served only for handles of the session whose
+credential they carry (sessions.py), checked before any of a put's array is read; peers'
+frames may only carry the controller's transfer copies.
+
 Arrays cross the data plane as pieces: each sender sends the blocks the receiver's devices
 hold (the controller's transfer plan), and a receiver assembles them once every sending
 host has delivered. Put headers are msgpack maps from clients and peers, so their fields
@@ -22,23 +26,24 @@ import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import jax
 import numpy as np
 
-from pathways.errors import WireError
+from pathways.errors import AccessDeniedError, WireError
 from pathways.protocol.check import MAX_TEXT, Int, Str
 from pathways.protocol.errors import POISON_KINDS, REMOTE
-from pathways.protocol.handles import MAX_HANDLE
-from pathways.protocol.messages import (Compile, Define, Delete, Done, DropSession, FetchRequest, Go, Malformed,
-                                        Measure, Message, Notice, Peers, Poisoned, RunProgram,
-                                        Shutdown, Step, WorkerWelcome, WORKER_DOWN)
+from pathways.protocol.handles import MAX_HANDLE, session_of
+from pathways.protocol.messages import (CREDENTIAL, Compile, Define, Delete, Done, DropSession, FetchRequest, Go,
+                                        Malformed, Measure, Message, Notice, Peers, Poisoned, RunProgram,
+                                        SessionOpen, Shutdown, Step, WorkerWelcome, WORKER_DOWN)
 from pathways.protocol.ops import LAYOUT, MAX_SENDERS
 from pathways.wire import codec, tcp
 from pathways.worker.executables import Executables
 from pathways.worker.executor import Executor
 from pathways.worker.measure import Measurer
+from pathways.worker.sessions import Sessions
 from pathways.worker.store import ObjectStore, Poison, failure
 
 log = logging.getLogger("pathways.worker")
@@ -55,6 +60,13 @@ _PUT_TYPE = Str(8, frozenset({"put"}))
 _PUT_REQUIRED = ("t", "handle", "layout", "of")
 
 
+class _Put(NamedTuple):
+    header: dict
+    handle: int
+    nsenders: int
+    sharding: Any
+
+
 class WorkerCore:
     """One worker's state and behaviour. ``up`` takes each message for the controller (an
     outbox's ``put``); ``on_shutdown`` is called when the controller says to stop."""
@@ -66,6 +78,7 @@ class WorkerCore:
         self.up = up
         self.wait_timeout = wait_timeout
         self.store = ObjectStore()
+        self.sessions = Sessions()
         self.executables = Executables()
         self.peers: dict[int, str] = {}
         self.links = tcp.Links(wait_timeout)
@@ -139,11 +152,14 @@ class WorkerCore:
         elif kind is Poisoned:
             for h in msg.handles:
                 self.store.put(h, Poison(msg.message, msg.kind), replace=False)
+        elif kind is SessionOpen:
+            self.sessions.open(msg.session, msg.digest)
         elif kind is DropSession:
             # The arrays at once, not in executor order: the executor may be waiting for one
             # the departed client was still sending. Its programs and functions in order:
             # the runs queued before the drop still run (on poison), as on the island's
             # other hosts, whose collectives they meet.
+            self.sessions.close(msg.session)
             self.store.drop_session(msg.session)
             self.executor.submit(msg)
         elif kind is Peers:
@@ -220,24 +236,58 @@ class WorkerCore:
     # ---- data plane: receiving ----------------------------------------------------------
 
     def receive_frame(self, header: dict, pieces: list) -> Optional[str]:
-        """A peer's data frame (tcp.Listener's receiver)."""
-        return self.receive(header, pieces=pieces)
+        """A peer's data frame (tcp.Listener's receiver). Peers send only transfer copies,
+        which are the controller's handles: a client's array arrives by ``client_put``."""
+
+        def peer_put() -> Optional[str]:
+            put = self._put_header(header)
+            if session_of(put.handle) != 0:
+                raise WireError(f"a data-plane frame carried array {put.handle:#x} of client session "
+                                f"{session_of(put.handle)}; workers send each other only the controller's "
+                                "transfer copies, and clients put arrays with the Put method")
+            return self._store(put, None, pieces)
+
+        return self._guarded(peer_put)
 
     def receive(self, header: Any, chunks: Optional[Iterator[bytes]] = None,
                 pieces: Optional[list] = None) -> Optional[str]:
         """Take one sender's part of an array arriving as handle: its pieces follow in
-        ``chunks`` (a gRPC put) or were read already (``pieces``: from a peer's data
-        connection, or this host's own); store the array once every sender has delivered.
-        Returns an error message, or None."""
+        ``chunks`` or were read already (``pieces``: from a peer's data connection, or
+        this host's own); store the array once every sender has delivered. Trusts the
+        sender: a client's put goes through ``client_put``. Returns an error message, or
+        None."""
+        return self._guarded(lambda: self._store(self._put_header(header), chunks, pieces))
+
+    def client_put(self, header: Any, chunks: Iterator[bytes]) -> Optional[str]:
+        """A client's put (the gRPC Put): like ``receive``, but only for a handle of the
+        session whose credential the header carries (field ``credential``), checked
+        before any of the array is read. Raises AccessDeniedError when refused (after
+        waiting up to ``sessions.wait`` seconds for a session not announced yet);
+        returns an error message for a malformed put, or None."""
+
+        def admitted() -> Optional[str]:
+            put = self._put_header(header)
+            if "credential" not in header:
+                raise WireError("put header lacks field 'credential' (the session's, from its welcome)")
+            self.sessions.admit(put.handle, CREDENTIAL.check(header["credential"], "put header field 'credential'"),
+                                "put")
+            return self._store(put, chunks, None)
+
+        return self._guarded(admitted)
+
+    def _guarded(self, put: Callable[[], Optional[str]]) -> Optional[str]:
         try:
-            return self._receive(header, chunks, pieces)
+            return put()
         except WireError as e:
             return str(e)
+        except AccessDeniedError:
+            raise
         except Exception as e:  # JAX refusing a hostile layout for this array, say: refuse the put
             log.warning("refused a put: %s: %s", type(e).__name__, e)
             return f"the array cannot be stored as its header describes it ({type(e).__name__}: {e})"
 
-    def _receive(self, header: Any, chunks: Optional[Iterator[bytes]], pieces: Optional[list]) -> Optional[str]:
+    def _put_header(self, header: Any) -> _Put:
+        """A put header's fields that say where the array goes; WireError if malformed."""
         if type(header) is not dict:
             raise WireError(f"a put header must be a map, got {type(header).__name__}")
         missing = next((f for f in _PUT_REQUIRED if f not in header), None)
@@ -246,7 +296,10 @@ class WorkerCore:
         _PUT_TYPE.check(header.get("t"), "put header field 't'")
         handle = _PUT_HANDLE.check(header.get("handle"), "put header field 'handle'")
         nsenders = _PUT_SENDERS.check(header.get("of"), "put header field 'of' (the number of senders)")
-        sharding = self._sharding(header.get("layout"))
+        return _Put(header, handle, nsenders, self._sharding(header.get("layout")))
+
+    def _store(self, put: _Put, chunks: Optional[Iterator[bytes]], pieces: Optional[list]) -> Optional[str]:
+        header, handle, nsenders, sharding = put
         if "poison" in header:
             message = _PUT_POISON.check(header["poison"], "put header field 'poison'")
             kind = _PUT_KIND.check(header.get("kind", REMOTE), "put header field 'kind'")
@@ -303,9 +356,22 @@ class WorkerCore:
         computed within ``req.wait`` seconds (finite and bounded: FetchRequest's checker),
         an error, ``{"state": "ready"}``, or, with ``req.data``, that and the pieces this
         host holds. Stops waiting, with no reply, once ``still_wanted()`` turns false (the
-        caller hung up): an abandoned request must not keep its server thread."""
+        caller hung up): an abandoned request must not keep its server thread.
+
+        Served only with the credential of the handle's session (else an AccessDeniedError
+        reply). A session not announced yet is waited for within ``req.wait`` (pending
+        after it), or for ``sessions.wait`` at most when ``req.wait`` is longer."""
         deadline = time.monotonic() + req.wait
-        value = self.store.wait(req.handle, req.wait, still_wanted)
+        if req.wait < self.sessions.wait and not self.sessions.heard_of(session_of(req.handle), req.wait):
+            if still_wanted():
+                yield codec.pack({"state": "pending"})
+            return
+        try:
+            self.sessions.admit(req.handle, req.credential, "fetch")
+        except AccessDeniedError as e:
+            yield codec.pack({"state": "error", "kind": AccessDeniedError.__name__, "message": str(e)})
+            return
+        value = self.store.wait(req.handle, max(deadline - time.monotonic(), 0.0), still_wanted)
         if value is None:
             if still_wanted():
                 yield codec.pack({"state": "pending"})

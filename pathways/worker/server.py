@@ -3,8 +3,8 @@
 It attaches to the controller with one long-lived stream, a TCP connection of frames
 (wire/frames.py) at the address the controller's AttachAddress method names (registration
 and done reports up, op batches down; a reader and a sender thread), serves clients' puts
-and fetches over gRPC, and hands the data plane's frames from peers (wire/tcp.py) to the
-core. In the background the core measures
+and fetches over gRPC (each for its own session's arrays, core.py), and hands the data
+plane's frames from peers (wire/tcp.py) to the core. In the background the core measures
 its FLOP/s and its links to the other workers (measure.py). The hosts of an island of
 several hosts form one ``jax.distributed`` group (CPU collectives over gloo). When the
 controller's stream ends, or the controller says the island is lost, the worker exits: a
@@ -26,7 +26,7 @@ from typing import Iterator
 import grpc
 import trio
 
-from pathways.errors import ConnectError, WireError
+from pathways.errors import AccessDeniedError, ConnectError, WireError
 from pathways.protocol.messages import FETCH, MAX_MESSAGE_BYTES, Register
 from pathways.wire import codec, frames, rpc, tcp
 from pathways.worker.core import WorkerCore
@@ -42,12 +42,16 @@ class WorkerService:
         self.core = core
 
     def put(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        """A client's array: ``{"ok": true}``, or ``{"error": ...}`` (with ``"kind":
+        "AccessDeniedError"`` when the put was refused for its credential)."""
         try:
             chunks = iter(request_iterator)
             header = codec.unpack(next(chunks, b""))
+            error = self.core.client_put(header, chunks)
         except WireError as e:
             return codec.pack({"error": str(e)})
-        error = self.core.receive(header, chunks)
+        except AccessDeniedError as e:
+            return codec.pack({"error": str(e), "kind": AccessDeniedError.__name__})
         return codec.pack({"error": error} if error else {"ok": True})
 
     def fetch(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
