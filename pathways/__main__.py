@@ -8,6 +8,10 @@ import logging
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pathways.wire.security import Security
 
 
 def _logging(level: str) -> None:
@@ -28,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     from pathways.bench.suite import EXPERIMENTS
     from pathways.defaults import DEFAULT_WINDOW
+    from pathways.wire import security
 
     parser = argparse.ArgumentParser(prog="pathways", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("PATHWAYS_LOG_LEVEL", "warning"))
@@ -37,6 +42,7 @@ def _main(argv: list[str] | None) -> int:
     controller.add_argument("--policy", choices=["fair", "fifo"], default="fair",
                             help="order of runs between clients: proportional share by weight, or FIFO")
     controller.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="runs in flight per island")
+    security.add_flags(controller, server=True)
 
     worker = sub.add_parser("worker", help="run a worker host attached to a controller")
     worker.add_argument("--controller", required=True, help="grpc://HOST:PORT of the controller")
@@ -52,21 +58,25 @@ def _main(argv: list[str] | None) -> int:
     worker.add_argument("--unsafe-local-order", action="store_true",
                         help="debugging only: order runs of different clients locally instead of in "
                              "the island's gang order (collectives across hosts can hang)")
+    security.add_flags(worker, server=True)
 
     up = sub.add_parser("up", help="run a local cluster until Ctrl-C; prints its address")
     up.add_argument("--islands", default="2x2",
                     help="comma-separated HOSTSxDEVICES per island, e.g. 2x1,1x4 (default 2x2)")
     up.add_argument("--policy", choices=["fair", "fifo"], default="fair")
     up.add_argument("--window", type=int, default=DEFAULT_WINDOW)
+    security.add_flags(up, server=True)
 
     status = sub.add_parser("status", help="show islands, workers (speed, memory), links, slices, clients, queues")
     status.add_argument("--address", default=os.environ.get("PATHWAYS_ADDRESS"))
     status.add_argument("--measure", action="store_true",
                         help="have every worker measure its FLOP/s and links again first, and wait for it")
     status.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the measurements")
+    security.add_flags(status, server=False)
 
     demo = sub.add_parser("demo", help="run the paper's Figure 2 program")
     demo.add_argument("--address", default=None)
+    security.add_flags(demo, server=False)
 
     bench = sub.add_parser("bench", help="run a benchmark, or all of them (regenerates BENCHMARKS.md)")
     bench.add_argument("name", choices=[*EXPERIMENTS, "all"])
@@ -97,13 +107,22 @@ def _main(argv: list[str] | None) -> int:
     if unknown and args.command != "plan":
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     _logging(args.log_level)
+    try:
+        return _run(parser, args, unknown)
+    except security.SecurityConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: list[str]) -> int:
+    from pathways.wire import security
 
     if args.command in ("controller", "worker"):
         from pathways.cluster import exit_with_parent
         exit_with_parent()
     if args.command == "controller":
         from pathways.controller.server import main as controller_main
-        controller_main(args.policy, args.window)
+        controller_main(args.policy, args.window, security.from_args(args))
     elif args.command == "worker":
         from pathways.worker.server import IslandMembership, main as worker_main
         membership = None
@@ -112,14 +131,15 @@ def _main(argv: list[str] | None) -> int:
                 parser.error("a worker of a multi-host island needs --coordinator and 0 <= --rank < --island-hosts")
             membership = IslandMembership(args.coordinator, args.island_hosts, args.rank)
         worker_main(args.controller, args.devices, args.island, args.wait_timeout, args.connect_timeout,
-                    membership, args.unsafe_local_order)
+                    membership, args.unsafe_local_order, security.from_args(args))
     elif args.command == "up":
         from pathways.cluster import Island, LocalCluster
         try:
             islands = [Island(*map(int, spec.split("x"))) for spec in args.islands.split(",")]
         except ValueError:
             parser.error(f"--islands {args.islands!r} is not a list like 2x1,1x4")
-        cluster = LocalCluster(islands, policy=args.policy, window=args.window).start()
+        cluster = LocalCluster(islands, policy=args.policy, window=args.window,
+                               security=security.from_args(args)).start()
         print(f"pathways cluster up at {cluster.address}; export PATHWAYS_ADDRESS={cluster.address}", flush=True)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the cluster on SIGTERM too
         try:
@@ -133,10 +153,11 @@ def _main(argv: list[str] | None) -> int:
         finally:
             cluster.stop()
     elif args.command == "status":
-        return _status(args.address, args.measure, args.timeout)
+        return _status(args.address, args.measure, args.timeout, security.from_args(args))
     elif args.command == "demo":
         from pathways.demo import figure2
-        figure2(args.address)
+        client = security.from_args(args)
+        figure2(args.address, client.token, client.tls_ca)
     elif args.command == "bench":
         from pathways.bench import suite
 
@@ -167,7 +188,8 @@ def _main(argv: list[str] | None) -> int:
     return 0
 
 
-def _status(address: str | None, measure: bool = False, timeout: float = 60.0) -> int:
+def _status(address: str | None, measure: bool = False, timeout: float = 60.0,
+            security: Security | None = None) -> int:
     from pathways import cluster
     from pathways.errors import PathwaysError
 
@@ -175,7 +197,7 @@ def _status(address: str | None, measure: bool = False, timeout: float = 60.0) -
         print("no cluster address: pass --address grpc://HOST:PORT or set PATHWAYS_ADDRESS", file=sys.stderr)
         return 2
     try:
-        st = cluster.measure(address, timeout) if measure else cluster.status(address)
+        st = cluster.measure(address, timeout, security) if measure else cluster.status(address, security=security)
     except PathwaysError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

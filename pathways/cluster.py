@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
+import grpc
 import trio
 
 from pathways.defaults import ADDRESS_LINE, DEFAULT_WINDOW
@@ -27,6 +28,8 @@ from pathways.errors import ConnectError, DeadlineExceededError, WireError
 from pathways.protocol.errors import error_of
 from pathways.protocol.messages import MeasureRequest, pack, unpack
 from pathways.wire import rpc
+from pathways.wire import security as sec
+from pathways.wire.security import Security
 
 if TYPE_CHECKING:
     from pathways.planner import Topology
@@ -72,8 +75,12 @@ def free_port() -> int:
 
 
 class LocalCluster:
+    """A controller and workers on this machine. ``security``: the token and TLS settings
+    every process of the cluster (and this process, to reach it) is given; none by default."""
+
     def __init__(self, islands: Sequence[Island], start_timeout: float = 120.0, policy: str = "fair",
-                 window: int = DEFAULT_WINDOW, unsafe_local_order: bool = False) -> None:
+                 window: int = DEFAULT_WINDOW, unsafe_local_order: bool = False,
+                 security: Security | None = None) -> None:
         if not islands or any(i.hosts < 1 or i.devices_per_host < 1 for i in islands):
             raise ValueError("a local cluster needs at least one island of hosts >= 1 and devices_per_host >= 1")
         if policy not in ("fair", "fifo") or window < 1:
@@ -83,6 +90,7 @@ class LocalCluster:
         self.policy = policy
         self.window = window
         self.unsafe_local_order = unsafe_local_order
+        self.security = security or Security()
         self.address: Optional[str] = None
         self.pids: list[int] = []
         self._ready = threading.Event()
@@ -97,8 +105,8 @@ class LocalCluster:
         self.controller_code: Optional[int] = None
 
     @classmethod
-    def of_hosts(cls, hosts: int, devices_per_host: int) -> "LocalCluster":
-        return cls([Island(hosts, devices_per_host)])
+    def of_hosts(cls, hosts: int, devices_per_host: int, security: Security | None = None) -> "LocalCluster":
+        return cls([Island(hosts, devices_per_host)], security=security)
 
     @property
     def num_workers(self) -> int:
@@ -140,9 +148,11 @@ class LocalCluster:
                 if self._stopping:
                     return
                 with trio.fail_after(self.start_timeout):
-                    env = {**os.environ, PARENT_PID_ENV: str(os.getpid()), **child_log_env()}
+                    env = sec.child_env(self.security, {**os.environ, PARENT_PID_ENV: str(os.getpid()),
+                                                        **child_log_env()})
+                    secure = sec.child_flags(self.security)
                     controller = await trio.lowlevel.open_process(
-                        _python_cmd("controller", "--policy", self.policy, "--window", str(self.window)),
+                        _python_cmd("controller", "--policy", self.policy, "--window", str(self.window), *secure),
                         stdout=subprocess.PIPE, env=env)
                     procs.append(controller)
                     address = await _read_address(controller.stdout)
@@ -154,13 +164,14 @@ class LocalCluster:
                             procs.append(await trio.lowlevel.open_process(
                                 _python_cmd("worker", "--controller", address,
                                             "--devices", str(island.devices_per_host),
-                                            "--island", str(island_id), "--rank", str(rank), *group, *debug),
+                                            "--island", str(island_id), "--rank", str(rank), *group, *debug,
+                                            *secure),
                                 env=env, stdout=_STDERR_FD))
                     self.pids = [p.pid for p in procs]
                     for p in procs:
                         nursery.start_soon(self._watch, p)
                     await trio.to_thread.run_sync(wait_for_workers, address, self.num_workers,
-                                                  self.start_timeout, abandon_on_cancel=True)
+                                                  self.start_timeout, self.security, abandon_on_cancel=True)
                 self.address = address
                 self._ready.set()
                 await trio.sleep_forever()
@@ -246,11 +257,11 @@ def exit_with_parent() -> None:
     threading.Thread(target=watch, name="pathways-parent-watch", daemon=True).start()
 
 
-def wait_for_workers(address: str, count: int, timeout: float) -> dict:
+def wait_for_workers(address: str, count: int, timeout: float, security: Security | None = None) -> dict:
     """Poll the controller until ``count`` workers have registered; returns its status."""
     deadline = time.monotonic() + timeout
     while True:
-        st = status(address, timeout=max(1.0, deadline - time.monotonic()))
+        st = status(address, timeout=max(1.0, deadline - time.monotonic()), security=security)
         if len(st["workers"]) >= count:
             return st
         if time.monotonic() > deadline:
@@ -259,43 +270,56 @@ def wait_for_workers(address: str, count: int, timeout: float) -> dict:
         time.sleep(0.05)
 
 
-def status(address: str, timeout: float = 10.0) -> dict:
+# The functions below take ``security``: the token and CA to reach the cluster with; by
+# default PATHWAYS_TOKEN and PATHWAYS_TLS_CA.
+
+def status(address: str, timeout: float = 10.0, security: Security | None = None) -> dict:
     """The controller's view: workers, their devices and load, sessions, slices, arrays."""
-    return _unary(address, rpc.CONTROLLER_SERVICE, "Status", timeout)
+    return _unary(address, rpc.CONTROLLER_SERVICE, "Status", timeout, security=security)
 
 
-def worker_stats(address: str, timeout: float = 10.0) -> dict:
+def worker_stats(address: str, timeout: float = 10.0, security: Security | None = None) -> dict:
     """One worker's object store and executable cache counts."""
-    return _unary(address, rpc.WORKER_SERVICE, "Stats", timeout)
+    return _unary(address, rpc.WORKER_SERVICE, "Stats", timeout, security=security)
 
 
-def measure(address: str, timeout: float = 60.0) -> dict:
+def measure(address: str, timeout: float = 60.0, security: Security | None = None) -> dict:
     """Have every worker measure its FLOP/s, memory and links to the other workers again,
     wait for all of them (at most ``timeout`` seconds), and return the controller's status
     with the new figures (``status(...)["workers"][i]["flops"]``, ``["links"]``). Raises
     DeadlineExceededError naming the workers that did not report in time."""
     reply = _unary(address, rpc.CONTROLLER_SERVICE, "Measure", timeout + 10.0,
-                   pack(MeasureRequest(timeout).encode()))
+                   pack(MeasureRequest(timeout).encode()), security)
     if "error" in reply:
         raise error_of(reply.get("kind"), reply["error"], WireError)
     return reply["status"]
 
 
-def topology(address: str, measure_first: bool = False, timeout: float = 60.0) -> Topology:
+def topology(address: str, measure_first: bool = False, timeout: float = 60.0,
+             security: Security | None = None) -> Topology:
     """The cluster as a planner topology (pathways.planner.Topology): one device per
     worker, named by its worker id, with its measured FLOP/s and memory, and the measured
     links between workers. ``measure_first`` measures again before (see ``measure``);
     without it, a worker not measured yet raises the planner's PlanError."""
     from pathways.planner import Topology
 
-    return Topology.from_status(measure(address, timeout) if measure_first else status(address, timeout))
+    return Topology.from_status(measure(address, timeout, security) if measure_first
+                                else status(address, timeout, security))
 
 
-def _unary(address: str, service: str, name: str, timeout: float, request: bytes = b"") -> dict:
-    channel = rpc.open_channel(address)
+def _unary(address: str, service: str, name: str, timeout: float, request: bytes = b"",
+           security: Security | None = None) -> dict:
+    security = security or sec.for_client()
+    channel = rpc.open_channel(address, security)
     try:
-        rpc.wait_ready(channel, address, timeout)
-        return unpack(rpc.method(channel, service, name, "unary_unary")(request, timeout=timeout))
+        rpc.wait_ready(channel, address, timeout, security=security)
+        try:
+            return unpack(rpc.method(channel, service, name, "unary_unary")(request, timeout=timeout))
+        except grpc.RpcError as e:
+            refused = rpc.refusal(e, address)
+            if refused is None:
+                raise
+            raise refused from None
     finally:
         channel.close()
 

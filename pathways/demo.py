@@ -9,8 +9,10 @@ import numpy as np
 import pathways as pw
 
 
-def figure2(address: Optional[str] = None) -> tuple[np.ndarray, np.ndarray]:
-    pw.connect(address)
+def figure2(address: Optional[str] = None, token: Optional[str] = None,
+            tls_ca: Optional[str] = None) -> tuple[np.ndarray, np.ndarray]:
+    """Run the program on the cluster at ``address`` (see pw.connect for all three)."""
+    pw.connect(address, token=token, tls_ca=tls_ca)
 
     def get_devices(n: int):
         return pw.make_virtual_device_set().add_slice(cpu_devices=n).devices

@@ -11,6 +11,10 @@ class ConnectError(PathwaysError):
     """A controller or worker could not be reached, or the connection broke."""
 
 
+class AuthenticationError(ConnectError):
+    """A server refused this process: it did not give the cluster's shared token."""
+
+
 class PlacementError(PathwaysError):
     """A virtual slice cannot be mapped onto the cluster's physical devices."""
 

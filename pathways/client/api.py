@@ -17,6 +17,8 @@ from pathways.client.session import Session
 from pathways.cluster import Island, LocalCluster
 from pathways.defaults import DEFAULT_WINDOW
 from pathways.errors import SignatureError
+from pathways.wire import security as sec
+from pathways.wire.security import Security
 
 _default: Optional[Session] = None
 _lock = threading.Lock()
@@ -27,7 +29,8 @@ EMBEDDED_HOSTS = 2
 EMBEDDED_DEVICES_PER_HOST = 2
 
 
-def connect(address: Optional[str] = None, timeout: float = 30.0, weight: float = 1.0) -> Session:
+def connect(address: Optional[str] = None, timeout: float = 30.0, weight: float = 1.0, token: Optional[str] = None,
+            tls_ca: Optional[str] = None) -> Session:
     """Connect to a controller and make it the default session.
 
     ``address`` is ``grpc://host:port``; without it, ``PATHWAYS_ADDRESS`` is used, and
@@ -36,16 +39,25 @@ def connect(address: Optional[str] = None, timeout: float = 30.0, weight: float 
     ``ConnectError`` within about 2 s, and an address of another form at once. ``weight`` is
     this client's share of the devices under the controller's fair policy: clients that
     keep an island busy get device time in proportion to their weights.
+
+    ``token`` is the cluster's shared token (default: ``PATHWAYS_TOKEN``); a cluster that
+    requires another raises ``AuthenticationError`` at once. ``tls_ca`` is the PEM file of
+    the CA that signed the cluster's certificates, for a cluster that uses TLS (default:
+    ``PATHWAYS_TLS_CA``). An embedded cluster uses the token, and no TLS.
     """
     global _default
     address = address or os.environ.get("PATHWAYS_ADDRESS")
     if address:
-        session = Session(address, timeout, weight=weight)
+        session = Session(address, timeout, weight=weight, security=sec.for_client(token, tls_ca))
     else:
-        cluster = LocalCluster.of_hosts(EMBEDDED_HOSTS, EMBEDDED_DEVICES_PER_HOST)
+        if tls_ca is not None:
+            raise ValueError("tls_ca= verifies a running cluster's certificates: pass its address too (the "
+                             "embedded cluster started without an address uses no TLS)")
+        security = Security(token=token if token is not None else sec.env_token())
+        cluster = LocalCluster.of_hosts(EMBEDDED_HOSTS, EMBEDDED_DEVICES_PER_HOST, security)
         cluster.start()
         try:
-            session = Session(cluster.address, timeout, owned_cluster=cluster, weight=weight)
+            session = Session(cluster.address, timeout, owned_cluster=cluster, weight=weight, security=security)
         except BaseException:
             cluster.stop()
             raise
@@ -91,7 +103,7 @@ class ConnectedCluster(LocalCluster):
     def __enter__(self) -> "ConnectedCluster":
         self.start()
         try:
-            self.session = Session(self.address)
+            self.session = Session(self.address, security=self.security)
         except BaseException:
             self.stop()
             raise
@@ -110,7 +122,7 @@ class ConnectedCluster(LocalCluster):
 
 def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[Sequence[Island]] = None,
                   start_timeout: float = 120.0, policy: str = "fair", window: int = DEFAULT_WINDOW,
-                  unsafe_local_order: bool = False) -> ConnectedCluster:
+                  unsafe_local_order: bool = False, security: Optional[Security] = None) -> ConnectedCluster:
     """A context manager running a controller and workers on this machine.
 
     One island of ``hosts`` worker processes with ``devices_per_host`` CPU devices each, or
@@ -122,9 +134,12 @@ def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[S
     given to ``pw.connect``; ``"fifo"``), ``window`` bounds the runs in flight per island.
     ``unsafe_local_order`` is for demonstrating deadlock only: workers then order clients'
     runs themselves instead of following the island's gang order.
+
+    ``security`` (``pathways.wire.security.Security``): the token, TLS certificate and CA
+    that every process of the cluster, and the session, is given; none by default.
     """
     return ConnectedCluster(list(islands) if islands else [Island(hosts, devices_per_host)], start_timeout,
-                            policy, window, unsafe_local_order)
+                            policy, window, unsafe_local_order, security)
 
 
 def make_virtual_device_set() -> VirtualDeviceSet:

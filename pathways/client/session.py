@@ -26,6 +26,7 @@ from pathways.protocol import messages as m
 from pathways.protocol.errors import error_of, kind_of
 from pathways.protocol.handles import COUNTER_MASK, first_handle
 from pathways.wire import codec, rpc
+from pathways.wire.security import Security
 
 log = logging.getLogger("pathways.client")
 
@@ -38,16 +39,21 @@ _CONNECT_ADVICE = (f"{rpc.START_ADVICE}, or call pw.connect() with no address (a
 
 
 class Session:
-    def __init__(self, address: str, timeout: float = 30.0, owned_cluster: Any = None, weight: float = 1.0) -> None:
+    """``security``: the token and CA this session reaches the controller and the workers
+    with (none by default)."""
+
+    def __init__(self, address: str, timeout: float = 30.0, owned_cluster: Any = None, weight: float = 1.0,
+                 security: Security | None = None) -> None:
         if not 0 < weight <= 1e6:
             raise ValueError(f"a session's weight must be in (0, 1e6], got {weight!r}")
         self.address = address
         self.timeout = DEFAULT_TIMEOUT
+        self.security = security or Security()
         self.poisoned: dict[int, tuple[type[errors.PathwaysError], str]] = {}
         self._owned_cluster = owned_cluster
-        self._channel = rpc.open_channel(address)
+        self._channel = rpc.open_channel(address, self.security)
         try:
-            rpc.wait_ready(self._channel, address, timeout, advice=_CONNECT_ADVICE)
+            rpc.wait_ready(self._channel, address, timeout, advice=_CONNECT_ADVICE, security=self.security)
         except BaseException:
             self._channel.close()
             raise
@@ -57,6 +63,7 @@ class Session:
         self._pending: dict[Any, Future] = {}
         self._req_ids = itertools.count(1)
         self._dead: Optional[str] = None
+        self._dead_error: type[errors.ConnectError] = errors.ConnectError
         self._workers: dict[str, tuple[Any, Any, grpc.Channel]] = {}
         self._closed = threading.Event()
         self._welcome: Future = Future()
@@ -134,20 +141,25 @@ class Session:
                     self._flush_deletes()
 
     def _read(self) -> None:
+        refused = None
         try:
             for payload in self._responses:
                 for msg in m.SESSION_DOWN.decode_batch(payload):
                     self._on_message(msg)
             reason = "closed the session"
         except grpc.RpcError as e:
+            refused = rpc.refusal(e, self.address)
             reason = f"broke the connection ({e.code().name})" if hasattr(e, "code") else "broke the connection"
         except Exception as e:  # a malformed reply must not leave waiters hanging
             reason = f"sent a malformed reply ({e})"
-        self._dead = (f"the controller at {self.address} {reason}; restart it or call pw.connect() "
-                      "again (arrays held by this session are gone)")
+        if refused is not None:
+            self._dead, self._dead_error = str(refused), errors.AuthenticationError
+        else:
+            self._dead = (f"the controller at {self.address} {reason}; restart it or call pw.connect() "
+                          "again (arrays held by this session are gone)")
         for future in list(self._pending.values()):
             if not future.done():
-                future.set_exception(errors.ConnectError(self._dead))
+                future.set_exception(self._dead_error(self._dead))
         self._pending.clear()
 
     def _on_message(self, msg: m.Message | m.Malformed) -> None:
@@ -174,7 +186,7 @@ class Session:
 
     def _check_alive(self) -> None:
         if self._dead is not None:
-            raise errors.ConnectError(self._dead)
+            raise self._dead_error(self._dead)
         if self._closed.is_set():
             raise errors.ConnectError("this session is closed; call pw.connect() for a new one")
 
@@ -183,7 +195,7 @@ class Session:
     def _stubs(self, address: str) -> tuple[Any, Any, grpc.Channel]:
         stubs = self._workers.get(address)
         if stubs is None:
-            channel = rpc.open_channel(address)
+            channel = rpc.open_channel(address, self.security)
             stubs = (rpc.method(channel, rpc.WORKER_SERVICE, "Put", "stream_unary"),
                      rpc.method(channel, rpc.WORKER_SERVICE, "Fetch", "unary_stream"), channel)
             self._workers[address] = stubs
@@ -216,7 +228,9 @@ class Session:
                 error = type(error_of(reply.get("kind"), "", errors.RemoteError))
                 self.poisoned[handle] = (error, f"the worker at {address} refused the array: {reply['error']}")
         except grpc.RpcError as e:
-            self.poisoned[handle] = (errors.RemoteError, f"sending the array to {address} failed: {e.code().name}")
+            refused = rpc.refusal(e, address)
+            self.poisoned[handle] = ((errors.AuthenticationError, str(refused)) if refused is not None else
+                                     (errors.RemoteError, f"sending the array to {address} failed: {e.code().name}"))
 
     def fetch(self, addresses: tuple[str, ...], handle: int, wait: float, data: bool) -> Optional[np.ndarray | bool]:
         """Ask the workers holding ``handle`` for it: None while pending after ``wait``
@@ -262,6 +276,9 @@ class Session:
             codec.expect_end(replies)
             return result
         except grpc.RpcError as e:
+            refused = rpc.refusal(e, address)
+            if refused is not None:
+                raise refused from None
             # A worker that died mid-call breaks the call in several ways; the controller's
             # verdict on the handle, which follows within moments, is the better error.
             deadline = time.monotonic() + _VERDICT_SECONDS

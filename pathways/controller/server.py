@@ -8,6 +8,10 @@ workers fit. The core runs on the same loop, called directly by the stream that 
 a payload, so it stays single-threaded without a hop between threads. Each stream has a
 LoopOutbox and a writer task that sends whatever the core put there since its last write
 as one batch. A worker learns the TCP address from the gRPC method AttachAddress.
+
+Given a ``Security`` (wire/security.py) with a token, every gRPC call must carry it and a
+worker's connection must open with a hello frame carrying it, answered before any other
+frame is read; with a certificate, gRPC and the workers' connections use TLS.
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ from pathways.errors import DeadlineExceededError, WireError
 from pathways.protocol import messages as m
 from pathways.protocol.errors import kind_of
 from pathways.protocol.handles import MAX_SESSION
-from pathways.wire import frames, rpc
+from pathways.wire import codec, frames, rpc
+from pathways.wire import security as sec
 from pathways.wire.codec import MAX_MESSAGE_BYTES
+from pathways.wire.security import Security
 
 log = logging.getLogger("pathways.controller")
 
@@ -59,7 +65,8 @@ def _guarded(fn: Callable, *args: Any) -> None:
 
 
 class ControllerServer:
-    def __init__(self, policy: str, window: int) -> None:
+    def __init__(self, policy: str, window: int, security: Security | None = None) -> None:
+        self.security = security or Security()
         self.core = ControllerCore(policy, window)
         self._session_ids = itertools.count(1)
         self._streams: set[asyncio.Task] = set()
@@ -105,9 +112,15 @@ class ControllerServer:
             pass  # the peer stopped reading too: what was left for it is dropped
 
     async def listen(self, host: str) -> str:
-        """Accept workers' framed TCP streams on a free port of ``host``; returns the
-        address, ``tcp://HOST:PORT``, that AttachAddress tells workers."""
-        self._attach_server = await asyncio.start_server(self.attach, host, 0)
+        """Accept workers' framed TCP streams (over TLS if the controller has a certificate)
+        on a free port of ``host``; returns the address, ``tcp://HOST:PORT``, that
+        AttachAddress tells workers."""
+        sec.check_bind(host, self.security, "the controller's worker port")
+        if self.security.serves_tls:
+            self._attach_server = await asyncio.start_server(self.attach, host, 0, ssl=sec.server_context(self.security),
+                                                             ssl_handshake_timeout=sec.HELLO_SECONDS)
+        else:
+            self._attach_server = await asyncio.start_server(self.attach, host, 0)
         port = self._attach_server.sockets[0].getsockname()[1]
         self.worker_address = f"tcp://{host}:{port}"
         return self.worker_address
@@ -145,17 +158,41 @@ class ControllerServer:
     async def attach(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One worker's stream: a TCP connection of frames (wire/frames.py). A broken frame
         (over its limit, cut short, or not complete within FRAME_SECONDS) ends the stream
-        like a closed connection: the stream cannot be resynchronized."""
+        like a closed connection: the stream cannot be resynchronized. The first frame may
+        be a hello (security.py), which is answered; where a token is required it must be
+        one, carrying the token, within HELLO_SECONDS, else the connection is refused."""
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = writer.get_extra_info("peername")
         conn = WorkerConn(rpc.LoopOutbox())
+        greeted = self.security.token is None
 
         async def read() -> Optional[bytes]:
+            nonlocal greeted
             limit = MAX_MESSAGE_BYTES if conn.worker >= 0 else UNREGISTERED_FRAME_BYTES
             try:
-                return await frames.read_frame(reader, limit, FRAME_SECONDS)
+                while True:
+                    if greeted:
+                        payload = await frames.read_frame(reader, limit, FRAME_SECONDS)
+                    else:
+                        payload = await asyncio.wait_for(frames.read_frame(reader, limit, FRAME_SECONDS),
+                                                         sec.HELLO_SECONDS)
+                    if payload is None or conn.worker >= 0:
+                        return payload
+                    header = _header(payload)
+                    if greeted and not sec.is_hello(header):
+                        return payload  # no token required, and no hello: the stream's first batch
+                    refused = sec.refusal_of(self.security, header, "controller")
+                    writer.write(sec.answer(refused))  # a whole frame
+                    await writer.drain()
+                    if refused is not None:
+                        log.warning("refused a worker connection from %s: it did not give the cluster's token", peer)
+                        return None
+                    greeted = True
+            except asyncio.TimeoutError:
+                log.warning("closing the worker connection from %s: it did not greet within %g s", peer,
+                            sec.HELLO_SECONDS)
             except WireError as e:
                 log.warning("closing the worker connection from %s (worker %d): %s", peer, conn.worker, e)
             except OSError as e:  # reset by the peer
@@ -207,14 +244,24 @@ class ControllerServer:
                 "Status": rpc.unary_unary(self.status), "Measure": rpc.unary_unary(self.measure)}
 
 
-def main(policy: str = "fair", window: int = DEFAULT_WINDOW) -> None:
-    asyncio.run(_serve(policy, window))
+def _header(payload: bytes) -> object:
+    """A frame's payload decoded, or None where it is not msgpack: a greeting is a map, a
+    batch a list."""
+    try:
+        return codec.unpack(payload)
+    except WireError:
+        return None
 
 
-async def _serve(policy: str, window: int) -> None:
-    controller = ControllerServer(policy, window)
+def main(policy: str = "fair", window: int = DEFAULT_WINDOW, security: Security | None = None) -> None:
+    asyncio.run(_serve(policy, window, security))
+
+
+async def _serve(policy: str, window: int, security: Security | None) -> None:
+    controller = ControllerServer(policy, window, security)
     await controller.listen(rpc.LOOPBACK)  # before the gRPC server: AttachAddress must know it
-    server, port = await rpc.start_aio_server(rpc.CONTROLLER_SERVICE, controller.handlers())
+    server, port = await rpc.start_aio_server(rpc.CONTROLLER_SERVICE, controller.handlers(),
+                                              security=controller.security)
     print(f"{ADDRESS_LINE} grpc://{rpc.LOOPBACK}:{port}", flush=True)
     stopping: asyncio.Future = asyncio.get_running_loop().create_future()
 

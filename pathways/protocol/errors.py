@@ -14,6 +14,7 @@ KINDS: dict[str, type[errors.PathwaysError]] = {cls.__name__: cls for cls in (
     errors.PathwaysError, errors.PlacementError, errors.WireError, errors.SignatureError,
     errors.RemoteError, errors.WorkerLostError, errors.DeadlineExceededError, errors.ConnectError,
     errors.AccessDeniedError,
+    errors.AuthenticationError,
 )}
 # what a poisoned handle may report: a failed computation, a lost host, or a run refused
 # because it named another session's array

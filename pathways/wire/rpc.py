@@ -9,20 +9,27 @@ its lifetime, fine for a worker's few streams) and ``start_aio_server`` (grpc.ai
 running asyncio loop; a stream costs a coroutine, not a thread, as the controller needs
 for thousands of sessions and workers). ``Outbox`` feeds a synchronous stream from any
 thread; ``LoopOutbox`` feeds an aio stream (gRPC, or framed TCP: wire/frames.py) from its loop.
+
+Given a ``Security`` (security.py), servers check every call's token with an interceptor
+and serve TLS, and channels carry the token and verify the server's certificate.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import queue
+import socket
 import time
 from concurrent import futures
 from typing import Awaitable, Callable, Iterator, Optional
 
 import grpc
 
-from pathways.errors import ConnectError
+from pathways.errors import AuthenticationError, ConnectError
 from pathways.protocol.messages import MAX_MESSAGE_BYTES, Message, encode_batch
+from pathways.wire import security as sec
+from pathways.wire.security import Security
 
 CONTROLLER_SERVICE = "pathways.Controller"
 LOOPBACK = "127.0.0.1"  # where servers listen: every process of a cluster runs on this host today
@@ -54,11 +61,28 @@ def parse_address(address: str) -> str:
     return target
 
 
-def make_server(service: str, handlers: dict[str, grpc.RpcMethodHandler], max_workers: int = 16) -> tuple[grpc.Server, int]:
-    """A server on a free loopback port running ``handlers``; returns (server, port)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=_OPTIONS)
+def _role(service: str) -> str:
+    return "controller" if service == CONTROLLER_SERVICE else "worker"
+
+
+def _bind(server: grpc.Server | grpc.aio.Server, host: str, port: int, security: Security, what: str) -> int:
+    sec.check_bind(host, security, what)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if security.serves_tls:
+        return server.add_secure_port(address, server_credentials(security))
+    return server.add_insecure_port(address)
+
+
+def make_server(service: str, handlers: dict[str, grpc.RpcMethodHandler], host: str = LOOPBACK,
+                max_workers: int = 16, security: Security | None = None) -> tuple[grpc.Server, int]:
+    """A server on a free port of ``host`` running ``handlers``; returns (server, port).
+    With ``security``: its token required on every call, and TLS if it has a certificate."""
+    security = security or Security()
+    interceptors = [_TokenCheck(security, _role(service))] if security.token is not None else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=_OPTIONS,
+                         interceptors=interceptors)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
-    port = server.add_insecure_port(f"{LOOPBACK}:0")
+    port = _bind(server, host, 0, security, f"the {_role(service)}'s gRPC server")
     server.start()
     return server, port
 
@@ -68,14 +92,122 @@ def make_server(service: str, handlers: dict[str, grpc.RpcMethodHandler], max_wo
 MAX_CONCURRENT_STREAMS = 1 << 16
 
 
-async def start_aio_server(service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> tuple[grpc.aio.Server, int]:
-    """A grpc.aio server on a free loopback port, serving coroutine ``handlers`` on the
-    running loop; returns (server, port)."""
-    server = grpc.aio.server(options=[*_OPTIONS, ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS)])
+async def start_aio_server(service: str, handlers: dict[str, grpc.RpcMethodHandler], bind: str = "127.0.0.1:0",
+                           security: Security | None = None) -> tuple[grpc.aio.Server, int]:
+    """A grpc.aio server on ``bind`` (HOST:PORT; port 0 for a free one), serving coroutine
+    ``handlers`` on the running loop; returns (server, port). ``security`` as for make_server."""
+    security = security or Security()
+    host, _, port = bind.rpartition(":")
+    interceptors = [_AioTokenCheck(security, _role(service))] if security.token is not None else []
+    server = grpc.aio.server(options=[*_OPTIONS, ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS)],
+                             interceptors=interceptors)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
-    port = server.add_insecure_port(f"{LOOPBACK}:0")
+    port = _bind(server, host.strip("[]"), int(port), security, f"the {_role(service)}'s gRPC server")
     await server.start()
     return server, port
+
+
+# ---- the token and TLS ---------------------------------------------------------------------
+
+def server_credentials(security: Security) -> grpc.ServerCredentials:
+    sec.server_context(security)  # a bad certificate or key file fails here, named, not in gRPC's core
+    return grpc.ssl_server_credentials([(sec.read_pem(security.tls_key, "--tls-key"),
+                                         sec.read_pem(security.tls_cert, "--tls-cert"))])
+
+
+def channel_credentials(security: Security) -> grpc.ChannelCredentials:
+    sec.client_context(security)
+    return grpc.ssl_channel_credentials(root_certificates=sec.read_pem(security.tls_ca, "--tls-ca"))
+
+
+def _offered_token(metadata: object) -> object:
+    for key, value in metadata or ():
+        if key == sec.TOKEN_METADATA:
+            return value
+    return None
+
+
+def _refusing(handler: grpc.RpcMethodHandler, deny: Callable) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s kind that runs ``deny`` instead."""
+    kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+             (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    return kinds[(handler.request_streaming, handler.response_streaming)](deny)
+
+
+class _TokenCheck(grpc.ServerInterceptor):
+    """Refuses every call of a synchronous server that does not carry the token, before
+    its handler runs."""
+
+    def __init__(self, security: Security, role: str) -> None:
+        self._security = security
+        self._refusal = sec.refusal(role)
+
+    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        handler = continuation(details)
+        if handler is None or self._security.allows(_offered_token(details.invocation_metadata)):
+            return handler
+
+        def deny(request: object, context: grpc.ServicerContext) -> None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, self._refusal)
+
+        return _refusing(handler, deny)
+
+
+class _AioTokenCheck(grpc.aio.ServerInterceptor):
+    """The same for a grpc.aio server."""
+
+    def __init__(self, security: Security, role: str) -> None:
+        self._security = security
+        self._refusal = sec.refusal(role)
+
+    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or self._security.allows(_offered_token(details.invocation_metadata)):
+            return handler
+
+        async def deny(request: object, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, self._refusal)
+
+        return _refusing(handler, deny)
+
+
+class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",
+                                                             "wait_for_ready", "compression")),
+                   grpc.ClientCallDetails):
+    pass
+
+
+class _TokenMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                     grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds the token to every call of a channel."""
+
+    def __init__(self, token: str) -> None:
+        self._metadata = ((sec.TOKEN_METADATA, token),)
+
+    def _with_token(self, d: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        return _CallDetails(d.method, d.timeout, (*(d.metadata or ()), *self._metadata), d.credentials,
+                            d.wait_for_ready, d.compression)
+
+    def intercept_unary_unary(self, continuation: Callable, details: grpc.ClientCallDetails, request: object) -> object:
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation: Callable, details: grpc.ClientCallDetails, request: object) -> object:
+        return continuation(self._with_token(details), request)
+
+    def intercept_stream_unary(self, continuation: Callable, details: grpc.ClientCallDetails, requests: object) -> object:
+        return continuation(self._with_token(details), requests)
+
+    def intercept_stream_stream(self, continuation: Callable, details: grpc.ClientCallDetails, requests: object) -> object:
+        return continuation(self._with_token(details), requests)
+
+
+def refusal(error: grpc.RpcError, address: str) -> Optional[AuthenticationError]:
+    """The AuthenticationError for a call that ``address`` refused for its token; None for
+    any other failure."""
+    code = getattr(error, "code", None)
+    if code is None or code() != grpc.StatusCode.UNAUTHENTICATED:
+        return None
+    return AuthenticationError(f"{address} refused the call: {error.details()}")
 
 
 def stream_stream(fn: Callable) -> grpc.RpcMethodHandler:
@@ -94,8 +226,17 @@ def unary_unary(fn: Callable) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(fn)
 
 
-def open_channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(parse_address(address), options=_OPTIONS)
+def open_channel(address: str, security: Security | None = None) -> grpc.Channel:
+    """A channel to ``grpc://HOST:PORT``; with ``security``, over TLS if it has a CA, and
+    carrying its token on every call."""
+    target = parse_address(address)
+    if security is not None and security.uses_tls:
+        channel = grpc.secure_channel(target, channel_credentials(security), options=_OPTIONS)
+    else:
+        channel = grpc.insecure_channel(target, options=_OPTIONS)
+    if security is not None and security.token is not None:
+        channel = grpc.intercept_channel(channel, _TokenMetadata(security.token))
+    return channel
 
 
 def open_aio_channel(address: str) -> grpc.aio.Channel:
@@ -103,11 +244,12 @@ def open_aio_channel(address: str) -> grpc.aio.Channel:
 
 
 def wait_ready(channel: grpc.Channel, address: str, timeout: float, advice: str = START_ADVICE,
-               refused_grace: float = REFUSED_GRACE_SECONDS) -> None:
+               refused_grace: float = REFUSED_GRACE_SECONDS, security: Security | None = None) -> None:
     """Wait until ``channel`` is connected. A refused connection (or a host name that does not
     resolve) fails after ``refused_grace`` seconds, time for one reconnection attempt in case
-    the server is just starting, instead of waiting for the whole ``timeout``. ``advice``
-    ends the error message: what the caller can do about it."""
+    the server is just starting, instead of waiting for the whole ``timeout``; so does a
+    server that accepts the connection but not its TLS (or lack of it): ``security`` is the
+    channel's, to say which. ``advice`` ends the error message: what the caller can do about it."""
     states: queue.SimpleQueue = queue.SimpleQueue()
     watch = states.put
     channel.subscribe(watch, try_to_connect=True)
@@ -127,9 +269,29 @@ def wait_ready(channel: grpc.Channel, address: str, timeout: float, advice: str 
     finally:
         channel.unsubscribe(watch)
     if refused_at is not None:
+        if _accepts_connections(parse_address(address)):
+            raise ConnectError(_handshake_failure(address, security or Security()))
         raise ConnectError(f"could not connect to {address}: the connection was refused (or the host name does "
                            f"not resolve); {advice}")
     raise ConnectError(f"nothing answered at {address} within {timeout:.0f} s; {advice}")
+
+
+def _accepts_connections(target: str) -> bool:
+    host, _, port = target.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def _handshake_failure(address: str, security: Security) -> str:
+    if security.uses_tls:
+        return (f"{address} accepts connections but not over TLS verified with --tls-ca {security.tls_ca} "
+                f"(tls_ca=, {sec.TLS_CA_ENV}): either the server does not use TLS (then connect without a CA), "
+                "or its certificate is not signed by that CA or not issued for this host name or address")
+    return (f"{address} accepts connections but does not answer plain gRPC: if the server uses TLS, verify it with "
+            f"its CA certificate: pw.connect(address, tls_ca=PATH), --tls-ca PATH or {sec.TLS_CA_ENV}")
 
 
 def method(channel: grpc.Channel, service: str, name: str, kind: str) -> Callable:

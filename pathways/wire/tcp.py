@@ -18,6 +18,11 @@ MAX_PROBE_BYTES) is the one frame that is answered: the listener reads the bytes
 replies on the same connection with a frame of header ``{"t": "probe", "bytes": n}`` and no
 payload. ``probe`` uses it to measure a link's latency and bandwidth on its own connection,
 so that it never shares a socket with array traffic.
+
+A connection opened with a ``Security`` (``connect``) first sends a hello frame carrying the
+cluster's token and waits for its answer (security.py); a listener that requires the token
+answers a connection's first frame with a refusal and closes it unless that frame is a
+hello with the token. With ``data_plane_tls`` both ends speak TLS.
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ import numpy as np
 
 from pathways.errors import WireError
 from pathways.wire import codec
+from pathways.wire import security as sec
 from pathways.wire.frames import LENGTH, frame, recv_exactly
+from pathways.wire.security import Security
 
 log = logging.getLogger("pathways.wire")
 
@@ -88,8 +95,14 @@ class Budget:
             self._changed.notify_all()
 
 
+class _Refused(WireError):
+    """A connection that did not greet with the token: answered with a refusal, then closed."""
+
+
 class Listener:
-    """Accepts peers' connections on a loopback port and hands every frame to ``receive``.
+    """Accepts peers' connections on a port of ``host`` (loopback unless told otherwise)
+    and hands every frame to ``receive``. ``security``: the token a connection's first frame
+    must carry (security.py), and TLS if its ``data_plane_tls`` is set.
 
     Memory is bounded: a frame (its header and its pieces) may hold at most
     ``connection_bytes`` (by default a quarter of this host's memory), and all frames being
@@ -98,8 +111,11 @@ class Listener:
     lets a burst of legitimate transfers through one after another, and refusing after it
     keeps a peer that never finishes from stalling every other one."""
 
-    def __init__(self, receive: Receive, timeout: float, host: str = "127.0.0.1",
+    def __init__(self, receive: Receive, timeout: float, host: str = "127.0.0.1", security: Security | None = None,
                  budget_bytes: int | None = None, connection_bytes: int | None = None) -> None:
+        self._security = security or Security()
+        sec.check_bind(host, self._security, "the worker's data listener")
+        self._tls = sec.server_context(self._security) if self._security.data_plane_tls else None
         self._receive = receive
         self._timeout = timeout
         memory = codec.host_memory_bytes()
@@ -128,11 +144,29 @@ class Listener:
                 conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
+        if self._tls is not None:
+            conn.settimeout(self._timeout)  # the handshake, too, must finish in time
+            try:
+                conn = self._tls.wrap_socket(conn, server_side=True)
+            except OSError as e:  # ssl.SSLError is one
+                log.warning("closing a data connection whose TLS handshake failed (the peer must use "
+                            "--data-plane-tls too, and trust this worker's certificate): %s", e)
+                conn.close()
+                return
         with conn:
+            greeted = self._security.token is None
             while True:
                 try:
-                    if not self._frame(conn):
+                    greeted = self._frame(conn, greeted)
+                    if greeted is None:
                         return
+                except _Refused as e:
+                    log.warning("refused a data connection that did not give the cluster's token")
+                    try:
+                        conn.sendall(sec.answer(str(e)))
+                    except OSError:
+                        pass
+                    return
                 except WireError as e:
                     # the text, not the exception: a handler that keeps records would keep its
                     # traceback, and with it the frame's buffers
@@ -144,13 +178,18 @@ class Listener:
                     log.exception("closing a data connection after an unexpected error")
                     return
 
-    def _frame(self, conn: socket.socket) -> bool:
+    def _frame(self, conn: socket.socket, greeted: bool) -> bool | None:
+        """Read and handle one frame; None once the connection ended, else whether it has
+        been greeted (with the token, where one is required): only a hello may come before."""
         length = bytearray(LENGTH.size)
-        conn.settimeout(None)  # between frames a peer may stay quiet for as long as it likes
+        # Between frames a peer may stay quiet for as long as it likes, once greeted.
+        conn.settimeout(None if greeted else sec.HELLO_SECONDS)
         if not recv_exactly(conn, memoryview(length)):
-            return False
+            return None
         conn.settimeout(self._timeout)  # within a frame it may not
         (n,) = LENGTH.unpack(length)
+        if not greeted and n > sec.HELLO_BYTES:
+            raise _Refused(sec.refusal("worker"))
         if n > _MAX_HEADER_BYTES:
             raise WireError(f"a data frame header of {n} bytes exceeds {_MAX_HEADER_BYTES}")
         held = 0
@@ -159,9 +198,15 @@ class Listener:
             deadline = time.monotonic() + self._timeout + n / _MIN_FRAME_RATE
             raw = bytearray(n)
             if not recv_exactly(conn, memoryview(raw), deadline):
-                return False
+                return None
             header = codec.unpack(bytes(raw))
             del raw
+            if sec.is_hello(header) or not greeted:
+                refused = sec.refusal_of(self._security, header, "worker")
+                if refused is not None:
+                    raise _Refused(refused)
+                conn.sendall(sec.answer(None))
+                return True
             if not isinstance(header, dict):
                 raise WireError("a data frame header must be a map")
             if header.get("t") == "probe":
@@ -177,7 +222,7 @@ class Listener:
                 for (index, shape), size in zip(specs, sizes):
                     array = codec.aligned_empty(shape, dtype)
                     if size and not recv_exactly(conn, memoryview(array.reshape(-1).view(np.uint8)), deadline):
-                        return False
+                        return None
                     pieces.append((index, array))
             error = self._receive(header, pieces)
             if error:
@@ -198,13 +243,13 @@ class Listener:
                             f"than {self._timeout} s; retry when they are done, or send smaller pieces")
         return nbytes
 
-    def _answer_probe(self, conn: socket.socket, n: int, deadline: float) -> bool:
+    def _answer_probe(self, conn: socket.socket, n: int, deadline: float) -> bool | None:
         scratch = memoryview(bytearray(min(n, _PROBE_CHUNK)))
         left = n
         while left:
             step = min(left, len(scratch))
             if not recv_exactly(conn, scratch[:step], deadline):
-                return False
+                return None
             left -= step
         conn.sendall(_probe_frame(n))
         return True
@@ -226,13 +271,26 @@ def _probe_bytes(header: dict) -> int:
     return n
 
 
-def connect(address: str, timeout: float) -> socket.socket:
+def connect(address: str, timeout: float, security: Security | None = None, tls: bool | None = None) -> socket.socket:
     """A connection to ``tcp://HOST:PORT``, opened within ``timeout`` seconds (OSError if
     not; ValueError for a port that is not a number), with Nagle's delay off: frames are
-    sent whole, and a small one must not wait for the acknowledgement of the last."""
+    sent whole, and a small one must not wait for the acknowledgement of the last.
+
+    With ``security``: over TLS if ``tls`` (by default its ``data_plane_tls``), then greeted
+    with its token (security.greet): AuthenticationError if the peer refuses it,
+    ConnectError if the handshake or the greeting fails."""
     host, _, port = address.removeprefix("tcp://").rpartition(":")
+    host = host.strip("[]")
     sock = socket.create_connection((host, int(port)), timeout=timeout)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if security is not None:
+            if security.data_plane_tls if tls is None else tls:
+                sock = sec.wrap_client(sock, security, host, address)
+            sec.greet(sock, security, address, timeout)
+    except BaseException:
+        sock.close()
+        raise
     return sock
 
 
@@ -259,15 +317,18 @@ def _send_parts(sock: socket.socket, head: bytes, arrays: list[np.ndarray]) -> N
 
 
 class Links:
-    """Connections to peers' listeners, opened on first use and reopened after a failure."""
+    """Connections to peers' listeners, opened on first use (with ``security``: see
+    ``connect``) and reopened after a failure."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, security: Security | None = None) -> None:
         self._timeout = timeout
+        self._security = security
         self._links: dict[str, tuple[socket.socket, threading.Lock]] = {}
         self._lock = threading.Lock()
 
     def send(self, address: str, header: dict, pieces: list) -> None:
-        """Send one frame; raises OSError if the peer cannot be reached."""
+        """Send one frame; raises OSError if the peer cannot be reached, ConnectError
+        (AuthenticationError) if it refuses the connection."""
         head, arrays = _frame_parts(header, pieces)  # copies, if any, outside the link's lock
         sock, lock = self._link(address)
         with lock:
@@ -281,7 +342,7 @@ class Links:
         with self._lock:
             link = self._links.get(address)
             if link is None:
-                sock = connect(address, self._timeout)
+                sock = connect(address, self._timeout, self._security)
                 link = self._links[address] = (sock, threading.Lock())
             return link
 
@@ -303,16 +364,16 @@ def _probe_frame(nbytes: int) -> bytes:
 
 
 def probe(address: str, timeout: float, payload_bytes: int = 1 << 20, pings: int = 5,
-          rounds: int = 2) -> tuple[float, float]:
+          rounds: int = 2, security: Security | None = None) -> tuple[float, float]:
     """Measure the link to the listener at ``address``: (latency in seconds, half the
     median round trip of ``pings`` empty probes; bandwidth in bytes per second, of the
     fastest of ``rounds`` transfers of ``payload_bytes``). Everything, connecting included,
     finishes within ``timeout`` seconds or raises OSError; a reply that is not a probe's
-    raises WireError."""
+    raises WireError; a refused greeting ConnectError (``security``: see ``connect``)."""
     if not 0 < payload_bytes <= MAX_PROBE_BYTES or pings < 1 or rounds < 1:
         raise ValueError(f"a probe needs 0 < payload_bytes <= {MAX_PROBE_BYTES}, pings >= 1 and rounds >= 1")
     deadline = time.monotonic() + timeout
-    with connect(address, timeout) as sock:
+    with connect(address, timeout, security) as sock:
 
         def exchange(nbytes: int, payload: bytes) -> float:
             left = deadline - time.monotonic()

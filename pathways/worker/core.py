@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 import jax
 import numpy as np
 
-from pathways.errors import AccessDeniedError, WireError
+from pathways.errors import AccessDeniedError, ConnectError, WireError
 from pathways.protocol.check import MAX_TEXT, Int, Str
 from pathways.protocol.errors import POISON_KINDS, REMOTE
 from pathways.protocol.handles import MAX_HANDLE, session_of
@@ -40,6 +40,7 @@ from pathways.protocol.messages import (CREDENTIAL, Compile, Define, Delete, Don
                                         SessionOpen, Shutdown, Step, WorkerWelcome, WORKER_DOWN)
 from pathways.protocol.ops import LAYOUT, MAX_SENDERS
 from pathways.wire import codec, tcp
+from pathways.wire.security import Security
 from pathways.worker.executables import Executables
 from pathways.worker.executor import Executor
 from pathways.worker.measure import Measurer
@@ -72,7 +73,8 @@ class WorkerCore:
     outbox's ``put``); ``on_shutdown`` is called when the controller says to stop."""
 
     def __init__(self, up: Callable[[Message], None], wait_timeout: float, sync_collectives: bool = False,
-                 unsafe_local_order: bool = False, on_shutdown: Callable[[], None] = lambda: None) -> None:
+                 unsafe_local_order: bool = False, on_shutdown: Callable[[], None] = lambda: None,
+                 security: Security | None = None) -> None:
         if not (math.isfinite(wait_timeout) and wait_timeout > 0):
             raise ValueError(f"wait_timeout must be a finite number of seconds above 0, got {wait_timeout!r}")
         self.up = up
@@ -81,8 +83,8 @@ class WorkerCore:
         self.sessions = Sessions()
         self.executables = Executables()
         self.peers: dict[int, str] = {}
-        self.links = tcp.Links(wait_timeout)
-        self.measurer = Measurer(jax, up)
+        self.links = tcp.Links(wait_timeout, security)  # the data plane, greeted with the cluster's token
+        self.measurer = Measurer(jax, up, security=security)
         self.executor = Executor(self.store, self.executables, self, wait_timeout, sync_collectives,
                                  unsafe_local_order)
         self._on_shutdown = on_shutdown
@@ -230,7 +232,7 @@ class WorkerCore:
                 continue
             try:
                 self.links.send(self.peers[receiver], header, pieces)
-            except (OSError, KeyError) as e:
+            except (OSError, KeyError, ConnectError) as e:
                 log.error("sending array %#x to worker %s failed: %s", handle, receiver, e)
 
     # ---- data plane: receiving ----------------------------------------------------------

@@ -22,9 +22,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from pathways.errors import WireError
+from pathways.errors import ConnectError, WireError
 from pathways.protocol.messages import Measured
 from pathways.wire import tcp
+from pathways.wire.security import Security
 
 log = logging.getLogger("pathways.worker")
 
@@ -70,8 +71,10 @@ class Measurer:
     """Runs measurement jobs on one background thread and hands each job's ``measured``
     message to ``report``."""
 
-    def __init__(self, jax: Any, report: Callable[[Measured], None], probe_timeout: float = PROBE_TIMEOUT) -> None:
+    def __init__(self, jax: Any, report: Callable[[Measured], None], probe_timeout: float = PROBE_TIMEOUT,
+                 security: Security | None = None) -> None:
         self._jax = jax
+        self._security = security
         self._report = report
         self._probe_timeout = probe_timeout
         self._flops: float | None = None
@@ -98,8 +101,8 @@ class Measurer:
             links = []
             for peer, address in sorted(peers.items()):
                 try:
-                    latency, bandwidth = tcp.probe(address, self._probe_timeout, PROBE_BYTES)
-                except (OSError, ValueError, WireError) as e:  # ValueError: a malformed address
+                    latency, bandwidth = tcp.probe(address, self._probe_timeout, PROBE_BYTES, security=self._security)
+                except (OSError, ValueError, WireError, ConnectError) as e:  # ValueError: a malformed address
                     log.info("the link to worker %d at %s stays unmeasured: %s", peer, address, e)
                     links.append((peer, None, None))
                 else:

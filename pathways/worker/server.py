@@ -9,11 +9,17 @@ its FLOP/s and its links to the other workers (measure.py). The hosts of an isla
 several hosts form one ``jax.distributed`` group (CPU collectives over gloo). When the
 controller's stream ends, or the controller says the island is lost, the worker exits: a
 worker without a controller or island has no work.
+
+Given a ``Security`` (wire/security.py), the worker gives the cluster's token on every
+connection it opens (gRPC calls, the stream to the controller, the data plane) and requires
+it on every one it serves; with TLS, its gRPC server and data listener present its
+certificate and it verifies the controller's and its peers' with the CA.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -29,6 +35,7 @@ import trio
 from pathways.errors import AccessDeniedError, ConnectError, WireError
 from pathways.protocol.messages import FETCH, MAX_MESSAGE_BYTES, Register
 from pathways.wire import codec, frames, rpc, tcp
+from pathways.wire.security import Security, SecurityConfigError
 from pathways.worker.core import WorkerCore
 from pathways.worker.measure import host_memory_bytes
 
@@ -84,9 +91,15 @@ class IslandMembership:
 
 
 def main(controller: str, devices: int, island: int, wait_timeout: float, connect_timeout: float,
-         membership: IslandMembership | None = None, unsafe_local_order: bool = False) -> None:
+         membership: IslandMembership | None = None, unsafe_local_order: bool = False,
+         security: Security | None = None) -> None:
     """Configure JAX for ``devices`` CPU devices (joining the island's jax.distributed group
     when it has several hosts), then serve until the controller goes away."""
+    security = security or Security()
+    if security.serves_tls != security.uses_tls:
+        raise SecurityConfigError("a worker uses TLS with --tls-cert and --tls-key (clients and peers reach its "
+                                  "servers over TLS) and --tls-ca (it verifies the controller's and its peers' "
+                                  "certificates): give all three, or none")
     import jax
 
     if not (math.isfinite(wait_timeout) and wait_timeout > 0 and math.isfinite(connect_timeout)
@@ -108,7 +121,8 @@ def main(controller: str, devices: int, island: int, wait_timeout: float, connec
     # multi-device computations dispatched back to back (even ones local to the process);
     # waiting for each before the next is safe (measured: DESIGN.md, BENCHMARKS.md).
     sync = membership is not None and devices > 1
-    trio.run(_serve, controller, devices, island, rank, wait_timeout, connect_timeout, sync, unsafe_local_order)
+    trio.run(_serve, controller, devices, island, rank, wait_timeout, connect_timeout, sync, unsafe_local_order,
+             security)
     if membership is not None:
         # jax.distributed's exit handler waits at a barrier for every host of the island,
         # which never comes when one of them is lost.
@@ -116,13 +130,19 @@ def main(controller: str, devices: int, island: int, wait_timeout: float, connec
         os._exit(0)
 
 
-def _attach(channel: grpc.Channel, controller: str, timeout: float) -> socket.socket:
-    """Ask the controller at ``controller`` where workers attach, and connect there, within
-    ``timeout`` seconds each."""
+def _attach(channel: grpc.Channel, controller: str, timeout: float, security: Security) -> socket.socket:
+    """Ask the controller at ``controller`` where workers attach, and connect there (over
+    TLS when the controller uses it, greeted with the token), within ``timeout`` seconds
+    each."""
     ask = rpc.method(channel, rpc.CONTROLLER_SERVICE, "AttachAddress", "unary_unary")
     try:
-        sock = tcp.connect(codec.unpack(ask(b"", timeout=timeout))["address"], timeout)
-    except (grpc.RpcError, OSError, WireError, KeyError, TypeError, ValueError) as e:
+        sock = tcp.connect(codec.unpack(ask(b"", timeout=timeout))["address"], timeout, security,
+                           tls=security.uses_tls)
+    except grpc.RpcError as e:
+        raise rpc.refusal(e, controller) or ConnectError(
+            f"could not ask the controller at {controller} where to attach ({e.code().name}); check that it is "
+            "running (`python -m pathways status` asks it)") from None
+    except (OSError, WireError, KeyError, TypeError, ValueError) as e:
         raise ConnectError(f"could not attach to the controller at {controller} ({type(e).__name__}: {e}); "
                            "check that it is running and that it is a pathways controller of this version "
                            "(`python -m pathways status` asks it)") from None
@@ -131,7 +151,8 @@ def _attach(channel: grpc.Channel, controller: str, timeout: float) -> socket.so
 
 
 async def _serve(controller: str, devices: int, island: int, rank: int, wait_timeout: float,
-                 connect_timeout: float, sync_collectives: bool, unsafe_local_order: bool) -> None:
+                 connect_timeout: float, sync_collectives: bool, unsafe_local_order: bool,
+                 security: Security) -> None:
     ended = trio.Event()
     token = trio.lowlevel.current_trio_token()
 
@@ -142,14 +163,15 @@ async def _serve(controller: str, devices: int, island: int, rank: int, wait_tim
             pass
 
     outbox = rpc.Outbox()
-    core = WorkerCore(outbox.put, wait_timeout, sync_collectives, unsafe_local_order, end)
-    listener = tcp.Listener(core.receive_frame, wait_timeout)
-    server, port = rpc.make_server(rpc.WORKER_SERVICE, WorkerService(core).handlers())
-    channel = rpc.open_channel(controller)
+    core = WorkerCore(outbox.put, wait_timeout, sync_collectives, unsafe_local_order, end, security)
+    listener = tcp.Listener(core.receive_frame, wait_timeout, security=security)
+    server, port = rpc.make_server(rpc.WORKER_SERVICE, WorkerService(core).handlers(), security=security)
+    channel = rpc.open_channel(controller, security)
     sock: socket.socket | None = None
     try:
-        await trio.to_thread.run_sync(rpc.wait_ready, channel, controller, connect_timeout)
-        sock = await trio.to_thread.run_sync(_attach, channel, controller, connect_timeout)
+        await trio.to_thread.run_sync(functools.partial(rpc.wait_ready, channel, controller, connect_timeout,
+                                                        security=security))
+        sock = await trio.to_thread.run_sync(_attach, channel, controller, connect_timeout, security)
         outbox.put(Register(f"grpc://{rpc.LOOPBACK}:{port}", listener.address, "cpu", devices, island, rank,
                             os.getpid(), socket.gethostname(), host_memory_bytes()))
         reader = frames.FrameReader(sock)

@@ -1,0 +1,312 @@
+"""Who may talk to a cluster: a shared token on every connection, and TLS.
+
+Every process of a cluster (controller, workers, clients) is given the same token, by
+``--token-file PATH`` or the environment variable PATHWAYS_TOKEN (a client also by
+``pw.connect(address, token=...)``); nobody hands it on. gRPC calls carry it as metadata
+(``pathways-token``), checked by a server interceptor (rpc.py). Framed TCP connections (a
+worker's stream to the controller, the data plane between workers) open with a hello frame
+carrying it, answered before any other frame is read (``greet``, ``refusal_of``). A missing
+and a wrong token get the same refusal, so that nothing is learned from it. A server asked
+to listen beyond loopback without a token refuses to start (``check_bind``).
+
+TLS: a server given ``--tls-cert`` and ``--tls-key`` serves gRPC and the workers' stream to
+the controller over TLS; clients and workers verify it with ``--tls-ca``. With
+``--data-plane-tls`` the array bytes between workers go over TLS too (it costs bandwidth:
+``python -m pathways bench transfer`` measures how much).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hmac
+import ipaddress
+import os
+import socket
+import ssl
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from pathways.errors import AuthenticationError, ConnectError, WireError
+from pathways.wire import codec
+from pathways.wire.frames import LENGTH, frame, recv_exactly
+
+TOKEN_ENV = "PATHWAYS_TOKEN"
+TLS_CA_ENV = "PATHWAYS_TLS_CA"
+TOKEN_METADATA = "pathways-token"  # the gRPC metadata key that carries the token
+MAX_TOKEN_CHARS = 1024  # gRPC metadata must stay small; 32 random bytes need 43 characters
+# The most bytes a connection may send before it is greeted: a hello frame's header.
+HELLO_BYTES = MAX_TOKEN_CHARS + 64
+_ANSWER_BYTES = 64 * 1024  # a greeting's answer: a short refusal at most
+# How long a connection to a server that requires a token may take to greet it, and how long
+# a greeting waits for its answer.
+HELLO_SECONDS = 10.0
+_MAKE_TOKEN = "python -c 'import secrets; print(secrets.token_urlsafe(32))' > token"
+MISMATCH_ADVICE = ("if one side uses TLS and the other does not, give both the same settings "
+                   "(--tls-cert/--tls-key on servers, --tls-ca or PATHWAYS_TLS_CA on every process that connects)")
+
+
+class SecurityConfigError(ValueError):
+    """Token or TLS settings that cannot work; the message names the flag to fix."""
+
+
+@dataclass(frozen=True)
+class Security:
+    """One process's token and TLS settings. ``tls_cert``/``tls_key``: the PEM certificate
+    and key its servers present; ``tls_ca``: the PEM CA certificate it verifies servers
+    with; ``data_plane_tls``: worker-to-worker data over TLS too."""
+
+    token: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    data_plane_tls: bool = False
+
+    def __post_init__(self) -> None:
+        if self.token is not None:
+            _check_token(self.token, "the token")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise SecurityConfigError("--tls-cert and --tls-key go together: a server presents a certificate "
+                                      "and proves it with its private key; give both or neither")
+        if self.data_plane_tls and not (self.tls_cert and self.tls_ca):
+            raise SecurityConfigError("--data-plane-tls needs --tls-cert and --tls-key (for this worker's data "
+                                      "listener) and --tls-ca (to verify its peers' listeners)")
+
+    @property
+    def serves_tls(self) -> bool:
+        """Whether this process's servers use TLS."""
+        return self.tls_cert is not None
+
+    @property
+    def uses_tls(self) -> bool:
+        """Whether this process connects to servers over TLS."""
+        return self.tls_ca is not None
+
+    def allows(self, offered: object) -> bool:
+        """Whether ``offered`` (what a peer sent as its token) admits it: always when no
+        token is required; compared in constant time."""
+        if self.token is None:
+            return True
+        return isinstance(offered, str) and hmac.compare_digest(offered.encode("utf-8", "replace"),
+                                                                self.token.encode())
+
+    def checked(self) -> "Security":
+        """Self, once its certificate files load; SecurityConfigError naming the file if not."""
+        if self.serves_tls:
+            server_context(self)
+        if self.uses_tls:
+            client_context(self)
+        return self
+
+
+def _check_token(token: object, what: str) -> None:
+    if not (isinstance(token, str) and 0 < len(token) <= MAX_TOKEN_CHARS and token.isascii()
+            and token.isprintable() and not any(c.isspace() for c in token)):
+        raise SecurityConfigError(f"{what} must be 1 to {MAX_TOKEN_CHARS} printable ASCII characters without "
+                                  f"spaces; make one with `{_MAKE_TOKEN}`")
+
+
+def read_token_file(path: str) -> str:
+    """The token in the file at ``path`` (surrounding whitespace dropped)."""
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SecurityConfigError(f"--token-file {path}: cannot read the token ({e}); make one with "
+                                  f"`{_MAKE_TOKEN}`") from None
+    _check_token(token, f"the token in --token-file {path}")
+    return token
+
+
+def env_token() -> str | None:
+    """PATHWAYS_TOKEN, or None where it is unset or empty."""
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if not token:
+        return None
+    _check_token(token, TOKEN_ENV)
+    return token
+
+
+def for_client(token: str | None = None, tls_ca: str | None = None) -> Security:
+    """A client's settings: ``token`` and ``tls_ca`` where given, else PATHWAYS_TOKEN and
+    PATHWAYS_TLS_CA."""
+    if token is not None:
+        _check_token(token, "token=")
+    return Security(token=token if token is not None else env_token(),
+                    tls_ca=tls_ca or os.environ.get(TLS_CA_ENV) or None).checked()
+
+
+def add_flags(parser: argparse.ArgumentParser, server: bool) -> None:
+    """The token and TLS flags: every process takes ``--token-file`` and ``--tls-ca``;
+    those that serve (``server``) also their certificate and ``--data-plane-tls``."""
+    parser.add_argument("--token-file", metavar="PATH",
+                        help=f"file holding the cluster's shared token (default: ${TOKEN_ENV}); required to "
+                             "listen beyond loopback")
+    if server:
+        parser.add_argument("--tls-cert", metavar="PATH", help="PEM certificate this process's servers present "
+                                                               "(TLS; with --tls-key)")
+        parser.add_argument("--tls-key", metavar="PATH", help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-ca", metavar="PATH",
+                        help=f"PEM CA certificate that servers' certificates are verified with (default: ${TLS_CA_ENV})")
+    if server:
+        parser.add_argument("--data-plane-tls", action="store_true",
+                            help="worker-to-worker array bytes over TLS too (costs bandwidth: `bench transfer`)")
+
+
+def from_args(args: argparse.Namespace) -> Security:
+    """The settings given by the flags of ``add_flags`` (and the environment)."""
+    token = read_token_file(args.token_file) if args.token_file else env_token()
+    return Security(token, getattr(args, "tls_cert", None), getattr(args, "tls_key", None),
+                    args.tls_ca or os.environ.get(TLS_CA_ENV) or None,
+                    getattr(args, "data_plane_tls", False)).checked()
+
+
+def child_flags(security: Security) -> list[str]:
+    """Command-line flags giving a child process ``security``'s TLS settings. The token goes
+    by the environment (``child_env``): any user of the host can read a command line."""
+    flags = ["--tls-cert", security.tls_cert, "--tls-key", security.tls_key] if security.serves_tls else []
+    flags += ["--tls-ca", security.tls_ca] if security.uses_tls else []
+    return flags + (["--data-plane-tls"] if security.data_plane_tls else [])
+
+
+def child_env(security: Security, env: dict[str, str]) -> dict[str, str]:
+    """``env`` with PATHWAYS_TOKEN and PATHWAYS_TLS_CA set to ``security``'s (and unset where
+    it has none): a child of a local cluster takes exactly its cluster's settings."""
+    env = {k: v for k, v in env.items() if k not in (TOKEN_ENV, TLS_CA_ENV)}
+    if security.token is not None:
+        env[TOKEN_ENV] = security.token
+    return env
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def check_bind(host: str, security: Optional[Security], what: str) -> None:
+    """Refuse to listen on ``host`` beyond loopback without a token."""
+    if is_loopback(host) or (security is not None and security.token is not None):
+        return
+    raise SecurityConfigError(
+        f"{what} would listen on {host}, beyond loopback, without a token: anyone who reaches it could run "
+        f"code on this cluster and read its data. Give every process the same shared token with --token-file "
+        f"PATH or {TOKEN_ENV} (make one with `{_MAKE_TOKEN}`), or listen on 127.0.0.1")
+
+
+def refusal(server: str) -> str:
+    """What a server that requires the token answers a peer without it (or with another)."""
+    return (f"this {server} requires the cluster's shared token, the one given to the controller with "
+            f"--token-file PATH or {TOKEN_ENV}; give this process the same one: --token-file PATH or "
+            f"{TOKEN_ENV}, or pw.connect(address, token=...)")
+
+
+# ---- TLS ----------------------------------------------------------------------------------
+
+def read_pem(path: str, flag: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise SecurityConfigError(f"{flag} {path}: cannot read it ({e})") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _server_context(cert: str, key: str) -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    for path, flag in ((cert, "--tls-cert"), (key, "--tls-key")):
+        read_pem(path, flag)  # a missing file named as such, before the SSL library's less clear error
+    try:
+        context.load_cert_chain(cert, key)
+    except (ssl.SSLError, OSError) as e:
+        raise SecurityConfigError(f"--tls-cert {cert} and --tls-key {key} are not a PEM certificate and its "
+                                  f"private key ({e})") from None
+    return context
+
+
+@functools.lru_cache(maxsize=8)
+def _client_context(ca: str) -> ssl.SSLContext:
+    read_pem(ca, "--tls-ca")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies the certificate and the host name
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_verify_locations(cafile=ca)
+    except (ssl.SSLError, OSError) as e:
+        raise SecurityConfigError(f"--tls-ca {ca} (tls_ca=, {TLS_CA_ENV}) is not a PEM CA certificate ({e})") from None
+    return context
+
+
+def server_context(security: Security) -> ssl.SSLContext:
+    """The TLS context of ``security``'s servers (it needs tls_cert and tls_key)."""
+    return _server_context(security.tls_cert, security.tls_key)
+
+
+def client_context(security: Security) -> ssl.SSLContext:
+    """The TLS context that verifies servers against ``security``'s CA (it needs tls_ca)."""
+    return _client_context(security.tls_ca)
+
+
+def wrap_client(sock: socket.socket, security: Security, host: str, address: str) -> socket.socket:
+    """``sock`` over TLS, the server at ``address`` (``host``) verified; ConnectError if the
+    handshake fails (within the socket's timeout)."""
+    try:
+        return client_context(security).wrap_socket(sock, server_hostname=host)
+    except (ssl.SSLError, ssl.CertificateError, OSError) as e:
+        sock.close()
+        raise ConnectError(f"the TLS handshake with {address} failed ({e}): its certificate must be signed by the "
+                           f"CA in --tls-ca {security.tls_ca} and issued for {host}; {MISMATCH_ADVICE}") from None
+
+
+# ---- the greeting of framed TCP connections -------------------------------------------------
+
+def hello(security: Security) -> bytes:
+    """The frame that opens a connection: its header carries the token ("" for none)."""
+    return frame(codec.pack({"t": "hello", "token": security.token or ""}))
+
+
+def is_hello(header: object) -> bool:
+    return isinstance(header, dict) and header.get("t") == "hello"
+
+
+def refusal_of(security: Security, header: object, server: str) -> str | None:
+    """None if ``header`` (a connection's first frame, decoded) is a hello that admits it,
+    else the refusal to send back (the same whatever was wrong)."""
+    if is_hello(header) and security.allows(header.get("token")):
+        return None
+    return refusal(server)
+
+
+def answer(refused: str | None) -> bytes:
+    """The frame answering a hello: admitted, or refused with ``refused``."""
+    return frame(codec.pack({"t": "hello"} if refused is None else {"t": "refused", "error": refused}))
+
+
+def greet(sock: socket.socket, security: Security, address: str, timeout: float) -> None:
+    """Send the hello on a new connection to ``address`` and wait (up to ``timeout``
+    seconds) for its answer: AuthenticationError if refused, ConnectError if the server
+    closes the connection or answers something else."""
+    deadline = time.monotonic() + timeout
+    sock.settimeout(timeout)
+    try:
+        sock.sendall(hello(security))
+        head = bytearray(LENGTH.size)
+        if recv_exactly(sock, memoryview(head), deadline):
+            (n,) = LENGTH.unpack(head)
+            body = bytearray(min(n, _ANSWER_BYTES))
+            if n <= _ANSWER_BYTES and recv_exactly(sock, memoryview(body), deadline):
+                reply = codec.unpack(bytes(body))
+                if reply == {"t": "hello"}:
+                    return
+                if isinstance(reply, dict) and reply.get("t") == "refused":
+                    error = reply.get("error")
+                    raise AuthenticationError(f"{address} refused this process: "
+                                              f"{error[:2000] if isinstance(error, str) else codec.brief(error)}")
+    except (OSError, WireError) as e:
+        raise ConnectError(f"{address} did not answer this process's greeting ({type(e).__name__}: {e}); "
+                           f"{MISMATCH_ADVICE}") from None
+    raise ConnectError(f"{address} closed the connection or answered its greeting with something else: is it a "
+                       f"pathways server of this version? {MISMATCH_ADVICE}")
