@@ -10,9 +10,9 @@ from pathways.wire import codec, frames, rpc, tcp
 TIMEOUT = 10.0
 
 
-def attach_address(controller: str, timeout: float = TIMEOUT) -> str:
+def attach_address(controller: str, timeout: float = TIMEOUT, security=None) -> str:
     """The ``tcp://HOST:PORT`` where the controller at ``controller`` (grpc://...) takes workers."""
-    channel = rpc.open_channel(controller)
+    channel = rpc.open_channel(controller, security)
     try:
         ask = rpc.method(channel, rpc.CONTROLLER_SERVICE, "AttachAddress", "unary_unary")
         return codec.unpack(ask(b"", timeout=timeout))["address"]
@@ -21,12 +21,14 @@ def attach_address(controller: str, timeout: float = TIMEOUT) -> str:
 
 
 class RawWorker:
-    """One connection to a controller's worker port. Reads time out after ``timeout``."""
+    """One connection to a controller's worker port. Reads time out after ``timeout``. With
+    ``security`` (a wire.security.Security) it greets the controller as a worker does (TLS
+    when it has a CA, then the hello frame with its token); without, it sends no hello."""
 
-    def __init__(self, address: str, timeout: float = TIMEOUT) -> None:
+    def __init__(self, address: str, timeout: float = TIMEOUT, security=None) -> None:
         if address.startswith("grpc://"):
-            address = attach_address(address, timeout)
-        self.sock = tcp.connect(address, timeout)
+            address = attach_address(address, timeout, security)
+        self.sock = tcp.connect(address, timeout, security, tls=security is not None and security.uses_tls)
         self.sock.settimeout(timeout)
         self.reader = frames.FrameReader(self.sock)
 
