@@ -41,20 +41,21 @@ def check_pipeline(d):
 
 
 def check_transfer(d):
-    assert [(r["size"], r["route"]) for r in d["rows"]] == [(n, route) for n in (4096, 2 << 20)
-                                                             for route in ("same island", "other island")]
+    assert [(r["size"], r["route"], r["tls"]) for r in d["rows"]] == [
+        (n, route, tls) for n in (4096, 2 << 20) for route in ("same island", "other island") for tls in (False, True)]
     for r in d["rows"]:
         assert 0 < r["min"] <= r["pathways"] <= r["max"] and r["raw"] > 0 and r["ratio"] > 0
-    assert all(s > 0 for s in d["overhead_s"].values())
+    assert len(d["overhead_s"]) == 4 and all(s > 0 for s in d["overhead_s"].values())
     across = d["netns"]  # measured across network namespaces where they can be made, else why not
     reason = netns.unavailable()
     if reason:
         assert across == {"skipped": reason}
     else:
-        assert [r["size"] for r in across["rows"]] == [4096, 2 << 20] and across["columns"] == ["pathways"]
+        columns = ["pathways", "pathways TLS"]
+        assert [r["size"] for r in across["rows"]] == [4096, 2 << 20] and across["columns"] == columns
         for r in across["rows"]:
-            assert all(rate_ok(s) for s in r["rates"].values()) and set(r["rates"]) == {"pathways", "raw TCP"}
-            assert r["ratios"]["pathways"] > 0
+            assert all(rate_ok(s) for s in r["rates"].values()) and set(r["rates"]) == {*columns, "raw TCP"}
+            assert all(r["ratios"][c] > 0 for c in columns)
         assert all(s > 0 for s in across["round_trip_s"].values())
 
 

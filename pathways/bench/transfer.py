@@ -1,7 +1,10 @@
-"""``python -m pathways bench transfer``: worker-to-worker transfer bandwidth next to raw TCP.
+"""``python -m pathways bench transfer``: worker-to-worker transfer bandwidth next to raw TCP,
+with the data plane in the clear and over TLS.
 
-One local cluster of three worker processes: an island of two hosts and an island of one
-host, one CPU device each. An array is put once on a slice of island 0's first host; a
+Two local clusters of three worker processes each: an island of two hosts and an island of
+one host, one CPU device each; the second requires a token and uses TLS everywhere, the data
+plane included (``--data-plane-tls``, with certificates made for the run). On each, an array
+is put once on a slice of island 0's first host; a
 ``@pw.program`` calls a cheap compiled function (``x[-1:]``) on a slice of another host, so
 every call moves the whole array over the data plane (worker-to-worker TCP, wire/tcp.py),
 either to the island's other host or to the other island (the paper's DCN case). The same sizes go
@@ -10,10 +13,10 @@ a preallocated buffer, a receiver ``recv_into``s one and acks with one byte), th
 machine can move between two processes with one stream.
 
 Across two network namespaces joined by a bridge (pathways/bench/netns.py; needs root), the
-data plane itself is measured next to the same raw TCP copy over the same veth link: a
-``tcp.Listener`` in one namespace receives put frames that ``tcp.connect`` and
-``tcp.send_frame`` send from the other, and acknowledges each on a side connection. Where
-namespaces cannot be made, the results say why and the rest runs as before.
+data plane itself is measured, in the clear and over TLS, next to the same raw TCP copy over
+the same veth link: a ``tcp.Listener`` in one namespace receives put frames that
+``tcp.connect`` and ``tcp.send_frame`` send from the other, and acknowledges each on a side
+connection. Where namespaces cannot be made, the results say why and the rest runs as before.
 
 For every size, in every round, the cases run alternately so that machine noise hits them
 alike. Each sample is the mean time of a few back-to-back runs, each waited for before the
@@ -34,6 +37,7 @@ import statistics
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -52,18 +56,19 @@ LOOPBACK = "127.0.0.1"
 NETNS_HOSTS = ("sender", "receiver")
 NETNS = "netns "  # starts the names of the cases across namespaces
 
-# The data plane's columns across the namespaces: column -> transport, a string handed to both
-# helpers, which turn it into tcp.Listener's and tcp.connect's arguments with
-# _data_plane_security(). A data-plane TLS column is one more entry here (e.g.
-# "pathways TLS": "tls:DIR", DIR holding a certificate both helpers read) and one more case there.
-DATA_PLANE = {"pathways": "plain"}
+# The data plane's columns across the namespaces: column -> transport, handed to both helpers
+# with a folder holding the run's token and certificates ("plain:DIR", "tls:DIR"), which
+# _data_plane_security() turns into tcp.Listener's and tcp.connect's arguments. Both carry the
+# token: the receiver listens beyond loopback.
+DATA_PLANE = {"pathways": "plain", "pathways TLS": "tls"}
+ISLANDS = ((2, 1), (1, 1))  # (hosts, devices per host) of each cluster's two islands
 
 
 def _runs(nbytes: int) -> int:
     return max(2, min(_MAX_RUNS, _SAMPLE_BYTES // max(nbytes, 1)))
 
 
-TITLE = "Transfers: worker-to-worker bandwidth next to a raw TCP socket"
+TITLE = "Transfers: worker-to-worker bandwidth next to a raw TCP socket, with and without TLS"
 PAPER = ""
 PAPER_RESULT = ""
 ROUNDS = 5
@@ -72,17 +77,21 @@ TINY_SIZES = (4096, 2 * MiB)  # copied into one write with the header, and sent 
 ABOUT = """
 An array on one host is read by a cheap computation (`x[-1:]`) on another host of the same
 island, or on another island, so every run moves the whole array over the data plane
-(worker-to-worker TCP). The baseline is a plain TCP socket between two helper processes on
+(worker-to-worker TCP). The same runs go through a second cluster with a token and TLS
+everywhere, the data plane included (`--data-plane-tls`), alternated with the first, to show
+what data-plane TLS costs. The baseline is a plain TCP socket between two helper processes on
 loopback (`sendall` of a preallocated buffer, `recv_into` one, a one-byte ack), the most
 this machine moves between two processes with one stream. Each sample is the mean of a few
 back-to-back runs, each waited for; MB/s is 10^6 bytes of array per second. "Net" subtracts
-the fixed cost of one run (a one-element array: dispatch, two workers, the client's fetch).
-Target: pathways >= 0.5x raw TCP from 16 MiB.
+the fixed cost of one run on its cluster (a one-element array: dispatch, two workers, the
+client's fetch; with TLS on gRPC too). Target: pathways in the clear >= 0.5x raw TCP from
+16 MiB.
 
 Across two network namespaces joined by a bridge (a veth pair each; needs root), the data
-plane alone is measured: a `tcp.Listener` in one namespace receives put frames of the same
-sizes sent with `tcp.connect` and `tcp.send_frame` from the other, each acknowledged with one
-byte, next to the same raw TCP copy over the same link, alternated in the same rounds.
+plane alone is measured, in the clear and over TLS: a `tcp.Listener` in one namespace
+receives put frames of the same sizes sent with `tcp.connect` and `tcp.send_frame` from the
+other, each acknowledged with one byte, next to the same raw TCP copy over the same link,
+alternated in the same rounds.
 """
 
 
@@ -95,50 +104,100 @@ def measure(rounds: int, tiny: bool, progress: Any) -> dict[str, Any]:
 def _measure(rounds: int, sizes: Sequence[int], progress: Any) -> dict[str, Any]:
     # Imported here, not at module level: the raw socket helpers run this file as a script
     # and should start without importing jax.
-    import numpy as np
-
     import pathways as pw
 
     sizes = [max(4, s - s % 4) for s in sizes]
-    progress.expect(2 + rounds * (len(sizes) + 1))
-    progress.step("starting 3 hosts on 2 islands")
+    lengths = [4, *sizes]
+    progress.expect(3 + rounds * (len(sizes) + 1))
     with contextlib.ExitStack() as stack:
-        stack.enter_context(pw.local_cluster(islands=[pw.Island(hosts=2, devices_per_host=1),
-                                                      pw.Island(hosts=1, devices_per_host=1)]))
+        secure = _security("tls", _secrets(stack, (LOOPBACK, "localhost")))
+        islands = [pw.Island(hosts=h, devices_per_host=d) for h, d in ISLANDS]
+        progress.step("starting 3 hosts on 2 islands")
+        plain = stack.enter_context(pw.local_cluster(islands=islands))
+        progress.step("starting 3 more, with a token and TLS on gRPC and the data plane")
+        encrypted = stack.enter_context(pw.local_cluster(islands=islands, security=secure))
         raw = _Pair(["raw-receive", str(max(sizes)), LOOPBACK], ["raw-send", str(max(sizes))])
         stack.callback(raw.close)
-        source = pw.make_virtual_device_set().add_slice(cpu_devices=1, island=0)
-        routes = {"same island": pw.make_virtual_device_set().add_slice(cpu_devices=1, island=0),
-                  "other island": pw.make_virtual_device_set().add_slice(cpu_devices=1, island=1)}
-        if routes["same island"].workers == source.workers:
-            raise RuntimeError(f"both island-0 slices were placed on worker {source.workers}; "
-                               "the benchmark needs them on different hosts")
-        programs = {route: _touch_program(pw, s) for route, s in routes.items()}
-        arrays = {n: pw.device_put(np.arange(n // 4, dtype=np.float32), source.devices)
-                  for n in [4, *sizes]}
-        cases: dict[str, Callable[[int, int], float]] = {
-            route: lambda n, k, p=program: _time_runs(p, arrays[n], k) for route, program in programs.items()}
+        cases: dict[str, Callable[[int, int], float]] = {}
+        for tls, c in ((False, plain), (True, encrypted)):
+            cases.update(_cluster_cases(pw, c.session, tls, lengths))
         cases["raw TCP"] = raw.seconds
         progress.step("starting helpers in two network namespaces")
         across, skipped = _across_namespaces(stack, max(sizes))
         cases.update(across)
-        for n, x in arrays.items():  # warm up: compile, and check that the array's end arrives
-            want = np.arange(n // 4, dtype=np.float32)[-1:]
-            for route, program in programs.items():
-                got = np.asarray(program(x))
-                if not np.array_equal(got, want):
-                    raise RuntimeError(f"{route}: a {n}-byte transfer delivered {got!r}, not {want!r}")
+        for n in lengths:  # warm up
             for case in ["raw TCP", *across]:
                 cases[case](n, 1)
-        samples: dict[str, dict[int, list[float]]] = {c: {n: [] for n in arrays} for c in cases}
+        samples: dict[str, dict[int, list[float]]] = {c: {n: [] for n in lengths} for c in cases}
         for r in range(rounds):
-            for n in arrays:
+            for n in lengths:
                 progress.step(f"{_size(n)} (round {r + 1}/{rounds})")
                 for case, timed in cases.items():
                     samples[case][n].append(timed(n, _runs(n)))
     data = _report(samples, sizes)
     data["netns"] = {"skipped": skipped} if skipped else _report_across(samples, sizes)
     return data
+
+
+def _case(route: str, tls: bool) -> str:
+    return f"{route}, TLS" if tls else route
+
+
+def _cluster_cases(pw: Any, session: Any, tls: bool, lengths: Sequence[int]) -> dict[str, Callable[[int, int], float]]:
+    """The timed runs of both routes on the cluster of ``session``, by case name: its arrays
+    put, its programs compiled and each checked once."""
+    import numpy as np
+
+    from pathways.client.api import set_default_session
+
+    set_default_session(session)  # slices and programs are made on, and run on, the default session
+    source = pw.make_virtual_device_set().add_slice(cpu_devices=1, island=0)
+    routes = {"same island": pw.make_virtual_device_set().add_slice(cpu_devices=1, island=0),
+              "other island": pw.make_virtual_device_set().add_slice(cpu_devices=1, island=1)}
+    if routes["same island"].workers == source.workers:
+        raise RuntimeError(f"both island-0 slices were placed on worker {source.workers}; "
+                           "the benchmark needs them on different hosts")
+    programs = {route: _touch_program(pw, s) for route, s in routes.items()}
+    arrays = {n: pw.device_put(np.arange(n // 4, dtype=np.float32), source.devices) for n in lengths}
+    for n, x in arrays.items():  # warm up: compile, and check that the array's end arrives
+        want = np.arange(n // 4, dtype=np.float32)[-1:]
+        for route, program in programs.items():
+            got = np.asarray(program(x))
+            if not np.array_equal(got, want):
+                raise RuntimeError(f"{_case(route, tls)}: a {n}-byte transfer delivered {got!r}, not {want!r}")
+
+    def timed(program: Any, n: int, runs: int) -> float:
+        set_default_session(session)
+        return _time_runs(program, arrays[n], runs)
+
+    return {_case(route, tls): functools.partial(timed, program) for route, program in programs.items()}
+
+
+def _secrets(stack: contextlib.ExitStack, hosts: Sequence[str]) -> str:
+    """A folder, removed by ``stack``, holding a token and TLS certificates for ``hosts``
+    made for this run."""
+    import secrets
+
+    from pathways.wire.certs import make_certificates
+
+    directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="pathways-bench-"))
+    make_certificates(directory, hosts)
+    with open(os.open(os.path.join(directory, "token"), os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+        f.write(secrets.token_urlsafe(32))
+    return directory
+
+
+def _security(transport: str, directory: str) -> Any:
+    """The token (and for ``tls``, the certificates and data-plane TLS) in ``directory``."""
+    from pathways.wire.security import Security, read_token_file
+
+    token = read_token_file(os.path.join(directory, "token"))
+    if transport == "plain":
+        return Security(token)
+    if transport == "tls":
+        return Security(token, *(os.path.join(directory, f) for f in ("cert.pem", "key.pem", "ca.pem")),
+                        data_plane_tls=True)
+    raise ValueError(f"unknown data-plane transport {transport!r}; choose one of {sorted(DATA_PLANE.values())}")
 
 
 def _across_namespaces(stack: contextlib.ExitStack, capacity: int) -> tuple[dict[str, Callable[[int, int], float]],
@@ -151,8 +210,10 @@ def _across_namespaces(stack: contextlib.ExitStack, capacity: int) -> tuple[dict
     net = stack.enter_context(netns.Network(NETNS_HOSTS))
     launch = functools.partial(_launch_in, net)
     receiver = net.addr("receiver")
+    directory = _secrets(stack, (receiver,))
     cases = {}
     for column, transport in DATA_PLANE.items():
+        transport = f"{transport}:{directory}"
         pair = _Pair(["dp-receive", transport, receiver], ["dp-send", transport, str(capacity)], launch)
         stack.callback(pair.close)
         cases[NETNS + column] = pair.seconds
@@ -181,15 +242,16 @@ def _time_runs(program: Any, x: Any, runs: int) -> float:
 
 
 def _report(samples: dict[str, dict[int, list[float]]], sizes: list[int]) -> dict[str, Any]:
-    overhead = {route: statistics.median(samples[route][4]) for route in ROUTES}
+    cases = [(route, tls) for route in ROUTES for tls in (False, True)]
+    overhead = {_case(*c): statistics.median(samples[_case(*c)][4]) for c in cases}
     rows = []
     for n in sizes:
         raw = n / statistics.median(samples["raw TCP"][n])
-        for route in ROUTES:
-            times = samples[route][n]
+        for route, tls in cases:
+            times = samples[_case(route, tls)][n]
             median = statistics.median(times)
-            net = median - overhead[route]
-            rows.append({"size": n, "route": route, "pathways": n / median, "min": n / max(times),
+            net = median - overhead[_case(route, tls)]
+            rows.append({"size": n, "route": route, "tls": tls, "pathways": n / median, "min": n / max(times),
                          "max": n / min(times), "net": n / net if net > 0 else float("nan"),
                          "raw": raw, "ratio": n / median / raw})
     return {"rows": rows, "overhead_s": overhead, "raw_round_trip_s": statistics.median(samples["raw TCP"][4])}
@@ -206,10 +268,13 @@ def _report_across(samples: dict[str, dict[int, list[float]]], sizes: list[int])
 
 
 def tables(data: dict) -> list:
-    rows = [[_size(r["size"]), r["route"], f"{r['pathways'] / 1e6:,.0f} ({r['min'] / 1e6:,.0f}-{r['max'] / 1e6:,.0f})",
+    # Measurements from before the TLS rows have no "tls" field: their data plane was in the clear.
+    rows = [[_size(r["size"]), r["route"], "TLS" if r.get("tls") else "clear",
+             f"{r['pathways'] / 1e6:,.0f} ({r['min'] / 1e6:,.0f}-{r['max'] / 1e6:,.0f})",
              _rate(r["net"]), f"{r['raw'] / 1e6:,.0f}", report.times(r["ratio"])] for r in data["rows"]]
     out = [report.Table("MB/s (10^6 bytes), median (min-max) of the rounds",
-                        ["size", "route", "pathways", "net of fixed cost", "raw TCP", "pathways/raw"], rows)]
+                        ["size", "route", "data plane", "pathways", "net of fixed cost", "raw TCP", "pathways/raw"],
+                        rows)]
     across = data.get("netns", {})
     if across.get("rows"):
         columns = across["columns"]
@@ -225,10 +290,16 @@ def summary(data: dict) -> list[str]:
     lines = ["fixed cost per run (one float32): " + ", ".join(
         f"{route} {1e3 * s:.2f} ms" for route, s in data["overhead_s"].items())
         + f"; raw TCP round trip {1e3 * data['raw_round_trip_s']:.3f} ms"]
+    clear = {(r["size"], r["route"]): r for r in data["rows"] if not r.get("tls")}
     for r in data["rows"]:
-        if r["size"] >= 16 * MiB:
+        if r["size"] < 16 * MiB:
+            continue
+        if not r.get("tls"):
             verdict = "met" if r["ratio"] >= 0.5 else f"**missed** by {0.5 - r['ratio']:.2f}x"
             lines.append(f"{_size(r['size'])}, {r['route']}: {r['ratio']:.2f}x raw TCP (target >= 0.5x): {verdict}")
+        else:
+            lines.append(f"{_size(r['size'])}, {r['route']}, data plane over TLS: "
+                         f"{r['pathways'] / clear[(r['size'], r['route'])]['pathways']:.2f}x the rate in the clear")
     across = data.get("netns", {})
     if "skipped" in across:
         lines.append(f"across network namespaces: not measured: {across['skipped']}")
@@ -251,9 +322,11 @@ the receiver faults in fresh memory for the array; runs vary with it.
 
 def plot(data: dict, path: str) -> None:
     sizes = sorted({r["size"] for r in data["rows"]})
-    series = [(route, [s / MiB for s in sizes], [next(r["pathways"] / 1e6 for r in data["rows"]
-                                                     if r["size"] == s and r["route"] == route) for s in sizes])
-              for route in ROUTES]
+    series = [(_case(route, tls), [s / MiB for s in sizes],
+               [next(r["pathways"] / 1e6 for r in data["rows"]
+                     if r["size"] == s and r["route"] == route and r.get("tls", False) == tls) for s in sizes])
+              for route in ROUTES for tls in (False, True)
+              if any(r["route"] == route and r.get("tls", False) == tls for r in data["rows"])]
     series.append(("raw TCP, loopback", [s / MiB for s in sizes],
                    [next(r["raw"] / 1e6 for r in data["rows"] if r["size"] == s) for s in sizes]))
     across = data.get("netns", {})
@@ -419,11 +492,10 @@ def _send(capacity: int, host: str, port: int) -> None:
 
 
 def _data_plane_security(transport: str) -> dict[str, Any]:
-    """The keyword arguments that select ``transport`` (a value of DATA_PLANE) on
-    tcp.Listener and tcp.connect: none for the plain data plane."""
-    if transport == "plain":
-        return {}
-    raise ValueError(f"unknown data-plane transport {transport!r}; choose one of {sorted(DATA_PLANE.values())}")
+    """The keyword arguments that select ``transport`` (``KIND:DIR``, KIND a value of
+    DATA_PLANE, DIR the run's secrets) on tcp.Listener and tcp.connect."""
+    kind, _, directory = transport.partition(":")
+    return {"security": _security(kind, directory)}
 
 
 def _dp_receive(transport: str, host: str) -> None:
