@@ -122,7 +122,7 @@ def test_status_command_is_refused_without_the_token_and_answers_with_it(guarded
 
 def test_a_worker_refuses_fetch_and_stats_without_the_token(guarded):
     worker = cluster.status(guarded.address, security=Security(token=TOKEN))["workers"][0]["address"]
-    request = m.pack(m.FetchRequest(1, 0.0, False).encode())
+    request = m.pack(m.FetchRequest(1, 0.0, False, bytes(m.CREDENTIAL_BYTES)).encode())
     for security in (None, Security(token="not-" + TOKEN)):
         channel = rpc.open_channel(worker, security)
         try:

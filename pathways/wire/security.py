@@ -171,8 +171,9 @@ def child_flags(security: Security) -> list[str]:
 
 
 def child_env(security: Security, env: dict[str, str]) -> dict[str, str]:
-    """``env`` with PATHWAYS_TOKEN and PATHWAYS_TLS_CA set to ``security``'s (and unset where
-    it has none): a child of a local cluster takes exactly its cluster's settings."""
+    """``env`` with PATHWAYS_TOKEN set to ``security``'s token (unset where it has none) and
+    PATHWAYS_TLS_CA unset (the CA goes by ``child_flags``): a child of a local cluster takes
+    exactly its cluster's settings, not whatever this process's environment holds."""
     env = {k: v for k, v in env.items() if k not in (TOKEN_ENV, TLS_CA_ENV)}
     if security.token is not None:
         env[TOKEN_ENV] = security.token

@@ -145,7 +145,7 @@ class Listener:
 
     def _serve(self, conn: socket.socket) -> None:
         if self._tls is not None:
-            conn.settimeout(self._timeout)  # the handshake, too, must finish in time
+            conn.settimeout(sec.HELLO_SECONDS)  # a stranger may not hold a thread for longer
             try:
                 conn = self._tls.wrap_socket(conn, server_side=True)
             except OSError as e:  # ssl.SSLError is one
