@@ -153,7 +153,8 @@ class Session:
         except Exception as e:  # a malformed reply must not leave waiters hanging
             reason = f"sent a malformed reply ({e})"
         if refused is not None:
-            self._dead, self._dead_error = str(refused), errors.AuthenticationError
+            self._dead_error = errors.AuthenticationError  # before _dead: other threads raise it once _dead is set
+            self._dead = str(refused)
         else:
             self._dead = (f"the controller at {self.address} {reason}; restart it or call pw.connect() "
                           "again (arrays held by this session are gone)")
