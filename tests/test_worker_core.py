@@ -68,7 +68,7 @@ def up():
 @pytest.fixture
 def core(up):
     c = WorkerCore(up.append, wait_timeout=5.0)
-    c.on_batch(m.encode_batch([m.WorkerWelcome(0)]))
+    c.on_batch(m.encode_batch([m.WorkerWelcome(0, 0, 0, "")]))
     yield c
     c.close()
 

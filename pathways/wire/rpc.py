@@ -23,9 +23,10 @@ import grpc
 
 from pathways.errors import ConnectError
 from pathways.protocol.messages import MAX_MESSAGE_BYTES, Message, encode_batch
+from pathways.wire.addresses import join_host_port
 
 CONTROLLER_SERVICE = "pathways.Controller"
-LOOPBACK = "127.0.0.1"  # where servers listen: every process of a cluster runs on this host today
+LOOPBACK = "127.0.0.1"  # where servers listen unless told otherwise (--bind)
 WORKER_SERVICE = "pathways.Worker"
 
 # How long a refused connection is retried: one reconnection attempt (gRPC's first backoff is
@@ -54,11 +55,12 @@ def parse_address(address: str) -> str:
     return target
 
 
-def make_server(service: str, handlers: dict[str, grpc.RpcMethodHandler], max_workers: int = 16) -> tuple[grpc.Server, int]:
-    """A server on a free loopback port running ``handlers``; returns (server, port)."""
+def make_server(service: str, handlers: dict[str, grpc.RpcMethodHandler], host: str = LOOPBACK,
+                max_workers: int = 16) -> tuple[grpc.Server, int]:
+    """A server on a free port of ``host`` running ``handlers``; returns (server, port)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=_OPTIONS)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
-    port = server.add_insecure_port(f"{LOOPBACK}:0")
+    port = _add_port(server, join_host_port(host, 0))
     server.start()
     return server, port
 
@@ -68,14 +70,30 @@ def make_server(service: str, handlers: dict[str, grpc.RpcMethodHandler], max_wo
 MAX_CONCURRENT_STREAMS = 1 << 16
 
 
-async def start_aio_server(service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> tuple[grpc.aio.Server, int]:
-    """A grpc.aio server on a free loopback port, serving coroutine ``handlers`` on the
-    running loop; returns (server, port)."""
+async def start_aio_server(service: str, handlers: dict[str, grpc.RpcMethodHandler],
+                           bind: str = f"{LOOPBACK}:0") -> tuple[grpc.aio.Server, int]:
+    """A grpc.aio server on ``bind`` (``HOST:PORT``; port 0 for a free one), serving
+    coroutine ``handlers`` on the running loop; returns (server, port)."""
     server = grpc.aio.server(options=[*_OPTIONS, ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS)])
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
-    port = server.add_insecure_port(f"{LOOPBACK}:0")
+    port = _add_port(server, bind)
     await server.start()
     return server, port
+
+
+def _add_port(server: grpc.Server | grpc.aio.Server, target: str) -> int:
+    """Bind ``target``; gRPC reports a failed bind as port 0 (or a RuntimeError), which
+    becomes an error that names the address."""
+    try:
+        port = server.add_insecure_port(target)
+    except RuntimeError as e:
+        port, why = 0, f": {e}"
+    else:
+        why = ""
+    if not port:
+        raise ConnectError(f"could not listen on {target}{why}; pass a host that is an address of this machine "
+                           "(or 0.0.0.0 for all of them) and a port that is free (or 0 for any)")
+    return port
 
 
 def stream_stream(fn: Callable) -> grpc.RpcMethodHandler:
