@@ -68,24 +68,24 @@ class Islands:
             raise Refused(f"{this} names no island; start it with --island NAME")
         island = self._island(name, hosts)
         if hosts != island.hosts:
-            raise Refused(f"{this} says island {island.describe()} has {hosts} host(s) (--island-hosts), but "
+            raise Refused(f"{this} says island {name!r} has {hosts} host(s) (--island-hosts), but "
                           f"the hosts that joined it first said {island.hosts}; start every host of an island "
                           "with the same --island-hosts")
         if rank is not None and not 0 <= rank < hosts:
-            raise Refused(f"{this} asks for rank {rank} (--rank) in island {island.describe()} of {hosts} "
+            raise Refused(f"{this} asks for rank {rank} (--rank) in island {name!r} of {hosts} "
                           f"host(s); ranks run from 0 to {hosts - 1}")
         if hosts > 1 and not coordinator:
-            raise Refused(f"{this} joins island {island.describe()} of {hosts} hosts without reserving a "
+            raise Refused(f"{this} joins island {name!r} of {hosts} hosts without reserving a "
                           "coordinator port; run the same pathways version on the controller and every worker")
         if len(island.members) >= hosts:
-            raise Refused(f"island {island.describe()} already has all its {hosts} host(s) (workers "
+            raise Refused(f"island {name!r} already has all its {hosts} host(s) (workers "
                           f"{sorted(island.members.values())}); give this host another --island name, or "
                           "a larger --island-hosts to every host of the island")
         if rank is None:
             rank = min(r for r in range(hosts) if r not in island.members)
         elif rank in island.members:
             free = sorted(set(range(hosts)) - set(island.members))
-            raise Refused(f"rank {rank} of island {island.describe()} is already taken by worker "
+            raise Refused(f"rank {rank} of island {name!r} is already taken by worker "
                           f"{island.members[rank]}; give each host of the island its own --rank "
                           f"(free: {free}), or leave --rank out to have ranks given in order of arrival")
         self._named[name] = island.id

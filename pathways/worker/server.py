@@ -334,9 +334,8 @@ def _start_stream(sock: socket.socket, outbox: rpc.Outbox, on_batch: Callable[[b
 
 def _stopped(joining: Joining, island: IslandMembership) -> str:
     """Why the worker stopped before its core ran."""
-    if joining.shutdown is not None:
-        verb = "stopped" if joining.welcome is not None else "refused"
-        return f"the controller {verb} this worker: {joining.shutdown}"
+    if joining.shutdown is not None:  # a refused registration, or the island lost a host
+        return f"the controller shut this worker down: {joining.shutdown}"
     return f"the controller's stream ended while this worker was joining island {island.name!r}"
 
 
