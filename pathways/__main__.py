@@ -42,8 +42,9 @@ def _main(argv: list[str] | None) -> int:
                                  "any free port). Its gRPC server takes PORT; workers' streams take another "
                                  "free port of HOST, which workers learn from the controller. With a wildcard "
                                  "host (0.0.0.0, or [::] for IPv6) it serves on every address of the machine "
-                                 "and prints the address of the interface its default route uses (its host "
-                                 "name when it has none); peers may use any address of the machine")
+                                 "and prints the address of the interface its default route uses (without a "
+                                 "default route, its first address that is not loopback); peers may use any "
+                                 "address of the machine")
     controller.add_argument("--policy", choices=["fair", "fifo"], default="fair",
                             help="order of runs between clients: proportional share by weight, or FIFO")
     controller.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="runs in flight per island")

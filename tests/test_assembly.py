@@ -114,6 +114,19 @@ def test_addresses_split_join_and_name_a_reachable_host_for_a_wildcard():
     assert wild and not addresses.is_wildcard(wild), "a wildcard bind prints an address peers can use"
 
 
+def test_a_wildcard_without_a_default_route_names_an_interface_address_then_the_host_name(monkeypatch):
+    def no_route(host, port):
+        raise OSError("Network is unreachable")
+
+    monkeypatch.setattr(addresses, "route_to", no_route)
+    monkeypatch.setattr(addresses, "interface_addresses", lambda: ["10.1.2.3", "10.9.9.9"])
+    assert addresses.reachable_host("0.0.0.0") == "10.1.2.3"
+    monkeypatch.setattr(addresses, "interface_addresses", lambda: [])
+    assert addresses.reachable_host("[::]") == socket.gethostname()
+    monkeypatch.undo()
+    assert all(not a.startswith("127.") for a in addresses.interface_addresses())
+
+
 def test_a_coordinator_port_reservation_lets_a_reuseport_server_bind_beside_it_and_no_one_else():
     reservation = PortReservation("127.0.0.1")
     try:

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import struct
 
 WILDCARDS = frozenset({"0.0.0.0", "::", ""})
 # A documentation address (RFC 5737): ``reachable_host`` "connects" a UDP socket to it to
 # learn which interface the default route uses; a UDP connect sends no packet.
 _ROUTE_PROBE = ("192.0.2.1", 9)
 _ROUTE_PROBE_V6 = ("2001:db8::1", 9)
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
 
 def strip_brackets(host: str) -> str:
@@ -74,8 +76,9 @@ def route_to(host: str, port: int) -> str:
 
 def reachable_host(bind_host: str) -> str:
     """A host that peers can use to reach a server bound to ``bind_host``: the bind host
-    itself, or for a wildcard the address of the interface the default route leaves by
-    (the machine's name when it has no default route)."""
+    itself, or for a wildcard the address of the interface the default route leaves by;
+    without a default route, the first interface address that is not loopback (the
+    machine's name if there is none)."""
     host = strip_brackets(bind_host)
     if not is_wildcard(host):
         return host
@@ -83,4 +86,24 @@ def reachable_host(bind_host: str) -> str:
     try:
         return route_to(*probe)
     except OSError:
-        return socket.gethostname()
+        return next(iter(interface_addresses()), socket.gethostname())
+
+
+def interface_addresses() -> list[str]:
+    """The IPv4 addresses of this machine's interfaces, loopback left out, in interface
+    order (Linux: SIOCGIFADDR; elsewhere none)."""
+    try:
+        import fcntl
+    except ImportError:
+        return []
+    found = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                reply = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
+            except OSError:  # no IPv4 address on this interface
+                continue
+            address = socket.inet_ntoa(reply[20:24])
+            if not ipaddress.ip_address(address).is_loopback:
+                found.append(address)
+    return found

@@ -184,6 +184,8 @@ def main(controller: str, devices: int, island: IslandMembership, wait_timeout: 
         os._exit(1 if error else 0)
     if error:
         raise SystemExit(f"error: {error}")
+
+
 def _attach(channel: grpc.Channel, controller: str, timeout: float) -> socket.socket:
     """Ask the controller at ``controller`` (grpc://HOST:PORT) which port workers attach
     to, and connect to that port of HOST, within ``timeout`` seconds each."""
