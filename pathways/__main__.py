@@ -38,7 +38,18 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--log-level", default=os.environ.get("PATHWAYS_LOG_LEVEL", "warning"))
     sub = parser.add_subparsers(dest="command", required=True)
 
-    controller = sub.add_parser("controller", help="run a controller; prints its address on stdout")
+    controller = sub.add_parser("controller", help="run a controller; prints its address on stdout",
+                                description="Run a controller. Once serving, it prints `PATHWAYS_CONTROLLER_"
+                                            "ADDRESS grpc://HOST:PORT` on stdout: the address clients and "
+                                            "workers use.")
+    controller.add_argument("--bind", default="127.0.0.1:0", metavar="HOST:PORT",
+                            help="where clients and workers reach it (default 127.0.0.1:0: this machine only, "
+                                 "any free port). Its gRPC server takes PORT; workers' streams take another "
+                                 "free port of HOST, which workers learn from the controller. With a wildcard "
+                                 "host (0.0.0.0, or [::] for IPv6) it serves on every address of the machine "
+                                 "and prints the address of the interface its default route uses (without a "
+                                 "default route, its first address that is not loopback); peers may use any "
+                                 "address of the machine")
     controller.add_argument("--policy", choices=["fair", "fifo"], default="fair",
                             help="order of runs between clients: proportional share by weight, or FIFO")
     controller.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="runs in flight per island")
@@ -46,15 +57,30 @@ def _main(argv: list[str] | None) -> int:
 
     worker = sub.add_parser("worker", help="run a worker host attached to a controller")
     worker.add_argument("--controller", required=True, help="grpc://HOST:PORT of the controller")
+    worker.add_argument("--bind", metavar="HOST",
+                        help="the address its servers (gRPC, data plane, and on an island's rank 0 the "
+                             "island's jax.distributed coordinator) listen on (default: --advertise if given, "
+                             "else the local address this machine uses to reach the controller; 0.0.0.0 "
+                             "for every address)")
+    worker.add_argument("--advertise", metavar="HOST",
+                        help="the host name or address clients and other workers reach it at (default: the "
+                             "bind address, or for a wildcard bind the local address this machine uses to "
+                             "reach the controller)")
     worker.add_argument("--devices", type=int, default=1, help="CPU devices on this host")
-    worker.add_argument("--island", type=int, default=0)
+    worker.add_argument("--island", default="0", metavar="NAME",
+                        help="the island (hosts joined by a fast interconnect, one jax.distributed group) this "
+                             "host belongs to (default 0)")
+    worker.add_argument("--island-hosts", type=int, default=1, metavar="H",
+                        help="hosts in this worker's island; the island takes work once all H have joined")
+    worker.add_argument("--rank", type=int, default=None,
+                        help="this host's index within its island, 0 to H-1 (default: the controller gives "
+                             "ranks in order of arrival)")
     worker.add_argument("--wait-timeout", type=float, default=300.0,
                         help="seconds an op waits for an input array before poisoning its outputs")
-    worker.add_argument("--connect-timeout", type=float, default=30.0)
-    worker.add_argument("--coordinator", help="HOST:PORT of the island's jax.distributed coordinator "
-                                              "(islands of several hosts; rank 0 runs it)")
-    worker.add_argument("--island-hosts", type=int, default=1, help="hosts in this worker's island")
-    worker.add_argument("--rank", type=int, default=0, help="this host's index within its island")
+    worker.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to reach the controller")
+    worker.add_argument("--join-timeout", type=float, default=300.0,
+                        help="seconds to wait for the island's rank 0 host to register, and then for every "
+                             "host of the island to join its jax.distributed group")
     worker.add_argument("--unsafe-local-order", action="store_true",
                         help="debugging only: order runs of different clients locally instead of in "
                              "the island's gang order (collectives across hosts can hang)")
@@ -122,16 +148,17 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: lis
         exit_with_parent()
     if args.command == "controller":
         from pathways.controller.server import main as controller_main
-        controller_main(args.policy, args.window, security.from_args(args))
+        controller_main(args.policy, args.window, args.bind, security.from_args(args))
     elif args.command == "worker":
         from pathways.worker.server import IslandMembership, main as worker_main
-        membership = None
-        if args.island_hosts > 1:
-            if not args.coordinator or not 0 <= args.rank < args.island_hosts:
-                parser.error("a worker of a multi-host island needs --coordinator and 0 <= --rank < --island-hosts")
-            membership = IslandMembership(args.coordinator, args.island_hosts, args.rank)
-        worker_main(args.controller, args.devices, args.island, args.wait_timeout, args.connect_timeout,
-                    membership, args.unsafe_local_order, security.from_args(args))
+        if args.island_hosts < 1 or (args.rank is not None and not 0 <= args.rank < args.island_hosts):
+            parser.error(f"--island-hosts must be at least 1 and --rank from 0 to --island-hosts - 1, got "
+                         f"--island-hosts {args.island_hosts} and --rank {args.rank}")
+        if not args.island.strip():
+            parser.error("--island needs a name, e.g. --island 0 or --island rack-a")
+        worker_main(args.controller, args.devices, IslandMembership(args.island, args.island_hosts, args.rank),
+                    args.wait_timeout, args.connect_timeout, args.join_timeout, args.bind, args.advertise,
+                    args.unsafe_local_order, security.from_args(args))
     elif args.command == "up":
         from pathways.cluster import Island, LocalCluster
         try:
@@ -205,9 +232,15 @@ def _status(address: str | None, measure: bool = False, timeout: float = 60.0,
           f"{st['slices']} slice(s), {st['arrays']} live array(s); policy {st['policy']}, "
           f"window {st['window']} run(s) per island")
     for i in st["islands"]:
-        print(f"  island {i['island']}: {'healthy' if i['healthy'] else 'UNHEALTHY (a host was lost)'}, "
-              f"{i['hosts']} host(s), {i['devices']} device(s), {i['queued']} run(s) queued, "
-              f"{i['inflight']} in flight")
+        name = i["name"] if i["name"] == str(i["island"]) else f"{i['name']} (id {i['island']})"
+        if not i["healthy"]:
+            state = "UNHEALTHY (a host was lost)"
+        elif i["assembling"]:
+            state = f"assembling ({i['hosts']} of {i['expected_hosts']} hosts joined; it takes slices once all have)"
+        else:
+            state = "healthy"
+        print(f"  island {name}: {state}, {i['hosts']} host(s), {i['devices']} device(s), {i['queued']} run(s) "
+              f"queued, {i['inflight']} in flight")
         for w in (w for w in st["workers"] if w["island"] == i["island"]):
             speed = f"{w['flops'] / 1e9:.1f} GFLOP/s" if w.get("flops") else "FLOP/s not measured yet"
             print(f"    worker {w['worker']} rank {w['rank']} host {w['host']} pid {w['pid']} {w['address']}: "

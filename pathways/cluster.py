@@ -1,6 +1,10 @@
 """A controller and worker processes on this machine, supervised by trio (``pw.local_cluster``
 connects a session to them), and queries of a running cluster's status.
 
+A local cluster listens on loopback only: the controller binds 127.0.0.1, and workers,
+which bind and advertise the address they reach the controller from, do too. Each island
+is named by its index and its hosts take ranks in start order.
+
 The supervisor runs in a background thread of the client process. Children die with it:
 each watches its parent (PATHWAYS_PARENT_PID) and exits when it is gone, and on stop (normal exit, error, Ctrl-C) every child is
 sent SIGTERM and, after a short grace, SIGKILL, since processes running JAX may ignore
@@ -67,8 +71,9 @@ def child_log_env() -> dict[str, str]:
 
 
 def free_port() -> int:
-    """A free loopback port for an island's jax.distributed coordinator, which cannot bind
-    port 0 and report back: the port is released just before the coordinator binds it."""
+    """A free loopback port, released before it is returned (another process may take it
+    before the caller binds it): for `pathways spmd`'s jax.distributed coordinator, which
+    cannot bind port 0 and report back."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -156,16 +161,15 @@ class LocalCluster:
                         stdout=subprocess.PIPE, env=env)
                     procs.append(controller)
                     address = await _read_address(controller.stdout)
+                    debug = ["--unsafe-local-order"] if self.unsafe_local_order else []
                     for island_id, island in enumerate(self.islands):
-                        group = ["--island-hosts", str(island.hosts), "--coordinator",
-                                 f"127.0.0.1:{free_port()}"] if island.hosts > 1 else []
-                        debug = ["--unsafe-local-order"] if self.unsafe_local_order else []
+                        # island i is named "i" (so its id is i) and ranks follow start order,
+                        # so that a cluster's layout is the same every time
                         for rank in range(island.hosts):
                             procs.append(await trio.lowlevel.open_process(
                                 _python_cmd("worker", "--controller", address,
-                                            "--devices", str(island.devices_per_host),
-                                            "--island", str(island_id), "--rank", str(rank), *group, *debug,
-                                            *secure),
+                                            "--devices", str(island.devices_per_host), "--island", str(island_id),
+                                            "--island-hosts", str(island.hosts), "--rank", str(rank), *debug, *secure),
                                 env=env, stdout=_STDERR_FD))
                     self.pids = [p.pid for p in procs]
                     for p in procs:

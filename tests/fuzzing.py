@@ -41,6 +41,8 @@ def sample(checker: c.Checker, rng: random.Random, field: str) -> Any:
     """A valid wire value for ``checker``."""
     if field == "nvalues":
         return 4  # enough registers for the sample ops
+    if field == "links":  # a measured link has both figures or neither
+        return rng.choice([[], [[1, 1e-4, 1e9]], [[1, None, None]]])
     if isinstance(checker, c.Int):
         return rng.choice([checker.lo, min(checker.hi, checker.lo + rng.randrange(1, 1000))])
     if isinstance(checker, c.Float):

@@ -56,9 +56,10 @@ class RawWorker:
                     return got
         raise AssertionError(f"no awaited reply within {timeout} s; got {len(got)} messages")
 
-    def register(self, island: int, data_address: str = "tcp://127.0.0.1:1") -> int:
-        """Register as a one-device worker of ``island``; returns the id it was given."""
-        self.send_messages(m.Register("grpc://127.0.0.1:1", data_address, "cpu", 1, island, 0, 1, "fake", 1 << 30))
+    def register(self, island: int | str, data_address: str = "tcp://127.0.0.1:1") -> int:
+        """Register as a one-device worker, the one host of ``island``; returns the id it was given."""
+        self.send_messages(m.Register("grpc://127.0.0.1:1", data_address, "cpu", 1, str(island), 1, None, "", 1,
+                                      "fake", 1 << 30))
         return self.until(lambda x: type(x) is m.WorkerWelcome)[-1].worker
 
     def finish(self) -> list:

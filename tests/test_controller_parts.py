@@ -14,8 +14,9 @@ from pathways.protocol.handles import first_handle
 from tests.test_controller import Box, _of, register, session
 
 
-def _register(i, island=0, devices=1):
-    return m.Register(f"grpc://h:{i}", f"tcp://h:{i}", "cpu", devices, island, i, 1, "h", 1 << 30)
+def _register(i, devices=1):
+    """Worker ``i`` alone in island ``i``."""
+    return m.Register(f"grpc://h:{i}", f"tcp://h:{i}", "cpu", devices, str(i), 1, None, "", 1, "h", 1 << 30)
 
 
 def test_membership_welcomes_each_worker_and_tells_everyone_every_peer():
@@ -23,7 +24,7 @@ def test_membership_welcomes_each_worker_and_tells_everyone_every_peer():
     conns = [ms.WorkerConn(Box()) for _ in range(3)]
     for i, conn in enumerate(conns):
         members.register(conn, _register(i))
-    assert [_of(c.outbox, m.WorkerWelcome) for c in conns] == [[m.WorkerWelcome(i)] for i in range(3)]
+    assert [_of(c.outbox, m.WorkerWelcome) for c in conns] == [[m.WorkerWelcome(i, i, 0, "")] for i in range(3)]
     known = [{p for x in _of(c.outbox, m.Peers) for p in x.peers} for c in conns]
     assert known == [{(0, "tcp://h:0"), (1, "tcp://h:1"), (2, "tcp://h:2")}] * 3
     assert [len(_of(c.outbox, m.Peers)[0].peers) for c in conns] == [1, 2, 3], "each newcomer gets the full list"
@@ -40,7 +41,7 @@ def test_membership_refuses_workers_beyond_its_bound(monkeypatch):
     for i, conn in enumerate(conns):
         members.register(conn, _register(i))
     assert len(members.workers) == 2 and conns[2].worker == -1
-    assert "2 workers" in _of(conns[2].outbox, m.Notice)[0].message
+    assert "2 workers" in _of(conns[2].outbox, m.Shutdown)[0].reason
 
 
 def test_removing_a_worker_forgets_its_links_and_moves_a_measurement_on():

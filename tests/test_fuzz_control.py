@@ -112,7 +112,9 @@ def test_a_normal_client_is_served_correctly_after_tens_of_thousands_of_hostile_
         attach = RawWorker(target.address, timeout=60.0)
         sent = 0
         while sent < MESSAGES:
-            payload, _ = fuzzing.batch(m.WORKER_UP, rng, 100, pin={"island": 1000 + rng.randrange(100)})
+            # a fake worker is the one host of an island of its own
+            pin = {"island": str(1000 + rng.randrange(100)), "island_hosts": 1, "rank": None}
+            payload, _ = fuzzing.batch(m.WORKER_UP, rng, 100, pin=pin)
             attach.send(payload if rng.random() >= 0.1 else fuzzing.corrupt(payload, rng))
             sent += 100
         attach.send(m.pack([["end of fuzz"]]))

@@ -66,7 +66,7 @@ class Crowd:
         welcomed = await asyncio.gather(*(self._call(i, "Session", hello, m.SESSION_DOWN) for i in range(sessions)))
         host, _, port = (await asyncio.to_thread(attach_address, self.address)).removeprefix("tcp://").rpartition(":")
         registered = await asyncio.gather(*(self._attach(host, int(port), m.Register(
-            f"grpc://{dead}", f"tcp://{dead}", "cpu", 1, 1000 + i, 0, os.getpid(), "fake", 1 << 30))
+            f"grpc://{dead}", f"tcp://{dead}", "cpu", 1, str(1000 + i), 1, None, "", os.getpid(), "fake", 1 << 30))
             for i in range(workers)))
         return welcomed, registered
 

@@ -144,7 +144,7 @@ def register(core, n):
     conns = [WorkerConn(Box()) for _ in range(n)]
     for i, conn in enumerate(conns):
         core.on_worker_batch(conn, m.encode_batch([m.Register(
-            f"grpc://127.0.0.1:{i + 1}", f"tcp://127.0.0.1:{i + 1}", "cpu", 2, i, 0, 1, "h", 1 << 30)]))
+            f"grpc://127.0.0.1:{i + 1}", f"tcp://127.0.0.1:{i + 1}", "cpu", 2, str(i), 1, None, "", 1, "h", 1 << 30)]))
     return conns
 
 

@@ -74,7 +74,8 @@ def up():
 @pytest.fixture
 def core(up):
     c = WorkerCore(up.append, wait_timeout=5.0)
-    c.on_batch(m.encode_batch([m.WorkerWelcome(0), *(m.SessionOpen(s, m.digest(cred)) for s, cred in CREDENTIALS.items())]))
+    c.on_batch(m.encode_batch([m.WorkerWelcome(0, 0, 0, ""),
+                               *(m.SessionOpen(s, m.digest(cred)) for s, cred in CREDENTIALS.items())]))
     yield c
     c.close()
 

@@ -90,18 +90,22 @@ class ControllerCore:
             conn.outbox.put(m.Notice(f"controller dropped {msg.tag!r}: {msg.error}"))
 
     def worker_lost(self, conn: WorkerConn) -> None:
-        """A worker's stream ended. Its island is unhealthy from now on: a multi-host group
-        cannot run without one of its hosts, so every run, array and future that involves
-        any host of the island fails with WorkerLostError, and the surviving hosts of the
-        island are told to exit. Other islands keep serving."""
+        """A worker's stream ended. Its island is unhealthy from now on (whether it had
+        assembled or not): a multi-host group cannot run without one of its hosts, so every
+        run, array and future that involves any host of the island fails with
+        WorkerLostError, and the surviving hosts of the island are told to exit. Other
+        islands keep serving."""
         if conn.worker not in self.workers:
             return
         island = conn.island
-        log.warning("worker %d (island %d) at %s was lost", conn.worker, island, conn.address)
+        name = self.membership.islands.by_id[island].describe()
+        log.warning("worker %d (island %s) at %s was lost", conn.worker, name, conn.address)
         lost = self.rm.lose_island(island) | {conn.worker}
-        message = (f"worker {conn.worker} (pid {conn.info.pid}, island {island}) was lost; arrays and "
-                   f"computations on island {island} are gone. Recreate them on a healthy island "
-                   "(`python -m pathways status` shows which are healthy)")
+        self.membership.lose_island(island)
+        message = (f"worker {conn.worker} (pid {conn.info.pid}, island {name}) was lost; arrays and "
+                   f"computations on island {name} are gone. Recreate them on a healthy island "
+                   "(`python -m pathways status` shows which are healthy), or start the island's hosts "
+                   "again: they form a new island")
         queued, flying = self.scheduler.cancel(lambda r: bool(r.payload.lowered.workers & lost))
         for run in flying:
             d: Dispatch = run.payload

@@ -1,7 +1,9 @@
 """Worker membership: who is attached, where they are reached, what they measured.
 
-Workers register on their stream (framed TCP), get an id and the data-plane address of every
-peer; the resource manager learns their devices. A lost worker takes its island with it
+Workers register on their stream (framed TCP) and join their island (islands.py assigns
+ranks and the island's coordinator; a registration that does not fit is refused with a
+Shutdown that says what to fix), get an id and the data-plane address of every peer; the
+resource manager learns their devices, and keeps slices off islands still assembling. A lost worker takes its island with it
 (what that means for runs and arrays is the core's business, see core.py). Workers also
 report what they measured about themselves (FLOP/s, memory, their links to each other);
 ``measure`` asks them to measure again, one at a time, so that their probes and matmuls do
@@ -15,6 +17,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
 
+from pathways.controller.islands import Islands, Refused
 from pathways.controller.placement import ResourceManager
 from pathways.protocol import messages as m
 
@@ -29,16 +32,15 @@ class Outbox(Protocol):
 
 @dataclass
 class WorkerConn:
-    """One worker stream; ``worker`` is -1 until it registers."""
+    """One worker stream; ``worker`` is -1 until it registers, and ``island`` (an id) and
+    ``rank`` are what the controller assigned it."""
 
     outbox: Outbox
     worker: int = -1
     info: m.Register | None = None
+    island: int = -1
+    rank: int = -1
     defined: set[int] = field(default_factory=set)  # program keys sent to it
-
-    @property
-    def island(self) -> int:
-        return self.info.island if self.info else -1
 
     @property
     def address(self) -> str:
@@ -61,31 +63,50 @@ class Membership:
         self.links: dict[tuple[int, int], tuple[float, float]] = {}  # (src, dst) -> (latency s, bytes/s)
         self._measurements: dict[int, Measurement] = {}
         self._measurement_ids = itertools.count(1)
-        self._worker_ids = itertools.count(0)
+        self._next_worker = 0
+        self.islands = Islands()
 
     def register(self, conn: WorkerConn, msg: m.Register) -> bool:
-        """Welcome a new worker; False (with a Notice to it) if it is refused."""
+        """Admit a worker to its island (see islands.py), or refuse it with a Shutdown that
+        says why (False); welcome it once its island's coordinator is known."""
         if conn.worker >= 0:
             conn.outbox.put(m.Notice("worker is already registered"))
             return False
         if len(self.workers) >= MAX_WORKERS:
-            conn.outbox.put(m.Notice(f"the controller already has {MAX_WORKERS} workers; start another "
-                                     "controller for more"))
+            conn.outbox.put(m.Shutdown(f"the controller already has {MAX_WORKERS} workers; start another "
+                                       "controller for more"))
             return False
-        conn.worker = next(self._worker_ids)
-        conn.info = msg
-        self.workers[conn.worker] = conn
-        self.rm.add_host(conn.worker, msg.island, msg.kind, msg.devices, msg.memory_bytes, msg.rank)
-        conn.outbox.put(m.WorkerWelcome(conn.worker))
+        worker = self._next_worker
+        try:
+            island, rank, welcome = self.islands.join(worker, msg.island, msg.island_hosts, msg.rank,
+                                                      msg.coordinator, f" on {msg.host} (pid {msg.pid})")
+        except Refused as e:
+            log.warning("refused a worker at %s: %s", msg.address, e)
+            conn.outbox.put(m.Shutdown(str(e)))
+            return False
+        self._next_worker += 1
+        conn.worker, conn.info, conn.island, conn.rank = worker, msg, island.id, rank
+        self.workers[worker] = conn
+        self.rm.add_host(worker, island.id, msg.kind, msg.devices, msg.memory_bytes, rank)
+        self.rm.assembling = self.islands.assembling()
+        for w, r in welcome:
+            self.workers[w].outbox.put(m.WorkerWelcome(w, island.id, r, island.coordinator))
         # the newcomer learns every peer; the others learn only the newcomer (peers add up on
         # a worker), so that n registrations send O(n) addresses, not O(n^2)
         conn.outbox.put(m.Peers(tuple((w.worker, w.info.data_address) for w in self.workers.values())))
-        newcomer = m.Peers(((conn.worker, msg.data_address),))
+        newcomer = m.Peers(((worker, msg.data_address),))
         for w in self.workers.values():
             if w is not conn:
                 w.outbox.put(newcomer)
-        log.info("worker %d registered: %d %s device(s) at %s", conn.worker, msg.devices, msg.kind, msg.address)
+        log.info("worker %d registered: %d %s device(s) at %s, rank %d of island %s (%d of %d host(s) joined)",
+                 worker, msg.devices, msg.kind, msg.address, rank, island.describe(), len(island.members),
+                 island.hosts)
         return True
+
+    def lose_island(self, island: int) -> None:
+        """The island lost a host: it is gone (the core removes its workers)."""
+        self.islands.lose(island)
+        self.rm.assembling = self.islands.assembling()
 
     def remove(self, worker: int) -> WorkerConn | None:
         """Forget ``worker``: its links, and its turn in any measurement."""

@@ -4,7 +4,8 @@ A slice lives on the devices of one host when it fits on one, and otherwise on s
 hosts of one island (the same number of devices on each, hosts in rank order, so the
 mesh's leading axis spans hosts). Slices may share devices; the manager puts each new
 slice on the least-loaded devices that fit, and ``exclusive`` slices get devices nobody
-else uses. Islands marked unhealthy (a host was lost) get no new slices.
+else uses. Islands marked unhealthy (a host was lost) get no new slices, nor do islands
+still assembling (not all their hosts have joined).
 
 Measured figures break the ties these rules leave: among hosts that are otherwise equal,
 the faster devices (measured FLOP/s per device; hosts within SPEED_TOLERANCE of each
@@ -63,6 +64,7 @@ class ResourceManager:
         self.hosts: dict[int, Host] = {}
         self.slices: dict[int, SlicePlacement] = {}
         self.unhealthy: set[int] = set()  # islands that lost a host
+        self.assembling: set[int] = set()  # islands whose hosts have not all joined yet
         self.latency: dict[tuple[int, int], float] = {}  # measured (from worker, to worker) -> seconds
         self._ids = itertools.count(1)
 
@@ -102,7 +104,7 @@ class ResourceManager:
             raise PlacementError(f"mesh_shape {mesh_shape} has {math.prod(mesh_shape)} devices, "
                                  f"but the slice asks for {count}; make their product equal")
         candidates = [h for h in self.hosts.values() if h.kind == kind and h.island not in self.unhealthy
-                      and (island is None or h.island == island)]
+                      and h.island not in self.assembling and (island is None or h.island == island)]
         slowness = _slowness(candidates)
         best = self._best_on_one_host(candidates, count, exclusive, slowness)
         if best is None:
@@ -219,11 +221,15 @@ class ResourceManager:
         if not self.hosts:
             return "the cluster has no worker hosts yet; start workers or wait for them to register"
         what = ", ".join(
-            f"host {h.worker} (island {h.island}{', unhealthy' if h.island in self.unhealthy else ''}): "
+            f"host {h.worker} (island {h.island}{', unhealthy' if h.island in self.unhealthy else ''}"
+            f"{', assembling' if h.island in self.assembling else ''}): "
             f"{h.ndevices} {h.kind}" + (f", {len(h.exclusive)} held exclusively" if h.exclusive else "")
             for h in self.hosts.values())
         if self.unhealthy:
             what += f"; island(s) {sorted(self.unhealthy)} lost a host and are unhealthy"
+        if self.assembling:
+            what += (f"; island(s) {sorted(self.assembling)} are still assembling: they take slices once all "
+                     "their hosts have joined (`python -m pathways status` shows how many have)")
         if all(h.kind != kind for h in self.hosts.values()):
             return (f"no worker has {kind} devices; the cluster has: {what}. Workers are started with CPU "
                     "devices today (`python -m pathways worker`; a --platform flag for GPU workers is planned): "

@@ -7,7 +7,9 @@ grpc.aio, BENCHMARKS.md "control"), a coroutine per stream, so thousands of sess
 workers fit. The core runs on the same loop, called directly by the stream that received
 a payload, so it stays single-threaded without a hop between threads. Each stream has a
 LoopOutbox and a writer task that sends whatever the core put there since its last write
-as one batch. A worker learns the TCP address from the gRPC method AttachAddress.
+as one batch. A worker learns the TCP port from the gRPC method AttachAddress and connects
+to it at the host it reached the controller at. Both listen on the host of ``--bind``
+(loopback by default).
 
 Given a ``Security`` (wire/security.py) with a token, every gRPC call must carry it and a
 worker's connection must open with a hello frame carrying it, answered before any other
@@ -29,12 +31,13 @@ import grpc
 from pathways.controller.core import ControllerCore, WorkerConn
 from pathways.controller.scheduler import DEFAULT_WINDOW
 from pathways.defaults import ADDRESS_LINE
-from pathways.errors import DeadlineExceededError, WireError
+from pathways.errors import ConnectError, DeadlineExceededError, WireError
 from pathways.protocol import messages as m
 from pathways.protocol.errors import kind_of
 from pathways.protocol.handles import MAX_SESSION
 from pathways.wire import codec, frames, rpc
 from pathways.wire import security as sec
+from pathways.wire.addresses import family_of, join_host_port, reachable_host, split_host_port, strip_brackets
 from pathways.wire.codec import MAX_MESSAGE_BYTES
 from pathways.wire.security import Security
 
@@ -73,6 +76,7 @@ class ControllerServer:
         self._stopping = False  # the process is stopping: its streams end, but nothing was lost
         self._attach_server: Optional[asyncio.AbstractServer] = None
         self.worker_address = ""  # tcp://HOST:PORT once listen() ran
+        self.worker_port = 0
 
     async def _stream(self, read: Read, send: Callable[[bytes], Awaitable[None]], outbox: rpc.LoopOutbox,
                       on_payload: Callable[[bytes], None], on_end: Callable[[], None]) -> None:
@@ -111,18 +115,18 @@ class ControllerServer:
         except asyncio.TimeoutError:
             pass  # the peer stopped reading too: what was left for it is dropped
 
-    async def listen(self, host: str) -> str:
+    async def listen(self, host: str, advertise: str | None = None) -> str:
         """Accept workers' framed TCP streams (over TLS if the controller has a certificate)
-        on a free port of ``host``; returns the address, ``tcp://HOST:PORT``, that
-        AttachAddress tells workers."""
+        on a free port of ``host``; returns the address, ``tcp://ADVERTISE:PORT`` (``host``
+        by default), that AttachAddress names. Workers use only its port, with the host they
+        reached the controller at."""
         sec.check_bind(host, self.security, "the controller's worker port")
-        if self.security.serves_tls:
-            self._attach_server = await asyncio.start_server(self.attach, host, 0, ssl=sec.server_context(self.security),
-                                                             ssl_handshake_timeout=sec.HELLO_SECONDS)
-        else:
-            self._attach_server = await asyncio.start_server(self.attach, host, 0)
-        port = self._attach_server.sockets[0].getsockname()[1]
-        self.worker_address = f"tcp://{host}:{port}"
+        tls = {"ssl": sec.server_context(self.security), "ssl_handshake_timeout": sec.HELLO_SECONDS} \
+            if self.security.serves_tls else {}
+        self._attach_server = await asyncio.start_server(self.attach, strip_brackets(host) or None, 0,
+                                                         family=family_of(host), **tls)
+        self.worker_port = self._attach_server.sockets[0].getsockname()[1]
+        self.worker_address = f"tcp://{join_host_port(advertise or host, self.worker_port)}"
         return self.worker_address
 
     async def stop(self, server: grpc.aio.Server) -> None:
@@ -208,8 +212,10 @@ class ControllerServer:
                 await asyncio.wait_for(writer.wait_closed(), _DRAIN_SECONDS)
 
     async def attach_address(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        """Where workers attach: ``{"address": "tcp://HOST:PORT"}``."""
-        return m.pack({"address": self.worker_address})
+        """Where workers attach: ``{"address": "tcp://HOST:PORT", "port": PORT}``. A worker
+        connects to the port at the host it reached the controller at, which works
+        whatever the controller bound (a wildcard, or an address behind NAT)."""
+        return m.pack({"address": self.worker_address, "port": self.worker_port})
 
     async def status(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return m.pack(self.core.status())
@@ -253,16 +259,27 @@ def _header(payload: bytes) -> object:
         return None
 
 
-def main(policy: str = "fair", window: int = DEFAULT_WINDOW, security: Security | None = None) -> None:
-    asyncio.run(_serve(policy, window, security))
+def main(policy: str = "fair", window: int = DEFAULT_WINDOW, bind: str = f"{rpc.LOOPBACK}:0",
+         security: Security | None = None) -> None:
+    """Serve on ``bind`` (``HOST:PORT``) until SIGINT or SIGTERM; a bind that fails exits
+    with a message that says why."""
+    try:
+        host, port = split_host_port(bind)
+    except ValueError as e:
+        raise SystemExit(f"error: --bind {e}") from None
+    asyncio.run(_serve(policy, window, host, port, security))
 
 
-async def _serve(policy: str, window: int, security: Security | None) -> None:
+async def _serve(policy: str, window: int, host: str, port: int, security: Security | None) -> None:
     controller = ControllerServer(policy, window, security)
-    await controller.listen(rpc.LOOPBACK)  # before the gRPC server: AttachAddress must know it
-    server, port = await rpc.start_aio_server(rpc.CONTROLLER_SERVICE, controller.handlers(),
-                                              security=controller.security)
-    print(f"{ADDRESS_LINE} grpc://{rpc.LOOPBACK}:{port}", flush=True)
+    advertise = reachable_host(host)
+    try:
+        await controller.listen(host, advertise)  # before the gRPC server: AttachAddress must know it
+        server, port = await rpc.start_aio_server(rpc.CONTROLLER_SERVICE, controller.handlers(),
+                                                  join_host_port(host, port), security=controller.security)
+    except (ConnectError, OSError, sec.SecurityConfigError) as e:
+        raise SystemExit(f"error: the controller cannot listen on --bind {join_host_port(host, port)}: {e}") from None
+    print(f"{ADDRESS_LINE} grpc://{join_host_port(advertise, port)}", flush=True)
     stopping: asyncio.Future = asyncio.get_running_loop().create_future()
 
     def on_signal(signum: int) -> None:

@@ -1,5 +1,6 @@
-"""The cluster's status as the controller sees it: islands, workers with their measured
-figures, links, sessions and totals. A pure function of the core's parts."""
+"""The cluster's status as the controller sees it: islands (assembling, healthy or lost),
+workers with their measured figures, links, sessions and totals. A pure function of the
+core's parts."""
 
 from __future__ import annotations
 
@@ -9,15 +10,16 @@ from typing import Any
 def status(core: Any) -> dict[str, Any]:
     """``core`` is a ControllerCore (not imported: the core imports this module)."""
     rm, scheduler, workers = core.rm, core.scheduler, core.membership.workers
-    islands = sorted({w.island for w in workers.values()} | rm.unhealthy)
+    islands = core.membership.islands.by_id
     return {
         "policy": scheduler.policy,
         "window": scheduler.window,
-        "islands": [{"island": i, "healthy": i not in rm.unhealthy,
-                     "hosts": sum(1 for w in workers.values() if w.island == i),
+        # per island: "hosts" joined of "expected_hosts"; "assembling" until all have joined
+        "islands": [{"island": i, "name": isl.name, "healthy": not isl.lost, "assembling": isl.assembling,
+                     "hosts": len(isl.members), "expected_hosts": isl.hosts,
                      "devices": sum(w.info.devices for w in workers.values() if w.island == i),
                      "queued": scheduler.queued(i), "inflight": scheduler.inflight(i)}
-                    for i in islands],
+                    for i, isl in sorted(islands.items())],
         "workers": [_worker(w, rm.hosts.get(w.worker)) for w in workers.values()],
         "links": [{"src": src, "dst": dst, "latency": latency, "bandwidth": bandwidth}
                   for (src, dst), (latency, bandwidth) in sorted(core.membership.links.items())],
@@ -31,7 +33,8 @@ def status(core: Any) -> dict[str, Any]:
 def _worker(conn: Any, host: Any) -> dict[str, Any]:
     info = conn.info
     return {"worker": conn.worker, "address": info.address, "data_address": info.data_address,
-            "island": info.island, "rank": info.rank, "kind": info.kind, "devices": info.devices,
+            "island": conn.island, "island_name": info.island, "rank": conn.rank, "kind": info.kind,
+            "devices": info.devices,
             "pid": info.pid, "host": info.host,
             "memory_bytes": host.memory_bytes if host is not None else info.memory_bytes,
             # measured FLOP/s (None until measured) and slices per device

@@ -27,7 +27,8 @@ from pathways.wire.codec import MAX_MESSAGE_BYTES, pack, unpack
 PROTOCOL_VERSION = 3
 MAX_DEVICES_PER_HOST = 1024  # more than any accelerator host has; bounds a register's cost
 MAX_ISLAND = (1 << 31) - 1
-MAX_RANK = 1 << 16
+MAX_RANK = 1 << 16  # hosts per island
+MAX_ISLAND_NAME = 128
 MAX_WAIT_SECONDS = 3600.0  # the longest any request may ask a server to wait
 DEVICE_KINDS = frozenset({"cpu", "gpu", "tpu"})
 
@@ -264,14 +265,25 @@ class Error(Message):
 
 # ---- worker <-> controller (the worker stream: framed TCP) ----------------------------------------------
 
+# Islands assemble themselves: a worker names its island and its size (and may ask for a
+# rank); the controller assigns ranks and answers with the island's coordinator address.
+
 @message("register")
 class Register(Message):
+    """A worker joins: where it serves (gRPC, data plane), its devices, and its island:
+    the island's name, how many hosts it has, the rank asked for (None: the controller
+    assigns the next free one), and ``coordinator``, ``HOST:PORT`` this host reserved to
+    run the island's jax.distributed coordinator should it be rank 0 ("" for an island of
+    one host)."""
+
     address: str = wire(NAME)
     data_address: str = wire(NAME)
     kind: str = wire(Str(8, DEVICE_KINDS))
     devices: int = wire(Int(1, MAX_DEVICES_PER_HOST))
-    island: int = wire(Int(0, MAX_ISLAND))
-    rank: int = wire(Int(0, MAX_RANK))
+    island: str = wire(Str(MAX_ISLAND_NAME))
+    island_hosts: int = wire(Int(1, MAX_RANK))
+    rank: int | None = wire(Optional(Int(0, MAX_RANK - 1)))
+    coordinator: str = wire(NAME)
     pid: int = wire(Int(0, 1 << 32))
     host: str = wire(NAME)
     memory_bytes: int = wire(Int(0, 1 << 60))
@@ -324,7 +336,13 @@ class Measured(Message):
 
 @message("welcome")
 class WorkerWelcome(Message):
+    """A registered worker's id, the id of its island, its rank there, and the island's
+    jax.distributed coordinator (``HOST:PORT`` rank 0 reserved; "" for one host)."""
+
     worker: int = wire(WORKER)
+    island: int = wire(Int(0, MAX_ISLAND))
+    rank: int = wire(Int(0, MAX_RANK - 1))
+    coordinator: str = wire(NAME)
 
 
 @message("peers")

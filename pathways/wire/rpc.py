@@ -29,10 +29,11 @@ import grpc
 from pathways.errors import AuthenticationError, ConnectError
 from pathways.protocol.messages import MAX_MESSAGE_BYTES, Message, encode_batch
 from pathways.wire import security as sec
+from pathways.wire.addresses import join_host_port, split_host_port
 from pathways.wire.security import Security
 
 CONTROLLER_SERVICE = "pathways.Controller"
-LOOPBACK = "127.0.0.1"  # where servers listen: every process of a cluster runs on this host today
+LOOPBACK = "127.0.0.1"  # where servers listen unless told otherwise (--bind)
 WORKER_SERVICE = "pathways.Worker"
 
 # How long a refused connection is retried: one reconnection attempt (gRPC's first backoff is
@@ -67,10 +68,7 @@ def _role(service: str) -> str:
 
 def _bind(server: grpc.Server | grpc.aio.Server, host: str, port: int, security: Security, what: str) -> int:
     sec.check_bind(host, security, what)
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    if security.serves_tls:
-        return server.add_secure_port(address, server_credentials(security))
-    return server.add_insecure_port(address)
+    return _add_port(server, join_host_port(host, port), security)
 
 
 def make_server(service: str, handlers: dict[str, grpc.RpcMethodHandler], host: str = LOOPBACK,
@@ -97,14 +95,32 @@ async def start_aio_server(service: str, handlers: dict[str, grpc.RpcMethodHandl
     """A grpc.aio server on ``bind`` (HOST:PORT; port 0 for a free one), serving coroutine
     ``handlers`` on the running loop; returns (server, port). ``security`` as for make_server."""
     security = security or Security()
-    host, _, port = bind.rpartition(":")
+    host, port = split_host_port(bind)
     interceptors = [_AioTokenCheck(security, _role(service))] if security.token is not None else []
     server = grpc.aio.server(options=[*_OPTIONS, ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS)],
                              interceptors=interceptors)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
-    port = _bind(server, host.strip("[]"), int(port), security, f"the {_role(service)}'s gRPC server")
+    port = _bind(server, host, port, security, f"the {_role(service)}'s gRPC server")
     await server.start()
     return server, port
+
+
+def _add_port(server: grpc.Server | grpc.aio.Server, target: str, security: Security) -> int:
+    """Bind ``target`` (over TLS if ``security`` has a certificate); gRPC reports a failed
+    bind as port 0 (or a RuntimeError), which becomes an error that names the address."""
+    try:
+        if security.serves_tls:
+            port = server.add_secure_port(target, server_credentials(security))
+        else:
+            port = server.add_insecure_port(target)
+    except RuntimeError as e:
+        port, why = 0, f": {e}"
+    else:
+        why = ""
+    if not port:
+        raise ConnectError(f"could not listen on {target}{why}; pass a host that is an address of this machine "
+                           "(or 0.0.0.0 for all of them) and a port that is free (or 0 for any)")
+    return port
 
 
 # ---- the token and TLS ---------------------------------------------------------------------
@@ -277,9 +293,8 @@ def wait_ready(channel: grpc.Channel, address: str, timeout: float, advice: str 
 
 
 def _accepts_connections(target: str) -> bool:
-    host, _, port = target.rpartition(":")
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+        with socket.create_connection(split_host_port(target), timeout=1.0):
             return True
     except OSError:
         return False

@@ -41,6 +41,7 @@ import numpy as np
 from pathways.errors import WireError
 from pathways.wire import codec
 from pathways.wire import security as sec
+from pathways.wire.addresses import family_of, join_host_port, split_host_port, strip_brackets
 from pathways.wire.frames import LENGTH, frame, recv_exactly
 from pathways.wire.security import Security
 
@@ -121,8 +122,9 @@ class Listener:
         memory = codec.host_memory_bytes()
         self.budget = Budget(memory // 2 if budget_bytes is None else budget_bytes)
         self._connection_bytes = memory // 4 if connection_bytes is None else connection_bytes
-        self._server = socket.create_server((host, 0))
-        self.address = f"tcp://{host}:{self._server.getsockname()[1]}"
+        self._server = socket.create_server((strip_brackets(host), 0), family=family_of(host))
+        self.port: int = self._server.getsockname()[1]
+        self.address = f"tcp://{join_host_port(host, self.port)}"  # where it listens (peers may need another host)
         self._closed = False
         threading.Thread(target=self._accept, name="pathways-data-accept", daemon=True).start()
 
@@ -273,15 +275,14 @@ def _probe_bytes(header: dict) -> int:
 
 def connect(address: str, timeout: float, security: Security | None = None, tls: bool | None = None) -> socket.socket:
     """A connection to ``tcp://HOST:PORT``, opened within ``timeout`` seconds (OSError if
-    not; ValueError for a port that is not a number), with Nagle's delay off: frames are
+    not; ValueError for an address not of the form tcp://HOST:PORT), with Nagle's delay off: frames are
     sent whole, and a small one must not wait for the acknowledgement of the last.
 
     With ``security``: over TLS if ``tls`` (by default its ``data_plane_tls``), then greeted
     with its token (security.greet): AuthenticationError if the peer refuses it,
     ConnectError if the handshake or the greeting fails."""
-    host, _, port = address.removeprefix("tcp://").rpartition(":")
-    host = host.strip("[]")
-    sock = socket.create_connection((host, int(port)), timeout=timeout)
+    host, port = split_host_port(address.removeprefix("tcp://"))
+    sock = socket.create_connection((host, port), timeout=timeout)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if security is not None:

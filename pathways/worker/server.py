@@ -1,19 +1,28 @@
 """The worker process: the gRPC and socket shell around the worker's core (core.py).
 
 It attaches to the controller with one long-lived stream, a TCP connection of frames
-(wire/frames.py) at the address the controller's AttachAddress method names (registration
-and done reports up, op batches down; a reader and a sender thread), serves clients' puts
-and fetches over gRPC (each for its own session's arrays, core.py), and hands the data
-plane's frames from peers (wire/tcp.py) to the core. In the background the core measures
-its FLOP/s and its links to the other workers (measure.py). The hosts of an island of
-several hosts form one ``jax.distributed`` group (CPU collectives over gloo). When the
-controller's stream ends, or the controller says the island is lost, the worker exits: a
-worker without a controller or island has no work.
+(wire/frames.py) to the port the controller's AttachAddress method names, at the host the
+worker reached the controller at (registration and done reports up, op batches down; a
+reader and a sender thread), serves clients' puts and fetches over gRPC, and hands the data
+plane's frames from peers (wire/tcp.py) to the core; a client's put or fetch is served only
+for its own session's arrays (core.py). In the background the core measures its FLOP/s and
+its links to the other workers (measure.py).
 
 Given a ``Security`` (wire/security.py), the worker gives the cluster's token on every
 connection it opens (gRPC calls, the stream to the controller, the data plane) and requires
 it on every one it serves; with TLS, its gRPC server and data listener present its
 certificate and it verifies the controller's and its peers' with the CA.
+
+Start-up runs in this order because ranks come from the controller: listen (gRPC, data
+plane, and for an island of several hosts a reserved coordinator port; all on the bind
+host, see island.py), attach and register with the advertised addresses, wait for the
+welcome (this host's rank and its island's coordinator; or a refusal, which ends the
+process with its reason), configure JAX and join the island's jax.distributed group, and
+only then build the core. What the controller sends meanwhile is kept and handed to the
+core in order; callers of the gRPC methods and the data plane wait for the core.
+
+When the controller's stream ends, or the controller says the island is lost, the worker
+exits: a worker without a controller or island has no work.
 """
 
 from __future__ import annotations
@@ -25,36 +34,58 @@ import math
 import os
 import signal
 import socket
+import sys
 import threading
-from dataclasses import dataclass
-from typing import Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import grpc
 import trio
 
 from pathways.errors import AccessDeniedError, ConnectError, WireError
-from pathways.protocol.messages import FETCH, MAX_MESSAGE_BYTES, Register
+from pathways.protocol.messages import (FETCH, MAX_MESSAGE_BYTES, WORKER_DOWN, Register, Shutdown, WorkerWelcome)
 from pathways.wire import codec, frames, rpc, tcp
+from pathways.wire.addresses import join_host_port, split_host_port
 from pathways.wire.security import Security, SecurityConfigError
-from pathways.worker.core import WorkerCore
+from pathways.worker.island import IslandMembership, PortReservation, configure_jax, worker_hosts
 from pathways.worker.measure import host_memory_bytes
+
+if TYPE_CHECKING:  # imported when needed: the core takes JAX's devices, which exist after configure_jax
+    from pathways.worker.core import WorkerCore
 
 log = logging.getLogger("pathways.worker")
 
+__all__ = ["IslandMembership", "WorkerService", "main"]
+
 
 class WorkerService:
-    """The worker's gRPC methods (Put, Fetch, Stats) over a core."""
+    """The worker's gRPC methods (Put, Fetch, Stats) over a core, which may come later
+    (``attach``): until then a call waits for it, at most ``wait`` seconds."""
 
-    def __init__(self, core: WorkerCore) -> None:
-        self.core = core
+    def __init__(self, core: Optional["WorkerCore"] = None, wait: float = 30.0) -> None:
+        self._core = core
+        self._wait = wait
+        self._ready = threading.Event()
+        if core is not None:
+            self._ready.set()
+
+    def attach(self, core: "WorkerCore") -> None:
+        self._core = core
+        self._ready.set()
+
+    def core(self) -> Optional["WorkerCore"]:
+        """The core, once it exists (None if it did not within the wait)."""
+        return self._core if self._ready.wait(self._wait) else None
 
     def put(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
         """A client's array: ``{"ok": true}``, or ``{"error": ...}`` (with ``"kind":
         "AccessDeniedError"`` when the put was refused for its credential)."""
+        core = self.core()
+        if core is None:
+            return codec.pack({"error": _NOT_READY})
         try:
             chunks = iter(request_iterator)
             header = codec.unpack(next(chunks, b""))
-            error = self.core.client_put(header, chunks)
+            error = core.client_put(header, chunks)
         except WireError as e:
             return codec.pack({"error": str(e)})
         except AccessDeniedError as e:
@@ -67,77 +98,123 @@ class WorkerService:
         except WireError as e:
             yield codec.pack({"state": "error", "kind": "WireError", "message": f"the worker refused a fetch: {e}"})
             return
+        core = self.core()
+        if core is None:
+            yield codec.pack({"state": "error", "kind": "WireError", "message": _NOT_READY})
+            return
         # A caller that hangs up (cancels, or runs past its deadline) wakes the waiter, which
         # then sees it is no longer wanted and gives its thread back.
-        if not context.add_callback(self.core.store.wake):
+        if not context.add_callback(core.store.wake):
             return  # the call already ended
-        yield from self.core.fetch(req, context.is_active)
+        yield from core.fetch(req, context.is_active)
 
     def stats(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        return codec.pack(self.core.stats())
+        core = self.core()
+        return codec.pack(core.stats() if core is not None else {"error": _NOT_READY})
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         return {"Put": rpc.stream_unary(self.put), "Fetch": rpc.unary_stream(self.fetch),
                 "Stats": rpc.unary_unary(self.stats)}
 
 
-@dataclass(frozen=True)
-class IslandMembership:
-    """This host's place in a multi-host island: the jax.distributed group it joins."""
-
-    coordinator: str  # host:port of the group's coordination service (run by rank 0)
-    hosts: int
-    rank: int
+_NOT_READY = ("the worker is still joining its island (its other hosts have not all started); try again "
+              "once `python -m pathways status` shows the island healthy")
 
 
-def main(controller: str, devices: int, island: int, wait_timeout: float, connect_timeout: float,
-         membership: IslandMembership | None = None, unsafe_local_order: bool = False,
-         security: Security | None = None) -> None:
-    """Configure JAX for ``devices`` CPU devices (joining the island's jax.distributed group
-    when it has several hosts), then serve until the controller goes away."""
+class Joining:
+    """The controller's stream before the core exists: keeps every payload, in order, and
+    notes the welcome or the refusal among them; ``hand_to`` gives what was kept to the
+    core and sends later payloads straight to it. Called from the reader thread."""
+
+    def __init__(self, on_welcome: Callable[[], None], on_shutdown: Callable[[], None]) -> None:
+        self._lock = threading.Lock()
+        self._kept: list[bytes] = []
+        self._core: Optional["WorkerCore"] = None
+        self._on_welcome = on_welcome
+        self._on_shutdown = on_shutdown
+        self.welcome: Optional[WorkerWelcome] = None
+        self.shutdown: Optional[str] = None  # the controller's reason, if it refused or stopped this worker
+
+    def on_batch(self, payload: bytes) -> None:
+        with self._lock:
+            if self._core is not None:
+                core = self._core
+            else:
+                self._kept.append(payload)
+                self._note(payload)
+                return
+        core.on_batch(payload)
+
+    def _note(self, payload: bytes) -> None:
+        try:
+            batch = WORKER_DOWN.decode_batch(payload)
+        except WireError:
+            return  # the core reports it once it exists
+        for msg in batch:
+            if type(msg) is WorkerWelcome and self.welcome is None:
+                self.welcome = msg
+                self._on_welcome()
+            elif type(msg) is Shutdown and self.shutdown is None:
+                self.shutdown = msg.reason
+                self._on_shutdown()
+
+    def hand_to(self, core: "WorkerCore") -> None:
+        with self._lock:
+            for payload in self._kept:
+                core.on_batch(payload)
+            self._kept.clear()
+            self._core = core
+
+
+def main(controller: str, devices: int, island: IslandMembership, wait_timeout: float, connect_timeout: float,
+         join_timeout: float = 300.0, bind: Optional[str] = None, advertise: Optional[str] = None,
+         unsafe_local_order: bool = False, security: Security | None = None) -> None:
+    """Serve until the controller goes away: attach to ``controller``, join ``island``
+    (JAX gets ``devices`` CPU devices, and joins the island's jax.distributed group when it
+    has several hosts, waiting up to ``join_timeout`` seconds for the other hosts). Servers
+    listen on ``bind`` and are advertised at ``advertise`` (defaults: island.py
+    ``worker_hosts``). A refusal by the controller exits with its reason. ``security``: the
+    token and TLS of every connection (wire/security.py)."""
     security = security or Security()
     if security.serves_tls != security.uses_tls:
         raise SecurityConfigError("a worker uses TLS with --tls-cert and --tls-key (clients and peers reach its "
                                   "servers over TLS) and --tls-ca (it verifies the controller's and its peers' "
                                   "certificates): give all three, or none")
-    import jax
-
-    if not (math.isfinite(wait_timeout) and wait_timeout > 0 and math.isfinite(connect_timeout)
-            and connect_timeout > 0):
-        raise SystemExit(f"--wait-timeout and --connect-timeout must be finite numbers of seconds above 0, "
-                         f"got {wait_timeout!r} and {connect_timeout!r}")
-
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", devices)
-    if membership is not None:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        # A lost host is the controller's to handle (it fails the island's work and stops
-        # the other hosts); without this, jax aborts every other process of the group.
-        jax.config.update("jax_enable_recoverability", True)
-        jax.distributed.initialize(membership.coordinator, membership.hosts, membership.rank,
-                                   initialization_timeout=int(connect_timeout))
-    rank = membership.rank if membership else 0
-    # Under jax.distributed, a process with several devices hangs after a few dozen
-    # multi-device computations dispatched back to back (even ones local to the process);
-    # waiting for each before the next is safe (measured: DESIGN.md, BENCHMARKS.md).
-    sync = membership is not None and devices > 1
-    trio.run(_serve, controller, devices, island, rank, wait_timeout, connect_timeout, sync, unsafe_local_order,
-             security)
-    if membership is not None:
+    if not all(math.isfinite(t) and t > 0 for t in (wait_timeout, connect_timeout, join_timeout)):
+        raise SystemExit(f"--wait-timeout, --connect-timeout and --join-timeout must be finite numbers of seconds "
+                         f"above 0, got {wait_timeout!r}, {connect_timeout!r} and {join_timeout!r}")
+    try:
+        controller_host, controller_port = split_host_port(rpc.parse_address(controller))
+        bind_host, advertise_host = worker_hosts(controller_host, controller_port, bind, advertise)
+    except (ConnectError, ValueError) as e:
+        raise SystemExit(f"error: --controller: {e}") from None
+    except OSError as e:
+        raise SystemExit(f"error: no route to the controller at {controller} ({e}); check the address, or pass "
+                         "--advertise HOST (the address other hosts reach this one at)") from None
+    error = trio.run(_serve, controller, devices, island, bind_host, advertise_host, wait_timeout, connect_timeout,
+                     join_timeout, unsafe_local_order, security)
+    if island.hosts > 1:
         # jax.distributed's exit handler waits at a barrier for every host of the island,
         # which never comes when one of them is lost.
+        if error:
+            print(f"error: {error}", file=sys.stderr, flush=True)
         logging.shutdown()
-        os._exit(0)
+        os._exit(1 if error else 0)
+    if error:
+        raise SystemExit(f"error: {error}")
 
 
 def _attach(channel: grpc.Channel, controller: str, timeout: float, security: Security) -> socket.socket:
-    """Ask the controller at ``controller`` where workers attach, and connect there (over
-    TLS when the controller uses it, greeted with the token), within ``timeout`` seconds
-    each."""
+    """Ask the controller at ``controller`` (grpc://HOST:PORT) which port workers attach
+    to, and connect to that port of HOST (over TLS when the controller uses it, greeted
+    with the token), within ``timeout`` seconds each."""
     ask = rpc.method(channel, rpc.CONTROLLER_SERVICE, "AttachAddress", "unary_unary")
     try:
-        sock = tcp.connect(codec.unpack(ask(b"", timeout=timeout))["address"], timeout, security,
-                           tls=security.uses_tls)
+        port = codec.unpack(ask(b"", timeout=timeout))["port"]
+        if type(port) is not int or not 0 < port < 65536:
+            raise ValueError(f"the controller named port {port!r}")
+        host, _ = split_host_port(rpc.parse_address(controller))
+        sock = tcp.connect(f"tcp://{join_host_port(host, port)}", timeout, security, tls=security.uses_tls)
     except grpc.RpcError as e:
         raise rpc.refusal(e, controller) or ConnectError(
             f"could not ask the controller at {controller} where to attach ({e.code().name}); check that it is "
@@ -150,71 +227,211 @@ def _attach(channel: grpc.Channel, controller: str, timeout: float, security: Se
     return sock
 
 
-async def _serve(controller: str, devices: int, island: int, rank: int, wait_timeout: float,
-                 connect_timeout: float, sync_collectives: bool, unsafe_local_order: bool,
-                 security: Security) -> None:
-    ended = trio.Event()
-    token = trio.lowlevel.current_trio_token()
+async def _first(*events: trio.Event) -> None:
+    """Return once any of ``events`` is set."""
+    async with trio.open_nursery() as nursery:
+        for event in events:
+            async def wait(event: trio.Event = event) -> None:
+                await event.wait()
+                nursery.cancel_scope.cancel()
+            nursery.start_soon(wait)
 
-    def end() -> None:
-        try:
-            token.run_sync_soon(ended.set)
-        except trio.RunFinishedError:
-            pass
+
+async def _serve(controller: str, devices: int, island: IslandMembership, bind: str, advertise: str,
+                 wait_timeout: float, connect_timeout: float, join_timeout: float,
+                 unsafe_local_order: bool, security: Security) -> Optional[str]:
+    """Run the worker until its controller or a signal stops it; returns why it could not
+    run, or None."""
+    token = trio.lowlevel.current_trio_token()
+    ended, welcomed = trio.Event(), trio.Event()
+
+    def setter(event: trio.Event) -> Callable[[], None]:
+        def set_soon() -> None:  # from any thread
+            try:
+                token.run_sync_soon(event.set)
+            except trio.RunFinishedError:
+                pass
+        return set_soon
+
+    end = setter(ended)
+    joining = Joining(setter(welcomed), end)
+    service = WorkerService(wait=join_timeout)
+
+    def receive_frame(header: dict, pieces: list) -> Optional[str]:
+        core = service.core()
+        return core.receive_frame(header, pieces) if core is not None else _NOT_READY
 
     outbox = rpc.Outbox()
-    core = WorkerCore(outbox.put, wait_timeout, sync_collectives, unsafe_local_order, end, security)
-    listener = tcp.Listener(core.receive_frame, wait_timeout, security=security)
-    server, port = rpc.make_server(rpc.WORKER_SERVICE, WorkerService(core).handlers(), security=security)
     channel = rpc.open_channel(controller, security)
-    sock: socket.socket | None = None
+    listener: Optional[tcp.Listener] = None
+    server: Optional[grpc.Server] = None
+    reservation: Optional[PortReservation] = None
+    sock: Optional[socket.socket] = None
+    core: Optional["WorkerCore"] = None
     try:
+        try:
+            listener = tcp.Listener(receive_frame, wait_timeout, host=bind, security=security)
+            server, port = rpc.make_server(rpc.WORKER_SERVICE, service.handlers(), host=bind, security=security)
+            reservation = PortReservation(bind) if island.hosts > 1 else None
+        except (ConnectError, OSError, SecurityConfigError) as e:
+            return (f"the worker cannot listen on {bind} ({e}); pass --bind an address of this machine "
+                    "(or 0.0.0.0 with --advertise HOST)")
+        coordinator = join_host_port(advertise, reservation.port) if reservation is not None else ""
         await trio.to_thread.run_sync(functools.partial(rpc.wait_ready, channel, controller, connect_timeout,
                                                         security=security))
         sock = await trio.to_thread.run_sync(_attach, channel, controller, connect_timeout, security)
-        outbox.put(Register(f"grpc://{rpc.LOOPBACK}:{port}", listener.address, "cpu", devices, island, rank,
-                            os.getpid(), socket.gethostname(), host_memory_bytes()))
-        reader = frames.FrameReader(sock)
+        outbox.put(Register(f"grpc://{join_host_port(advertise, port)}",
+                            f"tcp://{join_host_port(advertise, listener.port)}", "cpu", devices, island.name,
+                            island.hosts, island.rank, coordinator, os.getpid(), socket.gethostname(),
+                            host_memory_bytes()))
+        _start_stream(sock, outbox, joining.on_batch, end)
 
-        def send() -> None:
-            try:
-                for payload in outbox.batches():
-                    sock.sendall(frames.frame(payload))
-            except OSError as e:
-                log.info("controller stream ended while sending: %s", e)
-                end()
+        async def run() -> Optional[str]:
+            nonlocal core
+            error = await _join(island, devices, bind, advertise, join_timeout, joining, welcomed, ended, reservation)
+            if error:
+                return error
+            core = await _start_core(devices, island, wait_timeout, unsafe_local_order, outbox, end, ended, security)
+            if core is None:
+                return _stopped(joining, island)
+            service.attach(core)
+            joining.hand_to(core)
+            await ended.wait()
+            return None
 
-        def read() -> None:
-            try:
-                # No deadline within a frame: the controller is this worker's one trusted
-                # peer, and when its process ends the kernel closes the connection.
-                while (payload := reader.read(MAX_MESSAGE_BYTES)) is not None:
-                    core.on_batch(payload)
-                log.info("controller stream ended")
-            except Exception as e:  # OSError or WireError, or ValueError once shutdown closed the reader
-                log.info("controller stream ended: %s", e)
-            finally:
-                end()
-
-        threading.Thread(target=send, name="pathways-attach-send", daemon=True).start()
-        threading.Thread(target=read, name="pathways-attach", daemon=True).start()
+        error: Optional[str] = None
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
                 async def stop_on_signal() -> None:
                     async for _ in signals:
                         nursery.cancel_scope.cancel()
                 nursery.start_soon(stop_on_signal)
-                await ended.wait()
+                error = await run()
                 nursery.cancel_scope.cancel()
+        return error
     except ConnectError as e:
-        log.error("%s", e)
+        return str(e)
     finally:
         outbox.close()
         if sock is not None:
             with contextlib.suppress(OSError):  # the controller may have closed it already
                 sock.shutdown(socket.SHUT_RDWR)  # wakes the reader thread
             sock.close()
-        listener.close()
-        core.close()
-        server.stop(grace=0.5)
+        if reservation is not None:
+            reservation.close()
+        if listener is not None:
+            listener.close()
+        if core is not None:
+            core.close()
+        if server is not None:
+            server.stop(grace=0.5)
         channel.close()
+
+
+def _start_stream(sock: socket.socket, outbox: rpc.Outbox, on_batch: Callable[[bytes], None],
+                  end: Callable[[], None]) -> None:
+    """Threads that send ``outbox``'s batches on ``sock`` and hand what arrives to
+    ``on_batch``; ``end`` is called when the stream ends either way."""
+    reader = frames.FrameReader(sock)
+
+    def send() -> None:
+        try:
+            for payload in outbox.batches():
+                sock.sendall(frames.frame(payload))
+        except OSError as e:
+            log.info("controller stream ended while sending: %s", e)
+            end()
+
+    def read() -> None:
+        try:
+            # No deadline within a frame: the controller is this worker's one trusted
+            # peer, and when its process ends the kernel closes the connection.
+            while (payload := reader.read(MAX_MESSAGE_BYTES)) is not None:
+                on_batch(payload)
+            log.info("controller stream ended")
+        except Exception as e:  # OSError or WireError, or ValueError once shutdown closed the reader
+            log.info("controller stream ended: %s", e)
+        finally:
+            end()
+
+    threading.Thread(target=send, name="pathways-attach-send", daemon=True).start()
+    threading.Thread(target=read, name="pathways-attach", daemon=True).start()
+
+
+def _stopped(joining: Joining, island: IslandMembership) -> str:
+    """Why the worker stopped before its core ran."""
+    if joining.shutdown is not None:  # a refused registration, or the island lost a host
+        return f"the controller shut this worker down: {joining.shutdown}"
+    return f"the controller's stream ended while this worker was joining island {island.name!r}"
+
+
+async def _join(island: IslandMembership, devices: int, bind: str, advertise: str, timeout: float,
+                joining: Joining, welcomed: trio.Event, ended: trio.Event,
+                reservation: Optional[PortReservation]) -> Optional[str]:
+    """Wait for the welcome (this host's rank, the island's coordinator), then configure
+    JAX and join the island's jax.distributed group, each within ``timeout`` seconds.
+    Returns why that failed, or None."""
+    with trio.move_on_after(timeout):
+        await _first(welcomed, ended)
+    if ended.is_set():
+        return _stopped(joining, island)
+    welcome = joining.welcome
+    if welcome is None:
+        return (f"island {island.name!r} has no rank 0 host yet, and this worker waited {timeout:g} s for it "
+                "(--join-timeout); start every host of the island")
+    if reservation is not None and welcome.rank != 0:
+        reservation.close()  # the coordinator is another host's
+    log.info("worker %d: rank %d of island %r (id %d) of %d host(s)", welcome.worker, welcome.rank, island.name,
+             welcome.island, island.hosts)
+    done = trio.Event()
+    failure: list[BaseException] = []
+
+    def configure() -> None:
+        try:
+            configure_jax(devices, island.hosts, welcome, bind, advertise, timeout)
+        except Exception as e:  # jax's timeout and connection errors
+            failure.append(e)
+
+    async def run() -> None:
+        await trio.to_thread.run_sync(configure, abandon_on_cancel=True)
+        done.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run)
+        await _first(done, ended)
+        nursery.cancel_scope.cancel()  # a thread stuck in jax is abandoned: the process exits
+    if not done.is_set():
+        return _stopped(joining, island)
+    if reservation is not None:
+        reservation.close()  # the coordination service runs (rank 0) or the port was not needed
+    if failure:
+        return (f"joining island {island.name!r} as rank {welcome.rank} of {island.hosts} failed: {failure[0]}. "
+                f"Its coordinator is {welcome.coordinator} (rank 0's advertised host): every host of the island "
+                "must reach it and start within --join-timeout")
+    return None
+
+
+async def _start_core(devices: int, island: IslandMembership, wait_timeout: float, unsafe_local_order: bool,
+                      outbox: rpc.Outbox, end: Callable[[], None], ended: trio.Event,
+                      security: Security) -> Optional["WorkerCore"]:
+    """The worker's core (JAX's devices exist now); None if the stream ended first."""
+    from pathways.worker.core import WorkerCore
+
+    # Under jax.distributed, a process with several devices hangs after a few dozen
+    # multi-device computations dispatched back to back (even ones local to the process);
+    # waiting for each before the next is safe (measured: DESIGN.md, BENCHMARKS.md).
+    sync = island.hosts > 1 and devices > 1
+    made: list["WorkerCore"] = []
+    done = trio.Event()
+
+    async def build() -> None:
+        made.append(await trio.to_thread.run_sync(
+            lambda: WorkerCore(outbox.put, wait_timeout, sync, unsafe_local_order, end, security),
+            abandon_on_cancel=True))
+        done.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(build)
+        await _first(done, ended)
+        nursery.cancel_scope.cancel()
+    return made[0] if made else None

@@ -1,0 +1,121 @@
+"""Islands that assemble themselves: names, sizes, ranks and coordinators. Pure: no I/O.
+
+A worker registers with its island's name, the number of hosts the island has, and
+optionally the rank it wants. The first worker to name an island sets its size; the
+controller gives ranks in order of arrival (the lowest free one) unless a worker asks for
+one, and refuses a registration that cannot fit (a size that disagrees, a rank out of
+range or taken, an island already complete) with a message that says what to fix.
+
+An island of several hosts is one jax.distributed group, whose coordination service rank 0
+runs: every host reserves a port before it registers, and the island's coordinator is rank
+0's. A host learns its rank and the coordinator in its welcome, so a host that joins before
+rank 0 waits for it. Until all its hosts have joined the island is *assembling*: placement
+keeps slices off it.
+
+The controller's other parts keep integer island ids (slice requests, placement, the
+scheduler): a name that is a number gets that number as its id when it is free (local
+clusters name their islands 0, 1, ...), any other name the lowest free id. An island that
+lost a host is gone; its name may be used again, by hosts that then form a new island with
+a new id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+MAX_ISLAND_ID = (1 << 31) - 1
+
+
+class Refused(Exception):
+    """A registration the controller refuses; the message says what to fix."""
+
+
+@dataclass
+class Island:
+    id: int
+    name: str
+    hosts: int  # hosts it has once assembled
+    members: dict[int, int] = field(default_factory=dict)  # rank -> worker
+    coordinator: str = ""  # HOST:PORT rank 0 reserved, once rank 0 joined (islands of several hosts)
+    lost: bool = False
+
+    @property
+    def assembled(self) -> bool:
+        return not self.lost and len(self.members) == self.hosts
+
+    @property
+    def assembling(self) -> bool:
+        return not self.lost and len(self.members) < self.hosts
+
+    def describe(self) -> str:
+        return repr(self.name) if self.name == str(self.id) else f"{self.name!r} (id {self.id})"
+
+
+class Islands:
+    def __init__(self) -> None:
+        self.by_id: dict[int, Island] = {}
+        self._named: dict[str, int] = {}  # name -> id of the island the name stands for now
+
+    def join(self, worker: int, name: str, hosts: int, rank: Optional[int], coordinator: str,
+             who: str = "") -> tuple[Island, int, list[tuple[int, int]]]:
+        """Place ``worker`` in island ``name`` of ``hosts`` hosts, at ``rank`` (None: the
+        lowest free one). Returns the island, the rank, and the (worker, rank) pairs to
+        welcome now: everyone once rank 0 (whose coordinator they need) has joined. Raises
+        Refused. ``who`` describes the worker in messages (host, pid)."""
+        this = f"the worker{who}"
+        if not name.strip():
+            raise Refused(f"{this} names no island; start it with --island NAME")
+        island = self._island(name, hosts)
+        if hosts != island.hosts:
+            raise Refused(f"{this} says island {name!r} has {hosts} host(s) (--island-hosts), but "
+                          f"the hosts that joined it first said {island.hosts}; start every host of an island "
+                          "with the same --island-hosts")
+        if rank is not None and not 0 <= rank < hosts:
+            raise Refused(f"{this} asks for rank {rank} (--rank) in island {name!r} of {hosts} "
+                          f"host(s); ranks run from 0 to {hosts - 1}")
+        if hosts > 1 and not coordinator:
+            raise Refused(f"{this} joins island {name!r} of {hosts} hosts without reserving a "
+                          "coordinator port; run the same pathways version on the controller and every worker")
+        if len(island.members) >= hosts:
+            raise Refused(f"island {name!r} already has all its {hosts} host(s) (workers "
+                          f"{sorted(island.members.values())}); give this host another --island name, or "
+                          "a larger --island-hosts to every host of the island")
+        if rank is None:
+            rank = min(r for r in range(hosts) if r not in island.members)
+        elif rank in island.members:
+            free = sorted(set(range(hosts)) - set(island.members))
+            raise Refused(f"rank {rank} of island {name!r} is already taken by worker "
+                          f"{island.members[rank]}; give each host of the island its own --rank "
+                          f"(free: {free}), or leave --rank out to have ranks given in order of arrival")
+        self._named[name] = island.id
+        self.by_id[island.id] = island
+        island.members[rank] = worker
+        if rank == 0:
+            island.coordinator = coordinator
+            return island, rank, [(w, r) for r, w in sorted(island.members.items())]
+        return island, rank, [(worker, rank)] if 0 in island.members else []
+
+    def lose(self, island_id: int) -> None:
+        """A host of the island was lost: the island is gone (its hosts are told to stop)."""
+        island = self.by_id.get(island_id)
+        if island is not None:
+            island.lost = True
+            island.members.clear()
+            if self._named.get(island.name) == island_id:
+                del self._named[island.name]
+
+    def assembling(self) -> set[int]:
+        return {i for i, island in self.by_id.items() if island.assembling}
+
+    def _island(self, name: str, hosts: int) -> Island:
+        """The island ``name`` stands for now, or a new one (not recorded until a host joins)."""
+        current = self._named.get(name)
+        if current is not None:
+            return self.by_id[current]
+        return Island(self._free_id(name), name, hosts)
+
+    def _free_id(self, name: str) -> int:
+        if name.isdecimal() and str(int(name)) == name and int(name) <= MAX_ISLAND_ID and int(name) not in self.by_id:
+            return int(name)
+        return next(i for i in range(len(self.by_id) + 1) if i not in self.by_id)

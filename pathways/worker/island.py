@@ -1,0 +1,115 @@
+"""A worker's place on the network and in its island: which host it binds and advertises,
+the coordinator port it reserves, and JAX's configuration once the controller has said
+which rank it is.
+
+The hosts of an island of several hosts form one ``jax.distributed`` group (CPU collectives
+over gloo), whose coordination service rank 0 runs. Ranks come from the controller, so JAX
+is configured only after the worker has registered and been welcomed: ``configure_jax``
+runs then, before anything touches a JAX device.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from pathways.protocol.messages import WorkerWelcome
+from pathways.wire.addresses import family_of, is_wildcard, join_host_port, route_to, split_host_port, strip_brackets
+
+log = logging.getLogger("pathways.worker")
+
+
+@dataclass(frozen=True)
+class IslandMembership:
+    """The island a worker says it belongs to: its name, how many hosts it has, and the
+    rank this host asks for (None: the controller gives the next free one)."""
+
+    name: str = "0"
+    hosts: int = 1
+    rank: Optional[int] = None
+
+
+def worker_hosts(controller_host: str, controller_port: int, bind: Optional[str], advertise: Optional[str],
+                 route: Callable[[str, int], str] = route_to) -> tuple[str, str]:
+    """(bind host, advertised host) of a worker whose controller is at
+    ``controller_host:controller_port``. ``bind`` defaults to ``advertise``, and both to the
+    local address this host uses to reach the controller (``route``): loopback when the
+    controller is on this machine, else the address of the interface that faces it. A
+    wildcard bind advertises that same route address. Raises OSError when no route leads
+    to the controller."""
+    if advertise is None and (bind is None or is_wildcard(bind)):
+        advertise = route(controller_host, controller_port)
+    elif advertise is None:
+        advertise = bind
+    return strip_brackets(bind if bind is not None else advertise), strip_brackets(advertise)
+
+
+class PortReservation:
+    """A port of ``host`` held for the island's jax.distributed coordinator from before
+    registration until the coordinator runs (rank 0) or is known to be another host's.
+
+    The coordinator cannot bind port 0 and say which port it got, so rank 0 must name its
+    port before it knows it is rank 0: every host of the island reserves one, and the
+    controller hands rank 0's to all. Releasing the reservation before the coordination
+    service binds would leave a window for another process to take the port; instead the
+    socket is bound with SO_REUSEPORT and never listens, and gRPC servers (the coordination
+    service is one) bind with SO_REUSEPORT on Linux, so the service binds beside it and no
+    other process can take the port in between. The reservation is closed once the
+    service runs."""
+
+    def __init__(self, host: str) -> None:
+        self._sock = socket.socket(family_of(host), socket.SOCK_STREAM)
+        try:
+            if hasattr(socket, "SO_REUSEPORT"):
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            self._sock.bind((strip_brackets(host), 0))
+        except OSError:
+            self._sock.close()
+            raise
+        self.port: int = self._sock.getsockname()[1]
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def configure_jax(devices: int, hosts: int, welcome: Optional[WorkerWelcome], bind: str, advertise: str,
+                  timeout: float) -> None:
+    """Configure JAX for ``devices`` CPU devices; for an island of several hosts, join its
+    jax.distributed group as ``welcome.rank`` (rank 0 runs the coordination service on
+    ``bind`` at the reserved port), waiting up to ``timeout`` seconds for the other hosts."""
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", devices)
+    if hosts == 1 or welcome is None:
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # A lost host is the controller's to handle (it fails the island's work and stops
+    # the other hosts); without this, jax aborts every other process of the group.
+    jax.config.update("jax_enable_recoverability", True)
+    _gloo_on(advertise if is_wildcard(bind) else bind)
+    port = split_host_port(welcome.coordinator)[1]
+    # jax's coordinator binds every address of the machine ([::]:PORT) unless told otherwise
+    service = join_host_port(bind, port) if welcome.rank == 0 else None
+    log.info("joining island group as rank %d of %d, coordinator %s", welcome.rank, hosts, welcome.coordinator)
+    jax.distributed.initialize(welcome.coordinator, hosts, welcome.rank, initialization_timeout=max(1, int(timeout)),
+                               coordinator_bind_address=service)
+
+
+def _gloo_on(host: str) -> None:
+    """Have gloo's collectives listen on ``host`` and tell peers that address. By default
+    gloo resolves the machine's host name, which on many machines (and in network
+    namespaces) names an address peers cannot reach, e.g. 127.0.1.1. jax offers no
+    setting for it, so the CPU backend's factory is replaced by one that passes it (jax
+    internals: checked against jax 0.10)."""
+    from jax._src import distributed, xla_bridge
+    from jax._src.lib import _jax
+
+    def make_cpu_client():  # called once, when JAX first needs its CPU backend
+        collectives = _jax.make_gloo_tcp_collectives(distributed_client=distributed.global_state.client,
+                                                     hostname=strip_brackets(host))
+        return xla_bridge.make_cpu_client(collectives)
+
+    xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)

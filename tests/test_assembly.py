@@ -1,0 +1,306 @@
+"""Islands that assemble themselves, and servers that bind and advertise chosen hosts.
+
+The pure parts (rank assignment, island names, address choice) run in this process; the
+rest runs a controller and worker processes started as a user would, on loopback (and on
+loopback aliases, 127.0.0.2 and 127.0.0.3, which Linux routes like 127.0.0.1).
+"""
+
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import pathways as pw
+from pathways.cluster import status, stop_processes
+from pathways.controller.core import ControllerCore
+from pathways.controller.islands import Islands, Refused
+from pathways.controller.membership import WorkerConn
+from pathways.defaults import ADDRESS_LINE
+from pathways.errors import PlacementError
+from pathways.protocol import messages as m
+from pathways.wire import addresses
+from pathways.worker.island import PortReservation, worker_hosts
+from tests.conftest import read_line, wait_until
+from tests.test_controller import Box, _of
+
+START_SECONDS = 120.0
+
+
+# ---- the pure parts -------------------------------------------------------------------------
+
+def test_ranks_follow_arrival_and_everyone_is_welcomed_once_rank_0_is_known():
+    islands = Islands()
+    a, rank_a, welcome_a = islands.join(10, "rack", 3, None, "h0:1")
+    b, rank_b, welcome_b = islands.join(11, "rack", 3, None, "h1:1")
+    assert (rank_a, rank_b) == (0, 1) and a is b
+    assert welcome_a == [(10, 0)] and welcome_b == [(11, 1)], "rank 0 came first: each is welcomed at once"
+    assert a.coordinator == "h0:1", "the coordinator is rank 0's reserved address"
+    assert islands.assembling() == {a.id}
+    islands.join(12, "rack", 3, None, "h2:1")
+    assert a.assembled and islands.assembling() == set()
+
+
+def test_asked_ranks_are_honoured_and_hosts_before_rank_0_wait_for_it():
+    islands = Islands()
+    island, rank, welcome = islands.join(5, "x", 3, 2, "h2:7")
+    assert rank == 2 and welcome == [], "no coordinator yet: rank 2 waits"
+    _, rank, welcome = islands.join(6, "x", 3, None, "h?:7")
+    assert rank == 0, "an unranked host takes the lowest free rank"
+    assert welcome == [(6, 0), (5, 2)] and island.coordinator == "h?:7"
+    _, rank, welcome = islands.join(7, "x", 3, None, "h1:7")
+    assert rank == 1 and welcome == [(7, 1)]
+
+
+@pytest.mark.parametrize("joins, needle", [
+    ([("a", 2, 1), ("a", 2, 1)], "rank 1 of island 'a' is already taken by worker 0; give each host of the "
+                                 "island its own --rank (free: [0]), or leave --rank out"),
+    ([("a", 2, 2)], "asks for rank 2 (--rank) in island 'a' of 2 host(s); ranks run from 0 to 1"),
+    ([("a", 2, None), ("a", 3, None)], "has 3 host(s) (--island-hosts), but the hosts that joined it first said 2"),
+    ([("a", 1, None), ("a", 1, None)], "island 'a' already has all its 1 host(s)"),
+    ([(" ", 1, None)], "names no island; start it with --island NAME"),
+])
+def test_a_registration_that_cannot_fit_is_refused_with_what_to_fix(joins, needle):
+    islands = Islands()
+    *fine, (name, hosts, rank) = joins
+    for i, (n, h, r) in enumerate(fine):
+        islands.join(i, n, h, r, "h:1")
+    before = {i: dict(island.members) for i, island in islands.by_id.items()}
+    with pytest.raises(Refused) as refused:
+        islands.join(len(fine), name, hosts, rank, "h:1", " on box (pid 7)")
+    assert needle in str(refused.value)
+    assert before == {i: dict(island.members) for i, island in islands.by_id.items()}, "a refusal changes nothing"
+
+
+def test_island_names_map_to_ids_numbers_keep_theirs_and_a_lost_name_starts_a_new_island():
+    islands = Islands()
+    assert islands.join(0, "1", 1, None, "")[0].id == 1, "a numeric name is its id"
+    assert islands.join(1, "rack-a", 1, None, "")[0].id == 0, "another name takes the lowest free id"
+    assert islands.join(2, "0", 1, None, "")[0].id == 2, "0 is taken: the next free one"
+    assert islands.join(3, "007", 1, None, "")[0].id == 3, "only canonical numbers are ids"
+    islands.lose(0)
+    again, rank, _ = islands.join(4, "rack-a", 1, None, "")
+    assert again.id == 4 and rank == 0 and islands.by_id[0].lost, "the lost island keeps its id; the name moves on"
+
+
+def test_a_multi_host_worker_must_bring_a_coordinator_port():
+    with pytest.raises(Refused, match="without reserving a coordinator port"):
+        Islands().join(0, "a", 2, None, "")
+
+
+def test_advertised_and_bound_hosts_default_to_the_route_to_the_controller():
+    route = {("10.0.0.1", 5): "10.0.0.9", ("ctl.example", 5): "10.1.0.9"}
+    pick = lambda host, port: route[(host, port)]  # noqa: E731
+    assert worker_hosts("10.0.0.1", 5, None, None, pick) == ("10.0.0.9", "10.0.0.9")
+    assert worker_hosts("ctl.example", 5, None, None, pick) == ("10.1.0.9", "10.1.0.9"), "host names resolve"
+    assert worker_hosts("10.0.0.1", 5, "0.0.0.0", None, pick) == ("0.0.0.0", "10.0.0.9"), "wildcard: route"
+    assert worker_hosts("10.0.0.1", 5, "10.0.0.7", None, pick) == ("10.0.0.7", "10.0.0.7")
+    assert worker_hosts("10.0.0.1", 5, None, "me.example", pick) == ("me.example", "me.example")
+    assert worker_hosts("10.0.0.1", 5, "0.0.0.0", "[2001:db8::5]", pick) == ("0.0.0.0", "2001:db8::5")
+    assert worker_hosts("127.0.0.1", 5, None, None) == ("127.0.0.1", "127.0.0.1"), "a local controller: loopback"
+
+
+def test_addresses_split_join_and_name_a_reachable_host_for_a_wildcard():
+    assert addresses.split_host_port("[::1]:80") == ("::1", 80)
+    assert addresses.split_host_port("h.example:0") == ("h.example", 0)
+    assert addresses.join_host_port("::1", 80) == "[::1]:80" and addresses.join_host_port("h", 1) == "h:1"
+    for bad, needle in (("::1:80", "in brackets"), ("h", "HOST:PORT"), ("h:x", "HOST:PORT"), ("h:70000", "HOST:PORT")):
+        with pytest.raises(ValueError, match=needle):
+            addresses.split_host_port(bad)
+    assert addresses.reachable_host("127.0.0.2") == "127.0.0.2"
+    wild = addresses.reachable_host("0.0.0.0")
+    assert wild and not addresses.is_wildcard(wild), "a wildcard bind prints an address peers can use"
+
+
+def test_a_wildcard_without_a_default_route_names_an_interface_address_then_the_host_name(monkeypatch):
+    def no_route(host, port):
+        raise OSError("Network is unreachable")
+
+    monkeypatch.setattr(addresses, "route_to", no_route)
+    monkeypatch.setattr(addresses, "interface_addresses", lambda: ["10.1.2.3", "10.9.9.9"])
+    assert addresses.reachable_host("0.0.0.0") == "10.1.2.3"
+    monkeypatch.setattr(addresses, "interface_addresses", lambda: [])
+    assert addresses.reachable_host("[::]") == socket.gethostname()
+    monkeypatch.undo()
+    assert all(not a.startswith("127.") for a in addresses.interface_addresses())
+
+
+def test_a_coordinator_port_reservation_lets_a_reuseport_server_bind_beside_it_and_no_one_else():
+    reservation = PortReservation("127.0.0.1")
+    try:
+        with pytest.raises(OSError):
+            socket.create_server(("127.0.0.1", reservation.port))
+        beside = socket.socket()
+        beside.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        beside.bind(("127.0.0.1", reservation.port))
+        beside.listen()
+        beside.close()
+    finally:
+        reservation.close()
+
+
+def _register(core, name, hosts, rank=None, coordinator="h:9"):
+    conn = WorkerConn(Box())
+    core.on_worker_batch(conn, m.encode_batch([m.Register(
+        "grpc://h:1", "tcp://h:2", "cpu", 1, name, hosts, rank, coordinator, 1, "h", 1 << 30)]))
+    return conn
+
+
+def test_an_assembling_island_takes_no_slices_and_status_says_how_many_hosts_joined():
+    core = ControllerCore()
+    first = _register(core, "pair", 2, rank=1)
+    assert _of(first.outbox, m.WorkerWelcome) == [], "rank 1 waits for rank 0's coordinator"
+    [island] = core.status()["islands"]
+    assert island["assembling"] and island["hosts"] == 1 and island["expected_hosts"] == 2 and island["healthy"]
+    with pytest.raises(PlacementError, match="still assembling"):
+        core.rm.place(1, "cpu")
+    second = _register(core, "pair", 2, coordinator="h0:5")
+    assert _of(first.outbox, m.WorkerWelcome) == [m.WorkerWelcome(first.worker, 0, 1, "h0:5")]
+    assert _of(second.outbox, m.WorkerWelcome) == [m.WorkerWelcome(second.worker, 0, 0, "h0:5")]
+    assert not core.status()["islands"][0]["assembling"]
+    assert core.rm.place(2, "cpu").workers == (second.worker, first.worker), "hosts in rank order"
+    assert [w["rank"] for w in core.status()["workers"]] == [1, 0]
+
+
+def test_a_host_lost_while_its_island_assembles_takes_the_island_down():
+    core = ControllerCore()
+    waiting = _register(core, "pair", 2, rank=1)
+    lost = _register(core, "other", 2, rank=1)
+    assert {i["name"] for i in core.status()["islands"]} == {"pair", "other"}
+    core.worker_lost(lost)
+    islands = {i["name"]: i for i in core.status()["islands"]}
+    assert not islands["other"]["healthy"] and not islands["other"]["assembling"]
+    assert islands["pair"]["healthy"] and waiting.worker in core.workers
+    refused = _register(core, "pair", 3)
+    assert "said 2" in _of(refused.outbox, m.Shutdown)[0].reason and refused.worker == -1
+
+
+# ---- processes --------------------------------------------------------------------------------
+
+def _controller(*args):
+    proc = subprocess.Popen([sys.executable, "-m", "pathways", "controller", *args], stdout=subprocess.PIPE,
+                            text=True)
+    line = read_line(proc, timeout=60.0)
+    assert line.startswith(ADDRESS_LINE), line
+    return proc, line.split()[1]
+
+
+def _worker(address, *args, stderr=subprocess.DEVNULL):
+    return subprocess.Popen([sys.executable, "-m", "pathways", "worker", "--controller", address, *args],
+                            stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+
+
+def _island(address, name):
+    return next((i for i in status(address)["islands"] if i["name"] == name), None)
+
+
+def _assembled(address, name):
+    island = _island(address, name)
+    return island is not None and not island["assembling"] and island["healthy"]
+
+
+def _psum_on(address, island):
+    pw.connect(address)
+    try:
+        s = pw.make_virtual_device_set().add_slice(cpu_devices=2, island=island)
+        total = pw.pmap(lambda x: jax.lax.psum(x, "i"), devices=s.devices)
+        return np.asarray(total(np.array([3.0, 4.0], np.float32)))
+    finally:
+        pw.disconnect()
+
+
+def test_a_two_host_island_started_without_ranks_assembles_in_arrival_order_and_runs_a_psum():
+    controller, address = _controller()
+    procs = [controller]
+    try:
+        procs.append(_worker(address, "--island", "pair", "--island-hosts", "2"))
+        first = wait_until(lambda: status(address)["workers"], START_SECONDS, "the first worker to register")
+        procs.append(_worker(address, "--island", "pair", "--island-hosts", "2"))
+        wait_until(lambda: _assembled(address, "pair"), START_SECONDS, "the island to assemble")
+        workers = {w["pid"]: w for w in status(address)["workers"]}
+        assert workers[procs[1].pid]["rank"] == 0 and workers[procs[2].pid]["rank"] == 1, "ranks by arrival"
+        assert workers[procs[1].pid]["worker"] == first[0]["worker"]
+        assert all(w["island_name"] == "pair" for w in workers.values())
+        np.testing.assert_array_equal(_psum_on(address, _island(address, "pair")["island"]), [7.0, 7.0])
+    finally:
+        stop_processes(procs)
+        controller.stdout.close()
+
+
+def test_asked_ranks_are_honoured_a_duplicate_is_refused_and_an_island_opens_once_complete():
+    controller, address = _controller()
+    procs = [controller]
+    try:
+        procs.append(_worker(address, "--island", "duo", "--island-hosts", "2", "--rank", "1"))
+        wait_until(lambda: _island(address, "duo"), START_SECONDS, "rank 1 to register")
+        twin = _worker(address, "--island", "duo", "--island-hosts", "2", "--rank", "1", stderr=subprocess.PIPE)
+        procs.append(twin)
+        _, err = twin.communicate(timeout=START_SECONDS)
+        assert twin.returncode != 0
+        assert "rank 1 of island 'duo' is already taken by worker 0; give each host of the island its own " \
+               "--rank (free: [0])" in err, err
+
+        island = _island(address, "duo")
+        assert island["assembling"] and island["hosts"] == 1 and island["expected_hosts"] == 2
+        shown = subprocess.run([sys.executable, "-m", "pathways", "status", "--address", address],
+                               capture_output=True, text=True, timeout=60)
+        assert "island duo (id 0): assembling (1 of 2 hosts joined" in shown.stdout, shown.stdout
+        pw.connect(address)
+        try:
+            with pytest.raises(PlacementError, match="still assembling"):
+                pw.make_virtual_device_set().add_slice(cpu_devices=1)
+        finally:
+            pw.disconnect()
+
+        procs.append(_worker(address, "--island", "duo", "--island-hosts", "2", "--rank", "0"))
+        wait_until(lambda: _assembled(address, "duo"), START_SECONDS, "the island to assemble")
+        ranks = {w["pid"]: w["rank"] for w in status(address)["workers"]}
+        assert ranks == {procs[1].pid: 1, procs[3].pid: 0}
+        np.testing.assert_array_equal(_psum_on(address, island["island"]), [7.0, 7.0])
+    finally:
+        stop_processes(procs)
+        controller.stdout.close()
+
+
+def _listening(host, port):
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_servers_bind_and_advertise_the_hosts_they_are_given():
+    controller, address = _controller("--bind", "127.0.0.2:0")
+    procs = [controller]
+    try:
+        assert address.startswith("grpc://127.0.0.2:")
+        assert not _listening("127.0.0.1", int(address.rsplit(":", 1)[1])), "the controller binds 127.0.0.2 only"
+        procs.append(_worker(address, "--advertise", "127.0.0.3", "--devices", "2"))
+        procs.append(_worker(address, "--island", "plain"))
+        workers = wait_until(lambda: len(status(address)["workers"]) == 2 and status(address)["workers"],
+                             START_SECONDS, "both workers to register")
+        by_pid = {w["pid"]: w for w in workers}
+        aliased, plain = by_pid[procs[1].pid], by_pid[procs[2].pid]
+        assert aliased["address"].startswith("grpc://127.0.0.3:") and aliased["data_address"].startswith("tcp://127.0.0.3:")
+        port = int(aliased["address"].rsplit(":", 1)[1])
+        assert _listening("127.0.0.3", port) and not _listening("127.0.0.1", port), "it binds what it advertises"
+        # with neither flag: the address this host uses to reach 127.0.0.2, which is 127.0.0.1
+        assert plain["address"].startswith("grpc://127.0.0.1:")
+        demo = subprocess.run([sys.executable, "-m", "pathways", "demo", "--address", address],
+                              capture_output=True, text=True, timeout=START_SECONDS)
+        assert demo.stdout.strip().endswith("[3. 5.] [2. 4.]"), (demo.stdout, demo.stderr)
+    finally:
+        stop_processes(procs)
+        controller.stdout.close()
+
+
+def test_a_bind_that_cannot_work_is_refused_with_advice():
+    out = subprocess.run([sys.executable, "-m", "pathways", "controller", "--bind", "192.0.2.77:0"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "cannot listen on --bind 192.0.2.77:0" in out.stderr, out.stderr
+    out = subprocess.run([sys.executable, "-m", "pathways", "controller", "--bind", "::1:0"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "in brackets" in out.stderr, out.stderr
