@@ -203,7 +203,7 @@ def _read_refusal(sock: socket.socket) -> dict:
 
 
 def test_an_attach_connection_without_the_token_cannot_register_and_the_controller_keeps_serving(inproc):
-    register = m.Register("grpc://127.0.0.1:1", "tcp://127.0.0.1:1", "cpu", 1, 1000, 0, 1, "fake", 1 << 30)
+    register = m.Register("grpc://127.0.0.1:1", "tcp://127.0.0.1:1", "cpu", 1, "1000", 1, None, "", 1, "fake", 1 << 30)
     with _dial(inproc.attach) as stranger:
         stranger.sendall(frames.frame(m.encode_batch([register])))  # a Register with no hello first
         _teaches(_read_refusal(stranger)["error"])
