@@ -15,8 +15,8 @@ from pathways.client.pipeline import pipeline
 from pathways.client.program import program
 from pathways import spmd
 from pathways.cluster import Island
-from pathways.errors import (ArrayDeletedError, ConnectError, DeadlineExceededError, PathwaysError,
-                             PlacementError, ProgramTraceError, RemoteError, SignatureError, SpmdError,
+from pathways.errors import (ArrayDeletedError, ConnectError, ControllerLostError, DeadlineExceededError,
+                             PathwaysError, PlacementError, ProgramTraceError, RemoteError, SignatureError, SpmdError,
                              WireError, WorkerLostError)
 
 P = PartitionSpec
@@ -24,8 +24,8 @@ P = PartitionSpec
 __version__ = "0.1.0"
 
 __all__ = [
-    "Array", "ArrayDeletedError", "ConnectError", "DeadlineExceededError", "Island", "NamedSharding",
-    "P", "PartitionSpec", "PathwaysError", "PlacementError", "ProgramTraceError", "RemoteError",
+    "Array", "ArrayDeletedError", "ConnectError", "ControllerLostError", "DeadlineExceededError", "Island",
+    "NamedSharding", "P", "PartitionSpec", "PathwaysError", "PlacementError", "ProgramTraceError", "RemoteError",
     "SignatureError", "Slice", "SpmdError", "VirtualDeviceSet", "VirtualMesh", "WireError", "WorkerLostError", "connect",
     "default_session", "device_get", "device_put", "disconnect", "jit", "local_cluster",
     "make_virtual_device_set", "pipeline", "pmap", "program", "spmd",

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     from pathways.bench.suite import EXPERIMENTS
-    from pathways.defaults import DEFAULT_WINDOW
+    from pathways.defaults import DEFAULT_WINDOW, HEARTBEAT_TIMEOUT
 
     parser = argparse.ArgumentParser(prog="pathways", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("PATHWAYS_LOG_LEVEL", "warning"))
@@ -37,6 +37,9 @@ def _main(argv: list[str] | None) -> int:
     controller.add_argument("--policy", choices=["fair", "fifo"], default="fair",
                             help="order of runs between clients: proportional share by weight, or FIFO")
     controller.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="runs in flight per island")
+    controller.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT, metavar="S",
+                            help="seconds a worker may send nothing (not even a heartbeat) before it is lost "
+                                 "and its island marked unhealthy")
 
     worker = sub.add_parser("worker", help="run a worker host attached to a controller")
     worker.add_argument("--controller", required=True, help="grpc://HOST:PORT of the controller")
@@ -45,6 +48,9 @@ def _main(argv: list[str] | None) -> int:
     worker.add_argument("--wait-timeout", type=float, default=300.0,
                         help="seconds an op waits for an input array before poisoning its outputs")
     worker.add_argument("--connect-timeout", type=float, default=30.0)
+    worker.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT, metavar="S",
+                        help="seconds the controller may send nothing (not even a heartbeat) before this "
+                             "worker gives it up and exits; also how long a data-plane peer may stall")
     worker.add_argument("--coordinator", help="HOST:PORT of the island's jax.distributed coordinator "
                                               "(islands of several hosts; rank 0 runs it)")
     worker.add_argument("--island-hosts", type=int, default=1, help="hosts in this worker's island")
@@ -58,6 +64,9 @@ def _main(argv: list[str] | None) -> int:
                     help="comma-separated HOSTSxDEVICES per island, e.g. 2x1,1x4 (default 2x2)")
     up.add_argument("--policy", choices=["fair", "fifo"], default="fair")
     up.add_argument("--window", type=int, default=DEFAULT_WINDOW)
+    up.add_argument("--heartbeat-timeout", type=float, default=None, metavar="S",
+                    help=f"seconds of silence after which controller and workers give each other up "
+                         f"(default {HEARTBEAT_TIMEOUT:g})")
 
     status = sub.add_parser("status", help="show islands, workers (speed, memory), links, slices, clients, queues")
     status.add_argument("--address", default=os.environ.get("PATHWAYS_ADDRESS"))
@@ -103,7 +112,7 @@ def _main(argv: list[str] | None) -> int:
         exit_with_parent()
     if args.command == "controller":
         from pathways.controller.server import main as controller_main
-        controller_main(args.policy, args.window)
+        controller_main(args.policy, args.window, args.heartbeat_timeout)
     elif args.command == "worker":
         from pathways.worker.server import IslandMembership, main as worker_main
         membership = None
@@ -112,14 +121,19 @@ def _main(argv: list[str] | None) -> int:
                 parser.error("a worker of a multi-host island needs --coordinator and 0 <= --rank < --island-hosts")
             membership = IslandMembership(args.coordinator, args.island_hosts, args.rank)
         worker_main(args.controller, args.devices, args.island, args.wait_timeout, args.connect_timeout,
-                    membership, args.unsafe_local_order)
+                    membership, args.unsafe_local_order, args.heartbeat_timeout)
     elif args.command == "up":
         from pathways.cluster import Island, LocalCluster
         try:
             islands = [Island(*map(int, spec.split("x"))) for spec in args.islands.split(",")]
         except ValueError:
             parser.error(f"--islands {args.islands!r} is not a list like 2x1,1x4")
-        cluster = LocalCluster(islands, policy=args.policy, window=args.window).start()
+        try:
+            cluster = LocalCluster(islands, policy=args.policy, window=args.window,
+                                   heartbeat_timeout=args.heartbeat_timeout)
+        except ValueError as e:
+            parser.error(str(e))
+        cluster.start()
         print(f"pathways cluster up at {cluster.address}; export PATHWAYS_ADDRESS={cluster.address}", flush=True)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the cluster on SIGTERM too
         try:
@@ -183,7 +197,8 @@ def _status(address: str | None, measure: bool = False, timeout: float = 60.0) -
           f"{st['slices']} slice(s), {st['arrays']} live array(s); policy {st['policy']}, "
           f"window {st['window']} run(s) per island")
     for i in st["islands"]:
-        print(f"  island {i['island']}: {'healthy' if i['healthy'] else 'UNHEALTHY (a host was lost)'}, "
+        health = "healthy" if i["healthy"] else f"UNHEALTHY ({i.get('lost') or 'a host was lost'})"
+        print(f"  island {i['island']}: {health}, "
               f"{i['hosts']} host(s), {i['devices']} device(s), {i['queued']} run(s) queued, "
               f"{i['inflight']} in flight")
         for w in (w for w in st["workers"] if w["island"] == i["island"]):

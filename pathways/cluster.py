@@ -27,6 +27,7 @@ from pathways.errors import ConnectError, DeadlineExceededError, WireError
 from pathways.protocol.errors import error_of
 from pathways.protocol.messages import MeasureRequest, pack, unpack
 from pathways.wire import rpc
+from pathways.wire.liveness import check_timeout
 
 if TYPE_CHECKING:
     from pathways.planner import Topology
@@ -73,7 +74,8 @@ def free_port() -> int:
 
 class LocalCluster:
     def __init__(self, islands: Sequence[Island], start_timeout: float = 120.0, policy: str = "fair",
-                 window: int = DEFAULT_WINDOW, unsafe_local_order: bool = False) -> None:
+                 window: int = DEFAULT_WINDOW, unsafe_local_order: bool = False,
+                 heartbeat_timeout: Optional[float] = None) -> None:
         if not islands or any(i.hosts < 1 or i.devices_per_host < 1 for i in islands):
             raise ValueError("a local cluster needs at least one island of hosts >= 1 and devices_per_host >= 1")
         if policy not in ("fair", "fifo") or window < 1:
@@ -83,6 +85,9 @@ class LocalCluster:
         self.policy = policy
         self.window = window
         self.unsafe_local_order = unsafe_local_order
+        # None: the processes' default (defaults.HEARTBEAT_TIMEOUT)
+        self.heartbeat_timeout = None if heartbeat_timeout is None else check_timeout(heartbeat_timeout,
+                                                                                        "heartbeat_timeout")
         self.address: Optional[str] = None
         self.pids: list[int] = []
         self._ready = threading.Event()
@@ -141,8 +146,10 @@ class LocalCluster:
                     return
                 with trio.fail_after(self.start_timeout):
                     env = {**os.environ, PARENT_PID_ENV: str(os.getpid()), **child_log_env()}
+                    beats = ([] if self.heartbeat_timeout is None
+                             else ["--heartbeat-timeout", repr(self.heartbeat_timeout)])
                     controller = await trio.lowlevel.open_process(
-                        _python_cmd("controller", "--policy", self.policy, "--window", str(self.window)),
+                        _python_cmd("controller", "--policy", self.policy, "--window", str(self.window), *beats),
                         stdout=subprocess.PIPE, env=env)
                     procs.append(controller)
                     address = await _read_address(controller.stdout)
@@ -154,7 +161,8 @@ class LocalCluster:
                             procs.append(await trio.lowlevel.open_process(
                                 _python_cmd("worker", "--controller", address,
                                             "--devices", str(island.devices_per_host),
-                                            "--island", str(island_id), "--rank", str(rank), *group, *debug),
+                                            "--island", str(island_id), "--rank", str(rank), *group, *debug,
+                                            *beats),
                                 env=env, stdout=_STDERR_FD))
                     self.pids = [p.pid for p in procs]
                     for p in procs:

@@ -11,6 +11,11 @@ class ConnectError(PathwaysError):
     """A controller or worker could not be reached, or the connection broke."""
 
 
+class ControllerLostError(ConnectError):
+    """The controller died, closed the session, or stopped answering: the session and every
+    array it held are gone."""
+
+
 class PlacementError(PathwaysError):
     """A virtual slice cannot be mapped onto the cluster's physical devices."""
 
@@ -40,7 +45,8 @@ class WireError(PathwaysError):
 
 
 class WorkerLostError(PathwaysError):
-    """A worker process died; arrays and computations that involved its island are gone."""
+    """A worker process died or stopped answering; arrays and computations that involved
+    its island are gone."""
 
 
 class SpmdError(PathwaysError):

@@ -37,9 +37,9 @@ class InProcess:
         self.lost: list = []
         core_lost = self.controller.core.worker_lost
 
-        def worker_lost(conn):  # counts the calls; the core still handles each
+        def worker_lost(conn, *rest):  # counts the calls; the core still handles each
             self.lost.append(conn.worker)
-            core_lost(conn)
+            core_lost(conn, *rest)
 
         self.controller.core.worker_lost = worker_lost
         self.address = self.run(self.controller.listen(rpc.LOOPBACK))

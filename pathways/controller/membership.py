@@ -35,6 +35,14 @@ class WorkerConn:
     worker: int = -1
     info: m.Register | None = None
     defined: set[int] = field(default_factory=set)  # program keys sent to it
+    heartbeat: float | None = None  # the silence, in seconds, after which the worker gives up on the controller
+
+    def describe(self) -> str:
+        """The worker as an operator finds it: id, host name, advertised address, pid, island."""
+        if self.info is None:
+            return "an unregistered worker"
+        return (f"worker {self.worker} on host {self.info.host} at {self.info.address} "
+                f"(pid {self.info.pid}, island {self.info.island})")
 
     @property
     def island(self) -> int:
@@ -62,6 +70,7 @@ class Membership:
         self._measurements: dict[int, Measurement] = {}
         self._measurement_ids = itertools.count(1)
         self._worker_ids = itertools.count(0)
+        self.lost: dict[int, str] = {}  # island -> how it was lost: which worker, and why
 
     def register(self, conn: WorkerConn, msg: m.Register) -> None:
         if conn.worker >= 0:

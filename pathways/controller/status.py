@@ -13,7 +13,7 @@ def status(core: Any) -> dict[str, Any]:
     return {
         "policy": scheduler.policy,
         "window": scheduler.window,
-        "islands": [{"island": i, "healthy": i not in rm.unhealthy,
+        "islands": [{"island": i, "healthy": i not in rm.unhealthy, "lost": core.membership.lost.get(i),
                      "hosts": sum(1 for w in workers.values() if w.island == i),
                      "devices": sum(w.info.devices for w in workers.values() if w.island == i),
                      "queued": scheduler.queued(i), "inflight": scheduler.inflight(i)}

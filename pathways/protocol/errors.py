@@ -13,6 +13,7 @@ from pathways import errors
 KINDS: dict[str, type[errors.PathwaysError]] = {cls.__name__: cls for cls in (
     errors.PathwaysError, errors.PlacementError, errors.WireError, errors.SignatureError,
     errors.RemoteError, errors.WorkerLostError, errors.DeadlineExceededError, errors.ConnectError,
+    errors.ControllerLostError,
 )}
 # what a poisoned handle may report: a failed computation, or a lost host
 POISON_KINDS = frozenset({"RemoteError", "WorkerLostError"})

@@ -39,6 +39,21 @@ _OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
 ]
+# A channel with calls in flight pings its server every KEEPALIVE_TIME_MS and drops the
+# connection when a ping goes unanswered for KEEPALIVE_TIMEOUT_MS, failing its calls with
+# UNAVAILABLE ("ping timeout"): a frozen or vanished server (its kernel may still
+# acknowledge TCP) ends a client's session stream or fetch within about 8 s instead of
+# hanging. grpcio 1.85 times a keepalive ping out by the ping timeout, hence both; the pings
+# go on however long the server sends no data (a session waiting for work). Servers accept
+# pings that often; they do not ping their clients (a paused client keeps its session).
+KEEPALIVE_TIME_MS = 3000
+KEEPALIVE_TIMEOUT_MS = 5000
+_CHANNEL_OPTIONS = [*_OPTIONS, ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+                    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+                    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS), ("grpc.http2.max_pings_without_data", 0)]
+_SERVER_OPTIONS = [*_OPTIONS, ("grpc.keepalive_permit_without_calls", 1),
+                   ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+                   ("grpc.http2.max_ping_strikes", 0)]
 
 
 def parse_address(address: str) -> str:
@@ -56,7 +71,7 @@ def parse_address(address: str) -> str:
 
 def make_server(service: str, handlers: dict[str, grpc.RpcMethodHandler], max_workers: int = 16) -> tuple[grpc.Server, int]:
     """A server on a free loopback port running ``handlers``; returns (server, port)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=_SERVER_OPTIONS)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
     port = server.add_insecure_port(f"{LOOPBACK}:0")
     server.start()
@@ -71,7 +86,7 @@ MAX_CONCURRENT_STREAMS = 1 << 16
 async def start_aio_server(service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server on a free loopback port, serving coroutine ``handlers`` on the
     running loop; returns (server, port)."""
-    server = grpc.aio.server(options=[*_OPTIONS, ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS)])
+    server = grpc.aio.server(options=[*_SERVER_OPTIONS, ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS)])
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
     port = server.add_insecure_port(f"{LOOPBACK}:0")
     await server.start()
@@ -95,11 +110,11 @@ def unary_unary(fn: Callable) -> grpc.RpcMethodHandler:
 
 
 def open_channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(parse_address(address), options=_OPTIONS)
+    return grpc.insecure_channel(parse_address(address), options=_CHANNEL_OPTIONS)
 
 
 def open_aio_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(parse_address(address), options=_OPTIONS)
+    return grpc.aio.insecure_channel(parse_address(address), options=_CHANNEL_OPTIONS)
 
 
 def wait_ready(channel: grpc.Channel, address: str, timeout: float, advice: str = START_ADVICE,

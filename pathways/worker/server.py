@@ -7,8 +7,10 @@ and fetches over gRPC, and hands the data plane's frames from peers (wire/tcp.py
 core. In the background the core measures
 its FLOP/s and its links to the other workers (measure.py). The hosts of an island of
 several hosts form one ``jax.distributed`` group (CPU collectives over gloo). When the
-controller's stream ends, or the controller says the island is lost, the worker exits: a
-worker without a controller or island has no work.
+controller's stream ends, or the controller says the island is lost, or the controller
+sends nothing (not even a heartbeat) for the heartbeat timeout, the worker exits: a
+worker without a controller or island has no work. It sends the controller a heartbeat
+whenever nothing else went out for a while (wire/liveness.py).
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from typing import Iterator
 import grpc
 import trio
 
+from pathways.defaults import HEARTBEAT_TIMEOUT
 from pathways.errors import ConnectError, WireError
-from pathways.protocol.messages import FETCH, MAX_MESSAGE_BYTES, Register
+from pathways.protocol.messages import FETCH, MAX_MESSAGE_BYTES, Heartbeat, Register
 from pathways.wire import codec, frames, rpc, tcp
+from pathways.wire.liveness import Heartbeats, check_timeout
 from pathways.worker.core import WorkerCore
 from pathways.worker.measure import host_memory_bytes
 
@@ -80,15 +84,21 @@ class IslandMembership:
 
 
 def main(controller: str, devices: int, island: int, wait_timeout: float, connect_timeout: float,
-         membership: IslandMembership | None = None, unsafe_local_order: bool = False) -> None:
+         membership: IslandMembership | None = None, unsafe_local_order: bool = False,
+         heartbeat_timeout: float = HEARTBEAT_TIMEOUT) -> None:
     """Configure JAX for ``devices`` CPU devices (joining the island's jax.distributed group
-    when it has several hosts), then serve until the controller goes away."""
+    when it has several hosts), then serve until the controller goes away (or stays silent
+    for ``heartbeat_timeout`` seconds)."""
     import jax
 
     if not (math.isfinite(wait_timeout) and wait_timeout > 0 and math.isfinite(connect_timeout)
             and connect_timeout > 0):
         raise SystemExit(f"--wait-timeout and --connect-timeout must be finite numbers of seconds above 0, "
                          f"got {wait_timeout!r} and {connect_timeout!r}")
+    try:
+        check_timeout(heartbeat_timeout)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", devices)
@@ -104,7 +114,8 @@ def main(controller: str, devices: int, island: int, wait_timeout: float, connec
     # multi-device computations dispatched back to back (even ones local to the process);
     # waiting for each before the next is safe (measured: DESIGN.md, BENCHMARKS.md).
     sync = membership is not None and devices > 1
-    trio.run(_serve, controller, devices, island, rank, wait_timeout, connect_timeout, sync, unsafe_local_order)
+    trio.run(_serve, controller, devices, island, rank, wait_timeout, connect_timeout, sync, unsafe_local_order,
+             heartbeat_timeout)
     if membership is not None:
         # jax.distributed's exit handler waits at a barrier for every host of the island,
         # which never comes when one of them is lost.
@@ -122,12 +133,12 @@ def _attach(channel: grpc.Channel, controller: str, timeout: float) -> socket.so
         raise ConnectError(f"could not attach to the controller at {controller} ({type(e).__name__}: {e}); "
                            "check that it is running and that it is a pathways controller of this version "
                            "(`python -m pathways status` asks it)") from None
-    sock.settimeout(None)  # between frames the controller may stay quiet as long as it likes
     return sock
 
 
 async def _serve(controller: str, devices: int, island: int, rank: int, wait_timeout: float,
-                 connect_timeout: float, sync_collectives: bool, unsafe_local_order: bool) -> None:
+                 connect_timeout: float, sync_collectives: bool, unsafe_local_order: bool,
+                 heartbeat_timeout: float) -> None:
     ended = trio.Event()
     token = trio.lowlevel.current_trio_token()
 
@@ -138,37 +149,57 @@ async def _serve(controller: str, devices: int, island: int, rank: int, wait_tim
             pass
 
     outbox = rpc.Outbox()
-    core = WorkerCore(outbox.put, wait_timeout, sync_collectives, unsafe_local_order, end)
-    listener = tcp.Listener(core.receive_frame, wait_timeout)
+    beats = Heartbeats(heartbeat_timeout)
+    # Data-plane peers get the heartbeat timeout too: a frozen peer must not hold a send or
+    # a half-received frame for longer than the controller takes to declare it lost.
+    core = WorkerCore(outbox.put, wait_timeout, sync_collectives, unsafe_local_order, end,
+                      peer_timeout=heartbeat_timeout, on_heartbeat=beats.learn)
+    listener = tcp.Listener(core.receive_frame, heartbeat_timeout)
     server, port = rpc.make_server(rpc.WORKER_SERVICE, WorkerService(core).handlers())
     channel = rpc.open_channel(controller)
     sock: socket.socket | None = None
     try:
         await trio.to_thread.run_sync(rpc.wait_ready, channel, controller, connect_timeout)
         sock = await trio.to_thread.run_sync(_attach, channel, controller, connect_timeout)
+        # Every recv and send on the stream waits at most this long: the controller sends
+        # something at least every fifth of it, so a longer silence means it is gone.
+        sock.settimeout(heartbeat_timeout)
         outbox.put(Register(f"grpc://{rpc.LOOPBACK}:{port}", listener.address, "cpu", devices, island, rank,
                             os.getpid(), socket.gethostname(), host_memory_bytes()))
+        outbox.put(Heartbeat(heartbeat_timeout))  # at once: the controller paces its heartbeats to it
         reader = frames.FrameReader(sock)
 
         def send() -> None:
             try:
                 for payload in outbox.batches():
                     sock.sendall(frames.frame(payload))
-            except OSError as e:
+                    beats.sent()
+            except OSError as e:  # a timeout included: the controller stopped reading
                 log.info("controller stream ended while sending: %s", e)
                 end()
 
         def read() -> None:
             try:
-                # No deadline within a frame: the controller is this worker's one trusted
-                # peer, and when its process ends the kernel closes the connection.
+                # Within a frame as between frames, the controller may pause no longer than
+                # the heartbeat timeout (the socket's timeout), and it is this worker's one
+                # trusted peer: no other deadline.
                 while (payload := reader.read(MAX_MESSAGE_BYTES)) is not None:
                     core.on_batch(payload)
                 log.info("controller stream ended")
+            except TimeoutError:
+                log.error("the controller at %s sent nothing for %g s (the heartbeat timeout): it is frozen, "
+                          "unreachable or gone; this worker exits", controller, heartbeat_timeout)
             except Exception as e:  # OSError or WireError, or ValueError once shutdown closed the reader
                 log.info("controller stream ended: %s", e)
             finally:
                 end()
+
+        async def beat() -> None:
+            while True:
+                await trio.sleep(beats.until_beat())
+                if beats.beat_due():
+                    outbox.put(Heartbeat(heartbeat_timeout))
+                    beats.sent()  # queued is as good as sent; the sender's own sends count too
 
         threading.Thread(target=send, name="pathways-attach-send", daemon=True).start()
         threading.Thread(target=read, name="pathways-attach", daemon=True).start()
@@ -178,6 +209,7 @@ async def _serve(controller: str, devices: int, island: int, rank: int, wait_tim
                     async for _ in signals:
                         nursery.cancel_scope.cancel()
                 nursery.start_soon(stop_on_signal)
+                nursery.start_soon(beat)
                 await ended.wait()
                 nursery.cancel_scope.cancel()
     except ConnectError as e:
