@@ -6,6 +6,7 @@ Real processes on loopback clusters. Every stopped process is continued in a ``f
 so that the cluster's cleanup can reap it."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -142,3 +143,34 @@ def test_a_dead_or_frozen_controller_fails_every_pending_call_within_seconds(sig
         finally:
             if sig == signal.SIGSTOP:
                 os.kill(controller, signal.SIGCONT)
+
+
+def test_a_shorter_heartbeat_timeout_is_honoured_end_to_end():
+    """``heartbeat_timeout`` reaches the controller and the workers: a frozen one-host
+    island is lost after about 2 s, and the other island keeps serving."""
+    with pw.local_cluster(islands=[pw.Island(), pw.Island()], heartbeat_timeout=2.0) as c:
+        s0 = pw.make_virtual_device_set().add_slice(cpu_devices=1, island=0)
+        s1 = pw.make_virtual_device_set().add_slice(cpu_devices=1, island=1)
+        f0 = pw.jit(lambda x: x + 1, mesh=s0.mesh("d"))
+        f1 = pw.jit(lambda x: x * 2, mesh=s1.mesh("d"))
+        kept = f0(np.float32(1))
+        assert float(kept.to_numpy(timeout=60)) == 2.0
+        assert float(f1(np.float32(1)).to_numpy(timeout=60)) == 2.0
+        time.sleep(3.0)  # idle for longer than the timeout: heartbeats alone keep everyone attached
+        assert all(i["healthy"] for i in status(c.address)["islands"])
+        frozen = next(w for w in status(c.address)["workers"] if w["island"] == 0)
+        os.kill(frozen["pid"], signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            wait_until(lambda: not status(c.address)["islands"][0]["healthy"], timeout=BOUND,
+                       what="the frozen island to be lost")
+            elapsed = time.monotonic() - stopped
+            assert 1.0 < elapsed < 6.0, elapsed
+            assert re.search(r"stopped answering for 2\.\d s", status(c.address)["islands"][0]["lost"])
+            with pytest.raises(pw.WorkerLostError, match=f"worker {frozen['worker']} .* stopped answering for 2"):
+                kept.to_numpy(timeout=30)
+            with pytest.raises(pw.WorkerLostError):
+                f0(np.float32(1)).to_numpy(timeout=30)
+            assert float(f1(np.float32(4)).to_numpy(timeout=30)) == 8.0
+        finally:
+            os.kill(frozen["pid"], signal.SIGCONT)

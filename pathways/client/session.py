@@ -27,6 +27,7 @@ import numpy as np
 from pathways import errors
 from pathways.client.array import Array, _Buffer
 from pathways.client.devices import NamedSharding
+from pathways.defaults import HEARTBEAT_TIMEOUT
 from pathways.ir import Layout
 from pathways.protocol import messages as m
 from pathways.protocol.errors import error_of, kind_of
@@ -39,6 +40,9 @@ DEFAULT_TIMEOUT = 300.0
 _FLUSH_SECONDS = 0.05
 _POLL_SECONDS = 1.0  # a long wait for an array is split so news of a lost worker cuts it short
 _VERDICT_SECONDS = 3.0  # how long a failed fetch waits for the controller to say why
+# ... when the worker became unreachable: keepalive may give up on a frozen worker before
+# the controller does (its heartbeat timeout), and the controller's verdict names the host
+_UNREACHABLE_VERDICT_SECONDS = HEARTBEAT_TIMEOUT
 _CONNECT_ADVICE = (f"{rpc.START_ADVICE}, or call pw.connect() with no address (and PATHWAYS_ADDRESS unset) "
                    "to start an embedded one")
 
@@ -275,12 +279,13 @@ class Session:
         except grpc.RpcError as e:
             # A worker that died mid-call breaks the call in several ways; the controller's
             # verdict on the handle, which follows within moments, is the better error.
-            deadline = time.monotonic() + _VERDICT_SECONDS
+            unreachable = e.code() == grpc.StatusCode.UNAVAILABLE
+            deadline = time.monotonic() + (_UNREACHABLE_VERDICT_SECONDS if unreachable else _VERDICT_SECONDS)
             while handle not in self.poisoned and time.monotonic() < deadline and self._dead is None:
                 time.sleep(0.02)
             self._raise_if_poisoned(handle)
             self._check_alive()
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
+            if unreachable:
                 raise errors.WorkerLostError(
                     f"the worker at {address} holding array {handle:#x} is unreachable ({e.details()}): it was "
                     "lost, and the array with it. `python -m pathways status` shows the healthy islands") from None
