@@ -152,11 +152,15 @@ class Session:
             reason = _broken(e)
         except Exception as e:  # a malformed reply must not leave waiters hanging
             reason = f"sent a malformed reply ({e})"
-        self._dead = (f"the controller at {self.address} {reason}; restart it or call pw.connect() "
-                      "again (arrays held by this session are gone)")
+        if self._closed.is_set():  # this client closed the session: the controller is not to blame
+            error: errors.ConnectError = errors.ConnectError("this session is closed; call pw.connect() for a new one")
+        else:
+            self._dead = (f"the controller at {self.address} {reason}; restart it or call pw.connect() "
+                          "again (arrays held by this session are gone)")
+            error = errors.ControllerLostError(self._dead)
         for future in list(self._pending.values()):
             if not future.done():
-                future.set_exception(errors.ControllerLostError(self._dead))
+                future.set_exception(error)
         self._pending.clear()
         self._cancel_fetches(None)
 
