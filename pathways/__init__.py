@@ -16,8 +16,8 @@ from pathways.client.program import program
 from pathways import spmd
 from pathways.cluster import Island
 from pathways.errors import (AccessDeniedError, ArrayDeletedError, AuthenticationError, ConnectError,
-                             DeadlineExceededError, PathwaysError,
-                             PlacementError, ProgramTraceError, RemoteError, SignatureError, SpmdError,
+                             ControllerLostError, DeadlineExceededError, PathwaysError, PlacementError,
+                             ProgramTraceError, RemoteError, SignatureError, SpmdError,
                              WireError, WorkerLostError)
 
 P = PartitionSpec
@@ -25,8 +25,8 @@ P = PartitionSpec
 __version__ = "0.1.0"
 
 __all__ = [
-    "AccessDeniedError", "Array", "ArrayDeletedError", "AuthenticationError", "ConnectError", "DeadlineExceededError",
-    "Island", "NamedSharding",
+    "AccessDeniedError", "Array", "ArrayDeletedError", "AuthenticationError", "ConnectError", "ControllerLostError",
+    "DeadlineExceededError", "Island", "NamedSharding",
     "P", "PartitionSpec", "PathwaysError", "PlacementError", "ProgramTraceError", "RemoteError",
     "SignatureError", "Slice", "SpmdError", "VirtualDeviceSet", "VirtualMesh", "WireError", "WorkerLostError", "connect",
     "default_session", "device_get", "device_put", "disconnect", "jit", "local_cluster",

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     from pathways.bench.suite import EXPERIMENTS
-    from pathways.defaults import DEFAULT_WINDOW
+    from pathways.defaults import DEFAULT_WINDOW, HEARTBEAT_TIMEOUT
     from pathways.wire import security
 
     parser = argparse.ArgumentParser(prog="pathways", description=__doc__)
@@ -54,6 +54,9 @@ def _main(argv: list[str] | None) -> int:
                             help="order of runs between clients: proportional share by weight, or FIFO")
     controller.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="runs in flight per island")
     security.add_flags(controller, server=True)
+    controller.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT, metavar="S",
+                            help="seconds a worker may send nothing (not even a heartbeat) before it is lost "
+                                 "and its island marked unhealthy")
 
     worker = sub.add_parser("worker", help="run a worker host attached to a controller")
     worker.add_argument("--controller", required=True, help="grpc://HOST:PORT of the controller")
@@ -78,6 +81,9 @@ def _main(argv: list[str] | None) -> int:
     worker.add_argument("--wait-timeout", type=float, default=300.0,
                         help="seconds an op waits for an input array before poisoning its outputs")
     worker.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to reach the controller")
+    worker.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT, metavar="S",
+                        help="seconds the controller may send nothing (not even a heartbeat) before this "
+                             "worker gives it up and exits; also how long a data-plane peer may stall")
     worker.add_argument("--join-timeout", type=float, default=300.0,
                         help="seconds to wait for the island's rank 0 host to register, and then for every "
                              "host of the island to join its jax.distributed group")
@@ -92,6 +98,9 @@ def _main(argv: list[str] | None) -> int:
     up.add_argument("--policy", choices=["fair", "fifo"], default="fair")
     up.add_argument("--window", type=int, default=DEFAULT_WINDOW)
     security.add_flags(up, server=True)
+    up.add_argument("--heartbeat-timeout", type=float, default=None, metavar="S",
+                    help=f"seconds of silence after which controller and workers give each other up "
+                         f"(default {HEARTBEAT_TIMEOUT:g})")
 
     status = sub.add_parser("status", help="show islands, workers (speed, memory), links, slices, clients, queues")
     status.add_argument("--address", default=os.environ.get("PATHWAYS_ADDRESS"))
@@ -148,7 +157,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: lis
         exit_with_parent()
     if args.command == "controller":
         from pathways.controller.server import main as controller_main
-        controller_main(args.policy, args.window, args.bind, security.from_args(args))
+        controller_main(args.policy, args.window, args.bind, security.from_args(args), args.heartbeat_timeout)
     elif args.command == "worker":
         from pathways.worker.server import IslandMembership, main as worker_main
         if args.island_hosts < 1 or (args.rank is not None and not 0 <= args.rank < args.island_hosts):
@@ -158,15 +167,19 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: lis
             parser.error("--island needs a name, e.g. --island 0 or --island rack-a")
         worker_main(args.controller, args.devices, IslandMembership(args.island, args.island_hosts, args.rank),
                     args.wait_timeout, args.connect_timeout, args.join_timeout, args.bind, args.advertise,
-                    args.unsafe_local_order, security.from_args(args))
+                    args.unsafe_local_order, security.from_args(args), args.heartbeat_timeout)
     elif args.command == "up":
         from pathways.cluster import Island, LocalCluster
         try:
             islands = [Island(*map(int, spec.split("x"))) for spec in args.islands.split(",")]
         except ValueError:
             parser.error(f"--islands {args.islands!r} is not a list like 2x1,1x4")
-        cluster = LocalCluster(islands, policy=args.policy, window=args.window,
-                               security=security.from_args(args)).start()
+        try:
+            cluster = LocalCluster(islands, policy=args.policy, window=args.window,
+                                   security=security.from_args(args), heartbeat_timeout=args.heartbeat_timeout)
+        except ValueError as e:
+            parser.error(str(e))
+        cluster.start()
         print(f"pathways cluster up at {cluster.address}; export PATHWAYS_ADDRESS={cluster.address}", flush=True)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the cluster on SIGTERM too
         try:
@@ -234,7 +247,7 @@ def _status(address: str | None, measure: bool = False, timeout: float = 60.0,
     for i in st["islands"]:
         name = i["name"] if i["name"] == str(i["island"]) else f"{i['name']} (id {i['island']})"
         if not i["healthy"]:
-            state = "UNHEALTHY (a host was lost)"
+            state = f"UNHEALTHY ({i.get('lost') or 'a host was lost'})"
         elif i["assembling"]:
             state = f"assembling ({i['hosts']} of {i['expected_hosts']} hosts joined; it takes slices once all have)"
         else:

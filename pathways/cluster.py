@@ -34,6 +34,7 @@ from pathways.protocol.messages import MeasureRequest, pack, unpack
 from pathways.wire import rpc
 from pathways.wire import security as sec
 from pathways.wire.security import Security
+from pathways.wire.liveness import check_timeout
 
 if TYPE_CHECKING:
     from pathways.planner import Topology
@@ -85,7 +86,7 @@ class LocalCluster:
 
     def __init__(self, islands: Sequence[Island], start_timeout: float = 120.0, policy: str = "fair",
                  window: int = DEFAULT_WINDOW, unsafe_local_order: bool = False,
-                 security: Security | None = None) -> None:
+                 security: Security | None = None, heartbeat_timeout: Optional[float] = None) -> None:
         if not islands or any(i.hosts < 1 or i.devices_per_host < 1 for i in islands):
             raise ValueError("a local cluster needs at least one island of hosts >= 1 and devices_per_host >= 1")
         if policy not in ("fair", "fifo") or window < 1:
@@ -96,6 +97,9 @@ class LocalCluster:
         self.window = window
         self.unsafe_local_order = unsafe_local_order
         self.security = security or Security()
+        # None: the processes' default (defaults.HEARTBEAT_TIMEOUT)
+        self.heartbeat_timeout = None if heartbeat_timeout is None else check_timeout(heartbeat_timeout,
+                                                                                        "heartbeat_timeout")
         self.address: Optional[str] = None
         self.pids: list[int] = []
         self._ready = threading.Event()
@@ -156,8 +160,10 @@ class LocalCluster:
                     env = sec.child_env(self.security, {**os.environ, PARENT_PID_ENV: str(os.getpid()),
                                                         **child_log_env()})
                     secure = sec.child_flags(self.security)
+                    beats = ([] if self.heartbeat_timeout is None
+                             else ["--heartbeat-timeout", repr(self.heartbeat_timeout)])
                     controller = await trio.lowlevel.open_process(
-                        _python_cmd("controller", "--policy", self.policy, "--window", str(self.window), *secure),
+                        _python_cmd("controller", "--policy", self.policy, "--window", str(self.window), *secure, *beats),
                         stdout=subprocess.PIPE, env=env)
                     procs.append(controller)
                     address = await _read_address(controller.stdout)
@@ -169,7 +175,8 @@ class LocalCluster:
                             procs.append(await trio.lowlevel.open_process(
                                 _python_cmd("worker", "--controller", address,
                                             "--devices", str(island.devices_per_host), "--island", str(island_id),
-                                            "--island-hosts", str(island.hosts), "--rank", str(rank), *debug, *secure),
+                                            "--island-hosts", str(island.hosts), "--rank", str(rank), *debug, *secure,
+                                            *beats),
                                 env=env, stdout=_STDERR_FD))
                     self.pids = [p.pid for p in procs]
                     for p in procs:

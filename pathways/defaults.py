@@ -6,3 +6,6 @@ and names their defaults, does not import the controller to learn them.
 
 ADDRESS_LINE = "PATHWAYS_CONTROLLER_ADDRESS"  # the controller prints it, then its address, once serving
 DEFAULT_WINDOW = 8  # runs in flight per island: a client must keep more outstanding for its weight to count
+# Seconds of silence after which the controller and a worker give up on each other (each
+# sends something at least every fifth of its peer's timeout, heartbeats when idle).
+HEARTBEAT_TIMEOUT = 10.0

@@ -15,6 +15,11 @@ class AuthenticationError(ConnectError):
     """A server refused this process: it did not give the cluster's shared token."""
 
 
+class ControllerLostError(ConnectError):
+    """The controller died, closed the session, or stopped answering: the session and every
+    array it held are gone."""
+
+
 class PlacementError(PathwaysError):
     """A virtual slice cannot be mapped onto the cluster's physical devices."""
 
@@ -49,7 +54,8 @@ class AccessDeniedError(PathwaysError):
 
 
 class WorkerLostError(PathwaysError):
-    """A worker process died; arrays and computations that involved its island are gone."""
+    """A worker process died or stopped answering; arrays and computations that involved
+    its island are gone."""
 
 
 class SpmdError(PathwaysError):

@@ -2,6 +2,7 @@
 with raw payloads or raw bytes, from the test's thread."""
 
 import socket
+import threading
 import time
 
 from pathways.protocol import messages as m
@@ -31,10 +32,24 @@ class RawWorker:
         self.sock = tcp.connect(address, timeout, security, tls=security is not None and security.uses_tls)
         self.sock.settimeout(timeout)
         self.reader = frames.FrameReader(self.sock)
+        self._sending = threading.Lock()  # whole frames, whichever thread sends
+        self._closed = threading.Event()
 
     def send(self, payload: bytes) -> None:
         """One frame carrying ``payload`` (an encoded batch, or anything)."""
-        self.sock.sendall(frames.frame(payload))
+        with self._sending:
+            self.sock.sendall(frames.frame(payload))
+
+    def keep_alive(self, every: float = 1.0) -> None:
+        """Send a heartbeat every ``every`` seconds from a thread until closed, as a live
+        worker does, so that the controller does not drop it as silent."""
+        def beat() -> None:
+            while not self._closed.wait(every):
+                try:
+                    self.send_messages(m.Heartbeat(TIMEOUT))
+                except OSError:
+                    return
+        threading.Thread(target=beat, daemon=True).start()
 
     def send_messages(self, *messages: m.Message) -> None:
         self.send(m.encode_batch(list(messages)))
@@ -96,6 +111,7 @@ class RawWorker:
             pass  # close() shut the connection
 
     def close(self) -> None:
+        self._closed.set()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in drain()
         except OSError:

@@ -19,7 +19,7 @@ import pytest
 from pathways import cluster
 from pathways.cluster import stop_processes
 from pathways.controller import server as controller_server
-from pathways.defaults import ADDRESS_LINE, DEFAULT_WINDOW
+from pathways.defaults import ADDRESS_LINE, DEFAULT_WINDOW, HEARTBEAT_TIMEOUT
 from pathways.protocol import messages as m
 from pathways.wire import frames, rpc
 from tests.conftest import read_line, wait_until
@@ -29,17 +29,17 @@ from tests.rawworker import RawWorker
 class InProcess:
     """A ControllerServer (gRPC and worker port) served by an event loop on a thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, heartbeat_timeout: float = HEARTBEAT_TIMEOUT) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="controller", daemon=True)
         self.thread.start()
-        self.controller = controller_server.ControllerServer("fair", DEFAULT_WINDOW)
+        self.controller = controller_server.ControllerServer("fair", DEFAULT_WINDOW, heartbeat_timeout)
         self.lost: list = []
         core_lost = self.controller.core.worker_lost
 
-        def worker_lost(conn):  # counts the calls; the core still handles each
+        def worker_lost(conn, *rest):  # counts the calls; the core still handles each
             self.lost.append(conn.worker)
-            core_lost(conn)
+            core_lost(conn, *rest)
 
         self.controller.core.worker_lost = worker_lost
         self.address = self.run(self.controller.listen(rpc.LOOPBACK))

@@ -93,7 +93,8 @@ def double_on_island_0() -> np.ndarray:
 
 @pytest.mark.timeout(240)
 def test_a_thousand_idle_sessions_and_256_workers_leave_status_and_new_clients_served():
-    with pw.local_cluster(hosts=2) as cluster:
+    # The crowd's fake workers send no heartbeats: the timeout outlasts the test.
+    with pw.local_cluster(hosts=2, heartbeat_timeout=600.0) as cluster:
         before = len(status(cluster.address)["sessions"])
         crowd = Crowd(cluster.address)
         try:

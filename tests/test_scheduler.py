@@ -112,11 +112,46 @@ def test_cancel_removes_queued_and_frees_in_flight_windows():
     on0, next0 = (sched.submit(Run(1, frozenset({0}), "p")) for _ in range(2))
     queued0 = sched.submit(Run(2, frozenset({0}), "p"))
     on1 = sched.submit(Run(2, frozenset({1}), "p"))
-    assert list(sched.dispatchable()) == [on0]  # both sessions wait for island 0
+    assert list(sched.dispatchable()) == [on0, on1]  # island 0 is full; session 2's run on island 1 is not held
     queued, flying = sched.cancel(lambda r: 0 in r.islands)
-    assert sorted(r.id for r in queued) == [next0.id, queued0.id] and flying == [on0]
-    assert sched.inflight(0) == 0
-    assert list(sched.dispatchable()) == [on1]
+    assert [r.id for r in queued] == [next0.id, queued0.id] and flying == [on0]
+    assert sched.inflight(0) == 0 and sched.queued(0) == 0 and sched.inflight(1) == 1
+    after = sched.submit(Run(1, frozenset({0}), "p"))
+    assert list(sched.dispatchable()) == [after]
+
+
+def test_a_stalled_island_never_holds_up_a_sessions_runs_on_other_islands():
+    """Island 0 stops reporting runs done (a frozen host): the session's runs queued behind
+    it for island 0 wait, its runs on island 1 go on, and each island keeps the session's
+    submission order."""
+    sched = Scheduler("fair", window=2)
+    sched.add_session(1)
+    stuck = [sched.submit(Run(1, frozenset({0}), "a")) for _ in range(2 * SOLO_FACTOR + 3)]
+    both = sched.submit(Run(1, frozenset({0, 1}), "b"))  # reads island 0's data: waits for island 0
+    later = [sched.submit(Run(1, frozenset({1}), "c")) for _ in range(3)]
+    first = list(sched.dispatchable())
+    assert first == stuck[:2 * SOLO_FACTOR], "island 0 fills up to the solo bound"
+    sched.finish(first[0].id, 1e-3)
+    assert list(sched.dispatchable()) == [stuck[2 * SOLO_FACTOR]]
+    # the runs on island 1 must not pass `both`, which touches island 1 and came first
+    assert sched.queued(1) == 4 and sched.inflight(1) == 0
+    queued, _ = sched.cancel(lambda r: 0 in r.islands)  # island 0 is declared lost
+    assert queued == [*stuck[2 * SOLO_FACTOR + 1:], both]
+    assert list(sched.dispatchable()) == later, "island 1's runs go at once, in submission order"
+    assert sched.session_stats(1)["queued"] == 0
+
+
+def test_runs_on_disjoint_islands_interleave_in_each_islands_order():
+    sched = Scheduler("fifo", window=1)
+    sched.add_session(1)
+    on0 = [sched.submit(Run(1, frozenset({0}), "p")) for _ in range(SOLO_FACTOR + 1)]
+    on1 = [sched.submit(Run(1, frozenset({1}), "p")) for _ in range(SOLO_FACTOR + 1)]
+    assert list(sched.dispatchable()) == on0[:SOLO_FACTOR] + on1[:SOLO_FACTOR]
+    sched.finish(on1[0].id, 1e-3)
+    assert list(sched.dispatchable()) == [on1[-1]], "island 1 moves on while island 0 is full"
+    sched.finish(on0[0].id, 1e-3)
+    assert list(sched.dispatchable()) == [on0[-1]]
+    assert sched.session_stats(1)["queued"] == 0 and sched.session_stats(1)["inflight"] == 2 * SOLO_FACTOR
 
 
 def test_bad_settings_are_refused():

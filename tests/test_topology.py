@@ -96,8 +96,8 @@ def test_malformed_measure_requests_get_error_replies(islands):
 
 
 def test_a_silent_peer_leaves_its_links_unmeasured_and_the_rest_keeps_working(islands):
-    """A worker that registers but never answers, with a data port that accepts connections
-    and never replies: the others' probes of it time out, a measurement names it after its
+    """A worker that registers and sends heartbeats but never answers a measure request,
+    with a data port that accepts connections and never replies: the others' probes of it time out, a measurement names it after its
     timeout, and every other figure is still measured."""
     silent = socket.create_server(("127.0.0.1", 0))
     fake_worker = RawWorker(islands.address)
@@ -116,6 +116,7 @@ def test_a_silent_peer_leaves_its_links_unmeasured_and_the_rest_keeps_working(is
             notice = fake_worker.until(lambda x: type(x) is m.Notice)[-1]
             assert needle in notice.message, (needle, notice)
         threading.Thread(target=fake_worker.drain, daemon=True).start()
+        fake_worker.keep_alive()  # alive, only deaf to measure requests
         # workers are asked one at a time, in id order: the real ones first, each waiting
         # PROBE_TIMEOUT for the silent peer, then the silent one, which never answers
         with pytest.raises(DeadlineExceededError, match=rf"worker {fake} did not report"):

@@ -122,7 +122,8 @@ class ConnectedCluster(LocalCluster):
 
 def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[Sequence[Island]] = None,
                   start_timeout: float = 120.0, policy: str = "fair", window: int = DEFAULT_WINDOW,
-                  unsafe_local_order: bool = False, security: Optional[Security] = None) -> ConnectedCluster:
+                  unsafe_local_order: bool = False, security: Optional[Security] = None,
+                  heartbeat_timeout: Optional[float] = None) -> ConnectedCluster:
     """A context manager running a controller and workers on this machine.
 
     One island of ``hosts`` worker processes with ``devices_per_host`` CPU devices each, or
@@ -133,13 +134,15 @@ def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[S
     ``policy`` orders runs between clients (``"fair"``: proportional share by the weight
     given to ``pw.connect``; ``"fifo"``), ``window`` bounds the runs in flight per island.
     ``unsafe_local_order`` is for demonstrating deadlock only: workers then order clients'
-    runs themselves instead of following the island's gang order.
+    runs themselves instead of following the island's gang order. ``heartbeat_timeout``
+    (seconds; default 10) is how long the controller and a worker may go silent before the
+    other gives it up (the controller fails the worker's island, the worker exits).
 
     ``security`` (``pathways.wire.security.Security``): the token, TLS certificate and CA
     that every process of the cluster, and the session, is given; none by default.
     """
     return ConnectedCluster(list(islands) if islands else [Island(hosts, devices_per_host)], start_timeout,
-                            policy, window, unsafe_local_order, security)
+                            policy, window, unsafe_local_order, security, heartbeat_timeout)
 
 
 def make_virtual_device_set() -> VirtualDeviceSet:

@@ -3,6 +3,12 @@
 Submissions are fire and forget: the client numbers every handle itself, so nothing waits
 for the controller except placement and cluster queries. Deletes from dropped arrays are
 batched and ride along with the next message (or a periodic flush).
+
+Nothing waits on a dead or silent peer: gRPC keepalive (wire/rpc.py) ends the session
+stream within seconds of the controller dying or freezing, which fails every pending
+request and fetch with ControllerLostError; a fetch blocked at a worker is cancelled as
+soon as the controller reports its array poisoned (a lost worker), and keepalive ends one
+blocked at a frozen worker anyway.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import numpy as np
 from pathways import errors
 from pathways.client.array import Array, _Buffer
 from pathways.client.devices import NamedSharding
+from pathways.defaults import HEARTBEAT_TIMEOUT
 from pathways.ir import Layout
 from pathways.protocol import messages as m
 from pathways.protocol.errors import error_of, kind_of
@@ -34,6 +41,9 @@ DEFAULT_TIMEOUT = 300.0
 _FLUSH_SECONDS = 0.05
 _POLL_SECONDS = 1.0  # a long wait for an array is split so news of a lost worker cuts it short
 _VERDICT_SECONDS = 3.0  # how long a failed fetch waits for the controller to say why
+# ... when the worker became unreachable: keepalive may give up on a frozen worker before
+# the controller does (its heartbeat timeout), and the controller's verdict names the host
+_UNREACHABLE_VERDICT_SECONDS = HEARTBEAT_TIMEOUT
 _CONNECT_ADVICE = (f"{rpc.START_ADVICE}, or call pw.connect() with no address (and PATHWAYS_ADDRESS unset) "
                    "to start an embedded one")
 
@@ -65,6 +75,8 @@ class Session:
         self._dead: Optional[str] = None
         self._dead_error: type[errors.ConnectError] = errors.ConnectError
         self._workers: dict[str, tuple[Any, Any, grpc.Channel]] = {}
+        self._fetches: dict[int, set] = {}  # handle -> its fetch calls in flight, cancelled on bad news
+        self._fetches_lock = threading.Lock()
         self._closed = threading.Event()
         self._welcome: Future = Future()
         self._pending["welcome"] = self._welcome
@@ -149,19 +161,25 @@ class Session:
             reason = "closed the session"
         except grpc.RpcError as e:
             refused = rpc.refusal(e, self.address)
-            reason = f"broke the connection ({e.code().name})" if hasattr(e, "code") else "broke the connection"
+            reason = _broken(e)
         except Exception as e:  # a malformed reply must not leave waiters hanging
             reason = f"sent a malformed reply ({e})"
         if refused is not None:
             self._dead_error = errors.AuthenticationError  # before _dead: other threads raise it once _dead is set
             self._dead = str(refused)
+            error: errors.ConnectError = errors.AuthenticationError(self._dead)
+        elif self._closed.is_set():  # this client closed the session: the controller is not to blame
+            error = errors.ConnectError("this session is closed; call pw.connect() for a new one")
         else:
+            self._dead_error = errors.ControllerLostError
             self._dead = (f"the controller at {self.address} {reason}; restart it or call pw.connect() "
                           "again (arrays held by this session are gone)")
+            error = errors.ControllerLostError(self._dead)
         for future in list(self._pending.values()):
             if not future.done():
-                future.set_exception(self._dead_error(self._dead))
+                future.set_exception(error)
         self._pending.clear()
+        self._cancel_fetches(None)
 
     def _on_message(self, msg: m.Message | m.Malformed) -> None:
         kind = type(msg)
@@ -171,6 +189,7 @@ class Session:
             error = type(error_of(msg.kind, "", errors.RemoteError))
             for h in msg.handles:
                 self.poisoned[h] = (error, msg.message)
+            self._cancel_fetches(msg.handles)
         elif kind is m.Error or kind is m.Malformed:
             if kind is m.Malformed:
                 msg = m.Error(msg.req, kind_of(msg.error), f"the controller sent a malformed {msg.tag!r}: {msg.error}")
@@ -263,8 +282,14 @@ class Session:
     def _fetch_one(self, address: str, handle: int, wait: float, data: bool) -> Any:
         self._check_alive()
         request = m.pack(m.FetchRequest(handle, wait, data, self._credential).encode())
+        call = None
         try:
-            replies = iter(self._stubs(address)[1](request, timeout=wait + 30.0))
+            call = self._stubs(address)[1](request, timeout=wait + 30.0)
+            with self._fetches_lock:
+                self._fetches.setdefault(handle, set()).add(call)
+            if handle in self.poisoned or self._dead is not None:
+                call.cancel()  # the news came while the call was starting
+            replies = iter(call)
             header = codec.unpack(next(replies))
             state = header.get("state")
             if state == "pending":
@@ -282,17 +307,38 @@ class Session:
                 raise refused from None
             # A worker that died mid-call breaks the call in several ways; the controller's
             # verdict on the handle, which follows within moments, is the better error.
-            deadline = time.monotonic() + _VERDICT_SECONDS
+            unreachable = e.code() == grpc.StatusCode.UNAVAILABLE
+            deadline = time.monotonic() + (_UNREACHABLE_VERDICT_SECONDS if unreachable else _VERDICT_SECONDS)
             while handle not in self.poisoned and time.monotonic() < deadline and self._dead is None:
                 time.sleep(0.02)
             self._raise_if_poisoned(handle)
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
+            self._check_alive()
+            if unreachable:
                 raise errors.WorkerLostError(
-                    f"the worker at {address} holding array {handle:#x} is unreachable: it was lost, and "
-                    "the array with it. `python -m pathways status` shows the healthy islands") from None
+                    f"the worker at {address} holding array {handle:#x} is unreachable ({e.details()}): it was "
+                    "lost, and the array with it. `python -m pathways status` shows the healthy islands") from None
             raise errors.ConnectError(
                 f"fetching from worker {address} failed ({e.code().name}); check "
                 "`python -m pathways status`") from None
+        finally:
+            if call is not None:
+                with self._fetches_lock:
+                    calls = self._fetches.get(handle)
+                    if calls is not None:
+                        calls.discard(call)
+                        if not calls:
+                            del self._fetches[handle]
+
+    def _cancel_fetches(self, handles: Optional[tuple[int, ...]]) -> None:
+        """Cancel the fetches in flight for ``handles`` (all of them with None): whoever
+        waits in them then raises the error the controller gave, at once."""
+        with self._fetches_lock:
+            if handles is None:
+                doomed = [c for calls in self._fetches.values() for c in calls]
+            else:
+                doomed = [c for h in handles for c in self._fetches.get(h, ())]
+        for call in doomed:
+            call.cancel()
 
     def cluster(self) -> dict:
         return self.request(m.ClusterRequest).status
@@ -311,6 +357,16 @@ class Session:
             channel.close()
         if self._owned_cluster is not None:
             self._owned_cluster.stop()
+
+
+def _broken(e: grpc.RpcError) -> str:
+    """What a broken session stream says about the controller."""
+    code = e.code().name if hasattr(e, "code") else "UNKNOWN"
+    details = e.details() if hasattr(e, "details") else ""
+    if "ping timeout" in (details or "") or "keepalive" in (details or ""):
+        seconds = (rpc.KEEPALIVE_TIME_MS + rpc.KEEPALIVE_TIMEOUT_MS) / 1000
+        return f"stopped answering (no reply to keepalive pings within about {seconds:g} s: frozen or unreachable)"
+    return f"broke the connection ({code}: {details})" if details else f"broke the connection ({code})"
 
 
 def _chunks(header: bytes, array: np.ndarray) -> Iterator[bytes]:

@@ -84,28 +84,34 @@ class ControllerCore:
                     conn.outbox.put(m.SessionOpen(sid, m.digest(self.sessions[sid].credential)))
         elif kind is m.Measured:
             self.membership.measured(conn, msg)
+        elif kind is m.Heartbeat:
+            conn.heartbeat = msg.timeout  # the shell paces its heartbeats to it
         elif kind is m.Notice:
             log.warning("worker %s reported: %s", conn.worker, msg.message)
         else:  # Malformed
             conn.outbox.put(m.Notice(f"controller dropped {msg.tag!r}: {msg.error}"))
 
-    def worker_lost(self, conn: WorkerConn) -> None:
-        """A worker's stream ended. Its island is unhealthy from now on (whether it had
-        assembled or not): a multi-host group cannot run without one of its hosts, so every
-        run, array and future that involves any host of the island fails with
-        WorkerLostError, and the surviving hosts of the island are told to exit. Other
-        islands keep serving."""
+    def worker_lost(self, conn: WorkerConn, silent_for: float | None = None) -> None:
+        """A worker's stream ended: its connection closed, or (``silent_for`` seconds) the
+        worker stopped answering and the shell dropped it. Its island is unhealthy from now
+        on (whether it had assembled or not): a multi-host group cannot run without one of
+        its hosts, so every run, array and future that involves any host of the island fails
+        with WorkerLostError naming the worker, and the surviving hosts of the island are
+        told to exit. Other islands keep serving."""
         if conn.worker not in self.workers:
             return
         island = conn.island
         name = self.membership.islands.by_id[island].describe()
-        log.warning("worker %d (island %s) at %s was lost", conn.worker, name, conn.address)
+        why = (f"it stopped answering for {silent_for:.1f} s" if silent_for is not None
+               else "its connection closed (the process exited or was killed)")
+        lost_worker = f"{conn.describe()} was lost: {why}"
+        log.warning("%s", lost_worker)
+        self.membership.lost.setdefault(island, lost_worker)
         lost = self.rm.lose_island(island) | {conn.worker}
         self.membership.lose_island(island)
-        message = (f"worker {conn.worker} (pid {conn.info.pid}, island {name}) was lost; arrays and "
-                   f"computations on island {name} are gone. Recreate them on a healthy island "
-                   "(`python -m pathways status` shows which are healthy), or start the island's hosts "
-                   "again: they form a new island")
+        message = (f"{lost_worker}; arrays and computations on island {name} are gone. Recreate them on a "
+                   "healthy island (`python -m pathways status` shows which are healthy), or start the "
+                   "island's hosts again: they form a new island")
         queued, flying = self.scheduler.cancel(lambda r: bool(r.payload.lowered.workers & lost))
         for run in flying:
             d: Dispatch = run.payload

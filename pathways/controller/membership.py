@@ -41,6 +41,14 @@ class WorkerConn:
     island: int = -1
     rank: int = -1
     defined: set[int] = field(default_factory=set)  # program keys sent to it
+    heartbeat: float | None = None  # the silence, in seconds, after which the worker gives up on the controller
+
+    def describe(self) -> str:
+        """The worker as an operator finds it: id, host name, advertised address, pid, island."""
+        if self.info is None:
+            return "an unregistered worker"
+        return (f"worker {self.worker} on host {self.info.host} at {self.info.address} "
+                f"(pid {self.info.pid}, island {self.info.island})")
 
     @property
     def address(self) -> str:
@@ -65,6 +73,7 @@ class Membership:
         self._measurement_ids = itertools.count(1)
         self._next_worker = 0
         self.islands = Islands()
+        self.lost: dict[int, str] = {}  # island -> how it was lost: which worker, and why
 
     def register(self, conn: WorkerConn, msg: m.Register) -> bool:
         """Admit a worker to its island (see islands.py), or refuse it with a Shutdown that

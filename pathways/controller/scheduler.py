@@ -9,7 +9,13 @@ Admission is bounded per island: while several sessions have work queued for an 
 most ``window`` runs touching it are in flight (dispatched, not yet reported done), which keeps
 the devices fed while leaving queued work for the policy to order. A session alone on an
 island has nothing to be ordered against, so it may run ahead up to ``SOLO_FACTOR`` windows,
-enough to hide the round trip of done reports behind small computations. The policies:
+enough to hide the round trip of done reports behind small computations.
+
+A session's runs keep their submission order on each island, not across islands: a run
+waits only for the earlier runs of its session that share an island with it, so a full
+or stalled island (a host frozen until it is declared lost) never holds up the session's
+work on other islands. Runs on disjoint islands share no workers, hence no data and no
+collectives, and their order between them does not matter. The policies:
 
 - ``fifo``: the oldest admissible run first.
 - ``fair``: proportional share by session weight (stride scheduling). Each dispatch charges
@@ -24,7 +30,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterator
+from typing import Any, Callable, Hashable, Iterable, Iterator
 
 from pathways.defaults import DEFAULT_WINDOW
 
@@ -48,7 +54,10 @@ class Run:
 @dataclass
 class _Session:
     weight: float
-    queue: deque[Run] = field(default_factory=deque)
+    # island -> the queued runs that touch it, in submission order (a run is in the queue
+    # of each of its islands; runs touching none queue under None)
+    queues: dict[Hashable, deque[Run]] = field(default_factory=dict)
+    waiting: int = 0  # queued runs
     vtime: float = 0.0
     inflight: int = 0
     device_seconds: float = 0.0
@@ -90,18 +99,25 @@ class Scheduler:
 
     def submit(self, run: Run) -> Run:
         s = self._sessions[run.session]
-        if not s.queue and not s.inflight:
+        if not s.waiting and not s.inflight:
             # A session returning from idle starts at the present, not with banked credit.
             s.vtime = max(s.vtime, self._vclock)
         run.id = next(self._ids)
-        s.queue.append(run)
+        for key in _keys(run):
+            s.queues.setdefault(key, deque()).append(run)
+        s.waiting += 1
         return run
 
     def dispatchable(self) -> Iterator[Run]:
         """Release runs, in the order workers must execute them, while windows allow."""
         while (run := self._pick()) is not None:
             s = self._sessions[run.session]
-            s.queue.popleft()
+            for key in _keys(run):  # it heads each of its islands' queues
+                queue = s.queues[key]
+                queue.popleft()
+                if not queue:
+                    del s.queues[key]
+            s.waiting -= 1
             s.inflight += 1
             for island in run.islands:
                 self._island_load[island] = self._island_load.get(island, 0) + 1
@@ -140,10 +156,16 @@ class Scheduler:
         """
         queued: list[Run] = []
         for s in self._sessions.values():
-            keep: deque[Run] = deque()
-            for r in s.queue:
-                (queued if doomed(r) else keep).append(r)
-            s.queue = keep
+            waiting = sorted({r.id: r for q in s.queues.values() for r in q}.values(), key=lambda r: r.id)
+            s.queues = {}
+            s.waiting = 0
+            for r in waiting:
+                if doomed(r):
+                    queued.append(r)
+                    continue
+                for key in _keys(r):
+                    s.queues.setdefault(key, deque()).append(r)
+                s.waiting += 1
         flying = [r for r in self._inflight.values() if doomed(r)]
         for r in flying:
             self.finish(r.id, None)
@@ -153,15 +175,26 @@ class Scheduler:
         best: Run | None = None
         best_key: tuple = ()
         for sid, s in self._sessions.items():
-            if not s.queue:
+            run = self._next_of(sid, s)
+            if run is None:
                 continue
-            head = s.queue[0]
-            if any(self._island_full(i, sid) for i in head.islands):
-                continue
-            key = (head.id,) if self.policy == "fifo" else (s.vtime, head.id)
+            key = (run.id,) if self.policy == "fifo" else (s.vtime, run.id)
             if best is None or key < best_key:
-                best, best_key = head, key
+                best, best_key = run, key
         return best
+
+    def _next_of(self, sid: int, s: _Session) -> Run | None:
+        """The session's oldest run that heads the queue of every island it touches and
+        whose islands all have room, if any."""
+        found: Run | None = None
+        for queue in s.queues.values():
+            head = queue[0]
+            if found is not None and head.id >= found.id:
+                continue
+            if all(s.queues[k][0] is head for k in _keys(head)) and not any(
+                    self._island_full(i, sid) for i in head.islands):
+                found = head
+        return found
 
     def _island_full(self, island: int, session: int) -> bool:
         load = self._island_load.get(island, 0)
@@ -169,8 +202,7 @@ class Scheduler:
             return False
         if load >= self.window * SOLO_FACTOR:
             return True
-        return any(other != session and o.queue and island in o.queue[0].islands
-                   for other, o in self._sessions.items())
+        return any(other != session and island in o.queues for other, o in self._sessions.items())
 
     # ---- status ---------------------------------------------------------------------
 
@@ -178,11 +210,16 @@ class Scheduler:
         return self._island_load.get(island, 0)
 
     def queued(self, island: int) -> int:
-        return sum(1 for s in self._sessions.values() for r in s.queue if island in r.islands)
+        return sum(len(s.queues.get(island, ())) for s in self._sessions.values())
 
     def session_stats(self, session: int) -> dict[str, Any]:
         s = self._sessions.get(session)
         if s is None:
             return {}
-        return {"weight": s.weight, "queued": len(s.queue), "inflight": s.inflight,
+        return {"weight": s.weight, "queued": s.waiting, "inflight": s.inflight,
                 "completed": s.completed, "device_seconds": s.device_seconds}
+
+
+def _keys(run: Run) -> Iterable[Hashable]:
+    """The queues a run waits in: one per island it touches."""
+    return run.islands or (None,)

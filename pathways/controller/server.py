@@ -14,6 +14,12 @@ to it at the host it reached the controller at. Both listen on the host of ``--b
 Given a ``Security`` (wire/security.py) with a token, every gRPC call must carry it and a
 worker's connection must open with a hello frame carrying it, answered before any other
 frame is read; with a certificate, gRPC and the workers' connections use TLS.
+
+Each worker stream carries heartbeats both ways (wire/liveness.py): a loop timer per
+stream queues one when nothing else went out for a while, and gives the worker up once it
+has been silent for the heartbeat timeout (a frozen process, a dead host, a cut cable):
+the connection is dropped and the core handles the worker as lost, naming how long it
+was silent. The core itself has no clock.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import grpc
 
 from pathways.controller.core import ControllerCore, WorkerConn
 from pathways.controller.scheduler import DEFAULT_WINDOW
-from pathways.defaults import ADDRESS_LINE
+from pathways.defaults import ADDRESS_LINE, HEARTBEAT_TIMEOUT
 from pathways.errors import ConnectError, DeadlineExceededError, WireError
 from pathways.protocol import messages as m
 from pathways.protocol.errors import kind_of
@@ -39,6 +45,7 @@ from pathways.wire import codec, frames, rpc
 from pathways.wire import security as sec
 from pathways.wire.addresses import family_of, join_host_port, reachable_host, split_host_port, strip_brackets
 from pathways.wire.codec import MAX_MESSAGE_BYTES
+from pathways.wire.liveness import Heartbeats, check_timeout
 from pathways.wire.security import Security
 
 log = logging.getLogger("pathways.controller")
@@ -67,10 +74,48 @@ def _guarded(fn: Callable, *args: Any) -> None:
         log.exception("controller dropped a message in %s", getattr(fn, "__name__", fn))
 
 
+class _Keepalive:
+    """One worker stream's heartbeat timer on the event loop: queues a heartbeat when
+    nothing went out for an interval, and calls ``on_silent(seconds)`` once the worker has
+    been silent past the timeout (then stops)."""
+
+    def __init__(self, beats: Heartbeats, outbox: rpc.LoopOutbox, on_silent: Callable[[float], None]) -> None:
+        self._beats = beats
+        self._outbox = outbox
+        self._on_silent = on_silent
+        self._loop = asyncio.get_running_loop()
+        self._timer: Optional[asyncio.TimerHandle] = None
+        self.schedule()
+
+    def schedule(self) -> None:
+        """(Re)arm the timer for whatever falls due first; call it after the intervals change."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_later(min(self._beats.until_beat(), self._beats.until_silent()), self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        silent = self._beats.silent_for()
+        if silent is not None:
+            self._on_silent(silent)
+            return
+        if self._beats.beat_due():
+            self._outbox.put(m.Heartbeat(self._beats.timeout))
+            self._beats.sent()  # queued is as good as sent: a blocked writer is the peer's silence to judge
+        self.schedule()
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
 class ControllerServer:
-    def __init__(self, policy: str, window: int, security: Security | None = None) -> None:
+    def __init__(self, policy: str, window: int, security: Security | None = None,
+                 heartbeat_timeout: float = HEARTBEAT_TIMEOUT) -> None:
         self.security = security or Security()
         self.core = ControllerCore(policy, window)
+        self.heartbeat_timeout = check_timeout(heartbeat_timeout)
         self._session_ids = itertools.count(1)
         self._streams: set[asyncio.Task] = set()
         self._stopping = False  # the process is stopping: its streams end, but nothing was lost
@@ -164,13 +209,25 @@ class ControllerServer:
         (over its limit, cut short, or not complete within FRAME_SECONDS) ends the stream
         like a closed connection: the stream cannot be resynchronized. The first frame may
         be a hello (security.py), which is answered; where a token is required it must be
-        one, carrying the token, within HELLO_SECONDS, else the connection is refused."""
+        one, carrying the token, within HELLO_SECONDS, else the connection is refused. A
+        worker silent for the heartbeat timeout has its connection dropped and is lost as
+        silent."""
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = writer.get_extra_info("peername")
         conn = WorkerConn(rpc.LoopOutbox())
         greeted = self.security.token is None
+        beats = Heartbeats(self.heartbeat_timeout)
+        silence: list[float] = []  # how long the worker was silent, once given up for it
+
+        def on_silent(seconds: float) -> None:
+            silence.append(seconds)
+            log.warning("worker %d (%s) sent nothing for %.1f s, more than the heartbeat timeout of %g s: "
+                        "dropping its connection", conn.worker, peer, seconds, beats.timeout)
+            writer.transport.abort()  # a frozen peer would never take what is buffered for it
+
+        keepalive = _Keepalive(beats, conn.outbox, on_silent)
 
         async def read() -> Optional[bytes]:
             nonlocal greeted
@@ -178,9 +235,9 @@ class ControllerServer:
             try:
                 while True:
                     if greeted:
-                        payload = await frames.read_frame(reader, limit, FRAME_SECONDS)
+                        payload = await frames.read_frame(reader, limit, FRAME_SECONDS, beats.heard)
                     else:
-                        payload = await asyncio.wait_for(frames.read_frame(reader, limit, FRAME_SECONDS),
+                        payload = await asyncio.wait_for(frames.read_frame(reader, limit, FRAME_SECONDS, beats.heard),
                                                          sec.HELLO_SECONDS)
                     if payload is None or conn.worker >= 0:
                         return payload
@@ -203,10 +260,21 @@ class ControllerServer:
                 log.info("the worker connection from %s (worker %d) ended: %s", peer, conn.worker, e)
             return None
 
+        async def send(payload: bytes) -> None:
+            await frames.write_frame(writer, payload)
+            beats.sent()
+
+        def on_payload(payload: bytes) -> None:
+            self.core.on_worker_batch(conn, payload)
+            if conn.heartbeat is not None and conn.heartbeat != beats.peer_timeout:
+                beats.learn(conn.heartbeat)  # the worker's heartbeats said how often it needs ours
+                keepalive.schedule()
+
         try:
-            await self._stream(read, lambda payload: frames.write_frame(writer, payload), conn.outbox,
-                               lambda p: self.core.on_worker_batch(conn, p), lambda: self.core.worker_lost(conn))
+            await self._stream(read, send, conn.outbox, on_payload,
+                               lambda: self.core.worker_lost(conn, silence[0] if silence else None))
         finally:
+            keepalive.stop()
             writer.close()  # after what is buffered: the worker sees a clean end
             with contextlib.suppress(Exception):  # a reset peer, or the loop stopping
                 await asyncio.wait_for(writer.wait_closed(), _DRAIN_SECONDS)
@@ -260,18 +328,23 @@ def _header(payload: bytes) -> object:
 
 
 def main(policy: str = "fair", window: int = DEFAULT_WINDOW, bind: str = f"{rpc.LOOPBACK}:0",
-         security: Security | None = None) -> None:
+         security: Security | None = None, heartbeat_timeout: float = HEARTBEAT_TIMEOUT) -> None:
     """Serve on ``bind`` (``HOST:PORT``) until SIGINT or SIGTERM; a bind that fails exits
     with a message that says why."""
     try:
         host, port = split_host_port(bind)
     except ValueError as e:
         raise SystemExit(f"error: --bind {e}") from None
-    asyncio.run(_serve(policy, window, host, port, security))
+    try:
+        check_timeout(heartbeat_timeout)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    asyncio.run(_serve(policy, window, host, port, security, heartbeat_timeout))
 
 
-async def _serve(policy: str, window: int, host: str, port: int, security: Security | None) -> None:
-    controller = ControllerServer(policy, window, security)
+async def _serve(policy: str, window: int, host: str, port: int, security: Security | None,
+                 heartbeat_timeout: float) -> None:
+    controller = ControllerServer(policy, window, security, heartbeat_timeout)
     advertise = reachable_host(host)
     try:
         await controller.listen(host, advertise)  # before the gRPC server: AttachAddress must know it

@@ -15,8 +15,9 @@ def status(core: Any) -> dict[str, Any]:
         "policy": scheduler.policy,
         "window": scheduler.window,
         # per island: "hosts" joined of "expected_hosts"; "assembling" until all have joined
-        "islands": [{"island": i, "name": isl.name, "healthy": not isl.lost, "assembling": isl.assembling,
-                     "hosts": len(isl.members), "expected_hosts": isl.hosts,
+        # "lost": which host was lost and how, once the island is unhealthy
+        "islands": [{"island": i, "name": isl.name, "healthy": not isl.lost, "lost": core.membership.lost.get(i),
+                     "assembling": isl.assembling, "hosts": len(isl.members), "expected_hosts": isl.hosts,
                      "devices": sum(w.info.devices for w in workers.values() if w.island == i),
                      "queued": scheduler.queued(i), "inflight": scheduler.inflight(i)}
                     for i, isl in sorted(islands.items())],

@@ -15,6 +15,7 @@ KINDS: dict[str, type[errors.PathwaysError]] = {cls.__name__: cls for cls in (
     errors.RemoteError, errors.WorkerLostError, errors.DeadlineExceededError, errors.ConnectError,
     errors.AccessDeniedError,
     errors.AuthenticationError,
+    errors.ControllerLostError,
 )}
 # what a poisoned handle may report: a failed computation, a lost host, or a run refused
 # because it named another session's array

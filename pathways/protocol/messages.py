@@ -426,6 +426,17 @@ class Measure(Message):
     id: int = wire(Int(1))
 
 
+# ---- liveness: both directions of the worker stream --------------------------------------------
+
+@message("heartbeat")
+class Heartbeat(Message):
+    """Sent when nothing else went out for a while (wire/liveness.py). ``timeout``: the
+    seconds of silence after which the sender gives up on the receiver; the receiver sends
+    something at least every fifth of it."""
+
+    timeout: float = wire(Float(0.0, 1e6, open_lo=True))
+
+
 # ---- unary requests -------------------------------------------------------------------------
 
 @message("measure")
@@ -449,9 +460,10 @@ class FetchRequest(Message):
 SESSION_UP = Table("session (client to controller)", Hello, SliceRequest, ClusterRequest, DefineFunction,
                    DefineProgram, Run, PutNotice, Delete)
 SESSION_DOWN = Table("session (controller to client)", SessionWelcome, SliceReply, ClusterReply, Poisoned, Error)
-WORKER_UP = Table("attach (worker to controller)", Register, Done, Step, Notice, Measured)
+WORKER_UP = Table("attach (worker to controller)", Register, Done, Step, Notice, Measured,
+                  Heartbeat)
 WORKER_DOWN = Table("attach (controller to worker)", WorkerWelcome, Peers, Compile, Define, RunProgram, Delete,
-                    DropSession, Poisoned, Shutdown, Go, Measure, Notice, SessionOpen)
+                    DropSession, Poisoned, Shutdown, Go, Measure, Notice, SessionOpen, Heartbeat)
 MEASURE = Table("measure request", MeasureRequest)
 FETCH = Table("fetch request", FetchRequest)
 

@@ -14,10 +14,12 @@ import asyncio
 import socket
 import struct
 import time
+from typing import Callable
 
 from pathways.errors import WireError
 
 LENGTH = struct.Struct("!I")
+_BODY_PIECE = 1 << 20  # a large frame's body is read in pieces this large, each a sign of life
 
 
 def frame(payload: bytes) -> bytes:
@@ -69,11 +71,13 @@ class FrameReader:
         self._file.close()
 
 
-async def read_frame(reader: asyncio.StreamReader, limit: int, seconds: float) -> bytes | None:
+async def read_frame(reader: asyncio.StreamReader, limit: int, seconds: float,
+                     heard: Callable[[], None] | None = None) -> bytes | None:
     """The next frame's payload; None at a clean end (EOF between frames). Between frames
-    the peer may stay quiet as long as it likes; once a frame's length has arrived, the
-    frame must be at most ``limit`` bytes and complete within ``seconds``, else WireError
-    (the stream cannot be resynchronized: the caller closes the connection)."""
+    the peer may stay quiet as long as it likes (its liveness is the caller's business:
+    ``heard`` is called whenever bytes of a frame arrive); once a frame's length has
+    arrived, the frame must be at most ``limit`` bytes and complete within ``seconds``,
+    else WireError (the stream cannot be resynchronized: the caller closes the connection)."""
     try:
         head = await reader.readexactly(LENGTH.size)
     except asyncio.IncompleteReadError as e:
@@ -82,12 +86,33 @@ async def read_frame(reader: asyncio.StreamReader, limit: int, seconds: float) -
         raise WireError("the connection ended inside a frame's length") from None
     (n,) = LENGTH.unpack(head)
     _check_length(n, limit)
+    if heard is not None:
+        heard()
     try:
-        return await asyncio.wait_for(reader.readexactly(n), seconds)
+        body = reader.readexactly(n) if heard is None else _read_body(reader, n, heard)
+        return await asyncio.wait_for(body, seconds)
     except asyncio.IncompleteReadError as e:
         raise WireError(f"the connection ended inside a frame ({len(e.partial)} of {n} bytes arrived)") from None
     except asyncio.TimeoutError:
         raise WireError(f"a frame of {n} bytes did not complete within {seconds:g} s") from None
+
+
+async def _read_body(reader: asyncio.StreamReader, n: int, heard: Callable[[], None]) -> bytes:
+    """``n`` bytes, calling ``heard`` as each piece arrives: a large frame on a slow link
+    is a peer that talks, not a silent one."""
+    if n == 0:
+        return b""
+    piece = await reader.read(min(n, _BODY_PIECE))
+    if len(piece) == n:  # the whole frame had arrived (the common case): no copy
+        return piece
+    body = bytearray(piece)
+    while piece:
+        heard()
+        if len(body) == n:
+            return bytes(body)
+        piece = await reader.read(min(n - len(body), _BODY_PIECE))
+        body += piece
+    raise asyncio.IncompleteReadError(bytes(body), n)
 
 
 async def write_frame(writer: asyncio.StreamWriter, payload: bytes) -> None:

@@ -47,6 +47,21 @@ _OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
 ]
+# A channel with calls in flight pings its server every KEEPALIVE_TIME_MS and drops the
+# connection when a ping goes unanswered for KEEPALIVE_TIMEOUT_MS, failing its calls with
+# UNAVAILABLE ("ping timeout"): a frozen or vanished server (its kernel may still
+# acknowledge TCP) ends a client's session stream or fetch within about 8 s instead of
+# hanging. grpcio 1.85 times a keepalive ping out by the ping timeout, hence both; the pings
+# go on however long the server sends no data (a session waiting for work). Servers accept
+# pings that often; they do not ping their clients (a paused client keeps its session).
+KEEPALIVE_TIME_MS = 3000
+KEEPALIVE_TIMEOUT_MS = 5000
+_CHANNEL_OPTIONS = [*_OPTIONS, ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+                    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+                    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS), ("grpc.http2.max_pings_without_data", 0)]
+_SERVER_OPTIONS = [*_OPTIONS, ("grpc.keepalive_permit_without_calls", 1),
+                   ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+                   ("grpc.http2.max_ping_strikes", 0)]
 
 
 def parse_address(address: str) -> str:
@@ -77,7 +92,7 @@ def make_server(service: str, handlers: dict[str, grpc.RpcMethodHandler], host: 
     With ``security``: its token required on every call, and TLS if it has a certificate."""
     security = security or Security()
     interceptors = [_TokenCheck(security, _role(service))] if security.token is not None else []
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=_OPTIONS,
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=_SERVER_OPTIONS,
                          interceptors=interceptors)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
     port = _bind(server, host, 0, security, f"the {_role(service)}'s gRPC server")
@@ -97,7 +112,7 @@ async def start_aio_server(service: str, handlers: dict[str, grpc.RpcMethodHandl
     security = security or Security()
     host, port = split_host_port(bind)
     interceptors = [_AioTokenCheck(security, _role(service))] if security.token is not None else []
-    server = grpc.aio.server(options=[*_OPTIONS, ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS)],
+    server = grpc.aio.server(options=[*_SERVER_OPTIONS, ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS)],
                              interceptors=interceptors)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
     port = _bind(server, host, port, security, f"the {_role(service)}'s gRPC server")
@@ -247,16 +262,16 @@ def open_channel(address: str, security: Security | None = None) -> grpc.Channel
     carrying its token on every call."""
     target = parse_address(address)
     if security is not None and security.uses_tls:
-        channel = grpc.secure_channel(target, channel_credentials(security), options=_OPTIONS)
+        channel = grpc.secure_channel(target, channel_credentials(security), options=_CHANNEL_OPTIONS)
     else:
-        channel = grpc.insecure_channel(target, options=_OPTIONS)
+        channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
     if security is not None and security.token is not None:
         channel = grpc.intercept_channel(channel, _TokenMetadata(security.token))
     return channel
 
 
 def open_aio_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(parse_address(address), options=_OPTIONS)
+    return grpc.aio.insecure_channel(parse_address(address), options=_CHANNEL_OPTIONS)
 
 
 def wait_ready(channel: grpc.Channel, address: str, timeout: float, advice: str = START_ADVICE,

@@ -23,6 +23,12 @@ A connection opened with a ``Security`` (``connect``) first sends a hello frame 
 cluster's token and waits for its answer (security.py); a listener that requires the token
 answers a connection's first frame with a refusal and closes it unless that frame is a
 hello with the token. With ``data_plane_tls`` both ends speak TLS.
+
+Nothing waits on a dead or frozen peer for longer than the timeout each side is given (a
+worker gives its heartbeat timeout): connecting, each piece of a send (a frozen receiver's
+kernel keeps acknowledging until its buffer fills, then the send stalls), and each read
+within a frame are bounded by socket timeouts; TCP keepalive and TCP_USER_TIMEOUT end a
+connection to a host that vanished (a cut cable) even between frames. Errors name the peer.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import socket
 import statistics
 import threading
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -57,6 +63,10 @@ _MIN_FRAME_RATE = 1 << 20  # bytes per second
 _COALESCE_BYTES = 64 * 1024  # pieces up to this size are copied into the frame's one write
 MAX_PROBE_BYTES = 8 * 1024 * 1024
 _PROBE_CHUNK = 1 << 20  # probe payloads are read into a scratch buffer this large, and discarded
+# A send is written in pieces this large, each within the timeout (a socket's timeout bounds
+# a whole sendall): a large array on a slow link is progress, a stalled peer is not.
+_SEND_PIECE = 4 << 20
+_KEEPALIVE_PROBES = 5
 # accept() errors that mean "out of descriptors or memory for now", not "listener closed"
 _ACCEPT_RETRY = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED}
 
@@ -140,6 +150,7 @@ class Listener:
                 continue
             try:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                keep_alive(conn, self._timeout)
                 threading.Thread(target=self._serve, args=(conn,), name="pathways-data-in", daemon=True).start()
             except (OSError, RuntimeError) as e:  # the peer left already; or no thread can start
                 log.error("dropped a data connection: %s: %s", type(e).__name__, e)
@@ -273,18 +284,42 @@ def _probe_bytes(header: dict) -> int:
     return n
 
 
+def keep_alive(sock: socket.socket, timeout: float) -> None:
+    """Have the kernel end ``sock`` within about ``timeout`` seconds once its peer's host
+    stops answering (a dead host, a cut cable), even while nothing is being sent: keepalive
+    probes after half the timeout, then ``_KEEPALIVE_PROBES`` of them over the other half,
+    and data left unacknowledged for the timeout aborts the connection. A frozen process's
+    kernel still answers these: the socket timeouts catch that case."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle = max(1, int(timeout / 2))
+    options = [("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", max(1, int(timeout / 2 / _KEEPALIVE_PROBES))),
+               ("TCP_KEEPCNT", _KEEPALIVE_PROBES), ("TCP_USER_TIMEOUT", max(1, int(timeout * 1000)))]
+    for name, value in options:
+        if hasattr(socket, name):  # Linux has them all; elsewhere the socket timeouts still bound every wait
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
 def connect(address: str, timeout: float, security: Security | None = None, tls: bool | None = None) -> socket.socket:
-    """A connection to ``tcp://HOST:PORT``, opened within ``timeout`` seconds (OSError if
-    not; ValueError for an address not of the form tcp://HOST:PORT), with Nagle's delay off: frames are
-    sent whole, and a small one must not wait for the acknowledgement of the last.
+    """A connection to ``tcp://HOST:PORT``, opened within ``timeout`` seconds (OSError
+    naming the address if not; ValueError for an address not of the form tcp://HOST:PORT),
+    with Nagle's delay off (frames are sent whole, and a small one must not wait for the
+    acknowledgement of the last), every blocking call on it bounded by ``timeout``, and
+    keepalive on.
 
     With ``security``: over TLS if ``tls`` (by default its ``data_plane_tls``), then greeted
     with its token (security.greet): AuthenticationError if the peer refuses it,
     ConnectError if the handshake or the greeting fails."""
     host, port = split_host_port(address.removeprefix("tcp://"))
-    sock = socket.create_connection((host, port), timeout=timeout)
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except TimeoutError:
+        raise TimeoutError(f"connecting to {address} took longer than {timeout:g} s: its host is down, "
+                           "frozen or unreachable") from None
+    except OSError as e:
+        raise ConnectionError(f"could not connect to {address}: {e.strerror or e}") from None
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        keep_alive(sock, timeout)
         if security is not None:
             if security.data_plane_tls if tls is None else tls:
                 sock = sec.wrap_client(sock, security, host, address)
@@ -301,6 +336,23 @@ def send_frame(sock: socket.socket, header: dict, pieces: list) -> None:
     _send_parts(sock, *_frame_parts(header, pieces))
 
 
+def send_all(sock: socket.socket, data: Any) -> None:
+    """Send ``data`` (bytes or a buffer) in pieces of at most ``_SEND_PIECE`` bytes, so that
+    the socket's timeout bounds each piece rather than the whole."""
+    view = memoryview(data).cast("B")
+    for start in range(0, len(view), _SEND_PIECE):
+        sock.sendall(view[start:start + _SEND_PIECE])
+
+
+def peer_error(address: str, timeout: float, error: OSError) -> OSError:
+    """``error``, met talking to the peer at ``address``, as an error that names the peer."""
+    if isinstance(error, TimeoutError):
+        return TimeoutError(f"the peer at {address} took nothing for {timeout:g} s: it is frozen or unreachable")
+    return ConnectionError(f"the connection to the peer at {address} failed: {error}")
+
+
+
+
 def _frame_parts(header: dict, pieces: list) -> tuple[bytes, list[np.ndarray]]:
     head = frame(codec.pack(header))
     arrays = [np.ascontiguousarray(array) for _, array in pieces]
@@ -311,10 +363,10 @@ def _frame_parts(header: dict, pieces: list) -> tuple[bytes, list[np.ndarray]]:
 
 
 def _send_parts(sock: socket.socket, head: bytes, arrays: list[np.ndarray]) -> None:
-    sock.sendall(head)
+    send_all(sock, head)
     for data in arrays:
         if data.nbytes:
-            sock.sendall(memoryview(data.reshape(-1).view(np.uint8)))
+            send_all(sock, data.reshape(-1).view(np.uint8))
 
 
 class Links:
@@ -328,24 +380,31 @@ class Links:
         self._lock = threading.Lock()
 
     def send(self, address: str, header: dict, pieces: list) -> None:
-        """Send one frame; raises OSError if the peer cannot be reached, ConnectError
-        (AuthenticationError) if it refuses the connection."""
+        """Send one frame; raises OSError naming the peer if it cannot be reached, or stops
+        taking bytes for the timeout, ConnectError (AuthenticationError) if it refuses the
+        connection."""
         head, arrays = _frame_parts(header, pieces)  # copies, if any, outside the link's lock
         sock, lock = self._link(address)
         with lock:
             try:
                 _send_parts(sock, head, arrays)
-            except OSError:
+            except OSError as e:
                 self._drop(address, sock)
-                raise
+                raise peer_error(address, self._timeout, e) from None
 
     def _link(self, address: str) -> tuple[socket.socket, threading.Lock]:
         with self._lock:
             link = self._links.get(address)
-            if link is None:
-                sock = connect(address, self._timeout, self._security)
-                link = self._links[address] = (sock, threading.Lock())
+        if link is not None:
             return link
+        sock = connect(address, self._timeout, self._security)  # unlocked: an unreachable peer must not hold up sends to others
+        with self._lock:
+            link = self._links.get(address)
+            if link is None:
+                link = self._links[address] = (sock, threading.Lock())
+                return link
+        sock.close()  # another sender connected first
+        return link
 
     def _drop(self, address: str, sock: socket.socket) -> None:
         with self._lock:

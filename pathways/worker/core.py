@@ -36,8 +36,8 @@ from pathways.protocol.check import MAX_TEXT, Int, Str
 from pathways.protocol.errors import POISON_KINDS, REMOTE
 from pathways.protocol.handles import MAX_HANDLE, session_of
 from pathways.protocol.messages import (CREDENTIAL, Compile, Define, Delete, Done, DropSession, FetchRequest, Go,
-                                        Malformed, Measure, Message, Notice, Peers, Poisoned, RunProgram,
-                                        SessionOpen, Shutdown, Step, WorkerWelcome, WORKER_DOWN)
+                                        Heartbeat, Malformed, Measure, Message, Notice, Peers, Poisoned,
+                                        RunProgram, SessionOpen, Shutdown, Step, WorkerWelcome, WORKER_DOWN)
 from pathways.protocol.ops import LAYOUT, MAX_SENDERS
 from pathways.wire import codec, tcp
 from pathways.wire.security import Security
@@ -70,11 +70,15 @@ class _Put(NamedTuple):
 
 class WorkerCore:
     """One worker's state and behaviour. ``up`` takes each message for the controller (an
-    outbox's ``put``); ``on_shutdown`` is called when the controller says to stop."""
+    outbox's ``put``); ``on_shutdown`` is called when the controller says to stop, and
+    ``on_heartbeat(timeout)`` when its heartbeat says how long it tolerates silence.
+    ``peer_timeout`` (default ``wait_timeout``) bounds how long a data-plane peer may stall
+    a connection or a send before it is given up."""
 
     def __init__(self, up: Callable[[Message], None], wait_timeout: float, sync_collectives: bool = False,
                  unsafe_local_order: bool = False, on_shutdown: Callable[[], None] = lambda: None,
-                 security: Security | None = None) -> None:
+                 security: Security | None = None, peer_timeout: float | None = None,
+                 on_heartbeat: Callable[[float], None] = lambda timeout: None) -> None:
         if not (math.isfinite(wait_timeout) and wait_timeout > 0):
             raise ValueError(f"wait_timeout must be a finite number of seconds above 0, got {wait_timeout!r}")
         self.up = up
@@ -83,11 +87,13 @@ class WorkerCore:
         self.sessions = Sessions()
         self.executables = Executables()
         self.peers: dict[int, str] = {}
-        self.links = tcp.Links(wait_timeout, security)  # the data plane, greeted with the cluster's token
+        # the data plane, greeted with the cluster's token
+        self.links = tcp.Links(wait_timeout if peer_timeout is None else peer_timeout, security)
         self.measurer = Measurer(jax, up, security=security)
         self.executor = Executor(self.store, self.executables, self, wait_timeout, sync_collectives,
                                  unsafe_local_order)
         self._on_shutdown = on_shutdown
+        self._on_heartbeat = on_heartbeat
         self._put_shardings: dict[str, Any] = {}
         self._send_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pathways-send")
         self._incoming: dict[int, tuple[codec.Assembly, int]] = {}  # handle -> (assembly, senders seen)
@@ -175,6 +181,8 @@ class WorkerCore:
         elif kind is Shutdown:
             log.warning("the controller shut this worker down: %s", msg.reason)
             self._on_shutdown()
+        elif kind is Heartbeat:
+            self._on_heartbeat(msg.timeout)
         elif kind is Notice:
             log.warning("the controller refused a message of this worker: %s", msg.message)
 

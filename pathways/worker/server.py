@@ -21,8 +21,10 @@ process with its reason), configure JAX and join the island's jax.distributed gr
 only then build the core. What the controller sends meanwhile is kept and handed to the
 core in order; callers of the gRPC methods and the data plane wait for the core.
 
-When the controller's stream ends, or the controller says the island is lost, the worker
-exits: a worker without a controller or island has no work.
+When the controller's stream ends, or the controller says the island is lost, or the
+controller sends nothing (not even a heartbeat) for the heartbeat timeout, the worker exits:
+a worker without a controller or island has no work. It sends the controller a heartbeat
+whenever nothing else went out for a while (wire/liveness.py), from the moment it attaches.
 """
 
 from __future__ import annotations
@@ -41,10 +43,13 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional
 import grpc
 import trio
 
+from pathways.defaults import HEARTBEAT_TIMEOUT
 from pathways.errors import AccessDeniedError, ConnectError, WireError
-from pathways.protocol.messages import (FETCH, MAX_MESSAGE_BYTES, WORKER_DOWN, Register, Shutdown, WorkerWelcome)
+from pathways.protocol.messages import (FETCH, MAX_MESSAGE_BYTES, WORKER_DOWN, Heartbeat, Register, Shutdown,
+                                        WorkerWelcome)
 from pathways.wire import codec, frames, rpc, tcp
 from pathways.wire.addresses import join_host_port, split_host_port
+from pathways.wire.liveness import Heartbeats, check_timeout
 from pathways.wire.security import Security, SecurityConfigError
 from pathways.worker.island import IslandMembership, PortReservation, configure_jax, worker_hosts
 from pathways.worker.measure import host_memory_bytes
@@ -168,13 +173,15 @@ class Joining:
 
 def main(controller: str, devices: int, island: IslandMembership, wait_timeout: float, connect_timeout: float,
          join_timeout: float = 300.0, bind: Optional[str] = None, advertise: Optional[str] = None,
-         unsafe_local_order: bool = False, security: Security | None = None) -> None:
+         unsafe_local_order: bool = False, security: Security | None = None,
+         heartbeat_timeout: float = HEARTBEAT_TIMEOUT) -> None:
     """Serve until the controller goes away: attach to ``controller``, join ``island``
     (JAX gets ``devices`` CPU devices, and joins the island's jax.distributed group when it
     has several hosts, waiting up to ``join_timeout`` seconds for the other hosts). Servers
     listen on ``bind`` and are advertised at ``advertise`` (defaults: island.py
     ``worker_hosts``). A refusal by the controller exits with its reason. ``security``: the
-    token and TLS of every connection (wire/security.py)."""
+    token and TLS of every connection (wire/security.py). The worker exits when the controller
+    stays silent for ``heartbeat_timeout`` seconds."""
     security = security or Security()
     if security.serves_tls != security.uses_tls:
         raise SecurityConfigError("a worker uses TLS with --tls-cert and --tls-key (clients and peers reach its "
@@ -184,6 +191,10 @@ def main(controller: str, devices: int, island: IslandMembership, wait_timeout: 
         raise SystemExit(f"--wait-timeout, --connect-timeout and --join-timeout must be finite numbers of seconds "
                          f"above 0, got {wait_timeout!r}, {connect_timeout!r} and {join_timeout!r}")
     try:
+        check_timeout(heartbeat_timeout)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    try:
         controller_host, controller_port = split_host_port(rpc.parse_address(controller))
         bind_host, advertise_host = worker_hosts(controller_host, controller_port, bind, advertise)
     except (ConnectError, ValueError) as e:
@@ -192,7 +203,7 @@ def main(controller: str, devices: int, island: IslandMembership, wait_timeout: 
         raise SystemExit(f"error: no route to the controller at {controller} ({e}); check the address, or pass "
                          "--advertise HOST (the address other hosts reach this one at)") from None
     error = trio.run(_serve, controller, devices, island, bind_host, advertise_host, wait_timeout, connect_timeout,
-                     join_timeout, unsafe_local_order, security)
+                     join_timeout, unsafe_local_order, security, heartbeat_timeout)
     if island.hosts > 1:
         # jax.distributed's exit handler waits at a barrier for every host of the island,
         # which never comes when one of them is lost.
@@ -223,7 +234,6 @@ def _attach(channel: grpc.Channel, controller: str, timeout: float, security: Se
         raise ConnectError(f"could not attach to the controller at {controller} ({type(e).__name__}: {e}); "
                            "check that it is running and that it is a pathways controller of this version "
                            "(`python -m pathways status` asks it)") from None
-    sock.settimeout(None)  # between frames the controller may stay quiet as long as it likes
     return sock
 
 
@@ -239,7 +249,7 @@ async def _first(*events: trio.Event) -> None:
 
 async def _serve(controller: str, devices: int, island: IslandMembership, bind: str, advertise: str,
                  wait_timeout: float, connect_timeout: float, join_timeout: float,
-                 unsafe_local_order: bool, security: Security) -> Optional[str]:
+                 unsafe_local_order: bool, security: Security, heartbeat_timeout: float) -> Optional[str]:
     """Run the worker until its controller or a signal stops it; returns why it could not
     run, or None."""
     token = trio.lowlevel.current_trio_token()
@@ -270,7 +280,9 @@ async def _serve(controller: str, devices: int, island: IslandMembership, bind: 
     core: Optional["WorkerCore"] = None
     try:
         try:
-            listener = tcp.Listener(receive_frame, wait_timeout, host=bind, security=security)
+            # Data-plane peers get the heartbeat timeout too: a frozen peer must not hold a send or
+            # a half-received frame for longer than the controller takes to declare it lost.
+            listener = tcp.Listener(receive_frame, heartbeat_timeout, host=bind, security=security)
             server, port = rpc.make_server(rpc.WORKER_SERVICE, service.handlers(), host=bind, security=security)
             reservation = PortReservation(bind) if island.hosts > 1 else None
         except (ConnectError, OSError, SecurityConfigError) as e:
@@ -284,14 +296,20 @@ async def _serve(controller: str, devices: int, island: IslandMembership, bind: 
                             f"tcp://{join_host_port(advertise, listener.port)}", "cpu", devices, island.name,
                             island.hosts, island.rank, coordinator, os.getpid(), socket.gethostname(),
                             host_memory_bytes()))
-        _start_stream(sock, outbox, joining.on_batch, end)
+        outbox.put(Heartbeat(heartbeat_timeout))  # at once: the controller paces its heartbeats to it
+        # Every recv and send on the stream waits at most this long: the controller sends
+        # something at least every fifth of it, so a longer silence means it is gone.
+        sock.settimeout(heartbeat_timeout)
+        beats = Heartbeats(heartbeat_timeout)
+        _start_stream(sock, outbox, joining.on_batch, end, beats, controller)
 
         async def run() -> Optional[str]:
             nonlocal core
             error = await _join(island, devices, bind, advertise, join_timeout, joining, welcomed, ended, reservation)
             if error:
                 return error
-            core = await _start_core(devices, island, wait_timeout, unsafe_local_order, outbox, end, ended, security)
+            core = await _start_core(devices, island, wait_timeout, unsafe_local_order, outbox, end, ended, security,
+                                     heartbeat_timeout, beats.learn)
             if core is None:
                 return _stopped(joining, island)
             service.attach(core)
@@ -306,6 +324,7 @@ async def _serve(controller: str, devices: int, island: IslandMembership, bind: 
                     async for _ in signals:
                         nursery.cancel_scope.cancel()
                 nursery.start_soon(stop_on_signal)
+                nursery.start_soon(_beat, beats, outbox, heartbeat_timeout)
                 error = await run()
                 nursery.cancel_scope.cancel()
         return error
@@ -328,27 +347,42 @@ async def _serve(controller: str, devices: int, island: IslandMembership, bind: 
         channel.close()
 
 
+async def _beat(beats: Heartbeats, outbox: rpc.Outbox, timeout: float) -> None:
+    """Queue a heartbeat for the controller whenever nothing else went out for an interval."""
+    while True:
+        await trio.sleep(beats.until_beat())
+        if beats.beat_due():
+            outbox.put(Heartbeat(timeout))
+            beats.sent()  # queued is as good as sent; the sender's own sends count too
+
+
 def _start_stream(sock: socket.socket, outbox: rpc.Outbox, on_batch: Callable[[bytes], None],
-                  end: Callable[[], None]) -> None:
+                  end: Callable[[], None], beats: Heartbeats, controller: str) -> None:
     """Threads that send ``outbox``'s batches on ``sock`` and hand what arrives to
-    ``on_batch``; ``end`` is called when the stream ends either way."""
+    ``on_batch``; ``end`` is called when the stream ends either way, including when the
+    controller sends nothing for the heartbeat timeout (the socket's timeout)."""
     reader = frames.FrameReader(sock)
 
     def send() -> None:
         try:
             for payload in outbox.batches():
                 sock.sendall(frames.frame(payload))
-        except OSError as e:
+                beats.sent()
+        except OSError as e:  # a timeout included: the controller stopped reading
             log.info("controller stream ended while sending: %s", e)
             end()
 
     def read() -> None:
         try:
-            # No deadline within a frame: the controller is this worker's one trusted
-            # peer, and when its process ends the kernel closes the connection.
+            # Within a frame as between frames, the controller may pause no longer than the
+            # heartbeat timeout (the socket's timeout), and it is this worker's one trusted
+            # peer: no other deadline.
             while (payload := reader.read(MAX_MESSAGE_BYTES)) is not None:
                 on_batch(payload)
             log.info("controller stream ended")
+        except TimeoutError:
+            log.error("the controller at %s sent nothing for %g s (the heartbeat timeout): it is frozen, "
+                      "unreachable or gone; this worker exits", controller, beats.timeout)
         except Exception as e:  # OSError or WireError, or ValueError once shutdown closed the reader
             log.info("controller stream ended: %s", e)
         finally:
@@ -413,7 +447,8 @@ async def _join(island: IslandMembership, devices: int, bind: str, advertise: st
 
 async def _start_core(devices: int, island: IslandMembership, wait_timeout: float, unsafe_local_order: bool,
                       outbox: rpc.Outbox, end: Callable[[], None], ended: trio.Event,
-                      security: Security) -> Optional["WorkerCore"]:
+                      security: Security, heartbeat_timeout: float,
+                      on_heartbeat: Callable[[float], None]) -> Optional["WorkerCore"]:
     """The worker's core (JAX's devices exist now); None if the stream ended first."""
     from pathways.worker.core import WorkerCore
 
@@ -426,7 +461,8 @@ async def _start_core(devices: int, island: IslandMembership, wait_timeout: floa
 
     async def build() -> None:
         made.append(await trio.to_thread.run_sync(
-            lambda: WorkerCore(outbox.put, wait_timeout, sync, unsafe_local_order, end, security),
+            lambda: WorkerCore(outbox.put, wait_timeout, sync, unsafe_local_order, end, security,
+                               peer_timeout=heartbeat_timeout, on_heartbeat=on_heartbeat),
             abandon_on_cancel=True))
         done.set()
 

@@ -1,0 +1,176 @@
+"""Silent peers: a frozen worker (SIGSTOP) is declared lost within its heartbeat timeout and
+fails only its island's work, naming the host; healthy islands keep serving meanwhile; a
+dead or frozen controller fails every client call within seconds.
+
+Real processes on loopback clusters. Every stopped process is continued in a ``finally``
+so that the cluster's cleanup can reap it."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import pathways as pw
+from pathways.cluster import status
+from pathways.defaults import HEARTBEAT_TIMEOUT
+from tests.conftest import pids_alive, wait_until
+
+# How long a test allows for something the runtime bounds by the default heartbeat timeout
+# (10 s) or gRPC keepalive (about 8 s), with room for a busy machine.
+BOUND = 15.0
+
+
+def steps(x):
+    w = jax.numpy.eye(x.shape[-1], dtype=x.dtype) * 0.5
+    return jax.lax.fori_loop(0, 100, lambda i, y: jax.numpy.tanh(y @ w) + y, x)
+
+
+def test_a_frozen_worker_is_lost_within_the_heartbeat_timeout_and_healthy_islands_keep_serving():
+    """Default heartbeat timeout. One host of the two-host island 0 is stopped: its island's
+    pending futures fail with WorkerLostError naming it, while island 1 keeps completing
+    programs of the same client; a run on island 1 that needs island 0's data fails as soon
+    as the host is declared lost; status shows island 0 unhealthy, naming the host."""
+    with pw.local_cluster(islands=[pw.Island(hosts=2, devices_per_host=1),
+                                   pw.Island(hosts=1, devices_per_host=1)]) as c:
+        vds = pw.make_virtual_device_set()
+        doomed = vds.add_slice(cpu_devices=2, island=0)
+        safe = vds.add_slice(cpu_devices=1, island=1)
+        heavy = pw.jit(steps, mesh=doomed.mesh("x"), in_shardings=pw.P("x"), out_shardings=pw.P("x"))
+        light = pw.jit(lambda x: x * 3, mesh=safe.mesh("x"))
+        fetch = pw.program(lambda v: light(v))  # island 0's array moved to island 1, then computed on
+        there = pw.device_put(np.arange(4, dtype=np.float32), pw.NamedSharding(doomed.mesh("x"), pw.P("x")))
+        x = np.ones((2, 256), np.float32)
+        heavy(x).block_until_ready(timeout=120)  # compiled and warm, like everything below
+        np.testing.assert_array_equal(fetch(there).to_numpy(timeout=60), [0.0, 3.0, 6.0, 9.0])
+        np.testing.assert_array_equal(light(np.ones(2, np.float32)).to_numpy(timeout=60), [3.0, 3.0])
+
+        workers = status(c.address)["workers"]
+        frozen = next(w for w in workers if w["island"] == 0 and w["rank"] == 1)
+        pending = [heavy(x) for _ in range(3)]
+        os.kill(frozen["pid"], signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            # the client's programs on island 1 complete during the stall
+            done = 0
+            while time.monotonic() - stopped < HEARTBEAT_TIMEOUT / 2:
+                np.testing.assert_array_equal(light(np.full(2, done, np.float32)).to_numpy(timeout=5), [3.0 * done] * 2)
+                done += 1
+            assert done >= 3, f"only {done} programs completed on the healthy island during the stall"
+            assert status(c.address)["islands"][0]["healthy"], "not lost before the heartbeat timeout"
+
+            moved = fetch(there)  # needs the frozen host's half of `there`
+            failures = []
+            for out in [*pending, moved]:
+                with pytest.raises(pw.WorkerLostError) as e:
+                    out.block_until_ready(timeout=120)
+                failures.append((time.monotonic() - stopped, str(e.value)))
+            slowest = max(t for t, _ in failures)
+            print(f"\nfrozen worker: futures failed {slowest:.1f} s after SIGSTOP "
+                  f"(heartbeat timeout {HEARTBEAT_TIMEOUT:g} s)")
+            # silence counts from the last heartbeat heard, up to a fifth of the timeout before the stop
+            assert HEARTBEAT_TIMEOUT * 0.7 < slowest < BOUND, failures
+            for _, message in failures:
+                assert f"worker {frozen['worker']} on host {frozen['host']} at {frozen['address']}" in message
+                assert f"pid {frozen['pid']}" in message and "stopped answering for" in message, message
+
+            island = status(c.address)["islands"][0]
+            assert not island["healthy"] and frozen["address"] in island["lost"]
+            assert "stopped answering" in island["lost"]
+            cli = subprocess.run([sys.executable, "-m", "pathways", "status", "--address", c.address],
+                                 capture_output=True, text=True, timeout=60)
+            assert f"island 0: UNHEALTHY (worker {frozen['worker']} on host {frozen['host']}" in cli.stdout, cli.stdout
+            assert "island 1: healthy" in cli.stdout
+            np.testing.assert_array_equal(light(np.ones(2, np.float32)).to_numpy(timeout=30), [3.0, 3.0])
+        finally:
+            os.kill(frozen["pid"], signal.SIGCONT)
+        wait_until(lambda: pids_alive([frozen["pid"]]) == [], what="the continued worker to find itself dropped and exit")
+
+
+def _blocked(call):
+    """Run ``call`` on a thread; returns a list that receives (seconds, exception) once it ends."""
+    box, start = [], time.monotonic()
+
+    def run():
+        try:
+            call()
+            box.append((time.monotonic() - start, None))
+        except Exception as e:  # the test asserts on it
+            box.append((time.monotonic() - start, e))
+
+    threading.Thread(target=run, daemon=True).start()
+    return box
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_dead_or_frozen_controller_fails_every_pending_call_within_seconds(sig):
+    with pw.local_cluster(hosts=1, devices_per_host=1) as c:
+        s = pw.make_virtual_device_set().add_slice(cpu_devices=1)
+        slow = pw.jit(lambda x: jax.lax.fori_loop(0, 1 << 30, lambda i, y: jax.numpy.tanh(y) + 1e-9, x),
+                      mesh=s.mesh("d"))
+        quick = pw.jit(lambda x: x + 1, mesh=s.mesh("d"))
+        assert float(quick(np.float32(1)).to_numpy(timeout=60)) == 2.0
+        pending = slow(np.float32(0))  # runs far longer than the test
+        blocked = _blocked(lambda: pending.block_until_ready(timeout=120))
+        time.sleep(1.0)
+        assert blocked == [], "the computation should still be running"
+        controller, workers = c.pids[0], c.pids[1:]
+        os.kill(controller, sig)
+        killed = time.monotonic()
+        try:
+            wait_until(lambda: blocked, timeout=BOUND + 5, what="the blocked call to end")
+            seconds, error = blocked[0]
+            elapsed = time.monotonic() - killed
+            print(f"\ncontroller {sig.name}: a blocked call ended after {elapsed:.1f} s with {error!r}")
+            assert isinstance(error, pw.ControllerLostError), error
+            assert elapsed < BOUND
+            with pytest.raises(pw.ControllerLostError, match=f"controller at {c.address}"):
+                pending.to_numpy(timeout=5)
+            with pytest.raises(pw.ControllerLostError):
+                pw.make_virtual_device_set().add_slice(cpu_devices=1)
+            if sig == signal.SIGSTOP:
+                assert "stopped answering" in str(error), error
+                # the workers give the silent controller up after their heartbeat timeout, then
+                # exit (which waits a few seconds for the computation they are running)
+                wait_until(lambda: pids_alive(workers) == [], timeout=HEARTBEAT_TIMEOUT + 20,
+                           what="the workers to exit")
+        finally:
+            if sig == signal.SIGSTOP:
+                os.kill(controller, signal.SIGCONT)
+
+
+def test_a_shorter_heartbeat_timeout_is_honoured_end_to_end():
+    """``heartbeat_timeout`` reaches the controller and the workers: a frozen one-host
+    island is lost after about 2 s, and the other island keeps serving."""
+    with pw.local_cluster(islands=[pw.Island(), pw.Island()], heartbeat_timeout=2.0) as c:
+        s0 = pw.make_virtual_device_set().add_slice(cpu_devices=1, island=0)
+        s1 = pw.make_virtual_device_set().add_slice(cpu_devices=1, island=1)
+        f0 = pw.jit(lambda x: x + 1, mesh=s0.mesh("d"))
+        f1 = pw.jit(lambda x: x * 2, mesh=s1.mesh("d"))
+        kept = f0(np.float32(1))
+        assert float(kept.to_numpy(timeout=60)) == 2.0
+        assert float(f1(np.float32(1)).to_numpy(timeout=60)) == 2.0
+        time.sleep(3.0)  # idle for longer than the timeout: heartbeats alone keep everyone attached
+        assert all(i["healthy"] for i in status(c.address)["islands"])
+        frozen = next(w for w in status(c.address)["workers"] if w["island"] == 0)
+        os.kill(frozen["pid"], signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            wait_until(lambda: not status(c.address)["islands"][0]["healthy"], timeout=BOUND,
+                       what="the frozen island to be lost")
+            elapsed = time.monotonic() - stopped
+            assert 1.0 < elapsed < 6.0, elapsed
+            assert re.search(r"stopped answering for 2\.\d s", status(c.address)["islands"][0]["lost"])
+            with pytest.raises(pw.WorkerLostError, match=f"worker {frozen['worker']} .* stopped answering for 2"):
+                kept.to_numpy(timeout=30)
+            with pytest.raises(pw.WorkerLostError):
+                f0(np.float32(1)).to_numpy(timeout=30)
+            assert float(f1(np.float32(4)).to_numpy(timeout=30)) == 8.0
+        finally:
+            os.kill(frozen["pid"], signal.SIGCONT)
