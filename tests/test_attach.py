@@ -33,7 +33,7 @@ class InProcess:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="controller", daemon=True)
         self.thread.start()
-        self.controller = controller_server.ControllerServer("fair", DEFAULT_WINDOW, heartbeat_timeout)
+        self.controller = controller_server.ControllerServer("fair", DEFAULT_WINDOW, heartbeat_timeout=heartbeat_timeout)
         self.lost: list = []
         core_lost = self.controller.core.worker_lost
 
