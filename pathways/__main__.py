@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     from pathways.bench.suite import EXPERIMENTS
     from pathways.defaults import DEFAULT_WINDOW
+    from pathways.platforms import PLATFORMS
+    from pathways.worker.launchers import LAUNCHERS
 
     parser = argparse.ArgumentParser(prog="pathways", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("PATHWAYS_LOG_LEVEL", "warning"))
@@ -40,15 +42,26 @@ def _main(argv: list[str] | None) -> int:
 
     worker = sub.add_parser("worker", help="run a worker host attached to a controller")
     worker.add_argument("--controller", required=True, help="grpc://HOST:PORT of the controller")
-    worker.add_argument("--devices", type=int, default=1, help="CPU devices on this host")
-    worker.add_argument("--island", type=int, default=0)
+    worker.add_argument("--platform", choices=PLATFORMS, default=None,
+                        help="the JAX platform it serves (default: whichever JAX finds); slices ask for its "
+                             "devices as cpu_devices=, gpu_devices= (cuda, rocm) or tpu_devices=")
+    worker.add_argument("--devices", type=int, default=None,
+                        help="virtual CPU devices on this host (default 1); CPU only: an accelerator worker "
+                             "serves the devices JAX finds on the host")
+    worker.add_argument("--island", type=int, default=None, help="the island this host belongs to (default 0)")
     worker.add_argument("--wait-timeout", type=float, default=300.0,
                         help="seconds an op waits for an input array before poisoning its outputs")
     worker.add_argument("--connect-timeout", type=float, default=30.0)
     worker.add_argument("--coordinator", help="HOST:PORT of the island's jax.distributed coordinator "
                                               "(islands of several hosts; rank 0 runs it)")
-    worker.add_argument("--island-hosts", type=int, default=1, help="hosts in this worker's island")
-    worker.add_argument("--rank", type=int, default=0, help="this host's index within its island")
+    worker.add_argument("--island-hosts", type=int, default=None,
+                        help="hosts in this worker's island (default: the launcher's task count, else 1)")
+    worker.add_argument("--rank", type=int, default=None,
+                        help="this host's index within its island (default: the launcher's task index)")
+    worker.add_argument("--launcher", choices=LAUNCHERS, default="auto",
+                        help="read rank and island size from the launcher's environment: auto (Slurm's srun "
+                             "or a Kubernetes indexed Job / JobSet, whichever started it), slurm, kubernetes, "
+                             "or none (flags only). Flags win over the environment")
     worker.add_argument("--unsafe-local-order", action="store_true",
                         help="debugging only: order runs of different clients locally instead of in "
                              "the island's gang order (collectives across hosts can hang)")
@@ -105,14 +118,22 @@ def _main(argv: list[str] | None) -> int:
         from pathways.controller.server import main as controller_main
         controller_main(args.policy, args.window)
     elif args.command == "worker":
+        from pathways.platforms import cpu_devices
+        from pathways.worker.launchers import LaunchError, resolve
         from pathways.worker.server import IslandMembership, main as worker_main
+        try:
+            launch = resolve(os.environ, args.launcher, args.rank, args.island_hosts, args.island)
+            devices = cpu_devices(args.platform, args.devices)
+        except (LaunchError, ValueError) as e:
+            parser.error(str(e))
+        logging.getLogger("pathways.worker").info("island place from %s: %s", launch.source, launch)
         membership = None
-        if args.island_hosts > 1:
-            if not args.coordinator or not 0 <= args.rank < args.island_hosts:
-                parser.error("a worker of a multi-host island needs --coordinator and 0 <= --rank < --island-hosts")
-            membership = IslandMembership(args.coordinator, args.island_hosts, args.rank)
-        worker_main(args.controller, args.devices, args.island, args.wait_timeout, args.connect_timeout,
-                    membership, args.unsafe_local_order)
+        if launch.hosts > 1:
+            if not args.coordinator or launch.rank is None:
+                parser.error("a worker of a multi-host island needs --coordinator and --rank (or a launcher's)")
+            membership = IslandMembership(args.coordinator, launch.hosts, launch.rank)
+        worker_main(args.controller, devices, launch.island if launch.island is not None else 0, args.wait_timeout,
+                    args.connect_timeout, membership, args.unsafe_local_order, args.platform)
     elif args.command == "up":
         from pathways.cluster import Island, LocalCluster
         try:

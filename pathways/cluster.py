@@ -150,10 +150,12 @@ class LocalCluster:
                         group = ["--island-hosts", str(island.hosts), "--coordinator",
                                  f"127.0.0.1:{free_port()}"] if island.hosts > 1 else []
                         debug = ["--unsafe-local-order"] if self.unsafe_local_order else []
+                        # CPU devices whatever accelerators the machine has, and places given here
+                        # whatever launcher (srun, a Kubernetes Job) started this process.
                         for rank in range(island.hosts):
                             procs.append(await trio.lowlevel.open_process(
-                                _python_cmd("worker", "--controller", address,
-                                            "--devices", str(island.devices_per_host),
+                                _python_cmd("worker", "--controller", address, "--platform", "cpu",
+                                            "--devices", str(island.devices_per_host), "--launcher", "none",
                                             "--island", str(island_id), "--rank", str(rank), *group, *debug),
                                 env=env, stdout=_STDERR_FD))
                     self.pids = [p.pid for p in procs]

@@ -6,7 +6,8 @@ and done reports up, op batches down; a reader and a sender thread), serves clie
 and fetches over gRPC, and hands the data plane's frames from peers (wire/tcp.py) to the
 core. In the background the core measures
 its FLOP/s and its links to the other workers (measure.py). The hosts of an island of
-several hosts form one ``jax.distributed`` group (CPU collectives over gloo). When the
+several hosts form one ``jax.distributed`` group (CPU collectives over gloo; accelerators
+use their own). When the
 controller's stream ends, or the controller says the island is lost, the worker exits: a
 worker without a controller or island has no work.
 """
@@ -27,6 +28,7 @@ import grpc
 import trio
 
 from pathways.errors import ConnectError, WireError
+from pathways.platforms import kind_of
 from pathways.protocol.messages import FETCH, MAX_MESSAGE_BYTES, Register
 from pathways.wire import codec, frames, rpc, tcp
 from pathways.worker.core import WorkerCore
@@ -80,9 +82,11 @@ class IslandMembership:
 
 
 def main(controller: str, devices: int, island: int, wait_timeout: float, connect_timeout: float,
-         membership: IslandMembership | None = None, unsafe_local_order: bool = False) -> None:
-    """Configure JAX for ``devices`` CPU devices (joining the island's jax.distributed group
-    when it has several hosts), then serve until the controller goes away."""
+         membership: IslandMembership | None = None, unsafe_local_order: bool = False,
+         platform: str | None = None) -> None:
+    """Configure JAX for ``platform`` (cpu, cuda, rocm, tpu; None: whichever JAX finds), with
+    ``devices`` virtual devices when it is the CPU, joining the island's jax.distributed group
+    when it has several hosts; then serve until the controller goes away."""
     import jax
 
     if not (math.isfinite(wait_timeout) and wait_timeout > 0 and math.isfinite(connect_timeout)
@@ -90,21 +94,27 @@ def main(controller: str, devices: int, island: int, wait_timeout: float, connec
         raise SystemExit(f"--wait-timeout and --connect-timeout must be finite numbers of seconds above 0, "
                          f"got {wait_timeout!r} and {connect_timeout!r}")
 
-    jax.config.update("jax_platforms", "cpu")
+    if platform is not None:
+        jax.config.update("jax_platforms", platform)
+    # Only the CPU backend reads these; with an accelerator they shape nothing it uses.
     jax.config.update("jax_num_cpu_devices", devices)
     if membership is not None:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        if platform in (None, "cpu"):
+            # Collectives between CPU devices of several hosts; accelerators bring their own (NCCL, ICI).
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
         # A lost host is the controller's to handle (it fails the island's work and stops
         # the other hosts); without this, jax aborts every other process of the group.
         jax.config.update("jax_enable_recoverability", True)
         jax.distributed.initialize(membership.coordinator, membership.hosts, membership.rank,
                                    initialization_timeout=int(connect_timeout))
+    kind, count = kind_of(jax.devices()[0].platform), jax.local_device_count()
+    log.info("serving %d %s device(s) (JAX platform %s)", count, kind, jax.default_backend())
     rank = membership.rank if membership else 0
-    # Under jax.distributed, a process with several devices hangs after a few dozen
+    # Under jax.distributed, a process with several CPU devices hangs after a few dozen
     # multi-device computations dispatched back to back (even ones local to the process);
     # waiting for each before the next is safe (measured: DESIGN.md, BENCHMARKS.md).
-    sync = membership is not None and devices > 1
-    trio.run(_serve, controller, devices, island, rank, wait_timeout, connect_timeout, sync, unsafe_local_order)
+    sync = membership is not None and kind == "cpu" and count > 1
+    trio.run(_serve, controller, kind, count, island, rank, wait_timeout, connect_timeout, sync, unsafe_local_order)
     if membership is not None:
         # jax.distributed's exit handler waits at a barrier for every host of the island,
         # which never comes when one of them is lost.
@@ -126,7 +136,7 @@ def _attach(channel: grpc.Channel, controller: str, timeout: float) -> socket.so
     return sock
 
 
-async def _serve(controller: str, devices: int, island: int, rank: int, wait_timeout: float,
+async def _serve(controller: str, kind: str, devices: int, island: int, rank: int, wait_timeout: float,
                  connect_timeout: float, sync_collectives: bool, unsafe_local_order: bool) -> None:
     ended = trio.Event()
     token = trio.lowlevel.current_trio_token()
@@ -146,7 +156,7 @@ async def _serve(controller: str, devices: int, island: int, rank: int, wait_tim
     try:
         await trio.to_thread.run_sync(rpc.wait_ready, channel, controller, connect_timeout)
         sock = await trio.to_thread.run_sync(_attach, channel, controller, connect_timeout)
-        outbox.put(Register(f"grpc://{rpc.LOOPBACK}:{port}", listener.address, "cpu", devices, island, rank,
+        outbox.put(Register(f"grpc://{rpc.LOOPBACK}:{port}", listener.address, kind, devices, island, rank,
                             os.getpid(), socket.gethostname(), host_memory_bytes()))
         reader = frames.FrameReader(sock)
 
