@@ -1,5 +1,9 @@
 """A worker's place in its island from its launcher's environment (pure: env dicts)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from pathways.worker.launchers import Launch, LaunchError, detect, resolve
@@ -99,3 +103,11 @@ def test_island_size_must_be_positive():
         resolve({}, hosts=0)
     with pytest.raises(LaunchError, match=r"rank -1 \(--rank -1\).*leave --rank out"):
         resolve({}, rank=-1, hosts=2)
+
+
+def test_the_worker_command_refuses_a_place_it_cannot_take():
+    env = {**os.environ, "JOB_COMPLETION_INDEX": "1"}
+    done = subprocess.run([sys.executable, "-m", "pathways", "worker", "--controller", "grpc://127.0.0.1:1"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "error: a Kubernetes indexed Job tells each pod its index (JOB_COMPLETION_INDEX=1)" in done.stderr

@@ -2,6 +2,8 @@
 that kind, and functions exported for it, all without an accelerator."""
 
 import itertools
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -34,6 +36,12 @@ def test_devices_counts_cpu_devices_only():
         cpu_devices("tpu", 1)
     with pytest.raises(ValueError, match="--devices must be at least 1, got 0"):
         cpu_devices("cpu", 0)
+
+
+def test_the_worker_command_refuses_devices_with_an_accelerator_platform():
+    done = subprocess.run([sys.executable, "-m", "pathways", "worker", "--controller", "grpc://127.0.0.1:1",
+                           "--platform", "rocm", "--devices", "2"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "ROCR_VISIBLE_DEVICES" in done.stderr and "drop --devices" in done.stderr
 
 
 class Controllerless:
