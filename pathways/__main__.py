@@ -32,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     from pathways.bench.suite import EXPERIMENTS
     from pathways.defaults import DEFAULT_WINDOW, HEARTBEAT_TIMEOUT
+    from pathways.platforms import PLATFORMS
     from pathways.wire import security
+    from pathways.worker.launchers import LAUNCHERS
 
     parser = argparse.ArgumentParser(prog="pathways", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("PATHWAYS_LOG_LEVEL", "warning"))
@@ -69,15 +71,25 @@ def _main(argv: list[str] | None) -> int:
                         help="the host name or address clients and other workers reach it at (default: the "
                              "bind address, or for a wildcard bind the local address this machine uses to "
                              "reach the controller)")
-    worker.add_argument("--devices", type=int, default=1, help="CPU devices on this host")
-    worker.add_argument("--island", default="0", metavar="NAME",
+    worker.add_argument("--platform", choices=PLATFORMS, default=None,
+                        help="the JAX platform it serves (default: whichever JAX finds); slices ask for its "
+                             "devices as cpu_devices=, gpu_devices= (cuda, rocm) or tpu_devices=")
+    worker.add_argument("--devices", type=int, default=None,
+                        help="virtual CPU devices on this host (default 1); CPU only: an accelerator worker "
+                             "serves the devices JAX finds on the host")
+    worker.add_argument("--island", default=None, metavar="NAME",
                         help="the island (hosts joined by a fast interconnect, one jax.distributed group) this "
-                             "host belongs to (default 0)")
-    worker.add_argument("--island-hosts", type=int, default=1, metavar="H",
-                        help="hosts in this worker's island; the island takes work once all H have joined")
+                             "host belongs to (default: the launcher's, e.g. a JobSet's Job, else 0)")
+    worker.add_argument("--island-hosts", type=int, default=None, metavar="H",
+                        help="hosts in this worker's island; the island takes work once all H have joined "
+                             "(default: the launcher's task count, else 1)")
     worker.add_argument("--rank", type=int, default=None,
-                        help="this host's index within its island, 0 to H-1 (default: the controller gives "
-                             "ranks in order of arrival)")
+                        help="this host's index within its island, 0 to H-1 (default: the launcher's task "
+                             "index, else the controller gives ranks in order of arrival)")
+    worker.add_argument("--launcher", choices=LAUNCHERS, default="auto",
+                        help="read rank and island size from the launcher's environment: auto (Slurm's srun "
+                             "or a Kubernetes indexed Job / JobSet, whichever started it), slurm, kubernetes, "
+                             "or none (flags only). Flags win over the environment")
     worker.add_argument("--wait-timeout", type=float, default=300.0,
                         help="seconds an op waits for an input array before poisoning its outputs")
     worker.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to reach the controller")
@@ -159,13 +171,19 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: lis
         from pathways.controller.server import main as controller_main
         controller_main(args.policy, args.window, args.bind, security.from_args(args), args.heartbeat_timeout)
     elif args.command == "worker":
+        from pathways.platforms import find_devices
+        from pathways.worker.launchers import LaunchError, resolve
         from pathways.worker.server import IslandMembership, main as worker_main
-        if args.island_hosts < 1 or (args.rank is not None and not 0 <= args.rank < args.island_hosts):
-            parser.error(f"--island-hosts must be at least 1 and --rank from 0 to --island-hosts - 1, got "
-                         f"--island-hosts {args.island_hosts} and --rank {args.rank}")
-        if not args.island.strip():
+        try:
+            launch = resolve(os.environ, args.launcher, args.rank, args.island_hosts, args.island)
+            devices = find_devices(args.platform, args.devices)
+        except (LaunchError, ValueError) as e:
+            parser.error(str(e))
+        logging.getLogger("pathways.worker").info("island place from %s: %s", launch.source, launch)
+        island = launch.island if launch.island is not None else "0"
+        if not island.strip():
             parser.error("--island needs a name, e.g. --island 0 or --island rack-a")
-        worker_main(args.controller, args.devices, IslandMembership(args.island, args.island_hosts, args.rank),
+        worker_main(args.controller, devices, IslandMembership(island, launch.hosts, launch.rank),
                     args.wait_timeout, args.connect_timeout, args.join_timeout, args.bind, args.advertise,
                     args.unsafe_local_order, security.from_args(args), args.heartbeat_timeout)
     elif args.command == "up":

@@ -170,13 +170,15 @@ class LocalCluster:
                     debug = ["--unsafe-local-order"] if self.unsafe_local_order else []
                     for island_id, island in enumerate(self.islands):
                         # island i is named "i" (so its id is i) and ranks follow start order,
-                        # so that a cluster's layout is the same every time
+                        # so that a cluster's layout is the same every time; CPU devices whatever
+                        # accelerators the machine has, and places given here whatever launcher
+                        # (srun, a Kubernetes Job) started this process
                         for rank in range(island.hosts):
                             procs.append(await trio.lowlevel.open_process(
-                                _python_cmd("worker", "--controller", address,
-                                            "--devices", str(island.devices_per_host), "--island", str(island_id),
-                                            "--island-hosts", str(island.hosts), "--rank", str(rank), *debug, *secure,
-                                            *beats),
+                                _python_cmd("worker", "--controller", address, "--platform", "cpu",
+                                            "--devices", str(island.devices_per_host), "--launcher", "none",
+                                            "--island", str(island_id), "--island-hosts", str(island.hosts),
+                                            "--rank", str(rank), *debug, *secure, *beats),
                                 env=env, stdout=_STDERR_FD))
                     self.pids = [p.pid for p in procs]
                     for p in procs:

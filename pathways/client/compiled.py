@@ -22,6 +22,7 @@ from pathways.client.devices import NamedSharding, Slice, VirtualMesh, slice_of
 from pathways.client.tracing import current_trace
 from pathways.errors import SignatureError
 from pathways.ir import Layout, ProgramGraph, Node
+from pathways.platforms import export_platforms
 from pathways.protocol import messages as m
 from pathways.wire.codec import is_wire_dtype
 
@@ -111,7 +112,9 @@ class CompiledFunction:
         out_sh = [JaxNamedSharding(abstract, s) for s in out_specs]
         args = [jax.ShapeDtypeStruct(shape, dtype, sharding=s) for (shape, dtype), s in zip(avals, in_sh)]
         try:
-            exported = jax.export.export(jax.jit(fun, in_shardings=in_sh, out_shardings=out_sh))(*args)
+            # For the slice's device kind, not this client's: a CPU-only client compiles for GPU workers.
+            exported = jax.export.export(jax.jit(fun, in_shardings=in_sh, out_shardings=out_sh),
+                                         platforms=export_platforms(self.slice.kind))(*args)
         except Exception as e:
             raise SignatureError(f"{self.name} could not be compiled for arguments "
                                  f"{_describe(avals, paths)}: {type(e).__name__}: {e}") from e

@@ -26,12 +26,13 @@ class VirtualDeviceSet:
     def add_slice(self, cpu_devices: Optional[int] = None, mesh_shape: Optional[Sequence[int]] = None,
                   island: Optional[int] = None, exclusive: bool = False, *,
                   gpu_devices: Optional[int] = None, tpu_devices: Optional[int] = None) -> "Slice":
-        """Ask the controller for a slice of ``n`` devices of one kind (cpu, gpu or tpu)."""
+        """Ask the controller for a slice of ``n`` devices of one kind: cpu, gpu (workers started
+        with ``--platform cuda`` or ``rocm``) or tpu (``--platform tpu``)."""
         asked = {k: n for k, n in (("cpu", cpu_devices), ("gpu", gpu_devices), ("tpu", tpu_devices)) if n is not None}
         if len(asked) != 1:
             raise PlacementError("add_slice takes exactly one of cpu_devices=, gpu_devices=, tpu_devices=")
         (kind, count), = asked.items()
-        if not isinstance(count, int) or count < 1:
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise PlacementError(f"{kind}_devices must be a positive integer, got {count!r}")
         reply = self._session.request(lambda req: m.SliceRequest(
             req, kind, count, tuple(mesh_shape) if mesh_shape else None, island, exclusive))

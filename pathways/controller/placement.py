@@ -231,9 +231,10 @@ class ResourceManager:
             what += (f"; island(s) {sorted(self.assembling)} are still assembling: they take slices once all "
                      "their hosts have joined (`python -m pathways status` shows how many have)")
         if all(h.kind != kind for h in self.hosts.values()):
-            return (f"no worker has {kind} devices; the cluster has: {what}. Workers are started with CPU "
-                    "devices today (`python -m pathways worker`; a --platform flag for GPU workers is planned): "
-                    "ask for cpu_devices= instead")
+            return (f"no worker has {kind} devices; the cluster has: {what}. Ask for the kind it has "
+                    "(cpu_devices=, gpu_devices=, tpu_devices=), or start workers on hosts with "
+                    f"{kind} devices: `python -m pathways worker --platform "
+                    f"{'cuda (or rocm)' if kind == 'gpu' else kind} ...`")
         want = f"{count} {kind} device(s)" + (f" in island {island}" if island is not None else "")
         want += " not used by any other slice" if exclusive else ""
         return (f"cannot place a slice of {want} on one host or evenly over the healthy hosts of one "

@@ -15,6 +15,7 @@ import socket
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from pathways.platforms import Devices
 from pathways.protocol.messages import WorkerWelcome
 from pathways.wire.addresses import family_of, is_wildcard, join_host_port, route_to, split_host_port, strip_brackets
 
@@ -74,22 +75,26 @@ class PortReservation:
         self._sock.close()
 
 
-def configure_jax(devices: int, hosts: int, welcome: Optional[WorkerWelcome], bind: str, advertise: str,
+def configure_jax(devices: Devices, hosts: int, welcome: Optional[WorkerWelcome], bind: str, advertise: str,
                   timeout: float) -> None:
-    """Configure JAX for ``devices`` CPU devices; for an island of several hosts, join its
-    jax.distributed group as ``welcome.rank`` (rank 0 runs the coordination service on
-    ``bind`` at the reserved port), waiting up to ``timeout`` seconds for the other hosts."""
+    """Configure JAX for ``devices`` (a platform, and for the CPU how many virtual devices);
+    for an island of several hosts, join its jax.distributed group as ``welcome.rank`` (rank
+    0 runs the coordination service on ``bind`` at the reserved port), waiting up to
+    ``timeout`` seconds for the other hosts."""
     import jax
 
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", devices)
+    jax.config.update("jax_platforms", devices.platform)
+    if devices.kind == "cpu":
+        jax.config.update("jax_num_cpu_devices", devices.count)
     if hosts == 1 or welcome is None:
         return
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # A lost host is the controller's to handle (it fails the island's work and stops
     # the other hosts); without this, jax aborts every other process of the group.
     jax.config.update("jax_enable_recoverability", True)
-    _gloo_on(advertise if is_wildcard(bind) else bind)
+    if devices.kind == "cpu":
+        # Collectives between CPU devices of several hosts; accelerators bring their own (NCCL, ICI).
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        _gloo_on(advertise if is_wildcard(bind) else bind)
     port = split_host_port(welcome.coordinator)[1]
     # jax's coordinator binds every address of the machine ([::]:PORT) unless told otherwise
     service = join_host_port(bind, port) if welcome.rank == 0 else None

@@ -45,6 +45,7 @@ import trio
 
 from pathways.defaults import HEARTBEAT_TIMEOUT
 from pathways.errors import AccessDeniedError, ConnectError, WireError
+from pathways.platforms import Devices
 from pathways.protocol.messages import (FETCH, MAX_MESSAGE_BYTES, WORKER_DOWN, Heartbeat, Register, Shutdown,
                                         WorkerWelcome)
 from pathways.wire import codec, frames, rpc, tcp
@@ -171,12 +172,12 @@ class Joining:
             self._core = core
 
 
-def main(controller: str, devices: int, island: IslandMembership, wait_timeout: float, connect_timeout: float,
+def main(controller: str, devices: Devices, island: IslandMembership, wait_timeout: float, connect_timeout: float,
          join_timeout: float = 300.0, bind: Optional[str] = None, advertise: Optional[str] = None,
          unsafe_local_order: bool = False, security: Security | None = None,
          heartbeat_timeout: float = HEARTBEAT_TIMEOUT) -> None:
     """Serve until the controller goes away: attach to ``controller``, join ``island``
-    (JAX gets ``devices`` CPU devices, and joins the island's jax.distributed group when it
+    (JAX serves ``devices``, and joins the island's jax.distributed group when it
     has several hosts, waiting up to ``join_timeout`` seconds for the other hosts). Servers
     listen on ``bind`` and are advertised at ``advertise`` (defaults: island.py
     ``worker_hosts``). A refusal by the controller exits with its reason. ``security``: the
@@ -247,7 +248,7 @@ async def _first(*events: trio.Event) -> None:
             nursery.start_soon(wait)
 
 
-async def _serve(controller: str, devices: int, island: IslandMembership, bind: str, advertise: str,
+async def _serve(controller: str, devices: Devices, island: IslandMembership, bind: str, advertise: str,
                  wait_timeout: float, connect_timeout: float, join_timeout: float,
                  unsafe_local_order: bool, security: Security, heartbeat_timeout: float) -> Optional[str]:
     """Run the worker until its controller or a signal stops it; returns why it could not
@@ -293,7 +294,7 @@ async def _serve(controller: str, devices: int, island: IslandMembership, bind: 
                                                         security=security))
         sock = await trio.to_thread.run_sync(_attach, channel, controller, connect_timeout, security)
         outbox.put(Register(f"grpc://{join_host_port(advertise, port)}",
-                            f"tcp://{join_host_port(advertise, listener.port)}", "cpu", devices, island.name,
+                            f"tcp://{join_host_port(advertise, listener.port)}", devices.kind, devices.count, island.name,
                             island.hosts, island.rank, coordinator, os.getpid(), socket.gethostname(),
                             host_memory_bytes()))
         outbox.put(Heartbeat(heartbeat_timeout))  # at once: the controller paces its heartbeats to it
@@ -399,7 +400,7 @@ def _stopped(joining: Joining, island: IslandMembership) -> str:
     return f"the controller's stream ended while this worker was joining island {island.name!r}"
 
 
-async def _join(island: IslandMembership, devices: int, bind: str, advertise: str, timeout: float,
+async def _join(island: IslandMembership, devices: Devices, bind: str, advertise: str, timeout: float,
                 joining: Joining, welcomed: trio.Event, ended: trio.Event,
                 reservation: Optional[PortReservation]) -> Optional[str]:
     """Wait for the welcome (this host's rank, the island's coordinator), then configure
@@ -445,17 +446,17 @@ async def _join(island: IslandMembership, devices: int, bind: str, advertise: st
     return None
 
 
-async def _start_core(devices: int, island: IslandMembership, wait_timeout: float, unsafe_local_order: bool,
+async def _start_core(devices: Devices, island: IslandMembership, wait_timeout: float, unsafe_local_order: bool,
                       outbox: rpc.Outbox, end: Callable[[], None], ended: trio.Event,
                       security: Security, heartbeat_timeout: float,
                       on_heartbeat: Callable[[float], None]) -> Optional["WorkerCore"]:
     """The worker's core (JAX's devices exist now); None if the stream ended first."""
     from pathways.worker.core import WorkerCore
 
-    # Under jax.distributed, a process with several devices hangs after a few dozen
+    # Under jax.distributed, a process with several CPU devices hangs after a few dozen
     # multi-device computations dispatched back to back (even ones local to the process);
     # waiting for each before the next is safe (measured: DESIGN.md, BENCHMARKS.md).
-    sync = island.hosts > 1 and devices > 1
+    sync = island.hosts > 1 and devices.kind == "cpu" and devices.count > 1
     made: list["WorkerCore"] = []
     done = trio.Event()
 
