@@ -5,13 +5,11 @@ workers, and a clean end when the controller stops.
 The bounds are tested on a ControllerServer run in this process on its own event loop (so
 that the frame deadline can be shortened); the rest through a real controller process."""
 
-import asyncio
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import pytest
@@ -19,59 +17,24 @@ import pytest
 from pathways import cluster
 from pathways.cluster import stop_processes
 from pathways.controller import server as controller_server
-from pathways.defaults import ADDRESS_LINE, DEFAULT_WINDOW, HEARTBEAT_TIMEOUT
+from pathways.defaults import ADDRESS_LINE
 from pathways.protocol import messages as m
-from pathways.wire import frames, rpc
+from pathways.wire import frames
 from tests.conftest import read_line, wait_until
+from tests.inprocess import InProcessController
 from tests.rawworker import RawWorker
-
-
-class InProcess:
-    """A ControllerServer (gRPC and worker port) served by an event loop on a thread."""
-
-    def __init__(self, heartbeat_timeout: float = HEARTBEAT_TIMEOUT) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="controller", daemon=True)
-        self.thread.start()
-        self.controller = controller_server.ControllerServer("fair", DEFAULT_WINDOW, heartbeat_timeout=heartbeat_timeout)
-        self.lost: list = []
-        core_lost = self.controller.core.worker_lost
-
-        def worker_lost(conn, *rest):  # counts the calls; the core still handles each
-            self.lost.append(conn.worker)
-            core_lost(conn, *rest)
-
-        self.controller.core.worker_lost = worker_lost
-        self.address = self.run(self.controller.listen(rpc.LOOPBACK))
-        self.grpc, _ = self.run(rpc.start_aio_server(rpc.CONTROLLER_SERVICE, self.controller.handlers()))
-
-    def run(self, coro, timeout: float = 10.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def workers(self) -> list[int]:
-        async def ids():
-            return sorted(self.controller.core.workers)
-        return self.run(ids())
-
-    def close(self) -> None:
-        try:
-            self.run(self.controller.stop(self.grpc), 20.0)
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10.0)
-            self.loop.close()
 
 
 @pytest.fixture
 def inproc():
-    c = InProcess()
+    c = InProcessController()
     yield c
     c.close()
 
 
 def test_a_frame_over_the_unregistered_limit_closes_only_its_connection_and_registers_no_worker(inproc):
-    stranger = RawWorker(inproc.address)
-    bystander = RawWorker(inproc.address)
+    stranger = RawWorker(inproc.attach)
+    bystander = RawWorker(inproc.attach)
     try:
         too_long = controller_server.UNREGISTERED_FRAME_BYTES + 1
         stranger.sock.sendall(frames.LENGTH.pack(too_long) + b"\0" * 1000)
@@ -90,7 +53,7 @@ def test_a_frame_over_the_unregistered_limit_closes_only_its_connection_and_regi
 
 def test_a_frame_that_stalls_is_dropped_after_its_deadline_and_its_worker_lost(inproc, monkeypatch):
     monkeypatch.setattr(controller_server, "FRAME_SECONDS", 0.5)
-    raw = RawWorker(inproc.address)
+    raw = RawWorker(inproc.attach)
     try:
         worker = raw.register(island=1000)
         assert inproc.workers() == [worker]
@@ -106,7 +69,7 @@ def test_a_frame_that_stalls_is_dropped_after_its_deadline_and_its_worker_lost(i
 
 
 def test_a_truncated_frame_loses_its_worker(inproc):
-    raw = RawWorker(inproc.address)
+    raw = RawWorker(inproc.attach)
     try:
         worker = raw.register(island=1000)
         raw.sock.sendall(frames.LENGTH.pack(100) + b"cut short")

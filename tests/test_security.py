@@ -10,7 +10,6 @@ import secrets
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import grpc
@@ -28,6 +27,7 @@ from pathways.wire import security as sec
 from pathways.wire.certs import make_certificates
 from pathways.wire.security import Security, SecurityConfigError
 from tests.conftest import pids_alive
+from tests.inprocess import InProcessController
 from tests.rawworker import RawWorker
 
 TOKEN = "test-" + secrets.token_urlsafe(24)
@@ -144,36 +144,6 @@ def test_a_worker_data_listener_refuses_a_connection_without_the_token(guarded):
     _teaches(_refused_fast(lambda: tcp.connect(data, FAST, Security())))
     latency, bandwidth = tcp.probe(data, 30, 1 << 16, security=Security(token=TOKEN))
     assert latency > 0 and bandwidth > 0, "with the token the listener serves"
-
-
-class InProcessController:
-    """A ControllerServer requiring the token, served by an event loop on a thread."""
-
-    def __init__(self, security: Security) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="controller", daemon=True)
-        self.thread.start()
-        self.controller = controller_server.ControllerServer("fair", DEFAULT_WINDOW, security)
-        self.attach = self.run(self.controller.listen(rpc.LOOPBACK))
-        self.grpc, port = self.run(rpc.start_aio_server(rpc.CONTROLLER_SERVICE, self.controller.handlers(),
-                                                        security=security))
-        self.address = f"grpc://127.0.0.1:{port}"
-
-    def run(self, coro, timeout: float = 10.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def workers(self) -> list[int]:
-        async def ids():
-            return sorted(self.controller.core.workers)
-        return self.run(ids())
-
-    def close(self) -> None:
-        try:
-            self.run(self.controller.stop(self.grpc), 20.0)
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10.0)
-            self.loop.close()
 
 
 @pytest.fixture
