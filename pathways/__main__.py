@@ -55,7 +55,7 @@ def _main(argv: list[str] | None) -> int:
     controller.add_argument("--policy", choices=["fair", "fifo"], default="fair",
                             help="order of runs between clients: proportional share by weight, or FIFO")
     controller.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="runs in flight per island")
-    security.add_flags(controller, server=True)
+    security.add_flags(controller, server=True, data_plane=False)
     controller.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT, metavar="S",
                             help="seconds a worker may send nothing (not even a heartbeat) before it is lost "
                                  "and its island marked unhealthy")
@@ -214,8 +214,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: lis
         return _status(args.address, args.measure, args.timeout, security.from_args(args))
     elif args.command == "demo":
         from pathways.demo import figure2
-        client = security.from_args(args)
-        figure2(args.address, client.token, client.tls_ca)
+        # the flags only: pw.connect reads PATHWAYS_TOKEN and PATHWAYS_TLS_CA itself, and
+        # applies the CA only to a cluster at an address
+        token = security.read_token_file(args.token_file) if args.token_file else None
+        figure2(args.address, token, args.tls_ca)
     elif args.command == "bench":
         from pathways.bench import suite
 

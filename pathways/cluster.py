@@ -163,7 +163,8 @@ class LocalCluster:
                     beats = ([] if self.heartbeat_timeout is None
                              else ["--heartbeat-timeout", repr(self.heartbeat_timeout)])
                     controller = await trio.lowlevel.open_process(
-                        _python_cmd("controller", "--policy", self.policy, "--window", str(self.window), *secure, *beats),
+                        _python_cmd("controller", "--policy", self.policy, "--window", str(self.window),
+                                    *sec.child_flags(self.security, data_plane=False), *beats),
                         stdout=subprocess.PIPE, env=env)
                     procs.append(controller)
                     address = await _read_address(controller.stdout)

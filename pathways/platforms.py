@@ -80,23 +80,28 @@ print(json.dumps([name, jax.local_device_count()]))
 
 
 def find_devices(platform: Optional[str], devices: Optional[int], timeout: float = 120.0) -> Devices:
-    """The devices a worker serves: ``devices`` virtual CPU devices (default 1) for the CPU;
-    for an accelerator platform, or when ``platform`` is None (whichever JAX finds), what a
+    """The devices a worker serves: ``devices`` virtual CPU devices (default 1) for the CPU
+    (a count given without a platform means the CPU: only CPU devices are counted by hand);
+    for an accelerator platform, or when neither is given (whichever JAX finds), what a
     child process finds. The worker itself must not start JAX's backends before it joins
     its island's jax.distributed group, which comes after it registers these figures."""
     count = cpu_devices(platform, devices)
-    if platform == "cpu":
+    if platform == "cpu" or (platform is None and devices is not None):
         return Devices("cpu", "cpu", count)
     env = {**os.environ, **({"JAX_PLATFORMS": platform} if platform else {})}
+    what = f"--platform {platform}" if platform else "a JAX platform"
+    advice = "check the accelerator's JAX plugin, or pass --platform cpu"
     try:
         done = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True,
                               timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise ValueError(f"finding the devices of {what} on this host took over {timeout:g} s; {advice}") from None
+    try:
         found, found_count = json.loads(done.stdout.strip().splitlines()[-1])
-    except (subprocess.TimeoutExpired, OSError, ValueError, IndexError) as e:
-        what = f"--platform {platform}" if platform else "a JAX platform"
-        detail = getattr(e, "stderr", None) or (done.stderr if "done" in locals() else "") or str(e)
-        raise ValueError(f"could not find the devices of {what} on this host: {str(detail).strip()[-500:]}; "
-                         f"check the accelerator's JAX plugin, or pass --platform cpu") from None
+    except (ValueError, IndexError):
+        lines = done.stderr.strip().splitlines()  # the last is the exception that ended the child
+        why = lines[-1][-500:] if lines else f"exit code {done.returncode}"
+        raise ValueError(f"could not find the devices of {what} on this host ({why}); {advice}") from None
     if found == "cpu":
         return Devices("cpu", "cpu", count)
     return Devices(found, kind_of(found), found_count)

@@ -46,8 +46,8 @@ def _part(parts: dict[str, str], *words: str) -> str:
 
 class Deployment:
     """The By hand block run in ``net``: each part in the namespace of its machine. ``tls``:
-    certificate files, whose flags are added to the controller's and workers' commands;
-    ``extra``: more flags for them."""
+    certificate files, whose flags are added to the controller's and workers' commands (and
+    the workers' data plane over TLS too); ``extra``: more flags for both."""
 
     def __init__(self, net: Network, tmp: Path, tls=None, extra: str = "") -> None:
         self.net, self.tls = net, tls
@@ -56,14 +56,17 @@ class Deployment:
         self.env = {"CONTROLLER_HOST": net.addr("ctl"), "PORT": "50051", "TOKEN_FILE": str(self.token_file),
                     "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
                     "PATHWAYS_TOKEN": "", "PATHWAYS_TLS_CA": ""}
-        self.flags = extra
+        self.flags = {"controller": extra, "worker": extra}
         if tls is not None:
-            self.flags += f" --tls-cert {tls.cert} --tls-key {tls.key} --tls-ca {tls.ca} --data-plane-tls"
+            self.flags = {"controller": f"{extra} --tls-cert {tls.cert} --tls-key {tls.key} --tls-ca {tls.ca}",
+                          "worker": f"{extra} --tls-cert {tls.cert} --tls-key {tls.key} --tls-ca {tls.ca} "
+                                    "--data-plane-tls"}
         self.settings, self.parts = by_hand()
         self.procs: dict[str, subprocess.Popen] = {}
 
     def _script(self, part: str) -> str:
-        part = re.sub(r"^(python -m pathways (controller|worker) .*)$", rf"\1{self.flags}", part, flags=re.M)
+        part = re.sub(r"^(python -m pathways (controller|worker) .*)$", lambda m: m[1] + self.flags[m[2]], part,
+                      flags=re.M)
         return f"set -e\n{self.settings}\n{part}"
 
     def start(self) -> str:

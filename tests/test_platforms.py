@@ -12,7 +12,7 @@ import pytest
 import pathways as pw
 from pathways.client.devices import VirtualDeviceSet
 from pathways.controller.placement import ResourceManager
-from pathways.platforms import PLATFORMS, cpu_devices, export_platforms, kind_of
+from pathways.platforms import PLATFORMS, Devices, cpu_devices, export_platforms, find_devices, kind_of
 from pathways.protocol import messages as m
 
 
@@ -117,3 +117,14 @@ def test_a_function_for_a_gpu_slice_is_exported_for_cuda_and_rocm_from_a_cpu_cli
         f.specialize(jax.tree.structure((x,)), [(x.shape, x.dtype)], (x,))
         fn, = [msg for msg in session.sent if isinstance(msg, m.DefineFunction) and msg.slice == s.id]
         assert jax.export.deserialize(bytearray(fn.blob)).platforms == platforms
+
+
+def test_find_devices_counts_cpu_devices_by_hand_and_asks_jax_for_the_rest():
+    assert find_devices("cpu", 3) == Devices("cpu", "cpu", 3)
+    assert find_devices(None, 2) == Devices("cpu", "cpu", 2), "a count without a platform means the CPU"
+    # neither: a child process asks JAX, which finds only the CPU on this machine
+    assert find_devices(None, None) == Devices("cpu", "cpu", 1)
+    # a platform JAX cannot start here: the error says what to check
+    with pytest.raises(ValueError, match="could not find the devices of --platform tpu on this host.*"
+                                         "or pass --platform cpu"):
+        find_devices("tpu", None)

@@ -31,6 +31,7 @@ from typing import Optional
 
 from pathways.errors import AuthenticationError, ConnectError, WireError
 from pathways.wire import codec
+from pathways.wire.addresses import strip_brackets
 from pathways.wire.frames import LENGTH, frame, recv_exactly
 
 TOKEN_ENV = "PATHWAYS_TOKEN"
@@ -137,9 +138,10 @@ def for_client(token: str | None = None, tls_ca: str | None = None) -> Security:
                     tls_ca=tls_ca or os.environ.get(TLS_CA_ENV) or None).checked()
 
 
-def add_flags(parser: argparse.ArgumentParser, server: bool) -> None:
+def add_flags(parser: argparse.ArgumentParser, server: bool, data_plane: bool = True) -> None:
     """The token and TLS flags: every process takes ``--token-file`` and ``--tls-ca``;
-    those that serve (``server``) also their certificate and ``--data-plane-tls``."""
+    those that serve (``server``) also their certificate, and those with a data plane
+    (workers, and a local cluster's) ``--data-plane-tls``."""
     parser.add_argument("--token-file", metavar="PATH",
                         help=f"file holding the cluster's shared token (default: ${TOKEN_ENV}); required to "
                              "listen beyond loopback")
@@ -149,7 +151,7 @@ def add_flags(parser: argparse.ArgumentParser, server: bool) -> None:
         parser.add_argument("--tls-key", metavar="PATH", help="PEM private key of --tls-cert")
     parser.add_argument("--tls-ca", metavar="PATH",
                         help=f"PEM CA certificate that servers' certificates are verified with (default: ${TLS_CA_ENV})")
-    if server:
+    if server and data_plane:
         parser.add_argument("--data-plane-tls", action="store_true",
                             help="worker-to-worker array bytes over TLS too (costs bandwidth: `bench transfer`)")
 
@@ -162,12 +164,13 @@ def from_args(args: argparse.Namespace) -> Security:
                     getattr(args, "data_plane_tls", False)).checked()
 
 
-def child_flags(security: Security) -> list[str]:
-    """Command-line flags giving a child process ``security``'s TLS settings. The token goes
-    by the environment (``child_env``): any user of the host can read a command line."""
+def child_flags(security: Security, data_plane: bool = True) -> list[str]:
+    """Command-line flags giving a child process ``security``'s TLS settings (``data_plane``:
+    a worker's, with ``--data-plane-tls``; the controller has no data plane). The token
+    goes by the environment (``child_env``): any user of the host can read a command line."""
     flags = ["--tls-cert", security.tls_cert, "--tls-key", security.tls_key] if security.serves_tls else []
     flags += ["--tls-ca", security.tls_ca] if security.uses_tls else []
-    return flags + (["--data-plane-tls"] if security.data_plane_tls else [])
+    return flags + (["--data-plane-tls"] if data_plane and security.data_plane_tls else [])
 
 
 def child_env(security: Security, env: dict[str, str]) -> dict[str, str]:
@@ -184,7 +187,7 @@ def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        return ipaddress.ip_address(strip_brackets(host)).is_loopback
     except ValueError:  # a host name: it may resolve to anything
         return False
 

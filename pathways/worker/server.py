@@ -129,15 +129,19 @@ _NOT_READY = ("the worker is still joining its island (its other hosts have not 
 
 class Joining:
     """The controller's stream before the core exists: keeps every payload, in order, and
-    notes the welcome or the refusal among them; ``hand_to`` gives what was kept to the
-    core and sends later payloads straight to it. Called from the reader thread."""
+    notes the welcome or the refusal among them, and the controller's heartbeat timeout
+    (``on_heartbeat``: joining may take minutes, and this worker must beat often enough for
+    it all along); ``hand_to`` gives what was kept to the core and sends later payloads
+    straight to it. Called from the reader thread."""
 
-    def __init__(self, on_welcome: Callable[[], None], on_shutdown: Callable[[], None]) -> None:
+    def __init__(self, on_welcome: Callable[[], None], on_shutdown: Callable[[], None],
+                 on_heartbeat: Callable[[float], None]) -> None:
         self._lock = threading.Lock()
         self._kept: list[bytes] = []
         self._core: Optional["WorkerCore"] = None
         self._on_welcome = on_welcome
         self._on_shutdown = on_shutdown
+        self._on_heartbeat = on_heartbeat
         self.welcome: Optional[WorkerWelcome] = None
         self.shutdown: Optional[str] = None  # the controller's reason, if it refused or stopped this worker
 
@@ -163,6 +167,8 @@ class Joining:
             elif type(msg) is Shutdown and self.shutdown is None:
                 self.shutdown = msg.reason
                 self._on_shutdown()
+            elif type(msg) is Heartbeat:
+                self._on_heartbeat(msg.timeout)
 
     def hand_to(self, core: "WorkerCore") -> None:
         with self._lock:
@@ -265,7 +271,8 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
         return set_soon
 
     end = setter(ended)
-    joining = Joining(setter(welcomed), end)
+    beats = Heartbeats(heartbeat_timeout)
+    joining = Joining(setter(welcomed), end, beats.learn)
     service = WorkerService(wait=join_timeout)
 
     def receive_frame(header: dict, pieces: list) -> Optional[str]:
@@ -301,7 +308,6 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
         # Every recv and send on the stream waits at most this long: the controller sends
         # something at least every fifth of it, so a longer silence means it is gone.
         sock.settimeout(heartbeat_timeout)
-        beats = Heartbeats(heartbeat_timeout)
         _start_stream(sock, outbox, joining.on_batch, end, beats, controller)
 
         async def run() -> Optional[str]:
