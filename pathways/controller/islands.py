@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-MAX_ISLAND_ID = (1 << 31) - 1
+from pathways.protocol.messages import MAX_ISLAND
 
 
 class Refused(Exception):
@@ -116,6 +116,6 @@ class Islands:
         return Island(self._free_id(name), name, hosts)
 
     def _free_id(self, name: str) -> int:
-        if name.isdecimal() and str(int(name)) == name and int(name) <= MAX_ISLAND_ID and int(name) not in self.by_id:
+        if name.isdecimal() and str(int(name)) == name and int(name) <= MAX_ISLAND and int(name) not in self.by_id:
             return int(name)
         return next(i for i in range(len(self.by_id) + 1) if i not in self.by_id)

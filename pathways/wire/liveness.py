@@ -28,7 +28,7 @@ def check_timeout(seconds: float, what: str = "--heartbeat-timeout") -> float:
     """``seconds`` if it is a finite number above 0; else ValueError naming ``what``."""
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (math.isfinite(seconds)
                                                                                   and seconds > 0):
-        raise ValueError(f"{what} must be a finite number of seconds above 0 (10 by default), got {seconds!r}")
+        raise ValueError(f"{what} must be a finite number of seconds above 0, got {seconds!r}")
     return float(seconds)
 
 

@@ -351,8 +351,6 @@ def peer_error(address: str, timeout: float, error: OSError) -> OSError:
     return ConnectionError(f"the connection to the peer at {address} failed: {error}")
 
 
-
-
 def _frame_parts(header: dict, pieces: list) -> tuple[bytes, list[np.ndarray]]:
     head = frame(codec.pack(header))
     arrays = [np.ascontiguousarray(array) for _, array in pieces]
