@@ -16,6 +16,7 @@ from pathways import errors
 from pathways.hlo import replicated
 from pathways.ir import Layout, Node, ProgramGraph
 from pathways.protocol import messages as m
+from pathways.wire import codec
 from pathways.cluster import worker_stats
 from tests.conftest import running_cluster
 
@@ -108,8 +109,7 @@ def test_a_sharded_matmul_on_two_devices_of_one_host_in_the_order_given(session)
     np.testing.assert_allclose(y, a @ b, rtol=1e-6)
 
 
-def test_a_psum_across_both_hosts_of_an_island(session):
-    reply, addresses, devices = slice_of(session, 2, 0)
+def _psum_artifact():
     mesh = AbstractMesh((2,), ("x",))
     rows = NamedSharding(mesh, P("x"))
 
@@ -118,7 +118,12 @@ def test_a_psum_across_both_hosts_of_an_island(session):
 
     x = np.arange(8, dtype=np.float32).reshape(4, 2)
     f = jax.jit(total, in_shardings=rows, out_shardings=NamedSharding(mesh, P()))
-    blob, options = artifact(f, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows)], 2)
+    return (*artifact(f, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows)], 2), x)
+
+
+def test_a_psum_across_both_hosts_of_an_island(session):
+    reply, addresses, devices = slice_of(session, 2, 0)
+    blob, options, x = _psum_artifact()
     fn, future = session.define_xla(reply.slice, "psum", blob, options, devices)
     compiled = future.result(WAIT)
     assert compiled.ins[0].workers == tuple(reply.workers) and compiled.ins[0].devices == devices
@@ -127,6 +132,33 @@ def test_a_psum_across_both_hosts_of_an_island(session):
     np.testing.assert_array_equal(y, x[:2] + x[2:])
     [again] = run_xla(session, addresses, compiled, fn, [x * 2])  # the compiled executable again
     np.testing.assert_array_equal(again, 2 * (x[:2] + x[2:]))
+
+
+def test_a_host_whose_input_is_poisoned_keeps_its_peer_company_in_the_collective(session):
+    """Host 1 of island 0 holds a poisoned part of the input, host 0 a good one: host 1
+    runs the executable on placeholders, so host 0's psum completes instead of hanging,
+    the output is poisoned, and the island goes on serving."""
+    reply, addresses, devices = slice_of(session, 2, 0)
+    blob, options, x = _psum_artifact()
+    fn, future = session.define_xla(reply.slice, "psum", blob, options, devices)
+    compiled = future.result(WAIT)
+    layout = compiled.ins[0]
+    h = session.allocate(1)
+    good, bad = (addresses[w] for w in layout.workers)
+    session.put((good,), h, layout, x)
+    header = codec.pack({"t": "put", "handle": h, "layout": layout.to_wire(), "of": 1,
+                         "credential": session._credential, "poison": "this part is broken on purpose"})
+    assert "error" not in codec.unpack(session._stubs(bad)[0](iter([header]), timeout=WAIT))
+    program = session.allocate(1)
+    session.send(m.DefineProgram(program, ProgramGraph(2, (0,), (Node(fn, (0,), (1,)),), (1,),
+                                                       (("float32", x.shape), ("float32", (2, 2)))), "parallel"))
+    base = session.allocate(2)
+    session.send(m.Run(program, base, {0: h}))
+    assert session.fetch((good,), base + 1, WAIT, False), "the healthy host's collective completed"
+    with pytest.raises(errors.RemoteError, match="broken on purpose"):
+        session.fetch((bad,), base + 1, WAIT, True)
+    [y] = run_xla(session, addresses, compiled, fn, [x])
+    np.testing.assert_array_equal(y, x[:2] + x[2:])
 
 
 def test_donated_parameters_and_the_compile_cache(session):
