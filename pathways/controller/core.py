@@ -240,10 +240,8 @@ class ControllerCore:
                 raise WireError(f"function {msg.name!r} has a layout on workers {list(layout.workers)}, but its "
                                 f"devices are on workers {list(hosts)}")
         ranks = {r for layout in (*msg.ins, *msg.outs) for r, _ in layout.devices}
-        workers = tuple(w for w in placement.workers if rank_of[w] in ranks)
-        if not workers:
-            raise WireError(f"function {msg.name!r} has no layouts, so it runs nowhere; give each input and "
-                            "output a layout on its slice")
+        # a function of no arrays at all runs on the whole slice
+        workers = tuple(w for w in placement.workers if rank_of[w] in ranks) or placement.workers
         s.programs.fns[fn] = FnLayouts(workers, msg.ins, msg.outs)
         compile_msg = m.Compile(fn, msg.name, msg.blob, msg.ins, msg.outs, workers=workers)
         for w in workers:
