@@ -6,17 +6,12 @@ import numpy as np
 import pytest
 
 from ifrt_helpers import run_jax
-from pathways.client.session import Session
 from pathways.cluster import Island, LocalCluster
 from pathways.ifrt import types as t
 from pathways.ifrt.devices import DeviceTable, SliceInfo
 from pathways.ifrt.proto.xla import xla_data_pb2
 from pathways.ifrt.server import IfrtServer
 from pathways.ifrt.session import parse_slice
-
-HAS_XLA_FUNCTIONS = hasattr(Session, "define_xla")
-needs_xla = pytest.mark.skipif(not HAS_XLA_FUNCTIONS, reason="needs Session.define_xla (protocol v4)")
-
 
 @pytest.fixture(scope="module")
 def server():
@@ -54,7 +49,6 @@ def test_devices_and_round_trip(server):
     assert result["on_last"] == list(range(5)) and result["last_device"] == [3]
 
 
-@needs_xla
 def test_jit(server):
     result = run_jax(server.address, """
         import json
@@ -69,7 +63,6 @@ def test_jit(server):
     assert result["z"] == 24.0
 
 
-@needs_xla
 def test_sharded_jit(server):
     result = run_jax(server.address, """
         import json
