@@ -493,6 +493,9 @@ class IfrtSession:
             result = parent  # the views of one parent, reassembled as it was: the parent itself
         else:
             dtype = t.dtype_of(body.dtype) if body.HasField("dtype") else shards[0].dtype
+            if math.prod(shape) * dtype.itemsize > self.buffers.limit:
+                raise IfrtError(t.RESOURCE_EXHAUSTED, f"assembling a {dtype.name}{list(shape)} array from shards "
+                                                      f"held apart needs more than {self.buffers.limit} bytes here")
             value = np.empty(shape, dtype)
             for s, region in zip(shards, regions):
                 value[tuple(slice(a, b) for a, b in region)] = self._host_value(s)
