@@ -135,3 +135,25 @@ def test_pathways_slice_parsing():
     for bad in ("cpu", "cpu:x", "fpga:2", "cpu:2@x", 3):
         with pytest.raises(t.IfrtError, match="KIND:COUNT"):
             parse_slice(bad)
+
+
+def test_copy_between_islands_donation_and_deletion(server):
+    result = run_jax(server.address, """
+        import json
+        import numpy as np
+        devices = jax.devices()
+        x = jax.device_put(np.arange(6, dtype=np.float32), devices[0])
+        moved = jax.device_put(x, devices[2])  # island 0 -> island 1, over the data plane
+        step = jax.jit(lambda a: a + 1, donate_argnums=0)
+        y = step(moved)
+        z = step(y)
+        w = jax.device_put(np.ones(3, np.float32))
+        w.delete()
+        print("RESULT", json.dumps({"moved": np.asarray(moved).tolist() if not moved.is_deleted() else None,
+                                    "on": [d.id for d in z.devices()], "z": np.asarray(z).tolist(),
+                                    "y_deleted": y.is_deleted(), "w_deleted": w.is_deleted(),
+                                    "x": np.asarray(x).tolist()}))
+    """)
+    assert result["x"] == list(range(6)) and result["on"] == [2]
+    assert result["z"] == [float(i + 2) for i in range(6)]
+    assert result["y_deleted"] and result["w_deleted"]

@@ -552,8 +552,9 @@ class IfrtSession:
         from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
         s = NamedSharding(AbstractMesh(layout.mesh_shape, layout.axis_names), PartitionSpec(*layout.spec))
+        # as every pathways function: positional arguments in, a list of outputs out
         try:
-            exported = jax.export.export(jax.jit(lambda x: x, in_shardings=s, out_shardings=s),
+            exported = jax.export.export(jax.jit(lambda x: [x], in_shardings=[s], out_shardings=[s]),
                                          platforms=export_platforms(place.slice.kind))(
                 jax.ShapeDtypeStruct(shape, dtype, sharding=s))
         except Exception as e:
