@@ -8,10 +8,9 @@ import textwrap
 
 import pytest
 
-from pathways.controller.transfers import device_regions
 from pathways.errors import WireError
 from pathways.hlo import OpSharding, layout_of_op_sharding, op_sharding_of_layout, replicated
-from pathways.ir import Layout
+from pathways.ir import Layout, device_regions
 
 # logical device i of an 8-device executable: two hosts (ranks 3 and 5), devices interleaved
 DEVICES = tuple((3 if i % 2 == 0 else 5, i // 2) for i in range(8))
