@@ -1,0 +1,1 @@
+"""The IFRT proxy front end: unmodified JAX programs (JAX_PLATFORMS=proxy) on a pathways cluster."""
