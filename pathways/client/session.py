@@ -114,6 +114,26 @@ class Session:
             self._flush_deletes()
             self._outbox.put(msg)
 
+    def define_xla(self, slice_id: int, name: str, artifact: bytes, options: bytes,
+                   devices: tuple[tuple[int, int], ...]) -> tuple[int, Future]:
+        """Have the workers of slice ``slice_id`` compile StableHLO portable artifact
+        ``artifact`` with ``options`` (a serialized xla CompileOptionsProto) on ``devices``
+        ((host rank, device index) pairs of the slice; logical device i of the executable
+        is ``devices[i]``). Returns the new function's id and a future of its
+        ``messages.Compiled`` (where its parameters and outputs live, their shardings,
+        ...); the future raises RemoteError with the compile error, or ControllerLostError.
+        Programs may call the function once the future is done."""
+        fn = self.allocate(1)
+        future: Future = Future()
+        self._pending[("compiled", fn)] = future
+        try:
+            self.send(m.DefineFunction(fn, slice_id, name, artifact, (), (), "xla", options,
+                                       tuple(x for d in devices for x in d)))
+        except BaseException:
+            self._pending.pop(("compiled", fn), None)
+            raise
+        return fn, future
+
     def _flush_deletes(self) -> None:
         handles = []
         while self._deletes:
@@ -190,6 +210,15 @@ class Session:
             for h in msg.handles:
                 self.poisoned[h] = (error, msg.message)
             self._cancel_fetches(msg.handles)
+        elif kind is m.Compiled:
+            future = self._pending.pop(("compiled", msg.fn), None)
+            if future is None:
+                log.warning("the controller reported function %#x compiled, which this session did not define "
+                            "with define_xla", msg.fn)
+            elif msg.error:
+                future.set_exception(errors.RemoteError(msg.error))
+            else:
+                future.set_result(msg)
         elif kind is m.Error or kind is m.Malformed:
             if kind is m.Malformed:
                 msg = m.Error(msg.req, kind_of(msg.error), f"the controller sent a malformed {msg.tag!r}: {msg.error}")
