@@ -215,10 +215,11 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: lis
         except ValueError as e:
             parser.error(str(e))
         cluster.start()
-        print(f"pathways cluster up at {cluster.address}; export PATHWAYS_ADDRESS={cluster.address}", flush=True)
+        lines = [f"pathways cluster up at {cluster.address}; export PATHWAYS_ADDRESS={cluster.address}"]
         if cluster.ifrt_address:
-            print(f"IFRT proxy at {cluster.ifrt_address}; run unmodified JAX programs with "
-                  f"JAX_PLATFORMS=proxy JAX_BACKEND_TARGET={cluster.ifrt_address}", flush=True)
+            lines.append(f"IFRT proxy at {cluster.ifrt_address}; run unmodified JAX programs with "
+                         f"JAX_PLATFORMS=proxy JAX_BACKEND_TARGET={cluster.ifrt_address}")
+        print("\n".join(lines), flush=True)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the cluster on SIGTERM too
         try:
             while not cluster.controller_exited.wait(3600):

@@ -62,7 +62,9 @@ log = logging.getLogger("pathways.controller")
 _DRAIN_SECONDS = 5.0
 _STOP_GRACE_SECONDS = 0.5
 _STOP_SECONDS = 5.0  # how long stopping waits for the streams to end before cancelling them
-_IFRT_STOP_GRACE = 1.0  # IfrtServer.stop's default grace: its calls in flight may finish
+# How long stopping the IFRT proxy server may take: its calls in flight get a grace of a
+# second and its gRPC server some more to end them, then its sessions close.
+_IFRT_STOP_SECONDS = 15.0
 # A worker's frame, once its length has arrived, must complete within this many seconds: a
 # 64 MiB Compile crosses loopback in well under a second, so this leaves ample room for a
 # host busy compiling, while a peer that announces a frame and stalls holds its buffer for
@@ -423,9 +425,9 @@ async def _stop_ifrt(server: "IfrtServer") -> None:
     """Stop the IFRT proxy server first, so that its sessions end while the controller still
     serves them; bounded, so that the controller stops even if it does not."""
     try:
-        await asyncio.wait_for(asyncio.to_thread(server.stop), _STOP_SECONDS + _IFRT_STOP_GRACE)
+        await asyncio.wait_for(asyncio.to_thread(server.stop), _IFRT_STOP_SECONDS)
     except asyncio.TimeoutError:
         log.warning("the IFRT proxy server did not stop within %g s; stopping the controller anyway",
-                    _STOP_SECONDS + _IFRT_STOP_GRACE)
+                    _IFRT_STOP_SECONDS)
     except Exception:  # the controller must stop whatever the front end does
         log.exception("stopping the IFRT proxy server failed")

@@ -21,7 +21,7 @@ import types
 from pathlib import Path
 from typing import Optional, Sequence
 
-from pathways.cluster import Island, LocalCluster, stop_processes
+from pathways.cluster import Island, LocalCluster, child_log_env, stop_processes
 from pathways.ifrt import plugin
 from pathways.wire import security as sec
 from pathways.wire.security import Security
@@ -51,8 +51,11 @@ def write_entry_point(folder: str | os.PathLike) -> Path:
 def script_env(base: dict[str, str], target: str, security: Security, paths: Sequence[str]) -> dict[str, str]:
     """``base`` for a script run under the proxy at ``target`` (``grpc://HOST:PORT``):
     JAX_PLATFORMS, JAX_BACKEND_TARGET, plain gRPC credentials, the cluster's token (and no
-    other), and ``paths`` first on PYTHONPATH."""
+    other), ``paths`` first on PYTHONPATH, and the C++ log level of this process's children."""
     env = sec.child_env(security, base)
+    # the C++ client's notices (plain credentials in use, the server gone at exit) follow
+    # --log-level as the cluster's do (JAX sets TF_CPP_MIN_LOG_LEVEL in this process on import)
+    env.update(child_log_env())
     env["JAX_PLATFORMS"] = plugin.PLATFORM
     env["JAX_BACKEND_TARGET"] = target
     env[plugin.INSECURE_ENV] = "true"  # what the plugin sets too; here also for pathwaysutils' factory
