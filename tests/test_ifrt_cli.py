@@ -355,3 +355,31 @@ def test_run_trains_the_example_mlp_with_a_decreasing_loss():
 def test_run_names_a_missing_script():
     out = run_cli("no_such_script.py", timeout=120)
     assert out.returncode == 2 and "no such script: 'no_such_script.py'" in out.stderr
+
+
+# ---- a cluster with a token and TLS ---------------------------------------------------------
+
+def test_with_token_and_tls_the_proxy_port_is_plain_grpc_and_takes_the_token(tmp_path, entry_point):
+    from pathways.wire.certs import make_certificates
+    from pathways.wire.security import Security
+
+    tls = make_certificates(str(tmp_path))
+    security = Security(token="ifrt-test-token", tls_cert=tls.cert, tls_key=tls.key, tls_ca=tls.ca)
+    with pw.local_cluster(islands=[pw.Island(1, 2)], security=security, ifrt=True) as c:
+        out = run_script(JIT, proxy_env(c.ifrt_address, entry_point, PATHWAYS_TOKEN="ifrt-test-token"))
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split("\n")[0] == "2 cpu [8.0, 12.0, 16.0]"
+        out = run_script(JIT, proxy_env(c.ifrt_address, entry_point, PATHWAYS_TOKEN="another-token",
+                                        PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS="10"))
+        assert out.returncode != 0 and "Unable to initialize backend 'proxy'" in out.stderr
+
+
+def test_ifrt_bind_with_a_certificate_but_no_ca_is_refused(tmp_path):
+    from pathways.wire.certs import make_certificates
+
+    tls = make_certificates(str(tmp_path))
+    out = subprocess.run([sys.executable, "-m", "pathways", "controller", "--ifrt-bind", "127.0.0.1:0",
+                          "--tls-cert", tls.cert, "--tls-key", tls.key], capture_output=True, text=True,
+                         timeout=120, env={k: v for k, v in os.environ.items() if k != "PATHWAYS_TLS_CA"})
+    assert out.returncode != 0 and ADDRESS_LINE not in out.stdout
+    assert "--ifrt-bind with --tls-cert needs --tls-ca" in out.stderr

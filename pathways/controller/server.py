@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import signal
@@ -361,6 +362,9 @@ def main(policy: str = "fair", window: int = DEFAULT_WINDOW, bind: str = f"{rpc.
             sec.check_bind(ifrt_host, security, "the IFRT proxy server (--ifrt-bind)")
         except sec.SecurityConfigError as e:
             raise SystemExit(f"error: {e}") from None
+        if security is not None and security.serves_tls and not security.uses_tls:
+            raise SystemExit("error: --ifrt-bind with --tls-cert needs --tls-ca too: the IFRT proxy server's "
+                             "sessions connect to this controller and its workers over TLS and verify them with it")
     asyncio.run(_serve(policy, window, host, port, security, heartbeat_timeout, ifrt_bind))
 
 
@@ -410,7 +414,7 @@ def _start_ifrt(controller: str, bind: str, security: Security) -> "IfrtServer":
     Runs off the event loop: the server's sessions talk to this controller."""
     from pathways.ifrt.server import IfrtServer  # imports JAX: only controllers that serve IFRT pay for it
 
-    server = IfrtServer(controller, bind, security)
+    server = IfrtServer(controller, bind, front_end_security(security))
     try:
         server.start()
     except Exception as e:  # whatever stopped it from serving (a port in use, a bad address): say so and exit
@@ -419,6 +423,13 @@ def _start_ifrt(controller: str, bind: str, security: Security) -> "IfrtServer":
         raise SystemExit(f"error: the IFRT proxy server cannot listen on --ifrt-bind {bind}: "
                          f"{type(e).__name__}: {e}") from None
     return server
+
+
+def front_end_security(security: Security) -> Security:
+    """The IFRT proxy server's settings: the cluster's token, and its CA to reach the
+    controller and workers with, but no certificate to serve with: JAX's proxy client
+    speaks plain gRPC (or ALTS), never TLS, so its port serves plain gRPC."""
+    return dataclasses.replace(security, tls_cert=None, tls_key=None, data_plane_tls=False)
 
 
 async def _stop_ifrt(server: "IfrtServer") -> None:
