@@ -4,9 +4,10 @@ The cluster's controller serves the IFRT proxy protocol on a free loopback port;
 runs as a child process with ``JAX_PLATFORMS=proxy`` and ``JAX_BACKEND_TARGET`` naming that
 port, so every ``jit``, ``device_put`` and ``np.asarray`` of it goes to the cluster. JAX
 finds the ``proxy`` backend through this package's ``jax_plugins`` entry point
-(pathways/ifrt/plugin.py); where the package runs from a source tree, not installed, the
-entry point is given to the child by a distribution record in a temporary folder on its
-PYTHONPATH, which is what installing would write.
+(pathways/ifrt/plugin.py). So that this works from a source tree too, not installed, the
+child gets the entry point from a distribution record in a temporary folder on its
+PYTHONPATH, which is what installing writes (installed, JAX sees the same module twice
+and loads it once).
 """
 
 from __future__ import annotations
