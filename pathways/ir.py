@@ -7,11 +7,13 @@ Everything here is plain data with a wire form; nothing here talks to a network 
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any, Union
 
 from pathways.errors import WireError
+from pathways.wire.codec import Index as Region
 from pathways.wire.codec import int_list, is_wire_dtype_name
 
 SpecEntry = Union[None, str, tuple[str, ...]]
@@ -64,6 +66,49 @@ class Layout:
             raise WireError(f"layout mesh {mesh_shape} x {axis_names} does not fit {len(pairs)} devices")
         return Layout(tuple(workers), pairs, tuple(mesh_shape), tuple(axis_names),
                       spec_from_wire(spec, axis_names))
+
+
+def device_regions(shape: tuple[int, ...], layout: Layout) -> list[Region]:
+    """The block of ``shape`` each device of ``layout`` holds, in the layout's device order."""
+    sizes = dict(zip(layout.axis_names, layout.mesh_shape))
+    regions = []
+    for position in itertools.product(*map(range, layout.mesh_shape)):  # devices are in mesh order
+        coords = dict(zip(layout.axis_names, position))
+        region = []
+        for dim, size in enumerate(shape):
+            entry = layout.spec[dim] if dim < len(layout.spec) else None
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+            blocks, block = 1, 0
+            for axis in axes:
+                blocks *= sizes[axis]
+                block = block * sizes[axis] + coords[axis]
+            step = size // blocks
+            region.append((block * step, (block + 1) * step))
+        regions.append(tuple(region))
+    return regions
+
+
+def host_regions(shape: tuple[int, ...], layout: Layout) -> dict[int, list[Region]]:
+    """The distinct blocks each worker of ``layout`` holds, in device order."""
+    out: dict[int, list[Region]] = {w: [] for w in layout.workers}
+    worker_of = dict(zip(sorted({rank for rank, _ in layout.devices}), layout.workers))
+    for (rank, _), region in zip(layout.devices, device_regions(shape, layout)):
+        held = out[worker_of[rank]]
+        if region not in held:
+            held.append(region)
+    return out
+
+
+def evenly_divided(shape: tuple[int, ...], layout: Layout) -> bool:
+    """Whether every dimension of ``shape`` splits into equal blocks over its mesh axes
+    (the block arithmetic above assumes it)."""
+    sizes = dict(zip(layout.axis_names, layout.mesh_shape))
+    for dim, size in enumerate(shape):
+        entry = layout.spec[dim] if dim < len(layout.spec) else None
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+        if size % math.prod(sizes[a] for a in axes):
+            return False
+    return True
 
 
 def spec_from_wire(raw: Any, axis_names: list | tuple) -> tuple[SpecEntry, ...]:

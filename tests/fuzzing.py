@@ -43,6 +43,12 @@ def sample(checker: c.Checker, rng: random.Random, field: str) -> Any:
         return 4  # enough registers for the sample ops
     if field == "links":  # a measured link has both figures or neither
         return rng.choice([[], [[1, 1e-4, 1e9]], [[1, None, None]]])
+    if field == "format":  # a jax.export function: no options, no devices
+        return "jax.export"
+    if field == "options":
+        return b""
+    if field == "devices" and isinstance(checker, c.Seq):  # flat (host rank, device index) pairs
+        return rng.choice([[], [0, 0], [0, 0, 1, 0]]) if checker is not m.DEVICE_PAIRS else []
     if isinstance(checker, c.Int):
         return rng.choice([checker.lo, min(checker.hi, checker.lo + rng.randrange(1, 1000))])
     if isinstance(checker, c.Float):
@@ -74,6 +80,12 @@ def sample(checker: c.Checker, rng: random.Random, field: str) -> Any:
 
 
 def valid(cls: type[m.Message], rng: random.Random) -> list:
+    if cls is m.Compiled and rng.random() < 0.5:  # a success: its lists agree in length
+        n = rng.randrange(0, 3)
+        return ["compiled", rng.randrange(1, 1 << 40), "", [LAYOUT] * n, [LAYOUT], [["float32", [2]]],
+                [b"\x08\x01"] * n, [b""], [[0]] * n, [[0]], list(range(n)), "ab12", "jit_f"]
+    if cls is m.Compiled:  # a failure: only the error
+        return m.Compiled(rng.randrange(1, 1 << 40), "compile failed").encode()
     return [cls.TAG, *(sample(checker, rng, name) for name, checker in cls.FIELDS)]
 
 

@@ -183,3 +183,102 @@ def test_a_session_naming_another_sessions_handle_is_refused_and_nothing_changes
     assert victim_array not in core.sessions[2].handles.live
     assert [r.req for r in _of(thief, m.ClusterReply)] == [9], "the session goes on"
     assert not _of(victim, m.Error) and not _of(victim, m.Poisoned)
+
+
+def _island_of_two(core):
+    """Two hosts of two devices each, one island; returns their connections, rank order."""
+    conns = [WorkerConn(Box()) for _ in range(2)]
+    for rank, conn in enumerate(conns):
+        core.on_worker_batch(conn, m.encode_batch([m.Register(
+            f"grpc://h:{rank}", f"tcp://h:{rank}", "cpu", 2, "isl", 2, rank, f"h:{9 + rank}", 1, "h",
+            1 << 30)]))
+    return conns
+
+
+def _graph(fn):
+    return m.GRAPH.check({"nvalues": 2, "inputs": [0], "nodes": [[fn, [0], [1]]], "outputs": [1],
+                          "types": [["float32", [4]]] * 2}, "graph")
+
+
+def test_an_xla_function_compiles_on_the_hosts_of_its_devices_and_runs_once_the_first_reports():
+    core = ControllerCore()
+    w0, w1 = _island_of_two(core)
+    client = session(core)
+    core.on_session_batch(1, m.encode_batch([m.SliceRequest(1, "cpu", 4, None, None, False)]))
+    reply, = _of(client, m.SliceReply)
+    base = first_handle(1)
+    one_host, both, program, data = base + 1, base + 2, base + 3, base + 4
+    core.on_session_batch(1, m.encode_batch([
+        m.DefineFunction(one_host, reply.slice, "f", b"mlir", (), (), "xla", b"opts", (1, 1, 1, 0)),
+        m.DefineFunction(both, reply.slice, "g", b"mlir", (), (), "xla", b"opts", (1, 0, 0, 0)),
+    ]))
+    assert _of(w0.outbox, m.Compile) == [m.Compile(both, "g", b"mlir", (), (), "xla", b"opts", (1, 0, 0, 0),
+                                                   (w0.worker, w1.worker))], "workers in island-rank order"
+    assert [c.fn for c in _of(w1.outbox, m.Compile)] == [one_host, both]
+    assert _of(w1.outbox, m.Compile)[0].workers == (w1.worker,)
+
+    layout = Layout((w0.worker, w1.worker), ((1, 0), (0, 0)), (2,), ("r",), ())
+    core.on_session_batch(1, m.encode_batch([m.DefineProgram(program, _graph(both), "parallel"),
+                                             m.PutNotice(data, layout), m.Run(program, base + 10, {0: data})]))
+    poisoned, = _of(client, m.Poisoned)
+    assert poisoned.handles == (base + 11,) and "has not finished compiling" in poisoned.message
+    assert not _of(w0.outbox, m.RunProgram)
+
+    compiled = m.Compiled(both, "", (layout,), (layout,), (("float32", (4,)),), (b"",), (b"",), ((0,),), ((0,),),
+                          (), "ab", "jit_g")
+    core.on_worker_batch(w0, m.encode_batch([compiled]))  # not the host of the first device
+    assert "worker 1 reports it, not worker 0" in _of(w0.outbox, m.Notice)[-1].message
+    core.on_worker_batch(w1, m.encode_batch([m.Compiled(base + 99, "late")]))  # no such function: ignored
+    core.on_worker_batch(w1, m.encode_batch([m.Compiled(first_handle(7) + 1, "")]))  # no such session: ignored
+    assert not _of(client, m.Compiled)
+    core.on_worker_batch(w1, m.encode_batch([compiled]))
+    assert _of(client, m.Compiled) == [compiled], "forwarded unchanged"
+    core.on_session_batch(1, m.encode_batch([m.Run(program, base + 20, {0: data})]))
+    assert [r.base for r in _of(w0.outbox, m.RunProgram)] == [base + 20] == [r.base for r in _of(w1.outbox, m.RunProgram)]
+
+    outside = Layout((w0.worker,), ((0, 1),), (1,), ("r",), ())  # a device the executable does not have
+    core.on_worker_batch(w1, m.encode_batch([m.Compiled(one_host, "", (outside,), (), (), (b"",), (), ((0,),), (),
+                                                        (), "", "")]))
+    assert "outside its own" in _of(client, m.Compiled)[-1].error
+    core.on_session_batch(1, m.encode_batch([m.DefineProgram(base + 5, _graph(one_host), "parallel"),
+                                             m.Run(base + 5, base + 30, {0: data})]))
+    assert "did not compile: the executable of 'f' reported" in _of(client, m.Poisoned)[-1].message
+
+
+def test_an_xla_function_off_its_slice_or_on_a_lost_host_fails_its_compile():
+    core = ControllerCore()
+    w0, w1 = _island_of_two(core)
+    client = session(core)
+    core.on_session_batch(1, m.encode_batch([m.SliceRequest(1, "cpu", 2, None, None, False)]))
+    reply, = _of(client, m.SliceReply)
+    base = first_handle(1)
+    off = next(d for d in ((0, 0), (0, 1), (1, 0), (1, 1)) if d not in zip(reply.devices[::2], reply.devices[1::2]))
+    core.on_session_batch(1, m.encode_batch([
+        m.DefineFunction(base + 1, reply.slice, "f", b"mlir", (), (), "xla", b"", off),
+        m.DefineFunction(base + 2, reply.slice + 5, "f", b"mlir", (), (), "xla", b"", reply.devices[:2])]))
+    failed = _of(client, m.Compiled)
+    assert [c.fn for c in failed] == [base + 1, base + 2]
+    assert "outside slice" in failed[0].error and "not one of this session's slices" in failed[1].error
+    assert not _of(w0.outbox, m.Compile) + _of(w1.outbox, m.Compile)
+    core.on_session_batch(1, m.encode_batch([
+        m.DefineFunction(base + 3, reply.slice, "f", b"mlir", (), (), "xla", b"", reply.devices)]))
+    core.worker_lost(w1)
+    assert _of(client, m.Compiled)[-1].fn == base + 3 and "was lost" in _of(client, m.Compiled)[-1].error
+
+
+def test_a_jax_export_function_may_use_some_devices_of_its_slice():
+    core = ControllerCore()
+    w0, w1 = _island_of_two(core)
+    client = session(core)
+    core.on_session_batch(1, m.encode_batch([m.SliceRequest(1, "cpu", 4, None, None, False)]))
+    reply, = _of(client, m.SliceReply)
+    base = first_handle(1)
+    second_host = Layout((w1.worker,), ((1, 0), (1, 1)), (2,), ("x",), ("x",))
+    mislabelled = Layout((w0.worker,), ((1, 0),), (1,), ("x",), ())
+    core.on_session_batch(1, m.encode_batch([
+        m.DefineFunction(base + 1, reply.slice, "f", b"x", (second_host,), (second_host,)),
+        m.DefineFunction(base + 2, reply.slice, "g", b"x", (mislabelled,), (mislabelled,))]))
+    assert [c.workers for c in _of(w1.outbox, m.Compile)] == [(w1.worker,)] and not _of(w0.outbox, m.Compile)
+    assert core.sessions[1].programs.fns[base + 1].workers == (w1.worker,)
+    error, = _of(client, m.Error)
+    assert "its devices are on workers [1]" in error.message

@@ -158,3 +158,15 @@ def test_resharding_within_a_multi_host_slice_is_exact(slices, specs):
     make = pw.jit(lambda seed: _pattern(shape) + seed, mesh=mesh, out_shardings=specs[0])
     check = pw.jit(lambda x: jnp.all(x == _pattern(shape) + 1), mesh=mesh, in_shardings=specs[1])
     assert bool(np.asarray(pw.program(lambda seed: check(make(seed)))(np.int32(1))))
+
+
+@pytest.mark.parametrize("spec", [pw.P("x"), pw.P(None, "x"), pw.P()])
+def test_a_put_across_hosts_gives_each_host_its_blocks(slices, spec):
+    """A host array put on a slice of two hosts is sent to each host as the blocks of its
+    own devices; the array reads back whole and computes as on one machine."""
+    mesh = slices["both hosts"].mesh("x")
+    value = np.arange(8 * 12, dtype=np.float32).reshape(8, 12) * 0.5
+    arr = pw.device_put(value, pw.NamedSharding(mesh, spec))
+    np.testing.assert_array_equal(arr.to_numpy(), value)
+    total = pw.jit(lambda v: (v * 2).sum(axis=0), mesh=mesh, in_shardings=spec, out_shardings=pw.P())(arr)
+    np.testing.assert_array_equal(total.to_numpy(), (value * 2).sum(axis=0))

@@ -1,6 +1,7 @@
 """The typed protocol: every message kind round-trips through its table, and everything a
 peer can get wrong is refused with a WireError that names the field."""
 
+import dataclasses
 import math
 import random
 
@@ -8,6 +9,7 @@ import pytest
 
 from pathways import errors
 from pathways.errors import WireError
+from pathways.ir import Layout
 from pathways.protocol import check as c
 from pathways.protocol import messages as m
 from pathways.protocol.errors import error_of, kind_of
@@ -51,7 +53,14 @@ def test_a_payload_that_is_no_batch_is_refused(payload, needle):
     (["slice", 1, "cpu", 1, [2] * 17, None, False], "must have 1 to 16 entries"),
     (["delete", [1, "2"]], "an entry of field 'handles'"),
     (["delete", [-1]], r"must be in \[0,"),
-    (["fn", 1, 1, "x" * 5000, b"", [], []], "at most 1024"),
+    (["fn", 1, 1, "x" * 5000, b"", [], [], "jax.export", b"", []], "at most 1024"),
+    (["fn", 1, 1, "f", b"", [], [], "hlo", b"", []], "'format' of message 'fn' must be one of"),
+    (["fn", 1, 1, "f", b"", [], [], "xla", b"", []], "needs its devices"),
+    (["fn", 1, 1, "f", b"", [], [], "xla", b"", [0]], "needs its devices as a non-empty flat list"),
+    (["fn", 1, 1, "f", b"", [], [], "xla", b"", [0, 1, 0, 1]], "names a device twice"),
+    (["fn", 1, 1, "f", b"", [[[0], [0, 0], [1], ["x"], [None]]], [], "xla", b"", [0, 0]], "takes no layouts"),
+    (["fn", 1, 1, "f", b"", [], [], "jax.export", b"opts", []], "takes no options or devices"),
+    (["fn", 1, 1, "f", b"", [], [], "xla", b"x" * (2 << 20), [0, 0]], "'options' of message 'fn' has"),
     (["run", 1, 1, [[0, 1, 2]]], "a list of 2 entries"),
     (["program", 1, {"nvalues": 2 ** 40}, "parallel"], "nvalues"),
 ])
@@ -60,6 +69,37 @@ def test_a_malformed_message_is_refused_with_its_field_named(raw, needle):
         m.SESSION_UP.decode(raw)
     [malformed] = m.SESSION_UP.decode_batch(m.pack([raw]))
     assert type(malformed) is m.Malformed and isinstance(malformed.error, WireError)
+
+
+def test_compiled_round_trips_and_its_lists_must_agree():
+    layout = Layout((3,), ((0, 0),), (1,), ("r",), ())
+    ok = m.Compiled(first_handle(2) + 1, "", (layout,), (layout,), (("bfloat16", (4, 2)),), (b"\x08\x01",),
+                    (b"",), ((0,),), ((1, 0),), (0,), "ab" * 32, "jit_f")
+    for table in (m.WORKER_UP, m.SESSION_DOWN):
+        assert table.decode_batch(m.encode_batch([ok])) == [ok]
+    assert m.WORKER_UP.decode(m.Compiled(5, "no such op").encode()) == m.Compiled(5, "no such op")
+    for broken, needle in [
+        (dataclasses.replace(ok, in_shardings=()), "lists of other lengths"),
+        (dataclasses.replace(ok, out_types=()), "lists of other lengths"),
+        (dataclasses.replace(ok, donated=(1,)), "donates a parameter it does not have"),
+        (dataclasses.replace(ok, out_types=(("object", (1,)),)), "not a dtype"),
+        (dataclasses.replace(ok, out_types=(("float32", (-1,)),)), "must be in"),
+        (dataclasses.replace(ok, in_layouts=((64,),)), "must be in"),
+    ]:
+        with pytest.raises(WireError, match=needle):
+            m.WORKER_UP.decode(broken.encode())
+
+
+def test_compile_names_one_worker_per_host_of_an_xla_function():
+    fine = m.Compile(1, "f", b"", (), (), "xla", b"", (0, 0, 1, 0, 1, 1), (4, 7))
+    assert m.WORKER_DOWN.decode(fine.encode()) == fine
+    with pytest.raises(WireError, match="devices on 2 host"):
+        m.WORKER_DOWN.decode(dataclasses.replace(fine, workers=(4,)).encode())
+    with pytest.raises(WireError, match="distinct worker"):
+        m.WORKER_DOWN.decode(dataclasses.replace(fine, workers=(4, 4)).encode())
+    # a jax.export function's defaults travel too (older senders name none of them)
+    export = m.Compile(1, "f", b"", (), ())
+    assert m.WORKER_DOWN.decode(export.encode()) == export and export.format == "jax.export"
 
 
 def test_a_malformed_request_keeps_its_request_id_so_the_caller_hears_back():

@@ -10,8 +10,8 @@ import textwrap
 
 import numpy as np
 
-from pathways.controller.transfers import device_regions, host_regions, plan
-from pathways.ir import Layout
+from pathways.controller.transfers import plan
+from pathways.ir import Layout, device_regions, host_regions
 
 # (mesh shape, axis names, spec, array shape)
 _CASES = [

@@ -28,7 +28,7 @@ from pathways import errors
 from pathways.client.array import Array, _Buffer
 from pathways.client.devices import NamedSharding
 from pathways.defaults import HEARTBEAT_TIMEOUT
-from pathways.ir import Layout
+from pathways.ir import Layout, evenly_divided, host_regions
 from pathways.protocol import messages as m
 from pathways.protocol.errors import error_of, kind_of
 from pathways.protocol.handles import COUNTER_MASK, first_handle
@@ -114,6 +114,26 @@ class Session:
             self._flush_deletes()
             self._outbox.put(msg)
 
+    def define_xla(self, slice_id: int, name: str, artifact: bytes, options: bytes,
+                   devices: tuple[tuple[int, int], ...]) -> tuple[int, Future]:
+        """Have the workers of slice ``slice_id`` compile StableHLO portable artifact
+        ``artifact`` with ``options`` (a serialized xla CompileOptionsProto) on ``devices``
+        ((host rank, device index) pairs of the slice; logical device i of the executable
+        is ``devices[i]``). Returns the new function's id and a future of its
+        ``messages.Compiled`` (where its parameters and outputs live, their shardings,
+        ...); the future raises RemoteError with the compile error, or ControllerLostError.
+        Programs may call the function once the future is done."""
+        fn = self.allocate(1)
+        future: Future = Future()
+        self._pending[("compiled", fn)] = future
+        try:
+            self.send(m.DefineFunction(fn, slice_id, name, artifact, (), (), "xla", options,
+                                       tuple(x for d in devices for x in d)))
+        except BaseException:
+            self._pending.pop(("compiled", fn), None)
+            raise
+        return fn, future
+
     def _flush_deletes(self) -> None:
         handles = []
         while self._deletes:
@@ -190,6 +210,15 @@ class Session:
             for h in msg.handles:
                 self.poisoned[h] = (error, msg.message)
             self._cancel_fetches(msg.handles)
+        elif kind is m.Compiled:
+            future = self._pending.pop(("compiled", msg.fn), None)
+            if future is None:
+                log.warning("the controller reported function %#x compiled, which this session did not define "
+                            "with define_xla", msg.fn)
+            elif msg.error:
+                future.set_exception(errors.RemoteError(msg.error))
+            else:
+                future.set_result(msg)
         elif kind is m.Error or kind is m.Malformed:
             if kind is m.Malformed:
                 msg = m.Error(msg.req, kind_of(msg.error), f"the controller sent a malformed {msg.tag!r}: {msg.error}")
@@ -231,13 +260,18 @@ class Session:
 
     def put(self, addresses: tuple[str, ...], handle: int, layout: Layout, array: np.ndarray) -> None:
         """Send ``array`` straight to the workers holding ``layout`` (not through the
-        controller); each keeps its own part. No waiting."""
+        controller; ``addresses[i]`` is that of ``layout.workers[i]``), each only the
+        blocks of its own devices. No waiting."""
         self._check_alive()
-        pieces = codec.pieces_header(array.dtype, array.shape, [(codec.full_index(array.shape), array)])
-        header = codec.pack({"t": "put", "handle": handle, "layout": layout.to_wire(), "of": 1,
-                             "credential": self._credential, **pieces})
-        for address in addresses:
-            future = self._stubs(address)[0].future(_chunks(header, array), timeout=self.timeout)
+        whole = [(codec.full_index(array.shape), array)]
+        parts = host_regions(array.shape, layout) if evenly_divided(array.shape, layout) else None
+        for worker, address in zip(layout.workers, addresses):
+            # each host gets the blocks of its own devices, not the whole array
+            pieces = whole if parts is None else [(r, array[tuple(slice(a, b) for a, b in r)]) for r in parts[worker]]
+            header = codec.pack({"t": "put", "handle": handle, "layout": layout.to_wire(), "of": 1,
+                                 "credential": self._credential,
+                                 **codec.pieces_header(array.dtype, array.shape, pieces)})
+            future = self._stubs(address)[0].future(_chunks(header, pieces), timeout=self.timeout)
             future.add_done_callback(lambda f, address=address: self._put_done(f, address, handle))
         self.send(m.PutNotice(handle, layout))
 
@@ -369,6 +403,6 @@ def _broken(e: grpc.RpcError) -> str:
     return f"broke the connection ({code}: {details})" if details else f"broke the connection ({code})"
 
 
-def _chunks(header: bytes, array: np.ndarray) -> Iterator[bytes]:
+def _chunks(header: bytes, pieces: list[codec.Piece]) -> Iterator[bytes]:
     yield header
-    yield from codec.array_chunks(array)
+    yield from codec.pieces_chunks(pieces)

@@ -21,8 +21,8 @@ from pathways.controller.dispatch import Dispatch, Dispatcher
 from pathways.controller.handles import HandleTable
 from pathways.controller.lowering import FnLayouts
 from pathways.controller.membership import Membership, Outbox, WorkerConn
-from pathways.controller.placement import ResourceManager
-from pathways.controller.programs import RunFailure, SessionPrograms
+from pathways.controller.placement import ResourceManager, SlicePlacement
+from pathways.controller.programs import RunFailure, SessionPrograms, XlaCompile
 from pathways.controller.scheduler import DEFAULT_WINDOW, Run, Scheduler
 from pathways.controller.status import status
 from pathways.errors import AccessDeniedError, PathwaysError, WireError
@@ -84,6 +84,8 @@ class ControllerCore:
                     conn.outbox.put(m.SessionOpen(sid, m.digest(self.sessions[sid].credential)))
         elif kind is m.Measured:
             self.membership.measured(conn, msg)
+        elif kind is m.Compiled:
+            self._compiled(conn, msg)
         elif kind is m.Heartbeat:
             conn.heartbeat = msg.timeout  # the shell paces its heartbeats to it
         elif kind is m.Notice:
@@ -125,6 +127,10 @@ class ControllerCore:
             self._reads_done(run)
         for sid, s in self.sessions.items():
             self._poison(sid, s.handles.on_workers(lost), LOST, message)
+            for fn in [fn for fn, c in s.programs.compiling.items() if set(c.workers) & lost]:
+                del s.programs.compiling[fn]
+                s.programs.failed[fn] = message
+                s.outbox.put(m.Compiled(fn, message))
         for w in lost:
             survivor = self.membership.remove(w)
             if survivor is not None and survivor is not conn:
@@ -211,19 +217,93 @@ class ControllerCore:
 
     def _fn(self, sid: int, s: SessionState, msg: m.DefineFunction) -> None:
         fn = self._own(sid, msg.id, "function")
+        # a redefinition replaces the function, whatever its state
+        s.programs.fns.pop(fn, None)
+        s.programs.compiling.pop(fn, None)
+        s.programs.failed.pop(fn, None)
+        if msg.format == "xla":
+            try:
+                self._xla_fn(fn, s, msg)
+            except PathwaysError as e:  # the client waits for the Compiled reply, not for an Error
+                s.programs.failed[fn] = str(e)
+                s.outbox.put(m.Compiled(fn, f"{msg.TAG}: {e}"))
+            return
+        placement = self._placement(s, msg)
+        rank_of = self._ranks(placement)
+        slice_devices = set(placement.devices)
+        for layout in (*msg.ins, *msg.outs):
+            if not set(layout.devices) <= slice_devices:
+                raise WireError(f"function {msg.name!r} names devices outside its slice: "
+                                f"{sorted(set(layout.devices) - slice_devices)}")
+            hosts = tuple(w for w in placement.workers if rank_of[w] in {r for r, _ in layout.devices})
+            if layout.workers != hosts:
+                raise WireError(f"function {msg.name!r} has a layout on workers {list(layout.workers)}, but its "
+                                f"devices are on workers {list(hosts)}")
+        ranks = {r for layout in (*msg.ins, *msg.outs) for r, _ in layout.devices}
+        # a function of no arrays at all runs on the whole slice
+        workers = tuple(w for w in placement.workers if rank_of[w] in ranks) or placement.workers
+        s.programs.fns[fn] = FnLayouts(workers, msg.ins, msg.outs)
+        compile_msg = m.Compile(fn, msg.name, msg.blob, msg.ins, msg.outs, workers=workers)
+        for w in workers:
+            self.workers[w].outbox.put(compile_msg)
+
+    def _xla_fn(self, fn: int, s: SessionState, msg: m.DefineFunction) -> None:
+        """Have the hosts of an "xla" function's devices compile it; the host of its first
+        device answers with Compiled (``_compiled``)."""
+        placement = self._placement(s, msg)
+        devices = tuple(zip(msg.devices[::2], msg.devices[1::2]))
+        outside = [d for d in devices if d not in set(placement.devices)]
+        if outside:
+            raise WireError(f"function {msg.name!r} names devices {outside} (host rank, index) outside slice "
+                            f"{msg.slice}, whose devices are {list(placement.devices)}")
+        rank_of = self._ranks(placement)
+        ranks = {r for r, _ in devices}
+        workers = tuple(w for w in placement.workers if rank_of[w] in ranks)
+        reporter = next(w for w in workers if rank_of[w] == devices[0][0])
+        s.programs.compiling[fn] = XlaCompile(msg.name, workers, reporter, devices)
+        compile_msg = m.Compile(fn, msg.name, msg.blob, (), (), "xla", msg.options, msg.devices, workers)
+        for w in workers:
+            self.workers[w].outbox.put(compile_msg)
+
+    def _placement(self, s: SessionState, msg: m.DefineFunction) -> SlicePlacement:
         placement = self.rm.slices.get(msg.slice)
         if placement is None or msg.slice not in s.slices:
             raise WireError(f"slice {msg.slice} is not one of this session's slices")
-        for layout in (*msg.ins, *msg.outs):
-            if layout.workers != placement.workers or layout.devices != placement.devices:
-                raise WireError(f"function {msg.name!r} names devices outside its slice")
         gone = self.membership.gone(placement.workers)
         if gone:
             raise WireError(f"slice {msg.slice} lost its worker(s) {gone}; ask for a new slice")
-        s.programs.fns[fn] = FnLayouts(placement.workers, msg.ins, msg.outs)
-        compile_msg = m.Compile(fn, msg.name, msg.blob, msg.ins, msg.outs)
-        for w in placement.workers:
-            self.workers[w].outbox.put(compile_msg)
+        return placement
+
+    def _ranks(self, placement: SlicePlacement) -> dict[int, int]:
+        """Each worker of the slice's island rank."""
+        return {w: self.rm.hosts[w].rank for w in placement.workers}
+
+    def _compiled(self, conn: WorkerConn, msg: m.Compiled) -> None:
+        """An "xla" function compiled (or not): record where it runs, tell its session."""
+        sid = session_of(msg.fn)
+        s = self.sessions.get(sid)
+        pending = s.programs.compiling.get(msg.fn) if s is not None else None
+        if pending is None:
+            # its session left, or redefined it: a late report, harmless
+            log.info("worker %s reported function %#x compiled, which no session waits for", conn.worker, msg.fn)
+            return
+        if conn.worker != pending.reporter:
+            conn.outbox.put(m.Notice(f"controller ignored Compiled for function {msg.fn:#x}: worker "
+                                     f"{pending.reporter} reports it, not worker {conn.worker}"))
+            return
+        if not msg.error:
+            wrong = next((x for x in (*msg.ins, *msg.outs)
+                          if not set(x.workers) <= set(pending.workers) or not set(x.devices) <= set(pending.devices)),
+                         None)
+            if wrong is not None:
+                msg = m.Compiled(msg.fn, f"the executable of {pending.name!r} reported a layout on workers "
+                                         f"{list(wrong.workers)}, devices {list(wrong.devices)}, outside its own")
+        del s.programs.compiling[msg.fn]
+        if msg.error:
+            s.programs.failed[msg.fn] = msg.error
+        else:
+            s.programs.fns[msg.fn] = FnLayouts(pending.workers, msg.ins, msg.outs)
+        s.outbox.put(msg)
 
     def _program(self, sid: int, s: SessionState, msg: m.DefineProgram) -> None:
         s.programs.define(self._own(sid, msg.id, "program"), msg.graph, msg.dispatch == "sequential")

@@ -31,9 +31,21 @@ class RunFailure(PathwaysError):
         self.kind = kind
 
 
+@dataclass(frozen=True)
+class XlaCompile:
+    """An "xla" function whose executable is being compiled: where, and who reports it."""
+
+    name: str
+    workers: tuple[int, ...]  # the hosts of its devices, in island-rank order
+    reporter: int  # the worker hosting its first device, which sends Compiled
+    devices: tuple[tuple[int, int], ...]
+
+
 @dataclass
 class SessionPrograms:
     fns: dict[int, FnLayouts] = field(default_factory=dict)
+    compiling: dict[int, XlaCompile] = field(default_factory=dict)  # "xla" functions not compiled yet
+    failed: dict[int, str] = field(default_factory=dict)  # "xla" functions that did not compile: why
     graphs: dict[int, ProgramGraph] = field(default_factory=dict)
     sequential: set[int] = field(default_factory=set)  # programs dispatched node by node
     _lowered: dict[tuple, tuple[int, Lowered]] = field(default_factory=dict)
@@ -54,6 +66,13 @@ class SessionPrograms:
         Raises RunFailure when an input is poisoned, deleted or lost, or a worker it needs
         is gone."""
         graph = self.graphs[program]
+        for node in graph.nodes:
+            pending = self.compiling.get(node.fn)
+            if pending is not None:
+                raise RunFailure(f"function {node.fn:#x} ({pending.name!r}) has not finished compiling; wait for "
+                                 "its Compiled reply (the future define_xla returned) before running it")
+            if node.fn in self.failed:
+                raise RunFailure(f"function {node.fn:#x} did not compile: {self.failed[node.fn]}")
         layouts: dict[int, Layout] = {}
         for v, h in args.items():
             if h in handles.poisoned:

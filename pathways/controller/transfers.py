@@ -10,9 +10,9 @@ assigned so far, so that replicated sources share the sending.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
-from pathways.ir import Layout
+
+from pathways.ir import Layout, host_regions
 from pathways.wire.codec import Index as Region
 from pathways.wire.codec import intersect, volume
 
@@ -24,37 +24,6 @@ class Route:
     sender: int
     receiver: int
     regions: tuple[Region, ...]
-
-
-def device_regions(shape: tuple[int, ...], layout: Layout) -> list[Region]:
-    """The block of ``shape`` each device of ``layout`` holds, in the layout's device order."""
-    sizes = dict(zip(layout.axis_names, layout.mesh_shape))
-    regions = []
-    for position in itertools.product(*map(range, layout.mesh_shape)):  # devices are in mesh order
-        coords = dict(zip(layout.axis_names, position))
-        region = []
-        for dim, size in enumerate(shape):
-            entry = layout.spec[dim] if dim < len(layout.spec) else None
-            axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
-            blocks, block = 1, 0
-            for axis in axes:
-                blocks *= sizes[axis]
-                block = block * sizes[axis] + coords[axis]
-            step = size // blocks
-            region.append((block * step, (block + 1) * step))
-        regions.append(tuple(region))
-    return regions
-
-
-def host_regions(shape: tuple[int, ...], layout: Layout) -> dict[int, list[Region]]:
-    """The distinct blocks each worker of ``layout`` holds, in device order."""
-    out: dict[int, list[Region]] = {w: [] for w in layout.workers}
-    worker_of = dict(zip(sorted({rank for rank, _ in layout.devices}), layout.workers))
-    for (rank, _), region in zip(layout.devices, device_regions(shape, layout)):
-        held = out[worker_of[rank]]
-        if region not in held:
-            held.append(region)
-    return out
 
 
 def plan(shape: tuple[int, ...], src: Layout, dst: Layout) -> list[Route]:

@@ -22,14 +22,23 @@ from pathways.protocol.check import (MAX_ITEMS, MAX_NAME, MAX_TEXT, Anything, Bo
 from pathways.protocol.errors import KINDS, POISON_KINDS
 from pathways.protocol.handles import MAX_HANDLE, MAX_SESSION
 from pathways.protocol.ops import LAYOUT, MAX_NODES, MAX_REGISTERS, decode_op, encode_op
-from pathways.wire.codec import MAX_MESSAGE_BYTES, pack, unpack
+from pathways.wire.codec import MAX_MESSAGE_BYTES, is_wire_dtype_name, pack, unpack
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
+# How a function's blob is to be compiled: a jax.export artifact (its layouts given by the
+# client), or a StableHLO portable artifact with xla CompileOptions (layouts reported back
+# by the worker that compiles it, in ``Compiled``).
+FORMATS = ("jax.export", "xla")
 MAX_DEVICES_PER_HOST = 1024  # more than any accelerator host has; bounds a register's cost
 MAX_ISLAND = (1 << 31) - 1
 MAX_RANK = 1 << 16  # hosts per island
 MAX_ISLAND_NAME = 128
-MAX_WAIT_SECONDS = 3600.0  # the longest any request may ask a server to wait
+MAX_WAIT_SECONDS = 3600.0
+MAX_OPTIONS_BYTES = 1 << 20  # a serialized CompileOptionsProto: a few hundred bytes in practice
+MAX_XLA_DEVICES = 1 << 16  # devices of one executable
+MAX_OP_SHARDING_BYTES = 1 << 20
+MAX_RANK_OF_ARRAY = 64
+MAX_DIM = (1 << 62) - 1  # the longest any request may ask a server to wait
 DEVICE_KINDS = frozenset({"cpu", "gpu", "tpu"})
 
 HANDLE = Int(0, MAX_HANDLE)
@@ -63,9 +72,10 @@ def _map(key: Checker, value: Checker) -> Custom:
 BINDINGS = _map(Int(0, MAX_REGISTERS), HANDLE)  # a run's program value -> the handle bound to it
 
 
-def wire(checker: Checker) -> Any:
-    """Declare a message field and the checker its wire value must pass."""
-    return dataclasses.field(metadata={"check": checker})
+def wire(checker: Checker, default: Any = dataclasses.MISSING) -> Any:
+    """Declare a message field and the checker its wire value must pass. A ``default``
+    only spares senders from naming it: every field travels on the wire."""
+    return dataclasses.field(default=default, metadata={"check": checker})
 
 
 class Message:
@@ -181,14 +191,48 @@ class ClusterRequest(Message):
     req: int = wire(REQ)
 
 
+FORMAT = Str(16, frozenset(FORMATS))
+OPTIONS = Bytes(MAX_OPTIONS_BYTES)
+DEVICE_PAIRS = Seq(Int(0, MAX_ITEMS), max_len=2 * MAX_XLA_DEVICES)  # flat (host rank, device index) pairs
+
+
+def _check_format(what: str, fmt: str, options: bytes, devices: tuple[int, ...], ins: tuple, outs: tuple) -> None:
+    """The fields of DefineFunction and Compile that depend on the function's format."""
+    if fmt == "xla":
+        if not devices or len(devices) % 2:
+            raise WireError(f"{what}: an 'xla' function needs its devices as a non-empty flat list of "
+                            "(host rank, device index) pairs")
+        pairs = list(zip(devices[::2], devices[1::2]))
+        if len(set(pairs)) != len(pairs):
+            raise WireError(f"{what}: an 'xla' function names a device twice in its devices")
+        if ins or outs:
+            raise WireError(f"{what}: an 'xla' function takes no layouts (ins and outs must be empty): "
+                            "the compiled executable says where its parameters and outputs live")
+    elif options or devices:
+        raise WireError(f"{what}: a 'jax.export' function takes no options or devices (its layouts say where)")
+
+
 @message("fn")
 class DefineFunction(Message):
+    """Compile ``blob`` on the devices of slice ``slice``. For "jax.export" the layouts say
+    where it runs (any devices of the slice); for "xla" ``blob`` is a StableHLO portable
+    artifact compiled with ``options`` (a serialized xla CompileOptionsProto) on
+    ``devices`` (logical device i of the executable is pair i), and the worker hosting the
+    first device answers with ``Compiled``."""
+
     id: int = wire(HANDLE)
     slice: int = wire(Int(0, MAX_HANDLE))
     name: str = wire(NAME)
     blob: bytes = wire(BLOB)
     ins: tuple[Layout, ...] = wire(LAYOUTS)
     outs: tuple[Layout, ...] = wire(LAYOUTS)
+    format: str = wire(FORMAT, "jax.export")
+    options: bytes = wire(OPTIONS, b"")
+    devices: tuple[int, ...] = wire(DEVICE_PAIRS, ())
+
+    def checked(self) -> "DefineFunction":
+        _check_format(f"function {self.name[:64]!r}", self.format, self.options, self.devices, self.ins, self.outs)
+        return self
 
 
 @message("program")
@@ -354,11 +398,73 @@ class Peers(Message):
 
 @message("compile")
 class Compile(Message):
+    """Compile function ``fn`` (DefineFunction's fields); ``workers`` are the worker ids of
+    the hosts of its devices, in island-rank order."""
+
     fn: int = wire(HANDLE)
     name: str = wire(NAME)
     blob: bytes = wire(BLOB)
     ins: tuple[Layout, ...] = wire(LAYOUTS)
     outs: tuple[Layout, ...] = wire(LAYOUTS)
+    format: str = wire(FORMAT, "jax.export")
+    options: bytes = wire(OPTIONS, b"")
+    devices: tuple[int, ...] = wire(DEVICE_PAIRS, ())
+    workers: tuple[int, ...] = wire(WORKERS, ())
+
+    def checked(self) -> "Compile":
+        _check_format(f"function {self.name[:64]!r}", self.format, self.options, self.devices, self.ins, self.outs)
+        if self.format == "xla":
+            ranks = {r for r in self.devices[::2]}
+            if len(self.workers) != len(ranks) or len(set(self.workers)) != len(self.workers):
+                raise WireError(f"function {self.name[:64]!r} has devices on {len(ranks)} host(s) but names "
+                                f"{len(self.workers)} worker(s); it needs one distinct worker per host")
+        return self
+
+
+_SHAPE = Seq(Int(0, MAX_DIM), max_len=MAX_RANK_OF_ARRAY)
+_MINOR_TO_MAJOR = Seq(Int(0, MAX_RANK_OF_ARRAY - 1), max_len=MAX_RANK_OF_ARRAY)
+_OP_SHARDING = Bytes(MAX_OP_SHARDING_BYTES)
+_WIRE_DTYPE = Custom(lambda raw: _dtype_name(raw), lambda name: name)
+
+
+def _dtype_name(raw: Any) -> str:
+    if not is_wire_dtype_name(raw):
+        raise WireError(f"{str(raw)[:32]!r} is not a dtype arrays may have on the wire")
+    return raw
+
+
+@message("compiled")
+class Compiled(Message):
+    """An "xla" function compiled (``error`` "") or failed to: sent by the worker hosting
+    its first device, forwarded unchanged to the function's session. Describes the
+    executable's parameters and outputs as it reports them: where each lives (``ins``,
+    ``outs``), each output's (dtype name, global shape), serialized xla OpShardings,
+    minor_to_major layouts, and the indices of donated parameters."""
+
+    fn: int = wire(HANDLE)
+    error: str = wire(TEXT)
+    ins: tuple[Layout, ...] = wire(LAYOUTS, ())
+    outs: tuple[Layout, ...] = wire(LAYOUTS, ())
+    out_types: tuple[tuple[str, tuple[int, ...]], ...] = wire(Seq(Fixed(_WIRE_DTYPE, _SHAPE), max_len=1 << 16), ())
+    in_shardings: tuple[bytes, ...] = wire(Seq(_OP_SHARDING, max_len=1 << 16), ())
+    out_shardings: tuple[bytes, ...] = wire(Seq(_OP_SHARDING, max_len=1 << 16), ())
+    in_layouts: tuple[tuple[int, ...], ...] = wire(Seq(_MINOR_TO_MAJOR, max_len=1 << 16), ())
+    out_layouts: tuple[tuple[int, ...], ...] = wire(Seq(_MINOR_TO_MAJOR, max_len=1 << 16), ())
+    donated: tuple[int, ...] = wire(Seq(Int(0, (1 << 16) - 1), max_len=1 << 16), ())
+    fingerprint: str = wire(Str(128), "")
+    name: str = wire(NAME, "")
+
+    def checked(self) -> "Compiled":
+        if self.error:
+            return self
+        n_in, n_out = len(self.ins), len(self.outs)
+        if not (len(self.in_shardings) == len(self.in_layouts) == n_in
+                and len(self.out_types) == len(self.out_shardings) == len(self.out_layouts) == n_out):
+            raise WireError(f"compiled function {self.fn:#x} describes {n_in} parameter(s) and {n_out} output(s) "
+                            "with lists of other lengths")
+        if any(d >= n_in for d in self.donated):
+            raise WireError(f"compiled function {self.fn:#x} donates a parameter it does not have")
+        return self
 
 
 def _encode_ops(ops: Any) -> list:
@@ -459,9 +565,10 @@ class FetchRequest(Message):
 
 SESSION_UP = Table("session (client to controller)", Hello, SliceRequest, ClusterRequest, DefineFunction,
                    DefineProgram, Run, PutNotice, Delete)
-SESSION_DOWN = Table("session (controller to client)", SessionWelcome, SliceReply, ClusterReply, Poisoned, Error)
+SESSION_DOWN = Table("session (controller to client)", SessionWelcome, SliceReply, ClusterReply, Poisoned, Error,
+                     Compiled)
 WORKER_UP = Table("attach (worker to controller)", Register, Done, Step, Notice, Measured,
-                  Heartbeat)
+                  Heartbeat, Compiled)
 WORKER_DOWN = Table("attach (controller to worker)", WorkerWelcome, Peers, Compile, Define, RunProgram, Delete,
                     DropSession, Poisoned, Shutdown, Go, Measure, Notice, SessionOpen, Heartbeat)
 MEASURE = Table("measure request", MeasureRequest)

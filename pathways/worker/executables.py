@@ -1,8 +1,9 @@
-"""The executable cache: deserializes jax.export artifacts and compiles them in the background.
+"""The executable cache: compiles jax.export artifacts and "xla" functions (StableHLO
+artifacts with xla CompileOptions, worker/xla.py) in the background.
 
 Compilation starts when a function is registered, not when it is first run; two
-registrations of the same artifact on the same layouts share one compilation, which is
-freed when the last session that registered it is dropped.
+registrations of the same artifact on the same layouts (or devices and options) share one
+compilation, which is freed when the last session that registered it is dropped.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import hashlib
 import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
@@ -19,7 +20,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pathways.errors import WireError
 from pathways.ir import Layout
+from pathways.protocol.check import MAX_NAME, MAX_TEXT
 from pathways.protocol.handles import session_of
+from pathways.protocol.messages import Compiled
+from pathways.worker.xla import compile_xla, fingerprint as xla_fingerprint
 
 MAX_CACHED_SHARDINGS = 4096  # layouts come from the wire: the cache must not grow without bound
 
@@ -41,8 +45,9 @@ class Executables:
         self._by_key: dict[int, tuple[Future, str]] = {}
         self._fingerprint_of: dict[int, str] = {}
         self._multi_device: set[int] = set()
-        self._multi_host: dict[int, tuple[list, list[Layout]]] = {}  # key -> (input avals, layouts)
-        self._rank = jax.process_index()
+        # key -> (input avals, layouts) of a multi-host function; None: the executable says (xla)
+        self._multi_host: dict[int, Optional[tuple[list, list[Layout]]]] = {}
+        self.rank = jax.process_index()  # this host's rank in its island
         self._shardings: dict[Layout, NamedSharding] = {}
         self._lock = threading.Lock()
 
@@ -53,21 +58,48 @@ class Executables:
             exported = jax.export.deserialize(bytearray(blob))
         except Exception as e:
             raise WireError(f"function {name!r} is not a jax.export artifact: {e}") from None
-        fingerprint = _fingerprint(exported, ins, outs)
+        multi_host = any(rank != self.rank for layout in ins + outs for rank, _ in layout.devices)
+        self._register(key, name, _fingerprint(exported, ins, outs),
+                       lambda: self._pool.submit(self._compile, exported, ins, outs),
+                       any(len(layout.devices) > 1 for layout in ins + outs),
+                       (list(exported.in_avals), ins) if multi_host else False)
+
+    def register_xla(self, key: int, name: str, artifact: bytes, options: bytes, devices: list[tuple[int, int]],
+                     workers: list[int], report: Optional[Callable[[Compiled], None]] = None) -> None:
+        """Compile StableHLO ``artifact`` with serialized CompileOptionsProto ``options`` on
+        ``devices`` (logical device i is pair i; ``workers`` host them, in rank order).
+        ``report`` (given on the host of the first device) receives the ``Compiled``
+        message once it is done, whether it compiled or failed."""
+        future = self._register(
+            key, name, xla_fingerprint(artifact, options, devices, workers),
+            lambda: self._pool.submit(compile_xla, name, artifact, options, devices, workers, self._devices,
+                                      self.sharding),
+            len(devices) > 1, None if any(rank != self.rank for rank, _ in devices) else False)
+        if report is not None:
+            future.add_done_callback(lambda f: report(_compiled(key, name, f)))
+
+    def _register(self, key: int, name: str, fingerprint: str, submit: Callable[[], Future], multi_device: bool,
+                  multi_host: Any) -> Future:
+        """Share or start the compilation of ``fingerprint`` for function ``key``.
+        ``multi_host``: False for a function on this host alone, else its placeholders'
+        (avals, layouts), or None when the executable gives them."""
         with self._lock:
             future = self._by_fingerprint.get(fingerprint)
             if future is None:
-                future = self._pool.submit(self._compile, exported, ins, outs)
+                future = submit()
                 self._by_fingerprint[fingerprint] = future
             self._by_key[key] = (future, name)
             previous = self._fingerprint_of.get(key)
             self._fingerprint_of[key] = fingerprint
             if previous is not None and previous != fingerprint:
                 self._forget_unused((previous,))
-            if any(len(layout.devices) > 1 for layout in ins + outs):
+            self._multi_device.discard(key)
+            self._multi_host.pop(key, None)
+            if multi_device:
                 self._multi_device.add(key)
-            if any(rank != self._rank for layout in ins + outs for rank, _ in layout.devices):
-                self._multi_host[key] = (list(exported.in_avals), ins)
+            if multi_host is not False:
+                self._multi_host[key] = multi_host
+        return future
 
     def drop_session(self, session: int) -> int:
         """Forget the functions of ``session`` (their keys are the session's handles), and
@@ -97,13 +129,17 @@ class Executables:
         """Whether function ``key`` runs on several devices (so it may hold collectives)."""
         return key in self._multi_device
 
-    def placeholders(self, key: int) -> list | None:
-        """Zero inputs for a multi-host function (None for others). A host whose inputs
-        were poisoned still runs such a function on these, so that its peers' collectives
-        find it and do not hang; its outputs are discarded."""
-        spec = self._multi_host.get(key)
-        if spec is None:
+    def placeholders(self, key: int, executable: Any) -> list | None:
+        """Zero inputs for multi-host function ``key`` compiled as ``executable`` (None for
+        a function of one host). A host whose inputs were poisoned still runs such a
+        function on these, so that its peers' collectives find it and do not hang; its
+        outputs are discarded."""
+        if key not in self._multi_host:
             return None
+        spec = self._multi_host[key]
+        if spec is None:  # an xla function: its executable knows its parameters
+            spec = ([jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in executable.in_avals],
+                    executable.metadata.ins)
         out = []
         for aval, layout in zip(*spec):
             zeros = np.zeros(aval.shape, aval.dtype)
@@ -145,6 +181,19 @@ class Executables:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _compiled(key: int, name: str, future: Future) -> Compiled:
+    """The Compiled message for function ``key`` whose compilation ``future`` finished."""
+    if future.cancelled():
+        return Compiled(key, f"compiling {name!r} was cancelled: the function was dropped")
+    error = future.exception()
+    if error is not None:
+        text = f"compiling {name!r} failed: {type(error).__name__}: {error}"
+        return Compiled(key, text if len(text) <= MAX_TEXT else text[:MAX_TEXT - 3] + "...")
+    meta = future.result().metadata
+    return Compiled(key, "", meta.ins, meta.outs, meta.out_types, meta.in_shardings, meta.out_shardings,
+                    meta.in_layouts, meta.out_layouts, meta.donated, meta.fingerprint, meta.name[:MAX_NAME])
 
 
 _LOCATION_LINE = re.compile(r"^#loc\d*\s*=.*$", re.MULTILINE)

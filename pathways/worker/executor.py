@@ -185,9 +185,10 @@ class Executor:
         """Run a multi-host function on zeros when this host's inputs are poisoned: the other
         hosts run it with theirs and would wait in its collectives forever."""
         try:
-            placeholders = self._executables.placeholders(key)
+            executable = future.result(timeout=self._wait_timeout)
+            placeholders = self._executables.placeholders(key, executable)
             if placeholders is not None:
-                jax.block_until_ready(future.result(timeout=self._wait_timeout)(*placeholders))
+                jax.block_until_ready(executable(*placeholders))
         except Exception:  # the outputs are poisoned either way
             log.exception("running a multi-host function on placeholders failed")
 

@@ -1,0 +1,1 @@
+"""Generated from pathways/ifrt/schema by `python -m pathways.ifrt.schema`; do not edit."""

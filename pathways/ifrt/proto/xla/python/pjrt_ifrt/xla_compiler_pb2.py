@@ -22,15 +22,16 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from pathways.ifrt.proto.xla.pjrt.proto import compile_options_pb2 as xla_dot_pjrt_dot_proto_dot_compile__options__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'xla/python/pjrt_ifrt/xla_compiler.proto\x12\x08xla.ifrt\"1\n\x16XlaCompileOptionsProto\x12\x17\n\x0f\x63ompile_options\x18\x01 \x01(\x0c\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'xla/python/pjrt_ifrt/xla_compiler.proto\x12\x08xla.ifrt\x1a$xla/pjrt/proto/compile_options.proto\"K\n\x16XlaCompileOptionsProto\x12\x31\n\x0f\x63ompile_options\x18\x01 \x01(\x0b\x32\x18.xla.CompileOptionsProtob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'xla.python.pjrt_ifrt.xla_compiler_pb2', _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pathways.ifrt.proto.xla.python.pjrt_ifrt.xla_compiler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_XLACOMPILEOPTIONSPROTO']._serialized_start=53
-  _globals['_XLACOMPILEOPTIONSPROTO']._serialized_end=102
+  _globals['_XLACOMPILEOPTIONSPROTO']._serialized_start=91
+  _globals['_XLACOMPILEOPTIONSPROTO']._serialized_end=166
 # @@protoc_insertion_point(module_scope)

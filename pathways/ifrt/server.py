@@ -1,0 +1,358 @@
+"""The IFRT proxy server: ``xla.ifrt.proxy.GrpcIfrtService`` in front of a pathways controller.
+
+JAX's built-in proxy client (``JAX_PLATFORMS=proxy``) speaks this protocol; each of its
+sessions (one ``IfrtSession`` stream) becomes one native pathways client session
+(session.py), so that its work is gang-ordered with every other client's. Transport
+only here: version negotiation, the session stream (requests handled in order, those
+that wait run on a bounded pool and are answered when done, matched by op_id), and the
+host-buffer side channel (chunked stores and lookups).
+
+Payloads are decoded here, not by gRPC, so that a malformed request gets a status that
+says what was wrong instead of a broken stream; every response is built from the
+generated protobuf classes, so none is malformed (a malformed one aborts the client).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import threading
+from concurrent import futures
+from typing import Any, Iterator, Optional
+
+import grpc
+import numpy as np
+
+from pathways.client.session import Session
+from pathways.ifrt.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as gpb
+from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
+from pathways.ifrt import types as t
+from pathways.ifrt.session import HOST_BUFFER_WAIT, Deferred, IfrtSession
+from pathways.ifrt.types import IfrtError
+from pathways.wire import security as sec
+from pathways.wire.addresses import join_host_port, split_host_port
+from pathways.wire.security import Security
+
+log = logging.getLogger("pathways.ifrt")
+
+SERVICE = "xla.ifrt.proxy.GrpcIfrtService"
+SESSION_METADATA = "ifrt-proxy-grpc-ifrt-session-metadata-bin"
+STORE_METADATA = "ifrt-proxy-grpc-host-buffer-store-metadata-bin"
+TOKEN_KEY = "pathways_token"
+PROTOCOL_MIN, PROTOCOL_MAX = 16, 25  # jaxlib 0.10.2 proposes 16..25
+SERDES_MAX = 3
+LOOKUP_CHUNK = 1 << 20
+MAX_MESSAGE = 1 << 30  # a compile request carries the whole program
+MAX_WAITING = 256  # requests of one session waiting on the pool at once
+POOL_THREADS = 8  # per session
+CONNECT_TIMEOUT = 30.0
+
+_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE),
+            ("grpc.so_reuseport", 0), ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_ping_strikes", 0)]
+
+
+class IfrtServer:
+    """Serves the IFRT proxy protocol on ``bind``, one native session to ``controller``
+    (``HOST:PORT`` or ``grpc://HOST:PORT``) per IFRT session. ``security``: the cluster's
+    token and TLS; beyond loopback a token is required, and every IFRT client must then
+    present it as initialization data ``pathways_token`` (PATHWAYS_TOKEN)."""
+
+    def __init__(self, controller: str, bind: str = "127.0.0.1:0", security: Security | None = None) -> None:
+        self.controller = controller if controller.startswith("grpc://") else f"grpc://{controller}"
+        self.bind = bind
+        self.security = security or Security()
+        self._server: Optional[grpc.Server] = None
+        self._sessions: dict[int, IfrtSession] = {}
+        self._lock = threading.Lock()
+        self.address = ""
+
+    def start(self) -> None:
+        host, port = split_host_port(self.bind)
+        sec.check_bind(host, self.security, "the IFRT proxy server")
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="pathways-ifrt"),
+                             options=_OPTIONS)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
+            "GetVersion": grpc.unary_unary_rpc_method_handler(self._get_version),
+            "IfrtSession": grpc.stream_stream_rpc_method_handler(self._session),
+            "HostBufferStore": grpc.stream_unary_rpc_method_handler(self._store),
+            "HostBufferLookup": grpc.unary_stream_rpc_method_handler(self._lookup),
+            "HostBufferDelete": grpc.unary_unary_rpc_method_handler(self._delete),
+            "HostBufferReadFromDisk": grpc.unary_unary_rpc_method_handler(self._read_from_disk),
+        }),))
+        target = join_host_port(host, port)
+        try:
+            if self.security.serves_tls:
+                from pathways.wire.rpc import server_credentials
+                bound = server.add_secure_port(target, server_credentials(self.security))
+            else:
+                bound = server.add_insecure_port(target)
+        except RuntimeError:
+            bound = 0
+        if not bound:
+            raise OSError(f"the IFRT proxy server could not listen on {target}; pass a free port (or 0 for any)")
+        server.start()
+        self._server = server
+        self.address = join_host_port(host, bound)
+
+    def stop(self, grace: float = 1.0) -> None:
+        if self._server is not None:
+            self._server.stop(grace).wait(grace + 5.0)
+            self._server = None
+        with self._lock:
+            sessions, self._sessions = list(self._sessions.values()), {}
+        for s in sessions:
+            s.close("the IFRT proxy server stopped")
+
+    # ---- version ---------------------------------------------------------------------------
+
+    def _get_version(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        request = _parse(gpb.GrpcGetVersionRequest, raw, context)
+        lo = max(request.min_version.protocol_version, PROTOCOL_MIN)
+        hi = min(request.max_version.protocol_version, PROTOCOL_MAX)
+        if lo > hi:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, (
+                f"the client speaks IFRT proxy protocol {request.min_version.protocol_version}.."
+                f"{request.max_version.protocol_version}, this server {PROTOCOL_MIN}..{PROTOCOL_MAX}; use a jaxlib "
+                "whose proxy client overlaps (0.10.2 does)"))
+        serdes = max(min(request.max_version.ifrt_serdes_version_number, SERDES_MAX),
+                     request.min_version.ifrt_serdes_version_number)
+        response = gpb.GrpcGetVersionResponse()
+        response.version.protocol_version = hi
+        response.version.ifrt_serdes_version_number = serdes
+        return response.SerializeToString()
+
+    # ---- the session stream ------------------------------------------------------------------
+
+    def _session(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        metadata = _metadata(context, SESSION_METADATA, gpb.GrpcIfrtSessionMetadata)
+        version = metadata.version.protocol_version
+        if not PROTOCOL_MIN <= version <= PROTOCOL_MAX:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"IFRT proxy protocol {version} is not one this "
+                                                               f"server speaks ({PROTOCOL_MIN}..{PROTOCOL_MAX})")
+        init_data = _attribute_values(metadata.initialization_data)
+        if not self.security.allows(init_data.get(TOKEN_KEY)):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, (
+                "this IFRT server requires the cluster's shared token: set PATHWAYS_TOKEN in the client's "
+                f"environment (the pathways plugin passes it as initialization data {TOKEN_KEY!r})"))
+        try:
+            native = Session(self.controller, CONNECT_TIMEOUT, security=self.security)
+        except Exception as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"the pathways controller at {self.controller} is not "
+                                                       f"reachable ({type(e).__name__}: {e})")
+        session_id = secrets.randbits(62) + 1  # unguessable: host-buffer calls name the session by it
+        session = IfrtSession(native, session_id, init_data)
+        with self._lock:
+            self._sessions[session_id] = session
+        out: queue.Queue = queue.Queue()
+        stream = _Stream(session, out)
+        threading.Thread(target=stream.read, args=(requests,), name="pathways-ifrt-session", daemon=True).start()
+        try:
+            while True:
+                item = out.get()
+                if item is None:
+                    return
+                if isinstance(item, tuple):
+                    context.abort(*item)
+                yield item
+        finally:
+            stream.closed.set()
+            with self._lock:
+                self._sessions.pop(session_id, None)
+            stream.pool.shutdown(wait=False, cancel_futures=True)
+            session.close("the IFRT session ended")
+
+    # ---- host buffers ---------------------------------------------------------------------------
+
+    def _find(self, session_id: int, context: grpc.ServicerContext) -> IfrtSession:
+        with self._lock:
+            session = self._sessions.get(session_id)
+        if session is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no IFRT session {session_id} is open on this server")
+        return session
+
+    def _store(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        meta = _metadata(context, STORE_METADATA, gpb.GrpcHostBufferStoreMetadata)
+        session = self._find(meta.session_id, context)
+        try:
+            buffer = session.buffers.allocate(meta.handle, meta.buffer_size)
+        except IfrtError as e:
+            context.abort(_grpc_code(e.code), e.message)
+        pos, extra = 0, []  # extra: bytes beyond an unannounced size (buffer_size 0)
+        try:
+            for raw in requests:
+                data = _parse(gpb.GrpcHostBufferStoreRequest, raw, context).data
+                if pos + len(data) > buffer.nbytes:
+                    if meta.buffer_size:
+                        context.abort(grpc.StatusCode.INVALID_ARGUMENT, (
+                            f"host buffer {meta.handle} got more than the {meta.buffer_size} bytes announced"))
+                    if pos + len(data) > session.buffers.limit:
+                        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                            f"host buffer {meta.handle} exceeds the session's {session.buffers.limit} bytes"))
+                    extra.append(data)
+                else:
+                    buffer[pos:pos + len(data)] = memoryview(data)
+                pos += len(data)
+            if pos != buffer.nbytes and meta.buffer_size:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, (
+                    f"host buffer {meta.handle} got {pos} bytes of the {meta.buffer_size} announced"))
+        except BaseException:
+            session.buffers.release(buffer.nbytes)
+            raise
+        try:
+            if extra:
+                session.buffers.release(buffer.nbytes)
+                session.buffers.store(meta.handle, np.frombuffer(b"".join(extra), np.uint8))
+            else:
+                session.buffers.commit(meta.handle, buffer)
+        except IfrtError as e:
+            context.abort(_grpc_code(e.code), e.message)
+        return gpb.GrpcHostBufferStoreResponse().SerializeToString()
+
+    def _lookup(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        request = _parse(gpb.GrpcHostBufferLookupRequest, raw, context)
+        session = self._find(request.session_id, context)
+        try:
+            buffer = session.buffers.get(request.handle, HOST_BUFFER_WAIT)
+        except IfrtError as e:
+            context.abort(_grpc_code(e.code), e.message)
+        if buffer.nbytes == 0:
+            yield gpb.GrpcHostBufferLookupResponse().SerializeToString()
+        for start in range(0, buffer.nbytes, LOOKUP_CHUNK):
+            yield gpb.GrpcHostBufferLookupResponse(data=buffer[start:start + LOOKUP_CHUNK].tobytes()).SerializeToString()
+
+    def _delete(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        request = _parse(gpb.GrpcHostBufferDeleteRequest, raw, context)
+        session = self._find(request.session_id, context)
+        if not session.buffers.delete(request.handle):
+            context.abort(grpc.StatusCode.NOT_FOUND, f"host buffer {request.handle} is not stored")
+        return gpb.GrpcHostBufferDeleteResponse().SerializeToString()
+
+    def _read_from_disk(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "HostBufferReadFromDisk is not implemented by the pathways "
+                                                     "IFRT server; store host buffers with HostBufferStore")
+
+
+class _Stream:
+    """One session stream's request loop: handlers in order on the reading thread,
+    Deferred ones on a bounded pool; every response goes to ``out``."""
+
+    def __init__(self, session: IfrtSession, out: queue.Queue) -> None:
+        self.session = session
+        self.out = out
+        self.pool = futures.ThreadPoolExecutor(max_workers=POOL_THREADS, thread_name_prefix="pathways-ifrt-wait")
+        self.waiting = threading.BoundedSemaphore(MAX_WAITING)
+        self.closed = threading.Event()
+
+    def read(self, requests: Iterator[bytes]) -> None:
+        try:
+            for raw in requests:
+                if self.closed.is_set():
+                    break
+                try:
+                    request = pb.IfrtRequest.FromString(raw)
+                except Exception as e:
+                    self.out.put((grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"an IfrtRequest did not parse ({type(e).__name__}); closing the session"))
+                    return
+                self.serve(request)
+        except grpc.RpcError:
+            pass  # the client went away
+        except Exception:
+            log.exception("IFRT session stream failed")
+        finally:
+            self.out.put(None)
+
+    def serve(self, request: pb.IfrtRequest) -> None:
+        op_id = request.request_metadata.op_id
+        kind = t.request_kind(request)
+        body = getattr(request, kind) if request.WhichOneof("request") else None
+        try:
+            if body is None:
+                raise t.invalid("the IfrtRequest names no request")
+            result = self.session.handle(kind, body)
+        except Exception as e:
+            error = _as_ifrt(e, kind)
+            if body is not None:
+                try:
+                    self.session.fail_handles(kind, body, error)
+                except Exception:
+                    log.exception("recording the failure of %s", kind)
+            self.out.put(_error(op_id, error))
+            return
+        if isinstance(result, Deferred):
+            if not self.waiting.acquire(blocking=False):
+                self.out.put(_error(op_id, IfrtError(t.RESOURCE_EXHAUSTED, (
+                    f"this session has {MAX_WAITING} requests waiting already; wait for some before sending more"))))
+                return
+            try:
+                self.pool.submit(self._finish, op_id, kind, result)
+            except RuntimeError:  # the pool shut down: the session is ending
+                self.waiting.release()
+            return
+        self.out.put(_ok(op_id, kind, result))
+
+    def _finish(self, op_id: int, kind: str, deferred: Deferred) -> None:
+        try:
+            response = _ok(op_id, kind, deferred.run())
+        except Exception as e:
+            response = _error(op_id, _as_ifrt(e, kind))
+        finally:
+            self.waiting.release()
+        if not self.closed.is_set():
+            self.out.put(response)
+
+
+def _as_ifrt(e: Exception, kind: str) -> IfrtError:
+    if isinstance(e, IfrtError):
+        return e
+    log.warning("%s failed: %s: %s", kind, type(e).__name__, e)
+    return IfrtError(t.INTERNAL, f"{kind} failed in the pathways IFRT server: {type(e).__name__}: {e}")
+
+
+def _ok(op_id: int, kind: str, body: Any) -> bytes:
+    response = pb.IfrtResponse()
+    response.response_metadata.op_id = op_id
+    getattr(response, kind[:-len("_request")] + "_response").CopyFrom(body)
+    return response.SerializeToString()
+
+
+def _error(op_id: int, error: IfrtError) -> bytes:
+    response = pb.IfrtResponse()
+    response.response_metadata.op_id = op_id
+    response.response_metadata.status.code = error.code
+    response.response_metadata.status.message = error.message[:16384]
+    return response.SerializeToString()
+
+
+def _parse(cls: Any, raw: bytes, context: grpc.ServicerContext) -> Any:
+    try:
+        return cls.FromString(raw)
+    except Exception as e:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"a {cls.__name__} did not parse ({type(e).__name__})")
+
+
+def _metadata(context: grpc.ServicerContext, key: str, cls: Any) -> Any:
+    for k, v in context.invocation_metadata() or ():
+        if k == key:
+            return _parse(cls, v if isinstance(v, bytes) else v.encode(), context)
+    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the call lacks metadata {key!r}; use JAX's IFRT proxy client")
+
+
+def _attribute_values(proto: Any) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for key, value in proto.attributes.items():
+        which = value.WhichOneof("value")
+        if which == "string_value":
+            values[key] = value.string_value.decode("utf-8", "replace")
+        elif which in ("bool_value", "int64_value", "float_value"):
+            values[key] = getattr(value, which)
+    return values
+
+
+_GRPC_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def _grpc_code(code: int) -> grpc.StatusCode:
+    return _GRPC_CODES.get(code, grpc.StatusCode.UNKNOWN)

@@ -1,0 +1,821 @@
+"""One IFRT proxy session, translated into one native pathways client session.
+
+Arrays live on the workers: an IFRT array handle maps to a pathways handle, its Layout,
+dtype and shape. Puts go straight to the workers (``Session.put``), reads come straight
+from them (``Session.fetch``), an executable is an "xla" function of the session's slice
+on its island run as a one-node program, and a copy to other devices (maybe of another
+island) is a run of an identity function defined on the destination layout, so the
+bytes move worker to worker.
+
+Each handler takes the request's body and returns the response's body, or a ``Deferred``
+when it must wait (a fetch, a compile, a ready check): the server runs those on a
+bounded pool, so that one slow request does not hold up the session's others. Handlers
+run in request order; every wait is bounded by ``WAIT_SECONDS``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from pathways import errors
+from pathways.client.compiled import register_program, value_types
+from pathways.client.session import Session
+from pathways.ifrt import types as t
+from pathways.ifrt.devices import DeviceTable, Placement, SliceInfo
+from pathways.ifrt.host_buffers import HostBuffers
+from pathways.ifrt.proto.xla import xla_data_pb2
+from pathways.ifrt.proto.xla.pjrt.proto import executable_metadata_pb2
+from pathways.ifrt.proto.xla.python.ifrt import attribute_map_pb2
+from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
+from pathways.ifrt.proto.xla.python.ifrt_proxy.common import types_pb2
+from pathways.ifrt.proto.xla.python.pjrt_ifrt import xla_compiler_pb2
+from pathways.ifrt.types import IfrtError, Sharding
+from pathways.ir import Layout, Node, ProgramGraph
+from pathways.platforms import export_platforms
+from pathways.protocol import messages as m
+
+log = logging.getLogger("pathways.ifrt")
+
+WAIT_SECONDS = 600.0  # the longest any request waits: a fetch, a compile, a ready check
+HOST_BUFFER_WAIT = 60.0  # for a host buffer whose HostBufferStore call has not arrived yet
+MAX_ARRAYS = 1 << 20  # live IFRT handles per session
+XLA_PROGRAM = "xla::ifrt::XlaProgram"
+XLA_COMPILE_OPTIONS = "xla::ifrt::XlaCompileOptions"
+SLICE_KEY = "pathways_slice"
+
+
+class Deferred:
+    """Work that waits: run on the server's pool, its result (a response body) sent when done."""
+
+    def __init__(self, run: Callable[[], Any]) -> None:
+        self.run = run
+
+
+class Lazy:
+    """A status future the client checks at most once: ``wait`` runs only when asked."""
+
+    def __init__(self, wait: Callable[[], None], on_done: Callable[[], None] = lambda: None) -> None:
+        self._wait, self._on_done = wait, on_done
+
+    def result(self) -> None:
+        try:
+            self._wait()
+        finally:
+            self._on_done()
+
+
+def _failed(error: IfrtError) -> Lazy:
+    def wait() -> None:
+        raise error
+    return Lazy(wait)
+
+
+_DONE = Lazy(lambda: None)
+
+
+@dataclass
+class _Group:
+    """Views of one parent array (its shards): the parent is fetched once for all of them."""
+
+    parent: "_Array"
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    value: Optional[np.ndarray] = None
+
+
+@dataclass
+class _Array:
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    sharding: Sharding
+    handle: Optional[int] = None  # the pathways handle; None for a view or an error
+    layout: Optional[Layout] = None
+    place: Optional[Placement] = None
+    group: Optional[_Group] = None  # set for a view: the block ``region`` of group.parent
+    region: Optional[t.Region] = None
+    error: Optional[IfrtError] = None
+    deleted: bool = False
+
+
+@dataclass
+class _Executable:
+    fn: int
+    compiled: Any  # m.Compiled
+    devices: tuple[int, ...]  # IFRT ids, in device-assignment order
+    place: Placement
+    program: Optional[int] = None
+    in_types: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+
+class IfrtSession:
+    """``native``: the pathways session this IFRT session acts through (closed with it)."""
+
+    def __init__(self, native: Session, session_id: int, init_data: dict[str, Any],
+                 buffers: Optional[HostBuffers] = None) -> None:
+        self.native = native
+        self.id = session_id
+        self.init_data = init_data
+        self.buffers = buffers or HostBuffers()
+        self.devices: Optional[DeviceTable] = None
+        self._arrays: dict[int, _Array] = {}
+        self._executables: dict[int, _Executable] = {}
+        self._futures: dict[int, Lazy] = {}
+        self._refs: dict[int, int] = {}  # pathways handle -> IFRT arrays naming it
+        self._reading: dict[int, int] = {}  # pathways handle -> reads in flight (its release waits)
+        self._lock = threading.Lock()
+        self._server_handles = itertools.count(t.SERVER_HANDLE_BASE)
+        self._identities: dict[tuple, int] = {}  # (dtype, shape, layout) -> identity program id
+
+    # ---- plumbing ------------------------------------------------------------------------
+
+    def handle(self, kind: str, body: Any) -> Any:
+        """The response body for request ``kind``, or a Deferred; IfrtError on failure."""
+        handler = getattr(self, "_" + kind, None)
+        if handler is None or kind not in SERVED:
+            raise IfrtError(t.UNIMPLEMENTED, f"{kind} is not implemented by the pathways IFRT server")
+        if kind != "init_request" and self.devices is None:
+            raise IfrtError(t.FAILED_PRECONDITION, f"{kind} before init_request; a session starts with init")
+        return handler(body)
+
+    def fail_handles(self, kind: str, body: Any, error: IfrtError) -> None:
+        """A request that names handles for its results failed: those handles now hold
+        the error, so that whoever reads them learns why (as the reference server does)."""
+        field_name = RESULT_HANDLES.get(kind)
+        if field_name is None:
+            return
+        value = getattr(body, field_name)
+        handles = [value] if isinstance(value, int) else list(value)
+        for h in handles:
+            if h and h not in self._arrays and len(self._arrays) < MAX_ARRAYS:
+                self._arrays[h] = _Array(np.dtype("float32"), (), t.replicated((0,)), error=error)
+        if kind == "loaded_executable_execute_request" and body.result_status_handle:
+            self._futures.setdefault(body.result_status_handle, _failed(error))
+
+    def close(self, reason: str) -> None:
+        self.buffers.close(reason)
+        self.native.close()  # the controller frees every array and function of the session
+
+    def _server_handle(self) -> int:
+        return next(self._server_handles)
+
+    def _array(self, handle: int, usable: bool = True) -> _Array:
+        arr = self._arrays.get(handle)
+        if arr is None:
+            raise IfrtError(t.NOT_FOUND, f"unknown array handle {handle}")
+        if usable:
+            if arr.error is not None:
+                raise arr.error
+            if arr.deleted:
+                raise IfrtError(t.FAILED_PRECONDITION, f"array {handle} was deleted")
+        return arr
+
+    def _insert(self, handles: Sequence[int], arrays: Sequence[_Array]) -> list[int]:
+        """Name ``arrays`` by the client's ``handles`` (or new server handles when none)."""
+        if handles and len(handles) != len(arrays):
+            raise t.invalid(f"{len(handles)} result handles given for {len(arrays)} arrays")
+        handles = list(handles) or [self._server_handle() for _ in arrays]
+        if len(self._arrays) + len(handles) > MAX_ARRAYS:
+            raise IfrtError(t.RESOURCE_EXHAUSTED, f"this session holds {len(self._arrays)} arrays, the most "
+                                                  f"allowed is {MAX_ARRAYS}; delete arrays you no longer use")
+        for h in handles:
+            if h == 0 or h in self._arrays:
+                raise t.invalid(f"array handle {h} is {'zero' if h == 0 else 'already in use'}")
+        for h, arr in zip(handles, arrays):
+            self._arrays[h] = arr
+            self._retain(arr)
+        return handles
+
+    def _retain(self, arr: _Array) -> None:
+        if arr.handle is not None:
+            with self._lock:
+                self._refs[arr.handle] = self._refs.get(arr.handle, 0) + 1
+
+    def _drop(self, arr: _Array) -> None:
+        """An IFRT array stops naming its pathways handle; the last one frees it."""
+        handle = arr.handle
+        if handle is None:
+            return
+        with self._lock:
+            left = self._refs.get(handle, 1) - 1
+            if left > 0:
+                self._refs[handle] = left
+                return
+            self._refs.pop(handle, None)
+            if self._reading.get(handle):
+                return  # released when the read finishes
+        self.native.release(handle)
+
+    def _reads(self, handles: Sequence[int]) -> Callable[[], None]:
+        """Hold back the release of ``handles`` until the returned callable is called."""
+        with self._lock:
+            for h in handles:
+                self._reading[h] = self._reading.get(h, 0) + 1
+
+        def done() -> None:
+            doomed = []
+            with self._lock:
+                for h in handles:
+                    n = self._reading.get(h, 1) - 1
+                    if n > 0:
+                        self._reading[h] = n
+                        continue
+                    self._reading.pop(h, None)
+                    if h not in self._refs:
+                        doomed.append(h)
+            for h in doomed:
+                self.native.release(h)
+        return done
+
+    # ---- native operations -----------------------------------------------------------------
+
+    def _put(self, value: np.ndarray, sharding: Sharding) -> _Array:
+        assert self.devices is not None
+        place, layout = self.devices.layout(sharding, value.ndim)
+        handle = self.native.allocate(1)
+        self.native.put(place.addresses, handle, layout, value)
+        return _Array(value.dtype, tuple(value.shape), sharding, handle, layout, place)
+
+    def _fetch(self, arr: _Array, data: bool) -> Any:
+        """The array's value (``data``) or its readiness, from the workers; bounded."""
+        assert arr.handle is not None and arr.place is not None
+        addresses = arr.place.addresses[:1] if arr.sharding.replicated else arr.place.addresses
+        try:
+            value = self.native.fetch(addresses, arr.handle, WAIT_SECONDS, data)
+        except errors.PathwaysError as e:
+            raise IfrtError(t.INTERNAL, f"{type(e).__name__}: {e}") from None
+        if value is None:
+            raise IfrtError(t.DEADLINE_EXCEEDED, f"the array was not computed within {WAIT_SECONDS:g} s")
+        return value
+
+    def _host_value(self, arr: _Array) -> np.ndarray:
+        if arr.error is not None:
+            raise arr.error
+        if arr.group is None:
+            return self._fetch(arr, data=True)
+        group = arr.group
+        with group.lock:  # the parent is fetched once for all its views
+            if group.value is None:
+                group.value = self._host_value(group.parent)
+            value = group.value
+        assert arr.region is not None
+        return value[tuple(slice(a, b) for a, b in arr.region)]
+
+    def _real(self, arr: _Array) -> _Array:
+        """``arr`` as an array on the workers: a view is made one (its shard is put)."""
+        if arr.group is None:
+            return arr
+        real = self._put(np.ascontiguousarray(self._host_value(arr)), arr.sharding)
+        arr.handle, arr.layout, arr.place, arr.group, arr.region = real.handle, real.layout, real.place, None, None
+        self._retain(arr)
+        return arr
+
+    def _wait_ready(self, arrays: Sequence[_Array]) -> None:
+        for arr in arrays:
+            if arr.error is not None:
+                raise arr.error
+            target = arr.group.parent if arr.group is not None else arr
+            if target.error is not None:
+                raise target.error
+            self._fetch(target, data=False)
+
+    # ---- session ------------------------------------------------------------------------------
+
+    def _init_request(self, body: pb.InitRequest) -> pb.InitResponse:
+        if self.devices is not None:
+            raise IfrtError(t.FAILED_PRECONDITION, "init_request was sent twice in one session")
+        self.devices = DeviceTable(self._slices())
+        kinds = {d.kind for d in self.devices.devices}
+        platform = export_platforms(sorted(kinds)[0])[0] if kinds else "cpu"
+        resp = pb.InitResponse(session_id=self.id, platform_name=platform, platform_version="pathways",
+                               platform_id=0, process_index=0, runtime_type="pathways")
+        for d in self.devices.devices:
+            dev = resp.all_devices.add(id=d.id, local_device_id=d.id, local_hardware_id=d.id, platform_name=platform,
+                                       device_kind=d.kind, default_memory_id=d.id, memory_ids=[d.id],
+                                       debug_string=f"{d.kind}:{d.id}",
+                                       to_string=(f"PathwaysDevice(id={d.id}, kind={d.kind}, island={d.island}, "
+                                                  f"host={d.rank}, index={d.index})"))
+            _attributes(dev.attributes, {"island": d.island, "host": d.rank, "worker": d.worker, "index": d.index,
+                                         "kind": d.kind})
+            resp.addressable_device_ids.append(d.id)
+            resp.primary_device_ids.append(d.id)
+            resp.memories.add(id=d.id, memory_space_kind=t.MEMORY_KIND, kind_id=0, device_ids=[d.id],
+                              debug_string=f"{t.MEMORY_KIND}:{d.id}", to_string=f"Memory(id={d.id}, kind=device)")
+        _attributes(resp.client_attributes, {})
+        return resp
+
+    def _slices(self) -> list[SliceInfo]:
+        asked = self.init_data.get(SLICE_KEY)
+        if asked is not None:
+            kind, count, island = parse_slice(asked)
+            return [self._slice(kind, count, island)]
+        status = self.native.cluster()
+        slices = []
+        for isl in status.get("islands", []):
+            if not isl.get("healthy") or isl.get("assembling") or not isl.get("devices"):
+                continue
+            kinds = {w["kind"] for w in status.get("workers", []) if w.get("island") == isl["island"]}
+            if len(kinds) != 1:
+                continue
+            slices.append(self._slice(kinds.pop(), isl["devices"], isl["island"]))
+        if not slices:
+            raise IfrtError(t.UNAVAILABLE, "the cluster has no healthy island; `python -m pathways status` shows why")
+        return slices
+
+    def _slice(self, kind: str, count: int, island: Optional[int]) -> SliceInfo:
+        try:
+            reply = self.native.request(lambda req: m.SliceRequest(req, kind, count, None, island, False))
+        except errors.PathwaysError as e:
+            raise IfrtError(t.UNAVAILABLE, f"no slice of {count} {kind} device(s)"
+                                           f"{'' if island is None else f' on island {island}'}: {e}") from None
+        flat = reply.devices
+        return SliceInfo(reply.slice, kind, reply.island, tuple(reply.workers), tuple(reply.addresses),
+                         tuple(zip(flat[::2], flat[1::2])))
+
+    # ---- futures and readiness --------------------------------------------------------------
+
+    def _check_future_request(self, body: pb.CheckFutureRequest) -> Deferred:
+        future = self._futures.pop(body.future_handle, None)
+        if future is None:
+            raise IfrtError(t.NOT_FOUND, f"unknown future handle {body.future_handle}")
+
+        def run() -> pb.CheckFutureResponse:
+            future.result()
+            return pb.CheckFutureResponse()
+        return Deferred(run)
+
+    def _loaded_executable_fetch_execute_result_request(self, body: Any) -> Deferred:
+        future = self._futures.pop(body.result_status_handle, None)
+        if future is None:
+            raise IfrtError(t.NOT_FOUND, f"unknown result status handle {body.result_status_handle}")
+
+        def run() -> pb.LoadedExecutableFetchExecuteResultResponse:
+            future.result()
+            return pb.LoadedExecutableFetchExecuteResultResponse()
+        return Deferred(run)
+
+    def _check_value_ready_request(self, body: pb.CheckValueReadyRequest) -> Deferred:
+        arrays = [self._array(h) for h in body.value_handles]
+        done = self._reads([a.handle for a in arrays if a.handle is not None])
+
+        def run() -> pb.CheckValueReadyResponse:
+            try:
+                self._wait_ready(arrays)
+            finally:
+                done()
+            return pb.CheckValueReadyResponse()
+        return Deferred(run)
+
+    # ---- arrays from and to the host -----------------------------------------------------------
+
+    def _host_array(self, handle: int, dtype: np.dtype, shape: tuple[int, ...], strides: Optional[list[int]]) -> np.ndarray:
+        buffer = self.buffers.get(handle, HOST_BUFFER_WAIT)
+        self.buffers.delete(handle)  # the put below keeps the bytes alive as long as it needs them
+        return t.host_view(buffer, dtype, shape, strides)
+
+    def _make_array_from_host_buffer_request(self, body: pb.MakeArrayFromHostBufferRequest) -> Any:
+        dtype, shape = t.dtype_of(body.dtype), t.shape_of(body.shape.dims)
+        sharding = t.parse_sharding(body.sharding, len(self._table))
+        value = self._host_array(body.host_buffer_handle, dtype, shape, t.byte_strides_of(body, "byte_strides"))
+        arr = self._put(value, sharding)
+        handles = self._insert([body.array_handle] if body.HasField("array_handle") else [], [arr])
+        return pb.MakeArrayFromHostBufferResponse(array_handle=handles[0])
+
+    def _make_arrays_from_host_buffer_shards_request(self, body: Any) -> Any:
+        arrays = []
+        for spec in body.specs:
+            dtype, shape = t.dtype_of(spec.array_spec.dtype), t.shape_of(spec.array_spec.shape.dims)
+            sharding = t.parse_sharding(spec.array_spec.sharding, len(self._table))
+            if len(spec.addressable_shard_indices) != len(spec.host_buffers):
+                raise t.invalid(f"{len(spec.addressable_shard_indices)} shard index lists for "
+                                f"{len(spec.host_buffers)} host buffers")
+            regions = t.shard_regions(sharding, shape)
+            value: Optional[np.ndarray] = None
+            owned = False  # whether value is a buffer of ours the shards are copied into
+            covered = 0
+            for indices, hb in zip(spec.addressable_shard_indices, spec.host_buffers):
+                if t.dtype_of(hb.dtype) != dtype:
+                    raise t.invalid(f"a host buffer of dtype {t.dtype_of(hb.dtype)} for an array of {dtype}")
+                shard = self._host_array(hb.host_buffer_handle, dtype, t.shape_of(hb.shape.dims),
+                                         t.byte_strides_of(hb, "byte_strides"))
+                for i in indices.indices:
+                    if not 0 <= i < len(regions):
+                        raise t.invalid(f"shard index {i} is not one of the sharding's {len(regions)} shards")
+                    region = regions[i]
+                    if tuple(b - a for a, b in region) != shard.shape:
+                        raise t.invalid(f"shard {i} has shape {list(shard.shape)}; the sharding gives it "
+                                        f"{[b - a for a, b in region]}")
+                    if region == tuple((0, d) for d in shape):
+                        value = shard  # a replica of the whole array: no copy
+                    else:
+                        if not owned:
+                            value, owned = np.empty(shape, dtype), True
+                        value[tuple(slice(a, b) for a, b in region)] = shard
+                    covered += 1
+            if value is None or covered == 0:
+                raise t.invalid("an array needs at least one host buffer shard")
+            arrays.append(self._put(value, sharding))
+        handles = self._insert(list(body.array_handles), arrays)
+        return pb.MakeArraysFromHostBufferShardsResponse(array_handles=handles)
+
+    def _make_error_arrays_request(self, body: Any) -> Any:
+        error = IfrtError(body.error.code or t.INTERNAL, body.error.message[:4096])
+        arrays = [_Array(t.dtype_of(s.dtype), t.shape_of(s.shape.dims),
+                         t.parse_sharding(s.sharding, len(self._table)), error=error) for s in body.array_specs]
+        return pb.MakeErrorArraysResponse(array_handles=self._insert(list(body.array_handles), arrays))
+
+    def _copy_to_host_buffer_request(self, body: pb.CopyToHostBufferRequest) -> Deferred:
+        arr = self._array(body.array_handle)
+        strides = t.byte_strides_of(body, "byte_strides")
+        target = arr.group.parent if arr.group is not None else arr
+        done = self._reads([target.handle] if target.handle is not None else [])
+
+        def run() -> pb.CopyToHostBufferResponse:
+            try:
+                value = self._host_value(arr)
+            finally:
+                done()
+            self.buffers.store(body.host_buffer_handle, t.strided_bytes(value, strides))
+            return pb.CopyToHostBufferResponse()
+        return Deferred(run)
+
+    # ---- shards and views ------------------------------------------------------------------------
+
+    def _view(self, arr: _Array, index: int, region: t.Region, group: Optional[_Group]) -> _Array:
+        device = arr.sharding.devices[index]
+        if arr.group is not None:  # a view of a view: the same parent, a block of its block
+            base = arr.region or ()
+            region = tuple((o + a, o + b) for (o, _), (a, b) in zip(base, region))
+            group = arr.group
+        return _Array(arr.dtype, tuple(b - a for a, b in region), t.replicated((device,)), group=group,
+                      region=region)
+
+    def _fully_replicated_shard_request(self, body: Any) -> Any:
+        arr = self._array(body.array_handle)
+        if not arr.sharding.replicated:
+            raise t.invalid(f"array {body.array_handle} is not fully replicated")
+        if len(arr.sharding.devices) == 1:
+            shard = arr
+        else:
+            full = tuple((0, d) for d in arr.shape)
+            shard = self._view(arr, 0, full, _Group(arr))
+        handles = self._insert([body.result_handle] if body.result_handle else [], [shard])
+        return pb.FullyReplicatedShardResponse(array_handle=handles[0])
+
+    def _disassemble_into_single_device_arrays_request(self, body: Any) -> Any:
+        arr = self._array(body.array_handle)
+        if len(arr.sharding.devices) == 1:
+            shards = [arr]
+        else:
+            group = _Group(arr)
+            shards = [self._view(arr, i, r, group) for i, r in enumerate(t.shard_regions(arr.sharding, arr.shape))]
+        handles = self._insert(list(body.result_handles), shards)
+        return pb.DisassembleIntoSingleDeviceArraysResponse(array_handles=handles)
+
+    def _assemble_array_from_single_device_arrays_request(self, body: Any) -> Any:
+        shape = t.shape_of(body.shape.dims)
+        sharding = t.parse_sharding(body.sharding, len(self._table))
+        shards = [self._array(h) for h in body.single_device_array_handles]
+        if len(shards) != len(sharding.devices):
+            raise t.invalid(f"{len(shards)} shards for a sharding of {len(sharding.devices)} devices")
+        regions = t.shard_regions(sharding, shape)
+        groups = {id(s.group) for s in shards}
+        parent = shards[0].group.parent if shards[0].group is not None else None
+        if (parent is not None and len(groups) == 1 and parent.shape == shape
+                and parent.sharding.devices == sharding.devices and parent.error is None and not parent.deleted
+                and all(s.region == r for s, r in zip(shards, regions))):
+            result = parent  # the views of one parent, reassembled as it was: the parent itself
+        else:
+            dtype = t.dtype_of(body.dtype) if body.HasField("dtype") else shards[0].dtype
+            if math.prod(shape) * dtype.itemsize > self.buffers.limit:
+                raise IfrtError(t.RESOURCE_EXHAUSTED, f"assembling a {dtype.name}{list(shape)} array from shards "
+                                                      f"held apart needs more than {self.buffers.limit} bytes here")
+            value = np.empty(shape, dtype)
+            for s, region in zip(shards, regions):
+                value[tuple(slice(a, b) for a, b in region)] = self._host_value(s)
+            result = self._put(value, sharding)
+        handles = self._insert([body.result_handle] if body.result_handle else [], [result])
+        return pb.AssembleArrayFromSingleDeviceArraysResponse(array_handle=handles[0])
+
+    # ---- copies between devices ------------------------------------------------------------------
+
+    def _copy_arrays_request(self, body: Any) -> Any:
+        arrays = [self._array(h) for h in body.array_handles]
+        out = []
+        for arr in arrays:
+            if body.device_ids and len(body.device_ids) != len(arr.sharding.devices):
+                raise t.invalid(f"{len(body.device_ids)} destination devices for an array on "
+                                f"{len(arr.sharding.devices)}")
+            devices = tuple(body.device_ids) or arr.sharding.devices
+            out.append(self._moved(arr, Sharding(devices, arr.sharding.op), body.copy_semantics))
+        handles = self._insert(list(body.result_handles), out)
+        return pb.CopyArraysResponse(array_handles=handles)
+
+    def _reshard_arrays_request(self, body: Any) -> Any:
+        arrays = [self._array(h) for h in body.array_handles]
+        if len(body.array_specs) != len(arrays):
+            raise t.invalid(f"{len(body.array_specs)} array specs for {len(arrays)} arrays")
+        out = []
+        for arr, spec in zip(arrays, body.array_specs):
+            if t.dtype_of(spec.dtype) != arr.dtype or t.shape_of(spec.shape.dims) != arr.shape:
+                raise t.invalid("resharding keeps an array's dtype and shape")
+            out.append(self._moved(arr, t.parse_sharding(spec.sharding, len(self._table)), body.copy_semantics))
+        handles = self._insert(list(body.result_handles), out)
+        return pb.ReshardArraysResponse(array_handles=handles)
+
+    def _moved(self, arr: _Array, sharding: Sharding, semantics: int) -> _Array:
+        """``arr`` laid out by ``sharding``: itself when nothing changes, else a run of an
+        identity function defined on the destination layout (the data plane moves it)."""
+        if sharding == arr.sharding:
+            return arr
+        arr = self._real(arr)
+        place, layout = self._table.layout(sharding, len(arr.shape))
+        program = self._identity(arr.dtype, arr.shape, layout, place)
+        base = self.native.allocate(2)
+        self.native.send(m.Run(program, base, {0: arr.handle}))
+        if semantics == types_pb2.ARRAY_COPY_SEMANTICS_DONATE_INPUT:
+            self._delete(arr)
+        return _Array(arr.dtype, arr.shape, sharding, base + 1, layout, place)
+
+    def _identity(self, dtype: np.dtype, shape: tuple[int, ...], layout: Layout, place: Placement) -> int:
+        key = (dtype.name, shape, layout)
+        program = self._identities.get(key)
+        if program is not None:
+            return program
+        import jax  # the export needs JAX; only copies do
+        from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+
+        s = NamedSharding(AbstractMesh(layout.mesh_shape, layout.axis_names), PartitionSpec(*layout.spec))
+        # as every pathways function: positional arguments in, a list of outputs out
+        try:
+            exported = jax.export.export(jax.jit(lambda x: [x], in_shardings=[s], out_shardings=[s]),
+                                         platforms=export_platforms(place.slice.kind))(
+                jax.ShapeDtypeStruct(shape, dtype, sharding=s))
+        except Exception as e:
+            raise IfrtError(t.INTERNAL, f"no copy function for a {dtype.name}{list(shape)} array: {e}") from None
+        fn = self.native.allocate(1)
+        self.native.send(m.DefineFunction(fn, place.slice.id, "copy", bytes(exported.serialize()), (layout,),
+                                          (layout,), "jax.export", b"", ()))
+        graph = ProgramGraph(2, (0,), (Node(fn, (0,), (1,)),), (1,), value_types([(shape, dtype)] * 2))
+        program = register_program(self.native, graph, {}, {}).program_id
+        self._identities[key] = program
+        return program
+
+    # ---- deletion ----------------------------------------------------------------------------------
+
+    def _delete(self, arr: _Array) -> None:
+        if not arr.deleted:
+            arr.deleted = True
+            self._drop(arr)
+
+    def _delete_array_request(self, body: Any) -> Any:
+        missing = [h for h in body.array_handle if h not in self._arrays]
+        for h in body.array_handle:
+            if h in self._arrays:
+                self._delete(self._arrays[h])
+        handle = self._server_handle()
+        self._futures[handle] = (_failed(IfrtError(t.NOT_FOUND, f"unknown array handle(s) {missing[:16]}"))
+                                 if missing else _DONE)
+        return pb.DeleteArrayResponse(deletion_future_handle=handle)
+
+    def _is_array_deleted_request(self, body: Any) -> Any:
+        return pb.IsArrayDeletedResponse(deleted=self._array(body.array_handle, usable=False).deleted)
+
+    def _destruct_array_request(self, body: Any) -> Any:
+        missing = []
+        for h in body.array_handle:
+            arr = self._arrays.pop(h, None)
+            if arr is None:
+                missing.append(h)
+            elif not arr.deleted:
+                self._drop(arr)
+        if missing:
+            raise IfrtError(t.NOT_FOUND, f"unknown array handle(s) {missing[:16]}")
+        return pb.DestructArrayResponse()
+
+    # ---- compilation and execution --------------------------------------------------------------
+
+    def _compile_request(self, body: pb.CompileRequest) -> Deferred:
+        if body.host_callbacks:
+            raise IfrtError(t.UNIMPLEMENTED, "host callbacks (jax.debug.print, pure_callback, io_callback) are "
+                                             "not supported by the pathways IFRT server")
+        if body.program.type_name != XLA_PROGRAM:
+            raise IfrtError(t.UNIMPLEMENTED, f"programs of type {body.program.type_name[:80]!r} are not "
+                                             f"supported; the server compiles {XLA_PROGRAM}")
+        if body.compile_options.type_name != XLA_COMPILE_OPTIONS:
+            raise IfrtError(t.UNIMPLEMENTED, f"compile options of type {body.compile_options.type_name[:80]!r} "
+                                             f"are not supported; the server takes {XLA_COMPILE_OPTIONS}")
+        try:
+            parsed = xla_compiler_pb2.XlaCompileOptionsProto.FromString(body.compile_options.data).compile_options
+        except Exception as e:
+            raise t.invalid(f"the compile options do not parse ({type(e).__name__})") from None
+        ids = executable_devices(parsed, len(self._table))
+        # the fields our schema subset leaves out travel as unknown fields: nothing is lost
+        options = parsed.SerializeToString()
+        place = self._table.place(ids, "the executable's devices")
+        artifact = body.program.data
+
+        def run() -> pb.CompileResponse:
+            fn, future = self.native.define_xla(place.slice.id, "ifrt", artifact, options, place.pairs)
+            try:
+                compiled = future.result(timeout=WAIT_SECONDS)
+            except TimeoutError:
+                raise IfrtError(t.DEADLINE_EXCEEDED, f"compilation took longer than {WAIT_SECONDS:g} s") from None
+            except errors.PathwaysError as e:
+                raise IfrtError(t.INVALID_ARGUMENT, f"compilation failed: {e}") from None
+            handle, ready = self._server_handle(), self._server_handle()
+            with self._lock:
+                self._executables[handle] = _Executable(fn, compiled, tuple(ids), place)
+            self._futures[ready] = _DONE
+            return pb.CompileResponse(loaded_executable_handle=handle, name=compiled.name or "ifrt",
+                                      num_devices=len(ids), device_ids=ids, addressable_device_ids=ids,
+                                      fingerprint_value=compiled.fingerprint.encode(), ready_future_handle=ready)
+        return Deferred(run)
+
+    def _executable(self, handle: int) -> _Executable:
+        with self._lock:
+            exe = self._executables.get(handle)
+        if exe is None:
+            raise IfrtError(t.NOT_FOUND, f"unknown loaded executable handle {handle}")
+        return exe
+
+    def _loaded_executable_metadata_request(self, body: Any) -> Any:
+        c = self._executable(body.loaded_executable_handle).compiled
+        resp = pb.LoadedExecutableMetadataResponse()
+        resp.parameter_shardings.shardings.extend(t.op_of(s) for s in c.in_shardings)
+        resp.output_shardings.shardings.extend(t.op_of(s) for s in c.out_shardings)
+        resp.parameter_layouts_list.layouts.extend(xla_data_pb2.LayoutProto(minor_to_major=list(x))
+                                                   for x in c.in_layouts)
+        resp.output_layouts_list.layouts.extend(xla_data_pb2.LayoutProto(minor_to_major=list(x))
+                                                for x in c.out_layouts)
+        resp.output_memory_kinds.memory_kind_lists.add(memory_kinds=[t.MEMORY_KIND] * len(c.outs))
+        resp.donated_input_indices.donated_input_indices.extend(c.donated)
+        resp.compiled_memory_stats.CopyFrom(executable_metadata_pb2.CompiledMemoryStatsProto())
+        return resp
+
+    def _loaded_executable_execute_request(self, body: Any) -> Any:
+        exe = self._executable(body.loaded_executable_handle)
+        c = exe.compiled
+        args = [self._array(h) for h in body.args_handles]
+        if len(args) != len(c.ins):
+            raise t.invalid(f"the executable takes {len(c.ins)} arguments, {len(args)} were given")
+        types = tuple((a.dtype.name, a.shape) for a in args)
+        if exe.program is None:
+            n_in, n_out = len(args), len(c.outs)
+            graph = ProgramGraph(n_in + n_out, tuple(range(n_in)),
+                                 (Node(exe.fn, tuple(range(n_in)), tuple(range(n_in, n_in + n_out))),),
+                                 tuple(range(n_in, n_in + n_out)),
+                                 types + tuple((d, tuple(s)) for d, s in c.out_types))
+            exe.program, exe.in_types = register_program(self.native, graph, {}, {}).program_id, types
+        elif types != exe.in_types:
+            raise t.invalid(f"arguments {types} do not match the executable's {exe.in_types}")
+        args = [self._real(a) for a in args]
+        base = self.native.allocate(len(args) + len(c.outs))
+        self.native.send(m.Run(exe.program, base, {i: a.handle for i, a in enumerate(args)}))
+        by_worker = {d.worker: d.address for d in self._table.devices}
+        outs = []
+        for j, layout in enumerate(c.outs):
+            dtype, shape = c.out_types[j]
+            place = Placement(exe.place.slice, layout.devices, layout.workers,
+                              tuple(by_worker[w] for w in layout.workers))
+            outs.append(_Array(t._np_dtype(dtype), tuple(shape), Sharding(exe.devices, c.out_shardings[j]),
+                               base + len(args) + j, layout, place))
+        keep = set(body.execute_options.non_donatable_input_indices)
+        for i in c.donated:
+            if i not in keep and i < len(args):
+                self._delete(args[i])
+        resp = pb.LoadedExecutableExecuteResponse()
+        handles = self._insert(list(body.result_array_handle), outs)
+        if body.execute_options.fill_status:
+            status = body.result_status_handle or self._server_handle()
+            done = self._reads([o.handle for o in outs if o.handle is not None])
+            self._futures[status] = Lazy(lambda: self._wait_ready(outs), done)
+            resp.status_handle = status
+        if not body.result_array_handle:
+            for arr, h in zip(outs, handles):
+                resp.outputs.add(dtype=t.dtype_proto(arr.dtype), shape=t.shape_proto(arr.shape),
+                                 sharding=t.sharding_proto(arr.sharding), array_handle=h)
+        return resp
+
+    def _loaded_executable_destruct_request(self, body: Any) -> Any:
+        with self._lock:
+            exe = self._executables.pop(body.loaded_executable_handle, None)
+        if exe is None:
+            raise IfrtError(t.NOT_FOUND, f"unknown loaded executable handle {body.loaded_executable_handle}")
+        return pb.LoadedExecutableDestructResponse()
+
+    def _loaded_executable_delete_request(self, body: Any) -> Any:
+        handle = self._server_handle()
+        self._futures[handle] = _failed(IfrtError(t.UNIMPLEMENTED, "LoadedExecutable::Delete is no longer "
+                                                                   "supported; destruct the executable"))
+        return pb.LoadedExecutableDeleteResponse(future_handle=handle)
+
+    def _loaded_executable_is_deleted_request(self, body: Any) -> Any:
+        self._executable(body.loaded_executable_handle)
+        return pb.LoadedExecutableIsDeletedResponse(is_deleted=False)
+
+    def _loaded_executable_cost_analysis_request(self, body: Any) -> Any:
+        self._executable(body.loaded_executable_handle)
+        resp = pb.LoadedExecutableCostAnalysisResponse()
+        resp.status.code, resp.status.message = t.UNIMPLEMENTED, "cost analysis is not available from pathways"
+        return resp
+
+    def _loaded_executable_human_readable_program_text_request(self, body: Any) -> Any:
+        self._executable(body.loaded_executable_handle)
+        resp = pb.LoadedExecutableHumanReadableProgramTextResponse()
+        resp.status.code, resp.status.message = t.UNIMPLEMENTED, "program text is not available from pathways"
+        return resp
+
+    # ---- defaults -------------------------------------------------------------------------------
+
+    def _get_default_layout_request(self, body: Any) -> Any:
+        t.dtype_of(body.dtype)
+        self._table.get(body.device_id)
+        return pb.GetDefaultLayoutResponse(serialized_pjrt_layout=t.default_layout_text(len(body.dims)))
+
+    def _get_default_device_assignment_request(self, body: Any) -> Any:
+        replicas, partitions = body.num_replicas, body.num_partitions
+        if not (0 < replicas and 0 < partitions and replicas * partitions <= len(self._table)):
+            raise t.invalid(f"a device assignment of {replicas} replicas x {partitions} partitions does not fit "
+                            f"this session's {len(self._table)} devices")
+        resp = pb.GetDefaultDeviceAssignmentResponse()
+        da = resp.device_assignment
+        da.replica_count, da.computation_count = replicas, partitions
+        for p in range(partitions):
+            da.computation_devices.add(replica_device_ids=[r * partitions + p for r in range(replicas)])
+        return resp
+
+    @property
+    def _table(self) -> DeviceTable:
+        assert self.devices is not None
+        return self.devices
+
+
+def _attributes(proto: attribute_map_pb2.AttributeMapProto, values: dict[str, Any]) -> None:
+    proto.version_number = 0
+    for key, value in values.items():
+        if isinstance(value, str):
+            proto.attributes[key].string_value = value.encode()
+        else:
+            proto.attributes[key].int64_value = int(value)
+
+
+def parse_slice(text: Any) -> tuple[str, int, Optional[int]]:
+    """``KIND:COUNT[@ISLAND]`` (PATHWAYS_SLICE) -> (kind, count, island or None)."""
+    advice = "PATHWAYS_SLICE must read KIND:COUNT or KIND:COUNT@ISLAND, e.g. cpu:2 or cpu:2@1"
+    if not isinstance(text, str) or len(text) > 64:
+        raise t.invalid(advice)
+    spec, _, island = text.partition("@")
+    kind, _, count = spec.partition(":")
+    if kind not in m.DEVICE_KINDS or not count.isdigit() or int(count) < 1 or (island and not island.isdigit()):
+        raise t.invalid(f"{advice}; got {text!r}")
+    return kind, int(count), int(island) if island else None
+
+
+def executable_devices(options: Any, ndevices: int) -> list[int]:
+    """The IFRT device ids of an executable, in logical order (replica-major, then
+    partition), from the device assignment of CompileOptionsProto ``options``."""
+    build = options.executable_build_options
+    if not build.HasField("device_assignment"):
+        raise t.invalid("the compile options carry no device assignment; compile with jax.jit for devices")
+    da = build.device_assignment
+    if any(len(cd.replica_device_ids) != da.replica_count for cd in da.computation_devices):
+        raise t.invalid(f"the device assignment lists a computation without its {da.replica_count} replicas")
+    ids = [int(cd.replica_device_ids[r]) for r in range(da.replica_count) for cd in da.computation_devices]
+    if not ids or len(set(ids)) != len(ids) or any(not 0 <= i < ndevices for i in ids):
+        raise t.invalid(f"the device assignment {ids[:16]} must name distinct devices among this session's "
+                        f"{ndevices}")
+    return ids
+
+
+SERVED = frozenset({
+    "init_request", "check_future_request", "check_value_ready_request", "make_array_from_host_buffer_request",
+    "make_arrays_from_host_buffer_shards_request", "make_error_arrays_request",
+    "assemble_array_from_single_device_arrays_request", "reshard_arrays_request", "copy_to_host_buffer_request",
+    "disassemble_into_single_device_arrays_request", "delete_array_request", "copy_arrays_request",
+    "fully_replicated_shard_request", "is_array_deleted_request", "destruct_array_request", "compile_request",
+    "loaded_executable_metadata_request", "loaded_executable_execute_request",
+    "loaded_executable_fetch_execute_result_request", "loaded_executable_cost_analysis_request",
+    "loaded_executable_human_readable_program_text_request", "loaded_executable_delete_request",
+    "loaded_executable_is_deleted_request", "loaded_executable_destruct_request",
+    "get_default_device_assignment_request", "get_default_layout_request",
+})
+
+# The field of a request that names the handles of the arrays it makes.
+RESULT_HANDLES = {
+    "make_array_from_host_buffer_request": "array_handle",
+    "make_arrays_from_host_buffer_shards_request": "array_handles",
+    "make_error_arrays_request": "array_handles",
+    "assemble_array_from_single_device_arrays_request": "result_handle",
+    "reshard_arrays_request": "result_handles",
+    "disassemble_into_single_device_arrays_request": "result_handles",
+    "copy_arrays_request": "result_handles",
+    "fully_replicated_shard_request": "result_handle",
+    "loaded_executable_execute_request": "result_array_handle",
+}

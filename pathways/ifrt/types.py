@@ -1,0 +1,274 @@
+"""Pure translations between the IFRT proxy's protobuf forms and plain values.
+
+dtypes, shapes, shardings (device ids plus an xla OpSharding), byte strides and status
+protos. Nothing here talks to a network or to a session. Every proto built here sets the
+IFRT ``version_number`` fields to 0: the jaxlib client fails to decode anything else.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from pathways.ifrt.proto.xla import xla_data_pb2
+from pathways.ifrt.proto.xla.python.ifrt import dtype_pb2, serdes_pb2, sharding_pb2, sharding_serdes_pb2, shape_pb2
+from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2
+from pathways.ifrt.proto.xla.python.pjrt_ifrt import xla_sharding_pb2
+from pathways.ifrt.proto.xla.tsl.protobuf import error_codes_pb2
+from pathways.wire.codec import _np_dtype, is_wire_dtype
+
+# Status codes (tensorflow.error.Code) the server answers with.
+INVALID_ARGUMENT = error_codes_pb2.INVALID_ARGUMENT
+NOT_FOUND = error_codes_pb2.NOT_FOUND
+UNIMPLEMENTED = error_codes_pb2.UNIMPLEMENTED
+FAILED_PRECONDITION = error_codes_pb2.FAILED_PRECONDITION
+RESOURCE_EXHAUSTED = error_codes_pb2.RESOURCE_EXHAUSTED
+DEADLINE_EXCEEDED = error_codes_pb2.DEADLINE_EXCEEDED
+INTERNAL = error_codes_pb2.INTERNAL
+UNAVAILABLE = error_codes_pb2.UNAVAILABLE
+PERMISSION_DENIED = error_codes_pb2.PERMISSION_DENIED
+
+SERVER_HANDLE_BASE = 1 << 48  # handles the server makes: never among the client's small ones
+MEMORY_KIND = "device"
+HLO_SHARDING = "xla::ifrt::HloSharding"
+SINGLE_DEVICE_SHARDING = "xla::ifrt::SingleDeviceSharding"
+CONCRETE_EVEN_SHARDING = "xla::ifrt::ConcreteEvenSharding"
+MAX_RANK = 64
+MAX_ELEMENTS = 1 << 40
+
+
+class IfrtError(Exception):
+    """A request failed: answered with this status code and message."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def invalid(message: str) -> IfrtError:
+    return IfrtError(INVALID_ARGUMENT, message)
+
+
+# ---- dtypes and shapes ---------------------------------------------------------------------
+
+_K = dtype_pb2.DTypeProto
+_NAME_OF_KIND = {_K.KIND_PRED: "bool", _K.KIND_S8: "int8", _K.KIND_S16: "int16", _K.KIND_S32: "int32",
+                 _K.KIND_S64: "int64", _K.KIND_U8: "uint8", _K.KIND_U16: "uint16", _K.KIND_U32: "uint32",
+                 _K.KIND_U64: "uint64", _K.KIND_F16: "float16", _K.KIND_F32: "float32", _K.KIND_F64: "float64",
+                 _K.KIND_BF16: "bfloat16", _K.KIND_C64: "complex64", _K.KIND_C128: "complex128"}
+_KIND_OF_NAME = {v: k for k, v in _NAME_OF_KIND.items()}
+
+
+def dtype_of(proto: dtype_pb2.DTypeProto) -> np.dtype:
+    name = _NAME_OF_KIND.get(proto.kind)
+    if name is None:
+        kind = _K.Kind.Name(proto.kind) if proto.kind in _K.Kind.values() else str(proto.kind)
+        raise IfrtError(UNIMPLEMENTED, f"arrays of dtype {kind} are not supported by this server; use one of "
+                                       f"{sorted(_KIND_OF_NAME)}")
+    return _np_dtype(name)
+
+
+def dtype_proto(dtype: np.dtype | str) -> dtype_pb2.DTypeProto:
+    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    if name not in _KIND_OF_NAME or not is_wire_dtype(_np_dtype(name)):
+        raise IfrtError(UNIMPLEMENTED, f"dtype {name} has no IFRT form here")
+    return dtype_pb2.DTypeProto(kind=_KIND_OF_NAME[name], version_number=0)
+
+
+def shape_of(dims: Sequence[int], what: str = "shape") -> tuple[int, ...]:
+    dims = tuple(int(d) for d in dims)
+    if len(dims) > MAX_RANK or any(d < 0 for d in dims) or math.prod(dims) > MAX_ELEMENTS:
+        raise invalid(f"{what} {list(dims)[:8]} is not a shape of at most {MAX_RANK} non-negative sizes "
+                      f"and {MAX_ELEMENTS} elements")
+    return dims
+
+
+def shape_proto(shape: Sequence[int]) -> shape_pb2.ShapeProto:
+    return shape_pb2.ShapeProto(dims=list(shape), version_number=0)
+
+
+def default_layout_text(ndim: int) -> bytes:
+    """The default (row-major) layout in the text form the client parses, e.g. ``{1,0}``."""
+    return ("{" + ",".join(str(d) for d in range(ndim - 1, -1, -1)) + "}").encode()
+
+
+# ---- shardings -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Sharding:
+    """An IFRT sharding as the server keeps it: the IFRT ids of its devices and an xla
+    OpSharding (serialized) over their positions 0..n-1."""
+
+    devices: tuple[int, ...]
+    op: bytes
+
+    @property
+    def replicated(self) -> bool:
+        return is_replicated(self.op, len(self.devices))
+
+
+_REPLICATED = xla_data_pb2.OpSharding(type=xla_data_pb2.OpSharding.REPLICATED).SerializeToString()
+
+
+def replicated(devices: Sequence[int]) -> Sharding:
+    return Sharding(tuple(devices), _REPLICATED)
+
+
+def op_of(op: bytes) -> xla_data_pb2.OpSharding:
+    try:
+        return xla_data_pb2.OpSharding.FromString(op)
+    except Exception as e:  # protobuf raises DecodeError and others on garbage
+        raise invalid(f"the sharding's OpSharding does not parse ({type(e).__name__})") from None
+
+
+def is_replicated(op: bytes, ndevices: int) -> bool:
+    o = op_of(op)
+    if o.type == o.REPLICATED or (o.type == o.MAXIMAL and ndevices == 1):
+        return True
+    if o.type == o.OTHER:
+        dims = list(o.tile_assignment_dimensions)
+        return o.replicate_on_last_tile_dim and math.prod(dims[:-1]) == 1
+    return False
+
+
+def parse_sharding(proto: sharding_pb2.ShardingProto, ndevices_known: int) -> Sharding:
+    """The sharding a client sent; ``ndevices_known``: how many devices the session has
+    (every id must be below it)."""
+    serialized = proto.serialized_sharding
+    kind = serialized.type_name
+    try:
+        if kind == HLO_SHARDING:
+            hlo = xla_sharding_pb2.HloShardingProto.FromString(serialized.data)
+            devices = tuple(hlo.devices.device_ids)
+            op = hlo.xla_op_sharding.SerializeToString()
+        elif kind == SINGLE_DEVICE_SHARDING:
+            single = sharding_serdes_pb2.SingleDeviceShardingProto.FromString(serialized.data)
+            devices, op = (single.device_id,), _REPLICATED
+        elif kind == CONCRETE_EVEN_SHARDING:
+            even = sharding_serdes_pb2.ConcreteEvenShardingProto.FromString(serialized.data)
+            devices = tuple(even.devices.device_ids)
+            if not (even.is_fully_replicated or len(devices) == 1):
+                raise IfrtError(UNIMPLEMENTED, "a ConcreteEvenSharding that is not fully replicated is not "
+                                               "supported; use a NamedSharding")
+            op = _REPLICATED
+        else:
+            raise IfrtError(UNIMPLEMENTED, f"sharding type {kind[:80]!r} is not supported by this server; "
+                                           f"it takes {HLO_SHARDING}, {SINGLE_DEVICE_SHARDING} and "
+                                           f"{CONCRETE_EVEN_SHARDING}")
+    except IfrtError:
+        raise
+    except Exception as e:
+        raise invalid(f"the {kind[:80]} sharding does not parse ({type(e).__name__})") from None
+    if not devices:
+        raise invalid("a sharding needs at least one device")
+    if len(set(devices)) != len(devices) or any(not 0 <= d < ndevices_known for d in devices):
+        raise invalid(f"sharding devices {list(devices)[:16]} must be distinct ids of this session's "
+                      f"{ndevices_known} devices (jax.devices())")
+    return Sharding(devices, op)
+
+
+def sharding_proto(sharding: Sharding) -> sharding_pb2.ShardingProto:
+    hlo = xla_sharding_pb2.HloShardingProto(version_number=0, memory_kind=MEMORY_KIND)
+    hlo.devices.version_number = 0
+    hlo.devices.device_ids.extend(sharding.devices)
+    hlo.xla_op_sharding.CopyFrom(op_of(sharding.op))
+    return sharding_pb2.ShardingProto(serialized_sharding=serdes_pb2.Serialized(
+        type_name=HLO_SHARDING, data=hlo.SerializeToString()))
+
+
+Region = tuple[tuple[int, int], ...]
+
+
+def shard_regions(sharding: Sharding, shape: tuple[int, ...]) -> list[Region]:
+    """The block of the array each device of ``sharding`` holds, in device order.
+    IfrtError for shardings this server cannot cut (MANUAL, partial subgroups)."""
+    n = len(sharding.devices)
+    full = tuple((0, d) for d in shape)
+    if sharding.replicated:
+        return [full] * n
+    o = op_of(sharding.op)
+    if o.type != o.OTHER or o.last_tile_dims:
+        name = xla_data_pb2.OpSharding.Type.Name(o.type) if o.type in xla_data_pb2.OpSharding.Type.values() else "?"
+        raise IfrtError(UNIMPLEMENTED, f"an OpSharding of type {name} with subgroups cannot be cut into shards here")
+    dims = list(o.tile_assignment_dimensions)
+    tiled = dims[:-1] if o.replicate_on_last_tile_dim else dims
+    if len(tiled) != len(shape) or math.prod(dims) != n:
+        raise invalid(f"OpSharding tile dims {dims} do not fit a rank-{len(shape)} array on {n} devices")
+    order = tile_devices(o, n)
+    regions: list[Optional[Region]] = [None] * n
+    for flat, device in enumerate(order):
+        coords = np.unravel_index(flat, dims)
+        block = []
+        for axis, (size, tiles) in enumerate(zip(shape, tiled)):
+            step = -(-size // tiles)
+            lo = min(int(coords[axis]) * step, size)
+            block.append((lo, min(lo + step, size)))
+        regions[device] = tuple(block)
+    if any(r is None for r in regions):
+        raise invalid("the OpSharding's tile assignment does not name every device once")
+    return regions  # type: ignore[return-value]
+
+
+def tile_devices(o: xla_data_pb2.OpSharding, n: int) -> list[int]:
+    """The logical device of each tile, in row-major tile order."""
+    dims = list(o.tile_assignment_dimensions)
+    if o.iota_reshape_dims:
+        perm = list(o.iota_transpose_perm) or list(range(len(o.iota_reshape_dims)))
+        order = np.arange(n).reshape(list(o.iota_reshape_dims)).transpose(perm).reshape(-1)
+        devices = [int(d) for d in order]
+    else:
+        devices = [int(d) for d in o.tile_assignment_devices]
+    if sorted(devices) != list(range(n)) or math.prod(dims) != n:
+        raise invalid(f"the OpSharding's tile assignment {devices[:16]} is not a permutation of 0..{n - 1}")
+    return devices
+
+
+# ---- host buffers ---------------------------------------------------------------------------
+
+def host_view(buffer: memoryview | bytes, dtype: np.dtype, shape: tuple[int, ...],
+              byte_strides: Optional[Sequence[int]]) -> np.ndarray:
+    """The array a host buffer holds, without a copy; ``byte_strides`` as IFRT gives them."""
+    itemsize = dtype.itemsize
+    count = math.prod(shape)
+    if byte_strides is None:
+        if len(buffer) != count * itemsize:
+            raise invalid(f"the host buffer has {len(buffer)} bytes; a {dtype.name}{list(shape)} array needs "
+                          f"{count * itemsize}")
+        return np.frombuffer(buffer, dtype).reshape(shape)
+    strides = tuple(int(s) for s in byte_strides)
+    if len(strides) != len(shape) or any(s < 0 for s in strides):
+        raise invalid(f"byte_strides {list(strides)[:8]} do not fit shape {list(shape)}")
+    span = 0 if count == 0 else sum((d - 1) * s for d, s in zip(shape, strides)) + itemsize
+    if len(buffer) < span:
+        raise invalid(f"the host buffer has {len(buffer)} bytes; byte_strides {list(strides)} over shape "
+                      f"{list(shape)} reach {span}")
+    return np.ndarray(shape, dtype, buffer=buffer, offset=0, strides=strides)
+
+
+def strided_bytes(array: np.ndarray, byte_strides: Optional[Sequence[int]]) -> np.ndarray:
+    """``array`` laid out in a buffer with ``byte_strides`` (C order when None): a flat
+    uint8 array, the buffer the client reads."""
+    if byte_strides is None:
+        return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    strides = tuple(int(s) for s in byte_strides)
+    shape = array.shape
+    if len(strides) != len(shape) or any(s < 0 for s in strides):
+        raise invalid(f"byte_strides {list(strides)[:8]} do not fit shape {list(shape)}")
+    count = math.prod(shape)
+    span = 0 if count == 0 else sum((d - 1) * s for d, s in zip(shape, strides)) + array.dtype.itemsize
+    out = np.zeros(span, np.uint8)
+    if count:
+        np.ndarray(shape, array.dtype, buffer=out, strides=strides)[...] = array
+    return out
+
+
+def byte_strides_of(message: object, field: str) -> Optional[list[int]]:
+    return list(getattr(message, field).strides) if message.HasField(field) else None  # type: ignore[attr-defined]
+
+
+def request_kind(request: ifrt_service_pb2.IfrtRequest) -> str:
+    return request.WhichOneof("request") or "no request"

@@ -1,0 +1,224 @@
+"""Compiling and running "xla" functions: a StableHLO portable artifact (what an IFRT proxy
+client sends) compiled with the client's xla CompileOptions on given devices of the island.
+
+The executable is wrapped as a callable that takes global jax.Arrays and returns global
+jax.Arrays with the NamedShardings of its output layouts, so that the executor, the store,
+transfers and fetches treat it like a jax.export function. On an island of several hosts
+every host compiles the same executable over all its devices and runs it on the shards it
+holds (jax.distributed joins the hosts' collectives).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax._src import xla_bridge
+from jax._src.interpreters import mlir
+from jax._src.lib import _jax, xla_client
+from jax._src.lib.mlir import ir
+from jax._src.sharding_impls import GSPMDSharding
+
+from pathways.errors import WireError
+from pathways.hlo import layout_of_op_sharding, replicated
+from pathways.ir import Device, Layout
+from pathways.wire.codec import is_wire_dtype_name
+
+_DONOR_ATTRS = ("tf.aliasing_output", "jax.buffer_donor")
+
+
+@dataclass(frozen=True)
+class Metadata:
+    """What the compiled executable says about itself (Compiled's fields but ``fn``)."""
+
+    ins: tuple[Layout, ...]
+    outs: tuple[Layout, ...]
+    out_types: tuple[tuple[str, tuple[int, ...]], ...]
+    in_shardings: tuple[bytes, ...]
+    out_shardings: tuple[bytes, ...]
+    in_layouts: tuple[tuple[int, ...], ...]
+    out_layouts: tuple[tuple[int, ...], ...]
+    donated: tuple[int, ...]
+    fingerprint: str
+    name: str
+
+
+def fingerprint(artifact: bytes, options: bytes, devices: Sequence[Device], workers: Sequence[int]) -> str:
+    """The compile cache's key of an "xla" function: the same artifact and options on the
+    same devices compile once."""
+    h = hashlib.sha256()
+    for part in (artifact, options, repr((tuple(devices), tuple(workers))).encode()):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.hexdigest()
+
+
+class XlaExecutable:
+    """A loaded executable as a function of global jax.Arrays (see the module's doc)."""
+
+    def __init__(self, loaded: Any, in_avals: list, in_shardings: list, out_shardings: list,
+                 out_types: Sequence[tuple[str, tuple[int, ...]]], metadata: Metadata) -> None:
+        self._loaded = loaded
+        self._in = in_shardings  # GSPMDShardings over the executable's devices, in its order
+        self._out = out_shardings  # NamedShardings of the output layouts
+        self._out_shapes = [shape for _, shape in out_types]
+        self._equivalent: dict[tuple[int, Any], bool] = {}
+        self.in_avals = in_avals  # (shape, dtype) per parameter
+        self.metadata = metadata
+
+    def __call__(self, *args: Any) -> list:
+        if len(args) != len(self._in):
+            raise ValueError(f"the executable takes {len(self._in)} arguments, got {len(args)}")
+        inputs = [self._as_expected(i, x) for i, x in enumerate(args)]
+        results = self._loaded.execute_sharded(inputs)
+        per_output = results.disassemble_into_single_device_arrays()
+        return [jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+                for shape, sharding, arrays in zip(self._out_shapes, self._out, per_output)]
+
+    def _as_expected(self, i: int, x: Any) -> Any:
+        """Argument ``i`` with its buffers in the executable's device order: the same
+        shards relabelled when its sharding places data as the parameter's does (the
+        controller moved it there), else moved. A buffer on the wrong device is an error
+        in XLA, and data in the wrong place would be a wrong result."""
+        expected = self._in[i]
+        key = (i, x.sharding)
+        same = self._equivalent.get(key)
+        if same is None:
+            same = x.sharding.is_equivalent_to(expected, x.ndim)
+            if len(self._equivalent) < 1024:
+                self._equivalent[key] = same
+        if not same:
+            return jax.device_put(x, expected)
+        return jax.make_array_from_single_device_arrays(x.shape, expected, [s.data for s in x.addressable_shards])
+
+
+def compile_xla(name: str, artifact: bytes, options: bytes, devices: Sequence[Device], workers: Sequence[int],
+                island: Mapping[Device, Any], sharding_of: Callable[[Layout], Any]) -> XlaExecutable:
+    """Compile ``artifact`` with serialized CompileOptionsProto ``options`` on ``devices``
+    (logical device i of the executable is ``devices[i]``, hosted by ``workers`` in rank
+    order); ``island`` maps this island's devices to jax devices, ``sharding_of`` gives a
+    layout's NamedSharding. Raises WireError (or XLA's error) saying what failed."""
+    missing = [d for d in devices if d not in island]
+    if missing:
+        raise WireError(f"function {name!r} names devices {missing} (host rank, index) that this worker's island "
+                        f"lacks; it has {sorted(island)}")
+    try:
+        compile_options = xla_client.CompileOptions.ParseFromString(options)
+    except Exception as e:
+        raise WireError(f"function {name!r}: the options are no serialized xla CompileOptionsProto ({e})") from None
+    replicas, partitions = compile_options.num_replicas, compile_options.num_partitions
+    if replicas < 1 or partitions < 1:
+        raise WireError(f"function {name!r}: the options ask for {replicas} replica(s) and {partitions} "
+                        "partition(s); send a serialized xla CompileOptionsProto with at least one of each")
+    if replicas * partitions != len(devices):
+        raise WireError(f"function {name!r} is compiled for {replicas} replica(s) x {partitions} partition(s) but "
+                        f"given {len(devices)} device(s); give one device per replica and partition")
+    jax_devices = tuple(island[d] for d in devices)
+    # the client's device ids mean nothing here: logical device i is devices[i]
+    compile_options.device_assignment = xla_client.DeviceAssignment.create(
+        np.array([d.id for d in jax_devices]).reshape(replicas, partitions))
+    in_avals, out_types, donated = signature(name, artifact)
+    loaded = xla_bridge.get_backend().compile_and_load(artifact, xla_client.DeviceList(jax_devices), compile_options)
+
+    workers_by_rank = dict(zip(sorted({r for r, _ in devices}), workers))
+    in_ops = _op_shardings(loaded.get_parameter_shardings(), len(in_avals))
+    out_ops = _op_shardings(loaded.get_output_shardings(), len(out_types))
+    if len(in_ops) != len(in_avals) or len(out_ops) != len(out_types):
+        raise WireError(f"function {name!r}: the executable reports {len(in_ops)} parameter and {len(out_ops)} "
+                        f"output shardings for a signature of {len(in_avals)} and {len(out_types)}")
+    ins = tuple(layout_of_op_sharding(op, devices, workers_by_rank, len(shape))
+                for op, (shape, _) in zip(in_ops, in_avals))
+    outs = tuple(layout_of_op_sharding(op, devices, workers_by_rank, len(shape))
+                 for op, (_, shape) in zip(out_ops, out_types))
+    hlo = [xla_client.HloSharding.from_proto(_jax_op_sharding(op)) for op in in_ops]
+    metadata = Metadata(ins, outs, tuple(out_types), tuple(in_ops), tuple(out_ops),
+                        tuple(_minor_to_major(x) for x in loaded.get_parameter_layouts()),
+                        tuple(_minor_to_major(x) for x in loaded.get_output_layouts()),
+                        tuple(donated), fingerprint(artifact, options, devices, workers),
+                        _module_name(loaded, name))
+    return XlaExecutable(loaded, in_avals, [GSPMDSharding(jax_devices, h) for h in hlo],
+                         [sharding_of(layout) for layout in outs], out_types, metadata)
+
+
+def signature(name: str, artifact: bytes) -> tuple[list, list, list[int]]:
+    """The artifact's ``main``: (shape, dtype) per parameter, (dtype name, shape) per
+    output, and the donated parameters (``tf.aliasing_output`` or ``jax.buffer_donor``)."""
+    with mlir.make_ir_context():
+        try:
+            module = _jax.mlir.deserialize_portable_artifact(artifact)
+        except Exception:
+            try:  # plain MLIR (text or bytecode), which XLA compiles as well
+                module = ir.Module.parse(artifact)
+            except Exception as e:
+                raise WireError(f"function {name!r} is no StableHLO artifact: {e}") from None
+        main = next((op for op in module.body.operations if "sym_name" in op.attributes
+                     and ir.StringAttr(op.attributes["sym_name"]).value == "main"), None)
+        if main is None:
+            raise WireError(f"function {name!r}: the artifact has no public function 'main'")
+        kind = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
+        ins = [_aval(name, t, f"parameter {i}") for i, t in enumerate(kind.inputs)]
+        outs = [_aval(name, t, f"output {i}") for i, t in enumerate(kind.results)]
+        donated = []
+        if "arg_attrs" in main.attributes:
+            for i, attrs in enumerate(ir.ArrayAttr(main.attributes["arg_attrs"])):
+                attrs = ir.DictAttr(attrs)
+                if any(a in attrs for a in _DONOR_ATTRS):
+                    donated.append(i)
+    return ins, [(np.dtype(dtype).name, shape) for shape, dtype in outs], donated
+
+
+def _aval(name: str, t: Any, what: str) -> tuple[tuple[int, ...], np.dtype]:
+    try:
+        tensor = ir.RankedTensorType(t)
+    except ValueError:
+        raise WireError(f"function {name!r}: {what} is a {t}, not an array (tokens and effects are not "
+                        "supported)") from None
+    if not tensor.has_static_shape:
+        raise WireError(f"function {name!r}: {what} has the dynamic shape {t}; export it with static shapes")
+    dtype = _DTYPES.get(str(tensor.element_type))
+    if dtype is None:
+        raise WireError(f"function {name!r}: {what} has element type {tensor.element_type}, which pathways "
+                        "arrays cannot hold")
+    return tuple(tensor.shape), dtype
+
+
+def _dtypes() -> dict[str, np.dtype]:
+    names = "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64 complex64 " \
+            "complex128 bfloat16".split()
+    out = {}
+    with mlir.make_ir_context():
+        for n in names:
+            if is_wire_dtype_name(n):
+                dtype = np.dtype(jax.numpy.dtype(n))
+                out[str(mlir.dtype_to_ir_type(dtype))] = dtype
+    return out
+
+
+_DTYPES = _dtypes()
+
+
+def _op_shardings(shardings: Any, n: int) -> list[bytes]:
+    """Serialized OpShardings; an executable of one device reports none: replicated."""
+    if shardings is None:
+        return [replicated()] * n
+    return [s.SerializeToString() for s in shardings]
+
+
+def _jax_op_sharding(op: bytes) -> Any:
+    sharding = xla_client.OpSharding()
+    sharding.ParseFromString(op)
+    return sharding
+
+
+def _minor_to_major(layout: Any) -> tuple[int, ...]:
+    return tuple(layout._xla_layout().minor_to_major())
+
+
+def _module_name(loaded: Any, fallback: str) -> str:
+    try:
+        return loaded.hlo_modules()[0].name
+    except Exception:  # the name is informative only
+        return fallback

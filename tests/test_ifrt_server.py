@@ -1,0 +1,159 @@
+"""The IFRT proxy server with real JAX clients: unmodified programs under
+JAX_PLATFORMS=proxy in a subprocess, against a local cluster of two islands (2 hosts x 1
+device, 1 host x 2 devices) and an IfrtServer in this process; plus its pure parts."""
+
+import numpy as np
+import pytest
+
+from ifrt_helpers import run_jax
+from pathways.cluster import Island, LocalCluster
+from pathways.ifrt import types as t
+from pathways.ifrt.devices import DeviceTable, SliceInfo
+from pathways.ifrt.proto.xla import xla_data_pb2
+from pathways.ifrt.server import IfrtServer
+from pathways.ifrt.session import parse_slice
+
+@pytest.fixture(scope="module")
+def server():
+    cluster = LocalCluster([Island(2, 1), Island(1, 2)]).start()
+    ifrt = IfrtServer(cluster.address)
+    try:
+        ifrt.start()
+        yield ifrt
+    finally:
+        ifrt.stop()
+        cluster.stop()
+
+
+def test_devices_and_round_trip(server):
+    result = run_jax(server.address, """
+        import json
+        import numpy as np
+        devices = jax.devices()
+        x = np.arange(12, dtype=np.float32).reshape(3, 4)
+        back = np.asarray(jax.device_put(x))
+        on_last = jax.device_put(np.arange(5, dtype=np.int32), devices[3])
+        print("RESULT", json.dumps({
+            "n": len(devices), "processes": jax.process_count(), "index": jax.process_index(),
+            "local": len(jax.local_devices()), "platform": devices[0].platform,
+            "ids": [d.id for d in devices], "islands": [d.island for d in devices],
+            "hosts": [d.host for d in devices], "kinds": [d.device_kind for d in devices],
+            "round_trip": back.tolist(), "on_last": np.asarray(on_last).tolist(),
+            "last_device": [d.id for d in on_last.devices()]}))
+    """)
+    assert result["n"] == 4 and result["processes"] == 1 and result["index"] == 0 and result["local"] == 4
+    assert result["platform"] == "cpu" and result["kinds"] == ["cpu"] * 4
+    assert result["ids"] == [0, 1, 2, 3]
+    assert result["islands"] == [0, 0, 1, 1] and result["hosts"] == [0, 1, 0, 0]
+    assert result["round_trip"] == np.arange(12, dtype=np.float32).reshape(3, 4).tolist()
+    assert result["on_last"] == list(range(5)) and result["last_device"] == [3]
+
+
+def test_jit(server):
+    result = run_jax(server.address, """
+        import json
+        import numpy as np
+        import jax.numpy as jnp
+        x = jax.device_put(np.arange(8, dtype=np.float32))
+        y = jax.jit(lambda a: a * 2 + 1)(x)
+        z = jax.jit(lambda a, b: (a @ b).sum())(jnp.ones((4, 3)), jnp.ones((3, 2)))
+        print("RESULT", json.dumps({"y": np.asarray(y).tolist(), "z": float(z)}))
+    """)
+    assert result["y"] == (np.arange(8, dtype=np.float32) * 2 + 1).tolist()
+    assert result["z"] == 24.0
+
+
+def test_sharded_jit(server):
+    result = run_jax(server.address, """
+        import json
+        import numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        island1 = [d for d in jax.devices() if d.island == 1]
+        mesh = Mesh(np.array(island1), ("x",))
+        s = NamedSharding(mesh, P("x"))
+        x = jax.device_put(np.arange(8, dtype=np.float32).reshape(4, 2), s)
+        y = jax.jit(lambda a: a * 3, out_shardings=s)(x)
+        total = jax.jit(lambda a: a.sum())(y)
+        print("RESULT", json.dumps({"x": np.asarray(x).tolist(), "y": np.asarray(y).tolist(),
+                                    "total": float(total),
+                                    "shards": [list(map(int, sh.data.shape)) for sh in y.addressable_shards]}))
+    """)
+    x = np.arange(8, dtype=np.float32).reshape(4, 2)
+    assert result["x"] == x.tolist() and result["y"] == (x * 3).tolist()
+    assert result["total"] == float((x * 3).sum()) and result["shards"] == [[2, 2], [2, 2]]
+
+
+# ---- pure parts -------------------------------------------------------------------------------
+
+def _table():
+    return DeviceTable([SliceInfo(7, "cpu", 1, (5,), ("b:1",), ((0, 0), (0, 1))),
+                        SliceInfo(3, "cpu", 0, (1, 2), ("a:1", "a:2"), ((1, 0), (0, 0)))])
+
+
+def test_device_numbering_is_island_then_host_then_index():
+    table = _table()
+    assert [(d.island, d.rank, d.index, d.worker) for d in table.devices] == [
+        (0, 0, 0, 1), (0, 1, 0, 2), (1, 0, 0, 5), (1, 0, 1, 5)]
+    place = table.place([1, 0])
+    assert place.pairs == ((1, 0), (0, 0)) and place.workers == (1, 2) and place.addresses == ("a:1", "a:2")
+    with pytest.raises(t.IfrtError, match="share no interconnect"):
+        table.place([0, 2])
+    with pytest.raises(t.IfrtError, match="not one of this session's 4 devices"):
+        table.get(4)
+
+
+def test_shard_regions_of_tiled_and_replicated_shardings():
+    op = xla_data_pb2.OpSharding(type=xla_data_pb2.OpSharding.OTHER, tile_assignment_dimensions=[2, 1],
+                                 tile_assignment_devices=[1, 0])
+    sharding = t.Sharding((2, 3), op.SerializeToString())
+    assert t.shard_regions(sharding, (5, 3)) == [((3, 5), (0, 3)), ((0, 3), (0, 3))]
+    assert t.shard_regions(t.replicated((0, 1)), (2,)) == [((0, 2),), ((0, 2),)]
+    manual = xla_data_pb2.OpSharding(type=xla_data_pb2.OpSharding.MANUAL).SerializeToString()
+    with pytest.raises(t.IfrtError):
+        t.shard_regions(t.Sharding((0, 1), manual), (2,))
+
+
+def test_host_buffers_with_byte_strides():
+    a = np.arange(6, dtype=np.int32).reshape(2, 3)
+    fortran = t.strided_bytes(a, [4, 8])
+    assert np.array_equal(t.host_view(memoryview(fortran), np.dtype(np.int32), (2, 3), [4, 8]), a)
+    assert t.strided_bytes(a, None).tobytes() == a.tobytes()
+    with pytest.raises(t.IfrtError, match="needs 24"):
+        t.host_view(b"\0" * 8, np.dtype(np.int32), (2, 3), None)
+
+
+def test_formats_the_client_parses():
+    assert t.default_layout_text(2) == b"{1,0}" and t.default_layout_text(0) == b"{}"
+    assert t.dtype_proto(np.float32).version_number == 0 and t.shape_proto((2,)).version_number == 0
+    proto = t.sharding_proto(t.replicated((0,)))
+    assert proto.serialized_sharding.type_name == "xla::ifrt::HloSharding"
+    assert t.parse_sharding(proto, 1) == t.replicated((0,))
+
+
+def test_pathways_slice_parsing():
+    assert parse_slice("cpu:2") == ("cpu", 2, None) and parse_slice("gpu:8@1") == ("gpu", 8, 1)
+    for bad in ("cpu", "cpu:x", "fpga:2", "cpu:2@x", 3):
+        with pytest.raises(t.IfrtError, match="KIND:COUNT"):
+            parse_slice(bad)
+
+
+def test_copy_between_islands_donation_and_deletion(server):
+    result = run_jax(server.address, """
+        import json
+        import numpy as np
+        devices = jax.devices()
+        x = jax.device_put(np.arange(6, dtype=np.float32), devices[0])
+        moved = jax.device_put(x, devices[2])  # island 0 -> island 1, over the data plane
+        step = jax.jit(lambda a: a + 1, donate_argnums=0)
+        y = step(moved)
+        z = step(y)
+        w = jax.device_put(np.ones(3, np.float32))
+        w.delete()
+        print("RESULT", json.dumps({"moved": np.asarray(moved).tolist() if not moved.is_deleted() else None,
+                                    "on": [d.id for d in z.devices()], "z": np.asarray(z).tolist(),
+                                    "y_deleted": y.is_deleted(), "w_deleted": w.is_deleted(),
+                                    "x": np.asarray(x).tolist()}))
+    """)
+    assert result["x"] == list(range(6)) and result["on"] == [2]
+    assert result["z"] == [float(i + 2) for i in range(6)]
+    assert result["y_deleted"] and result["w_deleted"]
