@@ -1,4 +1,4 @@
-"""The ``pathways`` command line: controller, worker, up, status, demo, bench, spmd, plan."""
+"""The ``pathways`` command line: controller, worker, up, run, status, demo, bench, spmd, plan."""
 
 from __future__ import annotations
 
@@ -52,6 +52,10 @@ def _main(argv: list[str] | None) -> int:
                                  "and prints the address of the interface its default route uses (without a "
                                  "default route, its first address that is not loopback); peers may use any "
                                  "address of the machine")
+    controller.add_argument("--ifrt-bind", metavar="HOST:PORT", default=None,
+                            help="also serve unmodified JAX programs (JAX_PLATFORMS=proxy) over the IFRT proxy "
+                                 "protocol there, e.g. 127.0.0.1:0; prints `ifrt grpc://HOST:PORT` on the line "
+                                 "after its address. Beyond loopback it requires the token, like --bind")
     controller.add_argument("--policy", choices=["fair", "fifo"], default="fair",
                             help="order of runs between clients: proportional share by weight, or FIFO")
     controller.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="runs in flight per island")
@@ -105,14 +109,29 @@ def _main(argv: list[str] | None) -> int:
     security.add_flags(worker, server=True)
 
     up = sub.add_parser("up", help="run a local cluster until Ctrl-C; prints its address")
-    up.add_argument("--islands", default="2x2",
-                    help="comma-separated HOSTSxDEVICES per island, e.g. 2x1,1x4 (default 2x2)")
+    _island_flags(up)
     up.add_argument("--policy", choices=["fair", "fifo"], default="fair")
     up.add_argument("--window", type=int, default=DEFAULT_WINDOW)
     security.add_flags(up, server=True)
     up.add_argument("--heartbeat-timeout", type=float, default=None, metavar="S",
                     help=f"seconds of silence after which controller and workers give each other up "
                          f"(default {HEARTBEAT_TIMEOUT:g})")
+    up.add_argument("--ifrt-port", type=int, default=None, metavar="PORT",
+                    help="also serve unmodified JAX programs over the IFRT proxy protocol on this loopback "
+                         "port (0: any free one): JAX_PLATFORMS=proxy JAX_BACKEND_TARGET=grpc://127.0.0.1:PORT")
+
+    run = sub.add_parser("run", help="run an unmodified JAX script on an embedded local cluster (IFRT proxy)",
+                         description="Start a local cluster whose controller serves the IFRT proxy protocol, run "
+                                     "the script with JAX_PLATFORMS=proxy and JAX_BACKEND_TARGET set (no pathways "
+                                     "import needed in it), stop the cluster, and exit with the script's code.")
+    _island_flags(run)
+    run.add_argument("--timeout", type=float, default=None, metavar="S",
+                     help="seconds before the script is stopped (exit code 124; default: no limit)")
+    run.add_argument("--token-file", metavar="PATH",
+                     help="file holding a token the cluster requires of every connection (default: "
+                          "$PATHWAYS_TOKEN; none); the script is given it as PATHWAYS_TOKEN")
+    run.add_argument("script", help="the Python script, run as `python SCRIPT ARGS...`")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
 
     status = sub.add_parser("status", help="show islands, workers (speed, memory), links, slices, clients, queues")
     status.add_argument("--address", default=os.environ.get("PATHWAYS_ADDRESS"))
@@ -169,7 +188,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: lis
         exit_with_parent()
     if args.command == "controller":
         from pathways.controller.server import main as controller_main
-        controller_main(args.policy, args.window, args.bind, security.from_args(args), args.heartbeat_timeout)
+        controller_main(args.policy, args.window, args.bind, security.from_args(args), args.heartbeat_timeout,
+                        args.ifrt_bind)
     elif args.command == "worker":
         from pathways.platforms import find_devices
         from pathways.worker.launchers import LaunchError, resolve
@@ -187,18 +207,19 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: lis
                     args.wait_timeout, args.connect_timeout, args.join_timeout, args.bind, args.advertise,
                     args.unsafe_local_order, security.from_args(args), args.heartbeat_timeout)
     elif args.command == "up":
-        from pathways.cluster import Island, LocalCluster
+        from pathways.cluster import LocalCluster
         try:
-            islands = [Island(*map(int, spec.split("x"))) for spec in args.islands.split(",")]
-        except ValueError:
-            parser.error(f"--islands {args.islands!r} is not a list like 2x1,1x4")
-        try:
-            cluster = LocalCluster(islands, policy=args.policy, window=args.window,
-                                   security=security.from_args(args), heartbeat_timeout=args.heartbeat_timeout)
+            cluster = LocalCluster(_islands(parser, args), policy=args.policy, window=args.window,
+                                   security=security.from_args(args), heartbeat_timeout=args.heartbeat_timeout,
+                                   ifrt_port=args.ifrt_port)
         except ValueError as e:
             parser.error(str(e))
         cluster.start()
-        print(f"pathways cluster up at {cluster.address}; export PATHWAYS_ADDRESS={cluster.address}", flush=True)
+        lines = [f"pathways cluster up at {cluster.address}; export PATHWAYS_ADDRESS={cluster.address}"]
+        if cluster.ifrt_address:
+            lines.append(f"IFRT proxy at {cluster.ifrt_address}; run unmodified JAX programs with "
+                         f"JAX_PLATFORMS=proxy JAX_BACKEND_TARGET={cluster.ifrt_address}")
+        print("\n".join(lines), flush=True)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the cluster on SIGTERM too
         try:
             while not cluster.controller_exited.wait(3600):
@@ -210,6 +231,16 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: lis
             pass
         finally:
             cluster.stop()
+    elif args.command == "run":
+        from pathways.ifrt.launch import run_script
+
+        islands = _islands(parser, args)
+        if args.timeout is not None and not args.timeout > 0:
+            parser.error(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+        try:
+            return run_script(islands, args.script, args.args, _run_security(args), args.timeout)
+        except FileNotFoundError as e:
+            parser.error(str(e))
     elif args.command == "status":
         return _status(args.address, args.measure, args.timeout, security.from_args(args))
     elif args.command == "demo":
@@ -246,6 +277,45 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: lis
 
         return plan_main([*unknown, *args.plan_args])
     return 0
+
+
+def _island_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--islands", default=None,
+                        help="comma-separated islands, each HOSTSxDEVICES or HOSTS (with --devices-per-host), "
+                             "e.g. 2x1,1x4 (default 2x2)")
+    parser.add_argument("--devices-per-host", type=int, default=None, metavar="N",
+                        help="CPU devices of each host of the islands given as HOSTS in --islands (default 2)")
+
+
+def _islands(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list:
+    """The islands of --islands and --devices-per-host; a usage error names what is wrong."""
+    from pathways.cluster import Island
+
+    spec = args.islands or "2"
+    per_host = args.devices_per_host
+    if per_host is not None and per_host < 1:
+        parser.error(f"--devices-per-host must be at least 1, got {per_host}")
+    islands = []
+    for part in spec.split(","):
+        hosts, x, devices = part.strip().partition("x")
+        if x and per_host is not None:
+            parser.error(f"--islands {spec!r} gives the devices per host already ({part!r}); give HOSTS in "
+                         "--islands with --devices-per-host, or HOSTSxDEVICES without it")
+        if not hosts.isdigit() or not (devices.isdigit() if x else True) or int(hosts) < 1 \
+                or (x and int(devices) < 1):
+            parser.error(f"--islands {spec!r} is not a list like 2x1,1x4 (HOSTSxDEVICES per island, at least 1 "
+                         "of each) or 2,1 with --devices-per-host")
+        islands.append(Island(int(hosts), int(devices) if x else per_host or 2))
+    return islands
+
+
+def _run_security(args: argparse.Namespace) -> Security:
+    """The embedded cluster's settings: the token of --token-file or PATHWAYS_TOKEN, no TLS
+    (it listens on loopback, and the IFRT proxy client speaks plain gRPC or ALTS only)."""
+    from pathways.wire import security
+
+    token = security.read_token_file(args.token_file) if args.token_file else security.env_token()
+    return security.Security(token=token)
 
 
 def _status(address: str | None, measure: bool = False, timeout: float = 60.0,

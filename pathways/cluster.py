@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import grpc
 import trio
 
-from pathways.defaults import ADDRESS_LINE, DEFAULT_WINDOW
+from pathways.defaults import ADDRESS_LINE, DEFAULT_WINDOW, IFRT_LINE
 from pathways.errors import ConnectError, DeadlineExceededError, WireError
 from pathways.protocol.errors import error_of
 from pathways.protocol.messages import MeasureRequest, pack, unpack
@@ -82,15 +82,20 @@ def free_port() -> int:
 
 class LocalCluster:
     """A controller and workers on this machine. ``security``: the token and TLS settings
-    every process of the cluster (and this process, to reach it) is given; none by default."""
+    every process of the cluster (and this process, to reach it) is given; none by default.
+    ``ifrt_port``: the controller also serves the IFRT proxy protocol on this loopback port
+    (0: any free one), at ``.ifrt_address`` (``grpc://127.0.0.1:PORT``); None: it does not."""
 
     def __init__(self, islands: Sequence[Island], start_timeout: float = 120.0, policy: str = "fair",
                  window: int = DEFAULT_WINDOW, unsafe_local_order: bool = False,
-                 security: Security | None = None, heartbeat_timeout: Optional[float] = None) -> None:
+                 security: Security | None = None, heartbeat_timeout: Optional[float] = None,
+                 ifrt_port: Optional[int] = None) -> None:
         if not islands or any(i.hosts < 1 or i.devices_per_host < 1 for i in islands):
             raise ValueError("a local cluster needs at least one island of hosts >= 1 and devices_per_host >= 1")
         if policy not in ("fair", "fifo") or window < 1:
             raise ValueError(f"policy must be 'fair' or 'fifo' and window >= 1, got {policy!r} and {window}")
+        if ifrt_port is not None and not 0 <= ifrt_port < 65536:
+            raise ValueError(f"ifrt_port must be a port number, 0 to 65535 (0: any free port), got {ifrt_port}")
         self.islands = list(islands)
         self.start_timeout = start_timeout
         self.policy = policy
@@ -100,7 +105,9 @@ class LocalCluster:
         # None: the processes' default (defaults.HEARTBEAT_TIMEOUT)
         self.heartbeat_timeout = None if heartbeat_timeout is None else check_timeout(heartbeat_timeout,
                                                                                         "heartbeat_timeout")
+        self.ifrt_port = ifrt_port
         self.address: Optional[str] = None
+        self.ifrt_address: Optional[str] = None  # grpc://127.0.0.1:PORT once started with ifrt_port
         self.pids: list[int] = []
         self._ready = threading.Event()
         self._failure: Optional[str] = None
@@ -162,12 +169,14 @@ class LocalCluster:
                     secure = sec.child_flags(self.security)
                     beats = ([] if self.heartbeat_timeout is None
                              else ["--heartbeat-timeout", repr(self.heartbeat_timeout)])
+                    ifrt = ([] if self.ifrt_port is None
+                            else ["--ifrt-bind", f"{rpc.LOOPBACK}:{self.ifrt_port}"])
                     controller = await trio.lowlevel.open_process(
                         _python_cmd("controller", "--policy", self.policy, "--window", str(self.window),
-                                    *sec.child_flags(self.security, data_plane=False), *beats),
+                                    *sec.child_flags(self.security, data_plane=False), *beats, *ifrt),
                         stdout=subprocess.PIPE, env=env)
                     procs.append(controller)
-                    address = await _read_address(controller.stdout)
+                    address, ifrt_address = await _read_address(controller.stdout, bool(ifrt))
                     debug = ["--unsafe-local-order"] if self.unsafe_local_order else []
                     for island_id, island in enumerate(self.islands):
                         # island i is named "i" (so its id is i) and ranks follow start order,
@@ -186,7 +195,7 @@ class LocalCluster:
                         nursery.start_soon(self._watch, p)
                     await trio.to_thread.run_sync(wait_for_workers, address, self.num_workers,
                                                   self.start_timeout, self.security, abandon_on_cancel=True)
-                self.address = address
+                self.address, self.ifrt_address = address, ifrt_address
                 self._ready.set()
                 await trio.sleep_forever()
         except BaseException as e:  # noqa: B036 - reported to start(), then re-raised
@@ -214,15 +223,22 @@ class LocalCluster:
                 self._ready.set()
 
 
-async def _read_address(stream: trio.abc.ReceiveStream) -> str:
+async def _read_address(stream: trio.abc.ReceiveStream, ifrt: bool = False) -> tuple[str, Optional[str]]:
+    """The controller's address from its stdout, and (``ifrt``) its IFRT proxy server's."""
+    wanted = [ADDRESS_LINE, IFRT_LINE] if ifrt else [ADDRESS_LINE]
     buf = b""
-    while ADDRESS_LINE.encode() not in buf or not buf.endswith(b"\n"):
+    found: dict[str, str] = {}
+    while len(found) < len(wanted):
         chunk = await stream.receive_some(4096)
         if not chunk:
             raise ConnectError(f"the controller exited before printing its address (got {buf!r})")
         buf += chunk
-    line = next(x for x in buf.decode().splitlines() if x.startswith(ADDRESS_LINE))
-    return line.split()[1]
+        *complete, _ = buf.decode(errors="replace").split("\n")  # the last part is an unfinished line
+        for line in complete:
+            word, _, rest = line.partition(" ")
+            if word in wanted:
+                found[word] = rest.strip()
+    return found[ADDRESS_LINE], found.get(IFRT_LINE)
 
 
 async def _reap(procs: list[trio.Process]) -> None:

@@ -123,7 +123,7 @@ class ConnectedCluster(LocalCluster):
 def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[Sequence[Island]] = None,
                   start_timeout: float = 120.0, policy: str = "fair", window: int = DEFAULT_WINDOW,
                   unsafe_local_order: bool = False, security: Optional[Security] = None,
-                  heartbeat_timeout: Optional[float] = None) -> ConnectedCluster:
+                  heartbeat_timeout: Optional[float] = None, ifrt: bool = False) -> ConnectedCluster:
     """A context manager running a controller and workers on this machine.
 
     One island of ``hosts`` worker processes with ``devices_per_host`` CPU devices each, or
@@ -140,9 +140,14 @@ def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[S
 
     ``security`` (``pathways.wire.security.Security``): the token, TLS certificate and CA
     that every process of the cluster, and the session, is given; none by default.
+
+    ``ifrt``: the controller also serves the IFRT proxy protocol on a free loopback port,
+    at ``.ifrt_address`` (``grpc://127.0.0.1:PORT``), so that unmodified JAX programs run
+    on the cluster with ``JAX_PLATFORMS=proxy JAX_BACKEND_TARGET=<.ifrt_address>``.
     """
     return ConnectedCluster(list(islands) if islands else [Island(hosts, devices_per_host)], start_timeout,
-                            policy, window, unsafe_local_order, security, heartbeat_timeout)
+                            policy, window, unsafe_local_order, security, heartbeat_timeout,
+                            ifrt_port=0 if ifrt else None)
 
 
 def make_virtual_device_set() -> VirtualDeviceSet:

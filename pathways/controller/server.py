@@ -20,6 +20,10 @@ stream queues one when nothing else went out for a while, and gives the worker u
 has been silent for the heartbeat timeout (a frozen process, a dead host, a cut cable):
 the connection is dropped and the core handles the worker as lost, naming how long it
 was silent. The core itself has no clock.
+
+Given ``ifrt_bind``, the process also serves the IFRT proxy protocol (pathways.ifrt.server),
+a front end whose sessions are clients of this controller: started once the controller
+serves, announced on the line after its address, stopped before it.
 """
 
 from __future__ import annotations
@@ -30,13 +34,13 @@ import itertools
 import logging
 import signal
 import socket
-from typing import Any, Awaitable, Callable, Optional
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 
 import grpc
 
 from pathways.controller.core import ControllerCore, WorkerConn
 from pathways.controller.scheduler import DEFAULT_WINDOW
-from pathways.defaults import ADDRESS_LINE, HEARTBEAT_TIMEOUT
+from pathways.defaults import ADDRESS_LINE, HEARTBEAT_TIMEOUT, IFRT_LINE
 from pathways.errors import ConnectError, DeadlineExceededError, WireError
 from pathways.protocol import messages as m
 from pathways.protocol.errors import kind_of
@@ -48,6 +52,9 @@ from pathways.wire.codec import MAX_MESSAGE_BYTES
 from pathways.wire.liveness import Heartbeats, check_timeout
 from pathways.wire.security import Security
 
+if TYPE_CHECKING:
+    from pathways.ifrt.server import IfrtServer
+
 log = logging.getLogger("pathways.controller")
 
 # After a peer stops sending, how long its stream may take to deliver what is still queued
@@ -55,6 +62,9 @@ log = logging.getLogger("pathways.controller")
 _DRAIN_SECONDS = 5.0
 _STOP_GRACE_SECONDS = 0.5
 _STOP_SECONDS = 5.0  # how long stopping waits for the streams to end before cancelling them
+# How long stopping the IFRT proxy server may take: its calls in flight get a grace of a
+# second and its gRPC server some more to end them, then its sessions close.
+_IFRT_STOP_SECONDS = 15.0
 # A worker's frame, once its length has arrived, must complete within this many seconds: a
 # 64 MiB Compile crosses loopback in well under a second, so this leaves ample room for a
 # host busy compiling, while a peer that announces a frame and stalls holds its buffer for
@@ -328,9 +338,11 @@ def _header(payload: bytes) -> object:
 
 
 def main(policy: str = "fair", window: int = DEFAULT_WINDOW, bind: str = f"{rpc.LOOPBACK}:0",
-         security: Security | None = None, heartbeat_timeout: float = HEARTBEAT_TIMEOUT) -> None:
+         security: Security | None = None, heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+         ifrt_bind: str | None = None) -> None:
     """Serve on ``bind`` (``HOST:PORT``) until SIGINT or SIGTERM; a bind that fails exits
-    with a message that says why."""
+    with a message that says why. ``ifrt_bind`` (``HOST:PORT``): also serve the IFRT proxy
+    protocol there (pathways.ifrt.server), in this process, stopped with it."""
     try:
         host, port = split_host_port(bind)
     except ValueError as e:
@@ -339,11 +351,21 @@ def main(policy: str = "fair", window: int = DEFAULT_WINDOW, bind: str = f"{rpc.
         check_timeout(heartbeat_timeout)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    asyncio.run(_serve(policy, window, host, port, security, heartbeat_timeout))
+    if ifrt_bind is not None:
+        try:
+            ifrt_host, _ = split_host_port(ifrt_bind)
+        except ValueError as e:
+            raise SystemExit(f"error: --ifrt-bind {e}") from None
+        # before anything listens: a refused --ifrt-bind must not leave a controller half up
+        try:
+            sec.check_bind(ifrt_host, security, "the IFRT proxy server (--ifrt-bind)")
+        except sec.SecurityConfigError as e:
+            raise SystemExit(f"error: {e}") from None
+    asyncio.run(_serve(policy, window, host, port, security, heartbeat_timeout, ifrt_bind))
 
 
 async def _serve(policy: str, window: int, host: str, port: int, security: Security | None,
-                 heartbeat_timeout: float) -> None:
+                 heartbeat_timeout: float, ifrt_bind: str | None) -> None:
     controller = ControllerServer(policy, window, security, heartbeat_timeout)
     advertise = reachable_host(host)
     try:
@@ -352,7 +374,19 @@ async def _serve(policy: str, window: int, host: str, port: int, security: Secur
                                                   join_host_port(host, port), security=controller.security)
     except (ConnectError, OSError, sec.SecurityConfigError) as e:
         raise SystemExit(f"error: the controller cannot listen on --bind {join_host_port(host, port)}: {e}") from None
-    print(f"{ADDRESS_LINE} grpc://{join_host_port(advertise, port)}", flush=True)
+    address = f"grpc://{join_host_port(advertise, port)}"
+    lines = [f"{ADDRESS_LINE} {address}"]
+    ifrt = None
+    if ifrt_bind is not None:
+        try:
+            ifrt = await asyncio.to_thread(_start_ifrt, address, ifrt_bind, controller.security)
+        except BaseException:
+            await controller.stop(server)
+            raise
+        ifrt_host, _ = split_host_port(ifrt_bind)
+        _, ifrt_port = split_host_port(ifrt.address)
+        lines.append(f"{IFRT_LINE} grpc://{join_host_port(reachable_host(ifrt_host), ifrt_port)}")
+    print("\n".join(lines), flush=True)  # one write: a reader of the address line finds the IFRT one too
     stopping: asyncio.Future = asyncio.get_running_loop().create_future()
 
     def on_signal(signum: int) -> None:
@@ -365,4 +399,35 @@ async def _serve(policy: str, window: int, host: str, port: int, security: Secur
     try:
         log.info("controller stopping on signal %d", await stopping)
     finally:
+        if ifrt is not None:
+            await _stop_ifrt(ifrt)
         await controller.stop(server)
+
+
+def _start_ifrt(controller: str, bind: str, security: Security) -> "IfrtServer":
+    """An IFRT proxy server (pathways.ifrt.server.IfrtServer) serving on ``bind``, in front of
+    the controller at ``controller``; exits the process with a message where it cannot.
+    Runs off the event loop: the server's sessions talk to this controller."""
+    from pathways.ifrt.server import IfrtServer  # imports JAX: only controllers that serve IFRT pay for it
+
+    server = IfrtServer(controller, bind, security)
+    try:
+        server.start()
+    except Exception as e:  # whatever stopped it from serving (a port in use, a bad address): say so and exit
+        with contextlib.suppress(Exception):  # whatever part of it started
+            server.stop(0)
+        raise SystemExit(f"error: the IFRT proxy server cannot listen on --ifrt-bind {bind}: "
+                         f"{type(e).__name__}: {e}") from None
+    return server
+
+
+async def _stop_ifrt(server: "IfrtServer") -> None:
+    """Stop the IFRT proxy server first, so that its sessions end while the controller still
+    serves them; bounded, so that the controller stops even if it does not."""
+    try:
+        await asyncio.wait_for(asyncio.to_thread(server.stop), _IFRT_STOP_SECONDS)
+    except asyncio.TimeoutError:
+        log.warning("the IFRT proxy server did not stop within %g s; stopping the controller anyway",
+                    _IFRT_STOP_SECONDS)
+    except Exception:  # the controller must stop whatever the front end does
+        log.exception("stopping the IFRT proxy server failed")

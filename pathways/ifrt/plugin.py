@@ -1,0 +1,117 @@
+"""JAX's ``proxy`` backend, registered for unmodified programs through JAX's plugin entry point.
+
+Installed, the package advertises this module under the ``jax_plugins`` entry-point group
+(pyproject.toml). JAX imports every such module and calls its ``initialize()`` when it first
+looks for backends (``jax.devices()``, the first ``jit``), so that
+
+    JAX_PLATFORMS=proxy JAX_BACKEND_TARGET=grpc://HOST:PORT python train.py
+
+runs ``train.py`` unchanged on the pathways cluster whose IFRT proxy server is at HOST:PORT.
+``initialize()`` registers the ``proxy`` backend factory only when ``proxy`` is among the
+platforms JAX was asked for: every other JAX program on the machine is left as it was.
+
+The factory, when JAX calls it:
+
+- connects with plain gRPC (``IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS=true``, unless the
+  environment already says otherwise) for ``grpc://`` targets only: the client's default
+  credentials are ALTS, which only Google's servers speak;
+- passes ``PATHWAYS_TOKEN`` (the cluster's token, required beyond loopback) and
+  ``PATHWAYS_SLICE`` (``KIND:COUNT[@ISLAND]``, e.g. ``cpu:2``: the session's devices are one
+  slice the cluster places) as the session's initialization data, keys ``pathways_token``
+  and ``pathways_slice``;
+- waits ``PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS`` seconds for the server where set (as
+  pathwaysutils does), else the client's own bound (2 minutes).
+
+``pathwaysutils.initialize()`` registers a ``proxy`` factory too; whichever registers last
+wins while the backend is not yet made, and this one runs last (JAX calls it while making
+backends, after the script's own code), so its credentials and initialization data apply.
+Once the backend exists, registering again is refused by JAX and ignored here.
+
+This module is imported by every JAX program on a machine where the package is installed:
+it does nothing expensive unless ``proxy`` was asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Mapping, Optional
+
+log = logging.getLogger("pathways.ifrt.plugin")
+
+PLATFORM = "proxy"
+INSECURE_ENV = "IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS"
+TOKEN_ENV = "PATHWAYS_TOKEN"
+SLICE_ENV = "PATHWAYS_SLICE"
+TIMEOUT_ENV = "PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS"  # pathwaysutils' name for it
+TOKEN_KEY = "pathways_token"
+SLICE_KEY = "pathways_slice"
+PLAIN_GRPC = "grpc://"
+# pathwaysutils registers with this priority; JAX orders backends by JAX_PLATFORMS anyway
+# when it is set, which is the only time this module registers.
+_PRIORITY = -1
+
+
+def requested(platforms: Optional[str]) -> bool:
+    """Whether ``platforms`` (JAX_PLATFORMS's form: comma-separated names) names ``proxy``."""
+    return PLATFORM in (p.strip() for p in (platforms or "").split(","))
+
+
+def initialization_data(env: Mapping[str, str]) -> dict[str, bytes]:
+    """The session's initialization data from ``env``: the token and slice where set."""
+    data = {}
+    for key, var in ((TOKEN_KEY, TOKEN_ENV), (SLICE_KEY, SLICE_ENV)):
+        value = env.get(var, "").strip()
+        if value:
+            data[key] = value.encode()
+    return data
+
+
+def connection_timeout(env: Mapping[str, str]) -> Optional[int]:
+    """Seconds to wait for the server (PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS), or None for
+    the client's default. Raises ValueError naming the variable when it is not a positive
+    whole number."""
+    value = env.get(TIMEOUT_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{TIMEOUT_ENV}={value!r}: give the seconds to wait for the IFRT proxy server as a "
+                         "positive whole number, e.g. 30, or unset it")
+    return int(value)
+
+
+def make_client() -> Any:
+    """The ``proxy`` backend: an IFRT proxy client connected to JAX_BACKEND_TARGET."""
+    import jax
+    from jax.extend.backend import ifrt_proxy
+
+    target = jax.config.read("jax_backend_target") or ""
+    if not target:
+        raise ValueError("JAX_PLATFORMS names 'proxy' but no server is given: set JAX_BACKEND_TARGET=grpc://HOST:PORT "
+                         "(the address `python -m pathways up --ifrt-port PORT` prints)")
+    if target.startswith(PLAIN_GRPC):
+        # read by the client when it connects, in this process; an explicit setting wins
+        os.environ.setdefault(INSECURE_ENV, "true")
+    options = ifrt_proxy.ClientConnectionOptions()
+    timeout = connection_timeout(os.environ)
+    if timeout is not None:
+        options.connection_timeout_in_seconds = timeout
+    data = initialization_data(os.environ)
+    if data:
+        options.initialization_data = data
+    return ifrt_proxy.get_client(target, options)
+
+
+def initialize() -> None:
+    """JAX's plugin hook: register the ``proxy`` backend factory if ``proxy`` was asked for
+    (JAX_PLATFORMS, or the jax_platforms setting)."""
+    import jax
+
+    if not (requested(os.environ.get("JAX_PLATFORMS")) or requested(jax.config.jax_platforms)):
+        return
+    from jax.extend import backend
+
+    try:
+        backend.register_backend_factory(PLATFORM, make_client, priority=_PRIORITY)
+    except RuntimeError as e:  # "Backend proxy already initialized": whoever made it stays
+        log.debug("the proxy backend exists already; not registering it again: %s", e)

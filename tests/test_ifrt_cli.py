@@ -1,0 +1,357 @@
+"""Wiring of the IFRT proxy front end: `controller --ifrt-bind`, `up --ifrt-port`,
+`pw.local_cluster(ifrt=True)`, the jax_plugins entry point, and `pathways run`.
+
+Scripts run in subprocesses with no pathways import: JAX finds the ``proxy`` backend
+through the entry point pyproject.toml declares, written as an installed distribution's
+record on their PYTHONPATH.
+"""
+
+import inspect
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import tomllib
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+
+import pathways as pw
+from pathways.cluster import stop_processes
+from pathways.defaults import ADDRESS_LINE, IFRT_LINE
+from pathways.ifrt import launch, plugin
+from pathways.ifrt.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as grpc_pb
+from pathways.wire.addresses import split_host_port
+from tests.conftest import pids_alive, read_line, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+START = 240  # seconds: a cluster starting on a busy machine
+
+
+
+def children(pid):
+    """The pids of ``pid``'s children (scripts run by `pathways run` get this function too,
+    to report the processes of their cluster)."""
+    import os
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+@pytest.fixture(scope="module")
+def entry_point(tmp_path_factory):
+    """A folder holding the distribution record that installing the package writes: the
+    jax_plugins entry points of pyproject.toml."""
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["jax_plugins"]
+    folder = tmp_path_factory.mktemp("entry_point")
+    dist = folder / "pathways-0.1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: pathways\nVersion: 0.1.0\n")
+    (dist / "entry_points.txt").write_text("[jax_plugins]\n" + "".join(f"{k} = {v}\n" for k, v in declared.items()))
+    return folder
+
+
+def proxy_env(target, entry_point=None, **extra):
+    """The environment of a user's script under the proxy at ``target``: pathways importable
+    (as if installed) and, with ``entry_point``, advertised to JAX; nothing else of ours."""
+    paths = [str(entry_point)] if entry_point else []
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PATHWAYS_", "IFRT_PROXY_", "JAX_"))}
+    env.update({"JAX_PLATFORMS": "proxy", "JAX_BACKEND_TARGET": target,
+                "PYTHONPATH": os.pathsep.join([*paths, str(ROOT)]), **extra})
+    return env
+
+
+def run_script(code, env, timeout=START):
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+# ---- the plugin ---------------------------------------------------------------------------
+
+def test_the_run_shim_advertises_what_pyproject_declares():
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["jax_plugins"]
+    name, _, module = launch.ENTRY_POINT.partition(" = ")
+    assert declared == {name: module} == {"pathways": "pathways.ifrt.plugin"}
+
+
+def test_proxy_is_requested_only_when_named_among_the_platforms():
+    assert plugin.requested("proxy") and plugin.requested("cpu, proxy") and plugin.requested("proxy,cpu")
+    assert not plugin.requested(None) and not plugin.requested("") and not plugin.requested("cpu")
+    assert not plugin.requested("proxyish,cpu")
+
+
+def test_token_and_slice_become_initialization_data():
+    assert plugin.initialization_data({}) == {}
+    assert plugin.initialization_data({"PATHWAYS_TOKEN": " t0k ", "PATHWAYS_SLICE": "cpu:2@1"}) == \
+        {"pathways_token": b"t0k", "pathways_slice": b"cpu:2@1"}
+    assert plugin.initialization_data({"PATHWAYS_SLICE": ""}) == {}
+
+
+def test_a_bad_connection_timeout_names_the_variable():
+    assert plugin.connection_timeout({}) is None and plugin.connection_timeout({plugin.TIMEOUT_ENV: "7"}) == 7
+    for bad in ("0", "-3", "soon"):
+        with pytest.raises(ValueError, match=plugin.TIMEOUT_ENV):
+            plugin.connection_timeout({plugin.TIMEOUT_ENV: bad})
+
+
+PROBE = """
+    import os, jax
+    from jax._src import xla_bridge
+    try:
+        jax.devices()
+        print("devices", jax.default_backend())
+    except RuntimeError as e:
+        print("error", e)
+    print("proxy registered", "proxy" in xla_bridge._backend_factories)
+    print("insecure", os.environ.get("IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS"))
+"""
+
+
+def test_the_entry_point_registers_proxy_only_when_asked(entry_point):
+    env = proxy_env("grpc://127.0.0.1:1", entry_point, JAX_PLATFORMS="cpu")
+    out = run_script(PROBE, env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "devices cpu" in out.stdout and "proxy registered False" in out.stdout and "insecure None" in out.stdout
+
+
+def test_plain_grpc_targets_get_insecure_credentials_and_others_do_not(entry_point):
+    # nothing listens there: the client's own refusal says the backend was registered and tried
+    env = proxy_env("grpc://127.0.0.1:1", entry_point, PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS="1")
+    out = run_script(PROBE, env, timeout=120)
+    assert "proxy registered True" in out.stdout and "insecure true" in out.stdout, out.stdout + out.stderr
+    assert "Unable to establish connection to ifrt_proxy server" in out.stdout
+    env = proxy_env("127.0.0.1:1", entry_point, PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS="1")
+    out = run_script(PROBE, env, timeout=120)
+    assert "proxy registered True" in out.stdout and "insecure None" in out.stdout, out.stdout + out.stderr
+
+
+def test_without_the_entry_point_jax_knows_no_proxy_backend():
+    out = run_script(PROBE, proxy_env("grpc://127.0.0.1:1"), timeout=120)
+    assert "is not in the list of known backends" in out.stdout, out.stdout + out.stderr
+
+
+class _CapturingServer:
+    """A GrpcIfrtService that answers GetVersion, records the session metadata the client
+    sends, and refuses the session: enough to see what the plugin puts on the wire."""
+
+    def __init__(self):
+        self.metadata = []
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        service = grpc_pb.DESCRIPTOR.services_by_name["GrpcIfrtService"].full_name
+        handlers = {
+            "GetVersion": grpc.unary_unary_rpc_method_handler(
+                self.get_version, grpc_pb.GrpcGetVersionRequest.FromString,
+                grpc_pb.GrpcGetVersionResponse.SerializeToString),
+            "IfrtSession": grpc.stream_stream_rpc_method_handler(self.session, lambda b: b, lambda b: b),
+        }
+        self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, handlers)])
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    def get_version(self, request, context):
+        reply = grpc_pb.GrpcGetVersionResponse()
+        reply.version.CopyFrom(request.max_version)
+        return reply
+
+    def session(self, requests, context):
+        for key, value in context.invocation_metadata():
+            if key == "ifrt-proxy-grpc-ifrt-session-metadata-bin":
+                self.metadata.append(grpc_pb.GrpcIfrtSessionMetadata.FromString(value))
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, "captured")
+
+
+def test_token_and_slice_reach_the_server_as_session_initialization_data(entry_point):
+    capture = _CapturingServer()
+    try:
+        env = proxy_env(f"grpc://127.0.0.1:{capture.port}", entry_point, PATHWAYS_TOKEN="s3cret",
+                        PATHWAYS_SLICE="cpu:2", PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS="5")
+        out = run_script(PROBE, env, timeout=120)
+        assert capture.metadata, out.stdout + out.stderr
+        attributes = capture.metadata[0].initialization_data.attributes
+        assert attributes["pathways_token"].string_value == b"s3cret"
+        assert attributes["pathways_slice"].string_value == b"cpu:2"
+    finally:
+        capture.server.stop(0)
+
+
+# ---- the controller and `up` ----------------------------------------------------------------
+
+def _listening(address):
+    host, port = split_host_port(address.removeprefix("grpc://"))
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def test_controller_with_ifrt_bind_prints_both_addresses_and_stops_both():
+    proc = subprocess.Popen([sys.executable, "-m", "pathways", "controller", "--ifrt-bind", "127.0.0.1:0"],
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        # one write holds both lines: the second is in the reader's buffer already
+        first, second = read_line(proc, START).split(), proc.stdout.readline().split()
+        assert first[0] == ADDRESS_LINE and second[0] == IFRT_LINE
+        assert re.fullmatch(r"grpc://127\.0\.0\.1:\d+", second[1]), second
+        assert second[1] != first[1] and _listening(second[1])
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert not _listening(second[1]) and not _listening(first[1])
+    finally:
+        stop_processes([proc])
+
+
+def test_ifrt_bind_beyond_loopback_without_a_token_is_refused_before_anything_listens():
+    env = {k: v for k, v in os.environ.items() if k != "PATHWAYS_TOKEN"}
+    out = subprocess.run([sys.executable, "-m", "pathways", "controller", "--ifrt-bind", "0.0.0.0:0"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode != 0 and ADDRESS_LINE not in out.stdout
+    assert "--ifrt-bind" in out.stderr and "beyond loopback, without a token" in out.stderr
+    assert "--token-file" in out.stderr and "PATHWAYS_TOKEN" in out.stderr
+
+
+def test_up_with_ifrt_port_serves_the_proxy_and_stops_every_process(entry_point):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "pathways", "up", "--islands", "1x2", "--ifrt-port", str(port)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert read_line(proc, START).startswith("pathways cluster up at grpc://")
+        line = proc.stdout.readline()  # printed in the same write
+        target = f"grpc://127.0.0.1:{port}"
+        assert f"IFRT proxy at {target}" in line and f"JAX_BACKEND_TARGET={target}" in line
+        pids = children(proc.pid)
+        assert len(pids) == 2, "the controller and one worker"
+        out = run_script("import jax; print(len(jax.devices()), jax.process_count())", proxy_env(target, entry_point))
+        assert out.returncode == 0 and out.stdout.split() == ["2", "1"], out.stderr
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        wait_until(lambda: not pids_alive(pids), 10, "the cluster's processes to exit")
+    finally:
+        stop_processes([proc])
+
+
+# ---- pw.local_cluster(ifrt=True) ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ifrt_cluster():
+    with pw.local_cluster(islands=[pw.Island(1, 2)], ifrt=True) as c:
+        pids = list(c.pids)
+        yield c
+    assert pids_alive(pids) == [], "the local cluster left processes behind"
+    assert not _listening(c.ifrt_address)
+
+
+JIT = """
+    import jax, jax.numpy as jnp, numpy as np
+    x = jnp.arange(6.0).reshape(2, 3)
+    y = jax.jit(lambda a: (a * 2 + 1).sum(axis=0))(x)
+    print(len(jax.devices()), jax.devices()[0].platform, np.asarray(y).tolist())
+"""
+
+
+def test_local_cluster_serves_unmodified_jax_through_the_entry_point(ifrt_cluster, entry_point):
+    assert re.fullmatch(r"grpc://127\.0\.0\.1:\d+", ifrt_cluster.ifrt_address)
+    out = run_script(JIT, proxy_env(ifrt_cluster.ifrt_address, entry_point))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[0] == "2 cpu [8.0, 12.0, 16.0]"
+
+
+def test_pathwaysutils_initialize_works_with_the_entry_point_installed(ifrt_cluster, entry_point):
+    # pathwaysutils registers its own factory first; the plugin's, with plain-gRPC credentials, wins
+    out = run_script("import pathwaysutils; pathwaysutils.initialize()\n" + textwrap.dedent(JIT),
+                     proxy_env(ifrt_cluster.ifrt_address, entry_point))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "2 cpu [8.0, 12.0, 16.0]"
+
+
+# ---- `pathways run` ----------------------------------------------------------------------
+
+def run_cli(*args, timeout=START + 120):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "IFRT_PROXY_"))}
+    env["PYTHONPATH"] = str(ROOT)  # from the source tree, not installed: `run` supplies the entry point
+    return subprocess.run([sys.executable, "-m", "pathways", "run", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def _script(tmp_path, body):
+    path = tmp_path / "script.py"
+    path.write_text(inspect.getsource(children) + textwrap.dedent(body))
+    return str(path)
+
+
+def test_run_passes_the_script_exit_code_through_and_stops_the_cluster(tmp_path):
+    script = _script(tmp_path, """
+        import os, sys
+        import jax
+        print("devices", len(jax.devices()), "args", sys.argv[1:])
+        print("cluster", *children(os.getppid()))
+        sys.exit(3)
+    """)
+    out = run_cli("--islands", "1", "--devices-per-host", "3", script, "a", "--b")
+    assert out.returncode == 3, out.stderr
+    assert "devices 3 args ['a', '--b']" in out.stdout
+    pids = [int(p) for p in re.search(r"cluster (.*)", out.stdout)[1].split()]
+    assert len(pids) == 3, out.stdout  # the controller, the worker and the script itself
+    assert pids_alive(pids) == []
+
+
+def test_run_stops_the_cluster_when_the_script_crashes(tmp_path):
+    script = _script(tmp_path, """
+        import os
+        print("cluster", *children(os.getppid()), flush=True)
+        raise RuntimeError("the script failed")
+    """)
+    out = run_cli("--islands", "1x1", script)
+    assert out.returncode == 1 and "RuntimeError: the script failed" in out.stderr
+    pids = [int(p) for p in re.search(r"cluster (.*)", out.stdout)[1].split()]
+    assert pids_alive(pids) == []
+
+
+def test_run_on_interrupt_stops_the_script_and_the_cluster(tmp_path):
+    script = _script(tmp_path, """
+        import os, time
+        import jax
+        jax.devices()
+        print("cluster", *children(os.getppid()), flush=True)
+        time.sleep(120)
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "IFRT_PROXY_"))}
+    proc = subprocess.Popen([sys.executable, "-m", "pathways", "run", "--islands", "1x1", script],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**env, "PYTHONPATH": str(ROOT)})
+    try:
+        pids = [int(p) for p in read_line(proc, START).split()[1:]]
+        proc.send_signal(signal.SIGINT)  # to `run` alone: it passes the interrupt on
+        assert proc.wait(timeout=60) == 128 + signal.SIGINT
+        wait_until(lambda: not pids_alive(pids), 10, "the script and the cluster to exit")
+    finally:
+        stop_processes([proc])
+
+
+def test_run_trains_the_example_mlp_with_a_decreasing_loss():
+    out = run_cli("--islands", "1x1", str(ROOT / "examples" / "train_mlp.py"), "--steps", "100", "--every", "25")
+    assert out.returncode == 0, out.stderr
+    losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", out.stdout)]
+    assert len(losses) == 5, out.stdout
+    assert all(a > b for a, b in zip(losses, losses[1:])), losses
+
+
+def test_run_names_a_missing_script():
+    out = run_cli("no_such_script.py", timeout=120)
+    assert out.returncode == 2 and "no such script: 'no_such_script.py'" in out.stderr
