@@ -260,7 +260,7 @@ def tables(data: dict) -> list[report.Table]:
     out.append(report.Table(
         f"one optax step of a {data['train']['layers']}-layer MLP (width {data['train']['width']}, batch "
         f"{data['train']['batch']}), ms per step, median (min-max) of the rounds",
-        ["proxy", "local JAX", "proxy/local"],
+        ["proxy", "local JAX", "proxy time/local"],
         [[report.rate(_ms(t["proxy"]), 2), report.rate(_ms(t["local"]), 2),
           report.times(report.ratio(t["proxy"], t["local"]))]]))
     return out
@@ -271,7 +271,11 @@ def summary(data: dict) -> list[str]:
     lines = [f"jit {mode}: the proxy makes {report.ratio(jit[mode]['proxy'], jit[mode]['local']):.3f}x local JAX's "
              f"calls per second and {report.ratio(jit[mode]['proxy'], jit[mode]['native']):.2f}x pathways' native "
              "op-by-op path" for mode in MODES]
-    largest = str(max(data["sizes"]))
+    smallest, largest = str(min(data["sizes"])), str(max(data["sizes"]))
+    lines.append(f"fixed cost of a {_size(int(smallest))} transfer through the proxy: " + ", ".join(
+        f"{d} {1e3 * int(smallest) / data['transfers'][d][smallest]['proxy']['median']:.2f} ms" for d in DIRECTIONS)
+        + " (local JAX: " + ", ".join(
+        f"{1e3 * int(smallest) / data['transfers'][d][smallest]['local']['median']:.3f} ms" for d in DIRECTIONS) + ")")
     for d in DIRECTIONS:
         r = data["transfers"][d][largest]
         x = report.ratio(r["proxy"], r["raw"])
