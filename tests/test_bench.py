@@ -97,7 +97,8 @@ def check_ifrt(d):
     assert all(set(m) == {"proxy", "local", "native"} for m in d["jit"].values())
     for direction in ("device_put", "np.asarray"):
         assert set(d["transfers"][direction]) == {"1024", str(1 << 20)}
-        assert all(rate_ok(s) for size in d["transfers"][direction].values() for s in size.values())
+        assert all(set(size) == {"proxy", "local", "native", "raw"} and all(rate_ok(s) for s in size.values())
+                   for size in d["transfers"][direction].values())
     assert all(rate_ok(s) for s in d["train_seconds"].values())
     # the same model, parameters and batches through the proxy and on local JAX
     assert d["losses"]["steps"] == 3 and d["losses"]["max_difference"] <= 1e-5, d["losses"]

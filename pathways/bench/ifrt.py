@@ -12,7 +12,8 @@ command per line on stdin and answer with the seconds it took:
   op by op from this process;
 - ``jax.device_put`` of a host buffer, and ``np.asarray`` of a device array made before the
   timing (a fresh one per run: JAX keeps an array's host copy), of 1 KiB to 64 MiB; next to
-  them the same bytes through one TCP stream between two helper processes on loopback
+  them ``pw.device_put`` and ``to_numpy`` of the native client on the one-device slice, and
+  the same bytes through one TCP stream between two helper processes on loopback
   (pathways.bench.transfer's raw copy);
 - one optax (adam) step of a 4-layer MLP on a host batch, steps submitted back to back and
   the last loss waited for; both helpers start from the same parameters and batches, and
@@ -39,6 +40,7 @@ MiB = 1 << 20
 SIZES = (1024, MiB, 16 * MiB, 64 * MiB)
 TINY_SIZES = (1024, MiB)
 MODES = ("pipelined", "blocking")
+MOVERS = ("proxy", "local", "native", "raw")
 DIRECTIONS = ("device_put", "np.asarray")
 # calls per sample: a few tenths of a second each on 2 cores
 CALLS = {"proxy": 200, "local": 4000, "native": 100}
@@ -66,6 +68,7 @@ timed pipelined (all calls, then one block on the last) and blocking (a block af
 next to them the same function as a `pw.jit` on a one-device slice of the same cluster,
 called op by op from the native client ("PW-O"). `jax.device_put` of a host buffer and
 `np.asarray` of a device array (a fresh one per run) are timed at 1 KiB to 64 MiB next to
+the native client's `pw.device_put` and `to_numpy` on the same host ("PW native") and to
 the same bytes sent through one TCP stream between two processes on loopback (`sendall`,
 `recv_into`, a one-byte ack). One optax adam step of a {TRAIN['layers']}-layer MLP (width
 {TRAIN['width']}, batch {TRAIN['batch']} from the host every step), steps back to back and
@@ -100,7 +103,7 @@ def measure(rounds: int, tiny: bool, progress: report.Progress) -> dict[str, Any
         native = _native(pw)
         progress.step("warming up: compiling, one of every transfer")
         jit_cases = _jit_cases(helpers, native, calls)
-        put_cases = {d: _transfer_cases(helpers, raw, d) for d in DIRECTIONS}
+        put_cases = {d: _transfer_cases(helpers, native, raw, d, max(sizes)) for d in DIRECTIONS}
         train_cases = {name: _train_case(h) for name, h in helpers.items()}
         for case in jit_cases.values():
             case()
@@ -110,7 +113,7 @@ def measure(rounds: int, tiny: bool, progress: report.Progress) -> dict[str, Any
                     case(n, 1)
         losses = {name: case(1)[1] for name, case in train_cases.items()}
         jit = {(mode, who): [] for mode in MODES for who in ("proxy", "local", "native")}
-        moved = {(d, n, who): [] for d in DIRECTIONS for n in sizes for who in ("proxy", "local", "raw")}
+        moved = {(d, n, who): [] for d in DIRECTIONS for n in sizes for who in MOVERS}
         trained: dict[str, list[float]] = {name: [] for name in train_cases}
         for r in range(rounds):
             for mode in MODES:
@@ -207,11 +210,38 @@ def _jit_cases(helpers: dict[str, _Helper], native: Any, calls: dict[str, int]) 
     return cases
 
 
-def _transfer_cases(helpers: dict[str, _Helper], raw: Any, direction: str) -> dict[str, Callable[[int, int], float]]:
-    """Seconds per run of moving ``n`` bytes, ``runs`` times, by who."""
+def _transfer_cases(helpers: dict[str, _Helper], native: Any, raw: Any, direction: str,
+                    capacity: int) -> dict[str, Callable[[int, int], float]]:
+    """Seconds per run of moving ``n`` bytes, ``runs`` times, by who (MOVERS)."""
+    import numpy as np
+
+    import pathways as pw
+
     command = "put" if direction == "device_put" else "get"
+    target = native[0]
+    buffer = np.ones(capacity // 4, np.float32)  # written now: no page faults are timed
+
+    def put(n: int, runs: int) -> float:
+        start = time.perf_counter()
+        for _ in range(runs):
+            pw.device_put(buffer[:n // 4], target.devices).block_until_ready(timeout=_TIMEOUT)
+        return (time.perf_counter() - start) / runs
+
+    def get(n: int, runs: int) -> float:
+        arrays = [pw.device_put(buffer[:n // 4], target.devices) for _ in range(runs)]
+        for a in arrays:
+            a.block_until_ready(timeout=_TIMEOUT)
+        start = time.perf_counter()
+        for a in arrays:
+            value = a.to_numpy(timeout=_TIMEOUT)
+        elapsed = time.perf_counter() - start
+        if value[-1] != 1.0:
+            raise AssertionError(f"a {n}-byte read of pathways ended with {value[-1]}, not 1.0")
+        return elapsed / runs
+
     return {"proxy": lambda n, runs: helpers["proxy"].ask(command, n, runs),
             "local": lambda n, runs: helpers["local"].ask(command, n, runs),
+            "native": put if command == "put" else get,
             "raw": raw.seconds}
 
 
@@ -229,7 +259,7 @@ def _report(jit: dict, moved: dict, trained: dict, losses: dict, sizes: Sequence
     return {
         "sizes": list(sizes), "calls": calls, "steps": steps, "train": TRAIN,
         "jit": {mode: {who: report.stats(jit[mode, who]) for who in ("proxy", "local", "native")} for mode in MODES},
-        "transfers": {d: {str(n): {who: report.stats(moved[d, n, who]) for who in ("proxy", "local", "raw")}
+        "transfers": {d: {str(n): {who: report.stats(moved[d, n, who]) for who in MOVERS}
                           for n in sizes} for d in DIRECTIONS},
         "train_seconds": {who: report.stats(v) for who, v in trained.items()},
         "losses": {"steps": n, "first": losses["local"][0], "last": losses["local"][n - 1],
@@ -251,11 +281,12 @@ def tables(data: dict) -> list[report.Table]:
     for d in DIRECTIONS:
         for n in data["sizes"]:
             r = data["transfers"][d][str(n)]
-            rows.append([d, _size(n), *(report.rate(_mb(r[w]), 1) for w in ("proxy", "local", "raw")),
+            rows.append([d, _size(n), *(report.rate(_mb(r[w]), 1) for w in MOVERS),
                          report.times(report.ratio(r["proxy"], r["raw"])),
                          report.times(report.ratio(r["proxy"], r["local"]))])
     out.append(report.Table("MB/s (10^6 bytes), median (min-max) of the rounds",
-                            ["operation", "size", "proxy", "local JAX", "raw TCP", "proxy/raw", "proxy/local"], rows))
+                            ["operation", "size", "proxy", "local JAX", "PW native", "raw TCP", "proxy/raw",
+                             "proxy/local"], rows))
     t = data["train_seconds"]
     out.append(report.Table(
         f"one optax step of a {data['train']['layers']}-layer MLP (width {data['train']['width']}, batch "
@@ -281,7 +312,8 @@ def summary(data: dict) -> list[str]:
         x = report.ratio(r["proxy"], r["raw"])
         verdict = "met" if x >= TARGET_RAW else f"**missed** by {TARGET_RAW - x:.2f}x"
         lines.append(f"{d} of {_size(int(largest))}: {x:.2f}x the raw TCP copy's rate (target >= {TARGET_RAW:g}x, "
-                     f"within 2x): {verdict}; {report.ratio(r['proxy'], r['local']):.2f}x local JAX")
+                     f"within 2x): {verdict}; {report.ratio(r['proxy'], r['local']):.2f}x local JAX, "
+                     f"{report.ratio(r['proxy'], r['native']):.2f}x pathways' native client")
     t, ls = data["train_seconds"], data["losses"]
     lines.append(f"training: a step takes {report.ratio(t['proxy'], t['local']):.2f}x local JAX's time through the "
                  f"proxy; over {ls['steps']} steps (loss {ls['first']:.4f} to {ls['last']:.4f}) the losses differ "
