@@ -323,12 +323,18 @@ def summary(data: dict) -> list[str]:
 
 def notes(data: dict) -> str:
     return """
-Every proxy call is a request on the client's gRPC stream to the front end in the controller
-process, which turns it into a run of the pathways session it opened for the client and
-answers when the controller has scheduled it; a blocking call adds the client's wait for the
-result's ready future. Host buffers travel over gRPC to the front end in chunks and from it to
-the worker, so a transfer crosses two processes where the raw copy crosses one stream, on the
-same 2 cores.
+Every proxy operation is a request on the client's gRPC stream to the front end in the
+controller process, which turns it into requests of the native pathways session it opened
+for the client: a `jit` call becomes a run the controller schedules and the worker executes,
+a blocking call adds the client's wait for the result's ready future, so a proxy call costs
+the native op-by-op path's work plus the front end's. A `device_put` crosses two processes
+before it reaches the worker (client to front end over gRPC in chunks, then the front end's
+native put to the worker); an `np.asarray` is the front end's native fetch from the worker
+into the controller process, kept as a host buffer, then streamed to the client by
+`HostBufferLookup` in 1 MiB chunks (each chunk a copy into a protobuf message), where the
+raw copy is one `sendall` into one stream. On local CPU JAX, `np.asarray` returns a view of
+the device buffer without copying, so its rate is that of a Python call, not of a transfer.
+All of it shares the same 2 cores.
 """
 
 
