@@ -342,7 +342,7 @@ def plot(data: dict, path: str) -> None:
     sizes = data["sizes"]
     series = []
     for d in DIRECTIONS:
-        for who, label in (("proxy", "proxy"), ("local", "local JAX")):
+        for who, label in (("proxy", "proxy"), ("local", "local JAX"), ("native", "PW native")):
             series.append((f"{d}, {label}", [n / MiB for n in sizes],
                            [data["transfers"][d][str(n)][who]["median"] / 1e6 for n in sizes]))
     series.append(("raw TCP, loopback", [n / MiB for n in sizes],
