@@ -90,6 +90,20 @@ def check_control(d):
     assert all(rate_ok(s) for s in d["round_trip_us"].values())
 
 
+def check_ifrt(d):
+    assert d["sizes"] == [1024, 1 << 20]
+    assert set(d["jit"]) == {"pipelined", "blocking"}
+    assert all(rate_ok(s) for mode in d["jit"].values() for s in mode.values())
+    assert all(set(m) == {"proxy", "local", "native"} for m in d["jit"].values())
+    for direction in ("device_put", "np.asarray"):
+        assert set(d["transfers"][direction]) == {"1024", str(1 << 20)}
+        assert all(set(size) == {"proxy", "local", "native", "raw"} and all(rate_ok(s) for s in size.values())
+                   for size in d["transfers"][direction].values())
+    assert all(rate_ok(s) for s in d["train_seconds"].values())
+    # the same model, parameters and batches through the proxy and on local JAX
+    assert d["losses"]["steps"] == 3 and d["losses"]["max_difference"] <= 1e-5, d["losses"]
+
+
 CHECKS = {name: globals()[f"check_{name}"] for name in suite.EXPERIMENTS}
 
 

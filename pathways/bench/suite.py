@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from pathways.bench import report
 
-EXPERIMENTS = ("dispatch", "parity", "pipeline", "transfer", "tenancy", "train", "planner", "control")
+EXPERIMENTS = ("dispatch", "parity", "pipeline", "transfer", "tenancy", "train", "planner", "control", "ifrt")
 
 _HEADER = """# Benchmarks
 

@@ -116,7 +116,7 @@ def _measure(rounds: int, sizes: Sequence[int], progress: Any) -> dict[str, Any]
         plain = stack.enter_context(pw.local_cluster(islands=islands))
         progress.step("starting 3 more, with a token and TLS on gRPC and the data plane")
         encrypted = stack.enter_context(pw.local_cluster(islands=islands, security=secure))
-        raw = _Pair(["raw-receive", str(max(sizes)), LOOPBACK], ["raw-send", str(max(sizes))])
+        raw = Pair(["raw-receive", str(max(sizes)), LOOPBACK], ["raw-send", str(max(sizes))])
         stack.callback(raw.close)
         cases: dict[str, Callable[[int, int], float]] = {}
         for tls, c in ((False, plain), (True, encrypted)):
@@ -214,10 +214,10 @@ def _across_namespaces(stack: contextlib.ExitStack, capacity: int) -> tuple[dict
     cases = {}
     for column, transport in DATA_PLANE.items():
         transport = f"{transport}:{directory}"
-        pair = _Pair(["dp-receive", transport, receiver], ["dp-send", transport, str(capacity)], launch)
+        pair = Pair(["dp-receive", transport, receiver], ["dp-send", transport, str(capacity)], launch)
         stack.callback(pair.close)
         cases[NETNS + column] = pair.seconds
-    raw = _Pair(["raw-receive", str(capacity), receiver], ["raw-send", str(capacity)], launch)
+    raw = Pair(["raw-receive", str(capacity), receiver], ["raw-send", str(capacity)], launch)
     stack.callback(raw.close)
     cases[NETNS + "raw TCP"] = raw.seconds
     return cases, None
@@ -365,7 +365,7 @@ def _launch_in(net: netns.Network, role: str, argv: list) -> subprocess.Popen:
                      text=True)
 
 
-class _Pair:
+class Pair:
     """Two helper processes (this file run as a script) joined by one TCP stream, a receiver
     and a sender, started with ``launch`` (in their roles' namespaces, or here).
 
