@@ -10,7 +10,8 @@ from pathways.cluster import Island, LocalCluster
 from pathways.ifrt import types as t
 from pathways.ifrt.devices import DeviceTable, SliceInfo
 from pathways.ifrt.proto.xla import xla_data_pb2
-from pathways.ifrt.server import IfrtServer
+from pathways.ifrt.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as gpb
+from pathways.ifrt.server import IfrtServer, _lookup_response
 from pathways.ifrt.session import parse_slice
 
 @pytest.fixture(scope="module")
@@ -157,3 +158,12 @@ def test_copy_between_islands_donation_and_deletion(server):
     assert result["x"] == list(range(6)) and result["on"] == [2]
     assert result["z"] == [float(i + 2) for i in range(6)]
     assert result["y_deleted"] and result["w_deleted"]
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 300, 16383, 16384, 1 << 20])
+def test_hand_encoded_lookup_responses_parse_as_the_message(size):
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    raw = _lookup_response(data)
+    if size:  # (protobuf omits an empty field; the server sends an empty buffer as the empty message)
+        assert raw == gpb.GrpcHostBufferLookupResponse(data=data.tobytes()).SerializeToString()
+    assert gpb.GrpcHostBufferLookupResponse.FromString(raw).data == data.tobytes()
