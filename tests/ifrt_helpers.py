@@ -8,8 +8,9 @@ import textwrap
 
 from pathways.cluster import stop_processes
 
-# The backend registration pathwaysutils.initialize() does (until the package registers
-# itself as a jax_plugins entry point); what follows it is an unmodified JAX program.
+# The backend registration pathwaysutils.initialize() does (an installed pathways does it
+# through its jax_plugins entry point; these tests run the package uninstalled); what
+# follows it is an unmodified JAX program.
 PRELUDE = """
 import jax
 from jax.extend import backend

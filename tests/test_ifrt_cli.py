@@ -369,9 +369,12 @@ def test_with_token_and_tls_the_proxy_port_is_plain_grpc_and_takes_the_token(tmp
         out = run_script(JIT, proxy_env(c.ifrt_address, entry_point, PATHWAYS_TOKEN="ifrt-test-token"))
         assert out.returncode == 0, out.stderr
         assert out.stdout.split("\n")[0] == "2 cpu [8.0, 12.0, 16.0]"
+        # the refusal answers the client's first request (init) with the advice; the client
+        # retries for its connection timeout, then raises the last answer
         out = run_script(JIT, proxy_env(c.ifrt_address, entry_point, PATHWAYS_TOKEN="another-token",
-                                        PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS="10"))
+                                        PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS="5"))
         assert out.returncode != 0 and "Unable to initialize backend 'proxy'" in out.stderr
+        assert "requires the cluster's shared token" in out.stderr and "PATHWAYS_TOKEN" in out.stderr, out.stderr
 
 
 def test_ifrt_bind_with_a_certificate_but_no_ca_is_refused(tmp_path):

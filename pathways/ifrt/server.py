@@ -43,6 +43,7 @@ TOKEN_KEY = "pathways_token"
 PROTOCOL_MIN, PROTOCOL_MAX = 16, 25  # jaxlib 0.10.2 proposes 16..25
 SERDES_MAX = 3
 LOOKUP_CHUNK = 1 << 20
+REFUSED_ANSWERS = 16  # requests of a refused session answered with its error before the stream ends
 MAX_MESSAGE = 1 << 30  # a compile request carries the whole program
 MAX_WAITING = 256  # requests of one session waiting on the pool at once
 POOL_THREADS = 8  # per session
@@ -132,15 +133,22 @@ class IfrtServer:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"IFRT proxy protocol {version} is not one this "
                                                                f"server speaks ({PROTOCOL_MIN}..{PROTOCOL_MAX})")
         init_data = _attribute_values(metadata.initialization_data)
+        # Refusals after this point answer the client's requests with the error instead of
+        # ending the stream: JAX's proxy client retries either until its connection timeout,
+        # but after a broken stream it then says only CANCELLED, whereas the status of its
+        # first request (init) is what it raises, message and all.
         if not self.security.allows(init_data.get(TOKEN_KEY)):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, (
+            yield from _refuse(requests, IfrtError(t.UNAUTHENTICATED, (
                 "this IFRT server requires the cluster's shared token: set PATHWAYS_TOKEN in the client's "
-                f"environment (the pathways plugin passes it as initialization data {TOKEN_KEY!r})"))
+                f"environment (the pathways plugin passes it as initialization data {TOKEN_KEY!r})")))
+            return
         try:
             native = Session(self.controller, CONNECT_TIMEOUT, security=self.security)
         except Exception as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"the pathways controller at {self.controller} is not "
-                                                       f"reachable ({type(e).__name__}: {e})")
+            yield from _refuse(requests, IfrtError(t.UNAVAILABLE, (
+                f"the pathways controller at {self.controller} is not reachable ({type(e).__name__}: {e}); "
+                "check `python -m pathways status`")))
+            return
         session_id = secrets.randbits(62) + 1  # unguessable: host-buffer calls name the session by it
         session = IfrtSession(native, session_id, init_data)
         with self._lock:
@@ -329,6 +337,17 @@ def _ok(op_id: int, kind: str, body: Any) -> bytes:
     response.response_metadata.op_id = op_id
     getattr(response, kind[:-len("_request")] + "_response").CopyFrom(body)
     return response.SerializeToString()
+
+
+def _refuse(requests: Iterator[bytes], error: IfrtError) -> Iterator[bytes]:
+    """Answer each request of a refused session with ``error``, up to a few (a client
+    gives up after its first failed request), then end the stream."""
+    for _, raw in zip(range(REFUSED_ANSWERS), requests):
+        try:
+            op_id = pb.IfrtRequest.FromString(raw).request_metadata.op_id
+        except Exception:
+            return
+        yield _error(op_id, error)
 
 
 def _error(op_id: int, error: IfrtError) -> bytes:

@@ -30,6 +30,7 @@ DEADLINE_EXCEEDED = error_codes_pb2.DEADLINE_EXCEEDED
 INTERNAL = error_codes_pb2.INTERNAL
 UNAVAILABLE = error_codes_pb2.UNAVAILABLE
 PERMISSION_DENIED = error_codes_pb2.PERMISSION_DENIED
+UNAUTHENTICATED = error_codes_pb2.UNAUTHENTICATED
 
 SERVER_HANDLE_BASE = 1 << 48  # handles the server makes: never among the client's small ones
 MEMORY_KIND = "device"
