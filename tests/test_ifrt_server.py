@@ -2,10 +2,15 @@
 JAX_PLATFORMS=proxy in a subprocess, against a local cluster of two islands (2 hosts x 1
 device, 1 host x 2 devices) and an IfrtServer in this process; plus its pure parts."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 
-from ifrt_helpers import run_jax
+from ifrt_helpers import PRELUDE, run_jax
 from pathways.cluster import Island, LocalCluster
 from pathways.ifrt import types as t
 from pathways.ifrt.devices import DeviceTable, SliceInfo
@@ -167,3 +172,29 @@ def test_hand_encoded_lookup_responses_parse_as_the_message(size):
     if size:  # (protobuf omits an empty field; the server sends an empty buffer as the empty message)
         assert raw == gpb.GrpcHostBufferLookupResponse(data=data.tobytes()).SerializeToString()
     assert gpb.GrpcHostBufferLookupResponse.FromString(raw).data == data.tobytes()
+
+
+def test_a_controller_out_of_reach_is_named_in_the_clients_error():
+    """A session the server cannot back with a controller session is refused with the
+    reason on the client's first request, which the client raises when it gives up."""
+    ifrt = IfrtServer("127.0.0.1:1")  # nothing listens there
+    ifrt.start()
+    try:
+        env = dict(os.environ, JAX_PLATFORMS="proxy", JAX_BACKEND_TARGET=f"grpc://{ifrt.address}",
+                   IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS="true")
+        script = PRELUDE.replace("ifrt_proxy.ClientConnectionOptions()", "_options()") + textwrap.dedent("""
+            jax.devices()
+        """)
+        options = textwrap.dedent("""
+            from jax.extend.backend import ifrt_proxy
+            def _options():
+                o = ifrt_proxy.ClientConnectionOptions()
+                o.connection_timeout_in_seconds = 3
+                return o
+        """)
+        out = subprocess.run([sys.executable, "-c", options + script], env=env, capture_output=True, text=True,
+                             timeout=120)
+    finally:
+        ifrt.stop()
+    assert out.returncode != 0
+    assert "the pathways controller at grpc://127.0.0.1:1 is not reachable" in out.stderr, out.stderr[-3000:]

@@ -146,8 +146,7 @@ class IfrtServer:
             native = Session(self.controller, CONNECT_TIMEOUT, security=self.security)
         except Exception as e:
             yield from _refuse(requests, IfrtError(t.UNAVAILABLE, (
-                f"the pathways controller at {self.controller} is not reachable ({type(e).__name__}: {e}); "
-                "check `python -m pathways status`")))
+                f"the pathways controller at {self.controller} is not reachable ({type(e).__name__}: {e})")))
             return
         session_id = secrets.randbits(62) + 1  # unguessable: host-buffer calls name the session by it
         session = IfrtSession(native, session_id, init_data)
