@@ -94,10 +94,11 @@ def test_proxy_is_requested_only_when_named_among_the_platforms():
     assert not plugin.requested("proxyish,cpu")
 
 
-def test_token_and_slice_become_initialization_data():
+def test_token_slice_and_weight_become_initialization_data():
     assert plugin.initialization_data({}) == {}
-    assert plugin.initialization_data({"PATHWAYS_TOKEN": " t0k ", "PATHWAYS_SLICE": "cpu:2@1"}) == \
-        {"pathways_token": b"t0k", "pathways_slice": b"cpu:2@1"}
+    assert plugin.initialization_data({"PATHWAYS_TOKEN": " t0k ", "PATHWAYS_SLICE": "cpu:2@1",
+                                       "PATHWAYS_WEIGHT": "2"}) == \
+        {"pathways_token": b"t0k", "pathways_slice": b"cpu:2@1", "pathways_weight": b"2"}
     assert plugin.initialization_data({"PATHWAYS_SLICE": ""}) == {}
 
 

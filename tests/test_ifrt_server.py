@@ -198,3 +198,45 @@ def test_a_controller_out_of_reach_is_named_in_the_clients_error():
         ifrt.stop()
     assert out.returncode != 0
     assert "the pathways controller at grpc://127.0.0.1:1 is not reachable" in out.stderr, out.stderr[-3000:]
+
+
+def test_session_weight_parsing():
+    from pathways.ifrt.server import session_weight
+    assert session_weight(None) == 1.0 and session_weight("2.5") == 2.5 and session_weight(4) == 4.0
+    for bad in ("0", "-1", "heavy", "nan", "inf", "1e7"):
+        with pytest.raises(ValueError, match="PATHWAYS_WEIGHT"):
+            session_weight(bad)
+
+
+def test_an_ifrt_session_is_a_weighted_client_session(server):
+    """PATHWAYS_WEIGHT, sent as initialization data, is the weight the controller's
+    fair-share policy gives the IFRT session's native session."""
+    from pathways.client.session import Session
+    script = PRELUDE.replace("ifrt_proxy.ClientConnectionOptions()", "_options()") + textwrap.dedent("""
+        import sys
+        jax.devices()
+        print("ready", flush=True)
+        sys.stdin.readline()
+    """)
+    options = textwrap.dedent("""
+        from jax.extend.backend import ifrt_proxy
+        def _options():
+            o = ifrt_proxy.ClientConnectionOptions()
+            o.initialization_data = {"pathways_weight": b"3.5"}
+            return o
+    """)
+    env = dict(os.environ, JAX_PLATFORMS="proxy", JAX_BACKEND_TARGET=f"grpc://{server.address}",
+               IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS="true")
+    client = subprocess.Popen([sys.executable, "-c", options + script], env=env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    observer = None
+    try:
+        assert client.stdout.readline().strip() == "ready"
+        observer = Session(server.controller)
+        weights = [s.get("weight") for s in observer.cluster()["sessions"]]
+        assert 3.5 in weights, weights
+    finally:
+        if observer is not None:
+            observer.close()
+        client.stdin.close()
+        client.wait(timeout=60)

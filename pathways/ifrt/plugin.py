@@ -43,9 +43,11 @@ PLATFORM = "proxy"
 INSECURE_ENV = "IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS"
 TOKEN_ENV = "PATHWAYS_TOKEN"
 SLICE_ENV = "PATHWAYS_SLICE"
+WEIGHT_ENV = "PATHWAYS_WEIGHT"
 TIMEOUT_ENV = "PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS"  # pathwaysutils' name for it
 TOKEN_KEY = "pathways_token"
 SLICE_KEY = "pathways_slice"
+WEIGHT_KEY = "pathways_weight"
 PLAIN_GRPC = "grpc://"
 # pathwaysutils registers with this priority; JAX orders backends by JAX_PLATFORMS anyway
 # when it is set, which is the only time this module registers.
@@ -58,9 +60,9 @@ def requested(platforms: Optional[str]) -> bool:
 
 
 def initialization_data(env: Mapping[str, str]) -> dict[str, bytes]:
-    """The session's initialization data from ``env``: the token and slice where set."""
+    """The session's initialization data from ``env``: the token, slice and weight where set."""
     data = {}
-    for key, var in ((TOKEN_KEY, TOKEN_ENV), (SLICE_KEY, SLICE_ENV)):
+    for key, var in ((TOKEN_KEY, TOKEN_ENV), (SLICE_KEY, SLICE_ENV), (WEIGHT_KEY, WEIGHT_ENV)):
         value = env.get(var, "").strip()
         if value:
             data[key] = value.encode()

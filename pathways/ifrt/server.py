@@ -40,6 +40,7 @@ SERVICE = "xla.ifrt.proxy.GrpcIfrtService"
 SESSION_METADATA = "ifrt-proxy-grpc-ifrt-session-metadata-bin"
 STORE_METADATA = "ifrt-proxy-grpc-host-buffer-store-metadata-bin"
 TOKEN_KEY = "pathways_token"
+WEIGHT_KEY = "pathways_weight"  # the session's share in the fair-share policy (PATHWAYS_WEIGHT)
 PROTOCOL_MIN, PROTOCOL_MAX = 16, 25  # jaxlib 0.10.2 proposes 16..25
 SERDES_MAX = 3
 LOOKUP_CHUNK = 1 << 20
@@ -143,7 +144,12 @@ class IfrtServer:
                 f"environment (the pathways plugin passes it as initialization data {TOKEN_KEY!r})")))
             return
         try:
-            native = Session(self.controller, CONNECT_TIMEOUT, security=self.security)
+            weight = session_weight(init_data.get(WEIGHT_KEY))
+        except ValueError as e:
+            yield from _refuse(requests, IfrtError(t.INVALID_ARGUMENT, str(e)))
+            return
+        try:
+            native = Session(self.controller, CONNECT_TIMEOUT, weight=weight, security=self.security)
         except Exception as e:
             yield from _refuse(requests, IfrtError(t.UNAVAILABLE, (
                 f"the pathways controller at {self.controller} is not reachable ({type(e).__name__}: {e})")))
@@ -336,6 +342,21 @@ def _ok(op_id: int, kind: str, body: Any) -> bytes:
     response.response_metadata.op_id = op_id
     getattr(response, kind[:-len("_request")] + "_response").CopyFrom(body)
     return response.SerializeToString()
+
+
+def session_weight(value: Any) -> float:
+    """An IFRT session's weight from its initialization data (absent: 1, like any client);
+    ValueError naming PATHWAYS_WEIGHT when it is no number in (0, 1e6]."""
+    if value is None:
+        return 1.0
+    try:
+        weight = float(value)
+    except ValueError:
+        weight = float("nan")
+    if not 0 < weight <= 1e6:
+        raise ValueError(f"the session's weight (PATHWAYS_WEIGHT, initialization data {WEIGHT_KEY!r}) must be a "
+                         f"number in (0, 1e6], got {str(value)[:40]!r}")
+    return weight
 
 
 def _refuse(requests: Iterator[bytes], error: IfrtError) -> Iterator[bytes]:
