@@ -75,9 +75,9 @@ def proxy_env(target, entry_point=None, **extra):
     return env
 
 
-def run_script(code, env, timeout=START):
+def run_script(code, env, timeout=START, cwd=None):
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env=env, timeout=timeout)
+                          env=env, timeout=timeout, cwd=cwd)
 
 
 # ---- the plugin ---------------------------------------------------------------------------
@@ -140,8 +140,14 @@ def test_plain_grpc_targets_get_insecure_credentials_and_others_do_not(entry_poi
     assert "proxy registered True" in out.stdout and "insecure None" in out.stdout, out.stdout + out.stderr
 
 
-def test_without_the_entry_point_jax_knows_no_proxy_backend():
-    out = run_script(PROBE, proxy_env("grpc://127.0.0.1:1"), timeout=120)
+def test_without_the_entry_point_jax_knows_no_proxy_backend(tmp_path):
+    # A record of the package with no entry points, first on the path, hides those of an
+    # installed copy (Python reads one record per distribution name: the first it finds; the
+    # script's working folder comes first of all, and a source tree may hold a build's record).
+    dist = tmp_path / "pathways-0.1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: pathways\nVersion: 0.1.0\n")
+    out = run_script(PROBE, proxy_env("grpc://127.0.0.1:1", tmp_path), timeout=120, cwd=tmp_path)
     assert "is not in the list of known backends" in out.stdout, out.stdout + out.stderr
 
 
