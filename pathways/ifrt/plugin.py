@@ -15,10 +15,11 @@ The factory, when JAX calls it:
 - connects with plain gRPC (``IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS=true``, unless the
   environment already says otherwise) for ``grpc://`` targets only: the client's default
   credentials are ALTS, which only Google's servers speak;
-- passes ``PATHWAYS_TOKEN`` (the cluster's token, required beyond loopback) and
+- passes ``PATHWAYS_TOKEN`` (the cluster's token, required beyond loopback),
   ``PATHWAYS_SLICE`` (``KIND:COUNT[@ISLAND]``, e.g. ``cpu:2``: the session's devices are one
-  slice the cluster places) as the session's initialization data, keys ``pathways_token``
-  and ``pathways_slice``;
+  slice the cluster places) and ``PATHWAYS_WEIGHT`` (the session's fair-share weight) as the
+  session's initialization data, keys ``pathways_token``, ``pathways_slice`` and
+  ``pathways_weight``;
 - waits ``PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS`` seconds for the server where set (as
   pathwaysutils does), else the client's own bound (2 minutes).
 
