@@ -180,20 +180,8 @@ def test_a_controller_out_of_reach_is_named_in_the_clients_error():
     ifrt = IfrtServer("127.0.0.1:1")  # nothing listens there
     ifrt.start()
     try:
-        env = dict(os.environ, JAX_PLATFORMS="proxy", JAX_BACKEND_TARGET=f"grpc://{ifrt.address}",
-                   IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS="true")
-        script = PRELUDE.replace("ifrt_proxy.ClientConnectionOptions()", "_options()") + textwrap.dedent("""
-            jax.devices()
-        """)
-        options = textwrap.dedent("""
-            from jax.extend.backend import ifrt_proxy
-            def _options():
-                o = ifrt_proxy.ClientConnectionOptions()
-                o.connection_timeout_in_seconds = 3
-                return o
-        """)
-        out = subprocess.run([sys.executable, "-c", options + script], env=env, capture_output=True, text=True,
-                             timeout=120)
+        out = subprocess.run([sys.executable, "-c", PLUGIN + "jax.devices()\n"], capture_output=True, text=True,
+                             env=_proxy_env(ifrt.address, PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS="3"), timeout=120)
     finally:
         ifrt.stop()
     assert out.returncode != 0
@@ -212,22 +200,14 @@ def test_an_ifrt_session_is_a_weighted_client_session(server):
     """PATHWAYS_WEIGHT, sent as initialization data, is the weight the controller's
     fair-share policy gives the IFRT session's native session."""
     from pathways.client.session import Session
-    script = PRELUDE.replace("ifrt_proxy.ClientConnectionOptions()", "_options()") + textwrap.dedent("""
+    script = PLUGIN + textwrap.dedent("""
         import sys
         jax.devices()
         print("ready", flush=True)
         sys.stdin.readline()
     """)
-    options = textwrap.dedent("""
-        from jax.extend.backend import ifrt_proxy
-        def _options():
-            o = ifrt_proxy.ClientConnectionOptions()
-            o.initialization_data = {"pathways_weight": b"3.5"}
-            return o
-    """)
-    env = dict(os.environ, JAX_PLATFORMS="proxy", JAX_BACKEND_TARGET=f"grpc://{server.address}",
-               IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS="true")
-    client = subprocess.Popen([sys.executable, "-c", options + script], env=env, stdin=subprocess.PIPE,
+    env = _proxy_env(server.address, PATHWAYS_WEIGHT="3.5")
+    client = subprocess.Popen([sys.executable, "-c", script], env=env, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     observer = None
     try:
@@ -240,3 +220,18 @@ def test_an_ifrt_session_is_a_weighted_client_session(server):
             observer.close()
         client.stdin.close()
         client.wait(timeout=60)
+
+
+# The plugin's own factory (what an installed package registers through its entry point, so
+# the same whether or not it is installed), with the environment it reads.
+PLUGIN = """
+import jax
+from jax.extend import backend
+from pathways.ifrt import plugin
+backend.register_backend_factory("proxy", plugin.make_client, priority=-1)
+"""
+
+
+def _proxy_env(address, **extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PATHWAYS_", "IFRT_PROXY_", "JAX_"))}
+    return dict(env, JAX_PLATFORMS="proxy", JAX_BACKEND_TARGET=f"grpc://{address}", **extra)
