@@ -173,12 +173,7 @@ def entry_point_path(directory: Path) -> str:
     return os.pathsep.join([str(directory), str(ROOT)])
 
 
-# The server refuses (INVALID_ARGUMENT, "span islands") to hold one array on devices of two
-# islands; JAX allows it (only computations need one interconnect).
-_MISSING = {"device_put_all": "server feature missing: arrays laid out over devices of two islands "
-                              "(make_arrays_from_host_buffer_shards refuses devices spanning islands)"}
-PROGRAMS = [pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=_MISSING[name])) if name in _MISSING
-            else name for name in ifrt_programs.PROGRAMS if name != "concurrent"]
+PROGRAMS = [name for name in ifrt_programs.PROGRAMS if name != "concurrent"]
 
 
 @pytest.mark.parametrize("program", PROGRAMS)

@@ -2,6 +2,7 @@
 JAX_PLATFORMS=proxy in a subprocess, against a local cluster of two islands (2 hosts x 1
 device, 1 host x 2 devices) and an IfrtServer in this process; plus its pure parts."""
 
+import json
 import os
 import subprocess
 import sys
@@ -11,13 +12,14 @@ import numpy as np
 import pytest
 
 from ifrt_helpers import PRELUDE, run_jax
-from pathways.cluster import Island, LocalCluster
+from pathways.cluster import Island, LocalCluster, status
 from pathways.ifrt import types as t
 from pathways.ifrt.devices import DeviceTable, SliceInfo
 from pathways.ifrt.proto.xla import xla_data_pb2
 from pathways.ifrt.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as gpb
 from pathways.ifrt.server import IfrtServer, _lookup_response
 from pathways.ifrt.session import parse_slice
+from tests.conftest import wait_until
 
 @pytest.fixture(scope="module")
 def server():
@@ -117,6 +119,22 @@ def test_shard_regions_of_tiled_and_replicated_shardings():
     manual = xla_data_pb2.OpSharding(type=xla_data_pb2.OpSharding.MANUAL).SerializeToString()
     with pytest.raises(t.IfrtError):
         t.shard_regions(t.Sharding((0, 1), manual), (2,))
+
+
+def test_island_parts_of_a_sharding_across_islands():
+    op = xla_data_pb2.OpSharding(type=xla_data_pb2.OpSharding.OTHER, tile_assignment_dimensions=[2, 2],
+                                 tile_assignment_devices=[0, 1, 2, 3])
+    sharding = t.Sharding((0, 1, 2, 3), op.SerializeToString())
+    assert _table().islands(sharding.devices) == [[0, 1], [2, 3]]
+    box, part = t.island_part(sharding, (8, 6), [2, 3])
+    assert box == ((4, 8), (0, 6)) and part.devices == (2, 3)
+    assert t.shard_regions(part, (4, 6)) == [((0, 4), (0, 3)), ((0, 4), (3, 6))]
+    assert t.island_part(t.replicated((0, 1, 2, 3)), (5,), [0, 1]) == (((0, 5),), t.replicated((0, 1)))
+    # rows interleaved between islands: no box of the array is one island's
+    rows = xla_data_pb2.OpSharding(type=xla_data_pb2.OpSharding.OTHER, tile_assignment_dimensions=[4, 1],
+                                   tile_assignment_devices=[0, 2, 1, 3])
+    with pytest.raises(t.IfrtError, match="do not tile one box"):
+        t.island_part(t.Sharding((0, 1, 2, 3), rows.SerializeToString()), (8, 6), [0, 1])
 
 
 def test_host_buffers_with_byte_strides():
@@ -235,3 +253,75 @@ backend.register_backend_factory("proxy", plugin.make_client, priority=-1)
 def _proxy_env(address, **extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PATHWAYS_", "IFRT_PROXY_", "JAX_"))}
     return dict(env, JAX_PLATFORMS="proxy", JAX_BACKEND_TARGET=f"grpc://{address}", **extra)
+
+
+def test_an_array_laid_out_across_islands(server):
+    """One array over the devices of both islands (held as one pathways array per island):
+    read whole and by shards, reassembled, moved to one island, refused by a computation
+    spanning islands, and deleted (each island's part released)."""
+    script = PRELUDE + textwrap.dedent("""
+        import json, sys
+        import numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        devices = jax.devices()
+        mesh = Mesh(np.array(devices).reshape(2, 2), ("a", "b"))
+        x = np.arange(64, dtype=np.int32).reshape(8, 8)
+        tiled = jax.device_put(x, NamedSharding(mesh, P("a", "b")))
+        rows = jax.device_put(x, NamedSharding(mesh, P("a")))
+        everywhere = jax.device_put(x, NamedSharding(mesh, P()))
+        shards = {s.device.id: np.asarray(s.data).tolist() for s in tiled.addressable_shards}
+        back = jax.make_array_from_single_device_arrays(x.shape, tiled.sharding,
+                                                        [s.data for s in tiled.addressable_shards])
+        on1 = jax.device_put(tiled, NamedSharding(Mesh(np.array(devices[2:]), ("y",)), P("y")))
+        on0 = jax.device_put(everywhere, devices[0])
+        doubled = jax.jit(lambda a: a * 2)(on1)
+        try:
+            jax.jit(lambda a: a + 1)(rows)
+            jit_error = ""
+        except Exception as e:
+            jit_error = str(e)
+        print("RESULT", json.dumps({
+            "tiled": np.asarray(tiled).tolist(), "rows": np.asarray(rows).tolist(),
+            "everywhere": np.asarray(everywhere).tolist(), "back": np.asarray(back).tolist(),
+            "shards": {str(k): v for k, v in shards.items()},
+            "on1": np.asarray(on1).tolist(), "on1_devices": sorted(d.id for d in on1.devices()),
+            "on0": np.asarray(on0).tolist(), "on0_devices": [d.id for d in on0.devices()],
+            "doubled": np.asarray(doubled).tolist(), "jit_error": jit_error}), flush=True)
+        sys.stdin.readline()
+        del back
+        for a in (tiled, rows, everywhere):
+            a.delete()
+        print("RESULT", json.dumps({"deleted": [a.is_deleted() for a in (tiled, rows, everywhere)]}), flush=True)
+        sys.stdin.readline()
+    """)
+    env = dict(os.environ, JAX_PLATFORMS="proxy", JAX_BACKEND_TARGET=f"grpc://{server.address}",
+               IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS="true")
+    env.pop("XLA_FLAGS", None)
+    client = subprocess.Popen([sys.executable, "-c", script], env=env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+    def result():
+        line = client.stdout.readline()
+        assert line.startswith("RESULT "), f"the JAX client failed: {line!r}"
+        return json.loads(line[len("RESULT "):])
+
+    try:
+        got = result()
+        x = np.arange(64, dtype=np.int32).reshape(8, 8)
+        for key in ("tiled", "rows", "everywhere", "back", "on1", "on0"):
+            assert got[key] == x.tolist(), key
+        assert got["shards"] == {"0": x[:4, :4].tolist(), "1": x[:4, 4:].tolist(),
+                                 "2": x[4:, :4].tolist(), "3": x[4:, 4:].tolist()}
+        assert got["on1_devices"] == [2, 3] and got["on0_devices"] == [0]
+        assert got["doubled"] == (x * 2).tolist()
+        assert "share no interconnect" in got["jit_error"], got["jit_error"]
+        before = status(server.controller)["arrays"]
+        client.stdin.write("\n")
+        client.stdin.flush()
+        assert result()["deleted"] == [True, True, True]
+        # three arrays, each held by two islands: six pathways arrays released
+        wait_until(lambda: status(server.controller)["arrays"] == before - 6, 30,
+                   "the island parts of the deleted arrays to be released")
+    finally:
+        client.stdin.close()
+        client.wait(timeout=60)

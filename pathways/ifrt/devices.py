@@ -3,8 +3,9 @@
 Single-controller numbering: every device of the session's slices, island by island,
 host (island rank) by host, device index by index; IFRT id = position. A set of IFRT
 devices maps to one island's (host rank, device index) pairs and the workers hosting
-them; devices of two islands share no interconnect and are refused. Pure: built from the
-slice replies, no network.
+them; devices of two islands share no interconnect: one computation cannot span them (an
+array laid out across islands is held as one array per island). Pure: built from the slice
+replies, no network.
 """
 
 from __future__ import annotations
@@ -94,6 +95,14 @@ class DeviceTable:
         hosts = sorted({(d.rank, d.worker, d.address) for d in devices})
         return Placement(s, tuple((d.rank, d.index) for d in devices), tuple(w for _, w, _ in hosts),
                          tuple(a for _, _, a in hosts))
+
+    def islands(self, ids: Sequence[int]) -> list[list[int]]:
+        """The positions in ``ids`` of each island's devices, island by island: one list
+        for devices of one island, more for an array laid out across islands."""
+        by_island: dict[int, list[int]] = {}
+        for position, i in enumerate(ids):
+            by_island.setdefault(self.get(i).island, []).append(position)
+        return [by_island[k] for k in sorted(by_island)]
 
     def layout(self, sharding: Sharding, ndim: int) -> tuple[Placement, Layout]:
         """The pathways Layout of an array with this IFRT sharding."""

@@ -5,7 +5,10 @@ dtype and shape. Puts go straight to the workers (``Session.put``), reads come s
 from them (``Session.fetch``), an executable is an "xla" function of the session's slice
 on its island run as a one-node program, and a copy to other devices (maybe of another
 island) is a run of an identity function defined on the destination layout, so the
-bytes move worker to worker.
+bytes move worker to worker. An array laid out over devices of several islands (which
+share no interconnect) is held as one pathways array per island, each the box of the
+array that island's devices hold, laid out by the island's part of the sharding: it can
+be put, read, cut into shards and moved, but no computation takes it as is.
 
 Each handler takes the request's body and returns the response's body, or a ``Deferred``
 when it must wait (a fetch, a compile, a ready check): the server runs those on a
@@ -15,6 +18,7 @@ run in request order; every wait is bounded by ``WAIT_SECONDS``.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -102,6 +106,16 @@ class _Array:
     region: Optional[t.Region] = None
     error: Optional[IfrtError] = None
     deleted: bool = False
+    # set for an array laid out across islands: each island's box of it and the array on
+    # that island holding the box (handle, layout and place stay None)
+    parts: tuple[tuple[t.Region, "_Array"], ...] = ()
+
+    @property
+    def handles(self) -> list[int]:
+        """The pathways handles holding this array's data (none for a view or an error)."""
+        if self.handle is not None:
+            return [self.handle]
+        return [p.handle for _, p in self.parts if p.handle is not None]
 
 
 @dataclass
@@ -193,24 +207,24 @@ class IfrtSession:
         return handles
 
     def _retain(self, arr: _Array) -> None:
-        if arr.handle is not None:
-            with self._lock:
-                self._refs[arr.handle] = self._refs.get(arr.handle, 0) + 1
+        with self._lock:
+            for handle in arr.handles:
+                self._refs[handle] = self._refs.get(handle, 0) + 1
 
     def _drop(self, arr: _Array) -> None:
-        """An IFRT array stops naming its pathways handle; the last one frees it."""
-        handle = arr.handle
-        if handle is None:
-            return
+        """An IFRT array stops naming its pathways handles; the last one frees each."""
+        doomed = []
         with self._lock:
-            left = self._refs.get(handle, 1) - 1
-            if left > 0:
-                self._refs[handle] = left
-                return
-            self._refs.pop(handle, None)
-            if self._reading.get(handle):
-                return  # released when the read finishes
-        self.native.release(handle)
+            for handle in arr.handles:
+                left = self._refs.get(handle, 1) - 1
+                if left > 0:
+                    self._refs[handle] = left
+                    continue
+                self._refs.pop(handle, None)
+                if not self._reading.get(handle):  # else released when the read finishes
+                    doomed.append(handle)
+        for handle in doomed:
+            self.native.release(handle)
 
     def _reads(self, handles: Sequence[int]) -> Callable[[], None]:
         """Hold back the release of ``handles`` until the returned callable is called."""
@@ -237,10 +251,27 @@ class IfrtSession:
 
     def _put(self, value: np.ndarray, sharding: Sharding) -> _Array:
         assert self.devices is not None
+        islands = self.devices.islands(sharding.devices)
+        if len(islands) > 1:
+            return self._put_parts(value, sharding, islands)
         place, layout = self.devices.layout(sharding, value.ndim)
         handle = self.native.allocate(1)
         self.native.put(place.addresses, handle, layout, value)
         return _Array(value.dtype, tuple(value.shape), sharding, handle, layout, place)
+
+    def _put_parts(self, value: np.ndarray, sharding: Sharding, islands: list[list[int]]) -> _Array:
+        """``value`` laid out across islands: each island's box of it put on that island."""
+        shape = tuple(value.shape)
+        cuts = [t.island_part(sharding, shape, positions) for positions in islands]  # all checked before any put
+        parts: list[tuple[t.Region, _Array]] = []
+        try:
+            for box, part in cuts:
+                parts.append((box, self._put(value[tuple(slice(a, b) for a, b in box)], part)))
+        except BaseException:
+            for _, arr in parts:
+                self.native.release(arr.handle)
+            raise
+        return _Array(value.dtype, shape, sharding, parts=tuple(parts))
 
     def _fetch(self, arr: _Array, data: bool) -> Any:
         """The array's value (``data``) or its readiness, from the workers; bounded."""
@@ -257,6 +288,8 @@ class IfrtSession:
     def _host_value(self, arr: _Array) -> np.ndarray:
         if arr.error is not None:
             raise arr.error
+        if arr.parts:
+            return self._assembled(arr)
         if arr.group is None:
             return self._fetch(arr, data=True)
         group = arr.group
@@ -266,6 +299,21 @@ class IfrtSession:
             value = group.value
         assert arr.region is not None
         return value[tuple(slice(a, b) for a, b in arr.region)]
+
+    def _assembled(self, arr: _Array) -> np.ndarray:
+        """An array laid out across islands, fetched island by island; an island holding
+        the whole array (replicated across islands) is the only one asked."""
+        full = tuple((0, d) for d in arr.shape)
+        whole = [p for box, p in arr.parts if box == full]
+        if whole:
+            return self._fetch(whole[0], data=True)
+        value = np.empty(arr.shape, arr.dtype)
+        done = set()
+        for box, part in arr.parts:
+            if box not in done:  # islands holding the same box: one fetch
+                done.add(box)
+                value[tuple(slice(a, b) for a, b in box)] = self._fetch(part, data=True)
+        return value
 
     def _real(self, arr: _Array) -> _Array:
         """``arr`` as an array on the workers: a view is made one (its shard is put)."""
@@ -283,7 +331,8 @@ class IfrtSession:
             target = arr.group.parent if arr.group is not None else arr
             if target.error is not None:
                 raise target.error
-            self._fetch(target, data=False)
+            for part in [p for _, p in target.parts] or [target]:
+                self._fetch(part, data=False)
 
     # ---- session ------------------------------------------------------------------------------
 
@@ -362,7 +411,7 @@ class IfrtSession:
 
     def _check_value_ready_request(self, body: pb.CheckValueReadyRequest) -> Deferred:
         arrays = [self._array(h) for h in body.value_handles]
-        done = self._reads([a.handle for a in arrays if a.handle is not None])
+        done = self._reads([h for a in arrays for h in (a.group.parent if a.group is not None else a).handles])
 
         def run() -> pb.CheckValueReadyResponse:
             try:
@@ -434,7 +483,7 @@ class IfrtSession:
         arr = self._array(body.array_handle)
         strides = t.byte_strides_of(body, "byte_strides")
         target = arr.group.parent if arr.group is not None else arr
-        done = self._reads([target.handle] if target.handle is not None else [])
+        done = self._reads(target.handles)
 
         def run() -> pb.CopyToHostBufferResponse:
             try:
@@ -461,7 +510,7 @@ class IfrtSession:
         if not arr.sharding.replicated:
             raise t.invalid(f"array {body.array_handle} is not fully replicated")
         if len(arr.sharding.devices) == 1:
-            shard = arr
+            shard = dataclasses.replace(arr)
         else:
             full = tuple((0, d) for d in arr.shape)
             shard = self._view(arr, 0, full, _Group(arr))
@@ -471,7 +520,7 @@ class IfrtSession:
     def _disassemble_into_single_device_arrays_request(self, body: Any) -> Any:
         arr = self._array(body.array_handle)
         if len(arr.sharding.devices) == 1:
-            shards = [arr]
+            shards = [dataclasses.replace(arr)]
         else:
             group = _Group(arr)
             shards = [self._view(arr, i, r, group) for i, r in enumerate(t.shard_regions(arr.sharding, arr.shape))]
@@ -490,7 +539,10 @@ class IfrtSession:
         if (parent is not None and len(groups) == 1 and parent.shape == shape
                 and parent.sharding.devices == sharding.devices and parent.error is None and not parent.deleted
                 and all(s.region == r for s, r in zip(shards, regions))):
-            result = parent  # the views of one parent, reassembled as it was: the parent itself
+            # the views of one parent, reassembled as it was: a new IFRT array naming the
+            # parent's pathways arrays (its own object, so that deleting one handle leaves
+            # the other's reference to be dropped when it goes)
+            result = dataclasses.replace(parent)
         else:
             dtype = t.dtype_of(body.dtype) if body.HasField("dtype") else shards[0].dtype
             if math.prod(shape) * dtype.itemsize > self.buffers.limit:
@@ -534,6 +586,9 @@ class IfrtSession:
         identity function defined on the destination layout (the data plane moves it)."""
         if sharding == arr.sharding:
             return arr
+        spans = len(self._table.islands(sharding.devices)) > 1
+        if arr.parts or spans:
+            return self._moved_across(arr, sharding, semantics, spans)
         arr = self._real(arr)
         place, layout = self._table.layout(sharding, len(arr.shape))
         program = self._identity(arr.dtype, arr.shape, layout, place)
@@ -542,6 +597,26 @@ class IfrtSession:
         if semantics == types_pb2.ARRAY_COPY_SEMANTICS_DONATE_INPUT:
             self._delete(arr)
         return _Array(arr.dtype, arr.shape, sharding, base + 1, layout, place)
+
+    def _moved_across(self, arr: _Array, sharding: Sharding, semantics: int, spans: bool) -> _Array:
+        """A move from or to a layout across islands. An island part holding the whole
+        array moves to one island as any array does; else the parts are assembled here
+        and put where they go (as the shards of views are)."""
+        full = tuple((0, d) for d in arr.shape)
+        whole = [p for box, p in arr.parts if box == full]
+        if whole and not spans:
+            out = self._moved(whole[0], sharding, types_pb2.ARRAY_COPY_SEMANTICS_ALWAYS_COPY)
+            if out is whole[0]:  # already there: a new IFRT array naming the same pathways array
+                out = dataclasses.replace(out)
+        else:
+            if math.prod(arr.shape) * arr.dtype.itemsize > self.buffers.limit:
+                raise IfrtError(t.RESOURCE_EXHAUSTED, f"moving a {arr.dtype.name}{list(arr.shape)} array laid out "
+                                                      f"across islands needs more than {self.buffers.limit} bytes "
+                                                      "here; move it in smaller arrays")
+            out = self._put(self._host_value(arr), sharding)
+        if semantics == types_pb2.ARRAY_COPY_SEMANTICS_DONATE_INPUT:
+            self._delete(arr)
+        return out
 
     def _identity(self, dtype: np.dtype, shape: tuple[int, ...], layout: Layout, place: Placement) -> int:
         key = (dtype.name, shape, layout)
@@ -663,6 +738,12 @@ class IfrtSession:
         exe = self._executable(body.loaded_executable_handle)
         c = exe.compiled
         args = [self._array(h) for h in body.args_handles]
+        across = [i for i, a in enumerate(args) if a.parts]
+        if across:
+            islands = sorted({d.island for i in across for d in map(self._table.get, args[i].sharding.devices)})
+            raise t.invalid(f"argument(s) {across[:16]} are laid out across islands {islands}, and the executable "
+                            f"runs on island {exe.place.slice.island} only: move them to its devices first "
+                            "(jax.device_put with a sharding on that island)")
         if len(args) != len(c.ins):
             raise t.invalid(f"the executable takes {len(c.ins)} arguments, {len(args)} were given")
         types = tuple((a.dtype.name, a.shape) for a in args)

@@ -214,6 +214,39 @@ def shard_regions(sharding: Sharding, shape: tuple[int, ...]) -> list[Region]:
     return regions  # type: ignore[return-value]
 
 
+def island_part(sharding: Sharding, shape: tuple[int, ...], positions: Sequence[int]) -> tuple[Region, Sharding]:
+    """What the devices at ``positions`` of ``sharding`` (one island's) hold of an array
+    of ``shape``: the box of the array their blocks cover together, and a sharding of that
+    box over those devices giving each device its same block. IfrtError (UNIMPLEMENTED)
+    when their blocks do not tile a box evenly."""
+    regions = shard_regions(sharding, shape)
+    devices = tuple(sharding.devices[p] for p in positions)
+    mine = [regions[p] for p in positions]
+    box = tuple((min(r[a][0] for r in mine), max(r[a][1] for r in mine)) for a in range(len(shape)))
+    if all(r == box for r in mine):
+        return box, replicated(devices)
+    starts = [sorted({r[a][0] for r in mine}) for a in range(len(shape))]
+    tiles: dict[tuple[int, ...], list[int]] = {}
+    for pos, r in enumerate(mine):
+        tiles.setdefault(tuple(s.index(r[a][0]) for a, s in enumerate(starts)), []).append(pos)
+    dims = [len(s) for s in starts]
+    copies = {len(v) for v in tiles.values()}
+    if len(tiles) == math.prod(dims) and len(copies) == 1:
+        r = copies.pop()
+        op = xla_data_pb2.OpSharding(type=xla_data_pb2.OpSharding.OTHER,
+                                     tile_assignment_dimensions=dims + ([r] if r > 1 else []),
+                                     tile_assignment_devices=[p for c in np.ndindex(*dims) for p in tiles[c]],
+                                     replicate_on_last_tile_dim=r > 1)
+        part = Sharding(devices, op.SerializeToString())
+        local = [tuple((a - o, b - o) for (a, b), (o, _) in zip(reg, box)) for reg in mine]
+        if shard_regions(part, tuple(b - a for a, b in box)) == local:
+            return box, part
+    raise IfrtError(UNIMPLEMENTED, f"the blocks the sharding gives devices {list(devices)[:16]} (one island's) do "
+                                   "not tile one box of the array evenly, so they cannot be held as one array "
+                                   "there; lay the array out on one island's devices, or with a mesh whose "
+                                   "islands each hold an even block")
+
+
 def tile_devices(o: xla_data_pb2.OpSharding, n: int) -> list[int]:
     """The logical device of each tile, in row-major tile order."""
     dims = list(o.tile_assignment_dimensions)
