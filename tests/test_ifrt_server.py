@@ -325,3 +325,21 @@ def test_an_array_laid_out_across_islands(server):
     finally:
         client.stdin.close()
         client.wait(timeout=60)
+
+
+def test_pathways_slice_limits_a_session_to_one_placed_slice(server):
+    """PATHWAYS_SLICE=cpu:2@1: the session's devices are one slice of two devices the
+    resource manager placed on island 1, and computations run there."""
+    script = PLUGIN + textwrap.dedent("""
+        import json
+        import numpy as np
+        devices = jax.devices()
+        y = jax.jit(lambda v: v * 3)(jax.device_put(np.arange(4.0), devices[1]))
+        print("RESULT " + json.dumps({"islands": [d.island for d in devices], "y": np.asarray(y).tolist()}))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240,
+                         env=_proxy_env(server.address, PATHWAYS_SLICE="cpu:2@1"))
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result == {"islands": [1, 1], "y": [0.0, 3.0, 6.0, 9.0]}
