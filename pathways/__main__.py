@@ -137,7 +137,9 @@ def _main(argv: list[str] | None) -> int:
     status.add_argument("--address", default=os.environ.get("PATHWAYS_ADDRESS"))
     status.add_argument("--measure", action="store_true",
                         help="have every worker measure its FLOP/s and links again first, and wait for it")
-    status.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the measurements")
+    status.add_argument("--timeout", type=float, default=None,
+                        help="seconds to wait for the controller (default 10) or, with --measure, for the "
+                             "measurements (default 60)")
     security.add_flags(status, server=False)
 
     demo = sub.add_parser("demo", help="run the paper's Figure 2 program")
@@ -318,7 +320,7 @@ def _run_security(args: argparse.Namespace) -> Security:
     return security.Security(token=token)
 
 
-def _status(address: str | None, measure: bool = False, timeout: float = 60.0,
+def _status(address: str | None, measure: bool = False, timeout: float | None = None,
             security: Security | None = None) -> int:
     from pathways import cluster
     from pathways.errors import PathwaysError
@@ -327,7 +329,8 @@ def _status(address: str | None, measure: bool = False, timeout: float = 60.0,
         print("no cluster address: pass --address grpc://HOST:PORT or set PATHWAYS_ADDRESS", file=sys.stderr)
         return 2
     try:
-        st = cluster.measure(address, timeout, security) if measure else cluster.status(address, security=security)
+        st = (cluster.measure(address, 60.0 if timeout is None else timeout, security) if measure
+              else cluster.status(address, 10.0 if timeout is None else timeout, security))
     except PathwaysError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -52,9 +52,9 @@ def test_a_host_name_is_accepted(cluster):
 def test_status_of_a_refused_address_fails_fast_with_advice_for_the_command_line():
     address = f"grpc://127.0.0.1:{free_port()}"
     started = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "pathways", "status", "--address", address],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "pathways", "status", "--address", address, "--timeout", "300"],
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 1
-    assert time.monotonic() - started < 8, "python start-up plus a refusal, not the 10 s status timeout"
+    assert time.monotonic() - started < 120, "python start-up plus a refusal, not the 300 s timeout asked for"
     assert "refused" in out.stderr and "pathways up" in out.stderr, out.stderr
     assert "pw.connect" not in out.stderr, "advice for the library does not apply on the command line"
