@@ -13,6 +13,8 @@ computations per second are S x runs / time, medians over rounds.
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from typing import Callable, Sequence
 
@@ -26,6 +28,11 @@ STAGES = (1, 2, 4, 8, 16)
 
 def _chain(stages: Sequence[pw.Slice], dispatch: str) -> Callable:
     fns = [pw.jit(lambda x: x + 1.0, mesh=s.mesh("d")) for s in stages]
+    return _program(fns, dispatch)
+
+
+def _program(fns: Sequence[Callable], dispatch: str = "parallel") -> Callable:
+    """A program calling ``fns`` one after the other."""
 
     def chain(x):
         for f in fns:
@@ -70,10 +77,15 @@ def measure(rounds: int, tiny: bool, progress: report.Progress) -> dict:
     return _measure(rounds, (1, 2) if tiny else STAGES, 8 if tiny else 256, progress)
 
 
+# The timeline's cost: a chain of this many nodes on one host, and the longest pipeline,
+# each traced against untraced.
+OVERHEAD_NODES = 128
+
+
 def _measure(rounds: int, stages: Sequence[int], computations: int, progress: report.Progress) -> dict:
     """Each chain length; each round runs about ``computations`` computations per mode."""
     hosts = max(stages)
-    progress.expect(1 + len(stages) * rounds * 2)
+    progress.expect(1 + len(stages) * rounds * 2 + 2 * rounds * 2)
     progress.step(f"starting {hosts} one-host islands")
     with pw.local_cluster(islands=[pw.Island(hosts=1, devices_per_host=1)] * hosts, start_timeout=300.0):
         vds = pw.make_virtual_device_set()
@@ -89,7 +101,27 @@ def _measure(rounds: int, stages: Sequence[int], computations: int, progress: re
             cases = {mode: (lambda p=program: _timed(p, slices[0], runs, n)) for mode, program in programs.items()}
             samples = report.alternate(rounds, cases, progress)
             rates[str(n)] = {mode: report.stats(v) for mode, v in samples.items()}
-    return {"stages": list(stages), "rates": rates}
+        one = pw.jit(lambda x: x + 1.0, mesh=slices[0].mesh("d"))
+        chains = {f"{OVERHEAD_NODES}-node chain, 1 host": (_program([one] * OVERHEAD_NODES), OVERHEAD_NODES),
+                  f"{hosts}-stage pipeline": (programs["parallel"], hosts)}
+        overhead = {what: _overhead(program, slices[0], n, max(computations // n, 4), rounds, progress)
+                    for what, (program, n) in chains.items()}
+    return {"stages": list(stages), "rates": rates, "overhead": overhead}
+
+
+def _overhead(program: Callable, first: pw.Slice, stages: int, runs: int, rounds: int,
+              progress: report.Progress) -> dict:
+    """Computations per second of ``program`` inside ``pw.trace`` and outside, alternately.
+    The traced rate counts recording only: collecting and writing the file come after."""
+    with tempfile.TemporaryDirectory() as tmp:
+        def traced() -> float:
+            with pw.trace(os.path.join(tmp, "bench.json")):
+                return _timed(program, first, runs, stages)
+
+        traced()  # warm up: compile, first transfers
+        samples = report.alternate(rounds, {"untraced": lambda: _timed(program, first, runs, stages),
+                                            "traced": traced}, progress)
+    return {mode: report.stats(v) for mode, v in samples.items()}
 
 
 def tables(data: dict) -> list[report.Table]:
@@ -98,15 +130,34 @@ def tables(data: dict) -> list[report.Table]:
         r = data["rates"][str(n)]
         rows.append([str(n), report.rate(r["parallel"]), report.rate(r["sequential"]),
                      report.times(report.ratio(r["parallel"], r["sequential"]))])
-    return [report.Table("computations per second, one host per stage, median (min-max)",
-                         ["stages", "parallel", "sequential", "parallel/sequential"], rows)]
+    tables = [report.Table("computations per second, one host per stage, median (min-max)",
+                           ["stages", "parallel", "sequential", "parallel/sequential"], rows)]
+    if "overhead" in data:
+        tables.append(report.Table(
+            "timeline overhead: computations per second inside `pw.trace` and outside, alternately",
+            ["program", "untraced", "traced", "cost per computation"],
+            [[what, report.rate(r["untraced"]), report.rate(r["traced"]), _cost(r)]
+             for what, r in data["overhead"].items()]))
+    return tables
+
+
+def _cost(r: dict) -> str:
+    """What tracing adds to one computation: the difference of the median periods."""
+    untraced, traced = r["untraced"]["median"], r["traced"]["median"]
+    if not untraced or not traced:
+        return "n/a"
+    extra = 1e6 / traced - 1e6 / untraced
+    return f"{extra:+.1f} us ({100 * (untraced / traced - 1):+.0f}%)"
 
 
 def summary(data: dict) -> list[str]:
     n = str(max(data["stages"]))
     x = report.ratio(data["rates"][n]["parallel"], data["rates"][n]["sequential"])
     verdict = "met" if x >= 3 else f"**missed** by {3 - x:.2f}x"
-    return [f"{n} stages: parallel is {x:.2f}x sequential (target >= 3x): {verdict}"]
+    lines = [f"{n} stages: parallel is {x:.2f}x sequential (target >= 3x): {verdict}"]
+    for what, r in data.get("overhead", {}).items():
+        lines.append(f"timeline overhead, {what}: {_cost(r)} per computation")
+    return lines
 
 
 def notes(data: dict) -> str:
