@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from threading import get_ident
 from typing import Optional
 
 from pathways.protocol.handles import session_of
@@ -31,6 +32,7 @@ MAX_NAME = 64
 MAX_DETAIL = 128
 
 Event = tuple  # (name, thread, start_ns, dur_ns, run, detail)
+_MAX_THREADS = 4096  # thread names remembered (a thread's ident may be reused by a later one)
 # Steps that are waits, which overlap each other on their row (runs queued together):
 # written as async slices, which trace viewers stack instead of nesting.
 WAITS = frozenset({"queue"})
@@ -45,16 +47,25 @@ class Recorder:
         self._open: dict[int, int] = {}  # run base -> traced runs of it not yet finished here
         self._idle = threading.Condition(self._lock)
         self.dropped = 0  # spans pushed out of a full buffer
+        self._threads: dict[int, str] = {}  # thread ident -> its name, cut to MAX_NAME
 
     def span(self, name: str, start: int, run: int = 0, detail: str = "", thread: Optional[str] = None) -> None:
         """Record a step that began at ``start`` (``now()``) and ends now, on this thread
         (or on the row ``thread``: for waits that overlap other steps)."""
         end = now()
+        if thread is None:
+            ident = get_ident()
+            thread = self._threads.get(ident) or self._thread_name(ident)
         events = self._events
         if len(events) == events.maxlen:
             self.dropped += 1
-        events.append((name, (thread or threading.current_thread().name)[:MAX_NAME], start, end - start, run,
-                       detail[:MAX_DETAIL]))
+        events.append((name, thread, start, end - start, run, detail))
+
+    def _thread_name(self, ident: int) -> str:
+        name = threading.current_thread().name[:MAX_NAME]
+        if len(self._threads) < _MAX_THREADS:
+            self._threads[ident] = name
+        return name
 
     def opened(self, run: int) -> None:
         """A traced run started here; ``closed`` once its last step is recorded."""
@@ -85,7 +96,10 @@ class Recorder:
                 except IndexError:  # a full buffer pushed it out under us
                     break
                 run = event[4]
-                (mine if run and session_of(run) == session and len(mine) < limit else rest).append(event)
+                if run and session_of(run) == session and len(mine) < limit:
+                    mine.append(event[:5] + (event[5][:MAX_DETAIL],))  # cut here, not on the run's path
+                else:
+                    rest.append(event)
             self._events.extend(rest)
             return mine, self.dropped
 

@@ -98,15 +98,17 @@ def gantt(spans: list[Span], path: str, title: Optional[str] = None) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    rows = sorted({(s.process, s.thread) for s in spans}, key=lambda r: (_process_order(r[0]), r[0], r[1]))
+    order = _process_order(spans)
+    rows = sorted({(s.process, s.thread) for s in spans}, key=lambda r: (order[r[0]], r[1]))
     index = {r: i for i, r in enumerate(rows)}
-    names = sorted({s.name for s in spans})
+    names = sorted({s.name for s in spans}, key=lambda n: (n not in COLOURS, list(COLOURS).index(n) if n in COLOURS
+                                                           else 0, n))
     cmap = plt.get_cmap("tab20")
-    colour = {n: cmap(i % 20) for i, n in enumerate(names)}
+    colour = {n: COLOURS.get(n) or cmap(i % 20) for i, n in enumerate(names)}
     origin = min((s.start_us for s in spans), default=0.0)
     end = max((s.start_us + s.dur_us for s in spans), default=1.0) - origin
     scale, unit = (1e3, "ms") if end >= 2000 else (1.0, "us")
-    fig, ax = plt.subplots(figsize=(14, max(3.0, 0.42 * len(rows) + 1.8)))
+    fig, ax = plt.subplots(figsize=(14, max(3.0, 0.3 * len(rows) + 1.8)))
     for s in spans:
         ax.barh(index[(s.process, s.thread)], max(s.dur_us, end / 2000) / scale, left=(s.start_us - origin) / scale,
                 height=0.7, color=colour[s.name], edgecolor="none")
@@ -123,9 +125,24 @@ def gantt(spans: list[Span], path: str, title: Optional[str] = None) -> None:
     plt.close(fig)
 
 
-def _process_order(process: str) -> int:
-    kind = process.split()[0]
-    return {"client": 0, "controller": 1}.get(kind, 2)
+# Steps that do work in strong colours, waits in pale ones.
+COLOURS = {
+    "trace": "#bcbd22", "put": "#7f7f7f", "submit": "#17becf", "fetch": "#e5e5e5",
+    "lower": "#8c564b", "schedule": "#e377c2", "queue": "#f2d4e8", "dispatch": "#ff7f0e",
+    "receive": "#9467bd", "wait for inputs": "#d9d9d9", "wait for release": "#c7c7c7", "execute": "#d62728",
+    "send": "#2ca02c", "receive data": "#1f77b4", "done": "#aec7e8",
+}
+
+
+def _process_order(spans: list[Span]) -> dict[str, tuple]:
+    """Client, controller, then workers in the order they first executed (a pipeline's
+    stage order), each process's rows together."""
+    first: dict[str, float] = {}
+    for s in spans:
+        if s.name == "execute":
+            first[s.process] = min(first.get(s.process, s.start_us), s.start_us)
+    kinds = {"client": 0, "controller": 1}
+    return {p: (kinds.get(p.split()[0], 2), first.get(p, float("inf")), p) for p in {s.process for s in spans}}
 
 
 def _short(process: str) -> str:
