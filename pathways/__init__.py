@@ -7,7 +7,7 @@ functions onto them with ``pw.pmap``/``pw.jit``, and trace several into one ``@p
 from jax.sharding import PartitionSpec
 
 from pathways.client.api import (connect, default_session, device_get, device_put, disconnect,
-                                 local_cluster, make_virtual_device_set)
+                                 local_cluster, make_virtual_device_set, trace)
 from pathways.client.array import Array
 from pathways.client.compiled import jit, pmap
 from pathways.client.devices import NamedSharding, Slice, VirtualDeviceSet, VirtualMesh
@@ -30,5 +30,5 @@ __all__ = [
     "P", "PartitionSpec", "PathwaysError", "PlacementError", "ProgramTraceError", "RemoteError",
     "SignatureError", "Slice", "SpmdError", "VirtualDeviceSet", "VirtualMesh", "WireError", "WorkerLostError", "connect",
     "default_session", "device_get", "device_put", "disconnect", "jit", "local_cluster",
-    "make_virtual_device_set", "pipeline", "pmap", "program", "spmd",
+    "make_virtual_device_set", "pipeline", "pmap", "program", "spmd", "trace",
 ]

@@ -1,4 +1,4 @@
-"""The ``pathways`` command line: controller, worker, up, run, status, demo, bench, spmd, plan."""
+"""The ``pathways`` command line: controller, worker, up, run, status, demo, bench, spmd, plan, trace."""
 
 from __future__ import annotations
 
@@ -170,6 +170,10 @@ def _main(argv: list[str] | None) -> int:
     plan.add_argument("plan_args", nargs=argparse.REMAINDER,
                       help="pipeline|dag FILE.json [options]; see `python -m pathways plan --help`")
 
+    trace = sub.add_parser("trace", help="summarize a timeline file (pw.trace, PATHWAYS_TRACE); draw it with --png")
+    trace.add_argument("file", help="the timeline's Chrome trace-event JSON")
+    trace.add_argument("--png", metavar="PATH", help="write a Gantt chart: a row per process and thread")
+
     # Known arguments only, so that `plan --help` reaches the planner's own parser.
     args, unknown = parser.parse_known_args(argv)
     if unknown and args.command != "plan":
@@ -278,6 +282,18 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: lis
         from pathways.planner.cli import main as plan_main
 
         return plan_main([*unknown, *args.plan_args])
+    elif args.command == "trace":
+        from pathways.timeline_view import TimelineFileError, gantt, load, summary
+
+        try:
+            spans = load(args.file)
+        except TimelineFileError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(summary(spans))
+        if args.png:
+            gantt(spans, args.png, f"pathways timeline: {os.path.basename(args.file)}")
+            print(f"wrote {args.png}")
     return 0
 
 

@@ -38,6 +38,8 @@ def check_parity(d):
 def check_pipeline(d):
     assert d["stages"] == [1, 2]
     assert all(rate_ok(d["rates"][n][m]) for n in ("1", "2") for m in ("parallel", "sequential"))
+    assert list(d["overhead"]) == ["128-node chain, 1 host", "2-stage pipeline"]
+    assert all(rate_ok(r[m]) for r in d["overhead"].values() for m in ("untraced", "traced"))
 
 
 def check_transfer(d):

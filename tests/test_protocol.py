@@ -61,7 +61,9 @@ def test_a_payload_that_is_no_batch_is_refused(payload, needle):
     (["fn", 1, 1, "f", b"", [[[0], [0, 0], [1], ["x"], [None]]], [], "xla", b"", [0, 0]], "takes no layouts"),
     (["fn", 1, 1, "f", b"", [], [], "jax.export", b"opts", []], "takes no options or devices"),
     (["fn", 1, 1, "f", b"", [], [], "xla", b"x" * (2 << 20), [0, 0]], "'options' of message 'fn' has"),
-    (["run", 1, 1, [[0, 1, 2]]], "a list of 2 entries"),
+    (["run", 1, 1, [[0, 1, 2]], False], "a list of 2 entries"),
+    (["run", 1, 1, [], 1], "'traced' of message 'run' must be true or false"),
+    (["timeline", 1, 10 ** 6], "'max_events' of message 'timeline' must be in"),
     (["program", 1, {"nvalues": 2 ** 40}, "parallel"], "nvalues"),
 ])
 def test_a_malformed_message_is_refused_with_its_field_named(raw, needle):

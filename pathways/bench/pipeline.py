@@ -13,6 +13,8 @@ computations per second are S x runs / time, medians over rounds.
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from typing import Callable, Sequence
 
@@ -26,6 +28,11 @@ STAGES = (1, 2, 4, 8, 16)
 
 def _chain(stages: Sequence[pw.Slice], dispatch: str) -> Callable:
     fns = [pw.jit(lambda x: x + 1.0, mesh=s.mesh("d")) for s in stages]
+    return _program(fns, dispatch)
+
+
+def _program(fns: Sequence[Callable], dispatch: str = "parallel") -> Callable:
+    """A program calling ``fns`` one after the other."""
 
     def chain(x):
         for f in fns:
@@ -70,12 +77,19 @@ def measure(rounds: int, tiny: bool, progress: report.Progress) -> dict:
     return _measure(rounds, (1, 2) if tiny else STAGES, 8 if tiny else 256, progress)
 
 
+# The timeline's cost: a chain of this many nodes on one host, and the longest pipeline,
+# each traced against untraced.
+# Computations per sample of each: enough CPU time that the 10 ms ticks of /proc resolve a
+# microsecond per computation.
+OVERHEAD_NODES, OVERHEAD_CHAIN, OVERHEAD_PIPELINE = 128, 16384, 2048
+
+
 def _measure(rounds: int, stages: Sequence[int], computations: int, progress: report.Progress) -> dict:
     """Each chain length; each round runs about ``computations`` computations per mode."""
     hosts = max(stages)
-    progress.expect(1 + len(stages) * rounds * 2)
+    progress.expect(1 + len(stages) * rounds * 2 + 2 * rounds * 2)
     progress.step(f"starting {hosts} one-host islands")
-    with pw.local_cluster(islands=[pw.Island(hosts=1, devices_per_host=1)] * hosts, start_timeout=300.0):
+    with pw.local_cluster(islands=[pw.Island(hosts=1, devices_per_host=1)] * hosts, start_timeout=300.0) as cluster:
         vds = pw.make_virtual_device_set()
         slices = [vds.add_slice(cpu_devices=1, island=i) for i in range(hosts)]
         if len({s.workers for s in slices}) != hosts:
@@ -89,7 +103,40 @@ def _measure(rounds: int, stages: Sequence[int], computations: int, progress: re
             cases = {mode: (lambda p=program: _timed(p, slices[0], runs, n)) for mode, program in programs.items()}
             samples = report.alternate(rounds, cases, progress)
             rates[str(n)] = {mode: report.stats(v) for mode, v in samples.items()}
-    return {"stages": list(stages), "rates": rates}
+        one = pw.jit(lambda x: x + 1.0, mesh=slices[0].mesh("d"))
+        chains = {f"{OVERHEAD_NODES}-node chain, 1 host": (_program([one] * OVERHEAD_NODES), OVERHEAD_NODES,
+                                                             OVERHEAD_CHAIN),
+                  f"{hosts}-stage pipeline": (programs["parallel"], hosts, OVERHEAD_PIPELINE)}
+        pids = [os.getpid(), *cluster.pids]
+        overhead = {what: _overhead(program, slices[0], n, max(total * computations // 256 // n, 4), rounds, pids,
+                                    progress)
+                    for what, (program, n, total) in chains.items()}
+    return {"stages": list(stages), "rates": rates, "overhead": overhead}
+
+
+def _overhead(program: Callable, first: pw.Slice, stages: int, runs: int, rounds: int, pids: list[int],
+              progress: report.Progress) -> dict:
+    """Computations per second of ``program`` inside ``pw.trace`` and outside, alternately,
+    and the CPU time per computation of every process (``pids``: client and cluster). The
+    traced figures count recording only: collecting and writing the file come after."""
+    cpu: dict[str, list[float]] = {"untraced": [], "traced": []}
+
+    def accounted(mode: str) -> float:
+        before = report.cpu_seconds(pids)
+        rate = _timed(program, first, runs, stages)
+        cpu[mode].append((report.cpu_seconds(pids) - before) * 1e6 / (runs * stages))
+        return rate
+
+    with tempfile.TemporaryDirectory() as tmp:
+        def traced() -> float:
+            with pw.trace(os.path.join(tmp, "bench.json")):
+                return accounted("traced")
+
+        traced()  # warm up: compile, first transfers
+        cpu["traced"].clear()
+        samples = report.alternate(rounds, {"untraced": lambda: accounted("untraced"), "traced": traced}, progress)
+    return {**{mode: report.stats(v) for mode, v in samples.items()},
+            "cpu_us": {mode: report.stats(v) for mode, v in cpu.items()}}
 
 
 def tables(data: dict) -> list[report.Table]:
@@ -98,15 +145,34 @@ def tables(data: dict) -> list[report.Table]:
         r = data["rates"][str(n)]
         rows.append([str(n), report.rate(r["parallel"]), report.rate(r["sequential"]),
                      report.times(report.ratio(r["parallel"], r["sequential"]))])
-    return [report.Table("computations per second, one host per stage, median (min-max)",
-                         ["stages", "parallel", "sequential", "parallel/sequential"], rows)]
+    tables = [report.Table("computations per second, one host per stage, median (min-max)",
+                           ["stages", "parallel", "sequential", "parallel/sequential"], rows)]
+    if "overhead" in data:
+        tables.append(report.Table(
+            "timeline overhead: computations per second inside `pw.trace` and outside, alternately",
+            ["program", "untraced /s", "traced /s", "CPU us per computation, untraced", "traced", "cost"],
+            [[what, report.rate(r["untraced"]), report.rate(r["traced"]), report.rate(r["cpu_us"]["untraced"], 1),
+              report.rate(r["cpu_us"]["traced"], 1), _cost(r)] for what, r in data["overhead"].items()]))
+    return tables
+
+
+def _cost(r: dict) -> str:
+    """What tracing adds to one computation: the difference of the median CPU times of all
+    processes (wall-clock rates on a shared machine are noisier)."""
+    untraced, traced = r["cpu_us"]["untraced"]["median"], r["cpu_us"]["traced"]["median"]
+    if not untraced:
+        return "n/a"
+    return f"{traced - untraced:+.1f} us CPU ({100 * (traced / untraced - 1):+.0f}%)"
 
 
 def summary(data: dict) -> list[str]:
     n = str(max(data["stages"]))
     x = report.ratio(data["rates"][n]["parallel"], data["rates"][n]["sequential"])
     verdict = "met" if x >= 3 else f"**missed** by {3 - x:.2f}x"
-    return [f"{n} stages: parallel is {x:.2f}x sequential (target >= 3x): {verdict}"]
+    lines = [f"{n} stages: parallel is {x:.2f}x sequential (target >= 3x): {verdict}"]
+    for what, r in data.get("overhead", {}).items():
+        lines.append(f"timeline overhead, {what}: {_cost(r)} per computation, all processes")
+    return lines
 
 
 def notes(data: dict) -> str:

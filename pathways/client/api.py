@@ -14,6 +14,7 @@ from pathways.client.array import Array
 from pathways.client.compiled import check_divisible, host_array
 from pathways.client.devices import NamedSharding, VirtualDeviceSet, VirtualMesh, slice_of
 from pathways.client.session import Session
+from pathways.client.timeline import Trace
 from pathways.cluster import Island, LocalCluster
 from pathways.defaults import DEFAULT_WINDOW
 from pathways.errors import SignatureError
@@ -148,6 +149,15 @@ def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[S
     return ConnectedCluster(list(islands) if islands else [Island(hosts, devices_per_host)], start_timeout,
                             policy, window, unsafe_local_order, security, heartbeat_timeout,
                             ifrt_port=0 if ifrt else None)
+
+
+def trace(path: str) -> Trace:
+    """``with pw.trace("run.json"):`` records every run the default session submits in the
+    block, on the client, the controller and each worker, with clocks aligned, and writes
+    them at its end as Chrome trace-event JSON: open it at ui.perfetto.dev, or draw it
+    with ``python -m pathways trace run.json --png run.png``. ``session.trace(path)``
+    does the same for another session; ``PATHWAYS_TRACE=path`` for a whole process."""
+    return default_session().trace(path)
 
 
 def make_virtual_device_set() -> VirtualDeviceSet:

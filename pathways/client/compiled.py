@@ -24,6 +24,7 @@ from pathways.errors import SignatureError
 from pathways.ir import Layout, ProgramGraph, Node
 from pathways.platforms import export_platforms
 from pathways.protocol import messages as m
+from pathways.timeline import now
 from pathways.wire.codec import is_wire_dtype
 
 Aval = tuple[tuple[int, ...], np.dtype]
@@ -288,9 +289,12 @@ def run(session: Any, spec: ProgramSpec, inputs: Sequence[Array]) -> list[Array]
     graph = spec.graph
     for arr in inputs:
         arr._live()
+    traced = session.traced
+    if traced:
+        began = now()
     base = session.allocate(graph.nvalues)
     bound = dict(zip(graph.inputs, inputs))
-    session.send(m.Run(spec.program_id, base, {v: arr.handle for v, arr in bound.items()}))
+    session.send(m.Run(spec.program_id, base, {v: arr.handle for v, arr in bound.items()}, traced))
     outs = []
     for v in graph.outputs:
         if v in bound:
@@ -299,6 +303,9 @@ def run(session: Any, spec: ProgramSpec, inputs: Sequence[Array]) -> list[Array]
         sharding = spec.value_shardings[v]
         shape, dtype = spec.value_avals[v]
         outs.append(Array(_Buffer(session, base + v, sharding.mesh.slice.addresses), shape, dtype, sharding))
+    if traced:
+        session.recorder.span("submit", began, base, f"program {spec.program_id:#x}")
+        session.recordings.watch(outs)
     return outs
 
 

@@ -21,6 +21,7 @@ from pathways.client.devices import NamedSharding
 from pathways.client.tracing import current_trace, tracing
 from pathways.errors import ProgramTraceError
 from pathways.ir import DISPATCH_MODES, Layout, Node, ProgramGraph
+from pathways.timeline import now
 
 
 class Traced:
@@ -142,8 +143,11 @@ class Program:
         key = (treedef, tuple(avals))
         traced = self._cache.get(key)
         if traced is None:
+            began = now()
             traced = self._trace(session, treedef, avals, arg_paths(args))
             self._cache[key] = traced
+            if session.traced:
+                session.recorder.span("trace", began, 0, f"program {self.__name__}")
         inputs: list[Array] = []
         for v, leaf in zip(traced.arg_values, leaves):
             if isinstance(leaf, Array):

@@ -27,11 +27,13 @@ import numpy as np
 from pathways import errors
 from pathways.client.array import Array, _Buffer
 from pathways.client.devices import NamedSharding
+from pathways.client.timeline import Recordings, Trace, process_recording
 from pathways.defaults import HEARTBEAT_TIMEOUT
 from pathways.ir import Layout, evenly_divided, host_regions
 from pathways.protocol import messages as m
 from pathways.protocol.errors import error_of, kind_of
 from pathways.protocol.handles import COUNTER_MASK, first_handle
+from pathways.timeline import Recorder, now
 from pathways.wire import codec, rpc
 from pathways.wire.security import Security
 
@@ -61,6 +63,11 @@ class Session:
         self.security = security or Security()
         self.poisoned: dict[int, tuple[type[errors.PathwaysError], str]] = {}
         self._owned_cluster = owned_cluster
+        # timelines (client/timeline.py): while ``traced``, runs are marked traced and the
+        # client's own steps go to ``recorder``
+        self.traced = False
+        self.recorder = Recorder()
+        self.recordings = Recordings(self)
         self._channel = rpc.open_channel(address, self.security)
         try:
             rpc.wait_ready(self._channel, address, timeout, advice=_CONNECT_ADVICE, security=self.security)
@@ -95,6 +102,14 @@ class Session:
         self.id: int = welcome.session
         # what workers ask of every put and fetch of this session's arrays: never shown
         self._credential: bytes = welcome.credential
+        self._process_recording = process_recording()
+        if self._process_recording is not None:
+            self.recordings.start(self._process_recording)
+
+    def trace(self, path: str) -> Trace:
+        """``with session.trace("run.json"):`` records every run this session submits in
+        the block, on every process it touches, into a timeline file (``pw.trace``)."""
+        return Trace(self.recordings, path)
 
     # ---- control plane ---------------------------------------------------------------
 
@@ -263,6 +278,8 @@ class Session:
         controller; ``addresses[i]`` is that of ``layout.workers[i]``), each only the
         blocks of its own devices. No waiting."""
         self._check_alive()
+        if self.traced:
+            began = now()
         whole = [(codec.full_index(array.shape), array)]
         parts = host_regions(array.shape, layout) if evenly_divided(array.shape, layout) else None
         for worker, address in zip(layout.workers, addresses):
@@ -274,6 +291,8 @@ class Session:
             future = self._stubs(address)[0].future(_chunks(header, pieces), timeout=self.timeout)
             future.add_done_callback(lambda f, address=address: self._put_done(f, address, handle))
         self.send(m.PutNotice(handle, layout))
+        if self.traced:
+            self.recorder.span("put", began, 0, f"array {handle:#x}, {array.nbytes} bytes")
 
     def _put_done(self, f: grpc.Future, address: str, handle: int) -> None:
         try:
@@ -290,6 +309,15 @@ class Session:
         """Ask the workers holding ``handle`` for it: None while pending after ``wait``
         seconds, True when ready (``data`` false) or the assembled array; raises the
         error that poisoned it (RemoteError, WorkerLostError)."""
+        if self.traced:
+            began = now()
+            try:
+                return self._fetch(addresses, handle, wait, data)
+            finally:
+                self.recorder.span("fetch", began, 0, f"array {handle:#x}" + ("" if data else ", ready?"))
+        return self._fetch(addresses, handle, wait, data)
+
+    def _fetch(self, addresses: tuple[str, ...], handle: int, wait: float, data: bool) -> Optional[np.ndarray | bool]:
         deadline = time.monotonic() + wait
         assembly = None
         for address in addresses:
@@ -380,6 +408,11 @@ class Session:
     def close(self) -> None:
         if self._closed.is_set():
             return
+        if self._process_recording is not None and self._dead is None:
+            try:  # PATHWAYS_TRACE: the file is written again as each session of the process closes
+                self.recordings.stop(self._process_recording)
+            except Exception as e:  # closing must not fail for the timeline's sake
+                log.warning("could not write the timeline %s: %s", self._process_recording.path, e)
         if self._dead is None:
             with self._lock:
                 self._flush_deletes()

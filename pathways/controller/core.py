@@ -13,6 +13,7 @@ drives a session through the same typed messages with ``on_session_message``.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Union
@@ -30,6 +31,7 @@ from pathways.ir import Layout
 from pathways.protocol import messages as m
 from pathways.protocol.errors import DENIED, LOST, kind_of
 from pathways.protocol.handles import first_handle, fits, session_of
+from pathways.timeline import RECORDER, now
 
 log = logging.getLogger("pathways.controller")
 
@@ -43,6 +45,7 @@ class SessionState:
     slices: set[int] = field(default_factory=set)
     handles: HandleTable = field(default_factory=HandleTable)
     programs: SessionPrograms = field(default_factory=SessionPrograms)
+    traced_workers: set[int] = field(default_factory=set)  # workers that ran its traced runs
 
 
 class ControllerCore:
@@ -344,6 +347,8 @@ class ControllerCore:
                          f"the run binds array {h:#x}, which belongs to session {session_of(h)}, as input {v} of "
                          f"program {msg.program:#x}: a program reads only arrays its own client created")
             return
+        if msg.traced:
+            began = now()
         try:
             key, lowered = s.programs.lowered(msg.program, args, s.handles, self.membership.gone)
         except RunFailure as e:
@@ -356,12 +361,26 @@ class ControllerCore:
             s.handles.live[h] = lowered.output_layouts[v]
         s.handles.reads_queued(args.values())
         islands = frozenset(self.workers[w].island for w in lowered.workers)
-        self.scheduler.submit(Run(sid, islands, key, Dispatch(key, lowered, graph.nvalues, base, tbase, args, fresh)))
+        d = Dispatch(key, lowered, graph.nvalues, base, tbase, args, fresh, traced=msg.traced)
+        if msg.traced:
+            RECORDER.span("lower", began, base)
+            s.traced_workers.update(lowered.workers)
+            began = now()
+        self.scheduler.submit(Run(sid, islands, key, d))
+        if msg.traced:
+            RECORDER.span("schedule", began, base)
+            d.since = now()
         self._pump()
+
+    def _timeline(self, sid: int, s: SessionState, msg: m.CollectTimeline) -> None:
+        events, dropped = RECORDER.take(sid, msg.max_events)
+        addresses = tuple(self.workers[w].address for w in sorted(s.traced_workers) if w in self.workers)
+        s.outbox.put(m.Timeline(msg.req, now(), os.getpid(), dropped, tuple(events), addresses))
 
     _handlers: dict[type, Callable] = {
         m.Hello: _hello, m.ClusterRequest: _cluster, m.SliceRequest: _slice, m.DefineFunction: _fn,
         m.DefineProgram: _program, m.PutNotice: _put, m.Delete: _delete, m.Run: _run,
+        m.CollectTimeline: _timeline,
     }
 
     # ---- shared ----------------------------------------------------------------------

@@ -17,6 +17,7 @@ from pathways.controller.lowering import Lowered
 from pathways.controller.membership import Membership, WorkerConn
 from pathways.controller.scheduler import Run, Scheduler
 from pathways.protocol import messages as m
+from pathways.timeline import RECORDER, now
 
 
 @dataclass
@@ -34,6 +35,8 @@ class Dispatch:
     seconds: float = 0.0
     unfinished: dict[int, set[int]] = field(default_factory=dict)  # sequential: node -> workers running it
     finished: set[int] = field(default_factory=set)  # sequential: nodes finished
+    traced: bool = False  # record its steps (timeline.py)
+    since: int = 0  # traced: when its current step began (perf_counter_ns)
 
 
 class Dispatcher:
@@ -47,16 +50,21 @@ class Dispatcher:
         workers = self.membership.workers
         for run in self.scheduler.dispatchable():
             d: Dispatch = run.payload
+            if d.traced:
+                RECORDER.span("queue", d.since, d.base, f"run {run.id}", "queued runs")
+                d.since = now()
             d.waiting = set(d.lowered.workers)
             if d.lowered.gates is not None:
                 d.unfinished = {n: set(ws) for n, ws in d.lowered.gates.steps.items()}
-            go = m.RunProgram(run.id, d.key, d.base, d.tbase, d.args)
+            go = m.RunProgram(run.id, d.key, d.base, d.tbase, d.args, d.traced)
             for worker, ops in d.lowered.ops.items():
                 conn = workers[worker]
                 if d.key not in conn.defined:
                     conn.outbox.put(m.Define(d.key, run.session, d.nvalues, d.lowered.ncopies, tuple(ops)))
                     conn.defined.add(d.key)
                 conn.outbox.put(go)
+            if d.traced:
+                RECORDER.span("dispatch", d.since, d.base, f"{len(d.lowered.ops)} worker(s)")
             yield run
 
     def done(self, conn: WorkerConn, reports: tuple[tuple[int, float], ...]) -> None:
@@ -65,10 +73,14 @@ class Dispatcher:
             if run is None:
                 continue
             d: Dispatch = run.payload
+            if d.traced:
+                began = now()
             d.waiting.discard(conn.worker)
             d.seconds += seconds
             if not d.waiting:
                 self.scheduler.finish(run.id, d.seconds)
+            if d.traced:
+                RECORDER.span("done", began, d.base, f"worker {conn.worker} reported it done")
 
     def step(self, conn: WorkerConn, run_id: int, node: int) -> None:
         """A worker finished its part of ``node`` of a sequential run: release the nodes

@@ -22,9 +22,11 @@ from pathways.protocol.check import (MAX_ITEMS, MAX_NAME, MAX_TEXT, Anything, Bo
 from pathways.protocol.errors import KINDS, POISON_KINDS
 from pathways.protocol.handles import MAX_HANDLE, MAX_SESSION
 from pathways.protocol.ops import LAYOUT, MAX_NODES, MAX_REGISTERS, decode_op, encode_op
+from pathways.timeline import MAX_DETAIL, MAX_EVENTS
+from pathways.timeline import MAX_NAME as MAX_SPAN_NAME
 from pathways.wire.codec import MAX_MESSAGE_BYTES, is_wire_dtype_name, pack, unpack
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 # How a function's blob is to be compiled: a jax.export artifact (its layouts given by the
 # client), or a StableHLO portable artifact with xla CompileOptions (layouts reported back
 # by the worker that compiles it, in ``Compiled``).
@@ -244,9 +246,12 @@ class DefineProgram(Message):
 
 @message("run")
 class Run(Message):
+    """``traced``: record the run's steps on every process it touches (timeline.py)."""
+
     program: int = wire(HANDLE)
     base: int = wire(HANDLE)
     inputs: dict[int, int] = wire(BINDINGS)
+    traced: bool = wire(Bool(), False)
 
 
 @message("put")
@@ -493,6 +498,7 @@ class RunProgram(Message):
     base: int = wire(HANDLE)
     tbase: int = wire(HANDLE)
     args: dict[int, int] = wire(BINDINGS)
+    traced: bool = wire(Bool(), False)
 
 
 @message("drop_session")
@@ -563,14 +569,55 @@ class FetchRequest(Message):
     credential: bytes = wire(CREDENTIAL)
 
 
+# ---- timelines (timeline.py): a client collects the spans of its traced runs -----------------
+
+# (name, thread, start ns, duration ns, run: its handle base, detail), on the sender's clock
+SPAN = Fixed(Str(MAX_SPAN_NAME), Str(MAX_SPAN_NAME), Int(0), Int(0), HANDLE, Str(MAX_DETAIL))
+
+
+@message("timeline")
+class CollectTimeline(Message):
+    """Client to controller (its session stream): hand over, and forget, up to
+    ``max_events`` spans of this session's traced runs (0: only the clock and workers)."""
+
+    req: int = wire(REQ)
+    max_events: int = wire(Int(0, MAX_EVENTS))
+
+
+@message("timeline")
+class TimelineFetch(Message):
+    """Client to worker (the Timeline method): like CollectTimeline, for the session whose
+    credential this is."""
+
+    session: int = wire(Int(1, MAX_SESSION))
+    credential: bytes = wire(CREDENTIAL)
+    max_events: int = wire(Int(0, MAX_EVENTS))
+
+
+@message("timeline")
+class Timeline(Message):
+    """Spans of one process (``pid``) and its clock (``perf_counter_ns``) when it answered;
+    ``dropped``: spans it lost to a full buffer. From the controller, ``workers`` are the
+    gRPC addresses of the workers that ran this session's traced runs (a worker sends ())."""
+
+    req: int = wire(Int(0, MAX_HANDLE))
+    clock: int = wire(Int(0))
+    pid: int = wire(Int(0, 1 << 32))
+    dropped: int = wire(Int(0))
+    events: tuple = wire(Seq(SPAN, max_len=MAX_EVENTS))
+    workers: tuple[str, ...] = wire(Seq(NAME, max_len=1 << 16), ())
+
+
 SESSION_UP = Table("session (client to controller)", Hello, SliceRequest, ClusterRequest, DefineFunction,
-                   DefineProgram, Run, PutNotice, Delete)
+                   DefineProgram, Run, PutNotice, Delete, CollectTimeline)
 SESSION_DOWN = Table("session (controller to client)", SessionWelcome, SliceReply, ClusterReply, Poisoned, Error,
-                     Compiled)
+                     Compiled, Timeline)
 WORKER_UP = Table("attach (worker to controller)", Register, Done, Step, Notice, Measured,
                   Heartbeat, Compiled)
 WORKER_DOWN = Table("attach (controller to worker)", WorkerWelcome, Peers, Compile, Define, RunProgram, Delete,
                     DropSession, Poisoned, Shutdown, Go, Measure, Notice, SessionOpen, Heartbeat)
 MEASURE = Table("measure request", MeasureRequest)
 FETCH = Table("fetch request", FetchRequest)
+TIMELINE = Table("timeline request", TimelineFetch)
+TIMELINE_REPLY = Table("timeline reply", Timeline)
 

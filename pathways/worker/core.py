@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,8 +38,10 @@ from pathways.protocol.errors import POISON_KINDS, REMOTE
 from pathways.protocol.handles import MAX_HANDLE, session_of
 from pathways.protocol.messages import (CREDENTIAL, Compile, Define, Delete, Done, DropSession, FetchRequest, Go,
                                         Heartbeat, Malformed, Measure, Message, Notice, Peers, Poisoned,
-                                        RunProgram, SessionOpen, Shutdown, Step, WorkerWelcome, WORKER_DOWN)
+                                        RunProgram, SessionOpen, Shutdown, Step, Timeline, TimelineFetch,
+                                        WorkerWelcome, WORKER_DOWN)
 from pathways.protocol.ops import LAYOUT, MAX_SENDERS
+from pathways.timeline import RECORDER, now
 from pathways.wire import codec, tcp
 from pathways.wire.security import Security
 from pathways.worker.executables import Executables
@@ -147,6 +150,11 @@ class WorkerCore:
         worker cannot carry out (a function it cannot compile, a device it lacks)."""
         kind = type(msg)
         if kind is RunProgram or kind is Delete:
+            if kind is RunProgram and msg.traced:
+                began = now()
+                self.executor.submit(msg)
+                RECORDER.span("receive", began, msg.base, f"run {msg.id}, to the executor's queue")
+                return
             self.executor.submit(msg)
         elif kind is Go:
             # At once, not in executor order: the executor is waiting for it.
@@ -209,18 +217,21 @@ class WorkerCore:
 
     # ---- data plane: sending ----------------------------------------------------------
 
-    def send(self, handle: int, value: Any, layout: list, routes: tuple) -> None:
+    def send(self, handle: int, value: Any, layout: list, routes: tuple, run: int = 0) -> None:
         # A small array already computed (tiny computations finish during their dispatch on
         # CPU) goes at once, saving a thread handoff on a pipeline's critical path; anything
         # else is sent from the pool so the executor can go on dispatching.
         if type(value) is not Poison and value.nbytes <= INLINE_SEND_BYTES and value.is_ready():
-            self._push(handle, value, layout, routes)
+            self._push(handle, value, layout, routes, run)
         else:
-            self._send_pool.submit(self._push, handle, value, layout, routes)
+            self._send_pool.submit(self._push, handle, value, layout, routes, run)
 
-    def _push(self, handle: int, value: Any, layout: list, routes: tuple) -> None:
+    def _push(self, handle: int, value: Any, layout: list, routes: tuple, run: int = 0) -> None:
         """Send each receiver of ``routes`` its regions of ``value``; to this host itself
-        the regions are handed over in memory."""
+        the regions are handed over in memory. ``run``: the base of the traced run this
+        is a step of (0: untraced), told to the receivers so that they record theirs."""
+        if run:
+            began = now()
         poison = value if type(value) is Poison else None
         held: list = []
         if poison is None:
@@ -230,6 +241,8 @@ class WorkerCore:
                 poison = failure(f"computing array {handle:#x} on worker {self.worker_id}", e)
         for receiver, senders, regions in routes:
             header: dict = {"t": "put", "handle": handle, "layout": layout, "of": senders}
+            if run:
+                header["run"] = run
             pieces: list = []
             if poison is not None:
                 header.update(poison=poison.message, kind=poison.kind)
@@ -249,6 +262,8 @@ class WorkerCore:
                 self.links.send(self.peers[receiver], header, pieces)
             except (OSError, KeyError, ConnectError) as e:
                 log.error("sending array %#x to worker %s failed: %s", handle, receiver, e)
+        if run:
+            RECORDER.span("send", began, run, f"array {handle:#x} to worker(s) {[r for r, _, _ in routes]}")
 
     # ---- data plane: receiving ----------------------------------------------------------
 
@@ -262,7 +277,14 @@ class WorkerCore:
                 raise WireError(f"a data-plane frame carried array {put.handle:#x} of client session "
                                 f"{session_of(put.handle)}; workers send each other only the controller's "
                                 "transfer copies, and clients put arrays with the Put method")
-            return self._store(put, None, pieces)
+            run = header.get("run")
+            if run is None:
+                return self._store(put, None, pieces)
+            run = _PUT_HANDLE.check(run, "put header field 'run' (a traced run's base)")
+            began = now()
+            error = self._store(put, None, pieces)
+            RECORDER.span("receive data", began, run, f"array {put.handle:#x}")
+            return error
 
         return self._guarded(peer_put)
 
@@ -416,6 +438,17 @@ class WorkerCore:
             return
         yield codec.pack({"state": "ready", **codec.pieces_header(dtype, shape, pieces)})
         yield from codec.pieces_chunks(pieces)
+
+    # ---- timelines -----------------------------------------------------------------------
+
+    def timeline(self, req: TimelineFetch, settle: float = 2.0) -> Timeline:
+        """Hand over (and forget) the spans of the traced runs of the session whose
+        credential ``req`` carries, waiting up to ``settle`` seconds for its runs still
+        running here to report done. Raises AccessDeniedError for a wrong credential."""
+        self.sessions.admit_session(req.session, req.credential, f"timeline request of session {req.session}",
+                                    "the request is for")
+        events, dropped = RECORDER.take(req.session, req.max_events, settle if req.max_events else 0.0)
+        return Timeline(0, now(), os.getpid(), dropped, tuple(events))
 
     # ---- the rest -------------------------------------------------------------------------
 

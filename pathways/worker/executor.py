@@ -31,6 +31,7 @@ from pathways.errors import WireError
 from pathways.protocol.handles import session_of, value_handle
 from pathways.protocol.messages import Define, Delete, DropSession, RunProgram
 from pathways.protocol.ops import Op
+from pathways.timeline import RECORDER, now
 from pathways.worker.executables import Executables
 from pathways.worker.store import ObjectStore, Poison, failure
 
@@ -49,7 +50,7 @@ Work = Union[RunProgram, Delete, DropSession]
 class Controls(Protocol):
     """What the executor asks of its host: push arrays to peers, and talk to the controller."""
 
-    def send(self, handle: int, value: Any, layout: list, routes: tuple) -> None: ...
+    def send(self, handle: int, value: Any, layout: list, routes: tuple, run: int = 0) -> None: ...
 
     def done(self, reports: list[tuple[int, float]]) -> None: ...
 
@@ -70,6 +71,8 @@ class Executor:
         self._programs: dict[int, tuple[list[tuple], int, int]] = {}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._finished: queue.SimpleQueue = queue.SimpleQueue()
+        self._traced: dict[int, tuple[int, int]] = {}  # traced run id -> (its base, when its ops ended)
+        self._reported = 0  # when the reporter last recorded a traced run done
         self.worker_id = -1
         self._thread = threading.Thread(target=self._loop, name="pathways-executor", daemon=True)
         self._thread.start()
@@ -175,11 +178,14 @@ class Executor:
                     jax.block_until_ready(results)
                 except Exception:  # the failure reaches readers through the results themselves
                     pass
-                now = time.perf_counter()
-                reports.append((run_id, now - max(started, busy_until)))
-                busy_until = now
+                finished = time.perf_counter()
+                reports.append((run_id, finished - max(started, busy_until)))
+                busy_until = finished
             if reports:
                 self._controls.done(reports)
+            if self._traced:
+                for run_id, _, _ in batch:
+                    self._traced_done(run_id)
 
     def _keep_peers_company(self, future: Any, key: int) -> None:
         """Run a multi-host function on zeros when this host's inputs are poisoned: the other
@@ -192,10 +198,22 @@ class Executor:
         except Exception:  # the outputs are poisoned either way
             log.exception("running a multi-host function on placeholders failed")
 
+    def _traced_done(self, run_id: int) -> None:
+        traced = self._traced.pop(run_id, None)
+        if traced is not None:
+            RECORDER.span("done", max(traced[1], self._reported), traced[0], "results ready, run reported done")
+            self._reported = now()
+            RECORDER.closed(traced[0])
+
     def _run(self, msg: RunProgram) -> None:
+        traced = msg.traced
+        if traced:
+            RECORDER.opened(msg.base)
         program = self._programs.get(msg.key)
         if program is None:
             log.error("run names program %r, which was never defined here", msg.key)
+            if traced:
+                self._traced[msg.id] = (msg.base, now())
             self._finished.put((msg.id, time.perf_counter(), []))  # free its window slot
             return
         ops, nvalues, nregs = program
@@ -217,9 +235,13 @@ class Executor:
                     try:
                         executable = future.result(timeout=self._wait_timeout)
                         started = started or time.perf_counter()
+                        if traced:
+                            began = now()
                         results = executable(*inputs)
                         if multi_device and self._sync_collectives:
                             jax.block_until_ready(results)
+                        if traced:
+                            RECORDER.span("execute", began, base, name)
                     except Exception as e:
                         bad = failure(f"{name} on worker {self.worker_id}", e)
                     else:
@@ -231,7 +253,11 @@ class Executor:
                     regs[o] = bad
             elif code is _IN:
                 h = value_handle(op[1], base, tbase, nvalues, args)
+                if traced:
+                    began = now()
                 value = store.wait(h, self._wait_timeout)
+                if traced:
+                    RECORDER.span("wait for inputs", began, base, f"array {h:#x}")
                 if value is None:
                     value = Poison(f"array {h:#x} did not reach worker {self.worker_id} within "
                                    f"{self._wait_timeout:.0f} s: it was deleted, or its sender failed")
@@ -244,11 +270,16 @@ class Executor:
                 for v in op[1]:
                     regs[v] = None
             elif code is _SEND:
-                self._controls.send(value_handle(op[2], base, tbase, nvalues, args), regs[op[1]], op[3], op[4])
+                self._controls.send(value_handle(op[2], base, tbase, nvalues, args), regs[op[1]], op[3], op[4],
+                                    base if traced else 0)
             elif code is _AWAIT:
+                if traced:
+                    began = now()
                 if not self._controls.released(run_id, op[1], self._wait_timeout):
                     log.error("run %d: node %d was not released within %.0f s; running it anyway",
                               run_id, op[1], self._wait_timeout)
+                if traced:
+                    RECORDER.span("wait for release", began, base, f"node {op[1]}")
             elif code is _STEP:
                 try:
                     jax.block_until_ready([regs[v] for v in op[2] if type(regs[v]) is not Poison])
@@ -263,6 +294,8 @@ class Executor:
                     except Exception as e:
                         value = Poison(f"moving an array on worker {self.worker_id} failed: {e}")
                 regs[op[2]] = value
+        if traced:
+            self._traced[run_id] = (base, now())
         self._finished.put((run_id, started or time.perf_counter(), last))
 
 

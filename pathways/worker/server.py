@@ -46,8 +46,8 @@ import trio
 from pathways.defaults import HEARTBEAT_TIMEOUT
 from pathways.errors import AccessDeniedError, ConnectError, WireError
 from pathways.platforms import Devices
-from pathways.protocol.messages import (FETCH, MAX_MESSAGE_BYTES, WORKER_DOWN, Heartbeat, Register, Shutdown,
-                                        WorkerWelcome)
+from pathways.protocol.messages import (FETCH, MAX_MESSAGE_BYTES, TIMELINE, WORKER_DOWN, Heartbeat, Register,
+                                        Shutdown, WorkerWelcome)
 from pathways.wire import codec, frames, rpc, tcp
 from pathways.wire.addresses import join_host_port, split_host_port
 from pathways.wire.liveness import Heartbeats, check_timeout
@@ -118,9 +118,24 @@ class WorkerService:
         core = self.core()
         return codec.pack(core.stats() if core is not None else {"error": _NOT_READY})
 
+    def timeline(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """The spans of a session's traced runs (``messages.Timeline``), or ``{"error": ...,
+        "kind": ...}`` for a malformed request or a wrong credential."""
+        try:
+            req = TIMELINE.decode_one(request)
+        except WireError as e:
+            return codec.pack({"error": f"the worker refused a timeline request: {e}", "kind": "WireError"})
+        core = self.core()
+        if core is None:
+            return codec.pack({"error": _NOT_READY, "kind": "WireError"})
+        try:
+            return codec.pack(core.timeline(req).encode())
+        except AccessDeniedError as e:
+            return codec.pack({"error": str(e), "kind": AccessDeniedError.__name__})
+
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         return {"Put": rpc.stream_unary(self.put), "Fetch": rpc.unary_stream(self.fetch),
-                "Stats": rpc.unary_unary(self.stats)}
+                "Stats": rpc.unary_unary(self.stats), "Timeline": rpc.unary_unary(self.timeline)}
 
 
 _NOT_READY = ("the worker is still joining its island (its other hosts have not all started); try again "

@@ -60,18 +60,25 @@ class Sessions:
             raise AccessDeniedError(f"this worker refused a {what} of array {handle:#x}: it is a copy the "
                                     "controller made for a program, not a client's array; clients read and write "
                                     "only the arrays of their own session")
+        self.admit_session(session, credential, f"{what} of array {handle:#x}", "the array belongs to")
+
+    def admit_session(self, session: int, credential: bytes, subject: str, owner: str = "it is for") -> None:
+        """Return if ``credential`` is that of ``session`` (waited for up to ``self.wait``
+        seconds if not heard of), else raise AccessDeniedError saying why. ``subject``:
+        what was asked ("fetch of array 0x..."); ``owner``: how the refusal names what
+        the session owns."""
         if not self.heard_of(session, self.wait):
-            raise AccessDeniedError(f"this worker refused a {what} of array {handle:#x}: the controller did not "
+            raise AccessDeniedError(f"this worker refused a {subject}: the controller did not "
                                     f"announce its session {session} within {self.wait:g} s. Use handles from "
                                     "this client's session; if they are, check that the worker and the client "
                                     "talk to the same controller (`python -m pathways status`)")
         with self._cond:
             expected = self._digests.get(session)
         if expected is None:
-            raise AccessDeniedError(f"this worker refused a {what} of array {handle:#x}: its session {session} "
+            raise AccessDeniedError(f"this worker refused a {subject}: its session {session} "
                                     "has closed, and its arrays with it; connect again (pw.connect) and "
                                     "recreate them")
         if not hmac.compare_digest(expected, digest(credential)):
-            raise AccessDeniedError(f"this worker refused a {what} of array {handle:#x}: the array belongs to "
+            raise AccessDeniedError(f"this worker refused a {subject}: {owner} "
                                     f"session {session}, and the credential presented is not that session's. "
                                     "A client reads and writes only the arrays it created itself")

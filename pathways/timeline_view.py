@@ -1,0 +1,150 @@
+"""``python -m pathways trace FILE.json [--png OUT.png]``: read a timeline file (Chrome
+trace-event JSON, as ``pw.trace`` writes it), print a summary per step name, and draw a
+Gantt chart with one row per process and thread.
+
+matplotlib is imported only to draw, with the Agg backend, so that the summary works
+anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+class TimelineFileError(ValueError):
+    """A file that is not a timeline (what it lacks is in the message)."""
+
+
+@dataclass(frozen=True)
+class Span:
+    process: str
+    thread: str
+    name: str
+    start_us: float
+    dur_us: float
+    run: str
+
+
+def load(path: str) -> list[Span]:
+    """The complete events of a timeline file, with their process and thread names."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise TimelineFileError(f"cannot read {path} as a timeline: {e}") from None
+    events = data.get("traceEvents") if isinstance(data, dict) else data
+    if not isinstance(events, list):
+        raise TimelineFileError(f"{path} is not Chrome trace-event JSON: it has no traceEvents list")
+    processes: dict[Any, str] = {}
+    threads: dict[tuple, str] = {}
+    for e in events:
+        if isinstance(e, dict) and e.get("ph") == "M":
+            name = (e.get("args") or {}).get("name")
+            if e.get("name") == "process_name":
+                processes[e.get("pid")] = str(name)
+            elif e.get("name") == "thread_name":
+                threads[(e.get("pid"), e.get("tid"))] = str(name)
+    spans = []
+    begun: dict[tuple, dict] = {}  # (pid, id) -> an async slice's begin event
+    for e in events:
+        if not isinstance(e, dict):
+            continue
+        if e.get("ph") == "b":
+            begun[(e.get("pid"), e.get("id"))] = e
+            continue
+        if e.get("ph") == "e" and (b := begun.pop((e.get("pid"), e.get("id")), None)) is not None:
+            e = {**b, "dur": _number(e.get("ts"), path) - _number(b.get("ts"), path)}
+        elif e.get("ph") != "X":
+            continue
+        start, dur = _number(e.get("ts"), path), _number(e.get("dur", 0.0), path)
+        pid, tid = e.get("pid"), e.get("tid")
+        spans.append(Span(processes.get(pid, f"process {pid}"), threads.get((pid, tid), f"thread {tid}"),
+                          str(e.get("name", "?")), start, dur, str((e.get("args") or {}).get("run", ""))))
+    return spans
+
+
+def _number(value: Any, path: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TimelineFileError(f"{path}: an event's ts or dur is not a number: {str(value)[:100]}") from None
+
+
+def summary(spans: list[Span]) -> str:
+    """Per step name (and the kind of process it ran in): count, total and median time."""
+    groups: dict[tuple[str, str], list[float]] = {}
+    for s in spans:
+        groups.setdefault((s.process.split()[0], s.name), []).append(s.dur_us)
+    runs = {s.run for s in spans if s.run}
+    first = min((s.start_us for s in spans), default=0.0)
+    last = max((s.start_us + s.dur_us for s in spans), default=0.0)
+    lines = [f"{len(spans)} spans of {len(runs)} run(s) on {len({s.process for s in spans})} process(es), "
+             f"{(last - first) / 1000:.3f} ms from first to last",
+             f"{'where':<11} {'step':<18} {'count':>7} {'total ms':>10} {'median us':>10}"]
+    for (where, name), durs in sorted(groups.items(), key=lambda kv: (-sum(kv[1]), kv[0])):
+        lines.append(f"{where:<11} {name:<18} {len(durs):>7} {sum(durs) / 1000:>10.3f} "
+                     f"{statistics.median(durs):>10.1f}")
+    return "\n".join(lines)
+
+
+def gantt(spans: list[Span], path: str, title: Optional[str] = None) -> None:
+    """A PNG Gantt chart: a row per process and thread, a colour per step name."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    order = _process_order(spans)
+    rows = sorted({(s.process, s.thread) for s in spans}, key=lambda r: (order[r[0]], r[1]))
+    index = {r: i for i, r in enumerate(rows)}
+    names = sorted({s.name for s in spans}, key=lambda n: (n not in COLOURS, list(COLOURS).index(n) if n in COLOURS
+                                                           else 0, n))
+    cmap = plt.get_cmap("tab20")
+    colour = {n: COLOURS.get(n) or cmap(i % 20) for i, n in enumerate(names)}
+    origin = min((s.start_us for s in spans), default=0.0)
+    end = max((s.start_us + s.dur_us for s in spans), default=1.0) - origin
+    scale, unit = (1e3, "ms") if end >= 2000 else (1.0, "us")
+    fig, ax = plt.subplots(figsize=(14, max(3.0, 0.3 * len(rows) + 1.8)))
+    for s in spans:
+        ax.barh(index[(s.process, s.thread)], max(s.dur_us, end / 2000) / scale, left=(s.start_us - origin) / scale,
+                height=0.7, color=colour[s.name], edgecolor="none")
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([f"{_short(p)} / {t}" for p, t in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"time ({unit}), on the client's clock")
+    ax.set_title(title or "pathways timeline")
+    ax.grid(axis="x", alpha=0.3)
+    handles = [Patch(color=colour[n], label=n) for n in names]
+    ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# Steps that do work in strong colours, waits in pale ones.
+COLOURS = {
+    "trace": "#bcbd22", "put": "#7f7f7f", "submit": "#17becf", "fetch": "#e5e5e5",
+    "lower": "#8c564b", "schedule": "#e377c2", "queue": "#f2d4e8", "dispatch": "#ff7f0e",
+    "receive": "#9467bd", "wait for inputs": "#d9d9d9", "wait for release": "#c7c7c7", "execute": "#d62728",
+    "send": "#2ca02c", "receive data": "#1f77b4", "done": "#aec7e8",
+}
+
+
+def _process_order(spans: list[Span]) -> dict[str, tuple]:
+    """Client, controller, then workers in the order they first executed (a pipeline's
+    stage order), each process's rows together."""
+    first: dict[str, float] = {}
+    for s in spans:
+        if s.name == "execute":
+            first[s.process] = min(first.get(s.process, s.start_us), s.start_us)
+    kinds = {"client": 0, "controller": 1}
+    return {p: (kinds.get(p.split()[0], 2), first.get(p, float("inf")), p) for p in {s.process for s in spans}}
+
+
+def _short(process: str) -> str:
+    """A process label without its pid, so that row labels stay short."""
+    return process.split(" (pid")[0].replace("grpc://", "")
