@@ -354,3 +354,22 @@ def test_a_data_plane_frame_carries_only_the_controllers_transfer_copies(core):
     copy = first_handle(0) + 1
     assert core.receive_frame(put_header(copy, array), pieces) is None
     assert core.store.get(copy) is not None
+
+
+def test_arrays_received_again_with_a_known_layout_equal_the_first_and_keep_jaxs_dtype(core):
+    """The first array of a layout is made by jax.make_array_from_callback, later ones from
+    what it remembered of it: both give the same array; a dtype JAX narrows (float64
+    without x64) stays on the general path and is narrowed as JAX does."""
+    for dtype in (np.float32, np.int8, np.float64):
+        arrays = [np.arange(6, dtype=dtype).reshape(2, 3) * k for k in (1, 2, 3)]
+        stored = []
+        for k, array in enumerate(arrays):
+            handle = first_handle(0) + 100 * (1 + list((np.float32, np.int8, np.float64)).index(dtype)) + k
+            put(core, handle, array)
+            stored.append(core.store.get(handle))
+        first = stored[0]
+        for got, want in zip(stored, arrays):
+            assert isinstance(got, jax.Array) and got.sharding == first.sharding
+            assert got.dtype == jax.dtypes.canonicalize_dtype(dtype) and got.aval == first.aval
+            np.testing.assert_array_equal(np.asarray(got), want.astype(got.dtype))
+            np.testing.assert_array_equal(np.asarray(got + 1), want.astype(got.dtype) + 1)

@@ -7,6 +7,7 @@ buffers that follow them, never pickled.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Any, Iterable, Iterator
@@ -27,7 +28,21 @@ _WIRE_DTYPES = frozenset(
 
 
 def is_wire_dtype(dtype: np.dtype) -> bool:
-    return np.dtype(dtype).name in _WIRE_DTYPES
+    return dtype_name(dtype) in _WIRE_DTYPES
+
+
+def dtype_name(dtype: Any) -> str:
+    """``np.dtype(dtype).name``, remembered: numpy derives it in Python at each call, and
+    every array header on the wire names its dtype."""
+    name = _NAMES.get(dtype)
+    if name is None:
+        name = np.dtype(dtype).name
+        if len(_NAMES) < 256:  # dtypes and their spellings are few; a bound all the same
+            _NAMES[dtype] = name
+    return name
+
+
+_NAMES: dict[Any, str] = {}
 
 
 def is_wire_dtype_name(name: object) -> bool:
@@ -58,18 +73,24 @@ def int_list(value: Any, what: str) -> list[int]:
 MAX_RANK = 64  # numpy's own limit on dimensions
 MAX_PIECES = 4096  # pieces of one array a sender may announce: more than any host holds
 _ALIGN = 64  # XLA's CPU client adopts host buffers aligned like this instead of copying them
+_ALIGN_FROM = 4096  # smaller arrays are left for XLA to copy
 
 
+@functools.cache
 def host_memory_bytes() -> int:
-    """This host's physical memory: no array announced larger than it can be stored here."""
+    """This host's physical memory: no array announced larger than it can be stored here.
+    Read once: every array header is checked against it, and each read is a system call."""
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialised array aligned for XLA. np.empty maps large buffers without touching
-    them, so memory is committed page by page as data is written into it, never up front."""
+    """An uninitialised array, aligned for XLA unless it is small. np.empty maps large
+    buffers without touching them, so memory is committed page by page as data is written
+    into it, never up front."""
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < _ALIGN_FROM:  # copying it costs XLA less than aligning it costs here
+        return np.empty(shape, dtype)
     try:
         raw = np.empty(nbytes + _ALIGN, np.uint8)
     except (MemoryError, ValueError) as e:
@@ -80,7 +101,7 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 
 def array_header(arr: np.ndarray) -> dict:
-    return {"dtype": arr.dtype.name, "shape": list(arr.shape), "nbytes": arr.nbytes}
+    return {"dtype": dtype_name(arr.dtype), "shape": list(arr.shape), "nbytes": arr.nbytes}
 
 
 def check_array_header(header: Any) -> tuple[np.dtype, tuple[int, ...], int]:
@@ -115,11 +136,19 @@ def brief(value: Any) -> str:
 
 
 def _np_dtype(name: str) -> np.dtype:
-    if name == "bfloat16":
-        import ml_dtypes
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        if name == "bfloat16":
+            import ml_dtypes
 
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
+            dtype = np.dtype(ml_dtypes.bfloat16)
+        else:
+            dtype = np.dtype(name)
+        _DTYPES[name] = dtype  # at most one per wire dtype
+    return dtype
+
+
+_DTYPES: dict[str, np.dtype] = {}
 
 
 def array_chunks(arr: np.ndarray) -> Iterator[bytes]:
@@ -169,7 +198,7 @@ def full_index(shape: tuple[int, ...]) -> Index:
 
 def pieces_header(dtype: np.dtype, shape: tuple[int, ...], pieces: list[Piece]) -> dict:
     """Header fields describing ``pieces`` of an array of ``dtype`` and ``shape``."""
-    return {"array": {"dtype": np.dtype(dtype).name, "shape": list(shape),
+    return {"array": {"dtype": dtype_name(dtype), "shape": list(shape),
                       "nbytes": math.prod(shape) * np.dtype(dtype).itemsize},
             "pieces": [{"index": [list(i) for i in index], "array": array_header(a)} for index, a in pieces]}
 

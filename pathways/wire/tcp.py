@@ -61,6 +61,9 @@ _HEADER_EXPANSION = 64
 # a peer trickling a byte per timeout cannot hold its reservation for ever.
 _MIN_FRAME_RATE = 1 << 20  # bytes per second
 _COALESCE_BYTES = 64 * 1024  # pieces up to this size are copied into the frame's one write
+# Each connection reads through a buffer this large: a small frame (its length, header and
+# coalesced pieces, sent in one write) then arrives in one recv.
+_READ_BUFFER = 128 * 1024
 MAX_PROBE_BYTES = 8 * 1024 * 1024
 _PROBE_CHUNK = 1 << 20  # probe payloads are read into a scratch buffer this large, and discarded
 # A send is written in pieces this large, each within the timeout (a socket's timeout bounds
@@ -167,10 +170,11 @@ class Listener:
                 conn.close()
                 return
         with conn:
+            reader = _Reader(conn, self._timeout)
             greeted = self._security.token is None
             while True:
                 try:
-                    greeted = self._frame(conn, greeted)
+                    greeted = self._frame(reader, greeted)
                     if greeted is None:
                         return
                 except _Refused as e:
@@ -191,15 +195,16 @@ class Listener:
                     log.exception("closing a data connection after an unexpected error")
                     return
 
-    def _frame(self, conn: socket.socket, greeted: bool) -> bool | None:
+    def _frame(self, reader: "_Reader", greeted: bool) -> bool | None:
         """Read and handle one frame; None once the connection ended, else whether it has
         been greeted (with the token, where one is required): only a hello may come before."""
-        length = bytearray(LENGTH.size)
-        # Between frames a peer may stay quiet for as long as it likes, once greeted.
-        conn.settimeout(None if greeted else sec.HELLO_SECONDS)
-        if not recv_exactly(conn, memoryview(length)):
+        # Between frames a peer may stay quiet for as long as it likes, once greeted; within
+        # a frame each read waits at most the timeout.
+        if not reader.wait_for_frame(None if greeted else sec.HELLO_SECONDS):
             return None
-        conn.settimeout(self._timeout)  # within a frame it may not
+        length = reader.take(LENGTH.size, None)
+        if length is None:
+            return None
         (n,) = LENGTH.unpack(length)
         if not greeted and n > sec.HELLO_BYTES:
             raise _Refused(sec.refusal("worker"))
@@ -209,32 +214,32 @@ class Listener:
         try:
             held = self._reserve(n * _HEADER_EXPANSION, 0, "its header")
             deadline = time.monotonic() + self._timeout + n / _MIN_FRAME_RATE
-            raw = bytearray(n)
-            if not recv_exactly(conn, memoryview(raw), deadline):
+            raw = reader.take(n, deadline) if n <= _READ_BUFFER else reader.read(n, deadline)
+            if raw is None:
                 return None
-            header = codec.unpack(bytes(raw))
+            header = codec.unpack(raw)
             del raw
             if sec.is_hello(header) or not greeted:
                 refused = sec.refusal_of(self._security, header, "worker")
                 if refused is not None:
                     raise _Refused(refused)
-                conn.sendall(sec.answer(None))
+                reader.conn.sendall(sec.answer(None))
                 return True
             if not isinstance(header, dict):
                 raise WireError("a data frame header must be a map")
             if header.get("t") == "probe":
                 n = _probe_bytes(header)
                 held += self._reserve(min(n, _PROBE_CHUNK), held, "a probe")
-                return self._answer_probe(conn, n, deadline + n / _MIN_FRAME_RATE)
+                return self._answer_probe(reader, n, deadline + n / _MIN_FRAME_RATE)
             pieces = []
             if "poison" not in header:
                 dtype, _, specs = codec.piece_specs(header)
                 sizes = [dtype.itemsize * math.prod(shape) for _, shape in specs]
-                held += self._reserve(sum(sizes), held, f"{len(specs)} pieces of a {dtype} array")
+                held += self._reserve(sum(sizes), held, (len(specs), dtype))
                 deadline += sum(sizes) / _MIN_FRAME_RATE
                 for (index, shape), size in zip(specs, sizes):
                     array = codec.aligned_empty(shape, dtype)
-                    if size and not recv_exactly(conn, memoryview(array.reshape(-1).view(np.uint8)), deadline):
+                    if size and not reader.read_into(memoryview(array.reshape(-1).view(np.uint8)), deadline):
                         return None
                     pieces.append((index, array))
             error = self._receive(header, pieces)
@@ -244,27 +249,29 @@ class Listener:
         finally:
             self.budget.release(held)
 
-    def _reserve(self, nbytes: int, held: int, what: str) -> int:
+    def _reserve(self, nbytes: int, held: int, what: str | tuple[int, np.dtype]) -> int:
         """Reserve ``nbytes`` more for a frame already holding ``held``; WireError if the
-        frame would exceed its connection's cap, or the listener's budget stays short."""
+        frame would exceed its connection's cap, or the listener's budget stays short.
+        ``what`` says what for: words, or the count and dtype of an array's pieces (worded
+        only for an error: formatting a dtype costs more than the reservation)."""
         if held + nbytes > self._connection_bytes:
-            raise WireError(f"a data frame needs {held + nbytes} bytes for {what}, more than the "
+            raise WireError(f"a data frame needs {held + nbytes} bytes for {_worded(what)}, more than the "
                             f"{self._connection_bytes} bytes one connection may hold; send smaller pieces")
         if not self.budget.reserve(nbytes, self._timeout):
-            raise WireError(f"a data frame needs {nbytes} bytes for {what} but frames on other connections "
+            raise WireError(f"a data frame needs {nbytes} bytes for {_worded(what)} but frames on other connections "
                             f"hold {self.budget.used} of this listener's {self.budget.capacity} for longer "
                             f"than {self._timeout} s; retry when they are done, or send smaller pieces")
         return nbytes
 
-    def _answer_probe(self, conn: socket.socket, n: int, deadline: float) -> bool | None:
+    def _answer_probe(self, reader: "_Reader", n: int, deadline: float) -> bool | None:
         scratch = memoryview(bytearray(min(n, _PROBE_CHUNK)))
         left = n
         while left:
             step = min(left, len(scratch))
-            if not recv_exactly(conn, scratch[:step], deadline):
+            if not reader.read_into(scratch[:step], deadline):
                 return None
             left -= step
-        conn.sendall(_probe_frame(n))
+        reader.conn.sendall(_probe_frame(n))
         return True
 
     def close(self) -> None:
@@ -275,6 +282,84 @@ class Listener:
         except OSError:
             pass
         self._server.close()
+
+
+class _Reader:
+    """A connection's bytes, read through a buffer, so that a small frame costs one recv
+    and no change of the socket's timeout: the socket blocks while it waits for a frame to
+    begin, and gets the per-read timeout only when a frame is still incomplete after its
+    first read. Large pieces go from the socket straight into their arrays."""
+
+    def __init__(self, conn: socket.socket, timeout: float) -> None:
+        self.conn = conn
+        self._timeout = timeout
+        self._buffer = bytearray(_READ_BUFFER)
+        self._view = memoryview(self._buffer)
+        self._start = self._end = 0  # the unread bytes are _buffer[_start:_end]
+        self._waits: Optional[float] = -1.0  # the timeout given to the socket (None: it blocks); none yet
+
+    def _wait(self, timeout: Optional[float]) -> None:
+        if self._waits != timeout:
+            self.conn.settimeout(timeout)
+            self._waits = timeout
+
+    def _fill(self) -> bool:
+        """Append what the socket has to the buffer (at least a byte); False at its end."""
+        n = self.conn.recv_into(self._view[self._end:])
+        self._end += n
+        return n > 0
+
+    def wait_for_frame(self, idle: Optional[float]) -> bool:
+        """Wait up to ``idle`` seconds (None: for ever) for the next frame to begin; False
+        if the connection ended first. TimeoutError if it did not begin in time."""
+        if self._start < self._end:
+            return True
+        self._start = self._end = 0
+        self._wait(idle)
+        return self._fill()
+
+    def take(self, n: int, deadline: Optional[float]) -> Optional[memoryview]:
+        """The next ``n`` bytes (at most the buffer's size) as a view of the buffer, valid
+        until the next read; None if the connection ended first. Past ``deadline``
+        (time.monotonic()) raises WireError."""
+        if self._end - self._start < n:
+            if len(self._buffer) - self._start < n:  # move the unread bytes to the front
+                unread = self._end - self._start
+                self._buffer[:unread] = self._buffer[self._start:self._end]
+                self._start, self._end = 0, unread
+            self._wait(self._timeout)
+            while self._end - self._start < n:
+                if not self._fill():
+                    return None
+                _check_deadline(deadline, n - (self._end - self._start))
+        view = self._view[self._start:self._start + n]
+        self._start += n
+        return view
+
+    def read_into(self, view: memoryview, deadline: float) -> bool:
+        """Fill ``view``: from the buffer first, then straight from the socket; False if
+        the connection ended first. Past ``deadline`` raises WireError."""
+        k = min(len(view), self._end - self._start)
+        view[:k] = self._view[self._start:self._start + k]
+        self._start += k
+        if k == len(view):
+            return True
+        self._wait(self._timeout)
+        return recv_exactly(self.conn, view[k:], deadline)
+
+    def read(self, n: int, deadline: float) -> Optional[bytearray]:
+        """The next ``n`` bytes, in a buffer of their own; None if the connection ended."""
+        out = bytearray(n)
+        return out if self.read_into(memoryview(out), deadline) else None
+
+
+def _check_deadline(deadline: Optional[float], missing: int) -> None:
+    if deadline is not None and missing > 0 and time.monotonic() > deadline:
+        raise WireError(f"a frame did not arrive before its deadline ({missing} bytes were still missing)")
+
+
+def _worded(what: str | tuple[int, np.dtype]) -> str:
+    return what if isinstance(what, str) else f"{what[0]} pieces of a {what[1]} array"
 
 
 def _probe_bytes(header: dict) -> int:

@@ -255,14 +255,12 @@ class Executor:
                 h = value_handle(op[1], base, tbase, nvalues, args)
                 if traced:
                     began = now()
-                value = store.wait(h, self._wait_timeout)
+                value = store.wait(h, self._wait_timeout, take=not op[2])
                 if traced:
                     RECORDER.span("wait for inputs", began, base, f"array {h:#x}")
                 if value is None:
                     value = Poison(f"array {h:#x} did not reach worker {self.worker_id} within "
                                    f"{self._wait_timeout:.0f} s: it was deleted, or its sender failed")
-                elif not op[2]:
-                    store.pop(h)
                 regs[op[1]] = value
             elif code is _OUT:
                 store.put(value_handle(op[1], base, tbase, nvalues, args), regs[op[1]])

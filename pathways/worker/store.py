@@ -44,16 +44,21 @@ def failure(what: str, error: Exception) -> Poison:
 
 
 class ObjectStore:
+    """Each waiter waits on a lock of its own, registered under the handle it waits for, so
+    that storing a value wakes only the threads waiting for that handle (the executor
+    waiting for a transfer does not also wake the fetches waiting for its outputs)."""
+
     def __init__(self) -> None:
         self._entries: dict[int, Any] = {}
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._waiters: dict[int, set[Any]] = {}  # handle -> locks of the threads waiting for it
         self._tombstones: OrderedDict[int, None] = OrderedDict()
         self._dropped_sessions: set[int] = set()
 
     def put(self, handle: int, value: Any, replace: bool = True) -> bool:
         """Store ``value``; False if the handle was deleted before it arrived (or, with
         ``replace`` false, already holds a value)."""
-        with self._cond:
+        with self._lock:
             if not replace and handle in self._entries:
                 return False
             if handle in self._tombstones:
@@ -62,25 +67,37 @@ class ObjectStore:
             if session_of(handle) in self._dropped_sessions:
                 return False
             self._entries[handle] = value
-            self._cond.notify_all()
+            waiters = self._waiters.pop(handle, None)
+        if waiters:
+            _release(waiters)
         return True
 
     def get(self, handle: int) -> Optional[Any]:
         return self._entries.get(handle)
 
-    def wait(self, handle: int, timeout: float, still_wanted: Optional[Callable[[], bool]] = None) -> Optional[Any]:
+    def wait(self, handle: int, timeout: float, still_wanted: Optional[Callable[[], bool]] = None,
+             take: bool = False) -> Optional[Any]:
         """The value of ``handle``, waiting up to ``timeout`` seconds (finite: callers take
         it from a checked message or a validated option); None on timeout, or as soon as
         ``still_wanted()`` turns false (checked whenever ``wake`` is called, and at least
-        every half second)."""
+        every half second). With ``take``, the value is removed from the store too."""
         value = self._entries.get(handle)
         if value is not None:
+            if take:
+                self.pop(handle)
             return value
         deadline = time.monotonic() + timeout
-        with self._cond:
-            while (value := self._entries.get(handle)) is None:
-                if session_of(handle) in self._dropped_sessions:
-                    return Poison("the client session that owned this array disconnected")
+        waiter = threading.Lock()
+        waiter.acquire()  # held until a put (or wake) releases it: the next acquire waits for that
+        try:
+            while True:
+                with self._lock:
+                    value = self._entries.pop(handle, None) if take else self._entries.get(handle)
+                    if value is not None:
+                        return value
+                    if session_of(handle) in self._dropped_sessions:
+                        return Poison("the client session that owned this array disconnected")
+                    self._waiters.setdefault(handle, set()).add(waiter)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
@@ -88,20 +105,30 @@ class ObjectStore:
                     if not still_wanted():
                         return None
                     left = min(left, _RECHECK_SECONDS)
-                self._cond.wait(left)
-        return value
+                waiter.acquire(True, left)
+        finally:
+            # Usually the put that woke this waiter took its registration already.
+            if waiter in self._waiters.get(handle, ()):
+                with self._lock:
+                    waiting = self._waiters.get(handle)
+                    if waiting is not None:
+                        waiting.discard(waiter)
+                        if not waiting:
+                            del self._waiters[handle]
 
     def wake(self) -> None:
         """Have every waiter look again (one of them may no longer be wanted)."""
-        with self._cond:
-            self._cond.notify_all()
+        with self._lock:
+            waiters, self._waiters = self._waiters, {}
+        for locks in waiters.values():
+            _release(locks)
 
     def pop(self, handle: int) -> None:
-        with self._cond:
+        with self._lock:
             self._entries.pop(handle, None)
 
     def delete(self, handles: Iterable[int]) -> None:
-        with self._cond:
+        with self._lock:
             for h in handles:
                 if self._entries.pop(h, None) is None:
                     self._tombstones[h] = None
@@ -110,12 +137,12 @@ class ObjectStore:
 
     def drop_session(self, session: int) -> int:
         """Delete every buffer of ``session`` and refuse its late arrivals; returns the count."""
-        with self._cond:
+        with self._lock:
             self._dropped_sessions.add(session)
             doomed = [h for h in self._entries if session_of(h) == session]
             for h in doomed:
                 del self._entries[h]
-            self._cond.notify_all()  # waiters for the session's arrays give up now
+        self.wake()  # waiters for the session's arrays give up now
         return len(doomed)
 
     def __len__(self) -> int:
@@ -123,7 +150,15 @@ class ObjectStore:
 
     def session_counts(self) -> dict[int, int]:
         counts: dict[int, int] = {}
-        with self._cond:
+        with self._lock:
             for h in self._entries:
                 counts[session_of(h)] = counts.get(session_of(h), 0) + 1
         return counts
+
+
+def _release(waiters: Iterable[Any]) -> None:
+    for waiter in waiters:
+        try:
+            waiter.release()
+        except RuntimeError:  # released already (by a wake), and not waited on again yet
+            pass

@@ -1,0 +1,90 @@
+"""The worker's object store: a value wakes the threads waiting for its handle and no
+others, waits are bounded, and a taken value leaves the store."""
+
+import threading
+import time
+
+from pathways.protocol.handles import first_handle
+from pathways.worker.store import ObjectStore, Poison
+
+SESSION = 3
+
+
+def waiting(store, handle, results, still_wanted=lambda: True, timeout=30.0):
+    """A thread waiting for ``handle``, its result appended to ``results``."""
+    thread = threading.Thread(target=lambda: results.append(store.wait(handle, timeout, still_wanted)))
+    thread.start()
+    return thread
+
+
+def registered(store, handle, count=1, timeout=10.0):
+    """Wait until ``count`` threads wait for ``handle``."""
+    deadline = time.monotonic() + timeout
+    while len(store._waiters.get(handle, ())) < count:
+        assert time.monotonic() < deadline, f"{count} waiter(s) for {handle:#x} never registered"
+        time.sleep(0.005)
+
+
+def test_a_put_wakes_only_the_waiters_of_its_handle():
+    store = ObjectStore()
+    a, b = first_handle(SESSION) + 1, first_handle(SESSION) + 2
+    looks = []  # each time the waiter for b woke up and looked again
+    got_a, got_b = [], []
+    threads = [waiting(store, a, got_a), waiting(store, a, got_a),
+               waiting(store, b, got_b, still_wanted=lambda: looks.append(1) or True)]
+    registered(store, a, 2)
+    registered(store, b)
+    seen = len(looks)
+    assert store.put(a, "A")
+    threads[0].join(10)
+    threads[1].join(10)
+    assert got_a == ["A", "A"]
+    assert len(looks) == seen and threads[2].is_alive(), "a value for another handle woke the waiter for b"
+    store.put(b, "B")
+    threads[2].join(10)
+    assert got_b == ["B"]
+    assert store._waiters == {}
+
+
+def test_wake_has_every_waiter_look_again_and_an_unwanted_one_gives_up():
+    store = ObjectStore()
+    handle = first_handle(SESSION) + 1
+    wanted = threading.Event()
+    wanted.set()
+    got = []
+    thread = waiting(store, handle, got, still_wanted=wanted.is_set)
+    registered(store, handle)
+    wanted.clear()
+    start = time.monotonic()
+    store.wake()
+    thread.join(10)
+    assert got == [None] and time.monotonic() - start < 0.4  # sooner than the half-second recheck
+    assert store._waiters == {}
+
+
+def test_a_wait_ends_at_its_timeout_and_a_dropped_session_ends_it_with_poison():
+    store = ObjectStore()
+    start = time.monotonic()
+    assert store.wait(first_handle(SESSION) + 1, 0.2) is None
+    assert 0.2 <= time.monotonic() - start < 5.0
+    got = []
+    thread = waiting(store, first_handle(SESSION) + 2, got)
+    registered(store, first_handle(SESSION) + 2)
+    store.drop_session(SESSION)
+    thread.join(10)
+    assert type(got[0]) is Poison and "disconnected" in got[0].message
+    assert store._waiters == {}
+
+
+def test_a_taken_value_leaves_the_store_whether_it_was_there_or_arrived():
+    store = ObjectStore()
+    early, late = first_handle(SESSION) + 1, first_handle(SESSION) + 2
+    store.put(early, "early")
+    assert store.wait(early, 1.0, take=True) == "early" and store.get(early) is None
+    got = []
+    thread = threading.Thread(target=lambda: got.append(store.wait(late, 30.0, take=True)))
+    thread.start()
+    registered(store, late)
+    store.put(late, "late")
+    thread.join(10)
+    assert got == ["late"] and store.get(late) is None and len(store) == 0
