@@ -248,7 +248,7 @@ class Session:
         """A worker's (Put, Fetch, channel, PutOne)."""
         stubs = self._workers.get(address)
         if stubs is None:
-            channel = rpc.open_channel(address, self.security)
+            channel = rpc.open_channel(address, self.security, caller_reads_streams=True)
             stubs = (rpc.method(channel, rpc.WORKER_SERVICE, "Put", "stream_unary"),
                      rpc.method(channel, rpc.WORKER_SERVICE, "Fetch", "unary_stream"), channel,
                      rpc.method(channel, rpc.WORKER_SERVICE, "PutOne", "unary_unary"))
