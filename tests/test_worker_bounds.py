@@ -26,14 +26,15 @@ CREDENTIAL = b"9" * m.CREDENTIAL_BYTES  # session 9's
 
 @pytest.fixture
 def served():
-    """A worker core behind a real gRPC server in this process; its Fetch and Put stubs."""
+    """A worker core behind a real gRPC server in this process; its Fetch, Put and PutOne stubs."""
     core = WorkerCore(lambda msg: None, wait_timeout=5.0)
     core.on_batch(m.encode_batch([m.SessionOpen(9, m.digest(CREDENTIAL))]))
     server, port = rpc.make_server(rpc.WORKER_SERVICE, WorkerService(core).handlers(), max_workers=THREADS)
     channel = rpc.open_channel(f"grpc://127.0.0.1:{port}")
     fetch = rpc.method(channel, rpc.WORKER_SERVICE, "Fetch", "unary_stream")
     put_stub = rpc.method(channel, rpc.WORKER_SERVICE, "Put", "stream_unary")
-    yield core, fetch, put_stub
+    put_one = rpc.method(channel, rpc.WORKER_SERVICE, "PutOne", "unary_unary")
+    yield core, fetch, put_stub, put_one
     channel.close()
     server.stop(grace=0).wait(timeout=5)
     core.close()
@@ -49,7 +50,7 @@ def answered(fetch, handle, wait=0.01, timeout=3.0, credential=CREDENTIAL):
 
 
 def test_a_fetch_with_a_nan_or_infinite_wait_is_refused(served):
-    core, fetch, _ = served
+    core, fetch, _, _ = served
     start = time.monotonic()
     for wait in [float("nan")] * THREADS + [float("inf"), -1.0, 1e9, "1"]:
         reply = answered(fetch, MISSING, wait)
@@ -61,7 +62,7 @@ def test_a_fetch_with_a_nan_or_infinite_wait_is_refused(served):
 
 
 def test_abandoned_fetches_give_their_threads_back(served):
-    core, fetch, _ = served
+    core, fetch, _, _ = served
     calls = [fetch(fetch_request(MISSING, 3000.0), timeout=0.5) for _ in range(2 * THREADS)]
     for i, call in enumerate(calls):
         if i % 2:
@@ -84,7 +85,7 @@ def test_abandoned_fetches_give_their_threads_back(served):
     ({"pieces": [{"index": [[0, 3]], "array": {"dtype": {"f": 4}, "shape": [3], "nbytes": 12}}]}, "is not allowed on the wire"),
 ])
 def test_a_put_header_of_the_wrong_types_gets_an_error_reply(served, fields, needle):
-    _, _, put_stub = served
+    _, _, put_stub, _ = served
     good = np.ones(3, np.float32)
     header = {**put_header(first_handle(9) + 2, good, credential=CREDENTIAL), **fields}
     reply = codec.unpack(put_stub(iter([codec.pack(header), good.tobytes()]), timeout=10))
@@ -92,7 +93,7 @@ def test_a_put_header_of_the_wrong_types_gets_an_error_reply(served, fields, nee
 
 
 def test_a_put_or_fetch_with_another_sessions_credential_is_refused_as_access_denied(served):
-    core, fetch, put_stub = served
+    core, fetch, put_stub, _ = served
     good = np.ones(3, np.float32)
     other = b"x" * m.CREDENTIAL_BYTES
     header = put_header(first_handle(9) + 3, good, credential=other)
@@ -130,3 +131,20 @@ def test_a_closed_sessions_functions_and_programs_are_freed_on_the_workers():
         wait_until(lambda: (lambda now: (now["executables"], now["programs"], now["sessions"])
                             == (before["executables"], before["programs"], before["sessions"]))(worker_stats(worker)),
                    timeout=20, what="the worker to free the closed session's functions, programs and arrays")
+
+
+@pytest.mark.parametrize("request_bytes, needle", [
+    (b"\xc1", "not valid msgpack"),
+    (codec.pack({"header": b"x"}), "msgpack list of binaries"),
+    (codec.pack([]), "msgpack list of binaries"),
+    (codec.pack(["put", b"x"]), "msgpack list of binaries"),
+])
+def test_a_malformed_one_message_put_gets_an_error_reply_and_the_worker_keeps_serving(served, request_bytes, needle):
+    core, fetch, _, put_one = served
+    reply = codec.unpack(put_one(request_bytes, timeout=10))
+    assert needle in reply.get("error", ""), reply
+    good = np.arange(3, dtype=np.float32)
+    header = put_header(first_handle(9) + 5, good, credential=CREDENTIAL)
+    assert codec.unpack(put_one(codec.pack([codec.pack(header), good.tobytes()]), timeout=10)) == {"ok": True}
+    assert answered(fetch, first_handle(9) + 5)["state"] == "ready"
+    np.testing.assert_array_equal(core.store.get(first_handle(9) + 5), good)

@@ -41,6 +41,9 @@ log = logging.getLogger("pathways.client")
 
 DEFAULT_TIMEOUT = 300.0
 _FLUSH_SECONDS = 0.05
+# Arrays up to this size go to a worker in one unary PutOne message: a streamed Put costs the
+# client a thread per call (gRPC's request-iterator consumer).
+_PUT_ONE_BYTES = 1 << 20
 _POLL_SECONDS = 1.0  # a long wait for an array is split so news of a lost worker cuts it short
 _VERDICT_SECONDS = 3.0  # how long a failed fetch waits for the controller to say why
 # ... when the worker became unreachable: keepalive may give up on a frozen worker before
@@ -256,12 +259,14 @@ class Session:
 
     # ---- data plane ------------------------------------------------------------------
 
-    def _stubs(self, address: str) -> tuple[Any, Any, grpc.Channel]:
+    def _stubs(self, address: str) -> tuple[Any, Any, grpc.Channel, Any]:
+        """A worker's (Put, Fetch, channel, PutOne)."""
         stubs = self._workers.get(address)
         if stubs is None:
-            channel = rpc.open_channel(address, self.security)
+            channel = rpc.open_channel(address, self.security, caller_reads_streams=True)
             stubs = (rpc.method(channel, rpc.WORKER_SERVICE, "Put", "stream_unary"),
-                     rpc.method(channel, rpc.WORKER_SERVICE, "Fetch", "unary_stream"), channel)
+                     rpc.method(channel, rpc.WORKER_SERVICE, "Fetch", "unary_stream"), channel,
+                     rpc.method(channel, rpc.WORKER_SERVICE, "PutOne", "unary_unary"))
             self._workers[address] = stubs
         return stubs
 
@@ -288,7 +293,12 @@ class Session:
             header = codec.pack({"t": "put", "handle": handle, "layout": layout.to_wire(), "of": 1,
                                  "credential": self._credential,
                                  **codec.pieces_header(array.dtype, array.shape, pieces)})
-            future = self._stubs(address)[0].future(_chunks(header, pieces), timeout=self.timeout)
+            stubs = self._stubs(address)
+            if sum(a.nbytes for _, a in pieces) <= _PUT_ONE_BYTES:
+                request = codec.pack([header, *codec.pieces_chunks(pieces)])
+                future = stubs[3].future(request, timeout=self.timeout)
+            else:
+                future = stubs[0].future(_chunks(header, pieces), timeout=self.timeout)
             future.add_done_callback(lambda f, address=address: self._put_done(f, address, handle))
         self.send(m.PutNotice(handle, layout))
         if self.traced:
@@ -420,7 +430,7 @@ class Session:
         self._outbox.close()
         self._responses.cancel()
         self._channel.close()
-        for _, _, channel in self._workers.values():
+        for _, _, channel, _ in self._workers.values():
             channel.close()
         if self._owned_cluster is not None:
             self._owned_cluster.stop()

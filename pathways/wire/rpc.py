@@ -257,14 +257,19 @@ def unary_unary(fn: Callable) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(fn)
 
 
-def open_channel(address: str, security: Security | None = None) -> grpc.Channel:
+def open_channel(address: str, security: Security | None = None, caller_reads_streams: bool = False) -> grpc.Channel:
     """A channel to ``grpc://HOST:PORT``; with ``security``, over TLS if it has a CA, and
-    carrying its token on every call."""
+    carrying its token on every call. ``caller_reads_streams``: a unary-stream call's
+    replies are read on the calling thread; otherwise gRPC starts a thread to drive the
+    channel's calls whenever none is in flight, a thread per call on a mostly idle channel."""
     target = parse_address(address)
+    options = _CHANNEL_OPTIONS
+    if caller_reads_streams:
+        options = [*options, (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
     if security is not None and security.uses_tls:
-        channel = grpc.secure_channel(target, channel_credentials(security), options=_CHANNEL_OPTIONS)
+        channel = grpc.secure_channel(target, channel_credentials(security), options=options)
     else:
-        channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        channel = grpc.insecure_channel(target, options=options)
     if security is not None and security.token is not None:
         channel = grpc.intercept_channel(channel, _TokenMetadata(security.token))
     return channel

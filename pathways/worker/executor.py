@@ -9,6 +9,12 @@ took, which frees its slot in the controller's window and feeds the fair-share p
 Runs of sequentially dispatched programs wait at each node's gate until the controller
 releases it, and report each node finished (the ``await`` and ``step`` ops).
 
+A run takes the lean loop once every executable of its program has compiled: the ops are
+resolved then, once per program, to direct calls of the executables on register indices,
+so a computation costs the executor no future, lock or generator. Until then, and from the
+first poisoned register of a run on, the run takes the careful loop, which waits for
+compiles and carries poison downstream.
+
 ``unsafe_local_order`` is a debugging switch that removes the gang order: the worker then
 interleaves the runs of different client sessions in an order of its own (random), as a
 runtime without a central sequencer would. Collectives spanning hosts then meet their
@@ -41,6 +47,10 @@ log = logging.getLogger("pathways.worker")
 _IN, _EXEC, _OUT, _SEND, _RESHARD, _DROP, _AWAIT, _STEP = (Op.IN, Op.EXEC, Op.OUT, Op.SEND, Op.RESHARD, Op.DROP,
                                                           Op.AWAIT, Op.STEP)
 
+# The lean loop's resolved exec ops (not wire ops): a call with one input and one output, and
+# any other call: (_CALL1, executable, in, out, name) and (_CALL, executable, ins, outs, name, sync).
+_CALL1, _CALL = object(), object()
+
 # What the executor runs in order: runs, deletes, and the forgetting of a closed session's
 # programs and functions (in order, so that every host of an island runs the runs queued
 # before it and their collectives meet).
@@ -68,7 +78,7 @@ class Executor:
         self._wait_timeout = wait_timeout
         self._sync_collectives = sync_collectives
         self._unsafe_local_order = unsafe_local_order
-        self._programs: dict[int, tuple[list[tuple], int, int]] = {}
+        self._programs: dict[int, _Program] = {}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._finished: queue.SimpleQueue = queue.SimpleQueue()
         self._traced: dict[int, tuple[int, int]] = {}  # traced run id -> (its base, when its ops ended)
@@ -95,8 +105,8 @@ class Executor:
         """Prepare a decoded op stream (ops.decode_op checked it): resolve each function to
         its executable and each layout to what the loop uses. Raises WireError for a
         function or device this worker does not have."""
-        nregs = msg.nvalues + msg.ncopies
-        self._programs[msg.key] = ([self._prepare(op) for op in msg.ops], msg.nvalues, nregs)
+        self._programs[msg.key] = _Program([self._prepare(op) for op in msg.ops], msg.nvalues,
+                                           msg.nvalues + msg.ncopies)
 
     def _prepare(self, op: tuple) -> tuple:
         code = op[0]
@@ -216,85 +226,174 @@ class Executor:
                 self._traced[msg.id] = (msg.base, now())
             self._finished.put((msg.id, time.perf_counter(), []))  # free its window slot
             return
-        ops, nvalues, nregs = program
-        run_id, base, tbase, args = msg.id, msg.base, msg.tbase, msg.args
-
-        regs: list[Any] = [None] * nregs
-        store = self._store
-        started = 0.0  # when the first computation starts: waits for compiles and inputs are not device time
-        last: Any = ()  # the latest computation's results: ready means the run's work is done
-        for op in ops:
-            code = op[0]
-            if code is _EXEC:
-                _, future, name, ins, outs, multi_device, key = op
-                inputs = [regs[i] for i in ins]
-                bad = next((a for a in inputs if type(a) is Poison), None)
-                if bad is not None:
-                    self._keep_peers_company(future, key)
-                else:
-                    try:
-                        executable = future.result(timeout=self._wait_timeout)
-                        started = started or time.perf_counter()
-                        if traced:
-                            began = now()
-                        results = executable(*inputs)
-                        if multi_device and self._sync_collectives:
-                            jax.block_until_ready(results)
-                        if traced:
-                            RECORDER.span("execute", began, base, name)
-                    except Exception as e:
-                        bad = failure(f"{name} on worker {self.worker_id}", e)
-                    else:
-                        for o, r in zip(outs, results):
-                            regs[o] = r
-                        last = results
-                        continue
-                for o in outs:
-                    regs[o] = bad
-            elif code is _IN:
-                h = value_handle(op[1], base, tbase, nvalues, args)
-                if traced:
-                    began = now()
-                value = store.wait(h, self._wait_timeout, take=not op[2])
-                if traced:
-                    RECORDER.span("wait for inputs", began, base, f"array {h:#x}")
-                if value is None:
-                    value = Poison(f"array {h:#x} did not reach worker {self.worker_id} within "
-                                   f"{self._wait_timeout:.0f} s: it was deleted, or its sender failed")
-                regs[op[1]] = value
-            elif code is _OUT:
-                store.put(value_handle(op[1], base, tbase, nvalues, args), regs[op[1]])
-            elif code is _DROP:
-                for v in op[1]:
-                    regs[v] = None
-            elif code is _SEND:
-                self._controls.send(value_handle(op[2], base, tbase, nvalues, args), regs[op[1]], op[3], op[4],
-                                    base if traced else 0)
-            elif code is _AWAIT:
-                if traced:
-                    began = now()
-                if not self._controls.released(run_id, op[1], self._wait_timeout):
-                    log.error("run %d: node %d was not released within %.0f s; running it anyway",
-                              run_id, op[1], self._wait_timeout)
-                if traced:
-                    RECORDER.span("wait for release", began, base, f"node {op[1]}")
-            elif code is _STEP:
-                try:
-                    jax.block_until_ready([regs[v] for v in op[2] if type(regs[v]) is not Poison])
-                except Exception:  # the failure reaches readers through the outputs themselves
-                    pass
-                self._controls.step(run_id, op[1])
-            else:  # _RESHARD
-                value = regs[op[1]]
-                if type(value) is not Poison:
-                    try:
-                        value = jax.device_put(value, op[3])
-                    except Exception as e:
-                        value = Poison(f"moving an array on worker {self.worker_id} failed: {e}")
-                regs[op[2]] = value
+        if program.lean is None:
+            program.lean = _resolve(program.ops, self._sync_collectives)
+        regs: list[Any] = [None] * program.nregs
+        # started: when the first computation starts (waits for compiles and inputs are not
+        # device time); last: the latest computation's results (ready: the run's work is done).
+        i, started, last = 0, 0.0, ()
+        if program.lean is not None and not traced:  # a traced run takes the careful loop, which has the probes
+            i, started, last = self._run_lean(program.lean, regs, msg, program.nvalues)
+        if i < len(program.ops):
+            started, last = self._run_careful(program.ops, i, regs, msg, program.nvalues, started, last)
         if traced:
-            self._traced[run_id] = (base, now())
-        self._finished.put((run_id, started or time.perf_counter(), last))
+            self._traced[msg.id] = (msg.base, now())
+        self._finished.put((msg.id, started or time.perf_counter(), last))
+
+    def _run_lean(self, ops: list[tuple], regs: list, msg: RunProgram, nvalues: int) -> tuple[int, float, Any]:
+        """Run ``ops`` (resolved) until the first poisoned register: the index of the op after
+        the one that poisoned it (``len(ops)`` when none did), started and last (see _run)."""
+        started = 0.0
+        last: Any = ()
+        effect = self._effect
+        i = 0
+        for op in ops:
+            i += 1
+            code = op[0]
+            if code is _CALL1:
+                if not started:
+                    started = time.perf_counter()
+                try:
+                    last = op[1](regs[op[2]])
+                except Exception as e:
+                    regs[op[3]] = failure(f"{op[4]} on worker {self.worker_id}", e)
+                    return i, started, last
+                regs[op[3]] = last[0]
+            elif code is _CALL:
+                _, executable, ins, outs, name, sync = op
+                if not started:
+                    started = time.perf_counter()
+                try:
+                    results = executable(*[regs[r] for r in ins])
+                    if sync:
+                        jax.block_until_ready(results)
+                except Exception as e:
+                    bad = failure(f"{name} on worker {self.worker_id}", e)
+                    for o in outs:
+                        regs[o] = bad
+                    return i, started, last
+                for o, r in zip(outs, results):
+                    regs[o] = r
+                last = results
+            else:
+                effect(op, regs, msg, nvalues)
+                if (code is _IN and type(regs[op[1]]) is Poison) or (code is _RESHARD and type(regs[op[2]]) is Poison):
+                    return i, started, last
+        return i, started, last
+
+    def _run_careful(self, ops: list[tuple], i: int, regs: list, msg: RunProgram, nvalues: int, started: float,
+                     last: Any) -> tuple[float, Any]:
+        """Run ``ops[i:]`` (as prepared at define), waiting for executables still compiling and
+        passing poisoned inputs on to outputs; started and last (see _run). A traced run
+        records its steps on the timeline here."""
+        traced = msg.traced
+        for op in ops[i:]:
+            if op[0] is not _EXEC:
+                self._effect(op, regs, msg, nvalues)
+                continue
+            _, future, name, ins, outs, multi_device, key = op
+            inputs = [regs[r] for r in ins]
+            bad = next((a for a in inputs if type(a) is Poison), None)
+            if bad is not None:
+                self._keep_peers_company(future, key)
+            else:
+                try:
+                    executable = future.result(timeout=self._wait_timeout)
+                    started = started or time.perf_counter()
+                    if traced:
+                        began = now()
+                    results = executable(*inputs)
+                    if multi_device and self._sync_collectives:
+                        jax.block_until_ready(results)
+                    if traced:
+                        RECORDER.span("execute", began, msg.base, name)
+                except Exception as e:
+                    bad = failure(f"{name} on worker {self.worker_id}", e)
+                else:
+                    for o, r in zip(outs, results):
+                        regs[o] = r
+                    last = results
+                    continue
+            for o in outs:
+                regs[o] = bad
+        return started, last
+
+    def _effect(self, op: tuple, regs: list, msg: RunProgram, nvalues: int) -> None:
+        """Run ``op``, any op but an exec."""
+        code = op[0]
+        traced = msg.traced
+        if code is _IN:
+            h = value_handle(op[1], msg.base, msg.tbase, nvalues, msg.args)
+            if traced:
+                began = now()
+            value = self._store.wait(h, self._wait_timeout, take=not op[2])
+            if traced:
+                RECORDER.span("wait for inputs", began, msg.base, f"array {h:#x}")
+            if value is None:
+                value = Poison(f"array {h:#x} did not reach worker {self.worker_id} within "
+                               f"{self._wait_timeout:.0f} s: it was deleted, or its sender failed")
+            regs[op[1]] = value
+        elif code is _OUT:
+            self._store.put(value_handle(op[1], msg.base, msg.tbase, nvalues, msg.args), regs[op[1]])
+        elif code is _DROP:
+            for v in op[1]:
+                regs[v] = None
+        elif code is _SEND:
+            self._controls.send(value_handle(op[2], msg.base, msg.tbase, nvalues, msg.args), regs[op[1]], op[3],
+                                op[4], msg.base if traced else 0)
+        elif code is _AWAIT:
+            if traced:
+                began = now()
+            if not self._controls.released(msg.id, op[1], self._wait_timeout):
+                log.error("run %d: node %d was not released within %.0f s; running it anyway",
+                          msg.id, op[1], self._wait_timeout)
+            if traced:
+                RECORDER.span("wait for release", began, msg.base, f"node {op[1]}")
+        elif code is _STEP:
+            try:
+                jax.block_until_ready([regs[v] for v in op[2] if type(regs[v]) is not Poison])
+            except Exception:  # the failure reaches readers through the outputs themselves
+                pass
+            self._controls.step(msg.id, op[1])
+        else:  # _RESHARD
+            value = regs[op[1]]
+            if type(value) is not Poison:
+                try:
+                    value = jax.device_put(value, op[3])
+                except Exception as e:
+                    value = Poison(f"moving an array on worker {self.worker_id} failed: {e}")
+            regs[op[2]] = value
+
+
+class _Program:
+    """A defined op stream: ``ops`` as prepared at define (executables still futures), and
+    ``lean``, the same with every executable resolved (None until all have compiled)."""
+
+    __slots__ = ("ops", "nvalues", "nregs", "lean")
+
+    def __init__(self, ops: list[tuple], nvalues: int, nregs: int) -> None:
+        self.ops, self.nvalues, self.nregs = ops, nvalues, nregs
+        self.lean: list[tuple] | None = None
+
+
+def _resolve(ops: list[tuple], sync_collectives: bool) -> list[tuple] | None:
+    """``ops`` for the lean loop, every exec a direct call of its compiled executable; None
+    while any is still compiling, or if one failed (the careful loop then reports it)."""
+    lean = []
+    for op in ops:
+        if op[0] is not _EXEC:
+            lean.append(op)
+            continue
+        _, future, name, ins, outs, multi_device, _ = op
+        if not future.done() or future.cancelled() or future.exception() is not None:
+            return None
+        executable = future.result()
+        sync = multi_device and sync_collectives
+        if len(ins) == 1 and len(outs) == 1 and not sync:
+            lean.append((_CALL1, executable, ins[0], outs[0], name))
+        else:
+            lean.append((_CALL, executable, ins, outs, name, sync))
+    return lean
 
 
 def _session_of_message(msg: Work) -> int:

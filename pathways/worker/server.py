@@ -85,13 +85,28 @@ class WorkerService:
     def put(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
         """A client's array: ``{"ok": true}``, or ``{"error": ...}`` (with ``"kind":
         "AccessDeniedError"`` when the put was refused for its credential)."""
+        chunks = iter(request_iterator)
+        return self._put(next(chunks, b""), chunks)
+
+    def put_one(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """A small array in one message, a msgpack list ``[header, chunk, ...]`` of what
+        Put streams; answered as Put. Unary, so the client sends it without a thread of
+        its own."""
+        try:
+            parts = codec.unpack(request)
+        except WireError as e:
+            return codec.pack({"error": str(e)})
+        if type(parts) is not list or not parts or not all(type(p) is bytes for p in parts):
+            return codec.pack({"error": "a PutOne request must be a msgpack list of binaries [header, chunk, ...]; "
+                                        "send larger arrays with Put"})
+        return self._put(parts[0], iter(parts[1:]))
+
+    def _put(self, header: bytes, chunks: Iterator[bytes]) -> bytes:
         core = self.core()
         if core is None:
             return codec.pack({"error": _NOT_READY})
         try:
-            chunks = iter(request_iterator)
-            header = codec.unpack(next(chunks, b""))
-            error = core.client_put(header, chunks)
+            error = core.client_put(codec.unpack(header), chunks)
         except WireError as e:
             return codec.pack({"error": str(e)})
         except AccessDeniedError as e:
@@ -134,7 +149,8 @@ class WorkerService:
             return codec.pack({"error": str(e), "kind": AccessDeniedError.__name__})
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
-        return {"Put": rpc.stream_unary(self.put), "Fetch": rpc.unary_stream(self.fetch),
+        return {"Put": rpc.stream_unary(self.put), "PutOne": rpc.unary_unary(self.put_one),
+                "Fetch": rpc.unary_stream(self.fetch),
                 "Stats": rpc.unary_unary(self.stats), "Timeline": rpc.unary_unary(self.timeline)}
 
 
