@@ -27,7 +27,9 @@ from pathways.controller.scheduler import Run, Scheduler
 from pathways.protocol import messages as m
 
 MAX_COALESCED = 64  # runs dispatched together at most
-COALESCE_SECONDS = 0.05  # expected device seconds of a coalesced group at most
+# Expected seconds a coalesced group occupies its workers at most (its device seconds, which
+# count every worker's, divided by the number of workers): the granularity of fair share.
+COALESCE_SECONDS = 0.05
 
 
 @dataclass
@@ -63,7 +65,7 @@ def coalesce(scheduler: Scheduler, tail: Run | None, d: Dispatch) -> bool:
     first: Dispatch = tail.payload
     if (first.lowered.gates is not None or d.lowered.gates is not None
             or first.lowered.workers != d.lowered.workers or len(first.joined) + 1 >= MAX_COALESCED
-            or scheduler.estimate(tail) + scheduler.cost(d.key) > COALESCE_SECONDS):
+            or scheduler.estimate(tail) + scheduler.cost(d.key) > COALESCE_SECONDS * len(d.lowered.ops)):
         return False
     scheduler.join(tail, d.key)
     first.joined.append(d)
