@@ -251,8 +251,8 @@ which leaves the workers' per-run work as the larger part. A chained program (PW
 the client's and the controller's cost per computation, leaving the worker's executor (one
 Python call per computation, ~10 us, and the bookkeeping around it) next to the
 all-reduce; with more hosts than cores the workers take turns on the cores, and every turn
-delays the all-reduce of the others. Fused (PW-F,
-JAX-F) runs the same executable: the difference is one submission per 128 computations.
+delays the all-reduce of the others. Fused (PW-F, JAX-F) runs the same executable: the
+difference is one submission per 128 computations.
 
 What would close the gaps: a core per process (the client, controller and worker work
 then overlaps the computation instead of taking turns with it: on hardware with one host
