@@ -44,6 +44,7 @@ class Dispatch:
     args: dict[int, int]
     outputs: dict[int, int]  # output value -> handle (inputs passed through excluded)
     joined: list["Dispatch"] = field(default_factory=list)  # later runs sent with this one (coalesce)
+    expected: float = 0.0  # coalesce: the expected device seconds of this run and those it took on
     waiting: dict[int, int] = field(default_factory=dict)  # worker -> its done reports still due
     seconds: float = 0.0
     unfinished: dict[int, set[int]] = field(default_factory=dict)  # sequential: node -> workers running it
@@ -63,12 +64,18 @@ def coalesce(scheduler: Scheduler, tail: Run | None, d: Dispatch) -> bool:
     if tail is None or not tail.queued:
         return False
     first: Dispatch = tail.payload
-    if (first.lowered.gates is not None or d.lowered.gates is not None
-            or first.lowered.workers != d.lowered.workers or len(first.joined) + 1 >= MAX_COALESCED
-            or scheduler.estimate(tail) + scheduler.cost(d.key) > COALESCE_SECONDS * len(d.lowered.ops)):
+    a, b = first.lowered, d.lowered
+    if (a.gates is not None or b.gates is not None or len(first.joined) + 1 >= MAX_COALESCED
+            or (a is not b and a.ops.keys() != b.ops.keys())):
+        return False
+    if not first.joined:
+        first.expected = scheduler.estimate(tail)
+    expected = first.expected + scheduler.cost(d.key)
+    if expected > COALESCE_SECONDS * len(b.ops):
         return False
     scheduler.join(tail, d.key)
     first.joined.append(d)
+    first.expected = expected
     return True
 
 
