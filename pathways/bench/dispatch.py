@@ -245,17 +245,19 @@ the client's signature check and submission (~35 us), the controller's schedulin
 lowering of each run, and in each worker the run message, the executor's bookkeeping and
 the done report; the all-reduce itself is the same gloo call. Op by op (PW-O), that is
 several hundred microseconds of Python per computation per host, so PW-O runs at its CPU
-bound. A chained program (PW-C) removes the client's and the controller's cost per
-computation, leaving the worker's executor (one Python call per computation, ~10 us, and
-the bookkeeping around it) next to the all-reduce; with more hosts than cores the workers
-take turns on the cores, and every turn delays the all-reduce of the others. Fused (PW-F,
-JAX-F) runs the same executable: the difference is one submission per 128 computations.
+bound. Calls that queue behind the scheduler's window are coalesced by the controller (one
+dispatch and one payload per worker for up to 64 of them) and their done reports batched,
+which leaves the workers' per-run work as the larger part. A chained program (PW-C) removes
+the client's and the controller's cost per computation, leaving the worker's executor (one
+Python call per computation, ~10 us, and the bookkeeping around it) next to the
+all-reduce; with more hosts than cores the workers take turns on the cores, and every turn
+delays the all-reduce of the others. Fused (PW-F, JAX-F) runs the same executable: the
+difference is one submission per 128 computations.
 
 What would close the gaps: a core per process (the client, controller and worker work
 then overlaps the computation instead of taking turns with it: on hardware with one host
-per machine, the CPU bound above disappears); batching consecutive op-by-op calls of a
-client into one run (the client already submits without waiting, so the controller could
-coalesce queued runs); and an executor loop outside Python for chained programs.
+per machine, the CPU bound above disappears); and an executor loop outside Python for
+chained programs.
 """
 
 

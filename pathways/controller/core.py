@@ -18,7 +18,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Union
 
-from pathways.controller.dispatch import Dispatch, Dispatcher
+from pathways.controller.dispatch import Dispatch, Dispatcher, coalesce
 from pathways.controller.handles import HandleTable
 from pathways.controller.lowering import FnLayouts
 from pathways.controller.membership import Membership, Outbox, WorkerConn
@@ -46,6 +46,7 @@ class SessionState:
     handles: HandleTable = field(default_factory=HandleTable)
     programs: SessionPrograms = field(default_factory=SessionPrograms)
     traced_workers: set[int] = field(default_factory=set)  # workers that ran its traced runs
+    tail: Run | None = None  # the latest run submitted to the scheduler, which may take on the next
 
 
 class ControllerCore:
@@ -119,13 +120,13 @@ class ControllerCore:
                    "island's hosts again: they form a new island")
         queued, flying = self.scheduler.cancel(lambda r: bool(r.payload.lowered.workers & lost))
         for run in flying:
-            d: Dispatch = run.payload
             self.dispatcher.release_all(run, lost)
-            for sender, receiver, copy in d.lowered.transfers:
-                if sender in lost and receiver not in lost and receiver in self.workers:
-                    self.workers[receiver].outbox.put(m.Poisoned((d.tbase + copy - d.nvalues,), LOST, message))
+            for d in run.payload.parts:
+                for sender, receiver, copy in d.lowered.transfers:
+                    if sender in lost and receiver not in lost and receiver in self.workers:
+                        self.workers[receiver].outbox.put(m.Poisoned((d.tbase + copy - d.nvalues,), LOST, message))
         for run in (*queued, *flying):
-            self._poison(run.session, run.payload.outputs.values(), LOST, message)
+            self._poison(run.session, (h for d in run.payload.parts for h in d.outputs.values()), LOST, message)
         for run in queued:
             self._reads_done(run)
         for sid, s in self.sessions.items():
@@ -360,13 +361,18 @@ class ControllerCore:
         for v, h in fresh.items():
             s.handles.live[h] = lowered.output_layouts[v]
         s.handles.reads_queued(args.values())
-        islands = frozenset(self.workers[w].island for w in lowered.workers)
         d = Dispatch(key, lowered, graph.nvalues, base, tbase, args, fresh, traced=msg.traced)
         if msg.traced:
             RECORDER.span("lower", began, base)
             s.traced_workers.update(lowered.workers)
             began = now()
-        self.scheduler.submit(Run(sid, islands, key, d))
+        if coalesce(self.scheduler, s.tail, d):
+            if msg.traced:
+                RECORDER.span("schedule", began, base, "joined the queued run before it")
+                d.since = now()
+            return  # it goes out with the queued run before it, when that is released
+        islands = frozenset(self.workers[w].island for w in lowered.workers)
+        s.tail = self.scheduler.submit(Run(sid, islands, key, d))
         if msg.traced:
             RECORDER.span("schedule", began, base)
             d.since = now()
@@ -393,7 +399,8 @@ class ControllerCore:
         """A run left the queue (dispatched or dropped): deletes it held back can go now."""
         s = self.sessions.get(run.session)
         if s is not None:
-            self._send_deletes(s.handles.reads_done(run.payload.args.values()))
+            for d in run.payload.parts:
+                self._send_deletes(s.handles.reads_done(d.args.values()))
 
     def _send_deletes(self, doomed: dict[int, Layout]) -> None:
         by_worker: dict[int, list[int]] = {}

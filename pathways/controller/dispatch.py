@@ -6,6 +6,14 @@ order: the gang order that keeps collectives from deadlocking. Workers report ea
 done (freeing its window slot and measuring device time for the proportional-share
 policy) and, for sequentially dispatched programs, each node finished, which releases the
 nodes after it. No I/O beyond outboxes.
+
+A client submits without waiting, so while the window is full its op-by-op runs queue up
+at the controller. Consecutive queued runs of one session on the same workers are
+coalesced (``coalesce``): the first takes the later ones on, and they are dispatched
+together, one window slot and one payload per worker, each still its own ``RunProgram``
+(carrying the group's id) in the session's order. Every worker reports each of them done.
+A group is bounded in runs and in expected device time, so that fair share between
+sessions keeps its granularity.
 """
 
 from __future__ import annotations
@@ -19,6 +27,11 @@ from pathways.controller.scheduler import Run, Scheduler
 from pathways.protocol import messages as m
 from pathways.timeline import RECORDER, now
 
+MAX_COALESCED = 64  # runs dispatched together at most
+# Expected seconds a coalesced group occupies its workers at most (its device seconds, which
+# count every worker's, divided by the number of workers): the granularity of fair share.
+COALESCE_SECONDS = 0.05
+
 
 @dataclass
 class Dispatch:
@@ -31,12 +44,42 @@ class Dispatch:
     tbase: int
     args: dict[int, int]
     outputs: dict[int, int]  # output value -> handle (inputs passed through excluded)
-    waiting: set[int] = field(default_factory=set)  # workers yet to report the run done
+    joined: list["Dispatch"] = field(default_factory=list)  # later runs sent with this one (coalesce)
+    expected: float = 0.0  # coalesce: the expected device seconds of this run and those it took on
+    waiting: dict[int, int] = field(default_factory=dict)  # worker -> its done reports still due
     seconds: float = 0.0
     unfinished: dict[int, set[int]] = field(default_factory=dict)  # sequential: node -> workers running it
     finished: set[int] = field(default_factory=set)  # sequential: nodes finished
     traced: bool = False  # record its steps (timeline.py)
     since: int = 0  # traced: when its current step began (perf_counter_ns)
+
+    @property
+    def parts(self) -> list["Dispatch"]:
+        """This run and those it took on, in the session's order."""
+        return [self, *self.joined] if self.joined else [self]
+
+
+def coalesce(scheduler: Scheduler, tail: Run | None, d: Dispatch) -> bool:
+    """Have ``tail``, the session's latest submitted run, take ``d`` (the session's next
+    run) on, where both can go out together: ``tail`` is still queued, neither waits at
+    gates (sequential dispatch), both run on the same workers, and the group stays within
+    its bounds. Returns whether it did."""
+    if tail is None or not tail.queued:
+        return False
+    first: Dispatch = tail.payload
+    a, b = first.lowered, d.lowered
+    if (a.gates is not None or b.gates is not None or len(first.joined) + 1 >= MAX_COALESCED
+            or (a is not b and a.ops.keys() != b.ops.keys())):
+        return False
+    if not first.joined:
+        first.expected = scheduler.estimate(tail)
+    expected = first.expected + scheduler.cost(d.key)
+    if expected > COALESCE_SECONDS * len(b.ops):
+        return False
+    scheduler.join(tail, d.key)
+    first.joined.append(d)
+    first.expected = expected
+    return True
 
 
 class Dispatcher:
@@ -50,21 +93,23 @@ class Dispatcher:
         workers = self.membership.workers
         for run in self.scheduler.dispatchable():
             d: Dispatch = run.payload
-            if d.traced:
-                RECORDER.span("queue", d.since, d.base, f"run {run.id}", "queued runs")
-                d.since = now()
-            d.waiting = set(d.lowered.workers)
+            parts = d.parts
+            d.waiting = dict.fromkeys(d.lowered.workers, len(parts))
             if d.lowered.gates is not None:
                 d.unfinished = {n: set(ws) for n, ws in d.lowered.gates.steps.items()}
-            go = m.RunProgram(run.id, d.key, d.base, d.tbase, d.args, d.traced)
-            for worker, ops in d.lowered.ops.items():
-                conn = workers[worker]
-                if d.key not in conn.defined:
-                    conn.outbox.put(m.Define(d.key, run.session, d.nvalues, d.lowered.ncopies, tuple(ops)))
-                    conn.defined.add(d.key)
-                conn.outbox.put(go)
-            if d.traced:
-                RECORDER.span("dispatch", d.since, d.base, f"{len(d.lowered.ops)} worker(s)")
+            for p in parts:
+                if p.traced:
+                    RECORDER.span("queue", p.since, p.base, f"run {run.id}", "queued runs")
+                    p.since = now()
+                go = m.RunProgram(run.id, p.key, p.base, p.tbase, p.args, p.traced)
+                for worker, ops in p.lowered.ops.items():
+                    conn = workers[worker]
+                    if p.key not in conn.defined:
+                        conn.outbox.put(m.Define(p.key, run.session, p.nvalues, p.lowered.ncopies, tuple(ops)))
+                        conn.defined.add(p.key)
+                    conn.outbox.put(go)
+                if p.traced:
+                    RECORDER.span("dispatch", p.since, p.base, f"{len(p.lowered.ops)} worker(s)")
             yield run
 
     def done(self, conn: WorkerConn, reports: tuple[tuple[int, float], ...]) -> None:
@@ -73,14 +118,20 @@ class Dispatcher:
             if run is None:
                 continue
             d: Dispatch = run.payload
-            if d.traced:
-                began = now()
-            d.waiting.discard(conn.worker)
+            began = now()
+            due = d.waiting.get(conn.worker)
+            if due is None:
+                continue
+            part = d.parts[-due]  # a worker reports the runs of a group in their order
+            if due > 1:
+                d.waiting[conn.worker] = due - 1
+            else:
+                del d.waiting[conn.worker]
             d.seconds += seconds
             if not d.waiting:
                 self.scheduler.finish(run.id, d.seconds)
-            if d.traced:
-                RECORDER.span("done", began, d.base, f"worker {conn.worker} reported it done")
+            if part.traced:
+                RECORDER.span("done", began, part.base, f"worker {conn.worker} reported it done")
 
     def step(self, conn: WorkerConn, run_id: int, node: int) -> None:
         """A worker finished its part of ``node`` of a sequential run: release the nodes

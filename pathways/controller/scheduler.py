@@ -23,6 +23,11 @@ collectives, and their order between them does not matter. The policies:
   seconds (the last measurement of the same program); completion corrects the charge to
   the measured cost. The session with the least virtual time goes next, so over any busy
   period device time splits in proportion to the weights.
+
+A queued run may take on later runs of its session (``join``: the controller coalesces a
+client's consecutive op-by-op runs into one dispatch); it then holds one window slot for
+all of them, is charged their summed cost, and its measured device time is shared out
+among their programs in proportion to their estimates.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ class Run:
     payload: Any = None
     id: int = -1  # numbered in submission order
     charged: float = 0.0
+    joined: list[Hashable] = field(default_factory=list)  # the programs of the runs it took on (join)
+    queued: bool = False  # submitted and not yet dispatched or cancelled
 
 
 @dataclass
@@ -93,7 +100,10 @@ class Scheduler:
 
     def remove_session(self, session: int) -> None:
         """Forget a session and its queued runs; its runs in flight finish as usual."""
-        self._sessions.pop(session, None)
+        s = self._sessions.pop(session, None)
+        for queue in s.queues.values() if s is not None else ():
+            for run in queue:
+                run.queued = False
 
     # ---- runs -----------------------------------------------------------------------
 
@@ -103,6 +113,7 @@ class Scheduler:
             # A session returning from idle starts at the present, not with banked credit.
             s.vtime = max(s.vtime, self._vclock)
         run.id = next(self._ids)
+        run.queued = True
         for key in _keys(run):
             s.queues.setdefault(key, deque()).append(run)
         s.waiting += 1
@@ -119,13 +130,29 @@ class Scheduler:
                     del s.queues[key]
             s.waiting -= 1
             s.inflight += 1
+            run.queued = False
             for island in run.islands:
                 self._island_load[island] = self._island_load.get(island, 0) + 1
-            run.charged = self._cost.get(run.program, DEFAULT_COST)
+            run.charged = self.estimate(run)
             self._vclock = s.vtime
             s.vtime += run.charged / s.weight
             self._inflight[run.id] = run
             yield run
+
+    def join(self, run: Run, program: Hashable) -> None:
+        """Have queued ``run`` take on a later run of its session, of ``program``: the two
+        are dispatched together, in one window slot (the caller sends them in order)."""
+        if not run.queued:
+            raise ValueError(f"run {run.id} is no longer queued: only a queued run takes on others")
+        run.joined.append(program)
+
+    def cost(self, program: Hashable) -> float:
+        """The expected device seconds of one run of ``program``."""
+        return self._cost.get(program, DEFAULT_COST)
+
+    def estimate(self, run: Run) -> float:
+        """The expected device seconds of ``run`` with the runs it took on."""
+        return self.cost(run.program) + sum(self.cost(p) for p in run.joined)
 
     def running(self, run_id: int) -> Run | None:
         """The dispatched, unfinished run ``run_id``, if any."""
@@ -140,13 +167,20 @@ class Scheduler:
             self._island_load[island] -= 1
         s = self._sessions.get(run.session)
         if device_seconds is not None:
-            self._cost[run.program] = device_seconds
+            if run.joined:
+                programs = (run.program, *run.joined)
+                estimates = [self.cost(p) for p in programs]
+                total = sum(estimates)
+                for program, estimate in zip(programs, estimates):
+                    self._cost[program] = device_seconds * estimate / total
+            else:
+                self._cost[run.program] = device_seconds
         if s is not None:
             s.inflight -= 1
             if device_seconds is not None:
                 s.vtime += (device_seconds - run.charged) / s.weight
                 s.device_seconds += device_seconds
-                s.completed += 1
+                s.completed += 1 + len(run.joined)
         return run
 
     def cancel(self, doomed: Callable[[Run], bool]) -> tuple[list[Run], list[Run]]:
@@ -161,6 +195,7 @@ class Scheduler:
             s.waiting = 0
             for r in waiting:
                 if doomed(r):
+                    r.queued = False
                     queued.append(r)
                     continue
                 for key in _keys(r):

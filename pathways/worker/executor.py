@@ -6,6 +6,9 @@ through the object store. A failed op poisons the registers it would have writte
 poison flows through everything downstream to whoever reads the result. A second thread
 waits for each run's results in order and reports the run done with the device time it
 took, which frees its slot in the controller's window and feeds the fair-share policy.
+While the executor has more work queued, reports are held back briefly (up to
+``REPORT_BATCH`` runs or ``REPORT_HOLD_SECONDS``) and go out together: a burst of small
+runs then costs the controller a message per few runs, not one per run.
 Runs of sequentially dispatched programs wait at each node's gate until the controller
 releases it, and report each node finished (the ``await`` and ``step`` ops).
 
@@ -55,6 +58,9 @@ _CALL1, _CALL = object(), object()
 # programs and functions (in order, so that every host of an island runs the runs queued
 # before it and their collectives meet).
 Work = Union[RunProgram, Delete, DropSession]
+
+REPORT_BATCH = 8  # done reports held back at most while more work is queued
+REPORT_HOLD_SECONDS = 0.002  # how long the first of them may wait for the others
 
 
 class Controls(Protocol):
@@ -169,33 +175,46 @@ class Executor:
 
     def _report_loop(self) -> None:
         """Wait for each run's results, in order, and report the device time each took.
-        Runs queued up while the thread was busy are reported together, in one message."""
+        Runs finished while the thread was busy are reported together, in one message;
+        while the executor has more work queued, reports wait a little for the next ones."""
         busy_until = 0.0
-        stopping = False
-        while not stopping:
-            batch = [self._finished.get()]
-            while True:
+        reports: list[tuple[int, float]] = []
+        held_since = 0.0
+        while True:
+            if reports:
+                left = held_since + REPORT_HOLD_SECONDS - time.perf_counter()
                 try:
-                    batch.append(self._finished.get_nowait())
+                    item = self._finished.get(timeout=left) if left > 0 else self._finished.get_nowait()
                 except queue.Empty:
-                    break
-            if None in batch:
-                stopping = True
-                batch = batch[:batch.index(None)]
-            reports = []
-            for run_id, started, results in batch:
+                    item = ()
+            else:
+                item = self._finished.get()
+            if item is None:
+                break
+            if item:
+                run_id, started, results = item
                 try:
                     jax.block_until_ready(results)
                 except Exception:  # the failure reaches readers through the results themselves
                     pass
                 finished = time.perf_counter()
+                if not reports:
+                    held_since = finished
                 reports.append((run_id, finished - max(started, busy_until)))
                 busy_until = finished
-            if reports:
-                self._controls.done(reports)
-            if self._traced:
-                for run_id, _, _ in batch:
-                    self._traced_done(run_id)
+                if finished < held_since + REPORT_HOLD_SECONDS and (
+                        not self._finished.empty() or (len(reports) < REPORT_BATCH and not self._queue.empty())):
+                    continue  # more runs finished, or follow at once: report them together
+            self._report(reports)
+            reports = []
+        if reports:
+            self._report(reports)
+
+    def _report(self, reports: list[tuple[int, float]]) -> None:
+        self._controls.done(reports)
+        if self._traced:
+            for run_id, _ in reports:
+                self._traced_done(run_id)
 
     def _keep_peers_company(self, future: Any, key: int) -> None:
         """Run a multi-host function on zeros when this host's inputs are poisoned: the other
