@@ -42,6 +42,8 @@ class Specialization:
     out_shardings: tuple[NamedSharding, ...]
     out_tree: Any
     single: "ProgramSpec"  # the one-node program used for op-by-op calls
+    mesh: VirtualMesh
+    body: Callable  # the jitted function that was exported (fusion calls it inside a larger one)
 
 
 @dataclass(frozen=True)
@@ -111,10 +113,10 @@ class CompiledFunction:
         in_sh = [JaxNamedSharding(abstract, s) for s in in_specs]
         out_sh = [JaxNamedSharding(abstract, s) for s in out_specs]
         args = [jax.ShapeDtypeStruct(shape, dtype, sharding=s) for (shape, dtype), s in zip(avals, in_sh)]
+        body = jax.jit(fun, in_shardings=in_sh, out_shardings=out_sh)
         try:
             # For the slice's device kind, not this client's: a CPU-only client compiles for GPU workers.
-            exported = jax.export.export(jax.jit(fun, in_shardings=in_sh, out_shardings=out_sh),
-                                         platforms=export_platforms(self.slice.kind))(*args)
+            exported = jax.export.export(body, platforms=export_platforms(self.slice.kind))(*args)
         except Exception as e:
             raise SignatureError(f"{self.name} could not be compiled for arguments "
                                  f"{_describe(avals, paths)}: {type(e).__name__}: {e}") from e
@@ -134,7 +136,7 @@ class CompiledFunction:
                                   {n_in + i: s for i, s in enumerate(out_shardings)})
         return Specialization(fn_id, self.name, self.slice, in_layouts,
                               tuple(NamedSharding(mesh, s) for s in in_specs),
-                              tuple(out_avals), out_shardings, out_tree, single)
+                              tuple(out_avals), out_shardings, out_tree, single, mesh, body)
 
     def _pmap_body(self, treedef: Any, avals: list[Aval]) -> tuple[Callable, Any, list[Aval]]:
         fun, axis, mesh = self.fun, self._pmap_axis, self.mesh
