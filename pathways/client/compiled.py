@@ -9,7 +9,7 @@ op by op or from inside a ``@pw.program``.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -54,6 +54,7 @@ class ProgramSpec:
     graph: ProgramGraph
     value_avals: dict[int, Aval]
     value_shardings: dict[int, NamedSharding]
+    origins: dict[int, str] = field(default_factory=dict)  # output value -> the fused node computing it
 
 
 class CompiledFunction:
@@ -184,10 +185,11 @@ def value_types(avals: Sequence[Aval]) -> tuple[tuple[str, tuple[int, ...]], ...
 
 
 def register_program(session: Any, graph: ProgramGraph, value_avals: dict[int, Aval],
-                     value_shardings: dict[int, NamedSharding], dispatch: str = "parallel") -> ProgramSpec:
+                     value_shardings: dict[int, NamedSharding], dispatch: str = "parallel",
+                     origins: Optional[dict[int, str]] = None) -> ProgramSpec:
     program_id = session.allocate(1)
     session.send(m.DefineProgram(program_id, graph, dispatch))
-    return ProgramSpec(program_id, graph, value_avals, value_shardings)
+    return ProgramSpec(program_id, graph, value_avals, value_shardings, origins or {})
 
 
 def _eval_shape(name: str, fun: Callable, args: list, avals: list[Aval]) -> Any:
@@ -300,7 +302,10 @@ def run(session: Any, spec: ProgramSpec, inputs: Sequence[Array]) -> list[Array]
             continue
         sharding = spec.value_shardings[v]
         shape, dtype = spec.value_avals[v]
-        outs.append(Array(_Buffer(session, base + v, sharding.mesh.slice.addresses), shape, dtype, sharding))
+        out = Array(_Buffer(session, base + v, sharding.mesh.slice.addresses), shape, dtype, sharding)
+        if v in spec.origins:
+            out._origin = spec.origins[v]
+        outs.append(out)
     return outs
 
 

@@ -24,15 +24,22 @@ from pathways.protocol import messages as m
 
 
 def fuse_graph(session: Any, graph: ProgramGraph, specs: Mapping[int, Specialization],
-         avals: Mapping[int, Aval], program: str) -> ProgramGraph:
+               avals: Mapping[int, Aval], program: str) -> tuple[ProgramGraph, dict[int, str]]:
     """``graph`` with every fusible group of nodes replaced by one node of a new function,
-    defined on the cluster. ``specs`` maps each function of the graph to its specialization
-    and ``avals`` each value to its (shape, dtype); ``program`` names errors."""
+    defined on the cluster, and the name of the fused node computing each value a group
+    hands on. ``specs`` maps each function of the graph to its specialization and
+    ``avals`` each value to its (shape, dtype); ``program`` names errors."""
     keys = {fn: (s.slice.id, s.mesh.shape, s.mesh.axis_names) for fn, s in specs.items()}
     grouped = fusion.groups(graph, keys)
-    fns = [graph.nodes[g.nodes[0]].fn if len(g.nodes) == 1 else _define(session, graph, g, specs, avals, program)
-           for g in grouped]
-    return fusion.fused(graph, grouped, fns)
+    fns, origins = [], {}
+    for g in grouped:
+        if len(g.nodes) == 1:
+            fns.append(graph.nodes[g.nodes[0]].fn)
+            continue
+        fn, name = _define(session, graph, g, specs, avals, program)
+        fns.append(fn)
+        origins.update(dict.fromkeys(g.outs, name))
+    return fusion.fused(graph, grouped, fns), origins
 
 
 def describe(names: list[str], limit: int = 512) -> str:
@@ -44,7 +51,7 @@ def describe(names: list[str], limit: int = 512) -> str:
 
 
 def _define(session: Any, graph: ProgramGraph, group: fusion.Group, specs: Mapping[int, Specialization],
-            avals: Mapping[int, Aval], program: str) -> int:
+            avals: Mapping[int, Aval], program: str) -> tuple[int, str]:
     members = [graph.nodes[i] for i in group.nodes]
     first = specs[members[0].fn]
     in_shardings: dict[int, Any] = {}
@@ -79,4 +86,4 @@ def _define(session: Any, graph: ProgramGraph, group: fusion.Group, specs: Mappi
     session.send(m.DefineFunction(fn_id, first.slice.id, name, bytes(exported.serialize()),
                                   tuple(in_shardings[v].layout() for v in group.ins),
                                   tuple(out_shardings[v].layout() for v in group.outs)))
-    return fn_id
+    return fn_id, name

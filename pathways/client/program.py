@@ -194,9 +194,10 @@ class Program:
                                     "passed to a compiled function; drop them from the signature")
         graph = ProgramGraph(trace.nvalues, tuple(trace.inputs), tuple(trace.nodes), tuple(outputs),
                              value_types([trace.avals[v] for v in range(trace.nvalues)]))
+        origins: dict[int, str] = {}
         if self.fuse:
-            graph = fuse_graph(session, graph, trace.specs, trace.avals, self.__name__)
-        spec = register_program(session, graph, trace.avals, trace.shardings, self.dispatch)
+            graph, origins = fuse_graph(session, graph, trace.specs, trace.avals, self.__name__)
+        spec = register_program(session, graph, trace.avals, trace.shardings, self.dispatch, origins)
         return _Traced(spec, out_tree, tuple(arg_values), trace.captured, trace.placement, trace.shardings)
 
 
