@@ -21,7 +21,7 @@ def rate_ok(s):
 def check_dispatch(d):
     assert d["hosts"] == [1, 2]
     for h in ("1", "2"):
-        assert set(d["rates"][h]) == {"JAX-O", "JAX-F", "PW-O", "PW-C", "PW-F"}
+        assert set(d["rates"][h]) == {"JAX-O", "JAX-F", "PW-O", "PW-C", "PW-C fused", "PW-F"}
         assert all(rate_ok(s) for s in d["rates"][h].values())
 
 

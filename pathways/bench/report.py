@@ -72,6 +72,7 @@ LEGEND = {
     "JAX-F": "multi-controller JAX, the computations fused in one jitted loop",
     "PW-O": "pathways op by op: every call its own submission from the client",
     "PW-C": "pathways, a @pw.program chaining the calls: one submission per chain",
+    "PW-C fused": "the PW-C program traced with fuse=True: its chained calls compiled into one executable",
     "PW-F": "pathways running the fused function",
 }
 

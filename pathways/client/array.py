@@ -42,6 +42,7 @@ class Array:
     """A sharded array on the cluster. ``np.asarray(a)`` fetches its value."""
 
     __array_priority__ = 100
+    _origin = ""  # what computed it, when its errors must name it (a fused node)
 
     def __init__(self, buffer: _Buffer, shape: tuple[int, ...], dtype: np.dtype, sharding: NamedSharding) -> None:
         self._buffer = buffer
@@ -79,18 +80,28 @@ class Array:
         """Wait until computed; raises RemoteError if its computation failed."""
         b = self._live()
         wait = b.session.timeout if timeout is None else timeout
-        if b.session.fetch(b.addresses, b.handle, wait, data=False) is None:
+        if self._fetch(b, wait, False) is None:
             raise DeadlineExceededError(f"{self._describe()} was not ready after {wait:.0f} s")
         return self
 
     def to_numpy(self, timeout: Optional[float] = None) -> np.ndarray:
         b = self._live()
         wait = b.session.timeout if timeout is None else timeout
-        value = b.session.fetch(b.addresses, b.handle, wait, data=True)
+        value = self._fetch(b, wait, True)
         if value is None:
             raise DeadlineExceededError(f"{self._describe()} was not ready after {wait:.0f} s; "
                                         "pass a longer timeout or check the cluster")
         return value
+
+    def _fetch(self, b: _Buffer, wait: float, data: bool) -> Any:
+        try:
+            return b.session.fetch(b.addresses, b.handle, wait, data=data)
+        except RemoteError as e:
+            if not self._origin or self._origin in str(e):
+                raise
+            # The worker names the array; a failure inside a fused executable may surface
+            # only where its result is read, so name the nodes that computed it.
+            raise type(e)(f"{e} (it was computed by {self._origin})") from None
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         value = self.to_numpy()

@@ -9,7 +9,7 @@ op by op or from inside a ``@pw.program``.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -43,6 +43,8 @@ class Specialization:
     out_shardings: tuple[NamedSharding, ...]
     out_tree: Any
     single: "ProgramSpec"  # the one-node program used for op-by-op calls
+    mesh: VirtualMesh
+    body: Callable  # the jitted function that was exported (fusion calls it inside a larger one)
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class ProgramSpec:
     graph: ProgramGraph
     value_avals: dict[int, Aval]
     value_shardings: dict[int, NamedSharding]
+    origins: dict[int, str] = field(default_factory=dict)  # output value -> the fused node computing it
 
 
 class CompiledFunction:
@@ -112,10 +115,10 @@ class CompiledFunction:
         in_sh = [JaxNamedSharding(abstract, s) for s in in_specs]
         out_sh = [JaxNamedSharding(abstract, s) for s in out_specs]
         args = [jax.ShapeDtypeStruct(shape, dtype, sharding=s) for (shape, dtype), s in zip(avals, in_sh)]
+        body = jax.jit(fun, in_shardings=in_sh, out_shardings=out_sh)
         try:
             # For the slice's device kind, not this client's: a CPU-only client compiles for GPU workers.
-            exported = jax.export.export(jax.jit(fun, in_shardings=in_sh, out_shardings=out_sh),
-                                         platforms=export_platforms(self.slice.kind))(*args)
+            exported = jax.export.export(body, platforms=export_platforms(self.slice.kind))(*args)
         except Exception as e:
             raise SignatureError(f"{self.name} could not be compiled for arguments "
                                  f"{_describe(avals, paths)}: {type(e).__name__}: {e}") from e
@@ -135,7 +138,7 @@ class CompiledFunction:
                                   {n_in + i: s for i, s in enumerate(out_shardings)})
         return Specialization(fn_id, self.name, self.slice, in_layouts,
                               tuple(NamedSharding(mesh, s) for s in in_specs),
-                              tuple(out_avals), out_shardings, out_tree, single)
+                              tuple(out_avals), out_shardings, out_tree, single, mesh, body)
 
     def _pmap_body(self, treedef: Any, avals: list[Aval]) -> tuple[Callable, Any, list[Aval]]:
         fun, axis, mesh = self.fun, self._pmap_axis, self.mesh
@@ -183,10 +186,11 @@ def value_types(avals: Sequence[Aval]) -> tuple[tuple[str, tuple[int, ...]], ...
 
 
 def register_program(session: Any, graph: ProgramGraph, value_avals: dict[int, Aval],
-                     value_shardings: dict[int, NamedSharding], dispatch: str = "parallel") -> ProgramSpec:
+                     value_shardings: dict[int, NamedSharding], dispatch: str = "parallel",
+                     origins: Optional[dict[int, str]] = None) -> ProgramSpec:
     program_id = session.allocate(1)
     session.send(m.DefineProgram(program_id, graph, dispatch))
-    return ProgramSpec(program_id, graph, value_avals, value_shardings)
+    return ProgramSpec(program_id, graph, value_avals, value_shardings, origins or {})
 
 
 def _eval_shape(name: str, fun: Callable, args: list, avals: list[Aval]) -> Any:
@@ -302,7 +306,10 @@ def run(session: Any, spec: ProgramSpec, inputs: Sequence[Array]) -> list[Array]
             continue
         sharding = spec.value_shardings[v]
         shape, dtype = spec.value_avals[v]
-        outs.append(Array(_Buffer(session, base + v, sharding.mesh.slice.addresses), shape, dtype, sharding))
+        out = Array(_Buffer(session, base + v, sharding.mesh.slice.addresses), shape, dtype, sharding)
+        if v in spec.origins:
+            out._origin = spec.origins[v]
+        outs.append(out)
     if traced:
         session.recorder.span("submit", began, base, f"program {spec.program_id:#x}")
         session.recordings.watch(outs)

@@ -15,9 +15,10 @@ import numpy as np
 
 from pathways.client import api
 from pathways.client.array import Array
-from pathways.client.compiled import (Aval, CompiledFunction, ProgramSpec, arg_avals, arg_paths,
-                                      register_program, run, value_types)
+from pathways.client.compiled import (Aval, CompiledFunction, ProgramSpec, Specialization, arg_avals,
+                                      arg_paths, register_program, run, value_types)
 from pathways.client.devices import NamedSharding
+from pathways.client.fusion import fuse_graph
 from pathways.client.tracing import current_trace, tracing
 from pathways.errors import ProgramTraceError
 from pathways.ir import DISPATCH_MODES, Layout, Node, ProgramGraph
@@ -65,6 +66,7 @@ class _Trace:
     shardings: dict[int, NamedSharding] = field(default_factory=dict)
     placement: dict[int, Layout] = field(default_factory=dict)  # input -> first consumer's layout
     captured: dict[int, Array] = field(default_factory=dict)  # value -> array closed over
+    specs: dict[int, Specialization] = field(default_factory=dict)  # function id -> its specialization
 
     def new_value(self, aval: Aval) -> int:
         v = self.nvalues
@@ -96,6 +98,7 @@ class _Trace:
         leaves, treedef = jax.tree.flatten(args)
         values = [self.value_of(leaf, p, fn.name) for leaf, p in zip(leaves, arg_paths(args))]
         spec = fn.specialize(treedef, [self.avals[v] for v in values], args)
+        self.specs[spec.fn_id] = spec
         for v, layout in zip(values, spec.in_layouts):
             if v in self.inputs:
                 self.placement.setdefault(v, layout)
@@ -122,13 +125,17 @@ class _Traced:
 class Program:
     """A traced multi-computation program; calling it submits one run to the controller."""
 
-    def __init__(self, fun: Callable, dispatch: str = "parallel") -> None:
+    def __init__(self, fun: Callable, dispatch: str = "parallel", fuse: bool = False) -> None:
         if dispatch not in DISPATCH_MODES:
             raise ValueError(f"dispatch={dispatch!r}: choose 'parallel' (every node is sent to its "
                              "workers at once) or 'sequential' (a node is sent once its predecessors "
                              "have finished; a baseline for comparison)")
+        if not isinstance(fuse, bool):
+            raise ValueError(f"fuse={fuse!r}: pass True to compile consecutive nodes of a slice into one "
+                             "executable, or False (the default) for one executable per node")
         self.fun = fun
         self.dispatch = dispatch
+        self.fuse = fuse
         self.__name__ = getattr(fun, "__name__", "program")
         self.__doc__ = getattr(fun, "__doc__", None)
         self._cache: dict[tuple, _Traced] = {}
@@ -191,18 +198,25 @@ class Program:
                                     "passed to a compiled function; drop them from the signature")
         graph = ProgramGraph(trace.nvalues, tuple(trace.inputs), tuple(trace.nodes), tuple(outputs),
                              value_types([trace.avals[v] for v in range(trace.nvalues)]))
-        spec = register_program(session, graph, trace.avals, trace.shardings, self.dispatch)
+        origins: dict[int, str] = {}
+        if self.fuse:
+            graph, origins = fuse_graph(session, graph, trace.specs, trace.avals, self.__name__)
+        spec = register_program(session, graph, trace.avals, trace.shardings, self.dispatch, origins)
         return _Traced(spec, out_tree, tuple(arg_values), trace.captured, trace.placement, trace.shardings)
 
 
-def program(fun: Optional[Callable] = None, *, dispatch: str = "parallel") -> Any:
-    """Decorator: ``@pw.program`` or ``pw.program(fun, dispatch="parallel" | "sequential")``.
+def program(fun: Optional[Callable] = None, *, dispatch: str = "parallel", fuse: bool = False) -> Any:
+    """Decorator: ``@pw.program`` or ``pw.program(fun, dispatch="parallel" | "sequential", fuse=False)``.
 
     ``parallel`` (the default) sends every node of a run to its workers in one step; a node
     waits on its workers only for its input data. ``sequential`` sends a node only after
     all the nodes it reads from have finished, a controller round trip per node: the
     baseline that shows what parallel dispatch saves.
+
+    ``fuse=True`` compiles consecutive nodes of one slice (and mesh), joined by values that
+    nothing else reads (no program output, no node on another slice), into one executable:
+    fewer nodes to dispatch and execute, the same results.
     """
     if fun is None:
-        return lambda f: Program(f, dispatch)
-    return Program(fun, dispatch)
+        return lambda f: Program(f, dispatch, fuse)
+    return Program(fun, dispatch, fuse)

@@ -24,7 +24,10 @@ def status(core: Any) -> dict[str, Any]:
         "workers": [_worker(w, rm.hosts.get(w.worker)) for w in workers.values()],
         "links": [{"src": src, "dst": dst, "latency": latency, "bandwidth": bandwidth}
                   for (src, dst), (latency, bandwidth) in sorted(core.membership.links.items())],
+        # "nodes": over every program the session defined (a fused program defines fewer)
         "sessions": [{"session": sid, "slices": len(s.slices), "arrays": len(s.handles.live),
+                      "programs": len(s.programs.graphs),
+                      "nodes": sum(len(g.nodes) for g in s.programs.graphs.values()),
                       **scheduler.session_stats(sid)} for sid, s in core.sessions.items()],
         "slices": len(rm.slices),
         "arrays": sum(len(s.handles.live) for s in core.sessions.values()),

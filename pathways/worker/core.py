@@ -492,7 +492,10 @@ class _DeviceArrays:
 
 
 def local_pieces(value: Any) -> tuple[Any, tuple[int, ...], list]:
-    """The distinct shards of ``value`` this host holds, as (index, numpy array)."""
+    """The distinct shards of ``value`` this host holds, as (index, numpy array). Raises the
+    error of a computation that failed after it was dispatched (reading such an array's
+    buffer would abort the process)."""
+    value.block_until_ready()
     shape = tuple(value.shape)
     if value.is_fully_addressable and len(value.sharding.device_set) == 1:
         return value.dtype, shape, [(codec.full_index(shape), np.asarray(value))]
