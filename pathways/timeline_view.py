@@ -73,20 +73,30 @@ def _number(value: Any, path: str) -> float:
         raise TimelineFileError(f"{path}: an event's ts or dur is not a number: {str(value)[:100]}") from None
 
 
-def summary(spans: list[Span]) -> str:
-    """Per step name (and the kind of process it ran in): count, total and median time."""
+def steps(spans: list[Span]) -> list[tuple[str, str, int, float, float]]:
+    """Per step name and the kind of process it ran in (client, controller, worker): the
+    count, total us and median us of its spans, the costliest first."""
     groups: dict[tuple[str, str], list[float]] = {}
     for s in spans:
         groups.setdefault((s.process.split()[0], s.name), []).append(s.dur_us)
-    runs = {s.run for s in spans if s.run}
+    return [(where, name, len(durs), sum(durs), statistics.median(durs))
+            for (where, name), durs in sorted(groups.items(), key=lambda kv: (-sum(kv[1]), kv[0]))]
+
+
+def extent_us(spans: list[Span]) -> float:
+    """Microseconds from the first span's start to the last one's end."""
     first = min((s.start_us for s in spans), default=0.0)
-    last = max((s.start_us + s.dur_us for s in spans), default=0.0)
+    return max((s.start_us + s.dur_us for s in spans), default=0.0) - first
+
+
+def summary(spans: list[Span]) -> str:
+    """Per step name (and the kind of process it ran in): count, total and median time."""
+    runs = {s.run for s in spans if s.run}
     lines = [f"{len(spans)} spans of {len(runs)} run(s) on {len({s.process for s in spans})} process(es), "
-             f"{(last - first) / 1000:.3f} ms from first to last",
+             f"{extent_us(spans) / 1000:.3f} ms from first to last",
              f"{'where':<11} {'step':<18} {'count':>7} {'total ms':>10} {'median us':>10}"]
-    for (where, name), durs in sorted(groups.items(), key=lambda kv: (-sum(kv[1]), kv[0])):
-        lines.append(f"{where:<11} {name:<18} {len(durs):>7} {sum(durs) / 1000:>10.3f} "
-                     f"{statistics.median(durs):>10.1f}")
+    for where, name, count, total, median in steps(spans):
+        lines.append(f"{where:<11} {name:<18} {count:>7} {total / 1000:>10.3f} {median:>10.1f}")
     return "\n".join(lines)
 
 

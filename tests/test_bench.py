@@ -40,6 +40,10 @@ def check_pipeline(d):
     assert all(rate_ok(d["rates"][n][m]) for n in ("1", "2") for m in ("parallel", "sequential"))
     assert list(d["overhead"]) == ["128-node chain, 1 host", "2-stage pipeline"]
     assert all(rate_ok(r[m]) for r in d["overhead"].values() for m in ("untraced", "traced"))
+    hops = d["hops"]
+    assert hops["stages"] == 2 and rate_ok(hops["hop_us"]) and rate_ok(hops["raw_us"])
+    steps = {(where, name) for where, name, *_ in hops["steps"]}
+    assert {("client", "submit"), ("controller", "dispatch"), ("worker", "execute")} <= steps, steps
 
 
 def check_transfer(d):

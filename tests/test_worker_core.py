@@ -373,3 +373,42 @@ def test_arrays_received_again_with_a_known_layout_equal_the_first_and_keep_jaxs
             assert got.dtype == jax.dtypes.canonicalize_dtype(dtype) and got.aval == first.aval
             np.testing.assert_array_equal(np.asarray(got), want.astype(got.dtype))
             np.testing.assert_array_equal(np.asarray(got + 1), want.astype(got.dtype) + 1)
+
+
+def test_a_run_on_the_lean_path_switches_to_the_careful_one_at_a_poisoned_input_and_back(core, up):
+    """Once its executables have compiled, a program runs on resolved calls; an input that
+    arrives poisoned hands the rest of that run to the careful loop, which passes the
+    poison on to the outputs, and the next run is lean again."""
+    g = first_handle(SESSION) + 2
+    core.on_batch(m.encode_batch([
+        m.Compile(FN, "double", export(lambda x: 2 * x), (LAYOUT,), (LAYOUT,)),
+        m.Compile(g, "plus_one", export(lambda x: x + 1), (LAYOUT,), (LAYOUT,)),
+        # out = 2 * x + 1
+        m.Define(KEY, SESSION, 3, 0, ([int(Op.IN), 0, True], [int(Op.EXEC), FN, [0], [1]],
+                                      [int(Op.EXEC), g, [1], [2]], [int(Op.OUT), 2])),
+    ]))
+    x = first_handle(SESSION) + 100
+    put(core, x, np.arange(3, dtype=np.float32))
+
+    def result(run_id, arg):
+        base = first_handle(SESSION) + 1000 * run_id
+        run(core, run_id, base, arg)
+        return fetch(core, base + 2)
+
+    header, value = result(1, x)  # the first run waits for the compiles on the careful loop
+    np.testing.assert_array_equal(value, [1.0, 3.0, 5.0])
+    header, value = result(2, x)
+    np.testing.assert_array_equal(value, [1.0, 3.0, 5.0])
+    assert core.executor._programs[KEY].lean is not None, "the second run resolved the program for the lean loop"
+    bad = first_handle(SESSION) + 300
+    core.on_batch(m.encode_batch([m.Poisoned((bad,), "WorkerLostError", "host 3 of the island was lost")]))
+    header, _ = result(3, bad)
+    assert header == {"state": "error", "kind": "WorkerLostError", "message": "host 3 of the island was lost"}
+    header, value = result(4, x)
+    np.testing.assert_array_equal(value, [1.0, 3.0, 5.0])
+    done = [r for d in up.wait_for(m.Done) for r, _ in d.runs]
+    deadline = time.monotonic() + 30
+    while len(done) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+        done = [r for d in up if type(d) is m.Done for r, _ in d.runs]
+    assert done == [1, 2, 3, 4], "every run, poisoned or not, is reported done, in order"

@@ -71,6 +71,7 @@ class Session:
         self.traced = False
         self.recorder = Recorder()
         self.recordings = Recordings(self)
+        self._process_recording = None  # PATHWAYS_TRACE's, once the controller has welcomed this session
         self._channel = rpc.open_channel(address, self.security)
         try:
             rpc.wait_ready(self._channel, address, timeout, advice=_CONNECT_ADVICE, security=self.security)

@@ -16,7 +16,8 @@ A run takes the lean loop once every executable of its program has compiled: the
 resolved then, once per program, to direct calls of the executables on register indices,
 so a computation costs the executor no future, lock or generator. Until then, and from the
 first poisoned register of a run on, the run takes the careful loop, which waits for
-compiles and carries poison downstream.
+compiles and carries poison downstream. A traced run (``pw.trace``) takes the careful loop
+too: its probes record each step on the timeline, and the lean loop stays free of them.
 
 ``unsafe_local_order`` is a debugging switch that removes the gang order: the worker then
 interleaves the runs of different client sessions in an order of its own (random), as a

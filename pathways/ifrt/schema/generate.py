@@ -8,6 +8,8 @@ module names recorded in each file are rewritten to that package. The output dep
 
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -33,21 +35,25 @@ def proto_files() -> list[str]:
     return sorted(p.relative_to(SCHEMA_DIR).as_posix() for p in SCHEMA_DIR.rglob("*.proto"))
 
 
-def _protoc():
-    try:
-        from importlib.metadata import version
+def _grpc_tools() -> Path:
+    """The installed grpc_tools package's directory, checked to be GRPC_TOOLS_VERSION. Not
+    imported here: protoc runs in a child process (see generate)."""
+    from importlib.metadata import PackageNotFoundError, version
+    from importlib.util import find_spec
 
-        import grpc_tools
-        from grpc_tools import protoc
-    except ImportError as e:
+    try:
+        found = version("grpcio-tools")
+        spec = find_spec("grpc_tools")
+    except PackageNotFoundError as e:
+        spec, found = None, str(e)
+    if spec is None or spec.origin is None:
         raise GrpcToolsMismatch(
-            f"grpcio-tools is not installed ({e}): pip install grpcio-tools=={GRPC_TOOLS_VERSION}") from e
-    found = version("grpcio-tools")
+            f"grpcio-tools is not installed ({found}): pip install grpcio-tools=={GRPC_TOOLS_VERSION}")
     if found != GRPC_TOOLS_VERSION:
         raise GrpcToolsMismatch(
             f"grpcio-tools {found} is installed; the modules are generated with {GRPC_TOOLS_VERSION} "
             f"(protobuf 6.31.1 gencode): pip install grpcio-tools=={GRPC_TOOLS_VERSION}")
-    return protoc, Path(grpc_tools.__file__).parent / "_proto"
+    return Path(spec.origin).parent
 
 
 def rewrite(source: str) -> str:
@@ -60,11 +66,16 @@ def generate(out_dir: Path) -> list[Path]:
     """Write the complete ``pathways.ifrt.proto`` package into the empty ``out_dir``; returns its
     files (modules and ``__init__.py``s), sorted. Raises GrpcToolsMismatch without grpcio-tools
     GRPC_TOOLS_VERSION, RuntimeError when protoc rejects the schema."""
-    protoc, well_known = _protoc()
+    well_known = _grpc_tools() / "_proto"
     with tempfile.TemporaryDirectory() as raw:
-        args = ["grpc_tools.protoc", f"-I{SCHEMA_DIR}", f"-I{well_known}", f"--python_out={raw}"]
-        if protoc.main(args + proto_files()) != 0:
-            raise RuntimeError(f"protoc rejected the schema in {SCHEMA_DIR}; its messages are above")
+        # In a child process: grpc_tools' compiler extension carries its own protobuf library,
+        # which can crash a process that has already loaded jaxlib's and grpc's.
+        args = [sys.executable, "-m", "grpc_tools.protoc", f"-I{SCHEMA_DIR}", f"-I{well_known}",
+                f"--python_out={raw}"]
+        done = subprocess.run(args + proto_files(), capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"protoc rejected the schema in {SCHEMA_DIR} (exit {done.returncode}): "
+                               f"{done.stderr.strip()[-2000:]}")
         written = []
         for src in sorted(Path(raw).rglob("*_pb2.py")):
             dst = out_dir / src.relative_to(raw)
