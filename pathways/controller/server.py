@@ -390,7 +390,6 @@ async def _serve(policy: str, window: int, host: str, port: int, security: Secur
         ifrt_host, _ = split_host_port(ifrt_bind)
         _, ifrt_port = split_host_port(ifrt.address)
         lines.append(f"{IFRT_LINE} grpc://{join_host_port(reachable_host(ifrt_host), ifrt_port)}")
-    print("\n".join(lines), flush=True)  # one write: a reader of the address line finds the IFRT one too
     stopping: asyncio.Future = asyncio.get_running_loop().create_future()
 
     def on_signal(signum: int) -> None:
@@ -398,8 +397,9 @@ async def _serve(policy: str, window: int, host: str, port: int, security: Secur
             stopping.set_result(signum)
 
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in (signal.SIGINT, signal.SIGTERM):  # before the address goes out: its reader may stop us at once
         loop.add_signal_handler(signum, on_signal, signum)
+    print("\n".join(lines), flush=True)  # one write: a reader of the address line finds the IFRT one too
     try:
         log.info("controller stopping on signal %d", await stopping)
     finally:
