@@ -237,14 +237,19 @@ The timeline of one 16-stage step (`python examples/trace_pipeline.py OUT.json -
 open the JSON at ui.perfetto.dev), before and after the lean dispatch path:
 [before](docs/timeline-pipeline-before.png) ([JSON](docs/timeline-pipeline-before.json)),
 [after](docs/timeline-pipeline-after.png) ([JSON](docs/timeline-pipeline-after.json)).
-In both, a stage is a worker waiting for its input, receiving it and storing it, one tiny
-execute, and the send to the next stage: the data plane's receive and the wake-ups between
-processes, not the controller, which has released every node of the step before the first
-one runs. On this machine 16 workers, the controller and the client share 2 cores, so a
-hop mostly waits for a core: the same receive costs 37 us in isolation. A sequential stage
-adds a done report to the controller and a release back, two more cross-process hops, which
-is why parallel/sequential stays near 2x rather than growing with the stage count; with a
-core per worker the control round trip would be two to three times a transfer.
+The controller has released every node of a step before the first one runs (its steps
+above take tens of microseconds, once per step), so a stage is all worker: waiting for its
+input, the data-plane thread receiving and storing it (`receive data`), one tiny `execute`
+and the `send` to the next stage. Those three take about a third of a hop; the rest is the
+hand-offs between threads and processes (data-plane thread to executor, executor to send
+pool, sender to the next host's socket), each a wake-up of a Python thread on 2 cores
+shared by 16 workers, the controller and the client. The raw TCP round trip is two
+processes doing nothing else. What would close the gap: a core per worker (each wake-up
+then finds its core free), and the executor reading the transfer it waits for itself
+instead of being woken by the data-plane thread. A sequential stage adds a done report to
+the controller and a release back, two more cross-process hops of the same kind, which is
+why parallel/sequential stays between 1.5x and 2.3x rather than growing with the stage
+count.
 """
 
 

@@ -318,8 +318,18 @@ def summary(data: dict) -> list[str]:
 
 def notes(data: dict) -> str:
     return """
-Small arrays are dominated by the fixed cost of a run. At 256 MiB, per-transfer timestamps
-show either the raw socket's rate or transfers 5-9x slower, stuck in the socket copy while
+Small arrays are dominated by the fixed cost of a run. Timestamps inside that run (see
+docs/performance-notes.md, "Shorter hops") split it: with source and consumer on the same
+worker (no transfer at all) a run already costs 1.2-2.8 ms, of which the client's
+`block_until_ready` on the computed output (a gRPC `Fetch` to the worker) is 0.6-1.1 ms and
+the submission through the controller 0.2-0.3 ms; the worker-to-worker transfer adds
+0.5-1.1 ms, of which the data plane's own put and ack is about 0.1 ms across namespaces.
+The raw round trip is one `sendall` and one `recv` between two idle processes. Closing the
+5x gap needs the result fetch and the submission-to-dispatch path made one message each on
+warm connections (the fetch alone is several round trips' worth of gRPC and Python on each
+side), not a faster data plane.
+
+At 256 MiB, per-transfer timestamps show either the raw socket's rate or transfers 5-9x slower, stuck in the socket copy while
 the receiver faults in fresh memory for the array; runs vary with it.
 """
 
