@@ -118,11 +118,12 @@ class Dispatcher:
             if run is None:
                 continue
             d: Dispatch = run.payload
-            began = now()
             due = d.waiting.get(conn.worker)
             if due is None:
                 continue
-            part = d.parts[-due]  # a worker reports the runs of a group in their order
+            # a worker reports the runs of a group in their order: this is the due-th from the end
+            part = d.joined[-due] if due <= len(d.joined) else d
+            began = now() if part.traced else 0
             if due > 1:
                 d.waiting[conn.worker] = due - 1
             else:
