@@ -100,6 +100,9 @@ def _main(argv: list[str] | None) -> int:
     worker.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT, metavar="S",
                         help="seconds the controller may send nothing (not even a heartbeat) before this "
                              "worker gives it up and exits; also how long a data-plane peer may stall")
+    worker.add_argument("--reconnect-timeout", type=float, default=60.0, metavar="S",
+                        help="when the controller goes away, restart and attach again once it is back, trying for "
+                             "S seconds (0: exit at once); the controller's arrays and sessions are gone either way")
     worker.add_argument("--join-timeout", type=float, default=300.0,
                         help="seconds to wait for the island's rank 0 host to register, and then for every "
                              "host of the island to join its jax.distributed group")
@@ -211,7 +214,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: lis
             parser.error("--island needs a name, e.g. --island 0 or --island rack-a")
         worker_main(args.controller, devices, IslandMembership(island, launch.hosts, launch.rank),
                     args.wait_timeout, args.connect_timeout, args.join_timeout, args.bind, args.advertise,
-                    args.unsafe_local_order, security.from_args(args), args.heartbeat_timeout)
+                    args.unsafe_local_order, security.from_args(args), args.heartbeat_timeout,
+                    args.reconnect_timeout)
     elif args.command == "up":
         from pathways.cluster import LocalCluster
         try:
@@ -355,7 +359,10 @@ def _status(address: str | None, measure: bool = False, timeout: float | None = 
           f"window {st['window']} run(s) per island")
     for i in st["islands"]:
         name = i["name"] if i["name"] == str(i["island"]) else f"{i['name']} (id {i['island']})"
-        if not i["healthy"]:
+        if i.get("healing"):
+            state = (f"HEALING ({i['hosts']} of {i['expected_hosts']} hosts joined again; "
+                     f"{i.get('lost') or 'a host was lost'})")
+        elif not i["healthy"]:
             state = f"UNHEALTHY ({i.get('lost') or 'a host was lost'})"
         elif i["assembling"]:
             state = f"assembling ({i['hosts']} of {i['expected_hosts']} hosts joined; it takes slices once all have)"

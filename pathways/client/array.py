@@ -18,13 +18,19 @@ from pathways.errors import ArrayDeletedError, DeadlineExceededError, RemoteErro
 class _Buffer:
     """Owns one handle; its finalizer releases the handle on the workers."""
 
-    __slots__ = ("session", "handle", "addresses", "deleted", "__weakref__")
+    __slots__ = ("session", "handle", "slice", "deleted", "__weakref__")
 
-    def __init__(self, session: Any, handle: int, addresses: tuple[str, ...]) -> None:
+    def __init__(self, session: Any, handle: int, slice: Any) -> None:
         self.session = session
         self.handle = handle
-        self.addresses = addresses  # every host holding a part of the array
+        self.slice = slice  # a client Slice: its hosts hold the array's parts
         self.deleted = False
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """Every host holding a part of the array, where they are now (a slice moves when
+        its island heals or its session resumes elsewhere)."""
+        return self.slice.addresses
 
     def delete(self) -> None:
         if not self.deleted:

@@ -306,7 +306,7 @@ def run(session: Any, spec: ProgramSpec, inputs: Sequence[Array]) -> list[Array]
             continue
         sharding = spec.value_shardings[v]
         shape, dtype = spec.value_avals[v]
-        out = Array(_Buffer(session, base + v, sharding.mesh.slice.addresses), shape, dtype, sharding)
+        out = Array(_Buffer(session, base + v, sharding.mesh.slice), shape, dtype, sharding)
         if v in spec.origins:
             out._origin = spec.origins[v]
         outs.append(out)

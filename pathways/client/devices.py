@@ -40,6 +40,7 @@ class VirtualDeviceSet:
         s = Slice(self._session, reply.slice, kind, count, reply.mesh_shape, reply.island,
                   reply.workers, reply.addresses, tuple(zip(flat[::2], flat[1::2])))
         self.slices.append(s)
+        self._session.slices[s.id] = s
         return s
 
 
@@ -56,6 +57,13 @@ class Slice:
         self.workers = workers  # the hosts holding the slice (several for a multi-host slice)
         self.addresses = addresses
         self._physical = physical
+
+    def move(self, workers: tuple[int, ...], addresses: tuple[str, ...], island: int,
+             physical: tuple[tuple[int, int], ...]) -> None:
+        """The controller placed this slice anew (messages.SliceMoved): its island healed,
+        or its session resumed elsewhere. Arrays and functions on it follow, since they
+        look the slice's hosts up when they use them."""
+        self.workers, self.addresses, self.island, self._physical = workers, addresses, island, physical
 
     @property
     def devices(self) -> "VirtualDevices":

@@ -17,6 +17,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable, Iterator, Optional
@@ -86,6 +87,8 @@ class Session:
         self._dead: Optional[str] = None
         self._dead_error: type[errors.ConnectError] = errors.ConnectError
         self._workers: dict[str, tuple[Any, Any, grpc.Channel]] = {}
+        # the client Slice objects by id, so that SliceMoved updates them in place
+        self.slices: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._fetches: dict[int, set] = {}  # handle -> its fetch calls in flight, cancelled on bad news
         self._fetches_lock = threading.Lock()
         self._closed = threading.Event()
@@ -224,6 +227,10 @@ class Session:
         kind = type(msg)
         if kind is m.SessionWelcome:
             self._welcome.set_result(msg)
+        elif kind is m.SliceMoved:
+            moved = self.slices.get(msg.slice)
+            if moved is not None:
+                moved.move(msg.workers, msg.addresses, msg.island, tuple(zip(msg.devices[::2], msg.devices[1::2])))
         elif kind is m.Poisoned:
             error = type(error_of(msg.kind, "", errors.RemoteError))
             for h in msg.handles:
@@ -275,9 +282,8 @@ class Session:
         """A new pw.Array of host ``value``, sent to the workers of ``sharding``'s slice
         laid out by ``layout``; the array can be used at once."""
         handle = self.allocate(1)
-        addresses = sharding.mesh.slice.addresses
-        self.put(addresses, handle, layout, value)
-        return Array(_Buffer(self, handle, addresses), value.shape, value.dtype, sharding)
+        self.put(sharding.mesh.slice.addresses, handle, layout, value)
+        return Array(_Buffer(self, handle, sharding.mesh.slice), value.shape, value.dtype, sharding)
 
     def put(self, addresses: tuple[str, ...], handle: int, layout: Layout, array: np.ndarray) -> None:
         """Send ``array`` straight to the workers holding ``layout`` (not through the
@@ -313,8 +319,15 @@ class Session:
                 self.poisoned[handle] = (error, f"the worker at {address} refused the array: {reply['error']}")
         except grpc.RpcError as e:
             refused = rpc.refusal(e, address)
-            self.poisoned[handle] = ((errors.AuthenticationError, str(refused)) if refused is not None else
-                                     (errors.RemoteError, f"sending the array to {address} failed: {e.code().name}"))
+            if refused is not None:
+                self.poisoned[handle] = (errors.AuthenticationError, str(refused))
+            elif e.code() == grpc.StatusCode.UNAVAILABLE:  # the host is gone (its island heals, or not)
+                self.poisoned[handle] = (errors.WorkerLostError, f"the worker at {address} is unreachable, so the "
+                                         "array never reached it: it was lost. `python -m pathways status` shows "
+                                         "which islands are healthy")
+            else:
+                self.poisoned[handle] = (errors.RemoteError, f"sending the array to {address} failed: "
+                                         f"{e.code().name}")
 
     def fetch(self, addresses: tuple[str, ...], handle: int, wait: float, data: bool) -> Optional[np.ndarray | bool]:
         """Ask the workers holding ``handle`` for it: None while pending after ``wait``

@@ -74,6 +74,8 @@ class ControllerCore:
             self.on_worker_message(conn, msg)
 
     def on_worker_message(self, conn: WorkerConn, msg: Union[m.Message, m.Malformed]) -> None:
+        if conn.retired:  # a host of a lost island, told to restart: its id may already be a newcomer's
+            return
         kind = type(msg)
         if kind is m.Done:
             self.dispatcher.done(conn, msg.runs)
@@ -86,6 +88,9 @@ class ControllerCore:
                 # older than the newest it heard of as closed (worker/sessions.py)
                 for sid in sorted(self.sessions):
                     conn.outbox.put(m.SessionOpen(sid, m.digest(self.sessions[sid].credential)))
+                island = self.membership.islands.by_id[conn.island]
+                if island.healing and island.assembled:
+                    self._healed(island.id)
         elif kind is m.Measured:
             self.membership.measured(conn, msg)
         elif kind is m.Compiled:
@@ -99,12 +104,14 @@ class ControllerCore:
 
     def worker_lost(self, conn: WorkerConn, silent_for: float | None = None) -> None:
         """A worker's stream ended: its connection closed, or (``silent_for`` seconds) the
-        worker stopped answering and the shell dropped it. Its island is unhealthy from now
-        on (whether it had assembled or not): a multi-host group cannot run without one of
-        its hosts, so every run, array and future that involves any host of the island fails
-        with WorkerLostError naming the worker, and the surviving hosts of the island are
-        told to exit. Other islands keep serving."""
-        if conn.worker not in self.workers:
+        worker stopped answering and the shell dropped it. Its island is unhealthy until it
+        heals (whether it had assembled or not): a multi-host group cannot run without one
+        of its hosts, so every run, array and future that involves any host of the island
+        fails with WorkerLostError naming the worker, and the surviving hosts of the island
+        are told to restart and join it again (a fresh jax.distributed group needs fresh
+        processes), with whatever replaces the lost host (``_healed``). Other islands keep
+        serving."""
+        if conn.retired or self.workers.get(conn.worker) is not conn:
             return
         island = conn.island
         name = self.membership.islands.by_id[island].describe()
@@ -115,9 +122,10 @@ class ControllerCore:
         self.membership.lost.setdefault(island, lost_worker)
         lost = self.rm.lose_island(island) | {conn.worker}
         self.membership.lose_island(island)
-        message = (f"{lost_worker}; arrays and computations on island {name} are gone. Recreate them on a "
-                   "healthy island (`python -m pathways status` shows which are healthy), or start the "
-                   "island's hosts again: they form a new island")
+        message = (f"{lost_worker}; arrays and computations on island {name} are gone. The island heals once a "
+                   "host replaces the lost one (a worker started with the same --island; its other hosts rejoin "
+                   "on their own), and its slices and compiled functions then work again; meanwhile use a "
+                   "healthy island (`python -m pathways status` shows which are healthy)")
         queued, flying = self.scheduler.cancel(lambda r: bool(r.payload.lowered.workers & lost))
         for run in flying:
             self.dispatcher.release_all(run, lost)
@@ -138,8 +146,28 @@ class ControllerCore:
         for w in lost:
             survivor = self.membership.remove(w)
             if survivor is not None and survivor is not conn:
-                survivor.outbox.put(m.Shutdown(message))
+                survivor.outbox.put(m.Reset(message))
         self._pump()
+
+    def _healed(self, island: int) -> None:
+        """Every host of a lost island has joined again, as new processes under the worker
+        ids of the ranks they took: each session's slices there are valid again, at new
+        addresses (SliceMoved), and its functions there compile again on the new hosts."""
+        self.membership.islands.by_id[island].healing = False
+        self.membership.lost.pop(island, None)
+        hosts = {w for w, c in self.workers.items() if c.island == island}
+        log.info("island %s healed: worker(s) %s joined it again",
+                 self.membership.islands.by_id[island].describe(), sorted(hosts))
+        for s in self.sessions.values():
+            for slice_id in sorted(s.slices):
+                p = self.rm.slices.get(slice_id)
+                if p is not None and p.island == island:
+                    s.outbox.put(m.SliceMoved(slice_id, p.workers, tuple(self.workers[w].address for w in p.workers),
+                                              island, tuple(x for d in p.devices for x in d)))
+            for fn, compile_msg in s.programs.compiles.items():
+                if set(compile_msg.workers) <= hosts:
+                    for w in compile_msg.workers:
+                        self.workers[w].outbox.put(compile_msg)
 
     def measure(self, done: Callable[[], None]) -> int:
         return self.membership.measure(done)
@@ -225,6 +253,7 @@ class ControllerCore:
         s.programs.fns.pop(fn, None)
         s.programs.compiling.pop(fn, None)
         s.programs.failed.pop(fn, None)
+        s.programs.compiles.pop(fn, None)
         if msg.format == "xla":
             try:
                 self._xla_fn(fn, s, msg)
@@ -247,7 +276,7 @@ class ControllerCore:
         # a function of no arrays at all runs on the whole slice
         workers = tuple(w for w in placement.workers if rank_of[w] in ranks) or placement.workers
         s.programs.fns[fn] = FnLayouts(workers, msg.ins, msg.outs)
-        compile_msg = m.Compile(fn, msg.name, msg.blob, msg.ins, msg.outs, workers=workers)
+        compile_msg = s.programs.compiles[fn] = m.Compile(fn, msg.name, msg.blob, msg.ins, msg.outs, workers=workers)
         for w in workers:
             self.workers[w].outbox.put(compile_msg)
 
@@ -265,7 +294,8 @@ class ControllerCore:
         workers = tuple(w for w in placement.workers if rank_of[w] in ranks)
         reporter = next(w for w in workers if rank_of[w] == devices[0][0])
         s.programs.compiling[fn] = XlaCompile(msg.name, workers, reporter, devices)
-        compile_msg = m.Compile(fn, msg.name, msg.blob, (), (), "xla", msg.options, msg.devices, workers)
+        compile_msg = s.programs.compiles[fn] = m.Compile(fn, msg.name, msg.blob, (), (), "xla", msg.options,
+                                                          msg.devices, workers)
         for w in workers:
             self.workers[w].outbox.put(compile_msg)
 
@@ -275,7 +305,9 @@ class ControllerCore:
             raise WireError(f"slice {msg.slice} is not one of this session's slices")
         gone = self.membership.gone(placement.workers)
         if gone:
-            raise WireError(f"slice {msg.slice} lost its worker(s) {gone}; ask for a new slice")
+            raise WireError(f"slice {msg.slice} lost its worker(s) {gone}: its island is healing. Define the "
+                            "function again once `python -m pathways status` shows the island healthy, or ask "
+                            "for a slice on a healthy island")
         return placement
 
     def _ranks(self, placement: SlicePlacement) -> dict[int, int]:

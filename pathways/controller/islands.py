@@ -14,9 +14,13 @@ keeps slices off it.
 
 The controller's other parts keep integer island ids (slice requests, placement, the
 scheduler): a name that is a number gets that number as its id when it is free (local
-clusters name their islands 0, 1, ...), any other name the lowest free id. An island that
-lost a host is gone; its name may be used again, by hosts that then form a new island with
-a new id.
+clusters name their islands 0, 1, ...), any other name the lowest free id.
+
+An island that lost a host is *lost* until it heals: its surviving hosts restart and join
+again, and so does whatever replaces the lost host (a worker started with the island's
+name, by hand or by a supervisor); they assemble under the same id, and each rank gets the
+worker id its former holder had, so that the slices placed there stay valid (only the
+hosts' addresses change, see core.py).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class Island:
     members: dict[int, int] = field(default_factory=dict)  # rank -> worker
     coordinator: str = ""  # HOST:PORT rank 0 reserved, once rank 0 joined (islands of several hosts)
     lost: bool = False
+    former: dict[int, int] = field(default_factory=dict)  # rank -> worker id, kept from before a loss
+    healing: bool = False  # assembling again after a loss: once assembled, sessions' slices there follow
 
     @property
     def assembled(self) -> bool:
@@ -57,12 +63,13 @@ class Islands:
         self.by_id: dict[int, Island] = {}
         self._named: dict[str, int] = {}  # name -> id of the island the name stands for now
 
-    def join(self, worker: int, name: str, hosts: int, rank: Optional[int], coordinator: str,
-             who: str = "") -> tuple[Island, int, list[tuple[int, int]]]:
-        """Place ``worker`` in island ``name`` of ``hosts`` hosts, at ``rank`` (None: the
-        lowest free one). Returns the island, the rank, and the (worker, rank) pairs to
-        welcome now: everyone once rank 0 (whose coordinator they need) has joined. Raises
-        Refused. ``who`` describes the worker in messages (host, pid)."""
+    def join(self, fresh: int, name: str, hosts: int, rank: Optional[int], coordinator: str,
+             who: str = "") -> tuple[Island, int, int, list[tuple[int, int]]]:
+        """Place a worker in island ``name`` of ``hosts`` hosts, at ``rank`` (None: the
+        lowest free one), as worker ``fresh``, or as the worker that held the rank before
+        the island was lost. Returns the island, the worker id, the rank, and the (worker,
+        rank) pairs to welcome now: everyone once rank 0 (whose coordinator they need) has
+        joined. Raises Refused. ``who`` describes the worker in messages (host, pid)."""
         this = f"the worker{who}"
         if not name.strip():
             raise Refused(f"{this} names no island; start it with --island NAME")
@@ -90,20 +97,24 @@ class Islands:
                           f"(free: {free}), or leave --rank out to have ranks given in order of arrival")
         self._named[name] = island.id
         self.by_id[island.id] = island
+        if island.lost:  # the first host of a healing island
+            island.lost, island.healing, island.coordinator = False, True, ""
+        worker = island.former.pop(rank, fresh)
         island.members[rank] = worker
         if rank == 0:
             island.coordinator = coordinator
-            return island, rank, [(w, r) for r, w in sorted(island.members.items())]
-        return island, rank, [(worker, rank)] if 0 in island.members else []
+            return island, worker, rank, [(w, r) for r, w in sorted(island.members.items())]
+        return island, worker, rank, [(worker, rank)] if 0 in island.members else []
 
     def lose(self, island_id: int) -> None:
-        """A host of the island was lost: the island is gone (its hosts are told to stop)."""
+        """A host of the island was lost: the island is lost until its hosts join again
+        (its surviving hosts are told to restart and rejoin)."""
         island = self.by_id.get(island_id)
-        if island is not None:
-            island.lost = True
+        if island is not None and not island.lost:
+            island.lost, island.healing = True, False
+            island.former.update(island.members)
             island.members.clear()
-            if self._named.get(island.name) == island_id:
-                del self._named[island.name]
+            island.coordinator = ""
 
     def assembling(self) -> set[int]:
         return {i for i, island in self.by_id.items() if island.assembling}

@@ -3,8 +3,9 @@
 Workers register on their stream (framed TCP) and join their island (islands.py assigns
 ranks and the island's coordinator; a registration that does not fit is refused with a
 Shutdown that says what to fix), get an id and the data-plane address of every peer; the
-resource manager learns their devices, and keeps slices off islands still assembling. A lost worker takes its island with it
-(what that means for runs and arrays is the core's business, see core.py). Workers also
+resource manager learns their devices, and keeps slices off islands still assembling. A
+lost worker takes its island with it until the island heals (islands.py; what that means
+for runs, arrays and slices is the core's business, see core.py). Workers also
 report what they measured about themselves (FLOP/s, memory, their links to each other);
 ``measure`` asks them to measure again, one at a time, so that their probes and matmuls do
 not disturb each other's figures. Single-threaded; sends only through outboxes.
@@ -41,6 +42,7 @@ class WorkerConn:
     island: int = -1
     rank: int = -1
     defined: set[int] = field(default_factory=set)  # program keys sent to it
+    retired: bool = False  # its island was lost: whatever it still sends is stale (its id may be reused)
     heartbeat: float | None = None  # the silence, in seconds, after which the worker gives up on the controller
 
     def describe(self) -> str:
@@ -85,15 +87,16 @@ class Membership:
             conn.outbox.put(m.Shutdown(f"the controller already has {MAX_WORKERS} workers; start another "
                                        "controller for more"))
             return False
-        worker = self._next_worker
+        fresh = self._next_worker
         try:
-            island, rank, welcome = self.islands.join(worker, msg.island, msg.island_hosts, msg.rank,
-                                                      msg.coordinator, f" on {msg.host} (pid {msg.pid})")
+            island, worker, rank, welcome = self.islands.join(fresh, msg.island, msg.island_hosts, msg.rank,
+                                                              msg.coordinator, f" on {msg.host} (pid {msg.pid})")
         except Refused as e:
             log.warning("refused a worker at %s: %s", msg.address, e)
             conn.outbox.put(m.Shutdown(str(e)))
             return False
-        self._next_worker += 1
+        if worker == fresh:
+            self._next_worker += 1
         conn.worker, conn.info, conn.island, conn.rank = worker, msg, island.id, rank
         self.workers[worker] = conn
         self.rm.add_host(worker, island.id, msg.kind, msg.devices, msg.memory_bytes, rank)
@@ -122,6 +125,7 @@ class Membership:
         conn = self.workers.pop(worker, None)
         if conn is None:
             return None
+        conn.retired = True
         self.links = {pair: figures for pair, figures in self.links.items() if worker not in pair}
         for mid in list(self._measurements):
             self._measured_by(mid, worker)

@@ -5,7 +5,9 @@ hosts of one island (the same number of devices on each, hosts in rank order, so
 mesh's leading axis spans hosts). Slices may share devices; the manager puts each new
 slice on the least-loaded devices that fit, and ``exclusive`` slices get devices nobody
 else uses. Islands marked unhealthy (a host was lost) get no new slices, nor do islands
-still assembling (not all their hosts have joined).
+still assembling (not all their hosts have joined). Slices on an island that lost a host
+are kept: they are valid again once the island heals, since its hosts keep their worker
+ids (islands.py).
 
 Measured figures break the ties these rules leave: among hosts that are otherwise equal,
 the faster devices (measured FLOP/s per device; hosts within SPEED_TOLERANCE of each
@@ -70,7 +72,15 @@ class ResourceManager:
 
     def add_host(self, worker: int, island: int, kind: str, ndevices: int, memory_bytes: int,
                  rank: int = 0) -> None:
-        self.hosts[worker] = Host(worker, island, rank, kind, ndevices, memory_bytes)
+        host = self.hosts[worker] = Host(worker, island, rank, kind, ndevices, memory_bytes)
+        self.unhealthy.discard(island)  # a host joins an island that was lost: it heals (assembling until whole)
+        for placement in self.slices.values():  # slices placed there before the island was lost
+            if worker in placement.workers:
+                for r, d in placement.devices:
+                    if r == rank and d < ndevices:
+                        host.load[d] += 1
+                        if placement.exclusive:
+                            host.exclusive.add(d)
 
     def set_flops(self, worker: int, flops: float) -> None:
         """Record a host's measured FLOP/s (all its devices together)."""

@@ -16,6 +16,7 @@ from pathways.controller.lowering import FnLayouts, Lowered, lower
 from pathways.controller.handles import HandleTable
 from pathways.errors import PathwaysError, WireError
 from pathways.ir import Layout, ProgramGraph
+from pathways.protocol.messages import Compile
 from pathways.protocol.errors import LOST, REMOTE
 
 log = logging.getLogger("pathways.controller")
@@ -46,6 +47,7 @@ class SessionPrograms:
     fns: dict[int, FnLayouts] = field(default_factory=dict)
     compiling: dict[int, XlaCompile] = field(default_factory=dict)  # "xla" functions not compiled yet
     failed: dict[int, str] = field(default_factory=dict)  # "xla" functions that did not compile: why
+    compiles: dict[int, Compile] = field(default_factory=dict)  # what was sent: sent again where hosts restart
     graphs: dict[int, ProgramGraph] = field(default_factory=dict)
     sequential: set[int] = field(default_factory=set)  # programs dispatched node by node
     _lowered: dict[tuple, tuple[int, Lowered]] = field(default_factory=dict)

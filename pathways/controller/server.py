@@ -191,6 +191,9 @@ class ControllerServer:
         self._stopping = True
         if self._attach_server is not None:
             self._attach_server.close()
+        stopped = m.Shutdown("the controller stopped")  # workers exit, rather than wait for it to come back
+        for conn in self.core.workers.values():
+            conn.outbox.put(stopped)
         streams = list(self._streams)
         for task in streams:
             task.cancel()

@@ -1,4 +1,4 @@
-"""The cluster's status as the controller sees it: islands (assembling, healthy or lost),
+"""The cluster's status as the controller sees it: islands (assembling, healthy, lost or healing),
 workers with their measured figures, links, sessions and totals. A pure function of the
 core's parts."""
 
@@ -15,9 +15,10 @@ def status(core: Any) -> dict[str, Any]:
         "policy": scheduler.policy,
         "window": scheduler.window,
         # per island: "hosts" joined of "expected_hosts"; "assembling" until all have joined
-        # "lost": which host was lost and how, once the island is unhealthy
-        "islands": [{"island": i, "name": isl.name, "healthy": not isl.lost, "lost": core.membership.lost.get(i),
-                     "assembling": isl.assembling, "hosts": len(isl.members), "expected_hosts": isl.hosts,
+        # "lost": which host was lost and how, while the island is unhealthy; "healing": its
+        # hosts are joining again after the loss (they have joined once "healthy" again)
+        "islands": [{"island": i, "name": isl.name, "healthy": not (isl.lost or isl.healing),
+                     "lost": core.membership.lost.get(i), "healing": isl.healing, "assembling": isl.assembling, "hosts": len(isl.members), "expected_hosts": isl.hosts,
                      "devices": sum(w.info.devices for w in workers.values() if w.island == i),
                      "queued": scheduler.queued(i), "inflight": scheduler.inflight(i)}
                     for i, isl in sorted(islands.items())],

@@ -26,7 +26,7 @@ from pathways.timeline import MAX_DETAIL, MAX_EVENTS
 from pathways.timeline import MAX_NAME as MAX_SPAN_NAME
 from pathways.wire.codec import MAX_MESSAGE_BYTES, is_wire_dtype_name, pack, unpack
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 # How a function's blob is to be compiled: a jax.export artifact (its layouts given by the
 # client), or a StableHLO portable artifact with xla CompileOptions (layouts reported back
 # by the worker that compiles it, in ``Compiled``).
@@ -299,6 +299,19 @@ class SliceReply(Message):
     mesh_shape: tuple[int, ...] = wire(Seq(Int(1, 1 << 24), max_len=16))
 
 
+@message("moved")
+class SliceMoved(Message):
+    """Slice ``slice`` of the session now lives on these hosts (SliceReply's fields): its
+    island healed with new processes, or the session resumed elsewhere. The client's
+    slice, and every array and function on it, follow."""
+
+    slice: int = wire(Int(0, MAX_HANDLE))
+    workers: tuple[int, ...] = wire(WORKERS)
+    addresses: tuple[str, ...] = wire(Seq(NAME))
+    island: int = wire(Int(0, MAX_ISLAND))
+    devices: tuple[int, ...] = wire(Seq(Int(0, MAX_ITEMS)))
+
+
 @message("cluster")
 class ClusterReply(Message):
     req: int = wire(REQ)
@@ -534,6 +547,16 @@ class SessionOpen(Message):
 
 @message("shutdown")
 class Shutdown(Message):
+    """Stop: the registration was refused, or the controller stopped. The worker exits."""
+
+    reason: str = wire(TEXT)
+
+
+@message("reset")
+class Reset(Message):
+    """The worker's island lost a host: restart in place (same command line) and join the
+    island again, in a fresh jax.distributed group with the hosts that replace the lost one."""
+
     reason: str = wire(TEXT)
 
 
@@ -623,11 +646,11 @@ class Timeline(Message):
 SESSION_UP = Table("session (client to controller)", Hello, SliceRequest, ClusterRequest, DefineFunction,
                    DefineProgram, Run, PutNotice, Delete, CollectTimeline)
 SESSION_DOWN = Table("session (controller to client)", SessionWelcome, SliceReply, ClusterReply, Poisoned, Error,
-                     Compiled, Timeline)
+                     Compiled, Timeline, SliceMoved)
 WORKER_UP = Table("attach (worker to controller)", Register, Done, Step, Notice, Measured,
                   Heartbeat, Compiled)
 WORKER_DOWN = Table("attach (controller to worker)", WorkerWelcome, Peers, Compile, Define, RunProgram, Delete,
-                    DropSession, Poisoned, Shutdown, Go, Measure, Notice, SessionOpen, Heartbeat)
+                    DropSession, Poisoned, Shutdown, Go, Measure, Notice, SessionOpen, Heartbeat, Reset)
 MEASURE = Table("measure request", MeasureRequest)
 FETCH = Table("fetch request", FetchRequest)
 TIMELINE = Table("timeline request", TimelineFetch)

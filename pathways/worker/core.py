@@ -39,7 +39,7 @@ from pathways.protocol.errors import POISON_KINDS, REMOTE
 from pathways.protocol.handles import MAX_HANDLE, session_of
 from pathways.protocol.messages import (CREDENTIAL, Compile, Define, Delete, Done, DropSession, FetchRequest, Go,
                                         Heartbeat, Malformed, Measure, Message, Notice, Peers, Poisoned,
-                                        RunProgram, SessionOpen, Shutdown, Step, Timeline, TimelineFetch,
+                                        RunProgram, Reset, SessionOpen, Shutdown, Step, Timeline, TimelineFetch,
                                         WorkerWelcome, WORKER_DOWN)
 from pathways.protocol.ops import LAYOUT, MAX_SENDERS
 from pathways.timeline import RECORDER, now
@@ -75,14 +75,16 @@ class _Put(NamedTuple):
 class WorkerCore:
     """One worker's state and behaviour. ``up`` takes each message for the controller (an
     outbox's ``put``); ``on_shutdown`` is called when the controller says to stop, and
-    ``on_heartbeat(timeout)`` when its heartbeat says how long it tolerates silence.
+    ``on_heartbeat(timeout)`` when its heartbeat says how long it tolerates silence, and
+    ``on_reset`` (default: ``on_shutdown``) when it says to restart and rejoin the island.
     ``peer_timeout`` (default ``wait_timeout``) bounds how long a data-plane peer may stall
     a connection or a send before it is given up."""
 
     def __init__(self, up: Callable[[Message], None], wait_timeout: float, sync_collectives: bool = False,
                  unsafe_local_order: bool = False, on_shutdown: Callable[[], None] = lambda: None,
                  security: Security | None = None, peer_timeout: float | None = None,
-                 on_heartbeat: Callable[[float], None] = lambda timeout: None) -> None:
+                 on_heartbeat: Callable[[float], None] = lambda timeout: None,
+                 on_reset: Optional[Callable[[], None]] = None) -> None:
         if not (math.isfinite(wait_timeout) and wait_timeout > 0):
             raise ValueError(f"wait_timeout must be a finite number of seconds above 0, got {wait_timeout!r}")
         self.up = up
@@ -97,6 +99,7 @@ class WorkerCore:
         self.executor = Executor(self.store, self.executables, self, wait_timeout, sync_collectives,
                                  unsafe_local_order)
         self._on_shutdown = on_shutdown
+        self._on_reset = on_reset or on_shutdown
         self._on_heartbeat = on_heartbeat
         self._put_shardings: dict[str, Any] = {}
         self._device_arrays = _DeviceArrays()
@@ -198,6 +201,9 @@ class WorkerCore:
         elif kind is Shutdown:
             log.warning("the controller shut this worker down: %s", msg.reason)
             self._on_shutdown()
+        elif kind is Reset:
+            log.warning("this worker restarts to join its island again: %s", msg.reason)
+            self._on_reset()
         elif kind is Heartbeat:
             self._on_heartbeat(msg.timeout)
         elif kind is Notice:

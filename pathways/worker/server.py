@@ -21,10 +21,12 @@ process with its reason), configure JAX and join the island's jax.distributed gr
 only then build the core. What the controller sends meanwhile is kept and handed to the
 core in order; callers of the gRPC methods and the data plane wait for the core.
 
-When the controller's stream ends, or the controller says the island is lost, or the
-controller sends nothing (not even a heartbeat) for the heartbeat timeout, the worker exits:
-a worker without a controller or island has no work. It sends the controller a heartbeat
-whenever nothing else went out for a while (wire/liveness.py), from the moment it attaches.
+When the controller says the island lost a host, the worker restarts in place (``main``)
+and joins the island again; when the controller's stream ends, or the controller sends
+nothing (not even a heartbeat) for the heartbeat timeout, it restarts and attaches again
+once the controller is back (``--reconnect-timeout``); when the controller says to stop, it
+exits. It sends the controller a heartbeat whenever nothing else went out for a while
+(wire/liveness.py), from the moment it attaches.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ import signal
 import socket
 import sys
 import threading
-from typing import TYPE_CHECKING, Callable, Iterator, Optional
+import time
+from typing import TYPE_CHECKING, Callable, Iterator, NoReturn, Optional
 
 import grpc
 import trio
@@ -47,7 +50,7 @@ from pathways.defaults import HEARTBEAT_TIMEOUT
 from pathways.errors import AccessDeniedError, ConnectError, WireError
 from pathways.platforms import Devices
 from pathways.protocol.messages import (FETCH, MAX_MESSAGE_BYTES, TIMELINE, WORKER_DOWN, Heartbeat, Register,
-                                        Shutdown, WorkerWelcome)
+                                        Reset, Shutdown, WorkerWelcome)
 from pathways.wire import codec, frames, rpc, tcp
 from pathways.wire.addresses import join_host_port, split_host_port
 from pathways.wire.liveness import Heartbeats, check_timeout
@@ -59,6 +62,15 @@ if TYPE_CHECKING:  # imported when needed: the core takes JAX's devices, which e
     from pathways.worker.core import WorkerCore
 
 log = logging.getLogger("pathways.worker")
+
+RESTART = "restart"  # the island lost a host: restart now and rejoin it
+RECONNECT = "reconnect"  # the controller went away: restart and attach again once it is back
+RECONNECT_TIMEOUT = 60.0
+# Set by a worker that restarts to reconnect: the wall-clock time (seconds since the epoch)
+# until which the new process waits for the controller to come back.
+RECONNECT_UNTIL_ENV = "PATHWAYS_RECONNECT_UNTIL"
+_RECONNECT_FIRST_PAUSE = 0.2
+_RECONNECT_MAX_PAUSE = 2.0
 
 __all__ = ["IslandMembership", "WorkerService", "main"]
 
@@ -175,6 +187,7 @@ class Joining:
         self._on_heartbeat = on_heartbeat
         self.welcome: Optional[WorkerWelcome] = None
         self.shutdown: Optional[str] = None  # the controller's reason, if it refused or stopped this worker
+        self.reset: Optional[str] = None  # the controller's reason, if it told this worker to restart and rejoin
 
     def on_batch(self, payload: bytes) -> None:
         with self._lock:
@@ -198,6 +211,9 @@ class Joining:
             elif type(msg) is Shutdown and self.shutdown is None:
                 self.shutdown = msg.reason
                 self._on_shutdown()
+            elif type(msg) is Reset and self.reset is None:
+                self.reset = msg.reason
+                self._on_shutdown()
             elif type(msg) is Heartbeat:
                 self._on_heartbeat(msg.timeout)
 
@@ -212,14 +228,21 @@ class Joining:
 def main(controller: str, devices: Devices, island: IslandMembership, wait_timeout: float, connect_timeout: float,
          join_timeout: float = 300.0, bind: Optional[str] = None, advertise: Optional[str] = None,
          unsafe_local_order: bool = False, security: Security | None = None,
-         heartbeat_timeout: float = HEARTBEAT_TIMEOUT) -> None:
-    """Serve until the controller goes away: attach to ``controller``, join ``island``
+         heartbeat_timeout: float = HEARTBEAT_TIMEOUT, reconnect_timeout: float = RECONNECT_TIMEOUT) -> None:
+    """Serve until the controller stops it: attach to ``controller``, join ``island``
     (JAX serves ``devices``, and joins the island's jax.distributed group when it
     has several hosts, waiting up to ``join_timeout`` seconds for the other hosts). Servers
     listen on ``bind`` and are advertised at ``advertise`` (defaults: island.py
     ``worker_hosts``). A refusal by the controller exits with its reason. ``security``: the
-    token and TLS of every connection (wire/security.py). The worker exits when the controller
-    stays silent for ``heartbeat_timeout`` seconds."""
+    token and TLS of every connection (wire/security.py).
+
+    The process restarts itself in place (``restart``: the same pid and command line, a
+    fresh image) when its island lost a host, to join the island's next jax.distributed
+    group, and when the controller goes away (its stream ends, or it stays silent for
+    ``heartbeat_timeout`` seconds), to attach again once it is back: the new process tries
+    for ``reconnect_timeout`` seconds, then exits. A fresh process because JAX cannot leave a
+    jax.distributed group and join another in-process (the CPU client keeps the old group's
+    collectives), and because a controller that restarted knows nothing of the old state."""
     security = security or Security()
     if security.serves_tls != security.uses_tls:
         raise SecurityConfigError("a worker uses TLS with --tls-cert and --tls-key (clients and peers reach its "
@@ -240,8 +263,23 @@ def main(controller: str, devices: Devices, island: IslandMembership, wait_timeo
     except OSError as e:
         raise SystemExit(f"error: no route to the controller at {controller} ({e}); check the address, or pass "
                          "--advertise HOST (the address other hosts reach this one at)") from None
-    error = trio.run(_serve, controller, devices, island, bind_host, advertise_host, wait_timeout, connect_timeout,
-                     join_timeout, unsafe_local_order, security, heartbeat_timeout)
+    if not (math.isfinite(reconnect_timeout) and reconnect_timeout >= 0):
+        raise SystemExit(f"--reconnect-timeout must be a finite number of seconds, 0 or more, got {reconnect_timeout!r}")
+    reconnecting = os.environ.pop(RECONNECT_UNTIL_ENV, None)
+    if reconnecting is not None:
+        error = _wait_for_controller(controller, reconnecting, connect_timeout, security)
+        if error:
+            raise SystemExit(f"error: {error}")
+    error, again = trio.run(_serve, controller, devices, island, bind_host, advertise_host, wait_timeout,
+                            connect_timeout, join_timeout, unsafe_local_order, security, heartbeat_timeout)
+    if again == RECONNECT and reconnect_timeout > 0:
+        log.warning("the controller at %s went away; this worker restarts and attaches again once it is back "
+                    "(for up to %g s, --reconnect-timeout)", controller, reconnect_timeout)
+        restart({RECONNECT_UNTIL_ENV: repr(time.time() + reconnect_timeout)})
+    elif again == RESTART:
+        restart({})
+    elif again == RECONNECT:
+        error = error or f"the controller at {controller} went away (--reconnect-timeout 0: no reconnecting)"
     if island.hosts > 1:
         # jax.distributed's exit handler waits at a barrier for every host of the island,
         # which never comes when one of them is lost.
@@ -251,6 +289,42 @@ def main(controller: str, devices: Devices, island: IslandMembership, wait_timeo
         os._exit(1 if error else 0)
     if error:
         raise SystemExit(f"error: {error}")
+
+
+def restart(env: dict[str, str]) -> NoReturn:
+    """Replace this process's image with a fresh run of the same command line (same pid:
+    whatever supervises it sees it keep running), with ``env`` added to the environment."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.environ.update(env)
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+
+
+def _wait_for_controller(controller: str, until: str, connect_timeout: float, security: Security) -> Optional[str]:
+    """In a worker that restarted because its controller went away: wait until the
+    controller at ``controller`` answers again, trying with back-off until wall-clock time
+    ``until`` (RECONNECT_UNTIL_ENV); returns why not, or None."""
+    try:
+        deadline = float(until)
+    except ValueError:
+        return f"{RECONNECT_UNTIL_ENV}={until!r} is not a time; unset it"
+    pause = _RECONNECT_FIRST_PAUSE
+    while True:
+        left = deadline - time.time()
+        channel = rpc.open_channel(controller, security)  # a fresh one: no gRPC back-off carried over
+        try:
+            rpc.wait_ready(channel, controller, max(0.1, min(left, connect_timeout)), security=security)
+            log.info("the controller at %s answers again; attaching", controller)
+            return None
+        except ConnectError as e:
+            if time.time() + pause > deadline:
+                return (f"the controller at {controller} did not come back within the reconnect timeout "
+                        f"(--reconnect-timeout): {e}")
+        finally:
+            channel.close()
+        time.sleep(pause)
+        pause = min(pause * 2, _RECONNECT_MAX_PAUSE)
 
 
 def _attach(channel: grpc.Channel, controller: str, timeout: float, security: Security) -> socket.socket:
@@ -287,9 +361,11 @@ async def _first(*events: trio.Event) -> None:
 
 async def _serve(controller: str, devices: Devices, island: IslandMembership, bind: str, advertise: str,
                  wait_timeout: float, connect_timeout: float, join_timeout: float,
-                 unsafe_local_order: bool, security: Security, heartbeat_timeout: float) -> Optional[str]:
+                 unsafe_local_order: bool, security: Security,
+                 heartbeat_timeout: float) -> tuple[Optional[str], Optional[str]]:
     """Run the worker until its controller or a signal stops it; returns why it could not
-    run, or None."""
+    run (or None), and whether to restart: RESTART (the controller said so: the island
+    lost a host), RECONNECT (the controller went away), or None (stop)."""
     token = trio.lowlevel.current_trio_token()
     ended, welcomed = trio.Event(), trio.Event()
 
@@ -341,13 +417,21 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
         sock.settimeout(heartbeat_timeout)
         _start_stream(sock, outbox, joining.on_batch, end, beats, controller)
 
+        told: list[str] = []  # what the controller told the running core: "shutdown" or "reset"
+
+        def told_to(what: str) -> Callable[[], None]:
+            def note() -> None:
+                told.append(what)
+                end()
+            return note
+
         async def run() -> Optional[str]:
             nonlocal core
             error = await _join(island, devices, bind, advertise, join_timeout, joining, welcomed, ended, reservation)
             if error:
                 return error
-            core = await _start_core(devices, island, wait_timeout, unsafe_local_order, outbox, end, ended, security,
-                                     heartbeat_timeout, beats.learn)
+            core = await _start_core(devices, island, wait_timeout, unsafe_local_order, outbox, told_to("shutdown"),
+                                     told_to("reset"), ended, security, heartbeat_timeout, beats.learn)
             if core is None:
                 return _stopped(joining, island)
             service.attach(core)
@@ -356,18 +440,27 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
             return None
 
         error: Optional[str] = None
+        signalled = False
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
                 async def stop_on_signal() -> None:
+                    nonlocal signalled
                     async for _ in signals:
+                        signalled = True
                         nursery.cancel_scope.cancel()
                 nursery.start_soon(stop_on_signal)
                 nursery.start_soon(_beat, beats, outbox, heartbeat_timeout)
                 error = await run()
                 nursery.cancel_scope.cancel()
-        return error
+        if signalled:
+            return None, None
+        if joining.reset is not None or "reset" in told:
+            return None, RESTART
+        if joining.shutdown is not None or "shutdown" in told or (error and not ended.is_set()):
+            return error, None
+        return error, RECONNECT  # the controller's stream ended, or it went silent
     except ConnectError as e:
-        return str(e)
+        return str(e), None
     finally:
         outbox.close()
         if sock is not None:
@@ -484,8 +577,8 @@ async def _join(island: IslandMembership, devices: Devices, bind: str, advertise
 
 
 async def _start_core(devices: Devices, island: IslandMembership, wait_timeout: float, unsafe_local_order: bool,
-                      outbox: rpc.Outbox, end: Callable[[], None], ended: trio.Event,
-                      security: Security, heartbeat_timeout: float,
+                      outbox: rpc.Outbox, on_shutdown: Callable[[], None], on_reset: Callable[[], None],
+                      ended: trio.Event, security: Security, heartbeat_timeout: float,
                       on_heartbeat: Callable[[float], None]) -> Optional["WorkerCore"]:
     """The worker's core (JAX's devices exist now); None if the stream ended first."""
     from pathways.worker.core import WorkerCore
@@ -499,8 +592,8 @@ async def _start_core(devices: Devices, island: IslandMembership, wait_timeout: 
 
     async def build() -> None:
         made.append(await trio.to_thread.run_sync(
-            lambda: WorkerCore(outbox.put, wait_timeout, sync, unsafe_local_order, end, security,
-                               peer_timeout=heartbeat_timeout, on_heartbeat=on_heartbeat),
+            lambda: WorkerCore(outbox.put, wait_timeout, sync, unsafe_local_order, on_shutdown, security,
+                               peer_timeout=heartbeat_timeout, on_heartbeat=on_heartbeat, on_reset=on_reset),
             abandon_on_cancel=True))
         done.set()
 

@@ -1,0 +1,139 @@
+"""Elastic islands: a lost host is replaced and its island heals, from the same client
+objects; the local supervisor restarts dead workers; a restarted controller is rejoined."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import pathways as pw
+from pathways.cluster import free_port, status, stop_processes
+from tests.conftest import pids_alive, read_line, wait_until
+
+
+def _island(address, island=0):
+    return next(i for i in status(address)["islands"] if i["island"] == island)
+
+
+def jax_psum(x):
+    import jax
+    return jax.lax.psum(x, "i")
+
+
+def _kill(address, island, rank):
+    w = next(w for w in status(address)["workers"] if w["island"] == island and w["rank"] == rank)
+    os.kill(w["pid"], signal.SIGKILL)
+    return w
+
+
+def test_a_killed_host_replaced_by_hand_heals_its_island_for_the_same_client_objects():
+    with pw.local_cluster(islands=[pw.Island(hosts=2)]) as c:
+        s = pw.make_virtual_device_set().add_slice(cpu_devices=2, island=0)
+        total = pw.pmap(lambda x: jax_psum(x) + 1.0, devices=s.devices, axis_name="i")
+        np.testing.assert_array_equal(np.asarray(total(np.array([1.0, 2.0], np.float32))), [4.0, 4.0])
+        kept = pw.device_put(np.array([5.0, 6.0], np.float32), s.devices)
+        kept.block_until_ready(timeout=60)
+        survivor = next(w for w in status(c.address)["workers"] if w["rank"] == 0)
+        lost = _kill(c.address, 0, 1)
+        with pytest.raises(pw.WorkerLostError):
+            np.asarray(kept)
+        wait_until(lambda: any(w["pid"] == survivor["pid"] for w in status(c.address)["workers"]),
+                   what="the surviving host to restart in place and join its island again")
+        assert _island(c.address)["healing"]
+        replacement = subprocess.Popen(
+            [sys.executable, "-m", "pathways", "worker", "--controller", c.address, "--platform", "cpu",
+             "--devices", "1", "--island", "0", "--island-hosts", "2", "--launcher", "none"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_until(lambda: _island(c.address)["healthy"], timeout=60, what="the island to heal")
+            workers = {w["rank"]: w for w in status(c.address)["workers"]}
+            assert workers[1]["pid"] == replacement.pid and workers[1]["worker"] == lost["worker"], \
+                "the replacement takes the lost host's rank and worker id"
+            assert s.addresses[1] == workers[1]["address"], "the client's slice follows the new host"
+            # the same slice and compiled function, a fresh input: the psum runs over the healed island
+            np.testing.assert_array_equal(np.asarray(total(np.array([3.0, 4.0], np.float32))), [8.0, 8.0])
+            x = pw.device_put(np.array([1.0, 1.0], np.float32), s.devices)
+            np.testing.assert_array_equal(np.asarray(total(x)), [3.0, 3.0])
+            with pytest.raises(pw.WorkerLostError):
+                np.asarray(kept)  # arrays that lived on the island stay lost
+        finally:
+            stop_processes([replacement])
+
+
+def test_the_local_supervisor_restarts_a_killed_worker_and_the_island_heals():
+    with pw.local_cluster(islands=[pw.Island(hosts=2), pw.Island(hosts=1)], restart_workers=True) as c:
+        s = pw.make_virtual_device_set().add_slice(cpu_devices=2, island=0)
+        total = pw.pmap(lambda x: jax_psum(x) + 1.0, devices=s.devices, axis_name="i")
+        np.testing.assert_array_equal(np.asarray(total(np.array([1.0, 2.0], np.float32))), [4.0, 4.0])
+        before = set(c.pids)
+        lost = _kill(c.address, 0, 0)  # rank 0 runs the island's coordinator
+        wait_until(lambda: _island(c.address)["healing"] or not _island(c.address)["healthy"],
+                   what="the loss to be seen")
+        wait_until(lambda: _island(c.address)["healthy"], timeout=60, what="the island to heal")
+        assert lost["pid"] not in c.pids and len(c.pids) == len(before), "the dead worker was replaced"
+        np.testing.assert_array_equal(np.asarray(total(np.array([3.0, 4.0], np.float32))), [8.0, 8.0])
+        pids = list(c.pids)
+    assert pids_alive(pids) == []
+
+
+def test_a_restarted_controller_is_rejoined_by_its_workers_and_old_clients_fail_fast():
+    port = free_port()
+    bind = f"127.0.0.1:{port}"
+    address = f"grpc://{bind}"
+    procs = []
+
+    def controller():
+        p = subprocess.Popen([sys.executable, "-m", "pathways", "controller", "--bind", bind],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        procs.append(p)
+        assert read_line(p).split()[-1] == address
+        return p
+
+    try:
+        first = controller()
+        workers = [subprocess.Popen([sys.executable, "-m", "pathways", "worker", "--controller", address,
+                                     "--platform", "cpu", "--island", "0", "--island-hosts", "2",
+                                     "--launcher", "none", "--reconnect-timeout", "60"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(2)]
+        procs.extend(workers)
+        wait_until(lambda: _island(address)["healthy"] if status(address)["islands"] else False, timeout=60,
+                   what="the island to assemble")
+        old = pw.connect(address)
+        try:
+            s = pw.make_virtual_device_set().add_slice(cpu_devices=2)
+            slow = pw.jit(lambda x: _slow(x), mesh=s.mesh("x"), in_shardings=pw.P("x"), out_shardings=pw.P("x"))
+            x = np.ones((512, 256), np.float32)
+            slow(x).block_until_ready(timeout=120)  # compiled and warm
+            pending = [slow(x) for _ in range(4)]  # a second or more each
+            first.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            for out in pending:
+                with pytest.raises(pw.ControllerLostError, match="restart it or call pw.connect"):
+                    out.block_until_ready(timeout=60)
+            assert time.monotonic() - killed < 10, "the old client's futures fail within seconds"
+        finally:
+            old.close()
+        first.wait(timeout=10)
+        controller()
+        wait_until(lambda: len(status(address)["workers"]) == 2 and _island(address)["healthy"], timeout=90,
+                   what="the workers to attach to the restarted controller")
+        assert pids_alive([w.pid for w in workers]) == [w.pid for w in workers], "the workers kept their processes"
+        new = pw.connect(address)
+        try:
+            t = pw.make_virtual_device_set().add_slice(cpu_devices=2)
+            total = pw.pmap(lambda x: jax_psum(x), devices=t.devices, axis_name="i")
+            np.testing.assert_array_equal(np.asarray(total(np.array([1.0, 2.0], np.float32))), [3.0, 3.0])
+        finally:
+            new.close()
+    finally:
+        stop_processes(procs)
+
+
+def _slow(x):
+    import jax
+    w = jax.numpy.eye(x.shape[-1], dtype=x.dtype) * 0.5
+    return jax.lax.fori_loop(0, 1000, lambda i, y: jax.numpy.tanh(y @ w) + y, x)
