@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -119,6 +120,8 @@ def _main(argv: list[str] | None) -> int:
     up.add_argument("--heartbeat-timeout", type=float, default=None, metavar="S",
                     help=f"seconds of silence after which controller and workers give each other up "
                          f"(default {HEARTBEAT_TIMEOUT:g})")
+    up.add_argument("--restart-workers", action="store_true",
+                    help="start a worker that dies again (with a back-off): its island heals")
     up.add_argument("--ifrt-port", type=int, default=None, metavar="PORT",
                     help="also serve unmodified JAX programs over the IFRT proxy protocol on this loopback "
                          "port (0: any free one): JAX_PLATFORMS=proxy JAX_BACKEND_TARGET=grpc://127.0.0.1:PORT")
@@ -221,7 +224,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: lis
         try:
             cluster = LocalCluster(_islands(parser, args), policy=args.policy, window=args.window,
                                    security=security.from_args(args), heartbeat_timeout=args.heartbeat_timeout,
-                                   ifrt_port=args.ifrt_port)
+                                   ifrt_port=args.ifrt_port, restart_workers=args.restart_workers,
+                                   restart_controller=True)
         except ValueError as e:
             parser.error(str(e))
         cluster.start()
@@ -232,11 +236,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: lis
         print("\n".join(lines), flush=True)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the cluster on SIGTERM too
         try:
-            while not cluster.controller_exited.wait(3600):
-                pass
-            print(f"pathways up: the controller exited with code {cluster.controller_code}; stopping the cluster",
-                  file=sys.stderr)
-            return 1
+            while True:  # the supervisor restarts the controller, and says so, should it die
+                time.sleep(3600)
         except KeyboardInterrupt:
             pass
         finally:

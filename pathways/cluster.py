@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("pathways.cluster")
 
 _GRACE_SECONDS = 3.0
+RESTART_FIRST_PAUSE = 0.5
+RESTART_MAX_PAUSE = 10.0
+RESTART_STABLE_SECONDS = 30.0  # a process that ran this long restarts after the first pause again
 PARENT_PID_ENV = "PATHWAYS_PARENT_PID"
 LOG_LEVEL_ENV = "PATHWAYS_LOG_LEVEL"
 # Workers' fd 1 goes to the client's stderr: C++ libraries (gloo) print notices on stdout,
@@ -84,12 +87,18 @@ class LocalCluster:
     """A controller and workers on this machine. ``security``: the token and TLS settings
     every process of the cluster (and this process, to reach it) is given; none by default.
     ``ifrt_port``: the controller also serves the IFRT proxy protocol on this loopback port
-    (0: any free one), at ``.ifrt_address`` (``grpc://127.0.0.1:PORT``); None: it does not."""
+    (0: any free one), at ``.ifrt_address`` (``grpc://127.0.0.1:PORT``); None: it does not.
+    ``restart_workers``: a worker that exits while the cluster runs is started again, after a
+    back-off (RESTART_FIRST_PAUSE, doubled for each restart of a process that ran less than
+    RESTART_STABLE_SECONDS, at most RESTART_MAX_PAUSE), and its island heals.
+    ``restart_controller``: so is the controller, on the same address; the workers attach to
+    it again on their own (``pathways worker --reconnect-timeout``)."""
 
     def __init__(self, islands: Sequence[Island], start_timeout: float = 120.0, policy: str = "fair",
                  window: int = DEFAULT_WINDOW, unsafe_local_order: bool = False,
                  security: Security | None = None, heartbeat_timeout: Optional[float] = None,
-                 ifrt_port: Optional[int] = None) -> None:
+                 ifrt_port: Optional[int] = None, restart_workers: bool = False,
+                 restart_controller: bool = False) -> None:
         if not islands or any(i.hosts < 1 or i.devices_per_host < 1 for i in islands):
             raise ValueError("a local cluster needs at least one island of hosts >= 1 and devices_per_host >= 1")
         if policy not in ("fair", "fifo") or window < 1:
@@ -106,6 +115,9 @@ class LocalCluster:
         self.heartbeat_timeout = None if heartbeat_timeout is None else check_timeout(heartbeat_timeout,
                                                                                         "heartbeat_timeout")
         self.ifrt_port = ifrt_port
+        self.restart_workers = restart_workers
+        self.restart_controller = restart_controller
+        self.restarts = 0  # processes the supervisor restarted
         self.address: Optional[str] = None
         self.ifrt_address: Optional[str] = None  # grpc://127.0.0.1:PORT once started with ifrt_port
         self.pids: list[int] = []
@@ -115,8 +127,8 @@ class LocalCluster:
         self._token: Optional[trio.lowlevel.TrioToken] = None
         self._cancel: Optional[trio.CancelScope] = None
         self._thread: Optional[threading.Thread] = None
-        # Set when the controller exits while the cluster runs (controller_code is its exit code):
-        # the cluster is then of no use, and `pathways up` exits.
+        # Set when the controller exits while the cluster runs and is not restarted (controller_code
+        # is its exit code): the cluster is then of no use (`pathways run` stops).
         self.controller_exited = threading.Event()
         self.controller_code: Optional[int] = None
 
@@ -171,12 +183,16 @@ class LocalCluster:
                              else ["--heartbeat-timeout", repr(self.heartbeat_timeout)])
                     ifrt = ([] if self.ifrt_port is None
                             else ["--ifrt-bind", f"{rpc.LOOPBACK}:{self.ifrt_port}"])
-                    controller = await trio.lowlevel.open_process(
-                        _python_cmd("controller", "--policy", self.policy, "--window", str(self.window),
-                                    *sec.child_flags(self.security, data_plane=False), *beats, *ifrt),
-                        stdout=subprocess.PIPE, env=env)
+                    controller_cmd = _python_cmd("controller", "--policy", self.policy, "--window", str(self.window),
+                                                 *sec.child_flags(self.security, data_plane=False), *beats)
+                    controller = await trio.lowlevel.open_process([*controller_cmd, *ifrt], stdout=subprocess.PIPE,
+                                                                  env=env)
                     procs.append(controller)
                     address, ifrt_address = await _read_address(controller.stdout, bool(ifrt))
+                    # a restarted controller binds the same ports: its workers and clients find it there
+                    controller_cmd += ["--bind", address.removeprefix("grpc://")]
+                    if ifrt_address:
+                        controller_cmd += ["--ifrt-bind", ifrt_address.removeprefix("grpc://")]
                     debug = ["--unsafe-local-order"] if self.unsafe_local_order else []
                     for island_id, island in enumerate(self.islands):
                         # island i is named "i" (so its id is i) and ranks follow start order,
@@ -191,8 +207,8 @@ class LocalCluster:
                                             "--rank", str(rank), *debug, *secure, *beats),
                                 env=env, stdout=_STDERR_FD))
                     self.pids = [p.pid for p in procs]
-                    for p in procs:
-                        nursery.start_soon(self._watch, p)
+                    for i, p in enumerate(procs):
+                        nursery.start_soon(self._watch, procs, i, controller_cmd if i == 0 else p.args, env)
                     await trio.to_thread.run_sync(wait_for_workers, address, self.num_workers,
                                                   self.start_timeout, self.security, abandon_on_cancel=True)
                 self.address, self.ifrt_address = address, ifrt_address
@@ -210,17 +226,47 @@ class LocalCluster:
                 await _reap(procs[:1])
                 await _reap(procs[1:])
 
-    async def _watch(self, proc: trio.Process) -> None:
-        code = await proc.wait()
-        if not self._stopping:
+    async def _watch(self, procs: list[trio.Process], i: int, command: list[str], env: dict[str, str]) -> None:
+        """Wait for ``procs[i]`` to exit; start ``command`` in its place when the cluster
+        restarts that kind of process (with a back-off), else report it."""
+        pause = RESTART_FIRST_PAUSE
+        while True:
+            proc = procs[i]
+            started = time.monotonic()
+            code = await proc.wait()
+            if self._stopping:
+                return
+            role = proc.args[3]
             log.log(logging.INFO if code == 0 else logging.ERROR,
-                    "pathways process %d (%s) exited with code %s", proc.pid, proc.args[3], code)
-            if proc.args[3] == "controller":
-                self.controller_code = code
-                self.controller_exited.set()
+                    "pathways process %d (%s) exited with code %s", proc.pid, role, code)
             if not self._ready.is_set():
-                self._failure = f"process {proc.args[3]} exited with code {code} during start-up"
+                self._failure = f"process {role} exited with code {code} during start-up"
                 self._ready.set()
+                return
+            if not (self.restart_controller if role == "controller" else self.restart_workers):
+                if role == "controller":
+                    self.controller_code = code
+                    self.controller_exited.set()
+                return
+            pause = RESTART_FIRST_PAUSE if time.monotonic() - started >= RESTART_STABLE_SECONDS else pause
+            log.warning("restarting the %s in %g s (it exited with code %s)", role, pause, code)
+            await trio.sleep(pause)
+            pause = min(pause * 2, RESTART_MAX_PAUSE)
+            if self._stopping:
+                return
+            replacement = await trio.lowlevel.open_process(
+                command, env=env, stdout=subprocess.PIPE if role == "controller" else _STDERR_FD)
+            procs[i] = replacement
+            self.pids = [p.pid for p in procs]
+            self.restarts += 1
+            if role == "controller":
+                try:
+                    with trio.fail_after(self.start_timeout):
+                        await _read_address(replacement.stdout)
+                except (ConnectError, trio.TooSlowError) as e:
+                    log.error("the restarted controller did not start: %s", e)
+                    continue  # it exits, or is killed when the cluster stops; the loop restarts it
+                log.warning("the controller restarted at %s; its workers attach to it again", self.address)
 
 
 async def _read_address(stream: trio.abc.ReceiveStream, ifrt: bool = False) -> tuple[str, Optional[str]]:

@@ -8,6 +8,10 @@ import sys
 import textwrap
 import time
 
+import grpc
+
+import pathways as pw
+from pathways.cluster import status
 from tests.conftest import pids_alive, read_line, wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,18 +73,29 @@ def test_spmd_processes_print_only_the_script_output_on_stdout(tmp_path, monkeyp
     assert "coordination_service" not in out.stderr, out.stderr
 
 
-def test_up_exits_non_zero_when_its_controller_dies():
-    up = subprocess.Popen([sys.executable, "-m", "pathways", "up", "--islands", "1x1"], stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, cwd=ROOT)
+def test_up_restarts_its_controller_when_it_dies_and_the_workers_attach_again():
+    up = subprocess.Popen([sys.executable, "-m", "pathways", "--log-level", "warning", "up", "--islands", "1x1"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     children = {}
     try:
-        assert "pathways cluster up at grpc://" in read_line(up, timeout=90)
+        line = read_line(up, timeout=90)
+        assert "pathways cluster up at grpc://" in line
+        address = line.split()[4].rstrip(";")
         children = children_of(up.pid)
         controller = next(pid for pid, cmd in children.items() if "controller" in cmd)
+        worker = next(pid for pid, cmd in children.items() if "worker" in cmd)
         os.kill(controller, signal.SIGKILL)
-        assert up.wait(timeout=30) == 1
-        assert "the controller exited" in up.stderr.read()
-        wait_until(lambda: not pids_alive(children), timeout=10, what="the workers to be stopped")
+        wait_until(lambda: any("controller" in cmd for pid, cmd in children_of(up.pid).items() if pid != controller),
+                   timeout=30, what="a new controller")
+        st = wait_until(lambda: _status_or_none(address), timeout=60, what="the workers to attach to it again")
+        assert [w["pid"] for w in st["workers"]] == [worker], "the worker kept its process"
+        assert up.poll() is None, "up keeps running"
+        children = children_of(up.pid)
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=30) == 0
+        stderr = up.stderr.read()
+        assert "restarting the controller" in stderr and f"the controller restarted at {address}" in stderr, stderr
+        wait_until(lambda: not pids_alive(children), timeout=10, what="the cluster's processes to be stopped")
     finally:
         for pid in [up.pid, *children]:
             if pids_alive([pid]):
@@ -88,6 +103,15 @@ def test_up_exits_non_zero_when_its_controller_dies():
         up.wait(timeout=10)
         up.stdout.close()
         up.stderr.close()
+
+
+def _status_or_none(address):
+    """The controller's status once it has a worker attached, else None."""
+    try:
+        st = status(address, timeout=2)
+    except (pw.PathwaysError, grpc.RpcError):
+        return None
+    return st if st["workers"] else None
 
 
 def test_plan_help_shows_the_planners_options():

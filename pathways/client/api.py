@@ -124,7 +124,8 @@ class ConnectedCluster(LocalCluster):
 def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[Sequence[Island]] = None,
                   start_timeout: float = 120.0, policy: str = "fair", window: int = DEFAULT_WINDOW,
                   unsafe_local_order: bool = False, security: Optional[Security] = None,
-                  heartbeat_timeout: Optional[float] = None, ifrt: bool = False) -> ConnectedCluster:
+                  heartbeat_timeout: Optional[float] = None, ifrt: bool = False,
+                  restart_workers: bool = False) -> ConnectedCluster:
     """A context manager running a controller and workers on this machine.
 
     One island of ``hosts`` worker processes with ``devices_per_host`` CPU devices each, or
@@ -137,7 +138,8 @@ def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[S
     ``unsafe_local_order`` is for demonstrating deadlock only: workers then order clients'
     runs themselves instead of following the island's gang order. ``heartbeat_timeout``
     (seconds; default 10) is how long the controller and a worker may go silent before the
-    other gives it up (the controller fails the worker's island, the worker exits).
+    other gives it up (the controller fails the worker's island until it heals; the worker
+    restarts and attaches again once the controller is back).
 
     ``security`` (``pathways.wire.security.Security``): the token, TLS certificate and CA
     that every process of the cluster, and the session, is given; none by default.
@@ -145,10 +147,14 @@ def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[S
     ``ifrt``: the controller also serves the IFRT proxy protocol on a free loopback port,
     at ``.ifrt_address`` (``grpc://127.0.0.1:PORT``), so that unmodified JAX programs run
     on the cluster with ``JAX_PLATFORMS=proxy JAX_BACKEND_TARGET=<.ifrt_address>``.
+
+    ``restart_workers``: a worker process that dies is started again (with a back-off), and
+    its island heals: slices and compiled functions there work again, from the same client
+    objects; arrays that lived there are lost (``WorkerLostError``).
     """
     return ConnectedCluster(list(islands) if islands else [Island(hosts, devices_per_host)], start_timeout,
                             policy, window, unsafe_local_order, security, heartbeat_timeout,
-                            ifrt_port=0 if ifrt else None)
+                            ifrt_port=0 if ifrt else None, restart_workers=restart_workers)
 
 
 def trace(path: str) -> Trace:
