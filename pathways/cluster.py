@@ -44,7 +44,7 @@ log = logging.getLogger("pathways.cluster")
 _GRACE_SECONDS = 3.0
 RESTART_FIRST_PAUSE = 0.5
 RESTART_MAX_PAUSE = 10.0
-RESTART_STABLE_SECONDS = 30.0  # a process that ran this long restarts after the first pause again
+RESTART_STABLE_SECONDS = 10.0  # a process that ran this long restarts after the first pause again
 PARENT_PID_ENV = "PATHWAYS_PARENT_PID"
 LOG_LEVEL_ENV = "PATHWAYS_LOG_LEVEL"
 # Workers' fd 1 goes to the client's stderr: C++ libraries (gloo) print notices on stdout,

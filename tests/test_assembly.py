@@ -33,8 +33,8 @@ START_SECONDS = 120.0
 
 def test_ranks_follow_arrival_and_everyone_is_welcomed_once_rank_0_is_known():
     islands = Islands()
-    a, rank_a, welcome_a = islands.join(10, "rack", 3, None, "h0:1")
-    b, rank_b, welcome_b = islands.join(11, "rack", 3, None, "h1:1")
+    a, _, rank_a, welcome_a = islands.join(10, "rack", 3, None, "h0:1")
+    b, _, rank_b, welcome_b = islands.join(11, "rack", 3, None, "h1:1")
     assert (rank_a, rank_b) == (0, 1) and a is b
     assert welcome_a == [(10, 0)] and welcome_b == [(11, 1)], "rank 0 came first: each is welcomed at once"
     assert a.coordinator == "h0:1", "the coordinator is rank 0's reserved address"
@@ -45,12 +45,12 @@ def test_ranks_follow_arrival_and_everyone_is_welcomed_once_rank_0_is_known():
 
 def test_asked_ranks_are_honoured_and_hosts_before_rank_0_wait_for_it():
     islands = Islands()
-    island, rank, welcome = islands.join(5, "x", 3, 2, "h2:7")
+    island, _, rank, welcome = islands.join(5, "x", 3, 2, "h2:7")
     assert rank == 2 and welcome == [], "no coordinator yet: rank 2 waits"
-    _, rank, welcome = islands.join(6, "x", 3, None, "h?:7")
+    _, _, rank, welcome = islands.join(6, "x", 3, None, "h?:7")
     assert rank == 0, "an unranked host takes the lowest free rank"
     assert welcome == [(6, 0), (5, 2)] and island.coordinator == "h?:7"
-    _, rank, welcome = islands.join(7, "x", 3, None, "h1:7")
+    _, _, rank, welcome = islands.join(7, "x", 3, None, "h1:7")
     assert rank == 1 and welcome == [(7, 1)]
 
 
@@ -74,15 +74,30 @@ def test_a_registration_that_cannot_fit_is_refused_with_what_to_fix(joins, needl
     assert before == {i: dict(island.members) for i, island in islands.by_id.items()}, "a refusal changes nothing"
 
 
-def test_island_names_map_to_ids_numbers_keep_theirs_and_a_lost_name_starts_a_new_island():
+def test_island_names_map_to_ids_and_numbers_keep_theirs():
     islands = Islands()
     assert islands.join(0, "1", 1, None, "")[0].id == 1, "a numeric name is its id"
     assert islands.join(1, "rack-a", 1, None, "")[0].id == 0, "another name takes the lowest free id"
     assert islands.join(2, "0", 1, None, "")[0].id == 2, "0 is taken: the next free one"
     assert islands.join(3, "007", 1, None, "")[0].id == 3, "only canonical numbers are ids"
-    islands.lose(0)
-    again, rank, _ = islands.join(4, "rack-a", 1, None, "")
-    assert again.id == 4 and rank == 0 and islands.by_id[0].lost, "the lost island keeps its id; the name moves on"
+
+
+def test_a_lost_island_heals_under_its_id_and_its_ranks_keep_their_worker_ids():
+    islands = Islands()
+    island, _, _, _ = islands.join(10, "rack", 3, None, "h0:1")
+    islands.join(11, "rack", 3, None, "h1:1")
+    islands.join(12, "rack", 3, None, "h2:1")
+    islands.lose(island.id)
+    assert island.lost and not island.members and island.coordinator == "" and islands.assembling() == set()
+    again, worker, rank, welcome = islands.join(20, "rack", 3, 1, "h1:2")
+    assert again is island and (worker, rank) == (11, 1), "rank 1 takes the worker id rank 1 had"
+    assert welcome == [] and island.healing and not island.lost and islands.assembling() == {island.id}
+    _, worker, rank, welcome = islands.join(21, "rack", 3, None, "h0:2")
+    assert (worker, rank) == (10, 0) and welcome == [(10, 0), (11, 1)] and island.coordinator == "h0:2"
+    _, worker, rank, _ = islands.join(22, "rack", 3, None, "h2:2")
+    assert (worker, rank) == (12, 2) and island.assembled and island.healing, "healing until the core says healed"
+    with pytest.raises(Refused, match="already has all its 3 host"):
+        islands.join(23, "rack", 3, None, "h3:2")
 
 
 def test_a_multi_host_worker_must_bring_a_coordinator_port():

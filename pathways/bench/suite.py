@@ -16,7 +16,8 @@ from typing import Any, Optional
 
 from pathways.bench import report
 
-EXPERIMENTS = ("dispatch", "parity", "pipeline", "transfer", "tenancy", "train", "planner", "control", "ifrt")
+EXPERIMENTS = ("dispatch", "parity", "pipeline", "transfer", "tenancy", "train", "planner", "control", "ifrt",
+               "elastic")
 
 _HEADER = """# Benchmarks
 

@@ -513,7 +513,7 @@ def _start_stream(sock: socket.socket, outbox: rpc.Outbox, on_batch: Callable[[b
             log.info("controller stream ended")
         except TimeoutError:
             log.error("the controller at %s sent nothing for %g s (the heartbeat timeout): it is frozen, "
-                      "unreachable or gone; this worker exits", controller, beats.timeout)
+                      "unreachable or gone", controller, beats.timeout)
         except Exception as e:  # OSError or WireError, or ValueError once shutdown closed the reader
             log.info("controller stream ended: %s", e)
         finally:
