@@ -571,9 +571,12 @@ class ControllerCore:
         restores: dict[int, list] = {w: [] for w in sus.holders if w in self.workers}
         adopts: dict[int, list] = {}
         lost: list[int] = []
+        stray: list[int] = []
         for handle, layout in list(s.handles.live.items()):
             new = remap.layout(layout)
-            if new is None:  # not on any slice of the session: nothing to follow
+            if new is None:
+                if handle not in s.handles.poisoned:
+                    stray.append(handle)
                 continue
             s.handles.live[handle] = new
             if handle in s.handles.poisoned:
@@ -600,6 +603,8 @@ class ControllerCore:
         if lost:
             self._poison(sid, lost, REMOTE, "the array was not on its workers when the session was suspended (its "
                                             "put or computation never completed there), so it could not be resumed")
+        self._poison(sid, stray, REMOTE, "the array lay on devices of no slice of the session, so it had nowhere to "
+                                         "go when the session resumed")
         for w, moves in restores.items():
             self.workers[w].outbox.put(m.Restore(sid, tuple(moves)))
         sus.waiting = set(adopts)

@@ -340,9 +340,9 @@ class WorkerCore:
                 except OSError as e:
                     warning = warning or (f"worker {self.worker_id} could not write {path} ({e}); it keeps "
                                           "the arrays it could not write in its host memory")
-            if off is None:  # a copy: a view would keep the device buffer alive
+            if off is None:  # a copy of a view of the device buffer, which would keep it alive
                 off = OffloadedArray(dtype, shape, [r for r, _ in pieces],
-                                     [(r, np.array(p, copy=True)) for r, p in pieces])
+                                     [(r, p if p.flags.owndata else np.array(p, copy=True)) for r, p in pieces])
             if self.store.pop_if(handle, value):  # not deleted meanwhile
                 offloaded[handle] = off
                 arrays.append((handle, tuple(shape)))
