@@ -7,7 +7,7 @@ functions onto them with ``pw.pmap``/``pw.jit``, and trace several into one ``@p
 from jax.sharding import PartitionSpec
 
 from pathways.client.api import (connect, default_session, device_get, device_put, disconnect,
-                                 local_cluster, make_virtual_device_set, trace)
+                                 local_cluster, make_virtual_device_set, resume, suspend, trace)
 from pathways.client.array import Array
 from pathways.client.compiled import jit, pmap
 from pathways.client.devices import NamedSharding, Slice, VirtualDeviceSet, VirtualMesh
@@ -18,7 +18,7 @@ from pathways.cluster import Island
 from pathways.errors import (AccessDeniedError, ArrayDeletedError, AuthenticationError, ConnectError,
                              ControllerLostError, DeadlineExceededError, PathwaysError, PlacementError,
                              ProgramTraceError, RemoteError, SignatureError, SpmdError,
-                             WireError, WorkerLostError)
+                             SuspendedError, WireError, WorkerLostError)
 
 P = PartitionSpec
 
@@ -28,7 +28,7 @@ __all__ = [
     "AccessDeniedError", "Array", "ArrayDeletedError", "AuthenticationError", "ConnectError", "ControllerLostError",
     "DeadlineExceededError", "Island", "NamedSharding",
     "P", "PartitionSpec", "PathwaysError", "PlacementError", "ProgramTraceError", "RemoteError",
-    "SignatureError", "Slice", "SpmdError", "VirtualDeviceSet", "VirtualMesh", "WireError", "WorkerLostError", "connect",
+    "SignatureError", "Slice", "SpmdError", "SuspendedError", "VirtualDeviceSet", "VirtualMesh", "WireError", "WorkerLostError", "connect",
     "default_session", "device_get", "device_put", "disconnect", "jit", "local_cluster",
-    "make_virtual_device_set", "pipeline", "pmap", "program", "spmd", "trace",
+    "make_virtual_device_set", "pipeline", "pmap", "program", "resume", "spmd", "suspend", "trace",
 ]

@@ -378,7 +378,13 @@ def _status(address: str | None, measure: bool = False, timeout: float | None = 
                   f"slices per device {w['load']}")
     _print_links(st)
     for c in st["sessions"]:
-        print(f"  client session {c['session']}: weight {c.get('weight', 1.0):g}, {c['slices']} slice(s), "
+        state = c.get("state", "active")
+        if state == "suspended":
+            state = (f"SUSPENDED ({c.get('suspended_arrays', 0)} array(s), "
+                     f"{c.get('suspended_bytes', 0) / 2**20:.1f} MiB off the devices; slices released), ")
+        else:  # an active session says nothing; one suspending or resuming says which
+            state = "" if state == "active" else f"{state.upper()}, "
+        print(f"  client session {c['session']}: {state}weight {c.get('weight', 1.0):g}, {c['slices']} slice(s), "
               f"{c['arrays']} array(s), {c.get('queued', 0)} run(s) queued, {c.get('inflight', 0)} in flight, "
               f"{c.get('completed', 0)} done, {c.get('device_seconds', 0.0):.3f} device-s")
     return 0

@@ -58,5 +58,10 @@ class WorkerLostError(PathwaysError):
     its island are gone."""
 
 
+class SuspendedError(PathwaysError):
+    """The session is suspended (``session.suspend()``): its arrays are off the devices and
+    its slices released, so it runs nothing until ``resume()``."""
+
+
 class SpmdError(PathwaysError):
     """A process of a multi-controller (``pw.spmd``) group failed, died or could not start."""

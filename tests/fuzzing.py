@@ -15,6 +15,8 @@ from typing import Any
 from pathways.errors import WireError
 from pathways.protocol import check as c
 from pathways.protocol import messages as m
+from pathways.protocol import ops
+from pathways.protocol.handles import first_handle
 from pathways.protocol.ops import Op
 
 LAYOUT = [[0], [0, 0], [1], ["x"], [None]]
@@ -39,6 +41,12 @@ JUNK = [None, True, False, -1, 0, 2 ** 64 - 1, -2 ** 63, 2 ** 62, float("nan"), 
 
 def sample(checker: c.Checker, rng: random.Random, field: str) -> Any:
     """A valid wire value for ``checker``."""
+    if checker is ops.LAYOUT:
+        return LAYOUT
+    if checker is ops.ROUTE:
+        return [1, 1, [[0, 2]]]
+    if field == "path":  # absolute, or none
+        return rng.choice(["", "/tmp/pathways-suspend"])
     if field == "nvalues":
         return 4  # enough registers for the sample ops
     if field == "links":  # a measured link has both figures or neither
@@ -84,6 +92,12 @@ def valid(cls: type[m.Message], rng: random.Random) -> list:
         n = rng.randrange(0, 3)
         return ["compiled", rng.randrange(1, 1 << 40), "", [LAYOUT] * n, [LAYOUT], [["float32", [2]]],
                 [b"\x08\x01"] * n, [b""], [[0]] * n, [[0]], list(range(n)), "ab12", "jit_f"]
+    if cls in (m.Restore, m.Adopt):  # session handles of its own session, controller copies
+        session = rng.randrange(1, 100)
+        handle, copy = first_handle(session) + rng.randrange(1, 1000), first_handle(0) + rng.randrange(1, 1000)
+        if cls is m.Adopt:
+            return ["adopt", session, [[copy, handle]]]
+        return ["restore", session, [[handle, copy, LAYOUT, [[1, 1, [[0, 2]]]]]]]
     if cls is m.Compiled:  # a failure: only the error
         return m.Compiled(rng.randrange(1, 1 << 40), "compile failed").encode()
     return [cls.TAG, *(sample(checker, rng, name) for name, checker in cls.FIELDS)]

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec
 from pathways.client.array import Array
 from pathways.client.compiled import check_divisible, host_array
 from pathways.client.devices import NamedSharding, VirtualDeviceSet, VirtualMesh, slice_of
-from pathways.client.session import Session
+from pathways.client.session import DEFAULT_TIMEOUT, Session
 from pathways.client.timeline import Trace
 from pathways.cluster import Island, LocalCluster
 from pathways.defaults import DEFAULT_WINDOW
@@ -81,6 +81,17 @@ def default_session() -> Session:
     if session is None:
         session = connect()
     return session
+
+
+def suspend(path: Optional[str] = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+    """Suspend the default session (``Session.suspend``): its arrays leave the devices (for
+    the workers' host memory, or files under ``path``) and its slices are released."""
+    default_session().suspend(path, timeout)
+
+
+def resume(timeout: float = DEFAULT_TIMEOUT) -> None:
+    """Resume the default session (``Session.resume``), wherever its slices fit now."""
+    default_session().resume(timeout)
 
 
 def disconnect() -> None:

@@ -291,6 +291,7 @@ def call_op_by_op(fn: CompiledFunction, args: tuple) -> Any:
 def run(session: Any, spec: ProgramSpec, inputs: Sequence[Array]) -> list[Array]:
     """Submit one run of ``spec`` with ``inputs`` bound to the graph's inputs, in order."""
     graph = spec.graph
+    session._refuse_if_suspended("run a program")
     for arr in inputs:
         arr._live()
     traced = session.traced

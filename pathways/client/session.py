@@ -4,6 +4,11 @@ Submissions are fire and forget: the client numbers every handle itself, so noth
 for the controller except placement and cluster queries. Deletes from dropped arrays are
 batched and ride along with the next message (or a periodic flush).
 
+``suspend()`` takes the session's arrays off the devices and releases its slices;
+``resume()`` places them again (the controller says where with SliceMoved, and every
+slice, array and function follows). In between, runs, puts and reads of its arrays
+raise SuspendedError.
+
 Nothing waits on a dead or silent peer: gRPC keepalive (wire/rpc.py) ends the session
 stream within seconds of the controller dying or freezing, which fails every pending
 request and fetch with ControllerLostError; a fetch blocked at a worker is cancelled as
@@ -13,10 +18,12 @@ blocked at a frozen worker anyway.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
 import time
+import warnings
 import weakref
 from collections import deque
 from concurrent.futures import Future
@@ -91,6 +98,7 @@ class Session:
         self.slices: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._fetches: dict[int, set] = {}  # handle -> its fetch calls in flight, cancelled on bad news
         self._fetches_lock = threading.Lock()
+        self.suspended = False  # from suspend() until resume() returns
         self._closed = threading.Event()
         self._welcome: Future = Future()
         self._pending["welcome"] = self._welcome
@@ -155,6 +163,45 @@ class Session:
             self._pending.pop(("compiled", fn), None)
             raise
         return fn, future
+
+    def suspend(self, path: Optional[str] = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+        """Suspend the session: admit no more of its runs, wait (up to ``timeout`` seconds)
+        for those in flight, move every one of its arrays off the devices, into the host
+        memory of the workers that hold them or, with ``path`` (an absolute directory on
+        the workers' hosts), into files that each worker writes there for its own shards;
+        then release its slices. Until ``resume()``, its runs, puts and reads raise
+        SuspendedError. Its arrays, compiled functions and programs stay valid."""
+        if path is not None and not isinstance(path, str):
+            raise TypeError(f"suspend's path must be a string (an absolute directory) or None, got {path!r}")
+        if self.suspended:
+            raise errors.SuspendedError("the session is already suspended; call resume() first")
+        self.suspended = True
+        try:
+            reply = self.request(lambda req: m.Suspend(req, path or ""), timeout)
+        except errors.SuspendedError:
+            raise
+        except BaseException:
+            self.suspended = False
+            raise
+        if reply.warning:
+            warnings.warn(f"suspend: {reply.warning}", RuntimeWarning, stacklevel=2)
+
+    def resume(self, timeout: float = DEFAULT_TIMEOUT) -> None:
+        """Resume a suspended session: its slices are placed again, on whichever hosts
+        (or island) have room, and every array is brought back onto the new devices,
+        moved worker to worker; waits up to ``timeout`` seconds. The same pw.Array
+        objects, compiled functions and programs keep working. Raises PlacementError,
+        with the session still suspended, when its slices do not fit now."""
+        if not self.suspended:
+            raise errors.SuspendedError("the session is not suspended; call suspend() first")
+        self.request(m.Resume, timeout)
+        self.suspended = False
+
+    def _refuse_if_suspended(self, what: str) -> None:
+        if self.suspended:
+            raise errors.SuspendedError(f"cannot {what}: the session is suspended (its arrays are off the devices "
+                                        "and its slices released); call resume() (session.resume() or "
+                                        "pw.resume()) first")
 
     def _flush_deletes(self) -> None:
         handles = []
@@ -282,14 +329,18 @@ class Session:
         """A new pw.Array of host ``value``, sent to the workers of ``sharding``'s slice
         laid out by ``layout``; the array can be used at once."""
         handle = self.allocate(1)
-        self.put(sharding.mesh.slice.addresses, handle, layout, value)
-        return Array(_Buffer(self, handle, sharding.mesh.slice), value.shape, value.dtype, sharding)
+        s = sharding.mesh.slice
+        if layout.workers != s.workers or layout.devices != s._physical:  # the slice moved since it was made
+            layout = dataclasses.replace(layout, workers=s.workers, devices=s._physical)
+        self.put(s.addresses, handle, layout, value)
+        return Array(_Buffer(self, handle, s), value.shape, value.dtype, sharding)
 
     def put(self, addresses: tuple[str, ...], handle: int, layout: Layout, array: np.ndarray) -> None:
         """Send ``array`` straight to the workers holding ``layout`` (not through the
         controller; ``addresses[i]`` is that of ``layout.workers[i]``), each only the
         blocks of its own devices. No waiting."""
         self._check_alive()
+        self._refuse_if_suspended("put an array")
         if self.traced:
             began = now()
         whole = [(codec.full_index(array.shape), array)]
@@ -333,6 +384,7 @@ class Session:
         """Ask the workers holding ``handle`` for it: None while pending after ``wait``
         seconds, True when ready (``data`` false) or the assembled array; raises the
         error that poisoned it (RemoteError, WorkerLostError)."""
+        self._refuse_if_suspended("read an array")
         if self.traced:
             began = now()
             try:

@@ -18,6 +18,7 @@ latency.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -105,8 +106,10 @@ class ResourceManager:
         return lost
 
     def place(self, count: int, kind: str, mesh_shape: Optional[tuple[int, ...]] = None,
-              island: Optional[int] = None, exclusive: bool = False, owner: int = 0) -> SlicePlacement:
-        """Choose devices for a slice of ``count`` devices of ``kind``, or explain why not."""
+              island: Optional[int] = None, exclusive: bool = False, owner: int = 0,
+              slice_id: Optional[int] = None) -> SlicePlacement:
+        """Choose devices for a slice of ``count`` devices of ``kind``, or explain why not.
+        ``slice_id``: place an existing slice again (a resumed session's) under its id."""
         if count < 1:
             raise PlacementError(f"a slice needs at least one device, got {count}")
         mesh_shape = tuple(mesh_shape) if mesh_shape else (count,)
@@ -127,10 +130,23 @@ class ResourceManager:
                 host.load[d] += 1
                 if exclusive:
                     host.exclusive.add(d)
-        placement = SlicePlacement(next(self._ids), tuple(h.worker for h, _ in chosen), chosen[0][0].island,
+        placement = SlicePlacement(next(self._ids) if slice_id is None else slice_id,
+                                   tuple(h.worker for h, _ in chosen), chosen[0][0].island,
                                    kind, tuple((h.rank, d) for h, ds in chosen for d in ds),
                                    mesh_shape, exclusive, owner)
         self.slices[placement.slice_id] = placement
+        return placement
+
+    def place_with(self, like: SlicePlacement, slice_id: int) -> SlicePlacement:
+        """Place slice ``slice_id`` on the devices of ``like`` (which shares them): a resumed
+        session's slices that shared devices before it suspended share them again."""
+        placement = dataclasses.replace(like, slice_id=slice_id)
+        for worker in placement.workers:
+            host = self.hosts[worker]
+            for rank, d in placement.devices:
+                if rank == host.rank:
+                    host.load[d] += 1
+        self.slices[slice_id] = placement
         return placement
 
     def _least_loaded(self, host: Host, n: int, exclusive: bool) -> Optional[list[int]]:

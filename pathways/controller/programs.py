@@ -48,9 +48,11 @@ class SessionPrograms:
     compiling: dict[int, XlaCompile] = field(default_factory=dict)  # "xla" functions not compiled yet
     failed: dict[int, str] = field(default_factory=dict)  # "xla" functions that did not compile: why
     compiles: dict[int, Compile] = field(default_factory=dict)  # what was sent: sent again where hosts restart
+    slice_of: dict[int, int] = field(default_factory=dict)  # function -> the slice it was compiled for
     graphs: dict[int, ProgramGraph] = field(default_factory=dict)
     sequential: set[int] = field(default_factory=set)  # programs dispatched node by node
     _lowered: dict[tuple, tuple[int, Lowered]] = field(default_factory=dict)
+    _retired: list[int] = field(default_factory=list)  # keys of lowerings forgotten, still defined on workers
 
     def define(self, program: int, graph: ProgramGraph, sequential: bool) -> None:
         self.graphs[program] = graph
@@ -60,7 +62,12 @@ class SessionPrograms:
     @property
     def keys(self) -> list[int]:
         """Every lowering key this session's runs used (workers hold their op streams)."""
-        return [key for key, _ in self._lowered.values()]
+        return [*self._retired, *(key for key, _ in self._lowered.values())]
+
+    def forget_lowerings(self) -> None:
+        """Lower every program again on its next run (its functions moved to other hosts)."""
+        self._retired.extend(key for key, _ in self._lowered.values())
+        self._lowered.clear()
 
     def lowered(self, program: int, args: Mapping[int, int], handles: HandleTable,
                 gone: Callable[[Iterable[int]], list[int]]) -> tuple[int, Lowered]:

@@ -25,14 +25,24 @@ def status(core: Any) -> dict[str, Any]:
         "workers": [_worker(w, rm.hosts.get(w.worker)) for w in workers.values()],
         "links": [{"src": src, "dst": dst, "latency": latency, "bandwidth": bandwidth}
                   for (src, dst), (latency, bandwidth) in sorted(core.membership.links.items())],
-        # "nodes": over every program the session defined (a fused program defines fewer)
+        # "nodes": over every program the session defined (a fused program defines fewer);
+        # "state": "active", or where its suspend or resume stands ("draining", "offloading",
+        # "suspended", "resuming"), with what it moved off the devices
         "sessions": [{"session": sid, "slices": len(s.slices), "arrays": len(s.handles.live),
                       "programs": len(s.programs.graphs),
                       "nodes": sum(len(g.nodes) for g in s.programs.graphs.values()),
+                      **_suspension(s.suspension),
                       **scheduler.session_stats(sid)} for sid, s in core.sessions.items()],
         "slices": len(rm.slices),
         "arrays": sum(len(s.handles.live) for s in core.sessions.values()),
     }
+
+
+def _suspension(sus: Any) -> dict[str, Any]:
+    if sus is None:
+        return {"state": "active"}
+    return {"state": sus.state, "suspended_arrays": sus.arrays, "suspended_bytes": sus.nbytes,
+            "suspended_to": sus.path or "host memory"}
 
 
 def _worker(conn: Any, host: Any) -> dict[str, Any]:

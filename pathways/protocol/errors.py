@@ -15,12 +15,12 @@ KINDS: dict[str, type[errors.PathwaysError]] = {cls.__name__: cls for cls in (
     errors.RemoteError, errors.WorkerLostError, errors.DeadlineExceededError, errors.ConnectError,
     errors.AccessDeniedError,
     errors.AuthenticationError,
-    errors.ControllerLostError,
+    errors.ControllerLostError, errors.SuspendedError,
 )}
-# what a poisoned handle may report: a failed computation, a lost host, or a run refused
-# because it named another session's array
-POISON_KINDS = frozenset({"RemoteError", "WorkerLostError", "AccessDeniedError"})
-REMOTE, LOST, DENIED = "RemoteError", "WorkerLostError", "AccessDeniedError"
+# what a poisoned handle may report: a failed computation, a lost host, a run refused
+# because it named another session's array, or one submitted while its session was suspended
+POISON_KINDS = frozenset({"RemoteError", "WorkerLostError", "AccessDeniedError", "SuspendedError"})
+REMOTE, LOST, DENIED, SUSPENDED = "RemoteError", "WorkerLostError", "AccessDeniedError", "SuspendedError"
 
 
 def kind_of(error: BaseException) -> str:

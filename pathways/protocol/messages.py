@@ -20,13 +20,13 @@ from pathways.ir import DISPATCH_MODES, Layout, ProgramGraph
 from pathways.protocol.check import (MAX_ITEMS, MAX_NAME, MAX_TEXT, Anything, Bool, Bytes, Checker, Custom, Fixed,
                                      Float, Int, Optional, Seq, Str)
 from pathways.protocol.errors import KINDS, POISON_KINDS
-from pathways.protocol.handles import MAX_HANDLE, MAX_SESSION
-from pathways.protocol.ops import LAYOUT, MAX_NODES, MAX_REGISTERS, decode_op, encode_op
+from pathways.protocol.handles import MAX_HANDLE, MAX_SESSION, session_of
+from pathways.protocol.ops import LAYOUT, MAX_NODES, MAX_REGISTERS, ROUTE, decode_op, encode_op
 from pathways.timeline import MAX_DETAIL, MAX_EVENTS
 from pathways.timeline import MAX_NAME as MAX_SPAN_NAME
 from pathways.wire.codec import MAX_MESSAGE_BYTES, is_wire_dtype_name, pack, unpack
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 # How a function's blob is to be compiled: a jax.export artifact (its layouts given by the
 # client), or a StableHLO portable artifact with xla CompileOptions (layouts reported back
 # by the worker that compiles it, in ``Compiled``).
@@ -42,6 +42,7 @@ MAX_OP_SHARDING_BYTES = 1 << 20
 MAX_RANK_OF_ARRAY = 64
 MAX_DIM = (1 << 62) - 1  # the longest any request may ask a server to wait
 DEVICE_KINDS = frozenset({"cpu", "gpu", "tpu"})
+MAX_PATH = 4096  # a directory a suspended session's arrays are written under
 
 HANDLE = Int(0, MAX_HANDLE)
 HANDLES = Seq(HANDLE)
@@ -277,6 +278,59 @@ class PutNotice(Message):
 @message("delete")
 class Delete(Message):
     handles: tuple[int, ...] = wire(HANDLES)
+
+
+def _check_path(what: str, path: str) -> None:
+    """A directory workers write into and read from: "" (none), or absolute with no '..'."""
+    if not path:
+        return
+    if not path.startswith("/") or ".." in path.split("/") or "\0" in path:
+        raise WireError(f"{what}: path {path[:200]!r} must be an absolute directory without '..' components "
+                        "(each worker writes its own arrays under it on its own host); pass an absolute path, "
+                        "or none to keep the arrays in the workers' host memory")
+
+
+@message("suspend")
+class Suspend(Message):
+    """Suspend the session: admit no more of its runs, wait for those in flight, move its
+    arrays off the devices (into the workers' host memory, or into files under ``path``,
+    which each worker writes for its own shards), and release its slices."""
+
+    req: int = wire(REQ)
+    path: str = wire(Str(MAX_PATH), "")
+
+    def checked(self) -> "Suspend":
+        _check_path("suspend", self.path)
+        return self
+
+
+@message("resume")
+class Resume(Message):
+    """Place the suspended session's slices again (anywhere they fit) and bring its arrays
+    back onto the new devices; its functions and programs work again."""
+
+    req: int = wire(REQ)
+
+
+@message("suspended")
+class Suspended(Message):
+    """The session is suspended: ``arrays`` were moved off the devices, ``nbytes`` in all;
+    ``warning``: what went other than asked (a worker that could not write to the path
+    kept its arrays in host memory), or ""."""
+
+    req: int = wire(REQ)
+    arrays: int = wire(Int(0))
+    nbytes: int = wire(Int(0))
+    warning: str = wire(TEXT, "")
+
+
+@message("resumed")
+class Resumed(Message):
+    """The session runs again: ``arrays`` are back on the devices of its slices, which
+    the SliceMoved messages before this one placed."""
+
+    req: int = wire(REQ)
+    arrays: int = wire(Int(0))
 
 
 @message("welcome")
@@ -534,6 +588,78 @@ class DropSession(Message):
     programs: tuple[int, ...] = wire(Seq(Int(1)))
 
 
+# ---- suspend and resume: a session's arrays leave the devices and come back --------------
+
+@message("offload")
+class Offload(Message):
+    """Move every array of ``session`` this worker holds off its devices: into host memory,
+    or (``path``) into files under ``path``/session-S/worker-W. Answered by Offloaded."""
+
+    session: int = wire(Int(1, MAX_SESSION))
+    path: str = wire(Str(MAX_PATH), "")
+
+    def checked(self) -> "Offload":
+        _check_path("offload", self.path)
+        return self
+
+
+@message("offloaded")
+class Offloaded(Message):
+    """What a worker moved off its devices for an Offload: each array's (handle, global
+    shape), the arrays that had failed (handle, poison kind, message), the bytes moved, and
+    ``warning`` ("" when all went as asked)."""
+
+    session: int = wire(Int(1, MAX_SESSION))
+    arrays: tuple[tuple[int, tuple[int, ...]], ...] = wire(Seq(Fixed(HANDLE, _SHAPE)))
+    failed: tuple[tuple[int, str, str], ...] = wire(Seq(Fixed(HANDLE, Str(32, POISON_KINDS), TEXT), max_len=1 << 12))
+    nbytes: int = wire(Int(0))
+    warning: str = wire(TEXT, "")
+
+
+# (handle, copy, layout, routes): send this host's regions of offloaded array ``handle`` by
+# ``routes`` (ops.py's SEND routes) as transfer copy ``copy`` laid out as ``layout``
+MOVE = Fixed(HANDLE, HANDLE, LAYOUT, Seq(ROUTE, min_len=1, max_len=1 << 16))
+
+
+@message("restore")
+class Restore(Message):
+    """Bring a resumed session's arrays back: push each move's regions to its receivers
+    (who adopt the copy as the session's handle, Adopt), then forget every array of the
+    session this worker offloaded (the moves' too, and their files)."""
+
+    session: int = wire(Int(1, MAX_SESSION))
+    moves: tuple = wire(Seq(MOVE))
+
+    def checked(self) -> "Restore":
+        if any(session_of(h) != self.session or session_of(c) != 0 for h, c, _, _ in self.moves):
+            raise WireError("restore moves arrays of its own session, as controller transfer copies")
+        return self
+
+
+@message("adopt")
+class Adopt(Message):
+    """Arrays of a resumed session arrive as transfer copies: store each ``(copy, handle)``
+    as the session's handle once it has arrived, and answer Adopted once all have (or,
+    after the worker's wait timeout, with the late ones poisoned)."""
+
+    session: int = wire(Int(1, MAX_SESSION))
+    pairs: tuple[tuple[int, int], ...] = wire(Seq(Fixed(HANDLE, HANDLE)))
+
+    def checked(self) -> "Adopt":
+        if any(session_of(c) != 0 or session_of(h) != self.session for c, h in self.pairs):
+            raise WireError("adopt takes controller transfer copies as arrays of its own session")
+        return self
+
+
+@message("adopted")
+class Adopted(Message):
+    """Every array of an Adopt arrived (``late`` of them did not in time and were poisoned)."""
+
+    session: int = wire(Int(1, MAX_SESSION))
+    arrays: int = wire(Int(0))
+    late: int = wire(Int(0))
+
+
 # ---- session isolation: which sessions a worker serves, and their credentials ---------------
 
 @message("open_session")
@@ -644,13 +770,14 @@ class Timeline(Message):
 
 
 SESSION_UP = Table("session (client to controller)", Hello, SliceRequest, ClusterRequest, DefineFunction,
-                   DefineProgram, Run, PutNotice, Delete, CollectTimeline)
+                   DefineProgram, Run, PutNotice, Delete, CollectTimeline, Suspend, Resume)
 SESSION_DOWN = Table("session (controller to client)", SessionWelcome, SliceReply, ClusterReply, Poisoned, Error,
-                     Compiled, Timeline, SliceMoved)
+                     Compiled, Timeline, SliceMoved, Suspended, Resumed)
 WORKER_UP = Table("attach (worker to controller)", Register, Done, Step, Notice, Measured,
-                  Heartbeat, Compiled)
+                  Heartbeat, Compiled, Offloaded, Adopted)
 WORKER_DOWN = Table("attach (controller to worker)", WorkerWelcome, Peers, Compile, Define, RunProgram, Delete,
-                    DropSession, Poisoned, Shutdown, Go, Measure, Notice, SessionOpen, Heartbeat, Reset)
+                    DropSession, Poisoned, Shutdown, Go, Measure, Notice, SessionOpen, Heartbeat, Reset,
+                    Offload, Restore, Adopt)
 MEASURE = Table("measure request", MeasureRequest)
 FETCH = Table("fetch request", FetchRequest)
 TIMELINE = Table("timeline request", TimelineFetch)

@@ -50,6 +50,21 @@ class Op(enum.IntEnum):
 LAYOUT = Custom(Layout.from_wire, Layout.to_wire)
 _REGION = Seq(Int(0), max_len=2 * MAX_RANK)
 _ROUTE = Fixed(Int(0, MAX_ITEMS), Int(1, MAX_SENDERS), Seq(_REGION, max_len=MAX_ITEMS))
+
+
+def _read_route(raw: Any) -> tuple:
+    receiver, senders, regions = _ROUTE.check(raw, "route")
+    return receiver, senders, tuple(_region(flat) for flat in regions)
+
+
+def _write_route(route: tuple) -> list:
+    receiver, senders, regions = route
+    return [receiver, senders, [[x for pair in region for x in pair] for region in regions]]
+
+
+# One route of a transfer, (receiver, senders, regions) with each region ((start, stop), ...):
+# what a sender pushes to one receiver (a SEND op's routes, a Restore's moves).
+ROUTE = Custom(_read_route, _write_route)
 _FIELDS: dict[Op, tuple] = {
     Op.IN: (Int(0, MAX_REGISTERS), Bool()),
     Op.EXEC: (Int(0, MAX_HANDLE), Seq(Int(0, MAX_REGISTERS)), Seq(Int(0, MAX_REGISTERS))),

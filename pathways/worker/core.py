@@ -7,6 +7,12 @@ It takes the controller's typed messages (``on_batch`` / ``on_message``), takes 
 (``fetch``), and owns the object store, the executable cache, the executor and the
 measurer. What it says to the controller goes to ``up`` as typed messages.
 
+A suspended session's arrays leave the store and the devices (``Offload``): into host
+memory or files the worker writes, kept apart until the session resumes; ``Restore`` then
+pushes them to the hosts of the new placement as transfer copies, which each receiver
+stores under the session's handles (``Adopt``), so peers' frames still carry only the
+controller's handles.
+
 Clients' puts (``client_put``) and fetches are served only for handles of the session whose
 credential they carry (sessions.py), checked before any of a put's array is read; peers'
 frames may only carry the controller's transfer copies.
@@ -24,6 +30,7 @@ import functools
 import logging
 import math
 import os
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,10 +44,10 @@ from pathways.errors import AccessDeniedError, ConnectError, WireError
 from pathways.protocol.check import MAX_TEXT, Int, Str
 from pathways.protocol.errors import POISON_KINDS, REMOTE
 from pathways.protocol.handles import MAX_HANDLE, session_of
-from pathways.protocol.messages import (CREDENTIAL, Compile, Define, Delete, Done, DropSession, FetchRequest, Go,
-                                        Heartbeat, Malformed, Measure, Message, Notice, Peers, Poisoned,
-                                        RunProgram, Reset, SessionOpen, Shutdown, Step, Timeline, TimelineFetch,
-                                        WorkerWelcome, WORKER_DOWN)
+from pathways.protocol.messages import (CREDENTIAL, Adopt, Adopted, Compile, Define, Delete, Done, DropSession,
+                                        FetchRequest, Go, Heartbeat, Malformed, Measure, Message, Notice, Offload,
+                                        Offloaded, Peers, Poisoned, Restore, RunProgram, Reset, SessionOpen,
+                                        Shutdown, Step, Timeline, TimelineFetch, WorkerWelcome, WORKER_DOWN)
 from pathways.protocol.ops import LAYOUT, MAX_SENDERS
 from pathways.timeline import RECORDER, now
 from pathways.wire import codec, tcp
@@ -49,7 +56,7 @@ from pathways.worker.executables import Executables
 from pathways.worker.executor import Executor
 from pathways.worker.measure import Measurer
 from pathways.worker.sessions import Sessions
-from pathways.worker.store import ObjectStore, Poison, failure
+from pathways.worker.store import ObjectStore, Offloaded as OffloadedArray, Poison, failure
 
 log = logging.getLogger("pathways.worker")
 
@@ -109,6 +116,10 @@ class WorkerCore:
         self._released: set[tuple[int, int]] = set()  # (run, node) released by the controller
         self._release = threading.Condition()
         self._probed: set[int] = set()  # peers whose link has been measured (or is being)
+        # suspended sessions: their arrays off the devices, and the directory of their files
+        self._suspended: dict[int, dict[int, OffloadedArray]] = {}
+        self._offload_dirs: dict[int, str] = {}
+        self._suspended_lock = threading.Lock()
 
     @property
     def worker_id(self) -> int:
@@ -189,7 +200,14 @@ class WorkerCore:
             # other hosts, whose collectives they meet.
             self.sessions.close(msg.session)
             self.store.drop_session(msg.session)
+            self._forget_offloaded(msg.session)
             self.executor.submit(msg)
+        elif kind is Offload:
+            self._send_pool.submit(self._offload, msg)
+        elif kind is Restore:
+            self._send_pool.submit(self._restore, msg)
+        elif kind is Adopt:
+            self._adopt(msg)
         elif kind is Peers:
             self.peers.update(msg.peers)
             self._measure_new_peers(flops=False)
@@ -241,12 +259,20 @@ class WorkerCore:
         if run:
             began = now()
         poison = value if type(value) is Poison else None
-        held: list = []
+        dtype, shape, held = None, (), []
         if poison is None:
             try:
                 dtype, shape, held = local_pieces(value)
             except Exception as e:
                 poison = failure(f"computing array {handle:#x} on worker {self.worker_id}", e)
+        self._deliver(handle, poison, dtype, shape, held, layout, routes, run)
+        if run:
+            RECORDER.span("send", began, run, f"array {handle:#x} to worker(s) {[r for r, _, _ in routes]}")
+
+    def _deliver(self, handle: int, poison: Optional[Poison], dtype: Any, shape: tuple[int, ...], held: list,
+                 layout: list, routes: tuple, run: int = 0) -> None:
+        """Send each receiver of ``routes`` its regions of the pieces ``held`` (or the
+        ``poison``) as ``handle`` laid out as ``layout`` (wire form)."""
         for receiver, senders, regions in routes:
             header: dict = {"t": "put", "handle": handle, "layout": layout, "of": senders}
             if run:
@@ -270,8 +296,129 @@ class WorkerCore:
                 self.links.send(self.peers[receiver], header, pieces)
             except (OSError, KeyError, ConnectError) as e:
                 log.error("sending array %#x to worker %s failed: %s", handle, receiver, e)
-        if run:
-            RECORDER.span("send", began, run, f"array {handle:#x} to worker(s) {[r for r, _, _ in routes]}")
+
+    # ---- suspend and resume -------------------------------------------------------------
+
+    def _offload(self, msg: Offload) -> None:
+        """Move every array of the session off the devices (host memory, or files under
+        the Offload's path), and tell the controller which, with their shapes."""
+        session, directory, warning = msg.session, "", ""
+        if msg.path:
+            directory = os.path.join(msg.path, f"session-{session}", f"worker-{self.worker_id}")
+            try:
+                os.makedirs(directory, exist_ok=True)
+                if not os.access(directory, os.W_OK):
+                    raise PermissionError(f"{directory} is not writable")
+            except OSError as e:
+                warning = (f"worker {self.worker_id} could not write under {msg.path!r} ({e}); it keeps the "
+                           "session's arrays in its host memory instead")
+                directory = ""
+        arrays: list = []
+        failed: list = []
+        nbytes = 0
+        offloaded: dict[int, OffloadedArray] = {}
+        for handle, value in self.store.session_entries(session):
+            if type(value) is Poison:
+                if self.store.pop_if(handle, value):
+                    failed.append((handle, value.kind, value.message[:MAX_TEXT]))
+                continue
+            try:
+                dtype, shape, pieces = local_pieces(value)
+            except Exception as e:
+                poison = failure(f"the computation of array {handle:#x} on worker {self.worker_id}", e)
+                if self.store.pop_if(handle, value):
+                    failed.append((handle, poison.kind, poison.message[:MAX_TEXT]))
+                continue
+            off = None
+            if directory:
+                path = os.path.join(directory, f"{handle:x}.npy")
+                try:
+                    with open(path, "wb") as f:
+                        for _, piece in pieces:
+                            np.save(f, piece, allow_pickle=False)
+                    off = OffloadedArray(dtype, shape, [r for r, _ in pieces], file=path)
+                except OSError as e:
+                    warning = warning or (f"worker {self.worker_id} could not write {path} ({e}); it keeps "
+                                          "the arrays it could not write in its host memory")
+            if off is None:  # a copy of a view of the device buffer, which would keep it alive
+                off = OffloadedArray(dtype, shape, [r for r, _ in pieces],
+                                     [(r, p if p.flags.owndata else np.array(p, copy=True)) for r, p in pieces])
+            if self.store.pop_if(handle, value):  # not deleted meanwhile
+                offloaded[handle] = off
+                arrays.append((handle, tuple(shape)))
+                nbytes += sum(p.nbytes for _, p in pieces)
+            del pieces
+        with self._suspended_lock:
+            self._suspended.setdefault(session, {}).update(offloaded)
+            if directory:
+                self._offload_dirs[session] = directory
+        log.info("offloaded %d array(s) (%d bytes) of session %d%s", len(arrays), nbytes, session,
+                 f" to {directory}" if directory else " to host memory")
+        self.up(Offloaded(session, tuple(arrays), tuple(failed[:1 << 12]), nbytes, warning))
+
+    def _restore(self, msg: Restore) -> None:
+        """Push the resumed session's offloaded arrays to the hosts of their new layouts,
+        as the moves say, then forget every array of the session offloaded here."""
+        with self._suspended_lock:
+            held = self._suspended.pop(msg.session, {})
+            directory = self._offload_dirs.pop(msg.session, "")
+        for handle, copy, layout, routes in msg.moves:
+            off = held.pop(handle, None)
+            poison, dtype, shape, pieces = None, None, (), []
+            if off is None:
+                poison = Poison(f"array {handle:#x} of the suspended session was not on worker {self.worker_id} "
+                                "when it resumed (deleted, or never arrived)")
+            else:
+                try:
+                    pieces = off.pieces if off.file == "" else _read_pieces(off)
+                    dtype, shape = off.dtype, off.shape
+                except (OSError, ValueError) as e:
+                    poison = Poison(f"worker {self.worker_id} could not read array {handle:#x} back from "
+                                    f"{off.file}: {e}")
+            self._deliver(copy, poison, dtype, shape, pieces, layout.to_wire(), routes)
+            del off, pieces
+        if directory:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    def _forget_offloaded(self, session: int) -> None:
+        with self._suspended_lock:
+            self._suspended.pop(session, None)
+            directory = self._offload_dirs.pop(session, "")
+        if directory:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    def _adopt(self, msg: Adopt) -> None:
+        """Store each arriving copy as its session handle; answer Adopted once all have
+        arrived, or after ``wait_timeout`` with the missing ones poisoned."""
+        pairs = msg.pairs
+        state = {"left": len(pairs), "late": 0, "expired": False}
+        lock = threading.Lock()
+
+        def stored() -> None:
+            with lock:
+                state["left"] -= 1
+                state["late"] += state["expired"]
+                finished = state["left"] == 0
+            if finished:
+                timer.cancel()
+                self.up(Adopted(msg.session, len(pairs), state["late"]))
+
+        def expire() -> None:
+            with lock:
+                state["expired"] = True
+            for copy, handle in pairs:
+                self.store.put(copy, Poison(f"array {handle:#x} did not reach worker {self.worker_id} within "
+                                            f"{self.wait_timeout:.0f} s of the session's resume: its sender "
+                                            "failed", "WorkerLostError"), replace=False)
+
+        timer = threading.Timer(self.wait_timeout, expire)
+        timer.daemon = True
+        if not pairs:
+            self.up(Adopted(msg.session, 0, 0))
+            return
+        timer.start()
+        for copy, handle in pairs:
+            self.store.adopt(copy, handle, stored)
 
     # ---- data plane: receiving ----------------------------------------------------------
 
@@ -495,6 +642,12 @@ class _DeviceArrays:
             indices = sharding.addressable_devices_indices_map(shape)
             self._known[key] = (array.aval, list(indices), [_region(index, shape) for index in indices.values()])
         return array
+
+
+def _read_pieces(off: OffloadedArray) -> list:
+    """The pieces of an array offloaded to a file, read back."""
+    with open(off.file, "rb") as f:
+        return [(region, np.load(f, allow_pickle=False)) for region in off.regions]
 
 
 def local_pieces(value: Any) -> tuple[Any, tuple[int, ...], list]:

@@ -2,7 +2,9 @@
 
 Values arrive from the executor, from clients' puts and from peers' pushes; readers wait
 with a deadline. A delete that overtakes its value's arrival leaves a tombstone so the
-late value is dropped instead of leaking.
+late value is dropped instead of leaking. A suspended session's arrays stay in the store
+off the devices (``Offloaded``), and a resumed session's arrays arrive as transfer copies
+that the store renames to the session's handles as they come (``adopt``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,21 @@ class Poison:
         return f"Poison({self.kind}: {self.message!r})"
 
 
+class Offloaded:
+    """An array of a suspended session, off the devices: its distinct shards as numpy
+    pieces ((region, array), ...) in host memory, or in ``file`` (the pieces one after the
+    other, in numpy's .npy format)."""
+
+    __slots__ = ("dtype", "shape", "pieces", "regions", "file")
+
+    def __init__(self, dtype: Any, shape: tuple[int, ...], regions: list, pieces: Optional[list] = None,
+                 file: str = "") -> None:
+        self.dtype, self.shape, self.regions, self.pieces, self.file = dtype, shape, regions, pieces, file
+
+    def __repr__(self) -> str:
+        return f"Offloaded({self.dtype}{list(self.shape)}{', ' + self.file if self.file else ''})"
+
+
 def failure(what: str, error: Exception) -> Poison:
     """The poison for ``what`` having failed with ``error``. A collective that lost its peer
     means a host of the island died: readers get WorkerLostError, as they do once the
@@ -54,23 +71,68 @@ class ObjectStore:
         self._waiters: dict[int, set[Any]] = {}  # handle -> locks of the threads waiting for it
         self._tombstones: OrderedDict[int, None] = OrderedDict()
         self._dropped_sessions: set[int] = set()
+        self._adopt: dict[int, tuple[int, Callable[[], None]]] = {}  # copy -> (handle, called once stored)
 
     def put(self, handle: int, value: Any, replace: bool = True) -> bool:
         """Store ``value``; False if the handle was deleted before it arrived (or, with
         ``replace`` false, already holds a value)."""
+        adopted = None
         with self._lock:
-            if not replace and handle in self._entries:
+            if handle in self._adopt:
+                copy = handle
+                handle, adopted = self._adopt.pop(copy)
+                self._tombstone(copy)  # a late poison for the copy must not linger
+            elif not replace and handle in self._entries:
                 return False
-            if handle in self._tombstones:
-                del self._tombstones[handle]
-                return False
-            if session_of(handle) in self._dropped_sessions:
-                return False
-            self._entries[handle] = value
+            stored = self._store_locked(handle, value)
+            waiters = self._waiters.pop(handle, None) if stored else None
+        if waiters:
+            _release(waiters)
+        if adopted is not None:
+            adopted()
+        return stored
+
+    def _store_locked(self, handle: int, value: Any) -> bool:
+        if handle in self._tombstones:
+            del self._tombstones[handle]
+            return False
+        if session_of(handle) in self._dropped_sessions:
+            return False
+        self._entries[handle] = value
+        return True
+
+    def adopt(self, copy: int, handle: int, stored: Callable[[], None]) -> None:
+        """Store transfer copy ``copy`` as ``handle`` once it arrives (at once if it has),
+        then call ``stored()`` (also when ``handle`` was deleted meanwhile)."""
+        with self._lock:
+            value = self._entries.pop(copy, None)
+            if value is None:
+                self._adopt[copy] = (handle, stored)
+                return
+            self._tombstone(copy)
+            self._store_locked(handle, value)
             waiters = self._waiters.pop(handle, None)
         if waiters:
             _release(waiters)
-        return True
+        stored()
+
+    def _tombstone(self, handle: int) -> None:
+        self._tombstones[handle] = None
+        if len(self._tombstones) > _MAX_TOMBSTONES:
+            self._tombstones.popitem(last=False)
+
+    def session_entries(self, session: int) -> list[tuple[int, Any]]:
+        """The (handle, value) of every array of ``session`` held here."""
+        with self._lock:
+            return [(h, v) for h, v in self._entries.items() if session_of(h) == session]
+
+    def pop_if(self, handle: int, value: Any) -> bool:
+        """Remove ``handle`` if it still holds ``value`` (it was not deleted or replaced)."""
+        with self._lock:
+            if self._entries.get(handle) is not value:
+                return False
+            del self._entries[handle]
+            return True
 
     def get(self, handle: int) -> Optional[Any]:
         return self._entries.get(handle)
@@ -131,9 +193,7 @@ class ObjectStore:
         with self._lock:
             for h in handles:
                 if self._entries.pop(h, None) is None:
-                    self._tombstones[h] = None
-                    if len(self._tombstones) > _MAX_TOMBSTONES:
-                        self._tombstones.popitem(last=False)
+                    self._tombstone(h)
 
     def drop_session(self, session: int) -> int:
         """Delete every buffer of ``session`` and refuse its late arrivals; returns the count."""

@@ -1,0 +1,178 @@
+"""Suspend and resume: a session's arrays leave the devices (for the workers' host memory,
+or files the workers write), its slices are released for other clients, and it resumes
+wherever its slices fit then, with the same arrays, functions and programs."""
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pathways as pw
+from pathways.client import api
+from pathways.client.devices import VirtualDeviceSet
+from pathways.client.session import Session
+from pathways.cluster import status
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with pw.local_cluster(islands=[pw.Island(hosts=1, devices_per_host=2),
+                                   pw.Island(hosts=1, devices_per_host=2)]) as c:
+        yield c
+
+
+@pytest.fixture
+def session(cluster):
+    """A session of its own, the default one for the test (pw.program, pw.suspend use it)."""
+    s = Session(cluster.address, timeout=60)
+    previous = api._default
+    api.set_default_session(s)
+    try:
+        yield s
+    finally:
+        api.set_default_session(previous)
+        s.close()
+
+
+def _state(address, sid):
+    return next(c for c in status(address)["sessions"] if c["session"] == sid)
+
+
+def test_a_session_suspended_on_one_island_resumes_on_the_other_with_its_arrays_functions_and_programs(
+        cluster, session):
+    s = VirtualDeviceSet(session).add_slice(cpu_devices=2, island=0)
+    double = pw.pmap(lambda x: x * 2.0, devices=s.devices)
+    total = pw.pmap(lambda x: jax.lax.psum(x, "i") + 1.0, devices=s.devices)
+
+    @pw.program
+    def step(v):
+        return total(double(v))
+
+    put = pw.device_put(np.arange(8, dtype=np.float32).reshape(2, 4), s.devices)
+    doubled = double(put)
+    stepped = step(np.array([1.0, 2.0], np.float32))
+    big = pw.device_put(np.random.default_rng(0).standard_normal((2, 1 << 18)).astype(np.float32), s.devices)
+    before = {name: np.asarray(a) for name, a in
+              (("put", put), ("doubled", doubled), ("stepped", stepped), ("big", big))}
+    np.testing.assert_array_equal(before["stepped"], [7.0, 7.0])
+
+    session.suspend()
+    st = _state(cluster.address, session.id)
+    assert st["state"] == "suspended" and st["suspended_arrays"] == 4
+    assert st["suspended_bytes"] == sum(a.nbytes for a in before.values())
+    out = subprocess.run([sys.executable, "-m", "pathways", "status", "--address", cluster.address],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f"client session {session.id}: SUSPENDED (4 array(s)" in out.stdout, out.stdout
+
+    # another client takes the whole island the session was on
+    other = Session(cluster.address, timeout=60)
+    try:
+        taken = VirtualDeviceSet(other).add_slice(cpu_devices=2, island=0, exclusive=True)
+        y = pw.pmap(lambda x: x + 100.0, devices=taken.devices)(np.zeros(2, np.float32))
+        np.testing.assert_array_equal(np.asarray(y), [100.0, 100.0])
+
+        session.resume()
+        assert s.island == 1, "island 0 is held exclusively by another client: the slice moved"
+        assert _state(cluster.address, session.id)["state"] == "active"
+        for name, a in (("put", put), ("doubled", doubled), ("stepped", stepped), ("big", big)):
+            np.testing.assert_array_equal(np.asarray(a), before[name], err_msg=name)
+        # the same Python objects: arrays as inputs, host inputs put on the moved slice
+        np.testing.assert_array_equal(np.asarray(double(put)), before["doubled"])
+        np.testing.assert_array_equal(np.asarray(step(np.array([3.0, 4.0], np.float32))), [15.0, 15.0])
+        np.testing.assert_array_equal(np.asarray(total(stepped)), [15.0, 15.0])
+        # and the other client's exclusive slice is untouched
+        np.testing.assert_array_equal(np.asarray(y), [100.0, 100.0])
+    finally:
+        other.close()
+
+
+def test_suspend_to_a_path_has_the_workers_write_files_that_resume_reads_back(cluster, session, tmp_path):
+    s = VirtualDeviceSet(session).add_slice(cpu_devices=2)
+    x = pw.device_put(np.arange(12, dtype=np.float32).reshape(2, 6), s.devices)
+    y = pw.pmap(lambda v: v - 1.0, devices=s.devices)(x)
+    expected = np.asarray(y)
+
+    pw.suspend(path=str(tmp_path))
+    files = sorted(p for p in tmp_path.rglob("*.npy"))
+    assert len(files) == 2, files
+    assert all(p.parent.parent.name == f"session-{session.id}" for p in files)
+    assert sum(p.stat().st_size for p in files) >= x.size * 4 * 2
+    pw.resume()
+    np.testing.assert_array_equal(np.asarray(x), np.arange(12, dtype=np.float32).reshape(2, 6))
+    np.testing.assert_array_equal(np.asarray(y), expected)
+    assert not list(tmp_path.rglob("*.npy")), "the files are removed once read back"
+
+
+@pytest.mark.parametrize("path", ["relative/dir", "/tmp/../etc"])
+def test_suspend_refuses_a_relative_path_or_one_that_climbs(cluster, session, path):
+    VirtualDeviceSet(session).add_slice(cpu_devices=1)
+    with pytest.raises(pw.WireError, match="absolute directory without '..'"):
+        session.suspend(path=path)
+    assert not session.suspended and _state(cluster.address, session.id)["state"] == "active"
+
+
+def test_runs_puts_and_reads_of_a_suspended_session_raise_an_error_that_says_to_resume(cluster, session):
+    s = VirtualDeviceSet(session).add_slice(cpu_devices=2)
+    inc = pw.pmap(lambda v: v + 1.0, devices=s.devices)
+    x = inc(np.zeros(2, np.float32))
+    x.block_until_ready(timeout=60)
+    session.suspend()
+    for attempt in (lambda: inc(x), lambda: inc(np.zeros(2, np.float32)), lambda: np.asarray(x),
+                    lambda: pw.device_put(np.ones(2, np.float32), s.devices)):
+        with pytest.raises(pw.SuspendedError, match=r"call resume\(\)"):
+            attempt()
+    with pytest.raises(pw.SuspendedError, match="already suspended"):
+        session.suspend()
+    session.resume()
+    with pytest.raises(pw.SuspendedError, match="not suspended"):
+        session.resume()
+    np.testing.assert_array_equal(np.asarray(inc(x)), [2.0, 2.0])
+
+
+def test_suspend_waits_for_the_runs_in_flight(cluster, session):
+    s = VirtualDeviceSet(session).add_slice(cpu_devices=2)
+
+    def slow(v):  # a few tenths of a second of work
+        return jax.lax.fori_loop(0, 300, lambda i, y: jnp.tanh(y @ y), v)
+
+    step = pw.jit(slow, mesh=s.mesh("x"))
+    m = np.eye(256, dtype=np.float32) * 0.5
+    step(m).block_until_ready(timeout=120)  # compiled
+    outs = [step(m) for _ in range(3)]
+    session.suspend()
+    st = _state(cluster.address, session.id)
+    assert st["state"] == "suspended" and st["inflight"] == 0 and st["queued"] == 0
+    assert st["completed"] == 4, "the three runs in flight finished before the arrays left the devices"
+    session.resume()
+    expected = np.asarray(jax.jit(slow)(m))
+    for out in outs:
+        np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-6)
+
+
+def test_the_remap_moves_layouts_functions_and_compiles_position_by_position():
+    from pathways.controller.lowering import FnLayouts
+    from pathways.controller.placement import SlicePlacement
+    from pathways.controller.suspension import Remap
+    from pathways.ir import Layout
+    from pathways.protocol import messages as m
+
+    # a slice of 4 devices on two hosts (workers 3, 4) moves onto one host (worker 9, devices 4..7)
+    old = SlicePlacement(7, (3, 4), 0, "cpu", ((0, 0), (0, 1), (1, 0), (1, 1)), (4,), False, 1)
+    new = SlicePlacement(7, (9,), 1, "cpu", ((0, 4), (0, 5), (0, 6), (0, 7)), (4,), False, 1)
+    remap = Remap([(old, new)], {9: 0})
+    layout = Layout((3, 4), old.devices, (2, 2), ("a", "b"), ("a", None))
+    moved = remap.layout(layout)
+    assert moved == Layout((9,), new.devices, (2, 2), ("a", "b"), ("a", None))
+    assert remap.layout(Layout((5,), ((0, 0),), (1,), ("x",), ())) is None, "not on the session's slices"
+    part = remap.layout(Layout((4,), ((1, 1),), (1,), ("x",), ()))
+    assert part.workers == (9,) and part.devices == ((0, 7),)
+    fn = remap.function(FnLayouts((3, 4), (layout,), (layout,)), 7)
+    assert fn == FnLayouts((9,), (moved,), (moved,))
+    compile_msg = remap.compile(m.Compile(1, "f", b"blob", (layout,), (layout,), workers=(3, 4)), 7)
+    assert compile_msg.workers == (9,) and compile_msg.ins == (moved,)
+    xla = remap.compile(m.Compile(2, "g", b"blob", (), (), "xla", b"", (1, 0, 0, 1), (3, 4)), 7)
+    assert xla.devices == (0, 6, 0, 5) and xla.workers == (9,)
