@@ -203,6 +203,9 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: lis
         controller_main(args.policy, args.window, args.bind, security.from_args(args), args.heartbeat_timeout,
                         args.ifrt_bind)
     elif args.command == "worker":
+        from pathways.worker import keeper
+        if os.environ.get(keeper.KEPT_ENV) != "1":  # the host's process becomes the keeper of the worker
+            os.execv(sys.executable, keeper.command(args.reconnect_timeout, [sys.executable, *sys.orig_argv[1:]]))
         from pathways.platforms import find_devices
         from pathways.worker.launchers import LaunchError, resolve
         from pathways.worker.server import IslandMembership, main as worker_main

@@ -35,6 +35,7 @@ from pathways.wire import rpc
 from pathways.wire import security as sec
 from pathways.wire.security import Security
 from pathways.wire.liveness import check_timeout
+from pathways.worker import keeper
 
 if TYPE_CHECKING:
     from pathways.planner import Topology
@@ -136,6 +137,12 @@ class LocalCluster:
     def of_hosts(cls, hosts: int, devices_per_host: int, security: Security | None = None) -> "LocalCluster":
         return cls([Island(hosts, devices_per_host)], security=security)
 
+    def worker_pids(self) -> list[int]:
+        """The pids of the worker processes attached now. ``pids`` holds the processes the
+        cluster started: the controller, and each worker's keeper (worker/keeper.py), whose
+        child the worker is."""
+        return [w["pid"] for w in status(self.address, security=self.security)["workers"]]
+
     @property
     def num_workers(self) -> int:
         return sum(i.hosts for i in self.islands)
@@ -200,15 +207,18 @@ class LocalCluster:
                         # accelerators the machine has, and places given here whatever launcher
                         # (srun, a Kubernetes Job) started this process
                         for rank in range(island.hosts):
+                            # started as its keeper, which restarts it when it asks (worker/keeper.py)
                             procs.append(await trio.lowlevel.open_process(
-                                _python_cmd("worker", "--controller", address, "--platform", "cpu",
-                                            "--devices", str(island.devices_per_host), "--launcher", "none",
-                                            "--island", str(island_id), "--island-hosts", str(island.hosts),
-                                            "--rank", str(rank), *debug, *secure, *beats),
+                                keeper.command(keeper.RECONNECT_TIMEOUT, _python_cmd(
+                                    "worker", "--controller", address, "--platform", "cpu",
+                                    "--devices", str(island.devices_per_host), "--launcher", "none",
+                                    "--island", str(island_id), "--island-hosts", str(island.hosts),
+                                    "--rank", str(rank), *debug, *secure, *beats)),
                                 env=env, stdout=_STDERR_FD))
                     self.pids = [p.pid for p in procs]
                     for i, p in enumerate(procs):
-                        nursery.start_soon(self._watch, procs, i, controller_cmd if i == 0 else p.args, env)
+                        nursery.start_soon(self._watch, procs, i, "controller" if i == 0 else "worker",
+                                           controller_cmd if i == 0 else p.args, env)
                     await trio.to_thread.run_sync(wait_for_workers, address, self.num_workers,
                                                   self.start_timeout, self.security, abandon_on_cancel=True)
                 self.address, self.ifrt_address = address, ifrt_address
@@ -226,7 +236,8 @@ class LocalCluster:
                 await _reap(procs[:1])
                 await _reap(procs[1:])
 
-    async def _watch(self, procs: list[trio.Process], i: int, command: list[str], env: dict[str, str]) -> None:
+    async def _watch(self, procs: list[trio.Process], i: int, role: str, command: list[str],
+                     env: dict[str, str]) -> None:
         """Wait for ``procs[i]`` to exit; start ``command`` in its place when the cluster
         restarts that kind of process (with a back-off), else report it."""
         pause = RESTART_FIRST_PAUSE
@@ -236,7 +247,6 @@ class LocalCluster:
             code = await proc.wait()
             if self._stopping:
                 return
-            role = proc.args[3]
             log.log(logging.INFO if code == 0 else logging.ERROR,
                     "pathways process %d (%s) exited with code %s", proc.pid, role, code)
             if not self._ready.is_set():

@@ -37,6 +37,28 @@ def child_pids():
     return children
 
 
+def child_of(pid, timeout=30.0):
+    """The one child of process ``pid``: the worker that a worker's keeper runs (the
+    process ``pathways worker`` starts keeps the worker as its child, worker/keeper.py)."""
+    def child():
+        found = []
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.append(int(entry))
+        return found[0] if len(found) == 1 else None
+    return wait_until(child, timeout, f"process {pid}'s child")
+
+
+def worker_pids(address):
+    """The pids of the worker processes attached to the controller at ``address``."""
+    return [w["pid"] for w in status(address)["workers"]]
+
+
 def wait_until(predicate, timeout=20.0, what="condition"):
     deadline = time.monotonic() + timeout
     while True:

@@ -23,7 +23,7 @@ from pathways.errors import PlacementError
 from pathways.protocol import messages as m
 from pathways.wire import addresses
 from pathways.worker.island import PortReservation, worker_hosts
-from tests.conftest import read_line, wait_until
+from tests.conftest import child_of, read_line, wait_until
 from tests.test_controller import Box, _of
 
 START_SECONDS = 120.0
@@ -235,8 +235,9 @@ def test_a_two_host_island_started_without_ranks_assembles_in_arrival_order_and_
         procs.append(_worker(address, "--island", "pair", "--island-hosts", "2"))
         wait_until(lambda: _assembled(address, "pair"), START_SECONDS, "the island to assemble")
         workers = {w["pid"]: w for w in status(address)["workers"]}
-        assert workers[procs[1].pid]["rank"] == 0 and workers[procs[2].pid]["rank"] == 1, "ranks by arrival"
-        assert workers[procs[1].pid]["worker"] == first[0]["worker"]
+        one, two = child_of(procs[1].pid), child_of(procs[2].pid)  # the workers their keepers run
+        assert workers[one]["rank"] == 0 and workers[two]["rank"] == 1, "ranks by arrival"
+        assert workers[one]["worker"] == first[0]["worker"]
         assert all(w["island_name"] == "pair" for w in workers.values())
         np.testing.assert_array_equal(_psum_on(address, _island(address, "pair")["island"]), [7.0, 7.0])
     finally:
@@ -272,7 +273,7 @@ def test_asked_ranks_are_honoured_a_duplicate_is_refused_and_an_island_opens_onc
         procs.append(_worker(address, "--island", "duo", "--island-hosts", "2", "--rank", "0"))
         wait_until(lambda: _assembled(address, "duo"), START_SECONDS, "the island to assemble")
         ranks = {w["pid"]: w["rank"] for w in status(address)["workers"]}
-        assert ranks == {procs[1].pid: 1, procs[3].pid: 0}
+        assert ranks == {child_of(procs[1].pid): 1, child_of(procs[3].pid): 0}
         np.testing.assert_array_equal(_psum_on(address, island["island"]), [7.0, 7.0])
     finally:
         stop_processes(procs)
@@ -298,7 +299,7 @@ def test_servers_bind_and_advertise_the_hosts_they_are_given():
         workers = wait_until(lambda: len(status(address)["workers"]) == 2 and status(address)["workers"],
                              START_SECONDS, "both workers to register")
         by_pid = {w["pid"]: w for w in workers}
-        aliased, plain = by_pid[procs[1].pid], by_pid[procs[2].pid]
+        aliased, plain = by_pid[child_of(procs[1].pid)], by_pid[child_of(procs[2].pid)]
         assert aliased["address"].startswith("grpc://127.0.0.3:") and aliased["data_address"].startswith("tcp://127.0.0.3:")
         port = int(aliased["address"].rsplit(":", 1)[1])
         assert _listening("127.0.0.3", port) and not _listening("127.0.0.1", port), "it binds what it advertises"

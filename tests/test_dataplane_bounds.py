@@ -16,7 +16,7 @@ from pathways.cluster import status
 from pathways.errors import WireError
 from pathways.protocol.handles import first_handle
 from pathways.wire import codec, rpc, tcp
-from tests.conftest import wait_until
+from tests.conftest import wait_until, worker_pids
 
 _GIB = 1 << 30
 
@@ -67,7 +67,7 @@ def test_an_assembled_array_is_aligned_writable_and_exact():
 
 def test_a_worker_refuses_a_huge_put_without_committing_its_memory(cluster, session):
     worker = next(w for w in status(cluster.address)["workers"] if w["rank"] == 0)
-    workers = [pid for pid in cluster.pids if b"worker" in open(f"/proc/{pid}/cmdline", "rb").read()]
+    workers = worker_pids(cluster.address)
     before = {pid: peak_rss_bytes(pid) for pid in workers}
     header = {"dtype": "uint8", "shape": [4 * _GIB], "nbytes": 4 * _GIB}
     put_message = codec.pack({"t": "put", "handle": first_handle(session.id) + 77, "credential": session._credential,

@@ -14,7 +14,7 @@ import numpy as np
 import pathways as pw
 from pathways.cluster import status
 from pathways.wire import codec, tcp
-from tests.conftest import check_a_transfer_between_the_hosts
+from tests.conftest import check_a_transfer_between_the_hosts, worker_pids
 from tests.test_dataplane_bounds import Collector, closed_by_peer, connect, frame, rss_bytes, thread_deaths
 
 _SEED = 20261122
@@ -97,10 +97,6 @@ def exchange(address, data, timeout=10.0):
         assert closed_by_peer(sock, timeout), "every connection must end closed by the listener"
 
 
-def worker_pids(cluster):
-    return [pid for pid in cluster.pids if b"worker" in open(f"/proc/{pid}/cmdline", "rb").read()]
-
-
 def data_threads():
     return [t for t in threading.enumerate() if t.name.startswith("pathways-data")]
 
@@ -113,7 +109,7 @@ def test_fuzzed_frames_are_delivered_intact_or_closed_and_nothing_leaks(monkeypa
     threads_before = data_threads()
     listener = tcp.Listener(collector, timeout=2.0, budget_bytes=256 << 20, connection_bytes=64 << 20)
     worker_data = status(cluster.address)["workers"][0]["data_address"]
-    workers = worker_pids(cluster)
+    workers = worker_pids(cluster.address)
     workers_before = {pid: rss_bytes(pid) for pid in workers}
     expected: dict[int, list] = {}
     frames = broken = to_worker = 0

@@ -12,7 +12,7 @@ import pytest
 
 import pathways as pw
 from pathways.cluster import free_port, status, stop_processes
-from tests.conftest import pids_alive, read_line, wait_until
+from tests.conftest import child_of, pids_alive, read_line, wait_until
 
 
 def _island(address, island=0):
@@ -30,31 +30,34 @@ def _kill(address, island, rank):
     return w
 
 
-def test_a_killed_host_replaced_by_hand_heals_its_island_for_the_same_client_objects():
+@pytest.mark.parametrize("killed", [1, 0])  # rank 0 runs the island's coordination service
+def test_a_killed_host_replaced_by_hand_heals_its_island_for_the_same_client_objects(killed):
     with pw.local_cluster(islands=[pw.Island(hosts=2)]) as c:
         s = pw.make_virtual_device_set().add_slice(cpu_devices=2, island=0)
         total = pw.pmap(lambda x: jax_psum(x) + 1.0, devices=s.devices, axis_name="i")
         np.testing.assert_array_equal(np.asarray(total(np.array([1.0, 2.0], np.float32))), [4.0, 4.0])
         kept = pw.device_put(np.array([5.0, 6.0], np.float32), s.devices)
         kept.block_until_ready(timeout=60)
-        survivor = next(w for w in status(c.address)["workers"] if w["rank"] == 0)
-        lost = _kill(c.address, 0, 1)
+        survivor = next(w for w in status(c.address)["workers"] if w["rank"] == 1 - killed)
+        lost = _kill(c.address, 0, killed)
         with pytest.raises(pw.WorkerLostError):
             np.asarray(kept)
-        wait_until(lambda: any(w["pid"] == survivor["pid"] for w in status(c.address)["workers"]),
-                   what="the surviving host to restart in place and join its island again")
-        assert _island(c.address)["healing"]
+        # the surviving host's keeper (the process its launcher started) runs it again, and it joins the island
+        wait_until(lambda: _island(c.address)["healing"] and _island(c.address)["hosts"] == 1,
+                   what="the surviving host to restart and join its island again")
+        keeper = c.pids[1 + 1 - killed]  # the survivor's keeper: the process its launcher started
+        assert status(c.address)["workers"][0]["pid"] != survivor["pid"] and pids_alive([keeper]) == [keeper]
         replacement = subprocess.Popen(
             [sys.executable, "-m", "pathways", "worker", "--controller", c.address, "--platform", "cpu",
              "--devices", "1", "--island", "0", "--island-hosts", "2", "--launcher", "none"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             wait_until(lambda: _island(c.address)["healthy"], timeout=60, what="the island to heal")
-            workers = {w["pid"]: w for w in status(c.address)["workers"]}
-            assert set(workers) == {survivor["pid"], replacement.pid}
-            assert {w["worker"] for w in workers.values()} == {lost["worker"], survivor["worker"]}, \
-                "the hosts take the island's ranks under their worker ids of before"
-            assert set(s.addresses) == {w["address"] for w in workers.values()}, "the client's slice follows"
+            workers = {w["rank"]: w for w in status(c.address)["workers"]}
+            assert workers[killed]["pid"] == child_of(replacement.pid), "the replacement takes the free rank"
+            assert workers[killed]["worker"] == lost["worker"] and workers[1 - killed]["worker"] == survivor["worker"], \
+                "the hosts take the island's ranks under the worker ids of before"
+            assert s.addresses == (workers[0]["address"], workers[1]["address"]), "the client's slice follows"
             # the same slice and compiled function, a fresh input: the psum runs over the healed island
             np.testing.assert_array_equal(np.asarray(total(np.array([3.0, 4.0], np.float32))), [8.0, 8.0])
             x = pw.device_put(np.array([1.0, 1.0], np.float32), s.devices)
@@ -70,12 +73,13 @@ def test_the_local_supervisor_restarts_a_killed_worker_and_the_island_heals():
         s = pw.make_virtual_device_set().add_slice(cpu_devices=2, island=0)
         total = pw.pmap(lambda x: jax_psum(x) + 1.0, devices=s.devices, axis_name="i")
         np.testing.assert_array_equal(np.asarray(total(np.array([1.0, 2.0], np.float32))), [4.0, 4.0])
-        before = set(c.pids)
+        before = list(c.pids)
         lost = _kill(c.address, 0, 0)  # rank 0 runs the island's coordinator
-        wait_until(lambda: _island(c.address)["healing"] or not _island(c.address)["healthy"],
-                   what="the loss to be seen")
+        wait_until(lambda: not _island(c.address)["healthy"], what="the loss to be seen")
         wait_until(lambda: _island(c.address)["healthy"], timeout=60, what="the island to heal")
-        assert lost["pid"] not in c.pids and len(c.pids) == len(before), "the dead worker was replaced"
+        assert c.restarts == 1 and c.pids[1:] != before[1:] and c.pids[2:] == before[2:], \
+            "the supervisor started the dead worker again, and only it"
+        assert lost["pid"] not in [w["pid"] for w in status(c.address)["workers"]]
         np.testing.assert_array_equal(np.asarray(total(np.array([3.0, 4.0], np.float32))), [8.0, 8.0])
         pids = list(c.pids)
     assert pids_alive(pids) == []

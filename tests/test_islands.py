@@ -228,10 +228,10 @@ def test_a_killed_worker_fails_its_islands_futures_quickly_and_the_rest_keeps_se
         np.testing.assert_array_equal(np.asarray(other), [0.0, 3.0, 6.0])
         st = status(c.address)
         assert [i["healthy"] for i in st["islands"]] == [False, True]
-        # the island's other host restarts in place (same pid) and joins it again, to heal it
-        # with whatever replaces the lost host
-        wait_until(lambda: any(w["pid"] == rank0["pid"] for w in status(c.address)["workers"]),
+        # the island's other host restarts and joins it again, to heal it with whatever replaces the lost host
+        wait_until(lambda: [i["hosts"] for i in status(c.address)["islands"]] == [1, 1],
                    what="the island's other host to join it again")
+        assert rank0["pid"] not in [w["pid"] for w in status(c.address)["workers"]], "a new process"
         cli = subprocess.run([sys.executable, "-m", "pathways", "status", "--address", c.address],
                              capture_output=True, text=True, timeout=60)
         assert "island 0: HEALING (1 of 2 hosts joined again" in cli.stdout, cli.stdout

@@ -92,9 +92,9 @@ def test_a_frozen_worker_is_lost_within_the_heartbeat_timeout_and_healthy_island
             np.testing.assert_array_equal(light(np.ones(2, np.float32)).to_numpy(timeout=30), [3.0, 3.0])
         finally:
             os.kill(frozen["pid"], signal.SIGCONT)
-        # the continued worker finds itself dropped, restarts in place and joins its island again: it heals
+        # the continued worker finds itself dropped and is restarted, and joins its island again: it heals
         wait_until(lambda: status(c.address)["islands"][0]["healthy"], timeout=60, what="the island to heal")
-        assert frozen["pid"] in [w["pid"] for w in status(c.address)["workers"]]
+        assert frozen["pid"] not in [w["pid"] for w in status(c.address)["workers"]]
 
 
 def _blocked(call):
@@ -150,13 +150,19 @@ def test_a_dead_or_frozen_controller_fails_every_pending_call_within_seconds(sig
                 os.kill(controller, signal.SIGCONT)
 
 
-def _reconnecting(pid):
-    """Whether process ``pid`` is a worker that restarted to wait for its controller."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return b"PATHWAYS_RECONNECT_UNTIL=" in f.read()
-    except OSError:
-        return False
+def _reconnecting(keeper):
+    """Whether the worker that process ``keeper`` keeps restarted to wait for its controller."""
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) != keeper:
+                    continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if b"PATHWAYS_RECONNECT_UNTIL=" in f.read():
+                    return True
+        except OSError:
+            continue
+    return False
 
 
 def test_a_shorter_heartbeat_timeout_is_honoured_end_to_end():

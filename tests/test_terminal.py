@@ -88,7 +88,8 @@ def test_up_restarts_its_controller_when_it_dies_and_the_workers_attach_again():
         wait_until(lambda: any("controller" in cmd for pid, cmd in children_of(up.pid).items() if pid != controller),
                    timeout=30, what="a new controller")
         st = wait_until(lambda: _status_or_none(address), timeout=60, what="the workers to attach to it again")
-        assert [w["pid"] for w in st["workers"]] == [worker], "the worker kept its process"
+        assert pids_alive([worker]) == [worker], "the worker's keeper kept running"
+        assert [w["pid"] for w in st["workers"]] == list(children_of(worker)), "and restarted the worker"
         assert up.poll() is None, "up keeps running"
         children = children_of(up.pid)
         up.send_signal(signal.SIGTERM)

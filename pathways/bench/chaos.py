@@ -161,16 +161,16 @@ def run(duration: float = 60.0, kill_every: float = 6.0, clients: int = 3, seed:
                 if report.read_line(c, _START_SECONDS, "a chaos client") != "ready":
                     raise RuntimeError("a chaos client did not start")
             controller_pid = cluster.pids[0]
-            rss_start = _rss(controller_pid), sum(_rss(p) for p in cluster.pids[1:])
+            rss_start = _rss(controller_pid), _workers_rss(cluster.address)
             deadline = time.monotonic() + duration
             last_kill = time.monotonic()
             while True:
                 time.sleep(kill_every * rng.uniform(0.5, 1.5))
                 if time.monotonic() >= deadline:
                     break
-                try:
-                    os.kill(rng.choice(cluster.pids[1:]), signal.SIGKILL)
-                except ProcessLookupError:  # it was being restarted
+                try:  # the worker process itself, not its keeper
+                    os.kill(rng.choice([w["pid"] for w in status(cluster.address)["workers"]]), signal.SIGKILL)
+                except (ProcessLookupError, IndexError):  # it was being restarted, or none is attached
                     continue
                 result.kills += 1
                 last_kill = time.monotonic()
@@ -199,7 +199,7 @@ def run(duration: float = 60.0, kill_every: float = 6.0, clients: int = 3, seed:
         gc.collect()
         result.leaked = _leaked(cluster.address)
         result.controller_rss = (rss_start[0], _rss(controller_pid))
-        result.worker_rss = (rss_start[1], sum(_rss(p) for p in cluster.pids[1:]))
+        result.worker_rss = (rss_start[1], _workers_rss(cluster.address))
     return result
 
 
@@ -209,6 +209,10 @@ def _functions() -> tuple[Any, Any]:
     psum = pw.pmap(lambda x: _psum(x) + 1.0, devices=pair.devices, axis_name="i")
     triple = pw.jit(lambda x: x * 3.0, mesh=single.mesh("x"))
     return psum, pw.program(lambda x: triple(psum(x)))
+
+
+def _workers_rss(address: str) -> int:
+    return sum(_rss(w["pid"]) for w in status(address)["workers"])  # the workers, not their keepers
 
 
 def _wait_healthy(address: str, timeout: float) -> Optional[float]:

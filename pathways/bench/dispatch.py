@@ -79,7 +79,8 @@ def _measure_hosts(hosts: int, rounds: int, counts: dict[str, int], progress: re
             run()
         # CPU time of every process taking part, per computation: on a machine with fewer
         # cores than processes, it bounds throughput.
-        pids = {m: [os.getpid(), *cluster.pids] if m.startswith("PW") else pool.pids for m in MODES}
+        pids = {m: [os.getpid(), cluster.pids[0], *cluster.worker_pids()] if m.startswith("PW") else pool.pids
+                for m in MODES}
         cpu: dict[str, list[float]] = {m: [] for m in MODES}
 
         def accounted(mode: str) -> Callable[[], float]:

@@ -48,8 +48,10 @@ compiled and run on it, alternated with the kills.
 **Suspend and resume**: arrays totalling {SUSPEND_GIB:g} GiB on island 0 of a cluster of two
 one-host islands; `session.suspend()` moves them into the workers' host memory and releases
 the slices, another client takes island 0 exclusively, and `session.resume()` re-places the
-slices on island 1 and moves the bytes there worker to worker. *Raw copy* is a copy of the same
-bytes in one process's memory, the floor for moving them once.
+slices on island 1 and moves the bytes there worker to worker (`pathways/bench/suspend.py`).
+*Raw copy* is a numpy copy of the same bytes in one process's memory, the floor for moving
+them off a device on CPU; *raw move* is an ordinary program moving arrays of the same bytes
+from island 0 to island 1, the data plane's worker-to-worker transfer.
 
 **Chaos**: three client processes run op-by-op psums, programs across both islands and
 transfers for {CHAOS_SECONDS:g} s while a worker is SIGKILLed every 7 s on average (see
@@ -143,8 +145,9 @@ def tables(data: dict) -> list:
                      [[name, f"{sus[key]:.2f}", f"{sus['bytes'] / 2**30 / sus[key]:.2f}" if sus[key] else "-"]
                       for name, key in (("suspend (device to host memory, slices released)", "suspend_s"),
                                         ("resume on the other island (worker to worker)", "resume_s"),
-                                        ("raw copy of the same bytes in one process", "raw_copy_s"))
-                      if key in sus]),
+                                        ("raw copy: numpy copy of the same bytes in one process", "numpy_copy_s"),
+                                        ("raw move: the same bytes moved to the other island by a program",
+                                         "transfer_s"))]),
         report.Table(f"Chaos: {chaos_data['seconds']:g} s, 3 clients, a worker SIGKILLed every 7 s on average",
                      ["kills", "restarts", "right", "WorkerLostError", "other failures", "healthy after last kill s",
                       "arrays left", "controller RSS MiB start-end", "workers RSS MiB start-end"],
@@ -163,7 +166,8 @@ def summary(data: dict) -> list[str]:
              f"{report.ratio(data['heal_s'], data['fresh_s']):.2f}x the time a fresh cluster of the same shape "
              "takes to serve",
              f"suspending {sus['bytes'] / 2**30:g} GiB takes {sus['suspend_s']:.2f} s and resuming it on another "
-             f"island {sus['resume_s']:.2f} s; a raw copy of the bytes takes {sus['raw_copy_s']:.2f} s",
+             f"island {sus['resume_s']:.2f} s; a numpy copy of the bytes takes {sus['numpy_copy_s']:.2f} s, and "
+             f"moving them to the other island with a program {sus['transfer_s']:.2f} s",
              f"chaos: {c['kills']} kills in {c['seconds']:g} s, {c['correct']} right results, {c['lost']} "
              f"WorkerLostError, {len(c['failures'])} other failures, "
              + ("every island healthy again" if c["healed_after_s"] is not None else "an island did not heal")]

@@ -108,7 +108,7 @@ def _measure(rounds: int, stages: Sequence[int], computations: int, progress: re
         chains = {f"{OVERHEAD_NODES}-node chain, 1 host": (_program([one] * OVERHEAD_NODES), OVERHEAD_NODES,
                                                              OVERHEAD_CHAIN),
                   f"{hosts}-stage pipeline": (programs["parallel"], hosts, OVERHEAD_PIPELINE)}
-        pids = [os.getpid(), *cluster.pids]
+        pids = [os.getpid(), cluster.pids[0], *cluster.worker_pids()]
         overhead = {what: _overhead(program, slices[0], n, max(total * computations // 256 // n, 4), rounds, pids,
                                     progress)
                     for what, (program, n, total) in chains.items()}

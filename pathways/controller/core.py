@@ -5,9 +5,11 @@ with ``put(message)``), so nothing here does I/O and all of it runs without proc
 It composes parts with one job each: worker membership and measurements
 (membership.py), placement (placement.py), each session's handle table (handles.py) and
 programs with their lowerings (programs.py), dispatch through the gang scheduler
-(dispatch.py, scheduler.py), and the suspend and resume of sessions (suspension.py). The transport shell (server.py) decodes payloads with the
-protocol's tables and calls ``on_session_batch`` / ``on_worker_batch``; a second front end
-drives a session through the same typed messages with ``on_session_message``.
+(dispatch.py, scheduler.py), and the suspend and resume of sessions (suspension.py). The
+transport shell (server.py) decodes payloads with the protocol's tables and calls
+``on_session_batch`` / ``on_worker_batch``; a second front end drives a session through
+the same typed messages with ``on_session_message``. Islands that lost a host heal when
+their hosts join again (``worker_lost``, ``_healed``).
 """
 
 from __future__ import annotations

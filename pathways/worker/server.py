@@ -21,11 +21,11 @@ process with its reason), configure JAX and join the island's jax.distributed gr
 only then build the core. What the controller sends meanwhile is kept and handed to the
 core in order; callers of the gRPC methods and the data plane wait for the core.
 
-When the controller says the island lost a host, the worker restarts in place (``main``)
-and joins the island again; when the controller's stream ends, or the controller sends
-nothing (not even a heartbeat) for the heartbeat timeout, it restarts and attaches again
-once the controller is back (``--reconnect-timeout``); when the controller says to stop, it
-exits. It sends the controller a heartbeat whenever nothing else went out for a while
+When the controller says the island lost a host, the worker has its keeper (keeper.py)
+restart it, and joins the island again; when the controller's stream ends, or the
+controller sends nothing (not even a heartbeat) for the heartbeat timeout, it is restarted
+to attach again once the controller is back (``--reconnect-timeout``); when the controller
+says to stop, it exits. It sends the controller a heartbeat whenever nothing else went out for a while
 (wire/liveness.py), from the moment it attaches.
 """
 
@@ -41,7 +41,7 @@ import socket
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Iterator, NoReturn, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import grpc
 import trio
@@ -55,6 +55,7 @@ from pathways.wire import codec, frames, rpc, tcp
 from pathways.wire.addresses import join_host_port, split_host_port
 from pathways.wire.liveness import Heartbeats, check_timeout
 from pathways.wire.security import Security, SecurityConfigError
+from pathways.worker import keeper
 from pathways.worker.island import IslandMembership, PortReservation, configure_jax, worker_hosts
 from pathways.worker.measure import host_memory_bytes
 
@@ -65,10 +66,6 @@ log = logging.getLogger("pathways.worker")
 
 RESTART = "restart"  # the island lost a host: restart now and rejoin it
 RECONNECT = "reconnect"  # the controller went away: restart and attach again once it is back
-RECONNECT_TIMEOUT = 60.0
-# Set by a worker that restarts to reconnect: the wall-clock time (seconds since the epoch)
-# until which the new process waits for the controller to come back.
-RECONNECT_UNTIL_ENV = "PATHWAYS_RECONNECT_UNTIL"
 _RECONNECT_FIRST_PAUSE = 0.2
 _RECONNECT_MAX_PAUSE = 2.0
 
@@ -228,7 +225,8 @@ class Joining:
 def main(controller: str, devices: Devices, island: IslandMembership, wait_timeout: float, connect_timeout: float,
          join_timeout: float = 300.0, bind: Optional[str] = None, advertise: Optional[str] = None,
          unsafe_local_order: bool = False, security: Security | None = None,
-         heartbeat_timeout: float = HEARTBEAT_TIMEOUT, reconnect_timeout: float = RECONNECT_TIMEOUT) -> None:
+         heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+         reconnect_timeout: float = keeper.RECONNECT_TIMEOUT) -> None:
     """Serve until the controller stops it: attach to ``controller``, join ``island``
     (JAX serves ``devices``, and joins the island's jax.distributed group when it
     has several hosts, waiting up to ``join_timeout`` seconds for the other hosts). Servers
@@ -236,13 +234,13 @@ def main(controller: str, devices: Devices, island: IslandMembership, wait_timeo
     ``worker_hosts``). A refusal by the controller exits with its reason. ``security``: the
     token and TLS of every connection (wire/security.py).
 
-    The process restarts itself in place (``restart``: the same pid and command line, a
-    fresh image) when its island lost a host, to join the island's next jax.distributed
-    group, and when the controller goes away (its stream ends, or it stays silent for
-    ``heartbeat_timeout`` seconds), to attach again once it is back: the new process tries
-    for ``reconnect_timeout`` seconds, then exits. A fresh process because JAX cannot leave a
-    jax.distributed group and join another in-process (the CPU client keeps the old group's
-    collectives), and because a controller that restarted knows nothing of the old state."""
+    Run by its keeper (keeper.py, which ``pathways worker`` starts), the worker asks to be
+    restarted, with the keeper's exit codes, when its island lost a host, to join the
+    island's next jax.distributed group, and when the controller goes away (its stream
+    ends, or it stays silent for ``heartbeat_timeout`` seconds), to attach again once it is
+    back: the new process tries for ``reconnect_timeout`` seconds, then exits. A new process
+    because JAX cannot leave a jax.distributed group and join another in-process, and
+    because a controller that restarted knows nothing of the old state."""
     security = security or Security()
     if security.serves_tls != security.uses_tls:
         raise SecurityConfigError("a worker uses TLS with --tls-cert and --tls-key (clients and peers reach its "
@@ -265,50 +263,48 @@ def main(controller: str, devices: Devices, island: IslandMembership, wait_timeo
                          "--advertise HOST (the address other hosts reach this one at)") from None
     if not (math.isfinite(reconnect_timeout) and reconnect_timeout >= 0):
         raise SystemExit(f"--reconnect-timeout must be a finite number of seconds, 0 or more, got {reconnect_timeout!r}")
-    reconnecting = os.environ.pop(RECONNECT_UNTIL_ENV, None)
+    reconnecting = os.environ.pop(keeper.RECONNECT_UNTIL_ENV, None)
     if reconnecting is not None:
         error = _wait_for_controller(controller, reconnecting, connect_timeout, security)
         if error:
             raise SystemExit(f"error: {error}")
     error, again = trio.run(_serve, controller, devices, island, bind_host, advertise_host, wait_timeout,
                             connect_timeout, join_timeout, unsafe_local_order, security, heartbeat_timeout)
-    if again == RECONNECT and reconnect_timeout > 0:
+    kept = os.environ.get(keeper.KEPT_ENV) == "1"
+    code = 1 if error else 0
+    if again == RECONNECT and reconnect_timeout > 0 and kept:
         log.warning("the controller at %s went away; this worker restarts and attaches again once it is back "
                     "(for up to %g s, --reconnect-timeout)", controller, reconnect_timeout)
-        restart({RECONNECT_UNTIL_ENV: repr(time.time() + reconnect_timeout)})
-    elif again == RESTART:
-        restart({})
-    elif again == RECONNECT:
-        error = error or f"the controller at {controller} went away (--reconnect-timeout 0: no reconnecting)"
+        error, code = None, keeper.RECONNECT
+    elif again == RESTART and kept:
+        log.info("restarting to join island %r again", island.name)
+        error, code = None, keeper.RESTART
+    elif again is not None:
+        error = error or (f"the controller at {controller} went away" if again == RECONNECT else
+                          f"island {island.name!r} lost a host") + "; this worker is not run by its keeper, so it exits"
+        code = 1
     if island.hosts > 1:
         # jax.distributed's exit handler waits at a barrier for every host of the island,
         # which never comes when one of them is lost.
         if error:
             print(f"error: {error}", file=sys.stderr, flush=True)
         logging.shutdown()
-        os._exit(1 if error else 0)
+        os._exit(code)
     if error:
         raise SystemExit(f"error: {error}")
-
-
-def restart(env: dict[str, str]) -> NoReturn:
-    """Replace this process's image with a fresh run of the same command line (same pid:
-    whatever supervises it sees it keep running), with ``env`` added to the environment."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.environ.update(env)
-    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+    if code:
+        logging.shutdown()
+        sys.exit(code)
 
 
 def _wait_for_controller(controller: str, until: str, connect_timeout: float, security: Security) -> Optional[str]:
     """In a worker that restarted because its controller went away: wait until the
     controller at ``controller`` answers again, trying with back-off until wall-clock time
-    ``until`` (RECONNECT_UNTIL_ENV); returns why not, or None."""
+    ``until`` (keeper.RECONNECT_UNTIL_ENV); returns why not, or None."""
     try:
         deadline = float(until)
     except ValueError:
-        return f"{RECONNECT_UNTIL_ENV}={until!r} is not a time; unset it"
+        return f"{keeper.RECONNECT_UNTIL_ENV}={until!r} is not a time; unset it"
     pause = _RECONNECT_FIRST_PAUSE
     while True:
         left = deadline - time.time()

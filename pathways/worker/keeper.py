@@ -1,0 +1,102 @@
+"""The process a worker host runs as: it starts the worker itself as its child and starts it
+again when the worker asks to be restarted, or when JAX killed it.
+
+A worker restarts when its island lost a host (a new ``jax.distributed`` group needs a new
+process: JAX cannot leave a group and join another in-process) and when its controller went
+away (it waits for the controller to come back, ``--reconnect-timeout``). JAX also kills the
+hosts of a group itself, with SIGABRT, when the group's coordination service fails: rank 0
+died, or this host was cut off from it. The keeper restarts the worker in those cases, so
+that the host joins its island again once the island or the network is back; a worker that
+exits otherwise (stopped, refused, killed by another signal) ends the keeper with its code,
+so that whatever supervises the host (a local cluster, Slurm, Kubernetes) sees it.
+
+Run as a script, ``python -I keeper.py RECONNECT_TIMEOUT COMMAND...`` (``command``): it uses
+only the standard library, so it costs a few MiB, not a JAX import. SIGTERM and SIGINT are
+passed on to the worker; the worker exits when the keeper does (PATHWAYS_PARENT_PID).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+RECONNECT_TIMEOUT = 60.0  # the default of `pathways worker --reconnect-timeout`
+RESTART = 75  # the worker's exit code asking for a restart now (its island lost a host)
+RECONNECT = 76  # ... asking for a restart that waits for the controller (it went away)
+KEPT_ENV = "PATHWAYS_WORKER_KEPT"  # set in the worker: it exits with the codes above instead of stopping
+RECONNECT_UNTIL_ENV = "PATHWAYS_RECONNECT_UNTIL"  # wall-clock time until which a restarted worker waits
+PARENT_PID_ENV = "PATHWAYS_PARENT_PID"
+_STOP_GRACE_SECONDS = 3.0
+_ABORT_PAUSE, _ABORT_MAX_PAUSE = 1.0, 10.0  # back-off between restarts after SIGABRT
+_ABORT_STABLE_SECONDS = 30.0  # a worker that ran this long before aborting restarts after the first pause
+
+
+def command(reconnect_timeout: float, worker: list[str]) -> list[str]:
+    """The command line of a keeper of the worker started by ``worker``."""
+    return [sys.executable, "-I", os.path.abspath(__file__), repr(reconnect_timeout), *worker]
+
+
+def _watch_parent() -> None:
+    """Exit when the process that started this one is gone (a local cluster's child)."""
+    parent = os.environ.get(PARENT_PID_ENV)
+    if not parent or not parent.isdigit():
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(parent):
+            time.sleep(0.25)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def main(argv: list[str]) -> int:
+    reconnect_timeout, command = float(argv[0]), argv[1:]
+    _watch_parent()
+    env = {**os.environ, KEPT_ENV: "1", PARENT_PID_ENV: str(os.getpid())}
+    env.pop(RECONNECT_UNTIL_ENV, None)
+    child: subprocess.Popen | None = None
+    stopping = False
+
+    def stop(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    pause = _ABORT_PAUSE
+    while True:
+        started = time.monotonic()
+        child = subprocess.Popen(command, env=env)
+        while True:
+            try:
+                code = child.wait(timeout=_STOP_GRACE_SECONDS if stopping else None)
+                break
+            except subprocess.TimeoutExpired:  # stopping, and the worker ignores the signal (JAX may)
+                child.kill()
+        env.pop(RECONNECT_UNTIL_ENV, None)
+        if stopping:
+            return code if code >= 0 else 128 - code
+        if code == RESTART:
+            continue
+        if code == RECONNECT or code == -signal.SIGABRT:
+            if code == -signal.SIGABRT:
+                print(f"pathways worker: JAX ended the worker (pid {child.pid}; its island's coordination service "
+                      "failed); starting it again", file=sys.stderr, flush=True)
+                pause = _ABORT_PAUSE if time.monotonic() - started >= _ABORT_STABLE_SECONDS else pause
+                time.sleep(pause)
+                pause = min(2 * pause, _ABORT_MAX_PAUSE)
+            if reconnect_timeout > 0:
+                env[RECONNECT_UNTIL_ENV] = repr(time.time() + reconnect_timeout)
+                continue
+        return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
