@@ -196,14 +196,14 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: lis
     from pathways.wire import security
 
     if args.command in ("controller", "worker"):
-        from pathways.cluster import exit_with_parent
+        from pathways.keeper import exit_with_parent
         exit_with_parent()
     if args.command == "controller":
         from pathways.controller.server import main as controller_main
         controller_main(args.policy, args.window, args.bind, security.from_args(args), args.heartbeat_timeout,
                         args.ifrt_bind)
     elif args.command == "worker":
-        from pathways.worker import keeper
+        from pathways import keeper
         if os.environ.get(keeper.KEPT_ENV) != "1":  # the host's process becomes the keeper of the worker
             os.execv(sys.executable, keeper.command(args.reconnect_timeout, [sys.executable, *sys.orig_argv[1:]]))
         from pathways.platforms import find_devices

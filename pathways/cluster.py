@@ -35,7 +35,7 @@ from pathways.wire import rpc
 from pathways.wire import security as sec
 from pathways.wire.security import Security
 from pathways.wire.liveness import check_timeout
-from pathways.worker import keeper
+from pathways import keeper
 
 if TYPE_CHECKING:
     from pathways.planner import Topology
@@ -46,7 +46,6 @@ _GRACE_SECONDS = 3.0
 RESTART_FIRST_PAUSE = 0.5
 RESTART_MAX_PAUSE = 10.0
 RESTART_STABLE_SECONDS = 10.0  # a process that ran this long restarts after the first pause again
-PARENT_PID_ENV = "PATHWAYS_PARENT_PID"
 LOG_LEVEL_ENV = "PATHWAYS_LOG_LEVEL"
 # Workers' fd 1 goes to the client's stderr: C++ libraries (gloo) print notices on stdout,
 # which belongs to the user's program.
@@ -139,7 +138,7 @@ class LocalCluster:
 
     def worker_pids(self) -> list[int]:
         """The pids of the worker processes attached now. ``pids`` holds the processes the
-        cluster started: the controller, and each worker's keeper (worker/keeper.py), whose
+        cluster started: the controller, and each worker's keeper (pathways/keeper.py), whose
         child the worker is."""
         return [w["pid"] for w in status(self.address, security=self.security)["workers"]]
 
@@ -183,7 +182,7 @@ class LocalCluster:
                 if self._stopping:
                     return
                 with trio.fail_after(self.start_timeout):
-                    env = sec.child_env(self.security, {**os.environ, PARENT_PID_ENV: str(os.getpid()),
+                    env = sec.child_env(self.security, {**os.environ, keeper.PARENT_PID_ENV: str(os.getpid()),
                                                         **child_log_env()})
                     secure = sec.child_flags(self.security)
                     beats = ([] if self.heartbeat_timeout is None
@@ -207,7 +206,7 @@ class LocalCluster:
                         # accelerators the machine has, and places given here whatever launcher
                         # (srun, a Kubernetes Job) started this process
                         for rank in range(island.hosts):
-                            # started as its keeper, which restarts it when it asks (worker/keeper.py)
+                            # started as its keeper, which restarts it when it asks (keeper.py)
                             procs.append(await trio.lowlevel.open_process(
                                 keeper.command(keeper.RECONNECT_TIMEOUT, _python_cmd(
                                     "worker", "--controller", address, "--platform", "cpu",
@@ -323,24 +322,6 @@ def stop_processes(procs: Sequence[subprocess.Popen], grace: float = _GRACE_SECO
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
-
-
-def exit_with_parent() -> None:
-    """In a child of a local cluster: exit as soon as the parent process is gone.
-
-    A parent-death signal would not do: it follows the thread that forked, and trio
-    forks from short-lived worker threads.
-    """
-    parent = os.environ.get(PARENT_PID_ENV)
-    if not parent or not parent.isdigit():
-        return
-
-    def watch() -> None:
-        while os.getppid() == int(parent):
-            time.sleep(0.25)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="pathways-parent-watch", daemon=True).start()
 
 
 def wait_for_workers(address: str, count: int, timeout: float, security: Security | None = None) -> dict:

@@ -39,7 +39,7 @@ def child_pids():
 
 def child_of(pid, timeout=30.0):
     """The one child of process ``pid``: the worker that a worker's keeper runs (the
-    process ``pathways worker`` starts keeps the worker as its child, worker/keeper.py)."""
+    process ``pathways worker`` starts keeps the worker as its child, keeper.py)."""
     def child():
         found = []
         for entry in filter(str.isdigit, os.listdir("/proc")):

@@ -103,7 +103,7 @@ class _Clients:
     """Client processes driven over their stdin/stdout."""
 
     def __init__(self, address: str, weights: list[int]):
-        from pathways.cluster import PARENT_PID_ENV
+        from pathways.keeper import PARENT_PID_ENV
 
         self.address = address
         self.weights = weights
@@ -188,7 +188,7 @@ def client(address: str, weight: float) -> None:
     import jax.numpy as jnp
 
     import pathways as pw
-    from pathways.cluster import exit_with_parent
+    from pathways.keeper import exit_with_parent
 
     exit_with_parent()
     session = pw.connect(address, weight=weight)

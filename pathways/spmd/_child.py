@@ -84,7 +84,7 @@ def _serve(conn: Connection) -> None:
 
 
 def main() -> None:
-    from pathways.cluster import exit_with_parent
+    from pathways.keeper import exit_with_parent
 
     exit_with_parent()
     # C++ libraries (gloo) print connection notices on fd 1: send fd 1 to stderr and keep

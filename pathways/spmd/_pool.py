@@ -22,7 +22,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import cloudpickle
 
-from pathways.cluster import PARENT_PID_ENV, child_log_env, free_port, stop_processes
+from pathways.cluster import child_log_env, free_port, stop_processes
+from pathways.keeper import PARENT_PID_ENV
 from pathways.errors import DeadlineExceededError, SpmdError
 from pathways.spmd import _child
 

@@ -21,12 +21,12 @@ process with its reason), configure JAX and join the island's jax.distributed gr
 only then build the core. What the controller sends meanwhile is kept and handed to the
 core in order; callers of the gRPC methods and the data plane wait for the core.
 
-When the controller says the island lost a host, the worker has its keeper (keeper.py)
-restart it, and joins the island again; when the controller's stream ends, or the
-controller sends nothing (not even a heartbeat) for the heartbeat timeout, it is restarted
-to attach again once the controller is back (``--reconnect-timeout``); when the controller
-says to stop, it exits. It sends the controller a heartbeat whenever nothing else went out for a while
-(wire/liveness.py), from the moment it attaches.
+When the controller says the island lost a host, the worker has its keeper
+(pathways/keeper.py) restart it, and joins the island again; when the controller's stream
+ends, or the controller sends nothing (not even a heartbeat) for the heartbeat timeout, it
+is restarted to attach again once the controller is back (``--reconnect-timeout``); when
+the controller says to stop, it exits. It sends the controller a heartbeat whenever
+nothing else went out for a while (wire/liveness.py), from the moment it attaches.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from pathways.wire import codec, frames, rpc, tcp
 from pathways.wire.addresses import join_host_port, split_host_port
 from pathways.wire.liveness import Heartbeats, check_timeout
 from pathways.wire.security import Security, SecurityConfigError
-from pathways.worker import keeper
+from pathways import keeper
 from pathways.worker.island import IslandMembership, PortReservation, configure_jax, worker_hosts
 from pathways.worker.measure import host_memory_bytes
 
@@ -234,9 +234,9 @@ def main(controller: str, devices: Devices, island: IslandMembership, wait_timeo
     ``worker_hosts``). A refusal by the controller exits with its reason. ``security``: the
     token and TLS of every connection (wire/security.py).
 
-    Run by its keeper (keeper.py, which ``pathways worker`` starts), the worker asks to be
-    restarted, with the keeper's exit codes, when its island lost a host, to join the
-    island's next jax.distributed group, and when the controller goes away (its stream
+    Run by its keeper (pathways/keeper.py, which ``pathways worker`` starts), the worker
+    asks to be restarted, with the keeper's exit codes, when its island lost a host, to join
+    the island's next jax.distributed group, and when the controller goes away (its stream
     ends, or it stays silent for ``heartbeat_timeout`` seconds), to attach again once it is
     back: the new process tries for ``reconnect_timeout`` seconds, then exits. A new process
     because JAX cannot leave a jax.distributed group and join another in-process, and

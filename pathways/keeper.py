@@ -40,8 +40,14 @@ def command(reconnect_timeout: float, worker: list[str]) -> list[str]:
     return [sys.executable, "-I", os.path.abspath(__file__), repr(reconnect_timeout), *worker]
 
 
-def _watch_parent() -> None:
-    """Exit when the process that started this one is gone (a local cluster's child)."""
+def exit_with_parent() -> None:
+    """In a child of a local cluster (or of a keeper): exit as soon as the parent process
+    named by PARENT_PID_ENV is gone. Here, in the standard-library-only module, so that the
+    keeper can run it too; every child of the package's processes uses it (cluster.py).
+
+    A parent-death signal would not do: it follows the thread that forked, and trio
+    forks from short-lived worker threads.
+    """
     parent = os.environ.get(PARENT_PID_ENV)
     if not parent or not parent.isdigit():
         return
@@ -51,12 +57,12 @@ def _watch_parent() -> None:
             time.sleep(0.25)
         os._exit(1)
 
-    threading.Thread(target=watch, daemon=True).start()
+    threading.Thread(target=watch, name="pathways-parent-watch", daemon=True).start()
 
 
 def main(argv: list[str]) -> int:
     reconnect_timeout, command = float(argv[0]), argv[1:]
-    _watch_parent()
+    exit_with_parent()
     env = {**os.environ, KEPT_ENV: "1", PARENT_PID_ENV: str(os.getpid())}
     env.pop(RECONNECT_UNTIL_ENV, None)
     child: subprocess.Popen | None = None
