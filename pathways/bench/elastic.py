@@ -39,11 +39,11 @@ ABOUT = f"""
 SIGKILLs one worker (rank 0, which runs the island's jax.distributed coordinator, and rank 1
 in turn) and calls the same compiled function every 50 ms until it returns the right value:
 *kill to serving* is that time. It includes the supervisor's restart (its first back-off is
-0.5 s; the round waits {RESTART_STABLE_SECONDS:g} s after healing so that every restart is a
-first one), the new process's start and JAX import, the surviving host's restart in place,
-the island's new jax.distributed group, and recompiling the function. *Fresh cluster* is the
+0.5 s; each round waits {RESTART_STABLE_SECONDS:g} s after healing, so that every restart is a first one),
+the new process's start and JAX import, the surviving host's restart by its keeper, the
+island's new jax.distributed group, and recompiling the function. *Fresh cluster* is the
 alternative without healing: `pw.local_cluster` of the same shape started anew and the psum
-compiled and run on it, alternated with the kills.
+compiled and run on it.
 
 **Suspend and resume**: arrays totalling {SUSPEND_GIB:g} GiB on island 0 of a cluster of two
 one-host islands; `session.suspend()` moves them into the workers' host memory and releases
@@ -178,12 +178,17 @@ def notes(data: dict) -> str:
     return """
 What a heal costs. A killed host's replacement is a new process: Python, JAX and the
 worker start (about 2 s of CPU here), register, and the island's hosts form a new
-jax.distributed group; the surviving host restarts in place for that (JAX cannot leave a
-group and join another in-process), and when rank 0 dies JAX's coordination client
-terminates the other hosts itself, so the supervisor restarts them too. The client's
+jax.distributed group; the surviving host's keeper restarts it for that (JAX cannot leave
+a group and join another in-process; when rank 0 dies, JAX's coordination client has
+already aborted the other hosts, and their keepers restart them all the same). The client's
 compiled function is compiled again on the new processes when the island is whole. On 2
 cores, these processes compete with each other and with the client, so the figures are
 upper bounds for hosts with cores of their own.
+
+Suspend and resume. On CPU, moving an array off its device is a memory copy into the
+worker's host memory, as fast as numpy's copy of the same bytes. Resume pushes every array
+of the session from its old holder at once, over the data plane, while the raw move is one
+program per array, each started after the previous one finished, hence faster than it.
 """
 
 
