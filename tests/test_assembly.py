@@ -20,7 +20,9 @@ from pathways.controller.islands import Islands, Refused
 from pathways.controller.membership import WorkerConn
 from pathways.defaults import ADDRESS_LINE
 from pathways.errors import PlacementError
+from pathways.ir import Layout
 from pathways.protocol import messages as m
+from pathways.protocol.handles import first_handle
 from pathways.wire import addresses
 from pathways.worker.island import PortReservation, worker_hosts
 from tests.conftest import child_of, read_line, wait_until
@@ -172,8 +174,9 @@ def test_an_assembling_island_takes_no_slices_and_status_says_how_many_hosts_joi
     with pytest.raises(PlacementError, match="still assembling"):
         core.rm.place(1, "cpu")
     second = _register(core, "pair", 2, coordinator="h0:5")
-    assert _of(first.outbox, m.WorkerWelcome) == [m.WorkerWelcome(first.worker, 0, 1, "h0:5")]
-    assert _of(second.outbox, m.WorkerWelcome) == [m.WorkerWelcome(second.worker, 0, 0, "h0:5")]
+    copies = core._next_copy  # no run yet: every copy a peer sends them is a fresh one
+    assert _of(first.outbox, m.WorkerWelcome) == [m.WorkerWelcome(first.worker, 0, 1, "h0:5", copies)]
+    assert _of(second.outbox, m.WorkerWelcome) == [m.WorkerWelcome(second.worker, 0, 0, "h0:5", copies)]
     assert not core.status()["islands"][0]["assembling"]
     assert core.rm.place(2, "cpu").workers == (second.worker, first.worker), "hosts in rank order"
     assert [w["rank"] for w in core.status()["workers"]] == [1, 0]
@@ -320,3 +323,40 @@ def test_a_bind_that_cannot_work_is_refused_with_advice():
     out = subprocess.run([sys.executable, "-m", "pathways", "controller", "--bind", "::1:0"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "in brackets" in out.stderr, out.stderr
+
+
+def test_the_core_heals_an_island_for_its_sessions_and_refuses_runs_until_it_is_whole():
+    core = ControllerCore()
+    rank0, rank1 = _register(core, "pair", 2, rank=0, coordinator="h0:1"), _register(core, "pair", 2, rank=1)
+    sid, client = 1, Box()
+    core.session_opened(sid, client)
+    core.on_session_batch(sid, m.encode_batch([m.Hello(m.PROTOCOL_VERSION, 1.0), m.SliceRequest(1, "cpu", 1, None, 0,
+                                                                                               False)]))
+    [reply] = _of(client, m.SliceReply)
+    assert reply.workers == (rank0.worker,)
+    layout = Layout(reply.workers, ((0, 0),), (1,), ("x",), ())
+    fn, program, data, base = (first_handle(sid) + i for i in (1, 2, 3, 10))
+    graph = m.GRAPH.check({"nvalues": 2, "inputs": [0], "nodes": [[fn, [0], [1]]], "outputs": [1],
+                           "types": [["float32", [2]]] * 2}, "graph")
+    core.on_session_batch(sid, m.encode_batch([m.DefineFunction(fn, reply.slice, "f", b"artifact", (layout,), (layout,)),
+                                               m.DefineProgram(program, graph, "parallel")]))
+
+    core.worker_lost(rank1)
+    assert [type(x) for x in rank0.outbox if type(x) in (m.Reset, m.Shutdown)] == [m.Reset], \
+        "the surviving host is told to restart and rejoin, not to stop"
+    survivor = _register(core, "pair", 2, rank=0, coordinator="h0:2")
+    core.on_session_batch(sid, m.encode_batch([m.PutNotice(data, layout), m.Run(program, base, {0: data})]))
+    [poisoned] = [x for x in _of(client, m.Poisoned) if base + 1 in x.handles]
+    assert poisoned.kind == "WorkerLostError" and "healing" in poisoned.message, "no run on an island not yet whole"
+    assert not _of(survivor.outbox, m.RunProgram)
+
+    copies = core._next_copy
+    replacement = _register(core, "pair", 2, coordinator="h1:2")
+    assert (survivor.worker, replacement.worker) == (rank0.worker, rank1.worker), "each rank keeps its worker id"
+    assert [w.copies for w in _of(replacement.outbox, m.WorkerWelcome)] == [copies]
+    assert core.status()["islands"][0]["healthy"]
+    moved = _of(client, m.SliceMoved)
+    assert [(x.slice, x.workers, x.island) for x in moved] == [(reply.slice, reply.workers, 0)]
+    assert _of(survivor.outbox, m.Compile), "the function compiles on the new host"
+    core.on_session_batch(sid, m.encode_batch([m.PutNotice(data + 1, layout), m.Run(program, base + 5, {0: data + 1})]))
+    assert _of(survivor.outbox, m.RunProgram), "the island runs again"

@@ -110,6 +110,13 @@ def check_ifrt(d):
     assert d["losses"]["steps"] == 3 and d["losses"]["max_difference"] <= 1e-5, d["losses"]
 
 
+def check_elastic(d):
+    assert all(0 < d[k]["median"] < 120 for k in ("heal_s", "fresh_s")), d
+    assert all(d["suspend"][k] > 0 for k in ("suspend_s", "resume_s", "numpy_copy_s", "transfer_s")), d["suspend"]
+    chaos = d["chaos"]
+    assert chaos["failures"] == [] and chaos["healed_after_s"] is not None and chaos["leaked"] == {}, chaos
+
+
 CHECKS = {name: globals()[f"check_{name}"] for name in suite.EXPERIMENTS}
 
 

@@ -4,6 +4,8 @@ others, waits are bounded, and a taken value leaves the store."""
 import threading
 import time
 
+import numpy as np
+
 from pathways.protocol.handles import first_handle
 from pathways.worker.store import ObjectStore, Poison
 
@@ -88,3 +90,18 @@ def test_a_taken_value_leaves_the_store_whether_it_was_there_or_arrived():
     store.put(late, "late")
     thread.join(10)
     assert got == ["late"] and store.get(late) is None and len(store) == 0
+
+
+def test_a_transfer_copy_once_taken_drops_whatever_arrives_for_it_later():
+    store = ObjectStore()
+    copy, other, owned = first_handle(0) + 5, first_handle(0) + 6, first_handle(3) + 5
+    store.put(copy, Poison("the sender's island was lost", "WorkerLostError"))
+    assert isinstance(store.wait(copy, 1.0, take=True), Poison)
+    assert not store.put(copy, np.ones(2)), "the sender's late bytes are dropped"
+    store.put(other, np.ones(2))
+    assert store.wait(other, 1.0, take=True) is not None
+    assert not store.put(other, Poison("lost", "WorkerLostError"), replace=False), "so is a late poison"
+    assert len(store) == 0
+    store.put(owned, Poison("failed"))
+    assert isinstance(store.wait(owned, 1.0, take=True), Poison)
+    assert store.put(owned, np.ones(2)), "a session's own handles are not copies: no tombstone"

@@ -48,7 +48,8 @@ class ChaosResult:
     lost: int = 0  # results that failed with WorkerLostError
     failures: list[str] = dataclasses.field(default_factory=list)  # anything else: a wrong value, an error, a hang
     healed_after: Optional[float] = None  # seconds from the last kill to every island healthy
-    leaked: dict[str, int] = dataclasses.field(default_factory=dict)  # worker address -> arrays it still holds
+    # worker address -> {session (0: the controller's transfer copies): arrays it still holds}
+    leaked: dict[str, dict[int, int]] = dataclasses.field(default_factory=dict)
     controller_rss: tuple[int, int] = (0, 0)  # bytes after the warm-up, and at the end
     worker_rss: tuple[int, int] = (0, 0)  # all workers together: after the warm-up, and at the end
 
@@ -226,13 +227,14 @@ def _wait_healthy(address: str, timeout: float) -> Optional[float]:
     return None
 
 
-def _leaked(address: str, settle: float = 10.0) -> dict[str, int]:
+def _leaked(address: str, settle: float = 10.0) -> dict[str, dict[int, int]]:
     """Arrays the workers still hold once every client session closed (none should remain:
-    a closed session's arrays are dropped). Waits up to ``settle`` seconds for the drops."""
+    a closed session's arrays are dropped), by session. Waits up to ``settle`` seconds for
+    the drops."""
     deadline = time.monotonic() + settle
     while True:
-        held = {w["address"]: worker_stats(w["address"])["handles"] for w in status(address)["workers"]}
-        held = {a: n for a, n in held.items() if n}
+        held = {w["address"]: worker_stats(w["address"])["sessions"] for w in status(address)["workers"]}
+        held = {a: {int(s): n for s, n in sessions.items()} for a, sessions in held.items() if sessions}
         if not held or time.monotonic() > deadline:
             return held
         time.sleep(0.2)

@@ -91,7 +91,7 @@ class ControllerCore:
         elif kind is m.Step:
             self.dispatcher.step(conn, msg.run, msg.node)
         elif kind is m.Register:
-            if self.membership.register(conn, msg):
+            if self.membership.register(conn, msg, self._next_copy):
                 # in the order they opened: a worker takes a session that is not open and
                 # older than the newest it heard of as closed (worker/sessions.py)
                 for sid in sorted(self.sessions):
@@ -408,7 +408,7 @@ class ControllerCore:
         if msg.traced:
             began = now()
         try:
-            key, lowered = s.programs.lowered(msg.program, args, s.handles, self.membership.gone)
+            key, lowered = s.programs.lowered(msg.program, args, s.handles, self.membership.unavailable)
         except RunFailure as e:
             self._poison(sid, outputs.values(), e.kind, str(e))
             return

@@ -77,9 +77,10 @@ class Membership:
         self.islands = Islands()
         self.lost: dict[int, str] = {}  # island -> how it was lost: which worker, and why
 
-    def register(self, conn: WorkerConn, msg: m.Register) -> bool:
+    def register(self, conn: WorkerConn, msg: m.Register, copies: int = 0) -> bool:
         """Admit a worker to its island (see islands.py), or refuse it with a Shutdown that
-        says why (False); welcome it once its island's coordinator is known."""
+        says why (False); welcome it once its island's coordinator is known. ``copies``: the
+        next transfer copy handle the controller will give (WorkerWelcome.copies)."""
         if conn.worker >= 0:
             conn.outbox.put(m.Notice("worker is already registered"))
             return False
@@ -102,7 +103,7 @@ class Membership:
         self.rm.add_host(worker, island.id, msg.kind, msg.devices, msg.memory_bytes, rank)
         self.rm.assembling = self.islands.assembling()
         for w, r in welcome:
-            self.workers[w].outbox.put(m.WorkerWelcome(w, island.id, r, island.coordinator))
+            self.workers[w].outbox.put(m.WorkerWelcome(w, island.id, r, island.coordinator, copies))
         # the newcomer learns every peer; the others learn only the newcomer (peers add up on
         # a worker), so that n registrations send O(n) addresses, not O(n^2)
         conn.outbox.put(m.Peers(tuple((w.worker, w.info.data_address) for w in self.workers.values())))
@@ -134,6 +135,11 @@ class Membership:
     def gone(self, workers: Iterable[int]) -> list[int]:
         """Those of ``workers`` that are no longer attached."""
         return [w for w in workers if w not in self.workers]
+
+    def unavailable(self, workers: Iterable[int]) -> list[int]:
+        """Those of ``workers`` that cannot run anything now: not attached, or on an island
+        that is not whole (a host of a healing island joined again before the others)."""
+        return [w for w in workers if w not in self.workers or not self.islands.by_id[self.workers[w].island].assembled]
 
     # ---- measurements ------------------------------------------------------------------
 

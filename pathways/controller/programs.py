@@ -73,7 +73,7 @@ class SessionPrograms:
                 gone: Callable[[Iterable[int]], list[int]]) -> tuple[int, Lowered]:
         """The lowering of ``program`` for inputs ``args`` (value -> handle), and its key.
         Raises RunFailure when an input is poisoned, deleted or lost, or a worker it needs
-        is gone."""
+        is ``gone`` (not attached, or not able to run yet)."""
         graph = self.graphs[program]
         for node in graph.nodes:
             pending = self.compiling.get(node.fn)
@@ -91,8 +91,8 @@ class SessionPrograms:
             if layout is None:
                 raise RunFailure(f"input array {h:#x} was deleted or never created")
             if gone(layout.workers):
-                raise RunFailure(f"input array {h:#x} lived on workers {list(layout.workers)}, "
-                                 "one of which is gone", LOST)
+                raise RunFailure(f"input array {h:#x} lived on workers {list(layout.workers)}, one of which is "
+                                 "gone or on an island that is healing", LOST)
             layouts[v] = layout
         cache_key = (program, tuple(sorted(layouts.items())))
         hit = self._lowered.get(cache_key)
@@ -108,6 +108,7 @@ class SessionPrograms:
             hit = self._lowered[cache_key] = (next(_keys), lowered)
         missing = gone(hit[1].ops)
         if missing:
-            raise RunFailure(f"the program needs worker(s) {missing}, which are gone; compile it for a "
-                             "slice of a healthy island", LOST)
+            raise RunFailure(f"the program needs worker(s) {missing}, which are gone or on an island that is "
+                             "healing; call it again once `python -m pathways status` shows the island healthy, "
+                             "or compile it for a slice of a healthy island", LOST)
         return hit

@@ -26,7 +26,7 @@ from pathways.timeline import MAX_DETAIL, MAX_EVENTS
 from pathways.timeline import MAX_NAME as MAX_SPAN_NAME
 from pathways.wire.codec import MAX_MESSAGE_BYTES, is_wire_dtype_name, pack, unpack
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 # How a function's blob is to be compiled: a jax.export artifact (its layouts given by the
 # client), or a StableHLO portable artifact with xla CompileOptions (layouts reported back
 # by the worker that compiles it, in ``Compiled``).
@@ -464,13 +464,17 @@ class Measured(Message):
 
 @message("welcome")
 class WorkerWelcome(Message):
-    """A registered worker's id, the id of its island, its rank there, and the island's
-    jax.distributed coordinator (``HOST:PORT`` rank 0 reserved; "" for one host)."""
+    """A registered worker's id, the id of its island, its rank there, the island's
+    jax.distributed coordinator (``HOST:PORT`` rank 0 reserved; "" for one host), and
+    ``copies``: the first transfer copy it may receive. A worker id is reused when a host
+    replaces the one that had it, and peers may still be sending the old host copies of runs
+    dispatched before: the newcomer drops those."""
 
     worker: int = wire(WORKER)
     island: int = wire(Int(0, MAX_ISLAND))
     rank: int = wire(Int(0, MAX_RANK - 1))
     coordinator: str = wire(NAME)
+    copies: int = wire(HANDLE, 0)
 
 
 @message("peers")

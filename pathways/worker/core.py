@@ -213,6 +213,7 @@ class WorkerCore:
             self._measure_new_peers(flops=False)
         elif kind is WorkerWelcome:
             self.executor.worker_id = msg.worker
+            self.store.refuse_copies_below(msg.copies)
             self._measure_new_peers(flops=True)
         elif kind is Measure:
             self.measurer.request(msg.id, True, self._other_peers())

@@ -430,8 +430,8 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
                                      told_to("reset"), ended, security, heartbeat_timeout, beats.learn)
             if core is None:
                 return _stopped(joining, island)
+            joining.hand_to(core)  # the welcome first: it says which peers' copies are stale
             service.attach(core)
-            joining.hand_to(core)
             await ended.wait()
             return None
 

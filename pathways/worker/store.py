@@ -2,7 +2,7 @@
 
 Values arrive from the executor, from clients' puts and from peers' pushes; readers wait
 with a deadline. A delete that overtakes its value's arrival leaves a tombstone so the
-late value is dropped instead of leaking. A suspended session's arrays stay in the store
+late value is dropped instead of leaking; so does a transfer copy, once taken. A suspended session's arrays stay in the store
 off the devices (``Offloaded``), and a resumed session's arrays arrive as transfer copies
 that the store renames to the session's handles as they come (``adopt``).
 """
@@ -71,6 +71,7 @@ class ObjectStore:
         self._waiters: dict[int, set[Any]] = {}  # handle -> locks of the threads waiting for it
         self._tombstones: OrderedDict[int, None] = OrderedDict()
         self._dropped_sessions: set[int] = set()
+        self._copy_floor = 0  # transfer copies below it are stale (runs of before this worker joined)
         self._adopt: dict[int, tuple[int, Callable[[], None]]] = {}  # copy -> (handle, called once stored)
 
     def put(self, handle: int, value: Any, replace: bool = True) -> bool:
@@ -98,8 +99,16 @@ class ObjectStore:
             return False
         if session_of(handle) in self._dropped_sessions:
             return False
+        if handle < self._copy_floor and session_of(handle) == 0:
+            return False
         self._entries[handle] = value
         return True
+
+    def refuse_copies_below(self, floor: int) -> None:
+        """Drop transfer copies numbered below ``floor`` from now on: peers may still send
+        them to this worker's id for runs dispatched before it joined (WorkerWelcome)."""
+        with self._lock:
+            self._copy_floor = floor
 
     def adopt(self, copy: int, handle: int, stored: Callable[[], None]) -> None:
         """Store transfer copy ``copy`` as ``handle`` once it arrives (at once if it has),
@@ -146,7 +155,8 @@ class ObjectStore:
         value = self._entries.get(handle)
         if value is not None:
             if take:
-                self.pop(handle)
+                with self._lock:
+                    self._taken_locked(handle, self._entries.pop(handle, None))
             return value
         deadline = time.monotonic() + timeout
         waiter = threading.Lock()
@@ -156,6 +166,8 @@ class ObjectStore:
                 with self._lock:
                     value = self._entries.pop(handle, None) if take else self._entries.get(handle)
                     if value is not None:
+                        if take:
+                            self._taken_locked(handle, value)
                         return value
                     if session_of(handle) in self._dropped_sessions:
                         return Poison("the client session that owned this array disconnected")
@@ -177,6 +189,15 @@ class ObjectStore:
                         waiting.discard(waiter)
                         if not waiting:
                             del self._waiters[handle]
+
+    def _taken_locked(self, handle: int, value: Any) -> None:
+        """A value was taken out for good. Something else may still arrive for a transfer
+        copy (each is read once, and its number never comes back): its bytes, when it was
+        taken as poison because its sender's island was lost but the sender had not
+        stopped yet; or the controller's poison, when its sender's island was lost after
+        the copy arrived. A tombstone drops it then, instead of leaving it in the store."""
+        if session_of(handle) == 0:
+            self._tombstone(handle)
 
     def wake(self) -> None:
         """Have every waiter look again (one of them may no longer be wanted)."""
