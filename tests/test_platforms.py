@@ -54,6 +54,7 @@ class Controllerless:
         if gpu:
             self.rm.add_host(1, 1, "gpu", 2, 1 << 30, rank=0)
         self.sent, self.asked = [], []
+        self.slices = {}  # the Slice objects by id, as a Session keeps them (SliceMoved)
         self._ids = itertools.count(1)
 
     def request(self, make):
