@@ -358,5 +358,8 @@ def test_the_core_heals_an_island_for_its_sessions_and_refuses_runs_until_it_is_
     moved = _of(client, m.SliceMoved)
     assert [(x.slice, x.workers, x.island) for x in moved] == [(reply.slice, reply.workers, 0)]
     assert _of(survivor.outbox, m.Compile), "the function compiles on the new host"
-    core.on_session_batch(sid, m.encode_batch([m.PutNotice(data + 1, layout), m.Run(program, base + 5, {0: data + 1})]))
+    core.on_session_batch(sid, m.encode_batch([m.PutNotice(data + 1, layout, 0)]))
+    [stale] = [x for x in _of(client, m.Poisoned) if data + 1 in x.handles]
+    assert "never arrived" in stale.message, "a put sent before the client saw the move went to the old address"
+    core.on_session_batch(sid, m.encode_batch([m.PutNotice(data + 2, layout, 1), m.Run(program, base + 5, {0: data + 2})]))
     assert _of(survivor.outbox, m.RunProgram), "the island runs again"

@@ -2,9 +2,12 @@
 workers are SIGKILLed at random and the local supervisor restarts them (pathways/bench/chaos.py;
 ``bench elastic`` runs it longer)."""
 
+import pytest
+
 from pathways.bench import chaos
 
 
+@pytest.mark.timeout(600)  # its own bounds: a minute of chaos, then results, healing and drops each bounded
 def test_a_minute_of_random_worker_kills_loses_only_what_it_must_and_heals():
     result = chaos.run(duration=60.0, kill_every=7.0, clients=3, seed=1)
     assert result.kills >= 5 and result.restarts >= result.kills, result

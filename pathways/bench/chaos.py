@@ -136,7 +136,7 @@ def _psum(x: Any) -> Any:
 def _client_main(address: str, seed: int, seconds: float) -> None:
     """A chaos client process: warm up, say "ready", run the workload for ``seconds``,
     print what happened as one JSON line."""
-    pw.connect(address)
+    pw.connect(address).timeout = RESULT_SECONDS  # a result that takes longer fails, as a hang
     work = _Workload(seed)
     work.warm_up()
     print("ready", flush=True)
@@ -178,7 +178,7 @@ def run(duration: float = 60.0, kill_every: float = 6.0, clients: int = 3, seed:
                 on_kill(result.kills)
             for i, c in enumerate(team):
                 try:
-                    line = report.read_line(c, max(1.0, deadline - time.monotonic()) + RESULT_SECONDS * 2,
+                    line = report.read_line(c, max(1.0, deadline - time.monotonic()) + RESULT_SECONDS + 30,
                                             f"chaos client {i}")
                     told = json.loads(line)
                 except (TimeoutError, RuntimeError, ValueError) as e:

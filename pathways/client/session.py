@@ -94,6 +94,7 @@ class Session:
         self._dead: Optional[str] = None
         self._dead_error: type[errors.ConnectError] = errors.ConnectError
         self._workers: dict[str, tuple[Any, Any, grpc.Channel]] = {}
+        self.moves = 0  # SliceMoved messages applied (PutNotice.moves)
         # the client Slice objects by id, so that SliceMoved updates them in place
         self.slices: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._fetches: dict[int, set] = {}  # handle -> its fetch calls in flight, cancelled on bad news
@@ -278,6 +279,7 @@ class Session:
             moved = self.slices.get(msg.slice)
             if moved is not None:
                 moved.move(msg.workers, msg.addresses, msg.island, tuple(zip(msg.devices[::2], msg.devices[1::2])))
+            self.moves += 1  # after the move: a put that read the new addresses reports it
         elif kind is m.Poisoned:
             error = type(error_of(msg.kind, "", errors.RemoteError))
             for h in msg.handles:
@@ -329,16 +331,20 @@ class Session:
         """A new pw.Array of host ``value``, sent to the workers of ``sharding``'s slice
         laid out by ``layout``; the array can be used at once."""
         handle = self.allocate(1)
+        moves = self.moves  # before the addresses: a move in between makes the controller drop the put
         s = sharding.mesh.slice
         if layout.workers != s.workers or layout.devices != s._physical:  # the slice moved since it was made
             layout = dataclasses.replace(layout, workers=s.workers, devices=s._physical)
-        self.put(s.addresses, handle, layout, value)
+        self.put(s.addresses, handle, layout, value, moves)
         return Array(_Buffer(self, handle, s), value.shape, value.dtype, sharding)
 
-    def put(self, addresses: tuple[str, ...], handle: int, layout: Layout, array: np.ndarray) -> None:
+    def put(self, addresses: tuple[str, ...], handle: int, layout: Layout, array: np.ndarray,
+            moves: Optional[int] = None) -> None:
         """Send ``array`` straight to the workers holding ``layout`` (not through the
         controller; ``addresses[i]`` is that of ``layout.workers[i]``), each only the
-        blocks of its own devices. No waiting."""
+        blocks of its own devices. No waiting. ``moves``: how many SliceMoved this session
+        had applied when ``addresses`` were read (default: now)."""
+        moves = self.moves if moves is None else moves
         self._check_alive()
         self._refuse_if_suspended("put an array")
         if self.traced:
@@ -358,7 +364,7 @@ class Session:
             else:
                 future = stubs[0].future(_chunks(header, pieces), timeout=self.timeout)
             future.add_done_callback(lambda f, address=address: self._put_done(f, address, handle))
-        self.send(m.PutNotice(handle, layout))
+        self.send(m.PutNotice(handle, layout, moves))
         if self.traced:
             self.recorder.span("put", began, 0, f"array {handle:#x}, {array.nbytes} bytes")
 

@@ -52,6 +52,7 @@ class SessionState:
     traced_workers: set[int] = field(default_factory=set)  # workers that ran its traced runs
     tail: Run | None = None  # the latest run submitted to the scheduler, which may take on the next
     suspension: Suspension | None = None  # from its Suspend request until it has resumed
+    moved: list[frozenset[int]] = field(default_factory=list)  # the workers each SliceMoved sent it named
 
 
 class ControllerCore:
@@ -177,8 +178,9 @@ class ControllerCore:
             for slice_id in sorted(s.slices):
                 p = self.rm.slices.get(slice_id)
                 if p is not None and p.island == island:
-                    s.outbox.put(m.SliceMoved(slice_id, p.workers, tuple(self.workers[w].address for w in p.workers),
-                                              island, tuple(x for d in p.devices for x in d)))
+                    self._moved(s, m.SliceMoved(slice_id, p.workers,
+                                                tuple(self.workers[w].address for w in p.workers), island,
+                                                tuple(x for d in p.devices for x in d)))
             for fn, compile_msg in s.programs.compiles.items():
                 if set(compile_msg.workers) <= hosts:
                     for w in compile_msg.workers:
@@ -362,8 +364,21 @@ class ControllerCore:
     def _program(self, sid: int, s: SessionState, msg: m.DefineProgram) -> None:
         s.programs.define(self._own(sid, msg.id, "program"), msg.graph, msg.dispatch == "sequential")
 
+    @staticmethod
+    def _moved(s: SessionState, msg: m.SliceMoved) -> None:
+        """Tell a session its slice moved, and remember to which hosts (see ``_put``)."""
+        s.moved.append(frozenset(msg.workers))
+        s.outbox.put(msg)
+
     def _put(self, sid: int, s: SessionState, msg: m.PutNotice) -> None:
         handle = self._own(sid, msg.handle, "handle")
+        replaced = set(msg.layout.workers) & frozenset().union(*s.moved[msg.moves:])
+        if replaced:
+            # the client sent the bytes to where these hosts were before: nothing will arrive
+            self._poison(sid, [handle], LOST, f"the array was sent to worker(s) {sorted(replaced)} at addresses "
+                                              "they had before their island healed (or the session resumed), so it "
+                                              "never arrived; put it again")
+            return
         if s.suspension is not None:
             self._poison(sid, [handle], SUSPENDED_KIND, _suspended_message("put an array"))
             return
@@ -520,8 +535,8 @@ class ControllerCore:
         remap = self._replace(sid, sus)
         sus.req, sus.state = msg.req, RESUMING
         for slice_id, new in sorted(remap.slices.items()):
-            s.outbox.put(m.SliceMoved(slice_id, new.workers, tuple(self.workers[w].address for w in new.workers),
-                                      new.island, tuple(x for d in new.devices for x in d)))
+            self._moved(s, m.SliceMoved(slice_id, new.workers, tuple(self.workers[w].address for w in new.workers),
+                                        new.island, tuple(x for d in new.devices for x in d)))
         self._remap_functions(s, remap)
         self._move_arrays(sid, s, remap)
 

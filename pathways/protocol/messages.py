@@ -26,7 +26,7 @@ from pathways.timeline import MAX_DETAIL, MAX_EVENTS
 from pathways.timeline import MAX_NAME as MAX_SPAN_NAME
 from pathways.wire.codec import MAX_MESSAGE_BYTES, is_wire_dtype_name, pack, unpack
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 # How a function's blob is to be compiled: a jax.export artifact (its layouts given by the
 # client), or a StableHLO portable artifact with xla CompileOptions (layouts reported back
 # by the worker that compiles it, in ``Compiled``).
@@ -269,10 +269,13 @@ class Run(Message):
 
 @message("put")
 class PutNotice(Message):
-    """A client put an array on the workers of ``layout`` as ``handle``."""
+    """A client put an array on the workers of ``layout`` as ``handle``, at the addresses it
+    knew after the first ``moves`` SliceMoved messages of its session: a put sent to a host
+    that a later SliceMoved replaced never arrived (its array is lost)."""
 
     handle: int = wire(HANDLE)
     layout: Layout = wire(LAYOUT)
+    moves: int = wire(Int(0), 0)
 
 
 @message("delete")
