@@ -57,6 +57,9 @@ _VERDICT_SECONDS = 3.0  # how long a failed fetch waits for the controller to sa
 # ... when the worker became unreachable: keepalive may give up on a frozen worker before
 # the controller does (its heartbeat timeout), and the controller's verdict names the host
 _UNREACHABLE_VERDICT_SECONDS = HEARTBEAT_TIMEOUT
+# What a call to a worker ends with when the worker died, or stopped its server to restart
+# (its island lost a host): this client cancels its own calls only once it knows why.
+_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 _CONNECT_ADVICE = (f"{rpc.START_ADVICE}, or call pw.connect() with no address (and PATHWAYS_ADDRESS unset) "
                    "to start an embedded one")
 
@@ -378,10 +381,10 @@ class Session:
             refused = rpc.refusal(e, address)
             if refused is not None:
                 self.poisoned[handle] = (errors.AuthenticationError, str(refused))
-            elif e.code() == grpc.StatusCode.UNAVAILABLE:  # the host is gone (its island heals, or not)
-                self.poisoned[handle] = (errors.WorkerLostError, f"the worker at {address} is unreachable, so the "
-                                         "array never reached it: it was lost. `python -m pathways status` shows "
-                                         "which islands are healthy")
+            elif e.code() in _GONE:  # the host is gone, or stopped serving to restart (its island heals, or not)
+                self.poisoned[handle] = (errors.WorkerLostError, f"the worker at {address} is unreachable or "
+                                         f"stopped serving ({e.code().name}), so the array never reached it: it was "
+                                         "lost. `python -m pathways status` shows which islands are healthy")
             else:
                 self.poisoned[handle] = (errors.RemoteError, f"sending the array to {address} failed: "
                                          f"{e.code().name}")
@@ -451,7 +454,7 @@ class Session:
                 raise refused from None
             # A worker that died mid-call breaks the call in several ways; the controller's
             # verdict on the handle, which follows within moments, is the better error.
-            unreachable = e.code() == grpc.StatusCode.UNAVAILABLE
+            unreachable = e.code() in _GONE
             deadline = time.monotonic() + (_UNREACHABLE_VERDICT_SECONDS if unreachable else _VERDICT_SECONDS)
             while handle not in self.poisoned and time.monotonic() < deadline and self._dead is None:
                 time.sleep(0.02)
