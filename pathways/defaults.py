@@ -12,3 +12,5 @@ DEFAULT_WINDOW = 8  # runs in flight per island: a client must keep more outstan
 # Seconds of silence after which the controller and a worker give up on each other (each
 # sends something at least every fifth of its peer's timeout, heartbeats when idle).
 HEARTBEAT_TIMEOUT = 10.0
+# What a controller stopped on purpose tells its workers (a Shutdown): they exit quietly.
+CONTROLLER_STOPPED = "the controller stopped"

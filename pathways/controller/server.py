@@ -41,7 +41,7 @@ import grpc
 
 from pathways.controller.core import ControllerCore, WorkerConn
 from pathways.controller.scheduler import DEFAULT_WINDOW
-from pathways.defaults import ADDRESS_LINE, HEARTBEAT_TIMEOUT, IFRT_LINE
+from pathways.defaults import ADDRESS_LINE, CONTROLLER_STOPPED, HEARTBEAT_TIMEOUT, IFRT_LINE
 from pathways.errors import ConnectError, DeadlineExceededError, WireError
 from pathways.protocol import messages as m
 from pathways.protocol.errors import kind_of
@@ -191,7 +191,7 @@ class ControllerServer:
         self._stopping = True
         if self._attach_server is not None:
             self._attach_server.close()
-        stopped = m.Shutdown("the controller stopped")  # workers exit, rather than wait for it to come back
+        stopped = m.Shutdown(CONTROLLER_STOPPED)  # workers exit, rather than wait for it to come back
         for conn in self.core.workers.values():
             conn.outbox.put(stopped)
         streams = list(self._streams)

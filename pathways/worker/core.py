@@ -40,6 +40,7 @@ import jax
 import numpy as np
 from jax._src.interpreters import pxla  # batched_device_put: where jax.make_array_from_callback ends
 
+from pathways.defaults import CONTROLLER_STOPPED
 from pathways.errors import AccessDeniedError, ConnectError, WireError
 from pathways.protocol.check import MAX_TEXT, Int, Str
 from pathways.protocol.errors import POISON_KINDS, REMOTE
@@ -218,7 +219,8 @@ class WorkerCore:
         elif kind is Measure:
             self.measurer.request(msg.id, True, self._other_peers())
         elif kind is Shutdown:
-            log.warning("the controller shut this worker down: %s", msg.reason)
+            log.log(logging.INFO if msg.reason == CONTROLLER_STOPPED else logging.WARNING,
+                    "the controller shut this worker down: %s", msg.reason)
             self._on_shutdown()
         elif kind is Reset:
             log.warning("this worker restarts to join its island again: %s", msg.reason)

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional
 import grpc
 import trio
 
-from pathways.defaults import HEARTBEAT_TIMEOUT
+from pathways.defaults import CONTROLLER_STOPPED, HEARTBEAT_TIMEOUT
 from pathways.errors import AccessDeniedError, ConnectError, WireError
 from pathways.platforms import Devices
 from pathways.protocol.messages import (FETCH, MAX_MESSAGE_BYTES, TIMELINE, WORKER_DOWN, Heartbeat, Register,
@@ -452,6 +452,8 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
             return None, None
         if joining.reset is not None or "reset" in told:
             return None, RESTART
+        if joining.shutdown == CONTROLLER_STOPPED:
+            return None, None  # stopped on purpose while this worker was joining: no error
         if joining.shutdown is not None or "shutdown" in told or (error and not ended.is_set()):
             return error, None
         return error, RECONNECT  # the controller's stream ended, or it went silent
@@ -521,7 +523,7 @@ def _start_stream(sock: socket.socket, outbox: rpc.Outbox, on_batch: Callable[[b
 
 def _stopped(joining: Joining, island: IslandMembership) -> str:
     """Why the worker stopped before its core ran."""
-    if joining.shutdown is not None:  # a refused registration, or the island lost a host
+    if joining.shutdown is not None:  # a refused registration, or its controller stopped
         return f"the controller shut this worker down: {joining.shutdown}"
     return f"the controller's stream ended while this worker was joining island {island.name!r}"
 
