@@ -31,6 +31,7 @@ KEPT_ENV = "PATHWAYS_WORKER_KEPT"  # set in the worker: it exits with the codes 
 RECONNECT_UNTIL_ENV = "PATHWAYS_RECONNECT_UNTIL"  # wall-clock time until which a restarted worker waits
 PARENT_PID_ENV = "PATHWAYS_PARENT_PID"
 _STOP_GRACE_SECONDS = 3.0
+_POLL_SECONDS = 0.5  # how often a wait for the worker looks whether the keeper is stopping
 _ABORT_PAUSE, _ABORT_MAX_PAUSE = 1.0, 10.0  # back-off between restarts after SIGABRT
 _ABORT_STABLE_SECONDS = 30.0  # a worker that ran this long before aborting restarts after the first pause
 
@@ -77,15 +78,19 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     pause = _ABORT_PAUSE
-    while True:
+    while not stopping:
         started = time.monotonic()
         child = subprocess.Popen(command, env=env)
+        kill_at = None
         while True:
             try:
-                code = child.wait(timeout=_STOP_GRACE_SECONDS if stopping else None)
+                code = child.wait(timeout=_POLL_SECONDS)
                 break
-            except subprocess.TimeoutExpired:  # stopping, and the worker ignores the signal (JAX may)
-                child.kill()
+            except subprocess.TimeoutExpired:
+                if stopping:  # the worker was passed the signal; JAX may ignore SIGTERM
+                    kill_at = kill_at or time.monotonic() + _STOP_GRACE_SECONDS
+                    if time.monotonic() > kill_at:
+                        child.kill()
         env.pop(RECONNECT_UNTIL_ENV, None)
         if stopping:
             return code if code >= 0 else 128 - code
@@ -102,6 +107,7 @@ def main(argv: list[str]) -> int:
                 env[RECONNECT_UNTIL_ENV] = repr(time.time() + reconnect_timeout)
                 continue
         return code if code >= 0 else 128 - code
+    return 0
 
 
 if __name__ == "__main__":
