@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     from pathways.bench.suite import EXPERIMENTS
     from pathways.defaults import DEFAULT_WINDOW, HEARTBEAT_TIMEOUT
+    from pathways.keeper import RECONNECT_TIMEOUT
     from pathways.platforms import PLATFORMS
     from pathways.wire import security
     from pathways.worker.launchers import LAUNCHERS
@@ -101,7 +102,7 @@ def _main(argv: list[str] | None) -> int:
     worker.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT, metavar="S",
                         help="seconds the controller may send nothing (not even a heartbeat) before this "
                              "worker gives it up and exits; also how long a data-plane peer may stall")
-    worker.add_argument("--reconnect-timeout", type=float, default=60.0, metavar="S",
+    worker.add_argument("--reconnect-timeout", type=float, default=RECONNECT_TIMEOUT, metavar="S",
                         help="when the controller goes away, restart and attach again once it is back, trying for "
                              "S seconds (0: exit at once); the controller's arrays and sessions are gone either way")
     worker.add_argument("--join-timeout", type=float, default=300.0,
