@@ -363,3 +363,35 @@ def test_the_core_heals_an_island_for_its_sessions_and_refuses_runs_until_it_is_
     assert "never arrived" in stale.message, "a put sent before the client saw the move went to the old address"
     core.on_session_batch(sid, m.encode_batch([m.PutNotice(data + 2, layout, 1), m.Run(program, base + 5, {0: data + 2})]))
     assert _of(survivor.outbox, m.RunProgram), "the island runs again"
+
+
+def test_a_lost_island_poisons_each_copy_bound_elsewhere_once_however_many_of_its_senders_it_had():
+    core = ControllerCore()
+    rank0, rank1 = _register(core, "pair", 2, rank=0, coordinator="h0:1"), _register(core, "pair", 2, rank=1)
+    single = _register(core, "one", 1, coordinator="h2:1")
+    sid, client = 1, Box()
+    core.session_opened(sid, client)
+    core.on_session_batch(sid, m.encode_batch([m.Hello(m.PROTOCOL_VERSION, 1.0),
+                                               m.SliceRequest(1, "cpu", 2, None, 0, False),
+                                               m.SliceRequest(2, "cpu", 1, None, 1, False)]))
+    pair, one = sorted(_of(client, m.SliceReply), key=lambda r: r.req)
+    halves = Layout(pair.workers, ((0, 0), (1, 0)), (2,), ("i",), ("i",))  # an array split over both hosts
+    whole = Layout(one.workers, ((0, 0),), (1,), ("x",), ())
+    f, g, program, data, base = (first_handle(sid) + i for i in (1, 2, 3, 4, 10))
+    graph = m.GRAPH.check({"nvalues": 3, "inputs": [0], "nodes": [[f, [0], [1]], [g, [1], [2]]], "outputs": [2],
+                           "types": [["float32", [2]]] * 3}, "graph")
+    core.on_session_batch(sid, m.encode_batch([
+        m.DefineFunction(f, pair.slice, "f", b"x", (halves,), (halves,)),
+        m.DefineFunction(g, one.slice, "g", b"x", (whole,), (whole,)),
+        m.DefineProgram(program, graph, "parallel"), m.PutNotice(data, halves), m.Run(program, base, {0: data})]))
+    assert not _of(client, m.Error) and _of(single.outbox, m.RunProgram), "the run went out to all three hosts"
+    d = core.scheduler.running(_of(single.outbox, m.RunProgram)[0].id).payload
+    senders = sorted(sender for sender, receiver, _ in d.lowered.transfers if receiver == single.worker)
+    assert senders == sorted(pair.workers), "both hosts send their half to the single host"
+    copy = d.tbase + d.lowered.transfers[0][2] - d.nvalues
+
+    core.worker_lost(rank1)
+    poisoned = _of(single.outbox, m.Poisoned)
+    assert [x.handles for x in poisoned] == [(copy,)], \
+        "one poison per copy: a second would outlive the run that read the first, in the store, for good"
+    assert poisoned[0].kind == "WorkerLostError"

@@ -98,6 +98,7 @@ def test_a_transfer_copy_once_taken_drops_whatever_arrives_for_it_later():
     store.put(copy, Poison("the sender's island was lost", "WorkerLostError"))
     assert isinstance(store.wait(copy, 1.0, take=True), Poison)
     assert not store.put(copy, np.ones(2)), "the sender's late bytes are dropped"
+    assert not store.put(copy, Poison("lost", "WorkerLostError"), replace=False), "and whatever comes after them"
     store.put(other, np.ones(2))
     assert store.wait(other, 1.0, take=True) is not None
     assert not store.put(other, Poison("lost", "WorkerLostError"), replace=False), "so is a late poison"
@@ -105,3 +106,12 @@ def test_a_transfer_copy_once_taken_drops_whatever_arrives_for_it_later():
     store.put(owned, Poison("failed"))
     assert isinstance(store.wait(owned, 1.0, take=True), Poison)
     assert store.put(owned, np.ones(2)), "a session's own handles are not copies: no tombstone"
+
+
+def test_a_transfer_copy_waited_for_in_vain_is_dropped_when_it_arrives_after_all():
+    store = ObjectStore()
+    copy, owned = first_handle(0) + 7, first_handle(SESSION) + 7
+    assert store.wait(copy, 0.05, take=True) is None
+    assert not store.put(copy, np.ones(2)) and len(store) == 0, "its reader gave up: nobody would take it"
+    assert store.wait(owned, 0.05) is None
+    assert store.put(owned, np.ones(2)), "a session's array may still arrive for a later fetch"

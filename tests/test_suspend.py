@@ -176,3 +176,51 @@ def test_the_remap_moves_layouts_functions_and_compiles_position_by_position():
     assert compile_msg.workers == (9,) and compile_msg.ins == (moved,)
     xla = remap.compile(m.Compile(2, "g", b"blob", (), (), "xla", b"", (1, 0, 0, 1), (3, 4)), 7)
     assert xla.devices == (0, 6, 0, 5) and xla.workers == (9,)
+
+
+def test_a_host_lost_while_its_session_offloads_or_resumes_loses_its_arrays_and_the_session_goes_on():
+    """The controller's core alone: the suspend completes without the lost host's report
+    and its arrays are lost; a sender lost while the session resumes poisons the array it
+    was sending, at the client and at its receiver (once), and the resume completes."""
+    from pathways.controller.core import ControllerCore
+    from pathways.ir import Layout
+    from pathways.protocol import messages as m
+    from pathways.protocol.handles import first_handle
+    from tests.test_assembly import _register
+    from tests.test_controller import Box, _of
+    from tests.test_controller import session as opened
+
+    core = ControllerCore()
+    w0, w1, w2 = (_register(core, name, 1, coordinator=f"{name}:1") for name in "abc")
+    client, rival = opened(core, 1), opened(core, 2)
+    core.on_session_batch(1, m.encode_batch([m.SliceRequest(1, "cpu", 1, None, 0, False),
+                                             m.SliceRequest(2, "cpu", 1, None, 1, False)]))
+    assert [r.workers for r in sorted(_of(client, m.SliceReply), key=lambda r: r.req)] == [(w0.worker,), (w1.worker,)]
+    on_a, on_b = (first_handle(1) + i for i in (1, 2))
+    core.on_session_batch(1, m.encode_batch([m.PutNotice(on_a, Layout((w0.worker,), ((0, 0),), (1,), ("x",), ())),
+                                             m.PutNotice(on_b, Layout((w1.worker,), ((0, 0),), (1,), ("x",), ())),
+                                             m.Suspend(3)]))
+    assert _of(w0.outbox, m.Offload) and _of(w1.outbox, m.Offload)
+    core.on_worker_batch(w1, m.encode_batch([m.Offloaded(1, ((on_b, (2,)),), (), 8)]))
+    assert not _of(client, m.Suspended), "it waits for the other holder"
+    core.worker_lost(w0)
+    [suspended] = _of(client, m.Suspended)
+    assert (suspended.req, suspended.arrays) == (3, 1)
+    lost = [x for x in _of(client, m.Poisoned) if on_a in x.handles]
+    assert [x.kind for x in lost] == ["WorkerLostError"]
+
+    core.on_session_batch(2, m.encode_batch([m.SliceRequest(1, "cpu", 1, None, 1, True)]))
+    assert _of(rival, m.SliceReply)[0].workers == (w1.worker,), "another client takes island b for itself"
+    core.on_session_batch(1, m.encode_batch([m.Resume(4)]))
+    assert [x.workers for x in _of(client, m.SliceMoved)] == [(w2.worker,), (w2.worker,)]
+    [restore] = _of(w1.outbox, m.Restore)
+    [adopt] = _of(w2.outbox, m.Adopt)
+    [(copy, handle)] = adopt.pairs
+    assert handle == on_b and restore.moves[0][:2] == (on_b, copy)
+    core.worker_lost(w1)
+    assert [x.handles for x in _of(w2.outbox, m.Poisoned)] == [(copy,)], "its receiver stops waiting for it"
+    assert [x.kind for x in _of(client, m.Poisoned) if on_b in x.handles] == ["WorkerLostError"]
+    assert not _of(client, m.Resumed), "the receiver has not answered yet"
+    core.on_worker_batch(w2, m.encode_batch([m.Adopted(1, 1, 0)]))
+    assert [x.req for x in _of(client, m.Resumed)] == [4]
+    assert {x["session"]: x["state"] for x in core.status()["sessions"]} == {1: "active", 2: "active"}

@@ -412,3 +412,24 @@ def test_a_run_on_the_lean_path_switches_to_the_careful_one_at_a_poisoned_input_
         time.sleep(0.01)
         done = [r for d in up if type(d) is m.Done for r, _ in d.runs]
     assert done == [1, 2, 3, 4], "every run, poisoned or not, is reported done, in order"
+
+
+def test_a_copy_from_two_senders_read_as_poison_leaves_nothing_behind_whatever_comes_after(core):
+    """One sender's half arrives, then the controller's poison (the other sender's island
+    was lost), which the run reads: the half, the other half and another poison arriving
+    later are all dropped, so the store and the pending assemblies end empty."""
+    array = np.arange(3, dtype=np.float32)
+    copy = first_handle(0) + 9
+
+    def half(region):
+        piece = [(region, array[region[0][0]:region[0][1]])]
+        return {**put_header(copy, array, of=2), **codec.pieces_header(array.dtype, array.shape, piece)}, piece
+
+    assert core.receive_frame(*half(((0, 2),))) is None
+    assert core._incoming, "half of the copy waits for its other sender"
+    core.on_batch(m.encode_batch([m.Poisoned((copy,), "WorkerLostError", "a sender's island was lost")]))
+    assert not core._incoming, "the poison ends the assembly"
+    assert core.store.wait(copy, 1.0, take=True).kind == "WorkerLostError"
+    assert core.receive_frame(*half(((2, 3),))) is None
+    core.on_batch(m.encode_batch([m.Poisoned((copy,), "WorkerLostError", "again")]))
+    assert core.store.get(copy) is None and len(core.store) == 0 and not core._incoming

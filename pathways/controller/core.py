@@ -142,10 +142,14 @@ class ControllerCore:
         queued, flying = self.scheduler.cancel(lambda r: bool(r.payload.lowered.workers & lost))
         for run in flying:
             self.dispatcher.release_all(run, lost)
+            # each copy once per receiver, however many of its senders were lost
+            stranded: dict[int, dict[int, None]] = {}
             for d in run.payload.parts:
                 for sender, receiver, copy in d.lowered.transfers:
                     if sender in lost and receiver not in lost and receiver in self.workers:
-                        self.workers[receiver].outbox.put(m.Poisoned((d.tbase + copy - d.nvalues,), LOST, message))
+                        stranded.setdefault(receiver, {})[d.tbase + copy - d.nvalues] = None
+            for receiver, copies in stranded.items():
+                self.workers[receiver].outbox.put(m.Poisoned(tuple(copies), LOST, message))
         for run in (*queued, *flying):
             self._poison(run.session, (h for d in run.payload.parts for h in d.outputs.values()), LOST, message)
         for run in queued:

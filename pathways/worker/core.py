@@ -191,6 +191,8 @@ class WorkerCore:
                 self.executables.register(msg.fn, msg.name, msg.blob, list(msg.ins), list(msg.outs))
         elif kind is Poisoned:
             for h in msg.handles:
+                with self._incoming_lock:  # the pieces some senders delivered are read by nobody now
+                    self._incoming.pop(h, None)
                 self.store.put(h, Poison(msg.message, msg.kind), replace=False)
         elif kind is SessionOpen:
             self.sessions.open(msg.session, msg.digest)
@@ -514,6 +516,9 @@ class WorkerCore:
         with self._incoming_lock:
             if self.store.get(handle) is not None:
                 return None if nsenders > 1 else f"array {handle:#x} already exists on this worker"
+            if session_of(handle) == 0 and self.store.refuses(handle):  # a copy read already (or stale):
+                self._incoming.pop(handle, None)  # leave no partial assembly behind
+                return None
             assembly, seen = self._incoming.pop(handle, (None, 0))
             if assembly is None:
                 regions = _regions(sharding, shape)

@@ -2,9 +2,10 @@
 
 Values arrive from the executor, from clients' puts and from peers' pushes; readers wait
 with a deadline. A delete that overtakes its value's arrival leaves a tombstone so the
-late value is dropped instead of leaking; so does a transfer copy, once taken. A suspended session's arrays stay in the store
-off the devices (``Offloaded``), and a resumed session's arrays arrive as transfer copies
-that the store renames to the session's handles as they come (``adopt``).
+late value is dropped instead of leaking; so does a transfer copy, once taken. A suspended
+session's arrays stay in the store off the devices (``Offloaded``), and a resumed
+session's arrays arrive as transfer copies that the store renames to the session's
+handles as they come (``adopt``).
 """
 
 from __future__ import annotations
@@ -94,15 +95,22 @@ class ObjectStore:
         return stored
 
     def _store_locked(self, handle: int, value: Any) -> bool:
-        if handle in self._tombstones:
-            del self._tombstones[handle]
-            return False
-        if session_of(handle) in self._dropped_sessions:
-            return False
-        if handle < self._copy_floor and session_of(handle) == 0:
+        if self._refused_locked(handle):
+            if session_of(handle) != 0:  # a session handle's one late value; a copy's may be several
+                self._tombstones.pop(handle, None)
             return False
         self._entries[handle] = value
         return True
+
+    def _refused_locked(self, handle: int) -> bool:
+        return (handle in self._tombstones or session_of(handle) in self._dropped_sessions
+                or (handle < self._copy_floor and session_of(handle) == 0))
+
+    def refuses(self, handle: int) -> bool:
+        """Whether whatever arrives for ``handle`` is dropped: it was deleted, its session
+        dropped, or it is a transfer copy already read (or stale)."""
+        with self._lock:
+            return self._refused_locked(handle)
 
     def refuse_copies_below(self, floor: int) -> None:
         """Drop transfer copies numbered below ``floor`` from now on: peers may still send
@@ -174,6 +182,11 @@ class ObjectStore:
                     self._waiters.setdefault(handle, set()).add(waiter)
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    if take:  # its reader gives up on it: a copy arriving from now on is read by nobody
+                        with self._lock:
+                            value = self._entries.pop(handle, None)  # unless it arrived just now
+                            self._taken_locked(handle, value)
+                        return value
                     return None
                 if still_wanted is not None:
                     if not still_wanted():
@@ -191,11 +204,12 @@ class ObjectStore:
                             del self._waiters[handle]
 
     def _taken_locked(self, handle: int, value: Any) -> None:
-        """A value was taken out for good. Something else may still arrive for a transfer
-        copy (each is read once, and its number never comes back): its bytes, when it was
-        taken as poison because its sender's island was lost but the sender had not
-        stopped yet; or the controller's poison, when its sender's island was lost after
-        the copy arrived. A tombstone drops it then, instead of leaving it in the store."""
+        """A value was taken out for good (or waited for in vain). More may still arrive
+        for a transfer copy, which is read once and whose number never comes back: the
+        bytes or poison of each of its senders, when it was taken as the poison of one
+        of them; the controller's poison, when a sender's island was lost after the copy
+        arrived. The copy's tombstone drops each of them, instead of leaving it in the
+        store, and stays (the oldest of many are forgotten) because there may be several."""
         if session_of(handle) == 0:
             self._tombstone(handle)
 
