@@ -390,8 +390,9 @@ def test_a_lost_island_poisons_each_copy_bound_elsewhere_once_however_many_of_it
     assert senders == sorted(pair.workers), "both hosts send their half to the single host"
     copy = d.tbase + d.lowered.transfers[0][2] - d.nvalues
 
-    core.worker_lost(rank1)
+    core.worker_lost(rank1, error="ConnectionResetError: [Errno 104] Connection reset by peer")
     poisoned = _of(single.outbox, m.Poisoned)
     assert [x.handles for x in poisoned] == [(copy,)], \
         "one poison per copy: a second would outlive the run that read the first, in the store, for good"
     assert poisoned[0].kind == "WorkerLostError"
+    assert "the connection was cut: ConnectionResetError" in poisoned[0].message, "the loss says what ended it"

@@ -115,21 +115,25 @@ class ControllerCore:
         else:  # Malformed
             conn.outbox.put(m.Notice(f"controller dropped {msg.tag!r}: {msg.error}"))
 
-    def worker_lost(self, conn: WorkerConn, silent_for: float | None = None) -> None:
-        """A worker's stream ended: its connection closed, or (``silent_for`` seconds) the
-        worker stopped answering and the shell dropped it. Its island is unhealthy until it
-        heals (whether it had assembled or not): a multi-host group cannot run without one
-        of its hosts, so every run, array and future that involves any host of the island
-        fails with WorkerLostError naming the worker, and the surviving hosts of the island
-        are told to restart and join it again (a fresh jax.distributed group needs fresh
-        processes), with whatever replaces the lost host (``_healed``). Other islands keep
-        serving."""
+    def worker_lost(self, conn: WorkerConn, silent_for: float | None = None, error: str | None = None) -> None:
+        """A worker's stream ended: its connection closed (``error``: the one that ended it,
+        if one did), or (``silent_for`` seconds) the worker stopped answering and the shell
+        dropped it. Its island is unhealthy until it heals (whether it had assembled or
+        not): a multi-host group cannot run without one of its hosts, so every run, array
+        and future that involves any host of the island fails with WorkerLostError naming
+        the worker, and the surviving hosts of the island are told to restart and join it
+        again (a fresh jax.distributed group needs fresh processes), with whatever replaces
+        the lost host (``_healed``). Other islands keep serving."""
         if conn.retired or self.workers.get(conn.worker) is not conn:
             return
         island = conn.island
         name = self.membership.islands.by_id[island].describe()
-        why = (f"it stopped answering for {silent_for:.1f} s" if silent_for is not None
-               else "its connection closed (the process exited or was killed)")
+        if silent_for is not None:
+            why = f"it stopped answering for {silent_for:.1f} s"
+        elif error is not None:
+            why = f"its connection closed (the process exited or was killed, or the connection was cut: {error})"
+        else:
+            why = "its connection closed (the process exited or was killed)"
         lost_worker = f"{conn.describe()} was lost: {why}"
         log.warning("%s", lost_worker)
         self.membership.lost.setdefault(island, lost_worker)

@@ -234,6 +234,7 @@ class ControllerServer:
         greeted = self.security.token is None
         beats = Heartbeats(self.heartbeat_timeout)
         silence: list[float] = []  # how long the worker was silent, once given up for it
+        cut: list[str] = []  # the error that ended the connection, if one did
 
         def on_silent(seconds: float) -> None:
             silence.append(seconds)
@@ -270,8 +271,9 @@ class ControllerServer:
                             sec.HELLO_SECONDS)
             except WireError as e:
                 log.warning("closing the worker connection from %s (worker %d): %s", peer, conn.worker, e)
-            except OSError as e:  # reset by the peer
+            except OSError as e:  # reset by the peer; worker_lost says so
                 log.info("the worker connection from %s (worker %d) ended: %s", peer, conn.worker, e)
+                cut.append(f"{type(e).__name__}: {e}")
             return None
 
         async def send(payload: bytes) -> None:
@@ -286,7 +288,8 @@ class ControllerServer:
 
         try:
             await self._stream(read, send, conn.outbox, on_payload,
-                               lambda: self.core.worker_lost(conn, silence[0] if silence else None))
+                               lambda: self.core.worker_lost(conn, silence[0] if silence else None,
+                                                             cut[0] if cut else None))
         finally:
             keepalive.stop()
             writer.close()  # after what is buffered: the worker sees a clean end

@@ -374,6 +374,7 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
         return set_soon
 
     end = setter(ended)
+    settled = threading.Event()  # the stream's end is expected from now on (see _start_stream)
     beats = Heartbeats(heartbeat_timeout)
     joining = Joining(setter(welcomed), end, beats.learn)
     service = WorkerService(wait=join_timeout)
@@ -411,13 +412,14 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
         # Every recv and send on the stream waits at most this long: the controller sends
         # something at least every fifth of it, so a longer silence means it is gone.
         sock.settimeout(heartbeat_timeout)
-        _start_stream(sock, outbox, joining.on_batch, end, beats, controller)
+        _start_stream(sock, outbox, joining.on_batch, end, beats, controller, settled)
 
         told: list[str] = []  # what the controller told the running core: "shutdown" or "reset"
 
         def told_to(what: str) -> Callable[[], None]:
             def note() -> None:
                 told.append(what)
+                settled.set()
                 end()
             return note
 
@@ -460,6 +462,7 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
     except ConnectError as e:
         return str(e), None
     finally:
+        settled.set()
         outbox.close()
         if sock is not None:
             with contextlib.suppress(OSError):  # the controller may have closed it already
@@ -486,10 +489,12 @@ async def _beat(beats: Heartbeats, outbox: rpc.Outbox, timeout: float) -> None:
 
 
 def _start_stream(sock: socket.socket, outbox: rpc.Outbox, on_batch: Callable[[bytes], None],
-                  end: Callable[[], None], beats: Heartbeats, controller: str) -> None:
+                  end: Callable[[], None], beats: Heartbeats, controller: str, settled: threading.Event) -> None:
     """Threads that send ``outbox``'s batches on ``sock`` and hand what arrives to
     ``on_batch``; ``end`` is called when the stream ends either way, including when the
-    controller sends nothing for the heartbeat timeout (the socket's timeout)."""
+    controller sends nothing for the heartbeat timeout (the socket's timeout). Once
+    ``settled`` is set (the worker was told to stop or restart, or is closing), the
+    stream's end is expected."""
     reader = frames.FrameReader(sock)
 
     def send() -> None:
@@ -513,7 +518,9 @@ def _start_stream(sock: socket.socket, outbox: rpc.Outbox, on_batch: Callable[[b
             log.error("the controller at %s sent nothing for %g s (the heartbeat timeout): it is frozen, "
                       "unreachable or gone", controller, beats.timeout)
         except Exception as e:  # OSError or WireError, or ValueError once shutdown closed the reader
-            log.info("controller stream ended: %s", e)
+            # a connection cut while this worker still runs is worth a warning: it costs the island
+            log.log(logging.INFO if settled.is_set() else logging.WARNING, "controller stream ended: %s: %s",
+                    type(e).__name__, e)
         finally:
             end()
 
