@@ -503,6 +503,8 @@ def _start_stream(sock: socket.socket, outbox: rpc.Outbox, on_batch: Callable[[b
                 sock.sendall(frames.frame(payload))
                 beats.sent()
         except OSError as e:  # a timeout included: the controller stopped reading
+            # at info: a send also fails when the controller ends the stream on purpose, before
+            # the reader has handed over its last message (a shutdown, say)
             log.info("controller stream ended while sending: %s", e)
             end()
 
