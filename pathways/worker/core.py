@@ -191,9 +191,7 @@ class WorkerCore:
                 self.executables.register(msg.fn, msg.name, msg.blob, list(msg.ins), list(msg.outs))
         elif kind is Poisoned:
             for h in msg.handles:
-                with self._incoming_lock:  # the pieces some senders delivered are read by nobody now
-                    self._incoming.pop(h, None)
-                self.store.put(h, Poison(msg.message, msg.kind), replace=False)
+                self._poisoned(h, Poison(msg.message, msg.kind))
         elif kind is SessionOpen:
             self.sessions.open(msg.session, msg.digest)
         elif kind is DropSession:
@@ -502,10 +500,8 @@ class WorkerCore:
         if "poison" in header:
             message = _PUT_POISON.check(header["poison"], "put header field 'poison'")
             kind = _PUT_KIND.check(header.get("kind", REMOTE), "put header field 'kind'")
-            with self._incoming_lock:
-                self._incoming.pop(handle, None)
             # an unknown kind (a newer peer's) reads as a failed computation
-            self.store.put(handle, Poison(message, kind if kind in POISON_KINDS else REMOTE), replace=False)
+            self._poisoned(handle, Poison(message, kind if kind in POISON_KINDS else REMOTE))
             return None
         if chunks is not None:
             dtype, shape, pieces = codec.read_pieces(header, chunks)
@@ -538,6 +534,13 @@ class WorkerCore:
             return message
         self.store.put(handle, self._device_arrays.make(sharding, shape, dtype, assembly))
         return None
+
+    def _poisoned(self, handle: int, poison: Poison) -> None:
+        """``handle`` will never hold a value (unless it holds one already): the pieces
+        some of its senders delivered are read by nobody now."""
+        with self._incoming_lock:
+            self._incoming.pop(handle, None)
+        self.store.put(handle, poison, replace=False)
 
     def _sharding(self, raw_layout: Any) -> Any:
         """The sharding a put's wire layout names, cached: each run of a program sends the

@@ -164,7 +164,8 @@ class ObjectStore:
         if value is not None:
             if take:
                 with self._lock:
-                    self._taken_locked(handle, self._entries.pop(handle, None))
+                    self._entries.pop(handle, None)
+                    self._taken_locked(handle)
             return value
         deadline = time.monotonic() + timeout
         waiter = threading.Lock()
@@ -175,7 +176,7 @@ class ObjectStore:
                     value = self._entries.pop(handle, None) if take else self._entries.get(handle)
                     if value is not None:
                         if take:
-                            self._taken_locked(handle, value)
+                            self._taken_locked(handle)
                         return value
                     if session_of(handle) in self._dropped_sessions:
                         return Poison("the client session that owned this array disconnected")
@@ -185,7 +186,7 @@ class ObjectStore:
                     if take:  # its reader gives up on it: a copy arriving from now on is read by nobody
                         with self._lock:
                             value = self._entries.pop(handle, None)  # unless it arrived just now
-                            self._taken_locked(handle, value)
+                            self._taken_locked(handle)
                         return value
                     return None
                 if still_wanted is not None:
@@ -203,7 +204,7 @@ class ObjectStore:
                         if not waiting:
                             del self._waiters[handle]
 
-    def _taken_locked(self, handle: int, value: Any) -> None:
+    def _taken_locked(self, handle: int) -> None:
         """A value was taken out for good (or waited for in vain). More may still arrive
         for a transfer copy, which is read once and whose number never comes back: the
         bytes or poison of each of its senders, when it was taken as the poison of one
