@@ -1,4 +1,4 @@
-"""The ``pathways`` command line: controller, worker, up, run, status, demo, bench, spmd, plan, trace."""
+"""The ``pathways`` command line: controller, worker, up, run, status, retire, demo, bench, spmd, plan, trace."""
 
 from __future__ import annotations
 
@@ -149,6 +149,9 @@ def _main(argv: list[str] | None) -> int:
                              "measurements (default 60)")
     security.add_flags(status, server=False)
 
+    from pathways import cli_retire
+    cli_retire.add_parser(sub)
+
     demo = sub.add_parser("demo", help="run the paper's Figure 2 program")
     demo.add_argument("--address", default=None)
     security.add_flags(demo, server=False)
@@ -258,6 +261,9 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: lis
             parser.error(str(e))
     elif args.command == "status":
         return _status(args.address, args.measure, args.timeout, security.from_args(args))
+    elif args.command == "retire":
+        from pathways import cli_retire
+        return cli_retire.main(args)
     elif args.command == "demo":
         from pathways.demo import figure2
         # the flags only: pw.connect reads PATHWAYS_TOKEN and PATHWAYS_TLS_CA itself, and
@@ -369,6 +375,8 @@ def _status(address: str | None, measure: bool = False, timeout: float | None = 
                      f"{i.get('lost') or 'a host was lost'})")
         elif not i["healthy"]:
             state = f"UNHEALTHY ({i.get('lost') or 'a host was lost'})"
+        elif i.get("retiring"):
+            state = "RETIRING (an operator retires it: it takes no new slices, its runs drain, then its hosts exit)"
         elif i["assembling"]:
             state = f"assembling ({i['hosts']} of {i['expected_hosts']} hosts joined; it takes slices once all have)"
         else:

@@ -30,7 +30,7 @@ import trio
 from pathways.defaults import ADDRESS_LINE, DEFAULT_WINDOW, IFRT_LINE
 from pathways.errors import ConnectError, DeadlineExceededError, WireError
 from pathways.protocol.errors import error_of
-from pathways.protocol.messages import MeasureRequest, pack, unpack
+from pathways.protocol.messages import MeasureRequest, RetireRequest, pack, unpack
 from pathways.wire import rpc
 from pathways.wire import security as sec
 from pathways.wire.security import Security
@@ -360,6 +360,37 @@ def measure(address: str, timeout: float = 60.0, security: Security | None = Non
     if "error" in reply:
         raise error_of(reply.get("kind"), reply["error"], WireError)
     return reply["status"]
+
+
+def retire(address: str, island: str = "", worker: Optional[int] = None, timeout: float = 60.0,
+           security: Security | None = None) -> dict:
+    """Retire island ``island`` (its name as ``status`` shows it) or, given ``worker``, that
+    one host. It takes no new slices at once; the controller waits up to ``timeout`` seconds
+    (0: not at all) for the runs queued and in flight there to finish, then tells its hosts
+    to exit (their keepers do not start them again), fails what still involves them with
+    WorkerLostError saying the operator retired them, releases its slices and forgets the
+    island: its name is free for new workers. A lost island is simply forgotten. One host
+    of a larger island is lost on purpose instead: the island heals once a host replaces it.
+
+    Returns what was done: ``island``, ``id``, ``worker``, ``hosts`` (the worker ids shut
+    down), ``runs_cut`` (runs still there when it was retired), ``slices_released``,
+    ``sessions`` (those that had slices there), ``was`` (its state before: healthy, lost,
+    healing, assembling; or forgotten, lost, when that happened while it drained) and
+    ``drained``. Raises PathwaysError when there is no such island or worker, or it is
+    being retired already."""
+    if (worker is None) == (not island):
+        raise ValueError("retire takes an island's name or a worker id, one of the two")
+    try:
+        reply = _unary(address, rpc.CONTROLLER_SERVICE, "Retire", timeout + 10.0,
+                       pack(RetireRequest(island, worker, timeout).encode()), security)
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+            raise
+        raise WireError(f"the controller at {address} does not serve retire: it runs an older pathways "
+                        "version; install the same version on both") from None
+    if "error" in reply:
+        raise error_of(reply.get("kind"), reply["error"])
+    return reply["retired"]
 
 
 def topology(address: str, measure_first: bool = False, timeout: float = 60.0,

@@ -14,6 +14,7 @@ their hosts join again (``worker_lost``, ``_healed``).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import secrets
@@ -23,7 +24,8 @@ from typing import Any, Callable, Iterable, Union
 from pathways.controller.dispatch import Dispatch, Dispatcher, coalesce
 from pathways.controller.handles import HandleTable
 from pathways.controller.lowering import FnLayouts
-from pathways.controller.membership import Membership, Outbox, WorkerConn
+from pathways.controller.islands import Island
+from pathways.controller.membership import MAX_WORKERS, Membership, Outbox, WorkerConn
 from pathways.controller.placement import ResourceManager, SlicePlacement
 from pathways.controller.programs import RunFailure, SessionPrograms, XlaCompile
 from pathways.controller.scheduler import DEFAULT_WINDOW, Run, Scheduler
@@ -39,7 +41,11 @@ from pathways.timeline import RECORDER, now
 
 log = logging.getLogger("pathways.controller")
 
-__all__ = ["ControllerCore", "WorkerConn", "Outbox"]
+# Lost islands that no host has rejoined which the controller remembers (status lists them
+# as unhealthy); beyond it the oldest loss is forgotten.
+MAX_LOST_ISLANDS = 64
+
+__all__ = ["ControllerCore", "WorkerConn", "Outbox", "Retirement"]
 
 
 @dataclass
@@ -53,6 +59,28 @@ class SessionState:
     tail: Run | None = None  # the latest run submitted to the scheduler, which may take on the next
     suspension: Suspension | None = None  # from its Suspend request until it has resumed
     moved: list[frozenset[int]] = field(default_factory=list)  # the workers each SliceMoved sent it named
+    released: dict[int, str] = field(default_factory=dict)  # slice -> why: its island was retired or forgotten
+
+
+@dataclass
+class Retirement:
+    """An operator's request to retire ``island``, or one host of it (``host``), while its
+    runs drain; ``done()`` is called once they have (``drained``)."""
+
+    id: int
+    island: Island
+    host: WorkerConn | None
+    done: Callable[[], None]
+    drained: bool = False
+
+    def describe(self) -> str:
+        return self.host.describe() if self.host is not None else f"island {self.island.describe()}"
+
+
+def _state(island: Island) -> str:
+    """An island's state as status shows it."""
+    return "lost" if island.lost else "healing" if island.healing else "assembling" if island.assembling \
+        else "healthy"
 
 
 class ControllerCore:
@@ -64,6 +92,11 @@ class ControllerCore:
         self.sessions: dict[int, SessionState] = {}
         self._next_copy = first_handle(0) + 1  # transfer copies are the controller's handles
         self._draining: set[int] = set()  # sessions suspending that wait for their runs to finish
+        self._retirements: dict[int, Retirement] = {}
+        self._retirement_ids = itertools.count(1)
+        # worker -> why it is gone for good (its island retired or forgotten), for the
+        # errors of sessions that still use it; the latest MAX_WORKERS
+        self._gone_why: dict[int, str] = {}
 
     @property
     def workers(self) -> dict[int, WorkerConn]:
@@ -89,6 +122,8 @@ class ControllerCore:
             self._pump()
             if self._draining:
                 self._drained()
+            if self._retirements:
+                self._check_retiring()
         elif kind is m.Step:
             self.dispatcher.step(conn, msg.run, msg.node)
         elif kind is m.Register:
@@ -126,14 +161,18 @@ class ControllerCore:
         the lost host (``_healed``). Other islands keep serving."""
         if conn.retired or self.workers.get(conn.worker) is not conn:
             return
-        island = conn.island
-        name = self.membership.islands.by_id[island].describe()
         if silent_for is not None:
             why = f"it stopped answering for {silent_for:.1f} s"
         elif error is not None:
             why = f"its connection closed (the process exited or was killed, or the connection was cut: {error})"
         else:
             why = "its connection closed (the process exited or was killed)"
+        self._lose_host(conn, why)
+
+    def _lose_host(self, conn: WorkerConn, why: str) -> None:
+        """``conn``'s island lost it (``why``: how): see ``worker_lost``."""
+        island = conn.island
+        name = self.membership.islands.by_id[island].describe()
         lost_worker = f"{conn.describe()} was lost: {why}"
         log.warning("%s", lost_worker)
         self.membership.lost.setdefault(island, lost_worker)
@@ -143,6 +182,18 @@ class ControllerCore:
                    "host replaces the lost one (a worker started with the same --island; its other hosts rejoin "
                    "on their own), and its slices and compiled functions then work again; meanwhile use a "
                    "healthy island (`python -m pathways status` shows which are healthy)")
+        self._cut(lost, message)
+        for w in lost:
+            survivor = self.membership.remove(w)
+            if survivor is not None and survivor is not conn:
+                survivor.outbox.put(m.Reset(message))
+        self._after_loss(lost, message)
+        self._forget_old_losses()
+
+    def _cut(self, lost: set[int], message: str) -> None:
+        """Workers ``lost`` go away: every run, array and compile that involves them fails
+        with WorkerLostError saying ``message``; copies they were sending to other workers
+        reach them poisoned."""
         queued, flying = self.scheduler.cancel(lambda r: bool(r.payload.lowered.workers & lost))
         for run in flying:
             self.dispatcher.release_all(run, lost)
@@ -164,14 +215,15 @@ class ControllerCore:
                 del s.programs.compiling[fn]
                 s.programs.failed[fn] = message
                 s.outbox.put(m.Compiled(fn, message))
-        for w in lost:
-            survivor = self.membership.remove(w)
-            if survivor is not None and survivor is not conn:
-                survivor.outbox.put(m.Reset(message))
+
+    def _after_loss(self, lost: set[int], message: str) -> None:
+        """Once workers ``lost`` are removed: runs they held back may go, suspends and
+        resumes stop waiting for them, and a retirement may be drained."""
         self._pump()
         for sid, s in list(self.sessions.items()):
             if s.suspension is not None:
                 self._suspension_lost(sid, s, lost, message)
+        self._check_retiring()
 
     def _healed(self, island: int) -> None:
         """Every host of a lost island has joined again, as new processes under the worker
@@ -200,6 +252,147 @@ class ControllerCore:
     def abandon_measurement(self, mid: int) -> list[int]:
         return self.membership.abandon_measurement(mid)
 
+    # ---- retiring islands and hosts (`pathways retire`) ------------------------------------
+
+    def retire(self, island: str, worker: int | None, done: Callable[[], None]) -> Retirement:
+        """Begin retiring island ``island`` (its name, or its id where no island has that
+        name) or, given ``worker``, that one host: from now on its island takes no new slices,
+        and ``done()`` is called once no run is queued or in flight there (at once when none
+        is, as on a lost island). The shell then calls ``finish_retirement``, when done()
+        came or its wait ran out, or ``abandon_retirement`` when the operator gave up.
+        Raises PathwaysError saying what is wrong: no such island or worker, or it is
+        being retired already."""
+        islands = self.membership.islands
+        conn = None
+        if worker is not None:
+            conn = self.workers.get(worker)
+            if conn is None:
+                raise PathwaysError(f"no worker {worker} is attached; `python -m pathways status` lists the workers "
+                                    "(retire a lost island by its name)")
+            target = islands.by_id[conn.island]
+        else:
+            target = islands.find(island)
+            if target is None and island.isdecimal():
+                target = islands.by_id.get(int(island))
+            if target is None:
+                known = ", ".join(repr(i.name) for i in islands.by_id.values()) or "none"
+                raise PathwaysError(f"no island is named {island!r} (the islands: {known}); "
+                                    "`python -m pathways status` lists them")
+        if target.id in self.rm.retiring:
+            raise PathwaysError(f"island {target.describe()} is being retired already: another retire request is "
+                                "draining it")
+        whole = conn is None or target.hosts == 1  # the only host of its island takes the island with it
+        r = Retirement(next(self._retirement_ids), target, None if whole else conn, done)
+        self._retirements[r.id] = r
+        self.rm.retiring.add(target.id)
+        log.info("retiring %s: it takes no new slices; waiting for its %d queued and %d in-flight run(s)",
+                 r.describe(), self.scheduler.queued(target.id), self.scheduler.inflight(target.id))
+        self._check_retiring()
+        return r
+
+    def finish_retirement(self, r: Retirement) -> dict[str, Any]:
+        """Retire what ``r`` names, whether its runs drained or not: the hosts are told to
+        shut down (Shutdown: they exit, their keepers do not start them again), whatever
+        still involves them fails with WorkerLostError saying the operator retired them,
+        and, for a whole island, its slices are released and the island forgotten (its
+        name is free for new workers). One host of a larger island is lost on purpose: the
+        island heals once a host replaces it. Returns what was done, for the operator."""
+        if self._retirements.pop(r.id, None) is None:
+            return {}
+        island = r.island
+        report: dict[str, Any] = {"island": island.name, "id": island.id, "worker": None, "hosts": [],
+                                  "runs_cut": self.scheduler.queued(island.id) + self.scheduler.inflight(island.id),
+                                  "slices_released": 0, "sessions": [], "was": _state(island)}
+        if self.membership.islands.by_id.get(island.id) is not island:  # forgotten meanwhile, as a lost island
+            report["was"] = "forgotten"
+            return report
+        self.rm.retiring.discard(island.id)
+        if r.host is not None:
+            conn = r.host
+            report["worker"] = conn.worker
+            if self.workers.get(conn.worker) is not conn:
+                report["was"] = "lost"  # it went away while its island drained: nothing left to shut down
+                return report
+            report["hosts"] = [conn.worker]
+            report["sessions"] = self._owners(island.id)
+            conn.outbox.put(m.Shutdown(f"this host was retired by the operator (`pathways retire --worker "
+                                       f"{conn.worker}`)"))
+            self._lose_host(conn, f"it was retired by the operator (`pathways retire --worker {conn.worker}`)")
+            return report
+        name = island.describe()
+        message = (f"island {name} was retired by the operator (`pathways retire`): "
+                   + ("it had lost a host, and is forgotten" if island.lost else "its hosts were shut down")
+                   + "; its arrays and computations are gone and its slices released. Ask for a slice on "
+                     "another island (`python -m pathways status` lists them)")
+        hosts = {w for w, c in self.workers.items() if c.island == island.id}
+        report["hosts"] = sorted(hosts)
+        report["sessions"] = self._owners(island.id)
+        self._cut(hosts, message)
+        for w in sorted(hosts):
+            self.membership.remove(w).outbox.put(m.Shutdown(message))
+        report["slices_released"] = self._forget_island(island.id, message)
+        log.warning("island %s (%s) retired by the operator: %d host(s) shut down, %d run(s) cut, %d slice(s) "
+                    "released", name, report["was"], len(hosts), report["runs_cut"], report["slices_released"])
+        self._after_loss(hosts, message)
+        return report
+
+    def abandon_retirement(self, r: Retirement) -> None:
+        """The operator gave up waiting: the island takes slices again."""
+        if self._retirements.pop(r.id, None) is not None:
+            if self.membership.islands.by_id.get(r.island.id) is r.island:
+                self.rm.retiring.discard(r.island.id)
+            log.info("retiring %s abandoned: it takes slices again", r.describe())
+
+    def _check_retiring(self) -> None:
+        """Tell retirements whose island has no run queued or in flight any more."""
+        for r in list(self._retirements.values()):
+            i = r.island.id
+            if not r.drained and not self.scheduler.queued(i) and not self.scheduler.inflight(i):
+                r.drained = True
+                r.done()
+
+    def _owners(self, island: int) -> list[int]:
+        """The sessions with a slice on ``island``."""
+        return sorted({p.owner for p in self.rm.slices.values() if p.island == island and p.owner in self.sessions})
+
+    def _forget_island(self, island: int, message: str) -> int:
+        """Forget an island whose workers are removed: release its slices (their sessions
+        are told ``message`` when they use them, as when they run a function or put an
+        array on its former hosts), and free its name. Returns the slices released."""
+        isl = self.membership.islands.by_id[island]
+        placements = self.rm.forget_island(island)
+        former = {*isl.members.values(), *isl.former.values(), *(w for p in placements for w in p.workers)}
+        for w in former:
+            self._gone_why[w] = message
+        while len(self._gone_why) > MAX_WORKERS:  # bounded: only the latest retirements need explaining
+            del self._gone_why[next(iter(self._gone_why))]
+        for p in placements:
+            s = self.sessions.get(p.owner)
+            if s is not None and p.slice_id in s.slices:
+                s.slices.discard(p.slice_id)
+                s.released[p.slice_id] = message
+        self.membership.forget_island(island)
+        return len(placements)
+
+    def _forget_old_losses(self) -> None:
+        """Keep at most MAX_LOST_ISLANDS lost islands that no host has rejoined: forget the
+        oldest losses beyond it, so that hosts that come and go for good (one-host islands
+        of their own, say) do not pile up in status."""
+        by_id = self.membership.islands.by_id
+        empty = [i for i in self.membership.lost if by_id[i].lost and i not in self.rm.retiring]
+        for i in empty[:max(0, len(empty) - MAX_LOST_ISLANDS)]:
+            name = by_id[i].describe()
+            message = (f"island {name} was lost ({self.membership.lost[i]}) and is forgotten: the controller "
+                       f"remembers at most {MAX_LOST_ISLANDS} lost islands that no host has rejoined, and this was "
+                       "the oldest; its slices were released. Ask for a slice on a healthy island")
+            log.warning("forgetting island %s, lost the longest of %d lost islands (at most %d are kept)", name,
+                        len(empty), MAX_LOST_ISLANDS)
+            self._forget_island(i, message)
+
+    def _why_gone(self, workers: Iterable[int]) -> str | None:
+        """Why one of ``workers`` is gone for good, where an island was retired or forgotten."""
+        return next((self._gone_why[w] for w in workers if w in self._gone_why), None)
+
     # ---- sessions --------------------------------------------------------------------
 
     def session_opened(self, sid: int, outbox: Outbox) -> None:
@@ -223,6 +416,8 @@ class ControllerCore:
             w.outbox.put(drop)
             w.defined.difference_update(drop.programs)
         log.info("session %d closed: freed %d array(s) and %d slice(s)", sid, len(s.handles.live), len(s.slices))
+        if self._retirements:  # its queued runs are gone
+            self._check_retiring()
 
     def on_session_batch(self, sid: int, payload: bytes) -> None:
         s = self.sessions.get(sid)
@@ -329,6 +524,8 @@ class ControllerCore:
 
     def _placement(self, s: SessionState, msg: m.DefineFunction) -> SlicePlacement:
         placement = self.rm.slices.get(msg.slice)
+        if msg.slice in s.released:
+            raise PlacementError(f"slice {msg.slice} is gone: {s.released[msg.slice]}")
         if placement is None or msg.slice not in s.slices:
             raise WireError(f"slice {msg.slice} is not one of this session's slices")
         gone = self.membership.gone(placement.workers)
@@ -392,8 +589,9 @@ class ControllerCore:
             return
         gone = self.membership.gone(msg.layout.workers)
         if gone:
-            self._poison(sid, [handle], LOST, f"the array was put on worker(s) {gone}, which are gone; "
-                                              "put it on a slice of a healthy island")
+            why = self._why_gone(gone)
+            self._poison(sid, [handle], LOST, f"the array was put on worker(s) {gone}, which are gone"
+                                              + (f": {why}" if why else "; put it on a slice of a healthy island"))
             return
         s.handles.live[handle] = msg.layout
 
@@ -430,10 +628,19 @@ class ControllerCore:
             return
         if msg.traced:
             began = now()
+        missing: list[int] = []
+
+        def unavailable(workers: Iterable[int]) -> list[int]:
+            found = self.membership.unavailable(workers)
+            missing.extend(found)
+            return found
+
         try:
-            key, lowered = s.programs.lowered(msg.program, args, s.handles, self.membership.unavailable)
+            key, lowered = s.programs.lowered(msg.program, args, s.handles, unavailable)
         except RunFailure as e:
-            self._poison(sid, outputs.values(), e.kind, str(e))
+            why = self._why_gone(missing)
+            self._poison(sid, outputs.values(), e.kind,
+                         f"{why} (the run needs worker(s) {sorted(set(missing))})" if why else str(e))
             return
         tbase = self._next_copy
         self._next_copy += lowered.ncopies

@@ -20,7 +20,9 @@ An island that lost a host is *lost* until it heals: its surviving hosts restart
 again, and so does whatever replaces the lost host (a worker started with the island's
 name, by hand or by a supervisor); they assemble under the same id, and each rank gets the
 worker id its former holder had, so that the slices placed there stay valid (only the
-hosts' addresses change, see core.py).
+hosts' addresses change, see core.py). An island the operator retired, or one lost long
+ago (the controller remembers a bounded number), is forgotten: a worker that names it later
+starts a new island of that name.
 """
 
 from __future__ import annotations
@@ -115,6 +117,18 @@ class Islands:
             island.former.update(island.members)
             island.members.clear()
             island.coordinator = ""
+
+    def forget(self, island_id: int) -> None:
+        """The island was retired, or lost long ago: it is no more, and its name (and id) may
+        be taken by a new island."""
+        island = self.by_id.pop(island_id, None)
+        if island is not None and self._named.get(island.name) == island_id:
+            del self._named[island.name]
+
+    def find(self, name: str) -> Optional[Island]:
+        """The island ``name`` stands for now, if any."""
+        current = self._named.get(name)
+        return self.by_id.get(current) if current is not None else None
 
     def assembling(self) -> set[int]:
         return {i for i, island in self.by_id.items() if island.assembling}

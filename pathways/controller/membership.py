@@ -121,6 +121,12 @@ class Membership:
         self.islands.lose(island)
         self.rm.assembling = self.islands.assembling()
 
+    def forget_island(self, island: int) -> None:
+        """The island was retired, or lost long ago: forget it (the core removed its workers)."""
+        self.islands.forget(island)
+        self.lost.pop(island, None)
+        self.rm.assembling = self.islands.assembling()
+
     def remove(self, worker: int) -> WorkerConn | None:
         """Forget ``worker``: its links, and its turn in any measurement."""
         conn = self.workers.pop(worker, None)

@@ -5,7 +5,7 @@ hosts of one island (the same number of devices on each, hosts in rank order, so
 mesh's leading axis spans hosts). Slices may share devices; the manager puts each new
 slice on the least-loaded devices that fit, and ``exclusive`` slices get devices nobody
 else uses. Islands marked unhealthy (a host was lost) get no new slices, nor do islands
-still assembling (not all their hosts have joined). Slices on an island that lost a host
+still assembling (not all their hosts have joined) or being retired by the operator. Slices on an island that lost a host
 are kept: they are valid again once the island heals, since its hosts keep their worker
 ids (islands.py).
 
@@ -68,6 +68,7 @@ class ResourceManager:
         self.slices: dict[int, SlicePlacement] = {}
         self.unhealthy: set[int] = set()  # islands that lost a host
         self.assembling: set[int] = set()  # islands whose hosts have not all joined yet
+        self.retiring: set[int] = set()  # islands the operator is retiring: they drain, then are forgotten
         self.latency: dict[tuple[int, int], float] = {}  # measured (from worker, to worker) -> seconds
         self._ids = itertools.count(1)
 
@@ -105,6 +106,20 @@ class ResourceManager:
         self.latency = {pair: t for pair, t in self.latency.items() if not lost & set(pair)}
         return lost
 
+    def forget_island(self, island: int) -> list[SlicePlacement]:
+        """The island was retired (or, lost, forgotten): drop its hosts, their latencies and
+        every mark on it, and release the slices placed there, which are returned."""
+        gone = [p for p in self.slices.values() if p.island == island]
+        for p in gone:
+            del self.slices[p.slice_id]
+        hosts = {w for w, h in self.hosts.items() if h.island == island}
+        for w in hosts:
+            del self.hosts[w]
+        self.latency = {pair: t for pair, t in self.latency.items() if not hosts & set(pair)}
+        for marks in (self.unhealthy, self.assembling, self.retiring):
+            marks.discard(island)
+        return gone
+
     def place(self, count: int, kind: str, mesh_shape: Optional[tuple[int, ...]] = None,
               island: Optional[int] = None, exclusive: bool = False, owner: int = 0,
               slice_id: Optional[int] = None) -> SlicePlacement:
@@ -117,7 +132,8 @@ class ResourceManager:
             raise PlacementError(f"mesh_shape {mesh_shape} has {math.prod(mesh_shape)} devices, "
                                  f"but the slice asks for {count}; make their product equal")
         candidates = [h for h in self.hosts.values() if h.kind == kind and h.island not in self.unhealthy
-                      and h.island not in self.assembling and (island is None or h.island == island)]
+                      and h.island not in self.assembling and h.island not in self.retiring
+                      and (island is None or h.island == island)]
         slowness = _slowness(candidates)
         best = self._best_on_one_host(candidates, count, exclusive, slowness)
         if best is None:
@@ -248,7 +264,8 @@ class ResourceManager:
             return "the cluster has no worker hosts yet; start workers or wait for them to register"
         what = ", ".join(
             f"host {h.worker} (island {h.island}{', unhealthy' if h.island in self.unhealthy else ''}"
-            f"{', assembling' if h.island in self.assembling else ''}): "
+            f"{', assembling' if h.island in self.assembling else ''}"
+            f"{', being retired' if h.island in self.retiring else ''}): "
             f"{h.ndevices} {h.kind}" + (f", {len(h.exclusive)} held exclusively" if h.exclusive else "")
             for h in self.hosts.values())
         if self.unhealthy:

@@ -42,7 +42,7 @@ import grpc
 from pathways.controller.core import ControllerCore, WorkerConn
 from pathways.controller.scheduler import DEFAULT_WINDOW
 from pathways.defaults import ADDRESS_LINE, CONTROLLER_STOPPED, HEARTBEAT_TIMEOUT, IFRT_LINE
-from pathways.errors import ConnectError, DeadlineExceededError, WireError
+from pathways.errors import ConnectError, DeadlineExceededError, PathwaysError, WireError
 from pathways.protocol import messages as m
 from pathways.protocol.errors import kind_of
 from pathways.protocol.handles import MAX_SESSION
@@ -329,10 +329,35 @@ class ControllerServer:
             raise
         return m.pack({"status": self.core.status()})
 
+    async def retire(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """Retire an island, or one host (messages.RetireRequest): it takes no new slices at
+        once; wait up to the request's timeout for its runs to finish, then retire it
+        whether they did or not. Replies ``{"retired": ...}`` (core.finish_retirement's
+        report, with ``"drained"``: whether its runs finished in time), or ``{"error": ...,
+        "kind": ...}``. A caller that gives up while it waits leaves the island as it was."""
+        try:
+            req = m.RETIRE.decode_one(request)
+        except WireError as e:
+            return m.pack({"error": f"retire: {e}", "kind": kind_of(e)})
+        drained = asyncio.get_running_loop().create_future()
+        try:
+            retirement = self.core.retire(req.island, req.worker, lambda: drained.done() or drained.set_result(None))
+        except PathwaysError as e:
+            return m.pack({"error": f"retire: {e}", "kind": kind_of(e)})
+        try:
+            await asyncio.wait_for(asyncio.shield(drained), req.timeout)
+        except asyncio.TimeoutError:
+            pass  # retired all the same: what is still running there fails
+        except asyncio.CancelledError:
+            self.core.abandon_retirement(retirement)
+            raise
+        return m.pack({"retired": {**self.core.finish_retirement(retirement), "drained": drained.done()}})
+
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         return {"Session": rpc.stream_stream(self.session),
                 "AttachAddress": rpc.unary_unary(self.attach_address),
-                "Status": rpc.unary_unary(self.status), "Measure": rpc.unary_unary(self.measure)}
+                "Status": rpc.unary_unary(self.status), "Measure": rpc.unary_unary(self.measure),
+                "Retire": rpc.unary_unary(self.retire)}
 
 
 def _header(payload: bytes) -> object:

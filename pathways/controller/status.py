@@ -16,9 +16,11 @@ def status(core: Any) -> dict[str, Any]:
         "window": scheduler.window,
         # per island: "hosts" joined of "expected_hosts"; "assembling" until all have joined
         # "lost": which host was lost and how, while the island is unhealthy; "healing": its
-        # hosts are joining again after the loss (they have joined once "healthy" again)
+        # hosts are joining again after the loss (they have joined once "healthy" again);
+        # "retiring": an operator's `pathways retire` drains it (it takes no new slices)
         "islands": [{"island": i, "name": isl.name, "healthy": not (isl.lost or isl.healing),
                      "lost": core.membership.lost.get(i), "healing": isl.healing, "assembling": isl.assembling, "hosts": len(isl.members), "expected_hosts": isl.hosts,
+                     "retiring": i in rm.retiring,
                      "devices": sum(w.info.devices for w in workers.values() if w.island == i),
                      "queued": scheduler.queued(i), "inflight": scheduler.inflight(i)}
                     for i, isl in sorted(islands.items())],

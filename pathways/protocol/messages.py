@@ -726,6 +726,25 @@ class MeasureRequest(Message):
     timeout: float = wire(Float(0.0, MAX_WAIT_SECONDS, open_lo=True))
 
 
+@message("retire")
+class RetireRequest(Message):
+    """An operator retires island ``island`` (its name), or with ``worker`` one host (``island``
+    ""): no new slices go there; the controller waits at most ``timeout`` seconds (0: not at
+    all) for the runs queued and in flight there to finish, then shuts its hosts down
+    (Shutdown: they exit, and their keepers do not start them again), fails what is left
+    there and releases its slices. A lost island is forgotten. The reply is a map:
+    ``{"retired": {...}}`` saying what was done, or ``{"error": ..., "kind": ...}``."""
+
+    island: str = wire(Str(MAX_ISLAND_NAME))
+    worker: int | None = wire(Optional(WORKER))
+    timeout: float = wire(Float(0.0, MAX_WAIT_SECONDS))
+
+    def checked(self) -> "RetireRequest":
+        if (self.worker is None) == (not self.island):
+            raise WireError("retire names an island or a worker, one of the two")
+        return self
+
+
 @message("fetch")
 class FetchRequest(Message):
     """Ask a worker for an array: wait up to ``wait`` seconds for it, send its bytes if
@@ -786,6 +805,7 @@ WORKER_DOWN = Table("attach (controller to worker)", WorkerWelcome, Peers, Compi
                     DropSession, Poisoned, Shutdown, Go, Measure, Notice, SessionOpen, Heartbeat, Reset,
                     Offload, Restore, Adopt)
 MEASURE = Table("measure request", MeasureRequest)
+RETIRE = Table("retire request", RetireRequest)
 FETCH = Table("fetch request", FetchRequest)
 TIMELINE = Table("timeline request", TimelineFetch)
 TIMELINE_REPLY = Table("timeline reply", Timeline)
