@@ -88,9 +88,10 @@ class LocalCluster:
     every process of the cluster (and this process, to reach it) is given; none by default.
     ``ifrt_port``: the controller also serves the IFRT proxy protocol on this loopback port
     (0: any free one), at ``.ifrt_address`` (``grpc://127.0.0.1:PORT``); None: it does not.
-    ``restart_workers``: a worker that exits while the cluster runs is started again, after a
+    ``restart_workers``: a worker that fails while the cluster runs is started again, after a
     back-off (RESTART_FIRST_PAUSE, doubled for each restart of a process that ran less than
-    RESTART_STABLE_SECONDS, at most RESTART_MAX_PAUSE), and its island heals.
+    RESTART_STABLE_SECONDS, at most RESTART_MAX_PAUSE), and its island heals; one that exits
+    with code 0 was told to (``pathways retire``, or a controller stopped on purpose) and is not.
     ``restart_controller``: so is the controller, on the same address; the workers attach to
     it again on their own (``pathways worker --reconnect-timeout``)."""
 
@@ -252,6 +253,8 @@ class LocalCluster:
                 self._failure = f"process {role} exited with code {code} during start-up"
                 self._ready.set()
                 return
+            if role == "worker" and code == 0:
+                return  # the controller told it to exit (it was retired): it is not wanted back
             if not (self.restart_controller if role == "controller" else self.restart_workers):
                 if role == "controller":
                     self.controller_code = code
