@@ -9,7 +9,9 @@ programs with their lowerings (programs.py), dispatch through the gang scheduler
 transport shell (server.py) decodes payloads with the protocol's tables and calls
 ``on_session_batch`` / ``on_worker_batch``; a second front end drives a session through
 the same typed messages with ``on_session_message``. Islands that lost a host heal when
-their hosts join again (``worker_lost``, ``_healed``).
+their hosts join again (``worker_lost``, ``_healed``); an operator retires an island or a
+host for good (``retire``, then ``finish_retirement`` once its runs drained or the shell's
+wait ran out), and lost islands nobody rejoins are forgotten beyond MAX_LOST_ISLANDS.
 """
 
 from __future__ import annotations
