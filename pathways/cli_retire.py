@@ -11,6 +11,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pathways.wire.security import Security
 
 DEFAULT_TIMEOUT = 60.0  # seconds the runs of a retired island may take to finish
 
@@ -50,7 +54,7 @@ def main(args: argparse.Namespace) -> int:
     from pathways.protocol.messages import MAX_WAIT_SECONDS
     from pathways.wire import security
 
-    given = [x for x in (args.island, args.worker, args.host) if x is not None]
+    given = [x for x in (args.island or None, args.worker, args.host or None) if x is not None]
     if len(given) != 1:
         return _usage("name what to retire: an island's name, --worker ID or --host ADDRESS (one of them)")
     if not args.address:
@@ -73,7 +77,7 @@ def _usage(message: str) -> int:
     return 2
 
 
-def _worker_at(address: str, host: str, sec: object) -> int:
+def _worker_at(address: str, host: str, sec: Security) -> int:
     """The id of the worker serving at ``host`` (its gRPC address, with or without the scheme)."""
     from pathways import cluster
     from pathways.errors import PathwaysError

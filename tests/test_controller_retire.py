@@ -1,12 +1,16 @@
 """Retiring islands and hosts (`pathways retire`) in the controller's core, without
 processes: draining, shutting hosts down, failing what is left with the operator's reason,
-releasing slices, forgetting islands; and the bound on remembered lost islands. (Pure
-logic; tests/test_retire.py runs the command against a real cluster.)"""
+releasing slices, forgetting islands; the bound on remembered lost islands; and the shell's
+bounded wait for the drain, on an event loop without gRPC. (tests/test_retire.py runs the
+command against a real cluster.)"""
+
+import asyncio
 
 import pytest
 
 from pathways.controller import core as core_module
 from pathways.controller.core import ControllerCore, WorkerConn
+from pathways.controller.server import ControllerServer
 from pathways.errors import PathwaysError
 from pathways.ir import Layout
 from pathways.protocol import messages as m
@@ -214,3 +218,50 @@ def test_lost_islands_nobody_rejoins_are_forgotten_oldest_first_beyond_the_bound
     assert healing.worker == 4, "a remembered lost island heals under its worker id"
     core.worker_lost(conns[5])
     assert list(_islands(core)) == ["2", "3", "4", "5"]
+
+
+# ---- the shell's wait (controller/server.py), on an event loop without gRPC ----------------
+
+def _serve_retire(request, during=None):
+    """Call the shell's Retire method with ``request`` on a fresh controller whose island 1
+    has a run in flight; ``during(server, w1, run_id)`` runs on the loop while it waits."""
+    server = ControllerServer("fair", 8)
+    w0, w1 = register(server.core, 2)
+    client = Client(server.core, island=1)
+    client.run()
+    run_id = _of(w1.outbox, m.RunProgram)[-1].id
+
+    async def call():
+        task = asyncio.ensure_future(server.retire(m.pack(request.encode()), None))
+        if during is not None:
+            await asyncio.sleep(0.05)
+            during(server, w1, run_id, task)
+        try:
+            return m.unpack(await task)
+        except asyncio.CancelledError:
+            return None
+
+    return asyncio.run(call()), server, w1
+
+
+def test_the_shell_retires_the_island_once_its_runs_finish_or_its_wait_runs_out():
+    def finish(server, w1, run_id, task):
+        server.core.on_worker_batch(w1, m.encode_batch([m.Done(((run_id, 0.01),))]))
+
+    reply, server, w1 = _serve_retire(m.RetireRequest("1", None, 30.0), finish)
+    assert reply["retired"]["drained"] and reply["retired"]["runs_cut"] == 0 and _of(w1.outbox, m.Shutdown)
+
+    reply, server, w1 = _serve_retire(m.RetireRequest("1", None, 0.2))  # nobody reports the run done
+    assert not reply["retired"]["drained"] and reply["retired"]["runs_cut"] == 1 and _of(w1.outbox, m.Shutdown)
+    assert [i["name"] for i in server.core.status()["islands"]] == ["0"]
+
+
+def test_the_shell_leaves_the_island_serving_when_the_caller_gives_up_and_answers_errors_as_a_map():
+    reply, server, w1 = _serve_retire(m.RetireRequest("1", None, 30.0), lambda s, w, r, task: task.cancel())
+    assert reply is None and not _of(w1.outbox, m.Shutdown)
+    assert not _islands(server.core)["1"]["retiring"]
+
+    reply, _, _ = _serve_retire(m.RetireRequest("nope", None, 1.0))
+    assert reply["kind"] == "PathwaysError" and "no island is named 'nope'" in reply["error"]
+    bad = asyncio.run(ControllerServer("fair", 8).retire(m.pack(["retire", "", None, 1.0]), None))
+    assert m.unpack(bad)["kind"] == "WireError"

@@ -171,3 +171,15 @@ def test_error_kinds_map_to_the_errors_readers_raise():
     assert type(error_of("NoSuchError", "x", errors.RemoteError)) is errors.RemoteError
     assert kind_of(errors.PlacementError("x")) == "PlacementError"
     assert kind_of(errors.SpmdError("x")) == "PathwaysError"
+
+
+def test_a_retire_request_names_an_island_or_a_worker_and_waits_a_bounded_time():
+    for req in (m.RetireRequest("rack-a", None, 60.0), m.RetireRequest("", 3, 0.0)):
+        assert m.RETIRE.decode_one(m.pack(req.encode())) == req
+    for raw, needle in ((["retire", "rack-a", 3, 1.0], "an island or a worker, one of the two"),
+                        (["retire", "", None, 1.0], "an island or a worker, one of the two"),
+                        (["retire", "rack-a", None, -1.0], "finite number in"),
+                        (["retire", "rack-a", None, 1e9], "finite number in"),
+                        (["retire", "x" * 200, None, 1.0], "at most 128")):
+        with pytest.raises(WireError, match=needle):
+            m.RETIRE.decode(raw)

@@ -35,7 +35,7 @@ from pathways.controller.status import status
 from pathways.controller.suspension import DRAINING, OFFLOADING, RESUMING, SUSPENDED, Remap, Suspension
 from pathways.controller.transfers import plan
 from pathways.errors import AccessDeniedError, PathwaysError, PlacementError, SuspendedError, WireError
-from pathways.ir import Layout
+from pathways.ir import Layout, ProgramGraph
 from pathways.protocol import messages as m
 from pathways.protocol.errors import DENIED, LOST, REMOTE, SUSPENDED as SUSPENDED_KIND, kind_of
 from pathways.protocol.handles import first_handle, fits, session_of
@@ -630,19 +630,10 @@ class ControllerCore:
             return
         if msg.traced:
             began = now()
-        missing: list[int] = []
-
-        def unavailable(workers: Iterable[int]) -> list[int]:
-            found = self.membership.unavailable(workers)
-            missing.extend(found)
-            return found
-
         try:
-            key, lowered = s.programs.lowered(msg.program, args, s.handles, unavailable)
+            key, lowered = s.programs.lowered(msg.program, args, s.handles, self.membership.unavailable)
         except RunFailure as e:
-            why = self._why_gone(missing)
-            self._poison(sid, outputs.values(), e.kind,
-                         f"{why} (the run needs worker(s) {sorted(set(missing))})" if why else str(e))
+            self._poison(sid, outputs.values(), e.kind, self._run_failure(s, graph, e))
             return
         tbase = self._next_copy
         self._next_copy += lowered.ncopies
@@ -666,6 +657,16 @@ class ControllerCore:
             RECORDER.span("schedule", began, base)
             d.since = now()
         self._pump()
+
+    def _run_failure(self, s: SessionState, graph: ProgramGraph, e: RunFailure) -> str:
+        """Why a run failed: where its functions live on hosts gone for good (their island
+        was retired or forgotten), that, rather than advice to wait for the island to heal."""
+        if e.kind != LOST or not self._gone_why:
+            return str(e)
+        fns = s.programs.fns
+        gone = sorted({w for node in graph.nodes if node.fn in fns for w in fns[node.fn].workers
+                       if w in self._gone_why})
+        return f"{self._gone_why[gone[0]]} (the run needs worker(s) {gone})" if gone else str(e)
 
     def _timeline(self, sid: int, s: SessionState, msg: m.CollectTimeline) -> None:
         events, dropped = RECORDER.take(sid, msg.max_events)
