@@ -367,10 +367,10 @@ def _status(address: str | None, measure: bool = False, timeout: float | None = 
         if i.get("healing"):
             state = (f"HEALING ({i['hosts']} of {i['expected_hosts']} hosts joined again; "
                      f"{i.get('lost') or 'a host was lost'})")
-        elif not i["healthy"]:
-            state = f"UNHEALTHY ({i.get('lost') or 'a host was lost'})"
         elif i["assembling"]:
             state = f"assembling ({i['hosts']} of {i['expected_hosts']} hosts joined; it takes slices once all have)"
+        elif not i["healthy"]:
+            state = f"UNHEALTHY ({i.get('lost') or 'a host was lost'})"
         else:
             state = "healthy"
         print(f"  island {name}: {state}, {i['hosts']} host(s), {i['devices']} device(s), {i['queued']} run(s) "

@@ -5,6 +5,7 @@ import pytest
 from pathways.controller import membership as ms
 from pathways.controller.core import ControllerCore, WorkerConn
 from pathways.controller.handles import HandleTable
+from pathways.controller.islands import Islands
 from pathways.controller.placement import ResourceManager
 from pathways.controller.programs import RunFailure, SessionPrograms
 from pathways.controller.lowering import FnLayouts
@@ -20,7 +21,7 @@ def _register(i, devices=1):
 
 
 def test_membership_welcomes_each_worker_and_tells_everyone_every_peer():
-    members = ms.Membership(ResourceManager())
+    members = ms.Membership(ResourceManager(Islands()))
     conns = [ms.WorkerConn(Box()) for _ in range(3)]
     for i, conn in enumerate(conns):
         members.register(conn, _register(i))
@@ -36,7 +37,7 @@ def test_membership_welcomes_each_worker_and_tells_everyone_every_peer():
 
 def test_membership_refuses_workers_beyond_its_bound(monkeypatch):
     monkeypatch.setattr(ms, "MAX_WORKERS", 2)
-    members = ms.Membership(ResourceManager())
+    members = ms.Membership(ResourceManager(Islands()))
     conns = [ms.WorkerConn(Box()) for _ in range(3)]
     for i, conn in enumerate(conns):
         members.register(conn, _register(i))
@@ -45,7 +46,7 @@ def test_membership_refuses_workers_beyond_its_bound(monkeypatch):
 
 
 def test_removing_a_worker_forgets_its_links_and_moves_a_measurement_on():
-    members = ms.Membership(ResourceManager())
+    members = ms.Membership(ResourceManager(Islands()))
     conns = [ms.WorkerConn(Box()) for _ in range(2)]
     for i, conn in enumerate(conns):
         members.register(conn, _register(i))

@@ -1,15 +1,21 @@
+from collections import Counter
+
 import pytest
 
+from pathways.controller.islands import Islands
 from pathways.controller.placement import ResourceManager
 from pathways.errors import PlacementError
 
 
 def manager(*hosts):
-    rm = ResourceManager()
-    ranks = {}
+    """A resource manager over ``hosts`` ((island, devices) each; worker i is the i-th),
+    every island assembled."""
+    sizes = Counter(island for island, _ in hosts)
+    islands = Islands()
+    rm = ResourceManager(islands)
     for worker, (island, n) in enumerate(hosts):
-        rm.add_host(worker, island, "cpu", n, 1 << 30, rank=ranks.setdefault(island, 0))
-        ranks[island] += 1
+        _, _, rank, _ = islands.join(worker, str(island), sizes[island], None, "h:1")
+        rm.add_host(worker, island, "cpu", n, 1 << 30, rank=rank)
     return rm
 
 
@@ -70,7 +76,7 @@ def test_release_owner_returns_the_devices():
 
 def test_no_hosts_says_so():
     with pytest.raises(PlacementError, match="no worker hosts"):
-        ResourceManager().place(1, "cpu")
+        ResourceManager(Islands()).place(1, "cpu")
 
 
 def test_a_slice_larger_than_a_host_spans_hosts_of_one_island():
@@ -87,6 +93,7 @@ def test_a_slice_larger_than_a_host_spans_hosts_of_one_island():
 
 def test_unhealthy_islands_get_no_new_slices():
     rm = manager((0, 2), (1, 2))
+    rm.islands.lose(0, "worker 0 was lost")
     assert rm.lose_island(0) == {0}
     assert all(rm.place(1, "cpu").island == 1 for _ in range(3))
     with pytest.raises(PlacementError, match="unhealthy"):

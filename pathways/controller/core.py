@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Union
 
 from pathways.controller.dispatch import Dispatch, Dispatcher, coalesce
 from pathways.controller.handles import HandleTable
+from pathways.controller.islands import Health, Islands
 from pathways.controller.lowering import FnLayouts
 from pathways.controller.membership import Membership, Outbox, WorkerConn
 from pathways.controller.placement import ResourceManager, SlicePlacement
@@ -57,7 +58,8 @@ class SessionState:
 
 class ControllerCore:
     def __init__(self, policy: str = "fair", window: int = DEFAULT_WINDOW) -> None:
-        self.rm = ResourceManager()
+        self.islands = Islands()  # the one owner of island health
+        self.rm = ResourceManager(self.islands)
         self.scheduler = Scheduler(policy, window)
         self.membership = Membership(self.rm)
         self.dispatcher = Dispatcher(self.scheduler, self.membership)
@@ -97,8 +99,8 @@ class ControllerCore:
                 # older than the newest it heard of as closed (worker/sessions.py)
                 for sid in sorted(self.sessions):
                     conn.outbox.put(m.SessionOpen(sid, m.digest(self.sessions[sid].credential)))
-                island = self.membership.islands.by_id[conn.island]
-                if island.healing and island.assembled:
+                island = self.islands.by_id[conn.island]
+                if island.health is Health.HEALING and island.assembled:
                     self._healed(island.id)
         elif kind is m.Measured:
             self.membership.measured(conn, msg)
@@ -127,7 +129,7 @@ class ControllerCore:
         if conn.retired or self.workers.get(conn.worker) is not conn:
             return
         island = conn.island
-        name = self.membership.islands.by_id[island].describe()
+        name = self.islands.by_id[island].describe()
         if silent_for is not None:
             why = f"it stopped answering for {silent_for:.1f} s"
         elif error is not None:
@@ -136,9 +138,7 @@ class ControllerCore:
             why = "its connection closed (the process exited or was killed)"
         lost_worker = f"{conn.describe()} was lost: {why}"
         log.warning("%s", lost_worker)
-        self.membership.lost.setdefault(island, lost_worker)
-        lost = self.rm.lose_island(island) | {conn.worker}
-        self.membership.lose_island(island)
+        lost = self.membership.lose_island(island, lost_worker) | {conn.worker}
         message = (f"{lost_worker}; arrays and computations on island {name} are gone. The island heals once a "
                    "host replaces the lost one (a worker started with the same --island; its other hosts rejoin "
                    "on their own), and its slices and compiled functions then work again; meanwhile use a "
@@ -177,11 +177,10 @@ class ControllerCore:
         """Every host of a lost island has joined again, as new processes under the worker
         ids of the ranks they took: each session's slices there are valid again, at new
         addresses (SliceMoved), and its functions there compile again on the new hosts."""
-        self.membership.islands.by_id[island].healing = False
-        self.membership.lost.pop(island, None)
+        self.islands.healed(island)
         hosts = {w for w, c in self.workers.items() if c.island == island}
         log.info("island %s healed: worker(s) %s joined it again",
-                 self.membership.islands.by_id[island].describe(), sorted(hosts))
+                 self.islands.by_id[island].describe(), sorted(hosts))
         for s in self.sessions.values():
             for slice_id in sorted(s.slices):
                 p = self.rm.slices.get(slice_id)

@@ -21,10 +21,15 @@ again, and so does whatever replaces the lost host (a worker started with the is
 name, by hand or by a supervisor); they assemble under the same id, and each rank gets the
 worker id its former holder had, so that the slices placed there stay valid (only the
 hosts' addresses change, see core.py).
+
+The registry is the one owner of an island's health (``Health``): placement, status and
+the core read ``IslandRecord.health`` and nothing else, and only ``join``, ``lose`` and
+``healed`` change it. Only a *healthy* island runs anything or takes slices.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -35,24 +40,39 @@ class Refused(Exception):
     """A registration the controller refuses; the message says what to fix."""
 
 
+class Health(enum.Enum):
+    ASSEMBLING = "assembling"  # its hosts have not all joined yet, for the first time
+    HEALTHY = "healthy"  # all its hosts joined: it runs and takes slices
+    LOST = "lost"  # a host was lost: the others were told to restart, none has joined again yet
+    HEALING = "healing"  # its hosts are joining again after a loss; healthy once the core says healed
+
+
 @dataclass
-class Island:
+class IslandRecord:
+    """The controller's record of one island: who joined it at which rank, and its health."""
+
     id: int
     name: str
     hosts: int  # hosts it has once assembled
     members: dict[int, int] = field(default_factory=dict)  # rank -> worker
     coordinator: str = ""  # HOST:PORT rank 0 reserved, once rank 0 joined (islands of several hosts)
-    lost: bool = False
     former: dict[int, int] = field(default_factory=dict)  # rank -> worker id, kept from before a loss
-    healing: bool = False  # assembling again after a loss: once assembled, sessions' slices there follow
+    health: Health = Health.ASSEMBLING
+    lost_by: Optional[str] = None  # which host was lost and how: from a loss until the island heals
 
     @property
     def assembled(self) -> bool:
-        return not self.lost and len(self.members) == self.hosts
+        """All its hosts have joined (a healing island may be assembled and not yet healed)."""
+        return self.health is not Health.LOST and len(self.members) == self.hosts
 
     @property
     def assembling(self) -> bool:
-        return not self.lost and len(self.members) < self.hosts
+        """Some of its hosts have joined and others not yet (first assembly or healing)."""
+        return self.health is not Health.LOST and len(self.members) < self.hosts
+
+    @property
+    def healthy(self) -> bool:
+        return self.health is Health.HEALTHY
 
     def describe(self) -> str:
         return repr(self.name) if self.name == str(self.id) else f"{self.name!r} (id {self.id})"
@@ -60,11 +80,11 @@ class Island:
 
 class Islands:
     def __init__(self) -> None:
-        self.by_id: dict[int, Island] = {}
+        self.by_id: dict[int, IslandRecord] = {}
         self._named: dict[str, int] = {}  # name -> id of the island the name stands for now
 
     def join(self, fresh: int, name: str, hosts: int, rank: Optional[int], coordinator: str,
-             who: str = "") -> tuple[Island, int, int, list[tuple[int, int]]]:
+             who: str = "") -> tuple[IslandRecord, int, int, list[tuple[int, int]]]:
         """Place a worker in island ``name`` of ``hosts`` hosts, at ``rank`` (None: the
         lowest free one), as worker ``fresh``, or as the worker that held the rank before
         the island was lost. Returns the island, the worker id, the rank, and the (worker,
@@ -97,34 +117,54 @@ class Islands:
                           f"(free: {free}), or leave --rank out to have ranks given in order of arrival")
         self._named[name] = island.id
         self.by_id[island.id] = island
-        if island.lost:  # the first host of a healing island
-            island.lost, island.healing, island.coordinator = False, True, ""
+        if island.health is Health.LOST:  # the first host of a healing island
+            island.health, island.coordinator = Health.HEALING, ""
         worker = island.former.pop(rank, fresh)
         island.members[rank] = worker
+        if island.health is Health.ASSEMBLING and island.assembled:
+            island.health = Health.HEALTHY
         if rank == 0:
             island.coordinator = coordinator
             return island, worker, rank, [(w, r) for r, w in sorted(island.members.items())]
         return island, worker, rank, [(worker, rank)] if 0 in island.members else []
 
-    def lose(self, island_id: int) -> None:
-        """A host of the island was lost: the island is lost until its hosts join again
-        (its surviving hosts are told to restart and rejoin)."""
+    def lose(self, island_id: int, why: str) -> None:
+        """A host of the island was lost (``why``: which, and how): the island is lost
+        until its hosts join again (its surviving hosts are told to restart and rejoin).
+        A loss while it heals keeps the first loss's ``why``."""
         island = self.by_id.get(island_id)
-        if island is not None and not island.lost:
-            island.lost, island.healing = True, False
+        if island is not None and island.health is not Health.LOST:
+            island.health = Health.LOST
+            island.lost_by = island.lost_by or why
             island.former.update(island.members)
             island.members.clear()
             island.coordinator = ""
 
-    def assembling(self) -> set[int]:
-        return {i for i, island in self.by_id.items() if island.assembling}
+    def healed(self, island_id: int) -> None:
+        """Every host of a healing island joined again and the core made its slices follow
+        them: the island is healthy."""
+        island = self.by_id[island_id]
+        island.health, island.lost_by = Health.HEALTHY, None
 
-    def _island(self, name: str, hosts: int) -> Island:
+    def healthy(self, island_id: int) -> bool:
+        """Whether the island runs and takes slices now."""
+        island = self.by_id.get(island_id)
+        return island is not None and island.healthy
+
+    def unhealthy(self) -> dict[Health, list[int]]:
+        """The ids of the islands that are not healthy, by health (for explanations)."""
+        states: dict[Health, list[int]] = {}
+        for i, island in sorted(self.by_id.items()):
+            if not island.healthy:
+                states.setdefault(island.health, []).append(i)
+        return states
+
+    def _island(self, name: str, hosts: int) -> IslandRecord:
         """The island ``name`` stands for now, or a new one (not recorded until a host joins)."""
         current = self._named.get(name)
         if current is not None:
             return self.by_id[current]
-        return Island(self._free_id(name), name, hosts)
+        return IslandRecord(self._free_id(name), name, hosts)
 
     def _free_id(self, name: str) -> int:
         if name.isdecimal() and str(int(name)) == name and int(name) <= MAX_ISLAND and int(name) not in self.by_id:

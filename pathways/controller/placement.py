@@ -4,10 +4,10 @@ A slice lives on the devices of one host when it fits on one, and otherwise on s
 hosts of one island (the same number of devices on each, hosts in rank order, so the
 mesh's leading axis spans hosts). Slices may share devices; the manager puts each new
 slice on the least-loaded devices that fit, and ``exclusive`` slices get devices nobody
-else uses. Islands marked unhealthy (a host was lost) get no new slices, nor do islands
-still assembling (not all their hosts have joined). Slices on an island that lost a host
-are kept: they are valid again once the island heals, since its hosts keep their worker
-ids (islands.py).
+else uses. Only healthy islands get new slices: not those still assembling (not all their
+hosts have joined), lost (a host was lost) or healing; the islands registry (islands.py)
+says which are healthy. Slices on an island that lost a host are kept: they are valid
+again once the island heals, since its hosts keep their worker ids.
 
 Measured figures break the ties these rules leave: among hosts that are otherwise equal,
 the faster devices (measured FLOP/s per device; hosts within SPEED_TOLERANCE of each
@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+from pathways.controller.islands import Health, Islands
 from pathways.errors import PlacementError
 
 SPEED_TOLERANCE = 1.25  # per-device FLOP/s within this factor of a faster host's count as equal
@@ -63,18 +64,16 @@ class SlicePlacement:
 
 
 class ResourceManager:
-    def __init__(self) -> None:
+    def __init__(self, islands: Islands) -> None:
+        self.islands = islands  # whose health says which islands take slices
         self.hosts: dict[int, Host] = {}
         self.slices: dict[int, SlicePlacement] = {}
-        self.unhealthy: set[int] = set()  # islands that lost a host
-        self.assembling: set[int] = set()  # islands whose hosts have not all joined yet
         self.latency: dict[tuple[int, int], float] = {}  # measured (from worker, to worker) -> seconds
         self._ids = itertools.count(1)
 
     def add_host(self, worker: int, island: int, kind: str, ndevices: int, memory_bytes: int,
                  rank: int = 0) -> None:
         host = self.hosts[worker] = Host(worker, island, rank, kind, ndevices, memory_bytes)
-        self.unhealthy.discard(island)  # a host joins an island that was lost: it heals (assembling until whole)
         for placement in self.slices.values():  # slices placed there before the island was lost
             if worker in placement.workers:
                 for r, d in placement.devices:
@@ -96,9 +95,8 @@ class ResourceManager:
             self.latency[(src, dst)] = latency
 
     def lose_island(self, island: int) -> set[int]:
-        """A host of ``island`` was lost: mark it unhealthy and forget all its hosts, whose
-        worker ids are returned."""
-        self.unhealthy.add(island)
+        """A host of ``island`` was lost: forget all its hosts, whose worker ids are
+        returned."""
         lost = {w for w, h in self.hosts.items() if h.island == island}
         for w in lost:
             del self.hosts[w]
@@ -116,8 +114,8 @@ class ResourceManager:
         if math.prod(mesh_shape) != count:
             raise PlacementError(f"mesh_shape {mesh_shape} has {math.prod(mesh_shape)} devices, "
                                  f"but the slice asks for {count}; make their product equal")
-        candidates = [h for h in self.hosts.values() if h.kind == kind and h.island not in self.unhealthy
-                      and h.island not in self.assembling and (island is None or h.island == island)]
+        candidates = [h for h in self.hosts.values() if h.kind == kind and self.islands.healthy(h.island)
+                      and (island is None or h.island == island)]
         slowness = _slowness(candidates)
         best = self._best_on_one_host(candidates, count, exclusive, slowness)
         if best is None:
@@ -246,15 +244,17 @@ class ResourceManager:
     def _explain(self, count: int, kind: str, island: Optional[int], exclusive: bool) -> str:
         if not self.hosts:
             return "the cluster has no worker hosts yet; start workers or wait for them to register"
+        unhealthy = self.islands.unhealthy()
+        lost = unhealthy.get(Health.LOST, [])
+        assembling = sorted(unhealthy.get(Health.ASSEMBLING, []) + unhealthy.get(Health.HEALING, []))
         what = ", ".join(
-            f"host {h.worker} (island {h.island}{', unhealthy' if h.island in self.unhealthy else ''}"
-            f"{', assembling' if h.island in self.assembling else ''}): "
+            f"host {h.worker} (island {h.island}{'' if self.islands.healthy(h.island) else ', assembling'}): "
             f"{h.ndevices} {h.kind}" + (f", {len(h.exclusive)} held exclusively" if h.exclusive else "")
             for h in self.hosts.values())
-        if self.unhealthy:
-            what += f"; island(s) {sorted(self.unhealthy)} lost a host and are unhealthy"
-        if self.assembling:
-            what += (f"; island(s) {sorted(self.assembling)} are still assembling: they take slices once all "
+        if lost:
+            what += f"; island(s) {lost} lost a host and are unhealthy"
+        if assembling:
+            what += (f"; island(s) {assembling} are still assembling: they take slices once all "
                      "their hosts have joined (`python -m pathways status` shows how many have)")
         if all(h.kind != kind for h in self.hosts.values()):
             return (f"no worker has {kind} devices; the cluster has: {what}. Ask for the kind it has "

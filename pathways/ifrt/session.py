@@ -367,7 +367,7 @@ class IfrtSession:
         status = self.native.cluster()
         slices = []
         for isl in status.get("islands", []):
-            if not isl.get("healthy") or isl.get("assembling") or not isl.get("devices"):
+            if not isl.get("healthy") or not isl.get("devices"):
                 continue
             kinds = {w["kind"] for w in status.get("workers", []) if w.get("island") == isl["island"]}
             if len(kinds) != 1:
