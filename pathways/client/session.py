@@ -40,7 +40,7 @@ from pathways.defaults import HEARTBEAT_TIMEOUT
 from pathways.ir import Layout, evenly_divided, host_regions
 from pathways.protocol import messages as m
 from pathways.protocol.errors import error_of, kind_of
-from pathways.protocol.handles import COUNTER_MASK, first_handle
+from pathways.protocol.handles import COUNTER_MASK, discard, first_handle
 from pathways.timeline import Recorder, now
 from pathways.wire import codec, rpc
 from pathways.wire.security import Security
@@ -470,11 +470,7 @@ class Session:
         finally:
             if call is not None:
                 with self._fetches_lock:
-                    calls = self._fetches.get(handle)
-                    if calls is not None:
-                        calls.discard(call)
-                        if not calls:
-                            del self._fetches[handle]
+                    discard(self._fetches, handle, call)
 
     def _cancel_fetches(self, handles: Optional[tuple[int, ...]]) -> None:
         """Cancel the fetches in flight for ``handles`` (all of them with None): whoever

@@ -45,6 +45,7 @@ from pathways.ifrt.types import IfrtError, Sharding
 from pathways.ir import Layout, Node, ProgramGraph
 from pathways.platforms import export_platforms
 from pathways.protocol import messages as m
+from pathways.protocol.handles import HeldReleases
 
 log = logging.getLogger("pathways.ifrt")
 
@@ -142,7 +143,7 @@ class IfrtSession:
         self._executables: dict[int, _Executable] = {}
         self._futures: dict[int, Lazy] = {}
         self._refs: dict[int, int] = {}  # pathways handle -> IFRT arrays naming it
-        self._reading: dict[int, int] = {}  # pathways handle -> reads in flight (its release waits)
+        self._reading: HeldReleases[None] = HeldReleases()  # reads in flight: a handle's release waits for them
         self._lock = threading.Lock()
         self._server_handles = itertools.count(t.SERVER_HANDLE_BASE)
         self._identities: dict[tuple, int] = {}  # (dtype, shape, layout) -> identity program id
@@ -221,7 +222,7 @@ class IfrtSession:
                     self._refs[handle] = left
                     continue
                 self._refs.pop(handle, None)
-                if not self._reading.get(handle):  # else released when the read finishes
+                if self._reading.release(handle, None):  # else released when the read finishes
                     doomed.append(handle)
         for handle in doomed:
             self.native.release(handle)
@@ -229,20 +230,11 @@ class IfrtSession:
     def _reads(self, handles: Sequence[int]) -> Callable[[], None]:
         """Hold back the release of ``handles`` until the returned callable is called."""
         with self._lock:
-            for h in handles:
-                self._reading[h] = self._reading.get(h, 0) + 1
+            self._reading.reading(handles)
 
         def done() -> None:
-            doomed = []
             with self._lock:
-                for h in handles:
-                    n = self._reading.get(h, 1) - 1
-                    if n > 0:
-                        self._reading[h] = n
-                        continue
-                    self._reading.pop(h, None)
-                    if h not in self._refs:
-                        doomed.append(h)
+                doomed = self._reading.read_done(handles)
             for h in doomed:
                 self.native.release(h)
         return done

@@ -15,7 +15,7 @@ import time
 from collections import OrderedDict
 from typing import Any, Callable, Iterable, Optional
 
-from pathways.protocol.handles import session_of
+from pathways.protocol.handles import discard, session_of
 
 _MAX_TOMBSTONES = 100_000
 # A waiter that may be abandoned (a fetch whose caller hung up) looks again at least this
@@ -198,11 +198,7 @@ class ObjectStore:
             # Usually the put that woke this waiter took its registration already.
             if waiter in self._waiters.get(handle, ()):
                 with self._lock:
-                    waiting = self._waiters.get(handle)
-                    if waiting is not None:
-                        waiting.discard(waiter)
-                        if not waiting:
-                            del self._waiters[handle]
+                    discard(self._waiters, handle, waiter)
 
     def _taken_locked(self, handle: int) -> None:
         """A value was taken out for good (or waited for in vain). More may still arrive
