@@ -136,7 +136,7 @@ def _psum(x: Any) -> Any:
 def _client_main(address: str, seed: int, seconds: float) -> None:
     """A chaos client process: warm up, say "ready", run the workload for ``seconds``,
     print what happened as one JSON line."""
-    pw.connect(address).timeout = RESULT_SECONDS  # a result that takes longer fails, as a hang
+    pw.connect(address).result_timeout = RESULT_SECONDS  # a result that takes longer fails, as a hang
     work = _Workload(seed)
     work.warm_up()
     print("ready", flush=True)

@@ -24,10 +24,10 @@ from pathways.controller.dispatch import Dispatch, Dispatcher, coalesce
 from pathways.controller.handles import HandleTable
 from pathways.controller.islands import Health, Islands
 from pathways.controller.lowering import FnLayouts
-from pathways.controller.membership import Membership, Outbox, WorkerConn
+from pathways.controller.membership import Membership, MessageSink, WorkerConn
 from pathways.controller.placement import ResourceManager, SlicePlacement
 from pathways.controller.programs import RunFailure, SessionPrograms, XlaCompile
-from pathways.controller.scheduler import DEFAULT_WINDOW, Run, Scheduler
+from pathways.controller.scheduler import DEFAULT_WINDOW, ScheduledRun, Scheduler
 from pathways.controller.status import status
 from pathways.controller.suspension import DRAINING, OFFLOADING, RESUMING, SUSPENDED, Remap, Suspension
 from pathways.controller.transfers import plan
@@ -40,18 +40,18 @@ from pathways.timeline import RECORDER, now
 
 log = logging.getLogger("pathways.controller")
 
-__all__ = ["ControllerCore", "WorkerConn", "Outbox"]
+__all__ = ["ControllerCore", "WorkerConn", "MessageSink"]
 
 
 @dataclass
 class SessionState:
-    outbox: Outbox
+    outbox: MessageSink
     credential: bytes  # the secret workers ask of this session's puts and fetches
     slices: set[int] = field(default_factory=set)
     handles: HandleTable = field(default_factory=HandleTable)
     programs: SessionPrograms = field(default_factory=SessionPrograms)
     traced_workers: set[int] = field(default_factory=set)  # workers that ran its traced runs
-    tail: Run | None = None  # the latest run submitted to the scheduler, which may take on the next
+    tail: ScheduledRun | None = None  # the latest run submitted to the scheduler, which may take on the next
     suspension: Suspension | None = None  # from its Suspend request until it has resumed
     moved: list[frozenset[int]] = field(default_factory=list)  # the workers each SliceMoved sent it named
 
@@ -201,7 +201,7 @@ class ControllerCore:
 
     # ---- sessions --------------------------------------------------------------------
 
-    def session_opened(self, sid: int, outbox: Outbox) -> None:
+    def session_opened(self, sid: int, outbox: MessageSink) -> None:
         """A client connected as session ``sid`` (ids increase): draw its credential and
         tell every worker its digest before the client learns it in the welcome, so that
         its puts seldom wait for it (they travel on other connections, so they still may)."""
@@ -451,7 +451,7 @@ class ControllerCore:
                 d.since = now()
             return  # it goes out with the queued run before it, when that is released
         islands = frozenset(self.workers[w].island for w in lowered.workers)
-        s.tail = self.scheduler.submit(Run(sid, islands, key, d))
+        s.tail = self.scheduler.submit(ScheduledRun(sid, islands, key, d))
         if msg.traced:
             RECORDER.span("schedule", began, base)
             d.since = now()
@@ -690,7 +690,7 @@ class ControllerCore:
         for run in self.dispatcher.release():
             self._reads_done(run)
 
-    def _reads_done(self, run: Run) -> None:
+    def _reads_done(self, run: ScheduledRun) -> None:
         """A run left the queue (dispatched or dropped): deletes it held back can go now."""
         s = self.sessions.get(run.session)
         if s is not None:

@@ -28,7 +28,9 @@ log = logging.getLogger("pathways.controller")
 MAX_WORKERS = 4096  # attached at once; bounds the peers list and status
 
 
-class Outbox(Protocol):
+class MessageSink(Protocol):
+    """Where messages to one worker or session go (a stream's outbox, or a test's list)."""
+
     def put(self, message: m.Message) -> None: ...
 
 
@@ -37,7 +39,7 @@ class WorkerConn:
     """One worker stream; ``worker`` is -1 until it registers, and ``island`` (an id) and
     ``rank`` are what the controller assigned it."""
 
-    outbox: Outbox
+    outbox: MessageSink
     worker: int = -1
     info: m.Register | None = None
     island: int = -1

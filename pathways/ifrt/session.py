@@ -34,7 +34,7 @@ from pathways import errors
 from pathways.client.compiled import register_program, value_types
 from pathways.client.session import Session
 from pathways.ifrt import types as t
-from pathways.ifrt.devices import DeviceTable, Placement, SliceInfo
+from pathways.ifrt.devices import DeviceTable, SliceDevices, SliceInfo
 from pathways.ifrt.host_buffers import HostBuffers
 from pathways.ifrt.proto.xla import xla_data_pb2
 from pathways.ifrt.proto.xla.pjrt.proto import executable_metadata_pb2
@@ -129,7 +129,7 @@ class _Array:
     sharding: Sharding
     handle: Optional[int] = None  # the pathways handle; None for a view or an error
     layout: Optional[Layout] = None
-    place: Optional[Placement] = None
+    place: Optional[SliceDevices] = None
     group: Optional[_Group] = None  # set for a view: the block ``region`` of group.parent
     region: Optional[t.Region] = None
     error: Optional[IfrtError] = None
@@ -151,7 +151,7 @@ class _Executable:
     fn: int
     compiled: Any  # m.Compiled
     devices: tuple[int, ...]  # IFRT ids, in device-assignment order
-    place: Placement
+    place: SliceDevices
     program: Optional[int] = None
     in_types: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
@@ -650,7 +650,7 @@ class IfrtSession:
             self._delete(arr)
         return out
 
-    def _identity(self, dtype: np.dtype, shape: tuple[int, ...], layout: Layout, place: Placement) -> int:
+    def _identity(self, dtype: np.dtype, shape: tuple[int, ...], layout: Layout, place: SliceDevices) -> int:
         key = (dtype.name, shape, layout)
         program = self._identities.get(key)
         if program is not None:
@@ -801,8 +801,8 @@ class IfrtSession:
         outs = []
         for j, layout in enumerate(c.outs):
             dtype, shape = c.out_types[j]
-            place = Placement(exe.place.slice, layout.devices, layout.workers,
-                              tuple(by_worker[w] for w in layout.workers))
+            place = SliceDevices(exe.place.slice, layout.devices, layout.workers,
+                                 tuple(by_worker[w] for w in layout.workers))
             outs.append(_Array(t._np_dtype(dtype), tuple(shape), Sharding(exe.devices, c.out_shardings[j]),
                                base + len(args) + j, layout, place))
         keep = set(body.execute_options.non_donatable_input_indices)
