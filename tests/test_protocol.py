@@ -13,7 +13,7 @@ from pathways.ir import Layout
 from pathways.protocol import check as c
 from pathways.protocol import messages as m
 from pathways.protocol.errors import error_of, kind_of
-from pathways.protocol.handles import first_handle, fits, session_of, value_handle
+from pathways.protocol.handles import HeldReleases, discard, first_handle, fits, session_of, value_handle
 from pathways.protocol.ops import Op, decode_op, encode_op
 from tests import fuzzing
 
@@ -171,3 +171,19 @@ def test_error_kinds_map_to_the_errors_readers_raise():
     assert type(error_of("NoSuchError", "x", errors.RemoteError)) is errors.RemoteError
     assert kind_of(errors.PlacementError("x")) == "PlacementError"
     assert kind_of(errors.SpmdError("x")) == "PathwaysError"
+
+
+def test_a_release_waits_for_the_last_read_of_its_handle_and_only_for_it():
+    reads: HeldReleases[str] = HeldReleases()
+    reads.reading([1, 1, 2])
+    assert reads.release(3, "c"), "a handle nobody reads is freed at once"
+    assert not reads.release(1, "a") and not reads.release(2, "b")
+    assert reads.read_done([1, 2]) == {2: "b"}, "handle 1 has a read left"
+    assert reads.read_done([1]) == {1: "a"}
+    assert reads.read_done([1]) == {} and reads.release(1, "a"), "nothing is held twice"
+    waiting = {7: {"x", "y"}}
+    discard(waiting, 7, "x")
+    assert waiting == {7: {"y"}}
+    discard(waiting, 7, "y")
+    discard(waiting, 8, "z")
+    assert waiting == {}, "a handle leaves the table with its last member"
