@@ -142,3 +142,22 @@ def test_an_equally_loaded_island_with_faster_hosts_or_links_is_preferred():
     rm.set_latency(3, 2, 1e-3)
     assert rm.place(2, "cpu").island == 0
     assert rm.lose_island(0) == {0, 1} and set(rm.latency) == {(2, 3), (3, 2)}
+
+
+def test_a_slice_that_does_not_fit_names_islands_by_name_and_says_what_fits():
+    rm = manager((0, 4), (0, 4), (1, 2))
+    rm.names.update({0: "a", 1: "1"})
+    with pytest.raises(PlacementError) as info:
+        rm.place(16, "cpu")
+    message = str(info.value)
+    assert "host 0 (island 'a' (id 0)): 4 cpu" in message and "host 2 (island 1): 2 cpu" in message
+    assert "island 'a' (id 0): up to 4 on one host, or 8 over 2 hosts (4 each); island 1: up to 2 on one host" in message
+    assert "python -m pathways status" in message and "--island NAME" in message
+    assert "local_cluster" not in message, "the controller cannot know that its cluster is local"
+    rm.place(3, "cpu", exclusive=True)
+    # host 0 has 1 device left, so 2 hosts take 1 each: no more than host 1 alone
+    with pytest.raises(PlacementError, match="island 'a' \\(id 0\\): up to 4 on one host; island 1"):
+        rm.place(16, "cpu", exclusive=True)
+    rm.lose_island(1)
+    with pytest.raises(PlacementError, match="island 1 lost a host and are unhealthy"):
+        rm.place(1, "cpu", island=1)

@@ -101,6 +101,7 @@ class Membership:
         conn.worker, conn.info, conn.island, conn.rank = worker, msg, island.id, rank
         self.workers[worker] = conn
         self.rm.add_host(worker, island.id, msg.kind, msg.devices, msg.memory_bytes, rank)
+        self.rm.names[island.id] = island.name
         self.rm.assembling = self.islands.assembling()
         for w, r in welcome:
             self.workers[w].outbox.put(m.WorkerWelcome(w, island.id, r, island.coordinator, copies))
