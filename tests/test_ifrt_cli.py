@@ -393,3 +393,16 @@ def test_ifrt_bind_with_a_certificate_but_no_ca_is_refused(tmp_path):
                          timeout=120, env={k: v for k, v in os.environ.items() if k != "PATHWAYS_TLS_CA"})
     assert out.returncode != 0 and ADDRESS_LINE not in out.stdout
     assert "--ifrt-bind with --tls-cert needs --tls-ca" in out.stderr
+
+
+def test_run_keeps_gloo_connection_notices_off_the_terminal(tmp_path):
+    script = _script(tmp_path, """
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        mesh = Mesh(np.array(jax.devices()), ("x",))  # both hosts: the sum is a gloo collective
+        x = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P("x")))
+        print("sum", float(jax.jit(lambda v: v.sum())(x)))
+    """)
+    out = run_cli("--islands", "2x2", script)
+    assert out.returncode == 0 and "sum 6.0" in out.stdout, out.stderr
+    assert "[Gloo]" not in out.stderr + out.stdout, out.stderr
