@@ -406,3 +406,5 @@ def test_run_keeps_gloo_connection_notices_off_the_terminal(tmp_path):
     out = run_cli("--islands", "2x2", script)
     assert out.returncode == 0 and "sum 6.0" in out.stdout, out.stderr
     assert "[Gloo]" not in out.stderr + out.stdout, out.stderr
+    # nor the proxy client's C++ warnings (plain credentials, its session cancelled at exit)
+    assert "insecure client credentials" not in out.stderr and "Stack trace" not in out.stderr, out.stderr
