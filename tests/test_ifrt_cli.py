@@ -356,6 +356,8 @@ def test_run_trains_the_example_mlp_with_a_decreasing_loss():
     assert out.returncode == 0, out.stderr
     losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", out.stdout)]
     assert len(losses) == 5, out.stdout
+    # the proxy client's C++ warnings (plain credentials, its session cancelled at exit) stay off
+    assert "insecure client credentials" not in out.stderr and "Stack trace" not in out.stderr, out.stderr
     assert all(a > b for a, b in zip(losses, losses[1:])), losses
 
 
@@ -394,17 +396,3 @@ def test_ifrt_bind_with_a_certificate_but_no_ca_is_refused(tmp_path):
     assert out.returncode != 0 and ADDRESS_LINE not in out.stdout
     assert "--ifrt-bind with --tls-cert needs --tls-ca" in out.stderr
 
-
-def test_run_keeps_gloo_connection_notices_off_the_terminal(tmp_path):
-    script = _script(tmp_path, """
-        import jax, jax.numpy as jnp, numpy as np
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-        mesh = Mesh(np.array(jax.devices()), ("x",))  # both hosts: the sum is a gloo collective
-        x = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P("x")))
-        print("sum", float(jax.jit(lambda v: v.sum())(x)))
-    """)
-    out = run_cli("--islands", "2x2", script)
-    assert out.returncode == 0 and "sum 6.0" in out.stdout, out.stderr
-    assert "[Gloo]" not in out.stderr + out.stdout, out.stderr
-    # nor the proxy client's C++ warnings (plain credentials, its session cancelled at exit)
-    assert "insecure client credentials" not in out.stderr and "Stack trace" not in out.stderr, out.stderr
