@@ -41,12 +41,14 @@ def filter_stdout(log: logging.Logger) -> None:
     os.close(write_fd)
 
     def pump() -> None:
+        shown = True
         with os.fdopen(read_fd, "rb") as pipe:
             for line in pipe:
-                try:
-                    forward(line, out_fd, log)
-                except OSError:  # where fd 1 went is closed: nothing more can be shown
-                    return
+                if shown:
+                    try:
+                        forward(line, out_fd, log)
+                    except OSError:  # where fd 1 went is closed: read on, so that writers never block
+                        shown = False
 
     thread = threading.Thread(target=pump, name="native-stdout", daemon=True)
     thread.start()
