@@ -119,6 +119,7 @@ class ConnectedCluster(LocalCluster):
         except BaseException:
             self.stop()
             raise
+        self.session.local = True
         set_default_session(self.session)
         return self
 

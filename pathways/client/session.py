@@ -88,6 +88,9 @@ class Session:
         self.security = security or Security()
         self.poisoned: dict[int, tuple[type[errors.PathwaysError], str]] = {}
         self._owned_cluster = owned_cluster
+        # a local cluster this process started (the embedded one, or pw.local_cluster's):
+        # errors may then advise starting it differently
+        self.local = owned_cluster is not None
         # timelines (client/timeline.py): while ``traced``, runs are marked traced and the
         # client's own steps go to ``recorder``
         self.traced = False

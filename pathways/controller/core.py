@@ -391,8 +391,11 @@ class ControllerCore:
             return
         gone = self.membership.gone(msg.layout.workers)
         if gone:
-            self._poison(sid, [handle], LOST, f"the array was put on worker(s) {gone}, which are gone; "
-                                              "put it on a slice of a healthy island")
+            self._poison(sid, [handle], LOST, f"the array was put on worker(s) {gone}, which are gone: "
+                                              f"{self.membership.healing(gone)}. The array is lost (its bytes went "
+                                              "to hosts that left); once the island has healed (`python -m pathways "
+                                              "status` shows it healthy) its slices work again, and putting it "
+                                              "again, or calling again, works")
             return
         s.handles.live[handle] = msg.layout
 
@@ -430,7 +433,8 @@ class ControllerCore:
         if msg.traced:
             began = now()
         try:
-            key, lowered = s.programs.lowered(msg.program, args, s.handles, self.membership.unavailable)
+            key, lowered = s.programs.lowered(msg.program, args, s.handles, self.membership.unavailable,
+                                              self.membership.healing)
         except RunFailure as e:
             self._poison(sid, outputs.values(), e.kind, str(e))
             return

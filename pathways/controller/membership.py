@@ -143,6 +143,16 @@ class Membership:
         that is not healthy (a host of a healing island joined again before the others)."""
         return [w for w in workers if w not in self.workers or not self.islands.healthy(self.workers[w].island)]
 
+    def healing(self, workers: Iterable[int]) -> str:
+        """What became of the islands of ``workers`` (gone, or on an island not yet whole):
+        each island by name, which host it lost and why, and how many hosts joined again."""
+        wanted = set(workers)
+        notes = [f"island {island.describe()} is healing ({island.lost_by or 'it lost a host'}; "
+                 f"{len(island.members)} of its {island.hosts} host(s) have joined it again)"
+                 for island in self.islands.by_id.values()
+                 if not island.healthy and wanted & {*island.former.values(), *island.members.values()}]
+        return "; ".join(notes) or "their island was lost"
+
     # ---- measurements ------------------------------------------------------------------
 
     def measure(self, done: Callable[[], None]) -> int:

@@ -147,6 +147,11 @@ class ResourceManager:
         self.slices[slice_id] = placement
         return placement
 
+    @staticmethod
+    def _usable(host: Host, exclusive: bool) -> int:
+        """How many of ``host``'s devices a new slice may use."""
+        return sum(1 for d in range(host.ndevices) if d not in host.exclusive and (not exclusive or host.load[d] == 0))
+
     def _least_loaded(self, host: Host, n: int, exclusive: bool) -> Optional[list[int]]:
         """The ``n`` least-loaded usable devices of ``host`` in index order, if it has them."""
         free = [d for d in range(host.ndevices) if d not in host.exclusive
@@ -241,6 +246,26 @@ class ResourceManager:
         for slice_id in [s.slice_id for s in self.slices.values() if s.owner == owner]:
             self.release(slice_id)
 
+    def island_name(self, island: int) -> str:
+        """How messages name an island: by its name, with its id (``add_slice(island=)``) when they differ."""
+        record = self.islands.by_id.get(island)
+        name = record.name if record is not None else str(island)
+        return f"island {island}" if name == str(island) else f"island {name!r} (id {island})"
+
+    def _largest(self, kind: str, exclusive: bool) -> list[str]:
+        """The largest slice of ``kind`` each island could take now: on one host, and evenly
+        over k hosts (k times the k-th most free devices of a host)."""
+        out = []
+        for island in sorted({h.island for h in self.hosts.values() if self.islands.healthy(h.island)}):
+            hosts = [h for h in self.hosts.values() if h.island == island and h.kind == kind]
+            free = sorted((self._usable(h, exclusive) for h in hosts), reverse=True)
+            if not free or not free[0]:
+                continue
+            k, per = max(((k, free[k - 1]) for k in range(1, len(free) + 1)), key=lambda kp: (kp[0] * kp[1], -kp[0]))
+            over = f", or {k * per} over {k} hosts ({per} each)" if k > 1 else ""
+            out.append(f"{self.island_name(island)}: up to {free[0]} on one host{over}")
+        return out
+
     def _explain(self, count: int, kind: str, island: Optional[int], exclusive: bool) -> str:
         if not self.hosts:
             return "the cluster has no worker hosts yet; start workers or wait for them to register"
@@ -248,24 +273,30 @@ class ResourceManager:
         lost = unhealthy.get(Health.LOST, [])
         assembling = sorted(unhealthy.get(Health.ASSEMBLING, []) + unhealthy.get(Health.HEALING, []))
         what = ", ".join(
-            f"host {h.worker} (island {h.island}{'' if self.islands.healthy(h.island) else ', assembling'}): "
+            f"host {h.worker} ({self.island_name(h.island)}"
+            f"{'' if self.islands.healthy(h.island) else ', ' + self.islands.by_id[h.island].health.value}): "
             f"{h.ndevices} {h.kind}" + (f", {len(h.exclusive)} held exclusively" if h.exclusive else "")
             for h in self.hosts.values())
         if lost:
-            what += f"; island(s) {lost} lost a host and are unhealthy"
+            what += "; " + ", ".join(map(self.island_name, lost)) + " lost a host and are unhealthy"
         if assembling:
-            what += (f"; island(s) {assembling} are still assembling: they take slices once all "
-                     "their hosts have joined (`python -m pathways status` shows how many have)")
+            what += ("; " + ", ".join(map(self.island_name, assembling)) + " are still assembling: "
+                     "they take slices once all their hosts have joined (`python -m pathways status` shows how "
+                     "many have)")
         if all(h.kind != kind for h in self.hosts.values()):
             return (f"no worker has {kind} devices; the cluster has: {what}. Ask for the kind it has "
                     "(cpu_devices=, gpu_devices=, tpu_devices=), or start workers on hosts with "
                     f"{kind} devices: `python -m pathways worker --platform "
                     f"{'cuda (or rocm)' if kind == 'gpu' else kind} ...`")
-        want = f"{count} {kind} device(s)" + (f" in island {island}" if island is not None else "")
+        want = f"{count} {kind} device(s)" + (f" in {self.island_name(island)}" if island is not None else "")
         want += " not used by any other slice" if exclusive else ""
+        fits = self._largest(kind, exclusive)
+        sizes = (f"The largest that fit now: {'; '.join(fits)}. Ask for one of those sizes" if fits
+                 else "No island can take one now. Wait for an island to heal or assemble")
         return (f"cannot place a slice of {want} on one host or evenly over the healthy hosts of one "
-                f"island; the cluster has: {what}. Ask for fewer devices, or start a cluster with more "
-                "(pw.local_cluster(islands=[pw.Island(hosts=H, devices_per_host=D)]))")
+                f"island; the cluster has: {what}. {sizes}, or add worker hosts with {kind} devices to an "
+                "island (`python -m pathways worker --island NAME ...`); `python -m pathways status` lists "
+                "the islands, their hosts and devices")
 
 
 def _slowness(hosts: list[Host]) -> dict[int, int]:

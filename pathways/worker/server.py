@@ -56,6 +56,7 @@ from pathways.wire.addresses import join_host_port, split_host_port
 from pathways.wire.liveness import Heartbeats, check_timeout
 from pathways.wire.security import Security, SecurityConfigError
 from pathways import keeper
+from pathways.worker import native_stdout
 from pathways.worker.island import IslandMembership, PortReservation, configure_jax, worker_hosts
 from pathways.worker.measure import host_memory_bytes
 
@@ -241,6 +242,7 @@ def main(controller: str, devices: Devices, island: IslandMembership, wait_timeo
     back: the new process tries for ``reconnect_timeout`` seconds, then exits. A new process
     because JAX cannot leave a jax.distributed group and join another in-process, and
     because a controller that restarted knows nothing of the old state."""
+    native_stdout.filter_stdout(log)
     security = security or Security()
     if security.serves_tls != security.uses_tls:
         raise SecurityConfigError("a worker uses TLS with --tls-cert and --tls-key (clients and peers reach its "
