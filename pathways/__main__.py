@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    from pathways.bench.suite import EXPERIMENTS
+    from pathways_bench.suite import EXPERIMENTS
     from pathways.defaults import DEFAULT_WINDOW, HEARTBEAT_TIMEOUT
     from pathways.keeper import RECONNECT_TIMEOUT
     from pathways.platforms import PLATFORMS
@@ -265,7 +265,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: lis
         token = security.read_token_file(args.token_file) if args.token_file else None
         figure2(args.address, token, args.tls_ca)
     elif args.command == "bench":
-        from pathways.bench import suite
+        from pathways_bench import suite
 
         if args.from_json:
             if args.name != "all":

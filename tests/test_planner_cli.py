@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
-from pathways.bench import planner as bench
-from pathways.bench.report import Progress
+from pathways_bench import planner as bench
+from pathways_bench.report import Progress
 from pathways.planner import Device, Layer, Link, PlanError, Topology, pipeline_partition
 from pathways.planner.cli import main
 from pathways.planner.gantt import plot_pipeline

@@ -145,7 +145,7 @@ def _mib(n: int) -> str:
 
 
 def _pipeline_text(plan: PipelinePlan, topology: Topology) -> str:
-    from pathways.bench.report import Table
+    from pathways.table import Table
 
     rows = [[str(k), st.device, f"{st.start}-{st.end - 1}", _seconds(st.compute_s), _seconds(st.send_s),
              _mib(st.memory_bytes), _mib(topology.device(st.device).memory_bytes)]
@@ -161,7 +161,7 @@ def _pipeline_text(plan: PipelinePlan, topology: Topology) -> str:
 
 
 def _schedule_text(result: Schedule) -> str:
-    from pathways.bench.report import Table
+    from pathways.table import Table
 
     rows = [[p.task, p.device, _seconds(p.start), _seconds(p.end), _seconds(p.end - p.start)]
             for p in sorted(result.placements.values(), key=lambda p: (p.start, p.device, p.task))]
