@@ -181,7 +181,7 @@ def test_import_graph_resolves_imports() -> None:
     # A package's re-exports are edges to its submodules.
     assert {"pathways.client.api", "pathways.spmd", "pathways.errors"} <= graph.edges["pathways"]
     # `from pathways.spmd import launch` from outside the package depends on the package.
-    assert "pathways.spmd" in graph.edges["pathways.__main__"]
+    assert "pathways.spmd" in graph.edges["pathways.cli.spmd"]
     # `import pathways as pw` inside the package resolves `pw.pmap` to where pmap is defined.
     assert "pathways.client.compiled" in graph.edges["pathways.demo"]
     assert "pathways" not in graph.edges["pathways.demo"]
