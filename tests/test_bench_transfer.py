@@ -2,7 +2,7 @@
 
 import math
 
-from pathways.bench import transfer
+from pathways_bench import transfer
 
 MiB = 1 << 20
 

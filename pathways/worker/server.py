@@ -58,7 +58,6 @@ from pathways.wire.security import Security, SecurityConfigError
 from pathways import keeper
 from pathways.worker import native_stdout
 from pathways.worker.island import IslandMembership, PortReservation, configure_jax, worker_hosts
-from pathways.worker.measure import host_memory_bytes
 
 if TYPE_CHECKING:  # imported when needed: the core takes JAX's devices, which exist after configure_jax
     from pathways.worker.core import WorkerCore
@@ -409,7 +408,7 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
         outbox.put(Register(f"grpc://{join_host_port(advertise, port)}",
                             f"tcp://{join_host_port(advertise, listener.port)}", devices.kind, devices.count, island.name,
                             island.hosts, island.rank, coordinator, os.getpid(), socket.gethostname(),
-                            host_memory_bytes()))
+                            codec.host_memory_bytes()))
         outbox.put(Heartbeat(heartbeat_timeout))  # at once: the controller paces its heartbeats to it
         # Every recv and send on the stream waits at most this long: the controller sends
         # something at least every fifth of it, so a longer silence means it is gone.

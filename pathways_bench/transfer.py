@@ -12,7 +12,7 @@ through a plain TCP socket between two helper processes on loopback (a sender ``
 a preallocated buffer, a receiver ``recv_into``s one and acks with one byte), the most this
 machine can move between two processes with one stream.
 
-Across two network namespaces joined by a bridge (pathways/bench/netns.py; needs root), the
+Across two network namespaces joined by a bridge (pathways_bench/netns.py; needs root), the
 data plane itself is measured, in the clear and over TLS, next to the same raw TCP copy over
 the same veth link: a ``tcp.Listener`` in one namespace receives put frames that
 ``tcp.connect`` and ``tcp.send_frame`` send from the other, and acknowledges each on a side
@@ -41,7 +41,7 @@ import tempfile
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from pathways.bench import netns, report
+from pathways_bench import netns, report
 
 MiB = 1 << 20
 SIZES: tuple[int, ...] = (1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB)
