@@ -9,7 +9,7 @@ fetched, at the end, and compared with the same training run in this process wit
     python examples/pipeline.py               # embedded cluster: one island, 2 hosts x 2 devices
     python examples/pipeline.py --islands 2   # two islands of 2 one-device hosts, 2 stages each
 
-Everything the example trains is defined here; ``pathways.bench.gpipe`` is the benchmarks'
+Everything the example trains is defined here; ``pathways_bench.gpipe`` is the benchmarks'
 configurable version of the same model.
 """
 

@@ -70,8 +70,7 @@ def child_log_env() -> dict[str, str]:
     notices and warnings) follow it too: errors only, unless the level is INFO or DEBUG.
     TF_CPP_MIN_LOG_LEVEL is set here whatever its value, since JAX sets it on import."""
     level = os.environ.get(LOG_LEVEL_ENV) or logging.getLevelName(logging.getLogger("pathways").getEffectiveLevel())
-    verbose = getattr(logging, level.upper(), logging.WARNING) <= logging.INFO
-    return {LOG_LEVEL_ENV: level, "TF_CPP_MIN_LOG_LEVEL": "0" if verbose else "2"}
+    return {LOG_LEVEL_ENV: level, keeper.CPP_LOG_LEVEL_ENV: keeper.cpp_log_level(level)}
 
 
 def free_port() -> int:

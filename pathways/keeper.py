@@ -30,10 +30,21 @@ RECONNECT = 76  # ... asking for a restart that waits for the controller (it wen
 KEPT_ENV = "PATHWAYS_WORKER_KEPT"  # set in the worker: it exits with the codes above instead of stopping
 RECONNECT_UNTIL_ENV = "PATHWAYS_RECONNECT_UNTIL"  # wall-clock time until which a restarted worker waits
 PARENT_PID_ENV = "PATHWAYS_PARENT_PID"
+LOG_LEVEL_ENV = "PATHWAYS_LOG_LEVEL"  # set by `pathways --log-level` for its children
+CPP_LOG_LEVEL_ENV = "TF_CPP_MIN_LOG_LEVEL"
 _STOP_GRACE_SECONDS = 3.0
 _POLL_SECONDS = 0.5  # how often a wait for the worker looks whether the keeper is stopping
 _ABORT_PAUSE, _ABORT_MAX_PAUSE = 1.0, 10.0  # back-off between restarts after SIGABRT
 _ABORT_STABLE_SECONDS = 30.0  # a worker that ran this long before aborting restarts after the first pause
+
+
+def cpp_log_level(level: str) -> str:
+    """TF_CPP_MIN_LOG_LEVEL for a process logging at ``level`` (PATHWAYS_LOG_LEVEL's form):
+    the C++ logs of XLA and its coordination service (start-up notices, warnings such as
+    the coordination service's "recoverable task" notice on an island's first host) show
+    at info and debug only, errors always. The variable is read once, when jaxlib loads, so
+    it is set in a child's environment, whatever it was: JAX sets it on import."""
+    return "0" if level.strip().upper() in ("INFO", "DEBUG", "NOTSET") else "2"
 
 
 def command(reconnect_timeout: float, worker: list[str]) -> list[str]:
@@ -64,7 +75,8 @@ def exit_with_parent() -> None:
 def main(argv: list[str]) -> int:
     reconnect_timeout, command = float(argv[0]), argv[1:]
     exit_with_parent()
-    env = {**os.environ, KEPT_ENV: "1", PARENT_PID_ENV: str(os.getpid())}
+    env = {**os.environ, KEPT_ENV: "1", PARENT_PID_ENV: str(os.getpid()),
+           CPP_LOG_LEVEL_ENV: cpp_log_level(os.environ.get(LOG_LEVEL_ENV, ""))}
     env.pop(RECONNECT_UNTIL_ENV, None)
     child: subprocess.Popen | None = None
     stopping = False

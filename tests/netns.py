@@ -1,5 +1,5 @@
 """Tests across hosts with their own network addresses: the package's network namespaces
-(pathways.bench.netns, shared with the benchmarks), and a fixture that skips a test, saying
+(pathways_bench.netns, shared with the benchmarks), and a fixture that skips a test, saying
 why, where they cannot be made (not root, no `ip`, no namespaces in this container).
 
     from tests.netns import Network, netns_available  # noqa: F401 (a fixture)
@@ -15,7 +15,7 @@ why, where they cannot be made (not root, no `ip`, no namespaces in this contain
 
 import pytest
 
-from pathways.bench.netns import GRACE, SUBNET, Network, NetnsError, sweep, unavailable
+from pathways_bench.netns import GRACE, SUBNET, Network, NetnsError, sweep, unavailable
 
 __all__ = ["GRACE", "SUBNET", "Network", "NetnsError", "netns_available", "sweep", "unavailable"]
 

@@ -16,7 +16,7 @@ import pytest
 import pathways as pw
 from pathways.cluster import status, stop_processes
 from pathways.controller.core import ControllerCore
-from pathways.controller.islands import Islands, Refused
+from pathways.controller.islands import Health, Islands, Refused
 from pathways.controller.membership import WorkerConn
 from pathways.defaults import ADDRESS_LINE
 from pathways.errors import PlacementError
@@ -40,9 +40,9 @@ def test_ranks_follow_arrival_and_everyone_is_welcomed_once_rank_0_is_known():
     assert (rank_a, rank_b) == (0, 1) and a is b
     assert welcome_a == [(10, 0)] and welcome_b == [(11, 1)], "rank 0 came first: each is welcomed at once"
     assert a.coordinator == "h0:1", "the coordinator is rank 0's reserved address"
-    assert islands.assembling() == {a.id}
+    assert a.assembling and a.health is Health.ASSEMBLING and not islands.healthy(a.id)
     islands.join(12, "rack", 3, None, "h2:1")
-    assert a.assembled and islands.assembling() == set()
+    assert a.assembled and a.health is Health.HEALTHY and islands.healthy(a.id)
 
 
 def test_asked_ranks_are_honoured_and_hosts_before_rank_0_wait_for_it():
@@ -89,15 +89,20 @@ def test_a_lost_island_heals_under_its_id_and_its_ranks_keep_their_worker_ids():
     island, _, _, _ = islands.join(10, "rack", 3, None, "h0:1")
     islands.join(11, "rack", 3, None, "h1:1")
     islands.join(12, "rack", 3, None, "h2:1")
-    islands.lose(island.id)
-    assert island.lost and not island.members and island.coordinator == "" and islands.assembling() == set()
+    islands.lose(island.id, "worker 11 was lost")
+    assert island.health is Health.LOST and not island.members and island.coordinator == "" and not island.assembling
+    assert island.lost_by == "worker 11 was lost"
     again, worker, rank, welcome = islands.join(20, "rack", 3, 1, "h1:2")
     assert again is island and (worker, rank) == (11, 1), "rank 1 takes the worker id rank 1 had"
-    assert welcome == [] and island.healing and not island.lost and islands.assembling() == {island.id}
+    assert welcome == [] and island.health is Health.HEALING and island.assembling
     _, worker, rank, welcome = islands.join(21, "rack", 3, None, "h0:2")
     assert (worker, rank) == (10, 0) and welcome == [(10, 0), (11, 1)] and island.coordinator == "h0:2"
     _, worker, rank, _ = islands.join(22, "rack", 3, None, "h2:2")
-    assert (worker, rank) == (12, 2) and island.assembled and island.healing, "healing until the core says healed"
+    assert (worker, rank) == (12, 2) and island.assembled and island.health is Health.HEALING, \
+        "healing until the core says healed"
+    assert not islands.healthy(island.id) and island.lost_by == "worker 11 was lost"
+    islands.healed(island.id)
+    assert islands.healthy(island.id) and island.lost_by is None
     with pytest.raises(Refused, match="already has all its 3 host"):
         islands.join(23, "rack", 3, None, "h3:2")
 
@@ -170,14 +175,15 @@ def test_an_assembling_island_takes_no_slices_and_status_says_how_many_hosts_joi
     first = _register(core, "pair", 2, rank=1)
     assert _of(first.outbox, m.WorkerWelcome) == [], "rank 1 waits for rank 0's coordinator"
     [island] = core.status()["islands"]
-    assert island["assembling"] and island["hosts"] == 1 and island["expected_hosts"] == 2 and island["healthy"]
+    assert island["assembling"] and island["hosts"] == 1 and island["expected_hosts"] == 2
+    assert island["state"] == "assembling" and not island["healthy"], "healthy: it takes slices, not yet"
     with pytest.raises(PlacementError, match="still assembling"):
         core.rm.place(1, "cpu")
     second = _register(core, "pair", 2, coordinator="h0:5")
     copies = core._next_copy  # no run yet: every copy a peer sends them is a fresh one
     assert _of(first.outbox, m.WorkerWelcome) == [m.WorkerWelcome(first.worker, 0, 1, "h0:5", copies)]
     assert _of(second.outbox, m.WorkerWelcome) == [m.WorkerWelcome(second.worker, 0, 0, "h0:5", copies)]
-    assert not core.status()["islands"][0]["assembling"]
+    assert not core.status()["islands"][0]["assembling"] and core.status()["islands"][0]["healthy"]
     assert core.rm.place(2, "cpu").workers == (second.worker, first.worker), "hosts in rank order"
     assert [w["rank"] for w in core.status()["workers"]] == [1, 0]
 
@@ -190,7 +196,8 @@ def test_a_host_lost_while_its_island_assembles_takes_the_island_down():
     core.worker_lost(lost)
     islands = {i["name"]: i for i in core.status()["islands"]}
     assert not islands["other"]["healthy"] and not islands["other"]["assembling"]
-    assert islands["pair"]["healthy"] and waiting.worker in core.workers
+    assert islands["other"]["state"] == "lost" and islands["other"]["lost"].startswith(f"worker {lost.worker} ")
+    assert islands["pair"]["state"] == "assembling" and waiting.worker in core.workers
     refused = _register(core, "pair", 3)
     assert "said 2" in _of(refused.outbox, m.Shutdown)[0].reason and refused.worker == -1
 

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from pathways.__main__ import main
-from pathways.bench import netns, parity, report, suite
+from pathways_bench import netns, parity, report, suite
 from tests.conftest import child_pids
 
 PNG = b"\x89PNG\r\n\x1a\n"

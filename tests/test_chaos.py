@@ -1,10 +1,10 @@
 """A chaos run in the suite: clients keep a mixed workload going for a minute while
-workers are SIGKILLed at random and the local supervisor restarts them (pathways/bench/chaos.py;
+workers are SIGKILLed at random and the local supervisor restarts them (pathways_bench/chaos.py;
 ``bench elastic`` runs it longer)."""
 
 import pytest
 
-from pathways.bench import chaos
+from pathways_bench import chaos
 
 
 @pytest.mark.timeout(600)  # its own bounds: a minute of chaos, then results, healing and drops each bounded

@@ -1,5 +1,7 @@
-"""The command line: status of a running cluster, and the Figure 2 demo on an embedded one."""
+"""The command line: its commands and their help, status of a running cluster, and the
+Figure 2 demo on an embedded one and against a cluster that refuses it."""
 
+import argparse
 import os
 import re
 import subprocess
@@ -11,7 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import pathways as pw
+from pathways.cli import COMMANDS, main, parser
 from pathways.controller.scheduler import DEFAULT_WINDOW, SOLO_FACTOR
+from pathways.wire.security import Security
+from pathways_bench.suite import EXPERIMENTS
+from tests.inprocess import InProcessController
 
 
 def run(*args, timeout=120, env=None):
@@ -61,3 +67,91 @@ def test_the_example_script_runs_as_a_user_would():
     out = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[3. 5.] [2. 4.]"
+
+
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    """Every command's parser, by name; ``plan``'s subcommands as ``plan pipeline`` and ``plan dag``."""
+    found = {}
+    for parsers in (a for a in parser()._actions if isinstance(a, argparse._SubParsersAction)):
+        for name, command in parsers.choices.items():
+            found[name] = command
+            for sub in (a for a in command._actions if isinstance(a, argparse._SubParsersAction)):
+                found.update({f"{name} {n}": p for n, p in sub.choices.items()})
+    return found
+
+
+def test_the_script_and_python_m_run_the_same_main():
+    from pathways.__main__ import main as script_main  # pyproject: pathways = "pathways.__main__:main"
+    assert script_main is main
+
+
+def test_every_command_is_registered_with_a_module_that_parses_and_runs_it():
+    commands = _commands()
+    assert set(COMMANDS) <= set(commands)
+    for name in COMMANDS:
+        args = commands[name].parse_args(_minimal_args(name))
+        assert callable(args.run) and args.parser is commands[name]
+
+
+def _minimal_args(name: str) -> list[str]:
+    return {"worker": ["--controller", "grpc://127.0.0.1:1"], "run": ["script.py"], "bench": ["dispatch"],
+            "spmd": ["2", "script.py"], "plan": ["dag", "file.json"], "trace": ["file.json"]}.get(name, [])
+
+
+def test_every_option_of_every_command_says_what_it_is_for():
+    top = parser()
+    unexplained = [f"pathways {a.option_strings[0]}" for a in top._actions if a.option_strings and not a.help]
+    for name, command in _commands().items():
+        unexplained += [f"pathways {name} {a.option_strings[0]}" for a in command._actions
+                        if a.option_strings and not a.help]
+    assert not unexplained, f"options without help: {unexplained}"
+
+
+def test_usage_names_the_pathways_command(capsys):
+    for argv in (["plan", "--help"], ["plan", "pipeline", "--help"], ["status", "--help"], ["bench", "--help"]):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"usage: pathways {' '.join(argv[:-1])} "), out
+        assert "python -m" not in out
+
+
+def test_bench_lists_the_benchmarks_and_refuses_an_unknown_one(capsys):
+    assert main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in EXPERIMENTS)
+    assert main(["bench", "nonesuch"]) == 2
+    assert "invalid choice: 'nonesuch'" in capsys.readouterr().err
+
+
+def test_the_token_file_of_a_client_command_is_the_token_it_presents(capsys):
+    for name in ("status", "demo"):
+        assert main([name, "--help"]) == 0
+        text = " ".join(capsys.readouterr().out.split())
+        assert "the cluster's shared token, which this process presents to it" in text
+        assert "listen" not in text
+    assert main(["controller", "--help"]) == 0
+    assert "required to listen beyond loopback" in " ".join(capsys.readouterr().out.split())
+
+
+def test_log_level_is_checked_and_given_to_child_processes(monkeypatch, capsys):
+    monkeypatch.setenv("PATHWAYS_LOG_LEVEL", "error")
+    assert main(["--log-level", "loud", "trace", "nowhere.json"]) == 2
+    assert "invalid choice: 'loud'" in capsys.readouterr().err
+    assert main(["--log-level", "INFO", "trace", "nowhere.json"]) == 2  # the file is missing: trace's own error
+    assert os.environ["PATHWAYS_LOG_LEVEL"] == "info"
+
+
+def test_demo_refused_by_the_cluster_says_so_in_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("PATHWAYS_TOKEN", raising=False)
+    wrong = tmp_path / "token"
+    wrong.write_text("not-the-token\n")
+    controller = InProcessController(Security(token="the-token"))
+    try:
+        code = main(["demo", "--address", controller.address, "--token-file", str(wrong)])
+    finally:
+        controller.close()
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "token" in err
+

@@ -10,7 +10,7 @@ import pytest
 
 from pathways.controller.core import ControllerCore
 from pathways.controller.dispatch import COALESCE_SECONDS, MAX_COALESCED
-from pathways.controller.scheduler import SOLO_FACTOR, Run, Scheduler
+from pathways.controller.scheduler import SOLO_FACTOR, ScheduledRun, Scheduler
 from pathways.ir import Layout
 from pathways.protocol import messages as m
 from pathways.protocol.errors import LOST
@@ -130,7 +130,7 @@ def test_a_groups_measured_time_is_shared_among_its_programs_by_their_estimates(
     sched = Scheduler("fair", window=1)
     sched.add_session(1)
     sched._cost.update({"a": 1e-3, "b": 3e-3})
-    first = sched.submit(Run(1, frozenset({0}), "a"))
+    first = sched.submit(ScheduledRun(1, frozenset({0}), "a"))
     sched.join(first, "b")
     assert sched.estimate(first) == pytest.approx(4e-3)
     assert list(sched.dispatchable()) == [first] and first.charged == pytest.approx(4e-3)

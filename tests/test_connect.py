@@ -1,6 +1,7 @@
 """Connecting to a controller: refused connections and malformed addresses fail fast, with
 advice that fits the caller (the library or the command line)."""
 
+import socket
 import subprocess
 import sys
 import time
@@ -15,7 +16,8 @@ from pathways.cluster import free_port
 def test_a_refused_connection_fails_within_seconds_with_advice_for_the_library():
     address = f"grpc://127.0.0.1:{free_port()}"  # nothing listens there
     started = time.monotonic()
-    with pytest.raises(pw.ConnectError, match="refused") as info:
+    with pytest.raises(pw.ConnectError, match="the connection was refused: 127.0.0.1 answers, but nothing "
+                                              "listens on port") as info:
         pw.connect(address, timeout=30)
     assert time.monotonic() - started < 5, "a refusal is immediate: no need to wait for the 30 s timeout"
     assert address in str(info.value) and "pw.connect()" in str(info.value)
@@ -27,6 +29,40 @@ def test_pathways_address_is_checked_the_same_way(monkeypatch):
     with pytest.raises(pw.ConnectError, match="refused"):
         pw.connect()
     assert time.monotonic() - started < 5
+
+
+def test_a_name_that_does_not_resolve_is_said_so():
+    started = time.monotonic()
+    with pytest.raises(pw.ConnectError, match="the host name 'nohost.invalid' does not resolve") as info:
+        pw.connect("grpc://nohost.invalid:1234", timeout=30)
+    assert time.monotonic() - started < 15, "a name that does not resolve fails within the refusal's grace"
+    assert "refused" not in str(info.value) and "spelling" in str(info.value)
+
+
+def test_a_host_that_does_not_answer_is_told_from_a_refusal():
+    # A listener whose accept queue is full: the kernel drops further connection attempts
+    # unanswered, as a host that is down or behind a dropping firewall does.
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(0)
+        port = server.getsockname()[1]
+        queued = []
+        try:
+            for _ in range(8):  # enough to fill the queue; the later ones stay pending
+                c = socket.socket()
+                c.setblocking(False)
+                c.connect_ex(("127.0.0.1", port))
+                queued.append(c)
+            time.sleep(0.2)
+            started = time.monotonic()
+            with pytest.raises(pw.ConnectError, match="nothing answered") as info:
+                pw.connect(f"grpc://127.0.0.1:{port}", timeout=3)
+            assert time.monotonic() - started < 10
+        finally:
+            for c in queued:
+                c.close()
+    message = str(info.value)
+    assert "refused" not in message and "firewall" in message and f"port {port} is open" in message
 
 
 @pytest.mark.parametrize("address", ["127.0.0.1:1", "http://127.0.0.1:1", "grpc://127.0.0.1", "grpc://:1",

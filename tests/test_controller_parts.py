@@ -5,6 +5,7 @@ import pytest
 from pathways.controller import membership as ms
 from pathways.controller.core import ControllerCore, WorkerConn
 from pathways.controller.handles import HandleTable
+from pathways.controller.islands import Islands
 from pathways.controller.placement import ResourceManager
 from pathways.controller.programs import RunFailure, SessionPrograms
 from pathways.controller.lowering import FnLayouts
@@ -20,7 +21,7 @@ def _register(i, devices=1):
 
 
 def test_membership_welcomes_each_worker_and_tells_everyone_every_peer():
-    members = ms.Membership(ResourceManager())
+    members = ms.Membership(ResourceManager(Islands()))
     conns = [ms.WorkerConn(Box()) for _ in range(3)]
     for i, conn in enumerate(conns):
         members.register(conn, _register(i))
@@ -36,7 +37,7 @@ def test_membership_welcomes_each_worker_and_tells_everyone_every_peer():
 
 def test_membership_refuses_workers_beyond_its_bound(monkeypatch):
     monkeypatch.setattr(ms, "MAX_WORKERS", 2)
-    members = ms.Membership(ResourceManager())
+    members = ms.Membership(ResourceManager(Islands()))
     conns = [ms.WorkerConn(Box()) for _ in range(3)]
     for i, conn in enumerate(conns):
         members.register(conn, _register(i))
@@ -45,7 +46,7 @@ def test_membership_refuses_workers_beyond_its_bound(monkeypatch):
 
 
 def test_removing_a_worker_forgets_its_links_and_moves_a_measurement_on():
-    members = ms.Membership(ResourceManager())
+    members = ms.Membership(ResourceManager(Islands()))
     conns = [ms.WorkerConn(Box()) for _ in range(2)]
     for i, conn in enumerate(conns):
         members.register(conn, _register(i))
@@ -282,3 +283,44 @@ def test_a_jax_export_function_may_use_some_devices_of_its_slice():
     assert core.sessions[1].programs.fns[base + 1].workers == (w1.worker,)
     error, = _of(client, m.Error)
     assert "its devices are on workers [1]" in error.message
+
+
+def _join(core, name, hosts, rank):
+    conn = WorkerConn(Box())
+    core.on_worker_batch(conn, m.encode_batch([m.Register(
+        f"grpc://h:{rank}", f"tcp://h:{rank}", "cpu", 1, name, hosts, rank, "h0:1", 1, f"host{rank}", 1 << 30)]))
+    return conn
+
+
+def test_a_put_or_run_on_a_healing_island_says_which_island_lost_what_and_that_calling_again_works():
+    core = ControllerCore()
+    rank0, rank1, elsewhere = _join(core, "a", 2, 0), _join(core, "a", 2, 1), _join(core, "b", 1, 0)
+    sid, client = 1, Box()
+    core.session_opened(sid, client)
+    core.on_session_batch(sid, m.encode_batch([m.Hello(m.PROTOCOL_VERSION, 1.0),
+                                               m.SliceRequest(1, "cpu", 2, None, None, False)]))
+    [reply] = _of(client, m.SliceReply)
+    layout = Layout(reply.workers, ((0, 0), (1, 0)), (2,), ("x",), ())
+    fn, program, data, base = (first_handle(sid) + i for i in (1, 2, 3, 10))
+    graph = m.GRAPH.check({"nvalues": 2, "inputs": [0], "nodes": [[fn, [0], [1]]], "outputs": [1],
+                           "types": [["float32", [2]]] * 2}, "graph")
+    core.on_session_batch(sid, m.encode_batch([m.DefineFunction(fn, reply.slice, "f", b"artifact", (layout,), (layout,)),
+                                               m.DefineProgram(program, graph, "parallel")]))
+    core.worker_lost(rank1, error="connection reset")
+
+    core.on_session_batch(sid, m.encode_batch([m.PutNotice(data, layout)]))
+    [put] = [x for x in _of(client, m.Poisoned) if data in x.handles]
+    assert put.kind == "WorkerLostError"
+    for says in ("island 'a' (id 0) is healing", "worker 1 on host host1", "connection reset",
+                 "0 of its 2 host(s) have joined it again", "The array is lost", "calling again, works"):
+        assert says in put.message, (says, put.message)
+
+    _join(core, "a", 2, 0)  # one host is back; the island is not whole yet
+    other = first_handle(sid) + 20  # an input on the healthy island "b"
+    core.on_session_batch(sid, m.encode_batch([m.PutNotice(other, Layout((elsewhere.worker,), ((0, 0),), (1,),
+                                                                         ("x",), ()))]))
+    core.on_session_batch(sid, m.encode_batch([m.Run(program, base, {0: other})]))
+    [run] = [x for x in _of(client, m.Poisoned) if base + 1 in x.handles]
+    for says in ("island 'a' (id 0) is healing", "connection reset", "1 of its 2 host(s) have joined it again",
+                 "call it again once"):
+        assert says in run.message, (says, run.message)

@@ -20,7 +20,7 @@ from tests.test_controller import Box, _of, register, session
 
 def _register(core, island, hosts=1, address=None):
     conn = WorkerConn(Box())
-    address = address or f"127.0.0.1:{100 + len(core.workers) + len(core.membership.islands.by_id)}"
+    address = address or f"127.0.0.1:{100 + len(core.workers) + len(core.islands.by_id)}"
     core.on_worker_batch(conn, m.encode_batch([m.Register(
         f"grpc://{address}", f"tcp://{address}", "cpu", 1, island, hosts, None, "h:1" if hosts > 1 else "", 1, "h",
         1 << 30)]))

@@ -3,6 +3,7 @@ arrive, per-connection and per-listener budgets on the data plane, WireError (ne
 crash) for every malformed array header."""
 
 import logging
+import os
 import resource
 import socket
 import struct
@@ -56,6 +57,20 @@ def test_a_huge_announced_array_with_few_bytes_is_refused_quickly_without_memory
     for nbytes in (1 << 62, codec.host_memory_bytes() + 1):
         with pytest.raises(WireError, match="exceeds this host's"):
             codec.assemble_array({"dtype": "uint8", "shape": [nbytes], "nbytes": nbytes}, [b"x"])
+
+
+def test_host_memory_is_the_containers_limit_where_that_is_lower(tmp_path, monkeypatch):
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    unlimited, limited = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    unlimited.write_text("max\n")  # cgroup v2 without a limit: the v1 file is read next
+    for limit, expect in ((_GIB, _GIB), (physical * 2, physical)):
+        limited.write_text(f"{limit}\n")
+        monkeypatch.setattr(codec, "_CGROUP_LIMITS", (str(unlimited), str(limited)))
+        codec.host_memory_bytes.cache_clear()
+        try:
+            assert codec.host_memory_bytes() == expect
+        finally:
+            codec.host_memory_bytes.cache_clear()  # the real limit again for the tests after this one
 
 
 def test_an_assembled_array_is_aligned_writable_and_exact():

@@ -35,3 +35,19 @@ def test_a_gpu_slice_on_a_cpu_cluster_says_workers_have_cpus_only(session):
         pw.make_virtual_device_set().add_slice(gpu_devices=1)
     assert "python -m pathways worker" in str(info.value) and "--platform" in str(info.value)
     assert "cpu_devices=" in str(info.value)
+
+
+def test_a_slice_larger_than_a_remote_cluster_says_what_fits_and_how_to_see_the_cluster(session):
+    with pytest.raises(pw.PlacementError) as info:  # a client of a cluster it did not start
+        pw.make_virtual_device_set().add_slice(cpu_devices=16)
+    message = str(info.value)
+    assert "island 0: up to 4 on one host, or 8 over 2 hosts (4 each)" in message
+    assert "python -m pathways status" in message and "local_cluster" not in message
+
+
+def test_a_slice_larger_than_a_local_cluster_suggests_starting_it_larger():
+    with pw.local_cluster(hosts=1, devices_per_host=1):
+        with pytest.raises(pw.PlacementError) as info:
+            pw.make_virtual_device_set().add_slice(cpu_devices=2)
+    assert "island 0: up to 1 on one host" in str(info.value)
+    assert "pw.local_cluster(islands=[pw.Island(hosts=H, devices_per_host=D)])" in str(info.value)

@@ -356,6 +356,8 @@ def test_run_trains_the_example_mlp_with_a_decreasing_loss():
     assert out.returncode == 0, out.stderr
     losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", out.stdout)]
     assert len(losses) == 5, out.stdout
+    # the proxy client's C++ warnings (plain credentials, its session cancelled at exit) stay off
+    assert "insecure client credentials" not in out.stderr and "Stack trace" not in out.stderr, out.stderr
     assert all(a > b for a, b in zip(losses, losses[1:])), losses
 
 
@@ -393,3 +395,4 @@ def test_ifrt_bind_with_a_certificate_but_no_ca_is_refused(tmp_path):
                          timeout=120, env={k: v for k, v in os.environ.items() if k != "PATHWAYS_TLS_CA"})
     assert out.returncode != 0 and ADDRESS_LINE not in out.stdout
     assert "--ifrt-bind with --tls-cert needs --tls-ca" in out.stderr
+

@@ -1,4 +1,5 @@
-"""The package's import structure: what a client loads, and that no modules import each other."""
+"""The package's import structure: what a client loads, what the lower layers load, which
+layer may import which, and that no modules import each other."""
 
 import ast
 import os
@@ -8,13 +9,31 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import pathways
+import pathways_bench
 
 PACKAGE_DIR = Path(pathways.__file__).parent
+PACKAGES = (PACKAGE_DIR, Path(pathways_bench.__file__).parent)  # the runtime, and the benchmarks beside it
 SERVER_SIDE = ("pathways.controller", "pathways.worker", "pathways.planner")
+
+# The layers, lowest first: a module imports modules of its own layer and of those below it
+# only. A module belongs to the layer of the longest name here that it is or is inside of
+# ("pathways" is the package's __init__ alone); RUNTIME stands for every module named nowhere
+# else (client, controller, worker, cluster, ...).
+RUNTIME = "the runtime"
+LAYERS = (
+    ("pathways.errors", "pathways.defaults"),
+    # the wire and the protocol: any process imports them, so they load neither JAX nor the client
+    ("pathways.wire", "pathways.protocol", "pathways.ir", "pathways.timeline"),
+    (RUNTIME,),
+    ("pathways",),  # the public API (pw.jit, ...), on top of the client
+    ("pathways.demo", "pathways_bench"),  # programs that use the public API
+    ("pathways.cli", "pathways.__main__"),  # the command line runs all of them
+)
+LOWER = LAYERS[0] + LAYERS[1]
 
 
 def test_client_import_loads_no_controller_worker_or_planner() -> None:
-    code = ("import sys, pathways; "
+    code = ("import sys; from pathways import *; "
             f"print('\\n'.join(m for m in sys.modules if m.split('.')[:2] in "
             f"{[p.split('.') for p in SERVER_SIDE]!r}))")
     env = {**os.environ, "PYTHONPATH": str(PACKAGE_DIR.parent)}
@@ -26,12 +45,17 @@ def test_client_import_loads_no_controller_worker_or_planner() -> None:
 
 def _module_names() -> dict[str, Path]:
     names = {}
-    for path in PACKAGE_DIR.rglob("*.py"):
-        parts = list(path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        names[".".join(parts)] = path
+    for package in PACKAGES:
+        for path in package.rglob("*.py"):
+            parts = list(path.relative_to(package.parent).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            names[".".join(parts)] = path
     return names
+
+
+def _ours(module: str) -> bool:
+    return module.split(".")[0] in {p.name for p in PACKAGES}
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -62,15 +86,17 @@ def _absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
 class ImportGraph:
     """Which pathways modules each pathways module imports, at top level or inside functions.
 
-    Rules, so that an edge is a real dependency between modules:
+    The modules are those of ``pathways`` and ``pathways_bench``. Rules, so that an edge is a
+    real dependency between modules:
 
     - ``import pathways.a.b`` is an edge to ``pathways.a.b``; ``from pathways.a import b`` is an
       edge to module ``pathways.a.b`` when there is one, else to ``pathways.a`` (``b`` is a name
       defined or re-exported there). Relative imports are resolved first.
     - Importing ``pathways.a.b`` also runs the ``__init__`` of ``pathways`` and ``pathways.a``;
       those implicit edges are not counted. A package's ``__init__`` is itself a module, and
-      its re-exports (``from pathways.a.b import f`` in ``pathways/a/__init__.py``) are edges
-      from the package to those submodules.
+      its re-exports (``from pathways.a.b import f`` in ``pathways/a/__init__.py``, at top
+      level or inside a function such as a lazy module ``__getattr__``) are edges from the
+      package to those submodules.
     - A module inside a package always runs after that package's ``__init__`` has started, so
       importing a name from one of its own ancestor packages depends only on where the name
       comes from: ``from pathways import f`` in ``pathways.x`` is resolved through the
@@ -100,7 +126,7 @@ class ImportGraph:
         further package re-exports; None when the package defines it or it cannot be traced."""
         if f"{package}.{attr}" in self.paths:
             return f"{package}.{attr}"
-        for node in self.trees[package].body:
+        for node in _walk_runtime(self.trees[package]):  # at top level or in its lazy __getattr__
             if not isinstance(node, ast.ImportFrom):
                 continue
             for alias in node.names:
@@ -130,7 +156,7 @@ class ImportGraph:
         for node in _walk_runtime(tree):
             if isinstance(node, ast.Import):
                 for alias in node.names:
-                    if not alias.name.startswith("pathways"):
+                    if not _ours(alias.name):
                         continue
                     if alias.asname and self._is_ancestor(alias.name, module):
                         used = sorted({n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
@@ -140,7 +166,7 @@ class ImportGraph:
                         yield alias.name
             elif isinstance(node, ast.ImportFrom):
                 source = _absolute(module, self._is_package(module), node)
-                if source == "pathways" or source.startswith("pathways."):
+                if _ours(source):
                     yield from self._through(module, source, [a.name for a in node.names if a.name != "*"])
 
     def cycle(self) -> Optional[list[str]]:
@@ -178,10 +204,12 @@ def test_import_graph_resolves_imports() -> None:
     assert "pathways.client.program" in graph.edges["pathways.client.pipeline"]
     # A lazy import inside a function counts.
     assert "pathways.planner" in graph.edges["pathways.client.pipeline"]
-    # A package's re-exports are edges to its submodules.
-    assert {"pathways.client.api", "pathways.spmd", "pathways.errors"} <= graph.edges["pathways"]
+    # A package's re-exports are edges to its submodules, those of its lazy __getattr__ too.
+    assert {"pathways.client.api", "pathways.cluster", "pathways.errors"} <= graph.edges["pathways"]
     # `from pathways.spmd import launch` from outside the package depends on the package.
-    assert "pathways.spmd" in graph.edges["pathways.__main__"]
+    assert "pathways.spmd" in graph.edges["pathways.cli.spmd"]
+    # The benchmarks' modules are in the graph, and so are their imports of each other.
+    assert "pathways_bench.report" in graph.edges["pathways_bench.suite"]
     # `import pathways as pw` inside the package resolves `pw.pmap` to where pmap is defined.
     assert "pathways.client.compiled" in graph.edges["pathways.demo"]
     assert "pathways" not in graph.edges["pathways.demo"]
@@ -205,3 +233,42 @@ def test_cycle_is_found_and_printed_as_a_path() -> None:
 def test_import_graph_has_no_cycle() -> None:
     cycle = ImportGraph().cycle()
     assert cycle is None, "pathways modules import each other: " + " -> ".join(cycle)
+
+
+def _layer(module: str) -> int:
+    """The index in LAYERS of ``module``'s layer."""
+    named = [(len(name), i) for i, layer in enumerate(LAYERS) for name in layer
+             if module == name or (name != "pathways" and module.startswith(name + "."))]
+    return max(named)[1] if named else next(i for i, layer in enumerate(LAYERS) if RUNTIME in layer)
+
+
+def test_layers_are_known() -> None:
+    assert _layer("pathways.wire.codec") == _layer("pathways.protocol") == 1
+    assert _layer("pathways.client.api") == _layer("pathways.controller.core") == _layer("pathways.table") == 2
+    assert _layer("pathways") == 3 and _layer("pathways_bench.suite") == 4 and _layer("pathways.cli.bench") == 5
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    graph = ImportGraph()
+    upward = [f"{module} (layer {_layer(module)}) imports {target} (layer {_layer(target)})"
+              for module, targets in sorted(graph.edges.items()) for target in sorted(targets)
+              if _layer(target) > _layer(module)]
+    assert not upward, "imports against the layers:\n" + "\n".join(upward)
+
+
+def test_the_lower_layers_load_neither_jax_nor_the_client() -> None:
+    """Each module of the wire and protocol layers imported in turn in a fresh process: the
+    first whose import brings in JAX or the client is named."""
+    modules = sorted(m for m in ImportGraph().paths if _layer(m) < _layer("pathways.client"))
+    assert "pathways.wire.codec" in modules and "pathways.protocol.messages" in modules
+    code = ("import importlib, sys\n"
+            f"for m in {modules!r}:\n"
+            "    importlib.import_module(m)\n"
+            "    bad = sorted({n.split('.')[0] for n in sys.modules if n.split('.')[0] in ('jax', 'jaxlib')} |\n"
+            "                 {n for n in sys.modules if n == 'pathways.client'})\n"
+            "    if bad:\n"
+            "        sys.exit(f'importing {m} loaded {bad}')\n")
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE_DIR.parent)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+

@@ -63,7 +63,7 @@ time.sleep(300)
 # Makes a network with a process in it, prints what it made, and waits to be killed.
 LEAVES_A_NETWORK = """
 import sys, time
-from pathways.bench.netns import Network
+from pathways_bench.netns import Network
 net = Network(["x"]).__enter__()
 sleeper = net.popen("x", [sys.executable, "-c", "import time; time.sleep(300)"])
 print(net.namespace("x"), net.veth("x"), net.bridge, sleeper.pid, flush=True)

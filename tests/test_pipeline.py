@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import pathways as pw
-from pathways.bench import gpipe
+from pathways_bench import gpipe
 from tests.conftest import connected, running_cluster
 
 SMALL = gpipe.Config(stages=4, microbatches=2, batch=16, width=8, hidden=16)

@@ -1,15 +1,21 @@
+from collections import Counter
+
 import pytest
 
+from pathways.controller.islands import Islands
 from pathways.controller.placement import ResourceManager
 from pathways.errors import PlacementError
 
 
-def manager(*hosts):
-    rm = ResourceManager()
-    ranks = {}
+def manager(*hosts, names=None):
+    """A resource manager over ``hosts`` ((island, devices) each; worker i is the i-th),
+    every island assembled; ``names``: island id -> its name (default: the id)."""
+    sizes = Counter(island for island, _ in hosts)
+    islands = Islands()
+    rm = ResourceManager(islands)
     for worker, (island, n) in enumerate(hosts):
-        rm.add_host(worker, island, "cpu", n, 1 << 30, rank=ranks.setdefault(island, 0))
-        ranks[island] += 1
+        _, _, rank, _ = islands.join(worker, (names or {}).get(island, str(island)), sizes[island], None, "h:1")
+        rm.add_host(worker, island, "cpu", n, 1 << 30, rank=rank)
     return rm
 
 
@@ -70,7 +76,7 @@ def test_release_owner_returns_the_devices():
 
 def test_no_hosts_says_so():
     with pytest.raises(PlacementError, match="no worker hosts"):
-        ResourceManager().place(1, "cpu")
+        ResourceManager(Islands()).place(1, "cpu")
 
 
 def test_a_slice_larger_than_a_host_spans_hosts_of_one_island():
@@ -87,10 +93,22 @@ def test_a_slice_larger_than_a_host_spans_hosts_of_one_island():
 
 def test_unhealthy_islands_get_no_new_slices():
     rm = manager((0, 2), (1, 2))
+    rm.islands.lose(0, "worker 0 was lost")
     assert rm.lose_island(0) == {0}
     assert all(rm.place(1, "cpu").island == 1 for _ in range(3))
     with pytest.raises(PlacementError, match="unhealthy"):
         rm.place(1, "cpu", island=0)
+
+
+def test_an_island_being_retired_gets_no_new_slices_until_the_operator_gives_up():
+    rm = manager((0, 2), (1, 2))
+    rm.islands.set_retiring(0, True)
+    assert rm.islands.healthy(0) and not rm.islands.takes_slices(0), "it still runs what it has"
+    assert all(rm.place(1, "cpu").island == 1 for _ in range(3))
+    with pytest.raises(PlacementError, match="host 0 \\(island 0, being retired\\)"):
+        rm.place(1, "cpu", island=0)
+    rm.islands.set_retiring(0, False)
+    assert rm.place(1, "cpu", island=0).island == 0
 
 
 def test_measured_speed_breaks_ties_between_equally_loaded_hosts():
@@ -142,3 +160,22 @@ def test_an_equally_loaded_island_with_faster_hosts_or_links_is_preferred():
     rm.set_latency(3, 2, 1e-3)
     assert rm.place(2, "cpu").island == 0
     assert rm.lose_island(0) == {0, 1} and set(rm.latency) == {(2, 3), (3, 2)}
+
+
+def test_a_slice_that_does_not_fit_names_islands_by_name_and_says_what_fits():
+    rm = manager((0, 4), (0, 4), (1, 2), names={0: "a"})
+    with pytest.raises(PlacementError) as info:
+        rm.place(16, "cpu")
+    message = str(info.value)
+    assert "host 0 (island 'a' (id 0)): 4 cpu" in message and "host 2 (island 1): 2 cpu" in message
+    assert "island 'a' (id 0): up to 4 on one host, or 8 over 2 hosts (4 each); island 1: up to 2 on one host" in message
+    assert "python -m pathways status" in message and "--island NAME" in message
+    assert "local_cluster" not in message, "the controller cannot know that its cluster is local"
+    rm.place(3, "cpu", exclusive=True)
+    # host 0 has 1 device left, so 2 hosts take 1 each: no more than host 1 alone
+    with pytest.raises(PlacementError, match="island 'a' \\(id 0\\): up to 4 on one host; island 1"):
+        rm.place(16, "cpu", exclusive=True)
+    rm.lose_island(1)
+    rm.islands.lose(1, "host 2 was lost")
+    with pytest.raises(PlacementError, match="island 1 lost a host and are unhealthy"):
+        rm.place(1, "cpu", island=1)

@@ -6,14 +6,19 @@ import shutil
 
 import pytest
 
-from pathways.bench import planner as bench
-from pathways.bench.report import Progress
+from pathways_bench import planner as bench
+from pathways_bench.report import Progress
 from pathways.planner import Device, Layer, Link, PlanError, Topology, pipeline_partition
-from pathways.planner.cli import main
+from pathways.cli import main as pathways_main
 from pathways.planner.gantt import plot_pipeline
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "plans")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def main(argv: list[str]) -> int:
+    """``pathways plan ARGV...``, in this process."""
+    return pathways_main(["plan", *argv])
 
 
 def is_png(path) -> bool:

@@ -11,6 +11,7 @@ import pytest
 
 import pathways as pw
 from pathways.client.devices import VirtualDeviceSet
+from pathways.controller.islands import Islands
 from pathways.controller.placement import ResourceManager
 from pathways.platforms import PLATFORMS, Devices, cpu_devices, export_platforms, find_devices, kind_of
 from pathways.protocol import messages as m
@@ -49,10 +50,10 @@ class Controllerless:
     CPU host (worker 0, 4 devices) and, with ``gpu``, one GPU host (worker 1, 2 devices)."""
 
     def __init__(self, gpu=True):
-        self.rm = ResourceManager()
-        self.rm.add_host(0, 0, "cpu", 4, 1 << 30, rank=0)
-        if gpu:
-            self.rm.add_host(1, 1, "gpu", 2, 1 << 30, rank=0)
+        self.rm = ResourceManager(Islands())
+        for worker, kind, devices in ((0, "cpu", 4), (1, "gpu", 2))[:2 if gpu else 1]:
+            self.rm.islands.join(worker, str(worker), 1, None, "")  # island i holds worker i alone
+            self.rm.add_host(worker, worker, kind, devices, 1 << 30, rank=0)
         self.sent, self.asked = [], []
         self.slices = {}  # the Slice objects by id, as a Session keeps them (SliceMoved)
         self._ids = itertools.count(1)

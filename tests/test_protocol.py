@@ -13,7 +13,7 @@ from pathways.ir import Layout
 from pathways.protocol import check as c
 from pathways.protocol import messages as m
 from pathways.protocol.errors import error_of, kind_of
-from pathways.protocol.handles import first_handle, fits, session_of, value_handle
+from pathways.protocol.handles import HeldReleases, discard, first_handle, fits, session_of, value_handle
 from pathways.protocol.ops import Op, decode_op, encode_op
 from tests import fuzzing
 
@@ -183,3 +183,19 @@ def test_a_retire_request_names_an_island_or_a_worker_and_waits_a_bounded_time()
                         (["retire", "x" * 200, None, 1.0], "at most 128")):
         with pytest.raises(WireError, match=needle):
             m.RETIRE.decode(raw)
+
+
+def test_a_release_waits_for_the_last_read_of_its_handle_and_only_for_it():
+    reads: HeldReleases[str] = HeldReleases()
+    reads.reading([1, 1, 2])
+    assert reads.release(3, "c"), "a handle nobody reads is freed at once"
+    assert not reads.release(1, "a") and not reads.release(2, "b")
+    assert reads.read_done([1, 2]) == {2: "b"}, "handle 1 has a read left"
+    assert reads.read_done([1]) == {1: "a"}
+    assert reads.read_done([1]) == {} and reads.release(1, "a"), "nothing is held twice"
+    waiting = {7: {"x", "y"}}
+    discard(waiting, 7, "x")
+    assert waiting == {7: {"y"}}
+    discard(waiting, 7, "y")
+    discard(waiting, 8, "z")
+    assert waiting == {}, "a handle leaves the table with its last member"

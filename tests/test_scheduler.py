@@ -4,7 +4,7 @@ from collections import Counter, deque
 
 import pytest
 
-from pathways.controller.scheduler import SOLO_FACTOR, Run, Scheduler
+from pathways.controller.scheduler import SOLO_FACTOR, ScheduledRun, Scheduler
 
 
 def saturate(sched, weights, costs, completions):
@@ -14,14 +14,14 @@ def saturate(sched, weights, costs, completions):
         sched.add_session(sid, w)
     for sid in weights:
         for _ in range(sched.window * 2):
-            sched.submit(Run(sid, frozenset({0}), ("prog", sid)))
+            sched.submit(ScheduledRun(sid, frozenset({0}), ("prog", sid)))
     flying: deque = deque(sched.dispatchable())
     device = Counter()
     for _ in range(completions):
         run = flying.popleft()
         device[run.session] += costs[run.session]
         sched.finish(run.id, costs[run.session])
-        sched.submit(Run(run.session, frozenset({0}), ("prog", run.session)))
+        sched.submit(ScheduledRun(run.session, frozenset({0}), ("prog", run.session)))
         flying.extend(sched.dispatchable())
     return device
 
@@ -44,7 +44,7 @@ def test_fifo_releases_in_submission_order_within_the_window():
     sched = Scheduler("fifo", window=3)
     for sid in (1, 2):
         sched.add_session(sid)
-    runs = [sched.submit(Run(sid, frozenset({0}), "p")) for sid in (2, 1, 2, 1, 2, 1)]
+    runs = [sched.submit(ScheduledRun(sid, frozenset({0}), "p")) for sid in (2, 1, 2, 1, 2, 1)]
     first = list(sched.dispatchable())
     assert first == runs[:3], "only a window's worth is in flight while sessions compete"
     assert sched.inflight(0) == 3 and sched.queued(0) == 3
@@ -56,9 +56,9 @@ def test_a_session_alone_may_run_ahead_a_few_windows():
     sched = Scheduler("fair", window=2)
     sched.add_session(1)
     sched.add_session(2)
-    alone = [sched.submit(Run(1, frozenset({0}), "p")) for _ in range(20)]
+    alone = [sched.submit(ScheduledRun(1, frozenset({0}), "p")) for _ in range(20)]
     assert list(sched.dispatchable()) == alone[:2 * SOLO_FACTOR], "nobody else waits: up to the solo bound"
-    late = sched.submit(Run(2, frozenset({0}), "p"))
+    late = sched.submit(ScheduledRun(2, frozenset({0}), "p"))
     for run in alone[:2 * SOLO_FACTOR - 2]:
         sched.finish(run.id, 1e-3)
         assert list(sched.dispatchable()) == [], "over the window while another session waits"
@@ -69,7 +69,7 @@ def test_a_session_alone_may_run_ahead_a_few_windows():
 def test_a_session_keeps_its_own_order():
     sched = Scheduler("fair", window=100)
     sched.add_session(1)
-    runs = [sched.submit(Run(1, frozenset({0}), i)) for i in range(10)]
+    runs = [sched.submit(ScheduledRun(1, frozenset({0}), i)) for i in range(10)]
     assert list(sched.dispatchable()) == runs
 
 
@@ -78,12 +78,12 @@ def test_an_idle_session_does_not_bank_credit():
     sched.add_session(1)
     sched.add_session(2)
     for _ in range(50):  # session 1 runs alone for a while
-        sched.submit(Run(1, frozenset({0}), "p"))
+        sched.submit(ScheduledRun(1, frozenset({0}), "p"))
         (run,) = sched.dispatchable()
         sched.finish(run.id, 1e-3)
     for sid in (1, 2):
         for _ in range(20):
-            sched.submit(Run(sid, frozenset({0}), "p"))
+            sched.submit(ScheduledRun(sid, frozenset({0}), "p"))
     order = []
     for _ in range(20):
         (run,) = sched.dispatchable()
@@ -96,9 +96,9 @@ def test_runs_on_several_islands_need_room_on_each():
     sched = Scheduler("fifo", window=1)
     sched.add_session(1)
     sched.add_session(2)
-    a = sched.submit(Run(1, frozenset({0}), "p"))
-    both = sched.submit(Run(2, frozenset({0, 1}), "q"))
-    a2 = sched.submit(Run(1, frozenset({0}), "p"))
+    a = sched.submit(ScheduledRun(1, frozenset({0}), "p"))
+    both = sched.submit(ScheduledRun(2, frozenset({0, 1}), "q"))
+    a2 = sched.submit(ScheduledRun(1, frozenset({0}), "p"))
     assert list(sched.dispatchable()) == [a], "island 0 is full, so the two-island run waits"
     sched.finish(a.id, 1e-3)
     assert list(sched.dispatchable()) == [both, a2], "then a2, alone in the queue, may run ahead"
@@ -109,14 +109,14 @@ def test_cancel_removes_queued_and_frees_in_flight_windows():
     sched = Scheduler("fifo", window=1)
     sched.add_session(1)
     sched.add_session(2)
-    on0, next0 = (sched.submit(Run(1, frozenset({0}), "p")) for _ in range(2))
-    queued0 = sched.submit(Run(2, frozenset({0}), "p"))
-    on1 = sched.submit(Run(2, frozenset({1}), "p"))
+    on0, next0 = (sched.submit(ScheduledRun(1, frozenset({0}), "p")) for _ in range(2))
+    queued0 = sched.submit(ScheduledRun(2, frozenset({0}), "p"))
+    on1 = sched.submit(ScheduledRun(2, frozenset({1}), "p"))
     assert list(sched.dispatchable()) == [on0, on1]  # island 0 is full; session 2's run on island 1 is not held
     queued, flying = sched.cancel(lambda r: 0 in r.islands)
     assert [r.id for r in queued] == [next0.id, queued0.id] and flying == [on0]
     assert sched.inflight(0) == 0 and sched.queued(0) == 0 and sched.inflight(1) == 1
-    after = sched.submit(Run(1, frozenset({0}), "p"))
+    after = sched.submit(ScheduledRun(1, frozenset({0}), "p"))
     assert list(sched.dispatchable()) == [after]
 
 
@@ -126,9 +126,9 @@ def test_a_stalled_island_never_holds_up_a_sessions_runs_on_other_islands():
     submission order."""
     sched = Scheduler("fair", window=2)
     sched.add_session(1)
-    stuck = [sched.submit(Run(1, frozenset({0}), "a")) for _ in range(2 * SOLO_FACTOR + 3)]
-    both = sched.submit(Run(1, frozenset({0, 1}), "b"))  # reads island 0's data: waits for island 0
-    later = [sched.submit(Run(1, frozenset({1}), "c")) for _ in range(3)]
+    stuck = [sched.submit(ScheduledRun(1, frozenset({0}), "a")) for _ in range(2 * SOLO_FACTOR + 3)]
+    both = sched.submit(ScheduledRun(1, frozenset({0, 1}), "b"))  # reads island 0's data: waits for island 0
+    later = [sched.submit(ScheduledRun(1, frozenset({1}), "c")) for _ in range(3)]
     first = list(sched.dispatchable())
     assert first == stuck[:2 * SOLO_FACTOR], "island 0 fills up to the solo bound"
     sched.finish(first[0].id, 1e-3)
@@ -144,8 +144,8 @@ def test_a_stalled_island_never_holds_up_a_sessions_runs_on_other_islands():
 def test_runs_on_disjoint_islands_interleave_in_each_islands_order():
     sched = Scheduler("fifo", window=1)
     sched.add_session(1)
-    on0 = [sched.submit(Run(1, frozenset({0}), "p")) for _ in range(SOLO_FACTOR + 1)]
-    on1 = [sched.submit(Run(1, frozenset({1}), "p")) for _ in range(SOLO_FACTOR + 1)]
+    on0 = [sched.submit(ScheduledRun(1, frozenset({0}), "p")) for _ in range(SOLO_FACTOR + 1)]
+    on1 = [sched.submit(ScheduledRun(1, frozenset({1}), "p")) for _ in range(SOLO_FACTOR + 1)]
     assert list(sched.dispatchable()) == on0[:SOLO_FACTOR] + on1[:SOLO_FACTOR]
     sched.finish(on1[0].id, 1e-3)
     assert list(sched.dispatchable()) == [on1[-1]], "island 1 moves on while island 0 is full"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import pathways as pw
-from pathways.bench import gpipe
+from pathways_bench import gpipe
 from tests.conftest import child_pids, connected, running_cluster
 
 CFG = gpipe.Config(stages=2, microbatches=1, batch=16, width=8, hidden=16, lr=0.3)

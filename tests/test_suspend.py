@@ -27,7 +27,7 @@ def cluster():
 @pytest.fixture
 def session(cluster):
     """A session of its own, the default one for the test (pw.program, pw.suspend use it)."""
-    s = Session(cluster.address, timeout=60)
+    s = Session(cluster.address, connect_timeout=60)
     previous = api._default
     api.set_default_session(s)
     try:
@@ -69,7 +69,7 @@ def test_a_session_suspended_on_one_island_resumes_on_the_other_with_its_arrays_
     assert f"client session {session.id}: SUSPENDED (4 array(s)" in out.stdout, out.stdout
 
     # another client takes the whole island the session was on
-    other = Session(cluster.address, timeout=60)
+    other = Session(cluster.address, connect_timeout=60)
     try:
         taken = VirtualDeviceSet(other).add_slice(cpu_devices=2, island=0, exclusive=True)
         y = pw.pmap(lambda x: x + 100.0, devices=taken.devices)(np.zeros(2, np.float32))

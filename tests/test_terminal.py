@@ -54,6 +54,7 @@ def test_a_script_on_a_multi_host_cluster_gets_a_clean_stdout_and_no_start_up_no
     assert out.returncode == 0, out.stderr
     assert out.stdout == "[7. 7.]\n", "gloo's notices of the workers must not reach the user's stdout"
     assert "coordination_service" not in out.stderr, out.stderr
+    assert "[Gloo]" not in out.stderr, "gloo's connection notices are logged at info, not shown"
 
 
 SPMD_SCRIPT = """

@@ -150,7 +150,7 @@ def test_cli_draws_the_timeline(program, tmp_path):
 
 def test_hostile_collect_requests_are_refused_and_servers_keep_serving(session, program):
     chain, (a, _) = program
-    ask = rpc.method(session._stubs(a.addresses[0])[2], rpc.WORKER_SERVICE, "Timeline", "unary_unary")
+    ask = rpc.method(session._stubs(a.addresses[0]).channel, rpc.WORKER_SERVICE, "Timeline", "unary_unary")
     oversized = m.pack(["timeline", session.id, session._credential, MAX_EVENTS + 1])
     reply = codec.unpack(ask(oversized, timeout=30))
     assert reply["kind"] == "WireError" and "max_events" in reply["error"]

@@ -148,7 +148,7 @@ def test_a_host_whose_input_is_poisoned_keeps_its_peer_company_in_the_collective
     session.put((good,), h, layout, x)
     header = codec.pack({"t": "put", "handle": h, "layout": layout.to_wire(), "of": 1,
                          "credential": session._credential, "poison": "this part is broken on purpose"})
-    assert "error" not in codec.unpack(session._stubs(bad)[0](iter([header]), timeout=WAIT))
+    assert "error" not in codec.unpack(session._stubs(bad).put(iter([header]), timeout=WAIT))
     program = session.allocate(1)
     session.send(m.DefineProgram(program, ProgramGraph(2, (0,), (Node(fn, (0,), (1,)),), (1,),
                                                        (("float32", x.shape), ("float32", (2, 2)))), "parallel"))

@@ -14,7 +14,7 @@ from pathways.client.array import Array
 from pathways.client.compiled import check_divisible, host_array
 from pathways.client.devices import NamedSharding, VirtualDeviceSet, VirtualMesh, slice_of
 from pathways.client.session import DEFAULT_TIMEOUT, Session
-from pathways.client.timeline import Trace
+from pathways.client.timeline import RecordingBlock
 from pathways.cluster import Island, LocalCluster
 from pathways.defaults import DEFAULT_WINDOW
 from pathways.errors import SignatureError
@@ -119,6 +119,7 @@ class ConnectedCluster(LocalCluster):
         except BaseException:
             self.stop()
             raise
+        self.session.local = True
         set_default_session(self.session)
         return self
 
@@ -168,7 +169,7 @@ def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[S
                             ifrt_port=0 if ifrt else None, restart_workers=restart_workers)
 
 
-def trace(path: str) -> Trace:
+def trace(path: str) -> RecordingBlock:
     """``with pw.trace("run.json"):`` records every run the default session submits in the
     block, on the client, the controller and each worker, with clocks aligned, and writes
     them at its end as Chrome trace-event JSON: open it at ui.perfetto.dev, or draw it

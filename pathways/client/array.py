@@ -85,14 +85,14 @@ class Array:
     def block_until_ready(self, timeout: Optional[float] = None) -> "Array":
         """Wait until computed; raises RemoteError if its computation failed."""
         b = self._live()
-        wait = b.session.timeout if timeout is None else timeout
+        wait = b.session.result_timeout if timeout is None else timeout
         if self._fetch(b, wait, False) is None:
             raise DeadlineExceededError(f"{self._describe()} was not ready after {wait:.0f} s")
         return self
 
     def to_numpy(self, timeout: Optional[float] = None) -> np.ndarray:
         b = self._live()
-        wait = b.session.timeout if timeout is None else timeout
+        wait = b.session.result_timeout if timeout is None else timeout
         value = self._fetch(b, wait, True)
         if value is None:
             raise DeadlineExceededError(f"{self._describe()} was not ready after {wait:.0f} s; "

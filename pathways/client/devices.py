@@ -34,8 +34,16 @@ class VirtualDeviceSet:
         (kind, count), = asked.items()
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise PlacementError(f"{kind}_devices must be a positive integer, got {count!r}")
-        reply = self._session.request(lambda req: m.SliceRequest(
-            req, kind, count, tuple(mesh_shape) if mesh_shape else None, island, exclusive))
+        try:
+            reply = self._session.request(lambda req: m.SliceRequest(
+                req, kind, count, tuple(mesh_shape) if mesh_shape else None, island, exclusive))
+        except PlacementError as e:
+            if not self._session.local:
+                raise
+            # only this process can start the cluster again, larger: the controller cannot know it
+            raise PlacementError(f"{e}. This is a local cluster of CPU workers that this process started: start "
+                                 "it with the devices the program needs, e.g. "
+                                 "pw.local_cluster(islands=[pw.Island(hosts=H, devices_per_host=D)])") from None
         flat = reply.devices
         s = Slice(self._session, reply.slice, kind, count, reply.mesh_shape, reply.island,
                   reply.workers, reply.addresses, tuple(zip(flat[::2], flat[1::2])))

@@ -27,7 +27,7 @@ import warnings
 import weakref
 from collections import deque
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import grpc
 import numpy as np
@@ -35,12 +35,12 @@ import numpy as np
 from pathways import errors
 from pathways.client.array import Array, _Buffer
 from pathways.client.devices import NamedSharding
-from pathways.client.timeline import Recordings, Trace, process_recording
+from pathways.client.timeline import RecordingBlock, Recordings, process_recording
 from pathways.defaults import HEARTBEAT_TIMEOUT
 from pathways.ir import Layout, evenly_divided, host_regions
 from pathways.protocol import messages as m
 from pathways.protocol.errors import error_of, kind_of
-from pathways.protocol.handles import COUNTER_MASK, first_handle
+from pathways.protocol.handles import COUNTER_MASK, discard, first_handle
 from pathways.timeline import Recorder, now
 from pathways.wire import codec, rpc
 from pathways.wire.security import Security
@@ -64,19 +64,33 @@ _CONNECT_ADVICE = (f"{rpc.START_ADVICE}, or call pw.connect() with no address (a
                    "to start an embedded one")
 
 
-class Session:
-    """``security``: the token and CA this session reaches the controller and the workers
-    with (none by default)."""
+class WorkerStubs(NamedTuple):
+    """The calls this session makes to one worker, over one channel."""
 
-    def __init__(self, address: str, timeout: float = 30.0, owned_cluster: Any = None, weight: float = 1.0,
+    put: Any  # Put, stream-unary: an array's pieces in chunks
+    fetch: Any  # Fetch, unary-stream
+    channel: grpc.Channel
+    put_one: Any  # PutOne, unary-unary: a small array in one message
+
+
+class Session:
+    """``connect_timeout``: seconds to wait for the controller to answer and greet the
+    session (``result_timeout`` is another: how long a put or a wait for an array may take
+    by default). ``security``: the token and CA this session reaches the controller and the
+    workers with (none by default)."""
+
+    def __init__(self, address: str, connect_timeout: float = 30.0, owned_cluster: Any = None, weight: float = 1.0,
                  security: Security | None = None) -> None:
         if not 0 < weight <= 1e6:
             raise ValueError(f"a session's weight must be in (0, 1e6], got {weight!r}")
         self.address = address
-        self.timeout = DEFAULT_TIMEOUT
+        self.result_timeout = DEFAULT_TIMEOUT  # how long a put, or a wait for an array, may take by default
         self.security = security or Security()
         self.poisoned: dict[int, tuple[type[errors.PathwaysError], str]] = {}
         self._owned_cluster = owned_cluster
+        # a local cluster this process started (the embedded one, or pw.local_cluster's):
+        # errors may then advise starting it differently
+        self.local = owned_cluster is not None
         # timelines (client/timeline.py): while ``traced``, runs are marked traced and the
         # client's own steps go to ``recorder``
         self.traced = False
@@ -85,7 +99,7 @@ class Session:
         self._process_recording = None  # PATHWAYS_TRACE's, once the controller has welcomed this session
         self._channel = rpc.open_channel(address, self.security)
         try:
-            rpc.wait_ready(self._channel, address, timeout, advice=_CONNECT_ADVICE, security=self.security)
+            rpc.wait_ready(self._channel, address, connect_timeout, advice=_CONNECT_ADVICE, security=self.security)
         except BaseException:
             self._channel.close()
             raise
@@ -96,7 +110,7 @@ class Session:
         self._req_ids = itertools.count(1)
         self._dead: Optional[str] = None
         self._dead_error: type[errors.ConnectError] = errors.ConnectError
-        self._workers: dict[str, tuple[Any, Any, grpc.Channel]] = {}
+        self._workers: dict[str, WorkerStubs] = {}
         self.moves = 0  # SliceMoved messages applied (PutNotice.moves)
         # the client Slice objects by id, so that SliceMoved updates them in place
         self.slices: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
@@ -114,7 +128,7 @@ class Session:
         self._counter_lock = threading.Lock()
         self._outbox.put(m.Hello(m.PROTOCOL_VERSION, weight))
         try:
-            welcome = self._result(self._welcome, timeout, "greet the client")
+            welcome = self._result(self._welcome, connect_timeout, "greet the client")
         except BaseException:
             self.close()
             raise
@@ -125,10 +139,10 @@ class Session:
         if self._process_recording is not None:
             self.recordings.start(self._process_recording)
 
-    def trace(self, path: str) -> Trace:
+    def trace(self, path: str) -> RecordingBlock:
         """``with session.trace("run.json"):`` records every run this session submits in
         the block, on every process it touches, into a timeline file (``pw.trace``)."""
-        return Trace(self.recordings, path)
+        return RecordingBlock(self.recordings, path)
 
     # ---- control plane ---------------------------------------------------------------
 
@@ -319,14 +333,13 @@ class Session:
 
     # ---- data plane ------------------------------------------------------------------
 
-    def _stubs(self, address: str) -> tuple[Any, Any, grpc.Channel, Any]:
-        """A worker's (Put, Fetch, channel, PutOne)."""
+    def _stubs(self, address: str) -> WorkerStubs:
         stubs = self._workers.get(address)
         if stubs is None:
             channel = rpc.open_channel(address, self.security, caller_reads_streams=True)
-            stubs = (rpc.method(channel, rpc.WORKER_SERVICE, "Put", "stream_unary"),
-                     rpc.method(channel, rpc.WORKER_SERVICE, "Fetch", "unary_stream"), channel,
-                     rpc.method(channel, rpc.WORKER_SERVICE, "PutOne", "unary_unary"))
+            stubs = WorkerStubs(rpc.method(channel, rpc.WORKER_SERVICE, "Put", "stream_unary"),
+                                rpc.method(channel, rpc.WORKER_SERVICE, "Fetch", "unary_stream"), channel,
+                                rpc.method(channel, rpc.WORKER_SERVICE, "PutOne", "unary_unary"))
             self._workers[address] = stubs
         return stubs
 
@@ -363,9 +376,9 @@ class Session:
             stubs = self._stubs(address)
             if sum(a.nbytes for _, a in pieces) <= _PUT_ONE_BYTES:
                 request = codec.pack([header, *codec.pieces_chunks(pieces)])
-                future = stubs[3].future(request, timeout=self.timeout)
+                future = stubs.put_one.future(request, timeout=self.result_timeout)
             else:
-                future = stubs[0].future(_chunks(header, pieces), timeout=self.timeout)
+                future = stubs.put.future(_chunks(header, pieces), timeout=self.result_timeout)
             future.add_done_callback(lambda f, address=address: self._put_done(f, address, handle))
         self.send(m.PutNotice(handle, layout, moves))
         if self.traced:
@@ -431,7 +444,7 @@ class Session:
         request = m.pack(m.FetchRequest(handle, wait, data, self._credential).encode())
         call = None
         try:
-            call = self._stubs(address)[1](request, timeout=wait + 30.0)
+            call = self._stubs(address).fetch(request, timeout=wait + 30.0)
             with self._fetches_lock:
                 self._fetches.setdefault(handle, set()).add(call)
             if handle in self.poisoned or self._dead is not None:
@@ -470,11 +483,7 @@ class Session:
         finally:
             if call is not None:
                 with self._fetches_lock:
-                    calls = self._fetches.get(handle)
-                    if calls is not None:
-                        calls.discard(call)
-                        if not calls:
-                            del self._fetches[handle]
+                    discard(self._fetches, handle, call)
 
     def _cancel_fetches(self, handles: Optional[tuple[int, ...]]) -> None:
         """Cancel the fetches in flight for ``handles`` (all of them with None): whoever
@@ -505,8 +514,8 @@ class Session:
         self._outbox.close()
         self._responses.cancel()
         self._channel.close()
-        for _, _, channel, _ in self._workers.values():
-            channel.close()
+        for stubs in self._workers.values():
+            stubs.channel.close()
         if self._owned_cluster is not None:
             self._owned_cluster.stop()
 

@@ -136,7 +136,7 @@ def collect(session: "Session") -> list[Process]:
 
 
 def _worker(session: "Session", address: str) -> Process:
-    ask = rpc.method(session._stubs(address)[2], rpc.WORKER_SERVICE, "Timeline", "unary_unary")
+    ask = rpc.method(session._stubs(address).channel, rpc.WORKER_SERVICE, "Timeline", "unary_unary")
     clock = Clock()
     reply = None
     for max_events in (*[0] * _PINGS, MAX_EVENTS):
@@ -155,14 +155,14 @@ def _worker(session: "Session", address: str) -> Process:
     return Process(f"worker {address} (pid {reply.pid})", reply.pid, list(reply.events), clock, reply.dropped)
 
 
-class Trace:
+class RecordingBlock:
     """A context manager recording a session's runs into ``path`` (``Session.trace``)."""
 
     def __init__(self, recordings: Recordings, path: str) -> None:
         self._recordings = recordings
         self._recording = Recording(path)
 
-    def __enter__(self) -> "Trace":
+    def __enter__(self) -> "RecordingBlock":
         self._recordings.start(self._recording)
         return self
 

@@ -25,12 +25,12 @@ from typing import Any, Callable, Iterable, Union
 
 from pathways.controller.dispatch import Dispatch, Dispatcher, coalesce
 from pathways.controller.handles import HandleTable
+from pathways.controller.islands import Health, IslandRecord, Islands
 from pathways.controller.lowering import FnLayouts
-from pathways.controller.islands import Island
-from pathways.controller.membership import MAX_WORKERS, Membership, Outbox, WorkerConn
+from pathways.controller.membership import MAX_WORKERS, Membership, MessageSink, WorkerConn
 from pathways.controller.placement import ResourceManager, SlicePlacement
 from pathways.controller.programs import RunFailure, SessionPrograms, XlaCompile
-from pathways.controller.scheduler import DEFAULT_WINDOW, Run, Scheduler
+from pathways.controller.scheduler import DEFAULT_WINDOW, ScheduledRun, Scheduler
 from pathways.controller.status import status
 from pathways.controller.suspension import DRAINING, OFFLOADING, RESUMING, SUSPENDED, Remap, Suspension
 from pathways.controller.transfers import plan
@@ -47,18 +47,18 @@ log = logging.getLogger("pathways.controller")
 # as unhealthy); beyond it the oldest loss is forgotten.
 MAX_LOST_ISLANDS = 64
 
-__all__ = ["ControllerCore", "WorkerConn", "Outbox", "Retirement"]
+__all__ = ["ControllerCore", "WorkerConn", "MessageSink", "Retirement"]
 
 
 @dataclass
 class SessionState:
-    outbox: Outbox
+    outbox: MessageSink
     credential: bytes  # the secret workers ask of this session's puts and fetches
     slices: set[int] = field(default_factory=set)
     handles: HandleTable = field(default_factory=HandleTable)
     programs: SessionPrograms = field(default_factory=SessionPrograms)
     traced_workers: set[int] = field(default_factory=set)  # workers that ran its traced runs
-    tail: Run | None = None  # the latest run submitted to the scheduler, which may take on the next
+    tail: ScheduledRun | None = None  # the latest run submitted to the scheduler, which may take on the next
     suspension: Suspension | None = None  # from its Suspend request until it has resumed
     moved: list[frozenset[int]] = field(default_factory=list)  # the workers each SliceMoved sent it named
     released: dict[int, str] = field(default_factory=dict)  # slice -> why: its island was retired or forgotten
@@ -70,7 +70,7 @@ class Retirement:
     runs drain; ``done()`` is called once they have (``drained``)."""
 
     id: int
-    island: Island
+    island: IslandRecord
     host: WorkerConn | None
     done: Callable[[], None]
     drained: bool = False
@@ -79,15 +79,10 @@ class Retirement:
         return self.host.describe() if self.host is not None else f"island {self.island.describe()}"
 
 
-def _state(island: Island) -> str:
-    """An island's state as status shows it."""
-    return "lost" if island.lost else "healing" if island.healing else "assembling" if island.assembling \
-        else "healthy"
-
-
 class ControllerCore:
     def __init__(self, policy: str = "fair", window: int = DEFAULT_WINDOW) -> None:
-        self.rm = ResourceManager()
+        self.islands = Islands()  # the one owner of island health
+        self.rm = ResourceManager(self.islands)
         self.scheduler = Scheduler(policy, window)
         self.membership = Membership(self.rm)
         self.dispatcher = Dispatcher(self.scheduler, self.membership)
@@ -134,8 +129,8 @@ class ControllerCore:
                 # older than the newest it heard of as closed (worker/sessions.py)
                 for sid in sorted(self.sessions):
                     conn.outbox.put(m.SessionOpen(sid, m.digest(self.sessions[sid].credential)))
-                island = self.membership.islands.by_id[conn.island]
-                if island.healing and island.assembled:
+                island = self.islands.by_id[conn.island]
+                if island.health is Health.HEALING and island.assembled:
                     self._healed(island.id)
         elif kind is m.Measured:
             self.membership.measured(conn, msg)
@@ -174,12 +169,10 @@ class ControllerCore:
     def _lose_host(self, conn: WorkerConn, why: str) -> None:
         """``conn``'s island lost it (``why``: how): see ``worker_lost``."""
         island = conn.island
-        name = self.membership.islands.by_id[island].describe()
+        name = self.islands.by_id[island].describe()
         lost_worker = f"{conn.describe()} was lost: {why}"
         log.warning("%s", lost_worker)
-        self.membership.lost.setdefault(island, lost_worker)
-        lost = self.rm.lose_island(island) | {conn.worker}
-        self.membership.lose_island(island)
+        lost = self.membership.lose_island(island, lost_worker) | {conn.worker}
         message = (f"{lost_worker}; arrays and computations on island {name} are gone. The island heals once a "
                    "host replaces the lost one (a worker started with the same --island; its other hosts rejoin "
                    "on their own), and its slices and compiled functions then work again; meanwhile use a "
@@ -231,11 +224,10 @@ class ControllerCore:
         """Every host of a lost island has joined again, as new processes under the worker
         ids of the ranks they took: each session's slices there are valid again, at new
         addresses (SliceMoved), and its functions there compile again on the new hosts."""
-        self.membership.islands.by_id[island].healing = False
-        self.membership.lost.pop(island, None)
+        self.islands.healed(island)
         hosts = {w for w, c in self.workers.items() if c.island == island}
         log.info("island %s healed: worker(s) %s joined it again",
-                 self.membership.islands.by_id[island].describe(), sorted(hosts))
+                 self.islands.by_id[island].describe(), sorted(hosts))
         for s in self.sessions.values():
             for slice_id in sorted(s.slices):
                 p = self.rm.slices.get(slice_id)
@@ -264,7 +256,7 @@ class ControllerCore:
         came or its wait ran out, or ``abandon_retirement`` when the operator gave up.
         Raises PathwaysError saying what is wrong: no such island or worker, or it is
         being retired already."""
-        islands = self.membership.islands
+        islands = self.islands
         conn = None
         if worker is not None:
             conn = self.workers.get(worker)
@@ -280,13 +272,13 @@ class ControllerCore:
                 known = ", ".join(repr(i.name) for i in islands.by_id.values()) or "none"
                 raise PathwaysError(f"no island is named {island!r} (the islands: {known}); "
                                     "`python -m pathways status` lists them")
-        if target.id in self.rm.retiring:
+        if target.retiring:
             raise PathwaysError(f"island {target.describe()} is being retired already: another retire request is "
                                 "draining it")
         whole = conn is None or target.hosts == 1  # the only host of its island takes the island with it
         r = Retirement(next(self._retirement_ids), target, None if whole else conn, done)
         self._retirements[r.id] = r
-        self.rm.retiring.add(target.id)
+        self.islands.set_retiring(target.id, True)
         log.info("retiring %s: it takes no new slices; waiting for its %d queued and %d in-flight run(s)",
                  r.describe(), self.scheduler.queued(target.id), self.scheduler.inflight(target.id))
         self._check_retiring()
@@ -304,11 +296,11 @@ class ControllerCore:
         island = r.island
         report: dict[str, Any] = {"island": island.name, "id": island.id, "worker": None, "hosts": [],
                                   "runs_cut": self.scheduler.queued(island.id) + self.scheduler.inflight(island.id),
-                                  "slices_released": 0, "sessions": [], "was": _state(island)}
-        if self.membership.islands.by_id.get(island.id) is not island:  # forgotten meanwhile, as a lost island
+                                  "slices_released": 0, "sessions": [], "was": island.health.value}
+        if self.islands.by_id.get(island.id) is not island:  # forgotten meanwhile, as a lost island
             report["was"] = "forgotten"
             return report
-        self.rm.retiring.discard(island.id)
+        self.islands.set_retiring(island.id, False)
         if r.host is not None:
             conn = r.host
             report["worker"] = conn.worker
@@ -323,7 +315,7 @@ class ControllerCore:
             return report
         name = island.describe()
         message = (f"island {name} was retired by the operator (`pathways retire`): "
-                   + ("it had lost a host, and is forgotten" if island.lost else "its hosts were shut down")
+                   + ("it had lost a host, and is forgotten" if island.health is Health.LOST else "its hosts were shut down")
                    + "; its arrays and computations are gone and its slices released. Ask for a slice on "
                      "another island (`python -m pathways status` lists them)")
         hosts = {w for w, c in self.workers.items() if c.island == island.id}
@@ -341,8 +333,8 @@ class ControllerCore:
     def abandon_retirement(self, r: Retirement) -> None:
         """The operator gave up waiting: the island takes slices again."""
         if self._retirements.pop(r.id, None) is not None:
-            if self.membership.islands.by_id.get(r.island.id) is r.island:
-                self.rm.retiring.discard(r.island.id)
+            if self.islands.by_id.get(r.island.id) is r.island:
+                self.islands.set_retiring(r.island.id, False)
             log.info("retiring %s abandoned: it takes slices again", r.describe())
 
     def _check_retiring(self) -> None:
@@ -361,7 +353,7 @@ class ControllerCore:
         """Forget an island whose workers are removed: release its slices (their sessions
         are told ``message`` when they use them, as when they run a function or put an
         array on its former hosts), and free its name. Returns the slices released."""
-        isl = self.membership.islands.by_id[island]
+        isl = self.islands.by_id[island]
         placements = self.rm.forget_island(island)
         former = {*isl.members.values(), *isl.former.values(), *(w for p in placements for w in p.workers)}
         for w in former:
@@ -373,22 +365,21 @@ class ControllerCore:
             if s is not None and p.slice_id in s.slices:
                 s.slices.discard(p.slice_id)
                 s.released[p.slice_id] = message
-        self.membership.forget_island(island)
+        self.islands.forget(island)
         return len(placements)
 
     def _forget_old_losses(self) -> None:
         """Keep at most MAX_LOST_ISLANDS lost islands that no host has rejoined: forget the
         oldest losses beyond it, so that hosts that come and go for good (one-host islands
         of their own, say) do not pile up in status."""
-        by_id = self.membership.islands.by_id
-        empty = [i for i in self.membership.lost if by_id[i].lost and i not in self.rm.retiring]
-        for i in empty[:max(0, len(empty) - MAX_LOST_ISLANDS)]:
-            name = by_id[i].describe()
-            message = (f"island {name} was lost ({self.membership.lost[i]}) and is forgotten: the controller "
-                       f"remembers at most {MAX_LOST_ISLANDS} lost islands that no host has rejoined, and this was "
-                       "the oldest; its slices were released. Ask for a slice on a healthy island")
-            log.warning("forgetting island %s, lost the longest of %d lost islands (at most %d are kept)", name,
-                        len(empty), MAX_LOST_ISLANDS)
+        for i in self.islands.long_lost(MAX_LOST_ISLANDS):
+            island = self.islands.by_id[i]
+            name = island.describe()
+            message = (f"island {name} was lost ({island.lost_by}) and is forgotten: the controller remembers at "
+                       f"most {MAX_LOST_ISLANDS} lost islands that no host has rejoined, and this was the oldest; "
+                       "its slices were released. Ask for a slice on a healthy island")
+            log.warning("forgetting island %s, lost the longest (at most %d lost islands are kept)", name,
+                        MAX_LOST_ISLANDS)
             self._forget_island(i, message)
 
     def _why_gone(self, workers: Iterable[int]) -> str | None:
@@ -397,7 +388,7 @@ class ControllerCore:
 
     # ---- sessions --------------------------------------------------------------------
 
-    def session_opened(self, sid: int, outbox: Outbox) -> None:
+    def session_opened(self, sid: int, outbox: MessageSink) -> None:
         """A client connected as session ``sid`` (ids increase): draw its credential and
         tell every worker its digest before the client learns it in the welcome, so that
         its puts seldom wait for it (they travel on other connections, so they still may)."""
@@ -591,9 +582,11 @@ class ControllerCore:
             return
         gone = self.membership.gone(msg.layout.workers)
         if gone:
-            why = self._why_gone(gone)
-            self._poison(sid, [handle], LOST, f"the array was put on worker(s) {gone}, which are gone"
-                                              + (f": {why}" if why else "; put it on a slice of a healthy island"))
+            why = self._why_gone(gone) or (
+                f"{self.membership.healing(gone)}. The array is lost (its bytes went to hosts that left); once "
+                "the island has healed (`python -m pathways status` shows it healthy) its slices work again, and "
+                "putting it again, or calling again, works")
+            self._poison(sid, [handle], LOST, f"the array was put on worker(s) {gone}, which are gone: {why}")
             return
         s.handles.live[handle] = msg.layout
 
@@ -631,7 +624,8 @@ class ControllerCore:
         if msg.traced:
             began = now()
         try:
-            key, lowered = s.programs.lowered(msg.program, args, s.handles, self.membership.unavailable)
+            key, lowered = s.programs.lowered(msg.program, args, s.handles, self.membership.unavailable,
+                                              self.membership.healing)
         except RunFailure as e:
             self._poison(sid, outputs.values(), e.kind, self._run_failure(s, graph, e))
             return
@@ -652,7 +646,7 @@ class ControllerCore:
                 d.since = now()
             return  # it goes out with the queued run before it, when that is released
         islands = frozenset(self.workers[w].island for w in lowered.workers)
-        s.tail = self.scheduler.submit(Run(sid, islands, key, d))
+        s.tail = self.scheduler.submit(ScheduledRun(sid, islands, key, d))
         if msg.traced:
             RECORDER.span("schedule", began, base)
             d.since = now()
@@ -901,7 +895,7 @@ class ControllerCore:
         for run in self.dispatcher.release():
             self._reads_done(run)
 
-    def _reads_done(self, run: Run) -> None:
+    def _reads_done(self, run: ScheduledRun) -> None:
         """A run left the queue (dispatched or dropped): deletes it held back can go now."""
         s = self.sessions.get(run.session)
         if s is not None:

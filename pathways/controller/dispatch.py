@@ -23,7 +23,7 @@ from typing import Iterator
 
 from pathways.controller.lowering import Lowered
 from pathways.controller.membership import Membership, WorkerConn
-from pathways.controller.scheduler import Run, Scheduler
+from pathways.controller.scheduler import ScheduledRun, Scheduler
 from pathways.protocol import messages as m
 from pathways.timeline import RECORDER, now
 
@@ -59,7 +59,7 @@ class Dispatch:
         return [self, *self.joined] if self.joined else [self]
 
 
-def coalesce(scheduler: Scheduler, tail: Run | None, d: Dispatch) -> bool:
+def coalesce(scheduler: Scheduler, tail: ScheduledRun | None, d: Dispatch) -> bool:
     """Have ``tail``, the session's latest submitted run, take ``d`` (the session's next
     run) on, where both can go out together: ``tail`` is still queued, neither waits at
     gates (sequential dispatch), both run on the same workers, and the group stays within
@@ -87,7 +87,7 @@ class Dispatcher:
         self.scheduler = scheduler
         self.membership = membership
 
-    def release(self) -> Iterator[Run]:
+    def release(self) -> Iterator[ScheduledRun]:
         """Send whatever the scheduler releases, in its order, to every worker involved;
         yields each run sent."""
         workers = self.membership.workers
@@ -156,7 +156,7 @@ class Dispatcher:
                     go.setdefault(w, []).append(succ)
         self._send_go(run_id, go)
 
-    def release_all(self, run: Run, lost: set[int]) -> None:
+    def release_all(self, run: ScheduledRun, lost: set[int]) -> None:
         """A cancelled sequential run: let the surviving workers through its gates (their
         inputs are poisoned, so what they compute is too) instead of waiting forever."""
         gates = run.payload.lowered.gates

@@ -7,14 +7,14 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from pathways.ir import Layout
+from pathways.protocol.handles import HeldReleases
 
 
 @dataclass
 class HandleTable:
     live: dict[int, Layout] = field(default_factory=dict)  # handle -> where it lives
     poisoned: dict[int, tuple[str, str]] = field(default_factory=dict)  # handle -> (kind, message)
-    _queued_reads: dict[int, int] = field(default_factory=dict)  # handle -> queued runs reading it
-    _deferred: dict[int, Layout] = field(default_factory=dict)  # deleted while still to be read
+    _reads: HeldReleases[Layout] = field(default_factory=HeldReleases)  # queued runs reading each handle
 
     def poison(self, handles: Iterable[int], kind: str, message: str) -> None:
         for h in handles:
@@ -27,30 +27,16 @@ class HandleTable:
         for h in handles:
             self.poisoned.pop(h, None)
             layout = self.live.pop(h, None)
-            if layout is None:
-                continue
-            if self._queued_reads.get(h):
-                self._deferred[h] = layout
-            else:
+            if layout is not None and self._reads.release(h, layout):
                 doomed[h] = layout
         return doomed
 
     def reads_queued(self, handles: Iterable[int]) -> None:
-        for h in handles:
-            self._queued_reads[h] = self._queued_reads.get(h, 0) + 1
+        self._reads.reading(handles)
 
     def reads_done(self, handles: Iterable[int]) -> dict[int, Layout]:
         """A run reading ``handles`` left the queue; returns the deletes it held back."""
-        ready: dict[int, Layout] = {}
-        for h in handles:
-            left = self._queued_reads.get(h, 0) - 1
-            if left > 0:
-                self._queued_reads[h] = left
-                continue
-            self._queued_reads.pop(h, None)
-            if h in self._deferred:
-                ready[h] = self._deferred.pop(h)
-        return ready
+        return self._reads.read_done(handles)
 
     def on_workers(self, workers: set[int]) -> list[int]:
         """The live handles with a buffer on any of ``workers``."""

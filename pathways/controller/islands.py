@@ -23,10 +23,19 @@ worker id its former holder had, so that the slices placed there stay valid (onl
 hosts' addresses change, see core.py). An island the operator retired, or one lost long
 ago (the controller remembers a bounded number), is forgotten: a worker that names it later
 starts a new island of that name.
+
+The registry is the one owner of an island's health (``Health``) and of whether the
+operator is retiring it (``retiring``): placement, status and the core read
+``IslandRecord.health`` and ``retiring`` and nothing else; only ``join``, ``lose`` and
+``healed`` change its health, and only ``set_retiring`` its retirement. Only a *healthy*
+island runs anything, and only a healthy one that is not being retired takes slices
+(``takes_slices``).
 """
 
 from __future__ import annotations
 
+import enum
+import itertools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -37,24 +46,41 @@ class Refused(Exception):
     """A registration the controller refuses; the message says what to fix."""
 
 
+class Health(enum.Enum):
+    ASSEMBLING = "assembling"  # its hosts have not all joined yet, for the first time
+    HEALTHY = "healthy"  # all its hosts joined: it runs and takes slices
+    LOST = "lost"  # a host was lost: the others were told to restart, none has joined again yet
+    HEALING = "healing"  # its hosts are joining again after a loss; healthy once the core says healed
+
+
 @dataclass
-class Island:
+class IslandRecord:
+    """The controller's record of one island: who joined it at which rank, and its health."""
+
     id: int
     name: str
     hosts: int  # hosts it has once assembled
     members: dict[int, int] = field(default_factory=dict)  # rank -> worker
     coordinator: str = ""  # HOST:PORT rank 0 reserved, once rank 0 joined (islands of several hosts)
-    lost: bool = False
     former: dict[int, int] = field(default_factory=dict)  # rank -> worker id, kept from before a loss
-    healing: bool = False  # assembling again after a loss: once assembled, sessions' slices there follow
+    health: Health = Health.ASSEMBLING
+    lost_by: Optional[str] = None  # which host was lost and how: from a loss until the island heals
+    retiring: bool = False  # an operator's `pathways retire` drains it: it takes no new slices
+    lost_seq: int = 0  # orders losses, so that the oldest lost islands are forgotten first
 
     @property
     def assembled(self) -> bool:
-        return not self.lost and len(self.members) == self.hosts
+        """All its hosts have joined (a healing island may be assembled and not yet healed)."""
+        return self.health is not Health.LOST and len(self.members) == self.hosts
 
     @property
     def assembling(self) -> bool:
-        return not self.lost and len(self.members) < self.hosts
+        """Some of its hosts have joined and others not yet (first assembly or healing)."""
+        return self.health is not Health.LOST and len(self.members) < self.hosts
+
+    @property
+    def healthy(self) -> bool:
+        return self.health is Health.HEALTHY
 
     def describe(self) -> str:
         return repr(self.name) if self.name == str(self.id) else f"{self.name!r} (id {self.id})"
@@ -62,11 +88,12 @@ class Island:
 
 class Islands:
     def __init__(self) -> None:
-        self.by_id: dict[int, Island] = {}
+        self.by_id: dict[int, IslandRecord] = {}
         self._named: dict[str, int] = {}  # name -> id of the island the name stands for now
+        self._losses = itertools.count(1)
 
     def join(self, fresh: int, name: str, hosts: int, rank: Optional[int], coordinator: str,
-             who: str = "") -> tuple[Island, int, int, list[tuple[int, int]]]:
+             who: str = "") -> tuple[IslandRecord, int, int, list[tuple[int, int]]]:
         """Place a worker in island ``name`` of ``hosts`` hosts, at ``rank`` (None: the
         lowest free one), as worker ``fresh``, or as the worker that held the rank before
         the island was lost. Returns the island, the worker id, the rank, and the (worker,
@@ -99,24 +126,42 @@ class Islands:
                           f"(free: {free}), or leave --rank out to have ranks given in order of arrival")
         self._named[name] = island.id
         self.by_id[island.id] = island
-        if island.lost:  # the first host of a healing island
-            island.lost, island.healing, island.coordinator = False, True, ""
+        if island.health is Health.LOST:  # the first host of a healing island
+            island.health, island.coordinator = Health.HEALING, ""
         worker = island.former.pop(rank, fresh)
         island.members[rank] = worker
+        if island.health is Health.ASSEMBLING and island.assembled:
+            island.health = Health.HEALTHY
         if rank == 0:
             island.coordinator = coordinator
             return island, worker, rank, [(w, r) for r, w in sorted(island.members.items())]
         return island, worker, rank, [(worker, rank)] if 0 in island.members else []
 
-    def lose(self, island_id: int) -> None:
-        """A host of the island was lost: the island is lost until its hosts join again
-        (its surviving hosts are told to restart and rejoin)."""
+    def lose(self, island_id: int, why: str) -> None:
+        """A host of the island was lost (``why``: which, and how): the island is lost
+        until its hosts join again (its surviving hosts are told to restart and rejoin).
+        A loss while it heals keeps the first loss's ``why``."""
         island = self.by_id.get(island_id)
-        if island is not None and not island.lost:
-            island.lost, island.healing = True, False
+        if island is not None and island.health is not Health.LOST:
+            island.health = Health.LOST
+            island.lost_by = island.lost_by or why
+            island.lost_seq = next(self._losses)
             island.former.update(island.members)
             island.members.clear()
             island.coordinator = ""
+
+    def healed(self, island_id: int) -> None:
+        """Every host of a healing island joined again and the core made its slices follow
+        them: the island is healthy."""
+        island = self.by_id[island_id]
+        island.health, island.lost_by = Health.HEALTHY, None
+
+    def set_retiring(self, island_id: int, retiring: bool) -> None:
+        """The operator began retiring the island (it drains, then is forgotten), or gave
+        up before it was: it takes slices again once healthy."""
+        island = self.by_id.get(island_id)
+        if island is not None:
+            island.retiring = retiring
 
     def forget(self, island_id: int) -> None:
         """The island was retired, or lost long ago: it is no more, and its name (and id) may
@@ -125,20 +170,42 @@ class Islands:
         if island is not None and self._named.get(island.name) == island_id:
             del self._named[island.name]
 
-    def find(self, name: str) -> Optional[Island]:
+    def find(self, name: str) -> Optional[IslandRecord]:
         """The island ``name`` stands for now, if any."""
         current = self._named.get(name)
         return self.by_id.get(current) if current is not None else None
 
-    def assembling(self) -> set[int]:
-        return {i for i, island in self.by_id.items() if island.assembling}
+    def long_lost(self, keep: int) -> list[int]:
+        """The lost islands no host has joined again, and no operator is retiring, beyond the
+        ``keep`` lost most recently: the oldest loss first."""
+        lost = sorted((i for i in self.by_id.values() if i.health is Health.LOST and not i.retiring),
+                      key=lambda i: i.lost_seq)
+        return [i.id for i in lost[:max(0, len(lost) - keep)]]
 
-    def _island(self, name: str, hosts: int) -> Island:
+    def healthy(self, island_id: int) -> bool:
+        """Whether the island runs now (``takes_slices``: whether it also takes new slices)."""
+        island = self.by_id.get(island_id)
+        return island is not None and island.healthy
+
+    def takes_slices(self, island_id: int) -> bool:
+        """Whether placement may put new slices on the island now: healthy, not being retired."""
+        island = self.by_id.get(island_id)
+        return island is not None and island.healthy and not island.retiring
+
+    def unhealthy(self) -> dict[Health, list[int]]:
+        """The ids of the islands that are not healthy, by health (for explanations)."""
+        states: dict[Health, list[int]] = {}
+        for i, island in sorted(self.by_id.items()):
+            if not island.healthy:
+                states.setdefault(island.health, []).append(i)
+        return states
+
+    def _island(self, name: str, hosts: int) -> IslandRecord:
         """The island ``name`` stands for now, or a new one (not recorded until a host joins)."""
         current = self._named.get(name)
         if current is not None:
             return self.by_id[current]
-        return Island(self._free_id(name), name, hosts)
+        return IslandRecord(self._free_id(name), name, hosts)
 
     def _free_id(self, name: str) -> int:
         if name.isdecimal() and str(int(name)) == name and int(name) <= MAX_ISLAND and int(name) not in self.by_id:

@@ -3,7 +3,8 @@
 Workers register on their stream (framed TCP) and join their island (islands.py assigns
 ranks and the island's coordinator; a registration that does not fit is refused with a
 Shutdown that says what to fix), get an id and the data-plane address of every peer; the
-resource manager learns their devices, and keeps slices off islands still assembling. A
+resource manager learns their devices, and keeps slices off islands that are not healthy
+(the islands registry owns their health). A
 lost worker takes its island with it until the island heals (islands.py; what that means
 for runs, arrays and slices is the core's business, see core.py). Workers also
 report what they measured about themselves (FLOP/s, memory, their links to each other);
@@ -18,7 +19,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
 
-from pathways.controller.islands import Islands, Refused
+from pathways.controller.islands import Refused
 from pathways.controller.placement import ResourceManager
 from pathways.protocol import messages as m
 
@@ -27,7 +28,9 @@ log = logging.getLogger("pathways.controller")
 MAX_WORKERS = 4096  # attached at once; bounds the peers list and status
 
 
-class Outbox(Protocol):
+class MessageSink(Protocol):
+    """Where messages to one worker or session go (a stream's outbox, or a test's list)."""
+
     def put(self, message: m.Message) -> None: ...
 
 
@@ -36,7 +39,7 @@ class WorkerConn:
     """One worker stream; ``worker`` is -1 until it registers, and ``island`` (an id) and
     ``rank`` are what the controller assigned it."""
 
-    outbox: Outbox
+    outbox: MessageSink
     worker: int = -1
     info: m.Register | None = None
     island: int = -1
@@ -69,13 +72,12 @@ class Measurement:
 class Membership:
     def __init__(self, rm: ResourceManager) -> None:
         self.rm = rm
+        self.islands = rm.islands
         self.workers: dict[int, WorkerConn] = {}
         self.links: dict[tuple[int, int], tuple[float, float]] = {}  # (src, dst) -> (latency s, bytes/s)
         self._measurements: dict[int, Measurement] = {}
         self._measurement_ids = itertools.count(1)
         self._next_worker = 0
-        self.islands = Islands()
-        self.lost: dict[int, str] = {}  # island -> how it was lost: which worker, and why
 
     def register(self, conn: WorkerConn, msg: m.Register, copies: int = 0) -> bool:
         """Admit a worker to its island (see islands.py), or refuse it with a Shutdown that
@@ -101,7 +103,6 @@ class Membership:
         conn.worker, conn.info, conn.island, conn.rank = worker, msg, island.id, rank
         self.workers[worker] = conn
         self.rm.add_host(worker, island.id, msg.kind, msg.devices, msg.memory_bytes, rank)
-        self.rm.assembling = self.islands.assembling()
         for w, r in welcome:
             self.workers[w].outbox.put(m.WorkerWelcome(w, island.id, r, island.coordinator, copies))
         # the newcomer learns every peer; the others learn only the newcomer (peers add up on
@@ -116,16 +117,11 @@ class Membership:
                  island.hosts)
         return True
 
-    def lose_island(self, island: int) -> None:
-        """The island lost a host: it is gone (the core removes its workers)."""
-        self.islands.lose(island)
-        self.rm.assembling = self.islands.assembling()
-
-    def forget_island(self, island: int) -> None:
-        """The island was retired, or lost long ago: forget it (the core removed its workers)."""
-        self.islands.forget(island)
-        self.lost.pop(island, None)
-        self.rm.assembling = self.islands.assembling()
+    def lose_island(self, island: int, why: str) -> set[int]:
+        """The island lost a host (``why``: which, and how): it is lost, and the resource
+        manager forgets its hosts, whose worker ids are returned (the core removes them)."""
+        self.islands.lose(island, why)
+        return self.rm.lose_island(island)
 
     def remove(self, worker: int) -> WorkerConn | None:
         """Forget ``worker``: its links, and its turn in any measurement."""
@@ -144,8 +140,18 @@ class Membership:
 
     def unavailable(self, workers: Iterable[int]) -> list[int]:
         """Those of ``workers`` that cannot run anything now: not attached, or on an island
-        that is not whole (a host of a healing island joined again before the others)."""
-        return [w for w in workers if w not in self.workers or not self.islands.by_id[self.workers[w].island].assembled]
+        that is not healthy (a host of a healing island joined again before the others)."""
+        return [w for w in workers if w not in self.workers or not self.islands.healthy(self.workers[w].island)]
+
+    def healing(self, workers: Iterable[int]) -> str:
+        """What became of the islands of ``workers`` (gone, or on an island not yet whole):
+        each island by name, which host it lost and why, and how many hosts joined again."""
+        wanted = set(workers)
+        notes = [f"island {island.describe()} is healing ({island.lost_by or 'it lost a host'}; "
+                 f"{len(island.members)} of its {island.hosts} host(s) have joined it again)"
+                 for island in self.islands.by_id.values()
+                 if not island.healthy and wanted & {*island.former.values(), *island.members.values()}]
+        return "; ".join(notes) or "their island was lost"
 
     # ---- measurements ------------------------------------------------------------------
 

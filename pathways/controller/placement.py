@@ -4,10 +4,11 @@ A slice lives on the devices of one host when it fits on one, and otherwise on s
 hosts of one island (the same number of devices on each, hosts in rank order, so the
 mesh's leading axis spans hosts). Slices may share devices; the manager puts each new
 slice on the least-loaded devices that fit, and ``exclusive`` slices get devices nobody
-else uses. Islands marked unhealthy (a host was lost) get no new slices, nor do islands
-still assembling (not all their hosts have joined) or being retired by the operator. Slices on an island that lost a host
-are kept: they are valid again once the island heals, since its hosts keep their worker
-ids (islands.py).
+else uses. Only healthy islands get new slices: not those still assembling (not all their
+hosts have joined), lost (a host was lost) or healing, nor those an operator is retiring;
+the islands registry (islands.py) says which take slices. Slices on an island that lost a
+host are kept: they are valid again once the island heals, since its hosts keep their
+worker ids.
 
 Measured figures break the ties these rules leave: among hosts that are otherwise equal,
 the faster devices (measured FLOP/s per device; hosts within SPEED_TOLERANCE of each
@@ -24,6 +25,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+from pathways.controller.islands import Health, Islands
 from pathways.errors import PlacementError
 
 SPEED_TOLERANCE = 1.25  # per-device FLOP/s within this factor of a faster host's count as equal
@@ -63,19 +65,16 @@ class SlicePlacement:
 
 
 class ResourceManager:
-    def __init__(self) -> None:
+    def __init__(self, islands: Islands) -> None:
+        self.islands = islands  # whose health says which islands take slices
         self.hosts: dict[int, Host] = {}
         self.slices: dict[int, SlicePlacement] = {}
-        self.unhealthy: set[int] = set()  # islands that lost a host
-        self.assembling: set[int] = set()  # islands whose hosts have not all joined yet
-        self.retiring: set[int] = set()  # islands the operator is retiring: they drain, then are forgotten
         self.latency: dict[tuple[int, int], float] = {}  # measured (from worker, to worker) -> seconds
         self._ids = itertools.count(1)
 
     def add_host(self, worker: int, island: int, kind: str, ndevices: int, memory_bytes: int,
                  rank: int = 0) -> None:
         host = self.hosts[worker] = Host(worker, island, rank, kind, ndevices, memory_bytes)
-        self.unhealthy.discard(island)  # a host joins an island that was lost: it heals (assembling until whole)
         for placement in self.slices.values():  # slices placed there before the island was lost
             if worker in placement.workers:
                 for r, d in placement.devices:
@@ -97,9 +96,8 @@ class ResourceManager:
             self.latency[(src, dst)] = latency
 
     def lose_island(self, island: int) -> set[int]:
-        """A host of ``island`` was lost: mark it unhealthy and forget all its hosts, whose
-        worker ids are returned."""
-        self.unhealthy.add(island)
+        """A host of ``island`` was lost: forget all its hosts, whose worker ids are
+        returned."""
         lost = {w for w, h in self.hosts.items() if h.island == island}
         for w in lost:
             del self.hosts[w]
@@ -107,17 +105,12 @@ class ResourceManager:
         return lost
 
     def forget_island(self, island: int) -> list[SlicePlacement]:
-        """The island was retired (or, lost, forgotten): drop its hosts, their latencies and
-        every mark on it, and release the slices placed there, which are returned."""
+        """The island was retired (or, lost, forgotten): drop its hosts and their latencies
+        (as ``lose_island``), and release the slices placed there, which are returned."""
         gone = [p for p in self.slices.values() if p.island == island]
         for p in gone:
             del self.slices[p.slice_id]
-        hosts = {w for w, h in self.hosts.items() if h.island == island}
-        for w in hosts:
-            del self.hosts[w]
-        self.latency = {pair: t for pair, t in self.latency.items() if not hosts & set(pair)}
-        for marks in (self.unhealthy, self.assembling, self.retiring):
-            marks.discard(island)
+        self.lose_island(island)
         return gone
 
     def place(self, count: int, kind: str, mesh_shape: Optional[tuple[int, ...]] = None,
@@ -131,8 +124,7 @@ class ResourceManager:
         if math.prod(mesh_shape) != count:
             raise PlacementError(f"mesh_shape {mesh_shape} has {math.prod(mesh_shape)} devices, "
                                  f"but the slice asks for {count}; make their product equal")
-        candidates = [h for h in self.hosts.values() if h.kind == kind and h.island not in self.unhealthy
-                      and h.island not in self.assembling and h.island not in self.retiring
+        candidates = [h for h in self.hosts.values() if h.kind == kind and self.islands.takes_slices(h.island)
                       and (island is None or h.island == island)]
         slowness = _slowness(candidates)
         best = self._best_on_one_host(candidates, count, exclusive, slowness)
@@ -164,6 +156,11 @@ class ResourceManager:
                     host.load[d] += 1
         self.slices[slice_id] = placement
         return placement
+
+    @staticmethod
+    def _usable(host: Host, exclusive: bool) -> int:
+        """How many of ``host``'s devices a new slice may use."""
+        return sum(1 for d in range(host.ndevices) if d not in host.exclusive and (not exclusive or host.load[d] == 0))
 
     def _least_loaded(self, host: Host, n: int, exclusive: bool) -> Optional[list[int]]:
         """The ``n`` least-loaded usable devices of ``host`` in index order, if it has them."""
@@ -259,30 +256,62 @@ class ResourceManager:
         for slice_id in [s.slice_id for s in self.slices.values() if s.owner == owner]:
             self.release(slice_id)
 
+    def island_name(self, island: int) -> str:
+        """How messages name an island: by its name, with its id (``add_slice(island=)``) when they differ."""
+        record = self.islands.by_id.get(island)
+        name = record.name if record is not None else str(island)
+        return f"island {island}" if name == str(island) else f"island {name!r} (id {island})"
+
+    def _largest(self, kind: str, exclusive: bool) -> list[str]:
+        """The largest slice of ``kind`` each island could take now: on one host, and evenly
+        over k hosts (k times the k-th most free devices of a host)."""
+        out = []
+        for island in sorted({h.island for h in self.hosts.values() if self.islands.takes_slices(h.island)}):
+            hosts = [h for h in self.hosts.values() if h.island == island and h.kind == kind]
+            free = sorted((self._usable(h, exclusive) for h in hosts), reverse=True)
+            if not free or not free[0]:
+                continue
+            k, per = max(((k, free[k - 1]) for k in range(1, len(free) + 1)), key=lambda kp: (kp[0] * kp[1], -kp[0]))
+            over = f", or {k * per} over {k} hosts ({per} each)" if k > 1 else ""
+            out.append(f"{self.island_name(island)}: up to {free[0]} on one host{over}")
+        return out
+
     def _explain(self, count: int, kind: str, island: Optional[int], exclusive: bool) -> str:
         if not self.hosts:
             return "the cluster has no worker hosts yet; start workers or wait for them to register"
+        unhealthy = self.islands.unhealthy()
+        lost = unhealthy.get(Health.LOST, [])
+        assembling = sorted(unhealthy.get(Health.ASSEMBLING, []) + unhealthy.get(Health.HEALING, []))
         what = ", ".join(
-            f"host {h.worker} (island {h.island}{', unhealthy' if h.island in self.unhealthy else ''}"
-            f"{', assembling' if h.island in self.assembling else ''}"
-            f"{', being retired' if h.island in self.retiring else ''}): "
+            f"host {h.worker} ({self.island_name(h.island)}"
+            f"{self._mark(h.island)}): "
             f"{h.ndevices} {h.kind}" + (f", {len(h.exclusive)} held exclusively" if h.exclusive else "")
             for h in self.hosts.values())
-        if self.unhealthy:
-            what += f"; island(s) {sorted(self.unhealthy)} lost a host and are unhealthy"
-        if self.assembling:
-            what += (f"; island(s) {sorted(self.assembling)} are still assembling: they take slices once all "
-                     "their hosts have joined (`python -m pathways status` shows how many have)")
+        if lost:
+            what += "; " + ", ".join(map(self.island_name, lost)) + " lost a host and are unhealthy"
+        if assembling:
+            what += ("; " + ", ".join(map(self.island_name, assembling)) + " are still assembling: "
+                     "they take slices once all their hosts have joined (`python -m pathways status` shows how "
+                     "many have)")
         if all(h.kind != kind for h in self.hosts.values()):
             return (f"no worker has {kind} devices; the cluster has: {what}. Ask for the kind it has "
                     "(cpu_devices=, gpu_devices=, tpu_devices=), or start workers on hosts with "
                     f"{kind} devices: `python -m pathways worker --platform "
                     f"{'cuda (or rocm)' if kind == 'gpu' else kind} ...`")
-        want = f"{count} {kind} device(s)" + (f" in island {island}" if island is not None else "")
+        want = f"{count} {kind} device(s)" + (f" in {self.island_name(island)}" if island is not None else "")
         want += " not used by any other slice" if exclusive else ""
+        fits = self._largest(kind, exclusive)
+        sizes = (f"The largest that fit now: {'; '.join(fits)}. Ask for one of those sizes" if fits
+                 else "No island can take one now. Wait for an island to heal or assemble")
         return (f"cannot place a slice of {want} on one host or evenly over the healthy hosts of one "
-                f"island; the cluster has: {what}. Ask for fewer devices, or start a cluster with more "
-                "(pw.local_cluster(islands=[pw.Island(hosts=H, devices_per_host=D)]))")
+                f"island; the cluster has: {what}. {sizes}, or add worker hosts with {kind} devices to an "
+                "island (`python -m pathways worker --island NAME ...`); `python -m pathways status` lists "
+                "the islands, their hosts and devices")
+
+    def _mark(self, island: int) -> str:
+        """Why a host's island takes no slices, for ``_explain``: its health, or its retirement."""
+        isl = self.islands.by_id[island]
+        return f", {isl.health.value}" if not isl.healthy else ", being retired" if isl.retiring else ""
 
 
 def _slowness(hosts: list[Host]) -> dict[int, int]:

@@ -70,10 +70,13 @@ class SessionPrograms:
         self._lowered.clear()
 
     def lowered(self, program: int, args: Mapping[int, int], handles: HandleTable,
-                gone: Callable[[Iterable[int]], list[int]]) -> tuple[int, Lowered]:
+                gone: Callable[[Iterable[int]], list[int]],
+                healing: Callable[[Iterable[int]], str] = lambda workers: "their island is healing") \
+            -> tuple[int, Lowered]:
         """The lowering of ``program`` for inputs ``args`` (value -> handle), and its key.
         Raises RunFailure when an input is poisoned, deleted or lost, or a worker it needs
-        is ``gone`` (not attached, or not able to run yet)."""
+        is ``gone`` (not attached, or not able to run yet); ``healing`` says what became of
+        such workers' islands."""
         graph = self.graphs[program]
         for node in graph.nodes:
             pending = self.compiling.get(node.fn)
@@ -90,9 +93,12 @@ class SessionPrograms:
             layout = handles.live.get(h)
             if layout is None:
                 raise RunFailure(f"input array {h:#x} was deleted or never created")
-            if gone(layout.workers):
-                raise RunFailure(f"input array {h:#x} lived on workers {list(layout.workers)}, one of which is "
-                                 "gone or on an island that is healing", LOST)
+            missing = gone(layout.workers)
+            if missing:
+                raise RunFailure(f"input array {h:#x} lived on workers {list(layout.workers)}, of which {missing} "
+                                 f"are gone or on an island not yet whole: {healing(missing)}. The array is lost: "
+                                 "once the island has healed (`python -m pathways status` shows it healthy), make "
+                                 "it again and call again", LOST)
             layouts[v] = layout
         cache_key = (program, tuple(sorted(layouts.items())))
         hit = self._lowered.get(cache_key)
@@ -108,7 +114,8 @@ class SessionPrograms:
             hit = self._lowered[cache_key] = (next(_keys), lowered)
         missing = gone(hit[1].ops)
         if missing:
-            raise RunFailure(f"the program needs worker(s) {missing}, which are gone or on an island that is "
-                             "healing; call it again once `python -m pathways status` shows the island healthy, "
-                             "or compile it for a slice of a healthy island", LOST)
+            raise RunFailure(f"the program needs worker(s) {missing}, which are gone or on an island not yet "
+                             f"whole: {healing(missing)}. Its inputs are kept; call it again once `python -m "
+                             "pathways status` shows the island healthy, or compile it for a slice of a healthy "
+                             "island", LOST)
         return hit

@@ -45,7 +45,7 @@ DEFAULT_COST = 1e-3  # seconds charged for a program that never finished before
 
 
 @dataclass
-class Run:
+class ScheduledRun:
     """A submitted run: who sent it, which islands it occupies, and what to dispatch."""
 
     session: int
@@ -63,7 +63,7 @@ class _Session:
     weight: float
     # island -> the queued runs that touch it, in submission order (a run is in the queue
     # of each of its islands; runs touching none queue under None)
-    queues: dict[Hashable, deque[Run]] = field(default_factory=dict)
+    queues: dict[Hashable, deque[ScheduledRun]] = field(default_factory=dict)
     waiting: int = 0  # queued runs
     vtime: float = 0.0
     inflight: int = 0
@@ -80,7 +80,7 @@ class Scheduler:
         self.policy = policy
         self.window = window
         self._sessions: dict[int, _Session] = {}
-        self._inflight: dict[int, Run] = {}
+        self._inflight: dict[int, ScheduledRun] = {}
         self._island_load: dict[int, int] = {}
         self._cost: dict[Hashable, float] = {}
         self._ids = itertools.count(1)
@@ -107,7 +107,7 @@ class Scheduler:
 
     # ---- runs -----------------------------------------------------------------------
 
-    def submit(self, run: Run) -> Run:
+    def submit(self, run: ScheduledRun) -> ScheduledRun:
         s = self._sessions[run.session]
         if not s.waiting and not s.inflight:
             # A session returning from idle starts at the present, not with banked credit.
@@ -119,7 +119,7 @@ class Scheduler:
         s.waiting += 1
         return run
 
-    def dispatchable(self) -> Iterator[Run]:
+    def dispatchable(self) -> Iterator[ScheduledRun]:
         """Release runs, in the order workers must execute them, while windows allow."""
         while (run := self._pick()) is not None:
             s = self._sessions[run.session]
@@ -139,7 +139,7 @@ class Scheduler:
             self._inflight[run.id] = run
             yield run
 
-    def join(self, run: Run, program: Hashable) -> None:
+    def join(self, run: ScheduledRun, program: Hashable) -> None:
         """Have queued ``run`` take on a later run of its session, of ``program``: the two
         are dispatched together, in one window slot (the caller sends them in order)."""
         if not run.queued:
@@ -150,15 +150,15 @@ class Scheduler:
         """The expected device seconds of one run of ``program``."""
         return self._cost.get(program, DEFAULT_COST)
 
-    def estimate(self, run: Run) -> float:
+    def estimate(self, run: ScheduledRun) -> float:
         """The expected device seconds of ``run`` with the runs it took on."""
         return self.cost(run.program) + sum(self.cost(p) for p in run.joined)
 
-    def running(self, run_id: int) -> Run | None:
+    def running(self, run_id: int) -> ScheduledRun | None:
         """The dispatched, unfinished run ``run_id``, if any."""
         return self._inflight.get(run_id)
 
-    def finish(self, run_id: int, device_seconds: float | None) -> Run | None:
+    def finish(self, run_id: int, device_seconds: float | None) -> ScheduledRun | None:
         """A run completed on all its workers (``device_seconds`` None: it was abandoned)."""
         run = self._inflight.pop(run_id, None)
         if run is None:
@@ -183,12 +183,12 @@ class Scheduler:
                 s.completed += 1 + len(run.joined)
         return run
 
-    def cancel(self, doomed: Callable[[Run], bool]) -> tuple[list[Run], list[Run]]:
+    def cancel(self, doomed: Callable[[ScheduledRun], bool]) -> tuple[list[ScheduledRun], list[ScheduledRun]]:
         """Remove every queued and in-flight run for which ``doomed`` holds.
 
         Returns (queued, in_flight) runs removed; in-flight ones free their window slots.
         """
-        queued: list[Run] = []
+        queued: list[ScheduledRun] = []
         for s in self._sessions.values():
             waiting = sorted({r.id: r for q in s.queues.values() for r in q}.values(), key=lambda r: r.id)
             s.queues = {}
@@ -206,8 +206,8 @@ class Scheduler:
             self.finish(r.id, None)
         return queued, flying
 
-    def _pick(self) -> Run | None:
-        best: Run | None = None
+    def _pick(self) -> ScheduledRun | None:
+        best: ScheduledRun | None = None
         best_key: tuple = ()
         for sid, s in self._sessions.items():
             run = self._next_of(sid, s)
@@ -218,10 +218,10 @@ class Scheduler:
                 best, best_key = run, key
         return best
 
-    def _next_of(self, sid: int, s: _Session) -> Run | None:
+    def _next_of(self, sid: int, s: _Session) -> ScheduledRun | None:
         """The session's oldest run that heads the queue of every island it touches and
         whose islands all have room, if any."""
-        found: Run | None = None
+        found: ScheduledRun | None = None
         for queue in s.queues.values():
             head = queue[0]
             if found is not None and head.id >= found.id:
@@ -255,6 +255,6 @@ class Scheduler:
                 "completed": s.completed, "device_seconds": s.device_seconds}
 
 
-def _keys(run: Run) -> Iterable[Hashable]:
+def _keys(run: ScheduledRun) -> Iterable[Hashable]:
     """The queues a run waits in: one per island it touches."""
     return run.islands or (None,)

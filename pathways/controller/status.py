@@ -6,21 +6,25 @@ from __future__ import annotations
 
 from typing import Any
 
+from pathways.controller.islands import Health
+
 
 def status(core: Any) -> dict[str, Any]:
     """``core`` is a ControllerCore (not imported: the core imports this module)."""
     rm, scheduler, workers = core.rm, core.scheduler, core.membership.workers
-    islands = core.membership.islands.by_id
+    islands = core.islands.by_id
     return {
         "policy": scheduler.policy,
         "window": scheduler.window,
-        # per island: "hosts" joined of "expected_hosts"; "assembling" until all have joined
-        # "lost": which host was lost and how, while the island is unhealthy; "healing": its
-        # hosts are joining again after the loss (they have joined once "healthy" again);
+        # per island: "state" is its health (islands.py): "assembling", "healthy", "lost" or
+        # "healing", and "healthy" whether it runs and (unless "retiring") takes slices; "hosts"
+        # joined of "expected_hosts", "assembling" until all have joined (first assembly or
+        # healing); "lost": which host was lost and how, from the loss until the island heals;
         # "retiring": an operator's `pathways retire` drains it (it takes no new slices)
-        "islands": [{"island": i, "name": isl.name, "healthy": not (isl.lost or isl.healing),
-                     "lost": core.membership.lost.get(i), "healing": isl.healing, "assembling": isl.assembling, "hosts": len(isl.members), "expected_hosts": isl.hosts,
-                     "retiring": i in rm.retiring,
+        "islands": [{"island": i, "name": isl.name, "state": isl.health.value, "healthy": isl.healthy,
+                     "lost": isl.lost_by, "healing": isl.health is Health.HEALING,
+                     "assembling": isl.assembling, "hosts": len(isl.members), "expected_hosts": isl.hosts,
+                     "retiring": isl.retiring,
                      "devices": sum(w.info.devices for w in workers.values() if w.island == i),
                      "queued": scheduler.queued(i), "inflight": scheduler.inflight(i)}
                     for i, isl in sorted(islands.items())],

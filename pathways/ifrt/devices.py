@@ -42,7 +42,7 @@ class Device:
 
 
 @dataclass(frozen=True)
-class Placement:
+class SliceDevices:
     """Where a set of IFRT devices lives: one slice of one island, the devices as pairs
     in the order given, and the hosts holding them (by island rank)."""
 
@@ -80,7 +80,7 @@ class DeviceTable:
                                               f"{len(self.devices)} devices (jax.devices())")
         return self.devices[device_id]
 
-    def place(self, ids: Sequence[int], what: str = "the devices") -> Placement:
+    def place(self, ids: Sequence[int], what: str = "the devices") -> SliceDevices:
         """Where ``ids`` live; IfrtError when they span islands or are unknown."""
         devices = [self.get(i) for i in ids]
         if not devices:
@@ -93,8 +93,8 @@ class DeviceTable:
                 "and move arrays between islands with jax.device_put"))
         s = self.slices[devices[0].slice]
         hosts = sorted({(d.rank, d.worker, d.address) for d in devices})
-        return Placement(s, tuple((d.rank, d.index) for d in devices), tuple(w for _, w, _ in hosts),
-                         tuple(a for _, _, a in hosts))
+        return SliceDevices(s, tuple((d.rank, d.index) for d in devices), tuple(w for _, w, _ in hosts),
+                            tuple(a for _, _, a in hosts))
 
     def islands(self, ids: Sequence[int]) -> list[list[int]]:
         """The positions in ``ids`` of each island's devices, island by island: one list
@@ -104,7 +104,7 @@ class DeviceTable:
             by_island.setdefault(self.get(i).island, []).append(position)
         return [by_island[k] for k in sorted(by_island)]
 
-    def layout(self, sharding: Sharding, ndim: int) -> tuple[Placement, Layout]:
+    def layout(self, sharding: Sharding, ndim: int) -> tuple[SliceDevices, Layout]:
         """The pathways Layout of an array with this IFRT sharding."""
         place = self.place(sharding.devices, "the array's devices")
         if sharding.replicated:

@@ -67,9 +67,7 @@ def script_env(base: dict[str, str], target: str, security: Security, paths: Seq
 
 def _package_root() -> str:
     """The folder holding the ``pathways`` package, so that the child imports this one."""
-    import pathways
-
-    return str(Path(pathways.__file__).resolve().parent.parent)
+    return str(Path(__file__).resolve().parents[2])  # .../pathways/ifrt/launch.py
 
 
 def run_script(islands: Sequence[Island], script: str, args: Sequence[str] = (),

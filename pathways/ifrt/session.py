@@ -10,7 +10,8 @@ share no interconnect) is held as one pathways array per island, each the box of
 array that island's devices hold, laid out by the island's part of the sharding: it can
 be put, read, cut into shards and moved, but no computation takes it as is.
 
-Each handler takes the request's body and returns the response's body, or a ``Deferred``
+Each handler (``REQUESTS``: one entry per request kind served, registered by ``_serves``)
+takes the request's body and returns the response's body, or a ``Deferred``
 when it must wait (a fetch, a compile, a ready check): the server runs those on a
 bounded pool, so that one slow request does not hold up the session's others. Handlers
 run in request order; every wait is bounded by ``WAIT_SECONDS``.
@@ -33,7 +34,7 @@ from pathways import errors
 from pathways.client.compiled import register_program, value_types
 from pathways.client.session import Session
 from pathways.ifrt import types as t
-from pathways.ifrt.devices import DeviceTable, Placement, SliceInfo
+from pathways.ifrt.devices import DeviceTable, SliceDevices, SliceInfo
 from pathways.ifrt.host_buffers import HostBuffers
 from pathways.ifrt.proto.xla import xla_data_pb2
 from pathways.ifrt.proto.xla.pjrt.proto import executable_metadata_pb2
@@ -45,6 +46,7 @@ from pathways.ifrt.types import IfrtError, Sharding
 from pathways.ir import Layout, Node, ProgramGraph
 from pathways.platforms import export_platforms
 from pathways.protocol import messages as m
+from pathways.protocol.handles import HeldReleases
 
 log = logging.getLogger("pathways.ifrt")
 
@@ -54,6 +56,32 @@ MAX_ARRAYS = 1 << 20  # live IFRT handles per session
 XLA_PROGRAM = "xla::ifrt::XlaProgram"
 XLA_COMPILE_OPTIONS = "xla::ifrt::XlaCompileOptions"
 SLICE_KEY = "pathways_slice"
+
+
+_Handler = Callable[["IfrtSession", Any], Any]  # (session, the request's body) -> the response's body, or a Deferred
+
+
+@dataclass(frozen=True)
+class RequestKind:
+    """How the session serves one kind of IFRT request."""
+
+    handler: _Handler
+    result_handles: Optional[str] = None  # the field of the request naming the handles of the arrays it makes
+
+
+# request kind (the IfrtRequest field, "..._request") -> how it is served: every kind the
+# session serves, each registered by ``_serves`` on its handler ``IfrtSession._<kind>``
+REQUESTS: dict[str, RequestKind] = {}
+
+
+def _serves(result_handles: Optional[str] = None) -> Callable[[_Handler], _Handler]:
+    """Register method ``_<kind>`` as the handler of request ``kind``; ``result_handles``:
+    the field of the request that names the handles of the arrays it makes (they hold the
+    error when the request fails)."""
+    def register(handler: _Handler) -> _Handler:
+        REQUESTS[handler.__name__[1:]] = RequestKind(handler, result_handles)
+        return handler
+    return register
 
 
 class Deferred:
@@ -101,7 +129,7 @@ class _Array:
     sharding: Sharding
     handle: Optional[int] = None  # the pathways handle; None for a view or an error
     layout: Optional[Layout] = None
-    place: Optional[Placement] = None
+    place: Optional[SliceDevices] = None
     group: Optional[_Group] = None  # set for a view: the block ``region`` of group.parent
     region: Optional[t.Region] = None
     error: Optional[IfrtError] = None
@@ -123,7 +151,7 @@ class _Executable:
     fn: int
     compiled: Any  # m.Compiled
     devices: tuple[int, ...]  # IFRT ids, in device-assignment order
-    place: Placement
+    place: SliceDevices
     program: Optional[int] = None
     in_types: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
@@ -142,7 +170,7 @@ class IfrtSession:
         self._executables: dict[int, _Executable] = {}
         self._futures: dict[int, Lazy] = {}
         self._refs: dict[int, int] = {}  # pathways handle -> IFRT arrays naming it
-        self._reading: dict[int, int] = {}  # pathways handle -> reads in flight (its release waits)
+        self._reading: HeldReleases[None] = HeldReleases()  # reads in flight: a handle's release waits for them
         self._lock = threading.Lock()
         self._server_handles = itertools.count(t.SERVER_HANDLE_BASE)
         self._identities: dict[tuple, int] = {}  # (dtype, shape, layout) -> identity program id
@@ -151,17 +179,18 @@ class IfrtSession:
 
     def handle(self, kind: str, body: Any) -> Any:
         """The response body for request ``kind``, or a Deferred; IfrtError on failure."""
-        handler = getattr(self, "_" + kind, None)
-        if handler is None or kind not in SERVED:
+        served = REQUESTS.get(kind)
+        if served is None:
             raise IfrtError(t.UNIMPLEMENTED, f"{kind} is not implemented by the pathways IFRT server")
         if kind != "init_request" and self.devices is None:
             raise IfrtError(t.FAILED_PRECONDITION, f"{kind} before init_request; a session starts with init")
-        return handler(body)
+        return served.handler(self, body)
 
     def fail_handles(self, kind: str, body: Any, error: IfrtError) -> None:
         """A request that names handles for its results failed: those handles now hold
         the error, so that whoever reads them learns why (as the reference server does)."""
-        field_name = RESULT_HANDLES.get(kind)
+        served = REQUESTS.get(kind)
+        field_name = served.result_handles if served is not None else None
         if field_name is None:
             return
         value = getattr(body, field_name)
@@ -221,7 +250,7 @@ class IfrtSession:
                     self._refs[handle] = left
                     continue
                 self._refs.pop(handle, None)
-                if not self._reading.get(handle):  # else released when the read finishes
+                if self._reading.release(handle, None):  # else released when the read finishes
                     doomed.append(handle)
         for handle in doomed:
             self.native.release(handle)
@@ -229,20 +258,11 @@ class IfrtSession:
     def _reads(self, handles: Sequence[int]) -> Callable[[], None]:
         """Hold back the release of ``handles`` until the returned callable is called."""
         with self._lock:
-            for h in handles:
-                self._reading[h] = self._reading.get(h, 0) + 1
+            self._reading.reading(handles)
 
         def done() -> None:
-            doomed = []
             with self._lock:
-                for h in handles:
-                    n = self._reading.get(h, 1) - 1
-                    if n > 0:
-                        self._reading[h] = n
-                        continue
-                    self._reading.pop(h, None)
-                    if h not in self._refs:
-                        doomed.append(h)
+                doomed = self._reading.read_done(handles)
             for h in doomed:
                 self.native.release(h)
         return done
@@ -336,6 +356,7 @@ class IfrtSession:
 
     # ---- session ------------------------------------------------------------------------------
 
+    @_serves()
     def _init_request(self, body: pb.InitRequest) -> pb.InitResponse:
         if self.devices is not None:
             raise IfrtError(t.FAILED_PRECONDITION, "init_request was sent twice in one session")
@@ -367,7 +388,7 @@ class IfrtSession:
         status = self.native.cluster()
         slices = []
         for isl in status.get("islands", []):
-            if not isl.get("healthy") or isl.get("assembling") or not isl.get("devices"):
+            if not isl.get("healthy") or not isl.get("devices"):
                 continue
             kinds = {w["kind"] for w in status.get("workers", []) if w.get("island") == isl["island"]}
             if len(kinds) != 1:
@@ -389,26 +410,28 @@ class IfrtSession:
 
     # ---- futures and readiness --------------------------------------------------------------
 
+    @_serves()
     def _check_future_request(self, body: pb.CheckFutureRequest) -> Deferred:
-        future = self._futures.pop(body.future_handle, None)
-        if future is None:
-            raise IfrtError(t.NOT_FOUND, f"unknown future handle {body.future_handle}")
+        return self._future_done(body.future_handle, "future handle", pb.CheckFutureResponse)
 
-        def run() -> pb.CheckFutureResponse:
-            future.result()
-            return pb.CheckFutureResponse()
-        return Deferred(run)
-
+    @_serves()
     def _loaded_executable_fetch_execute_result_request(self, body: Any) -> Deferred:
-        future = self._futures.pop(body.result_status_handle, None)
-        if future is None:
-            raise IfrtError(t.NOT_FOUND, f"unknown result status handle {body.result_status_handle}")
+        return self._future_done(body.result_status_handle, "result status handle",
+                                 pb.LoadedExecutableFetchExecuteResultResponse)
 
-        def run() -> pb.LoadedExecutableFetchExecuteResultResponse:
+    def _future_done(self, handle: int, what: str, response: Callable[[], Any]) -> Deferred:
+        """Wait for status future ``handle`` (checked once: it is forgotten), then answer
+        with an empty ``response``; ``what`` names the handle in the error."""
+        future = self._futures.pop(handle, None)
+        if future is None:
+            raise IfrtError(t.NOT_FOUND, f"unknown {what} {handle}")
+
+        def run() -> Any:
             future.result()
-            return pb.LoadedExecutableFetchExecuteResultResponse()
+            return response()
         return Deferred(run)
 
+    @_serves()
     def _check_value_ready_request(self, body: pb.CheckValueReadyRequest) -> Deferred:
         arrays = [self._array(h) for h in body.value_handles]
         done = self._reads([h for a in arrays for h in (a.group.parent if a.group is not None else a).handles])
@@ -428,6 +451,7 @@ class IfrtSession:
         self.buffers.delete(handle)  # the put below keeps the bytes alive as long as it needs them
         return t.host_view(buffer, dtype, shape, strides)
 
+    @_serves("array_handle")
     def _make_array_from_host_buffer_request(self, body: pb.MakeArrayFromHostBufferRequest) -> Any:
         dtype, shape = t.dtype_of(body.dtype), t.shape_of(body.shape.dims)
         sharding = t.parse_sharding(body.sharding, len(self._table))
@@ -436,6 +460,7 @@ class IfrtSession:
         handles = self._insert([body.array_handle] if body.HasField("array_handle") else [], [arr])
         return pb.MakeArrayFromHostBufferResponse(array_handle=handles[0])
 
+    @_serves("array_handles")
     def _make_arrays_from_host_buffer_shards_request(self, body: Any) -> Any:
         arrays = []
         for spec in body.specs:
@@ -473,12 +498,14 @@ class IfrtSession:
         handles = self._insert(list(body.array_handles), arrays)
         return pb.MakeArraysFromHostBufferShardsResponse(array_handles=handles)
 
+    @_serves("array_handles")
     def _make_error_arrays_request(self, body: Any) -> Any:
         error = IfrtError(body.error.code or t.INTERNAL, body.error.message[:4096])
         arrays = [_Array(t.dtype_of(s.dtype), t.shape_of(s.shape.dims),
                          t.parse_sharding(s.sharding, len(self._table)), error=error) for s in body.array_specs]
         return pb.MakeErrorArraysResponse(array_handles=self._insert(list(body.array_handles), arrays))
 
+    @_serves()
     def _copy_to_host_buffer_request(self, body: pb.CopyToHostBufferRequest) -> Deferred:
         arr = self._array(body.array_handle)
         strides = t.byte_strides_of(body, "byte_strides")
@@ -505,6 +532,7 @@ class IfrtSession:
         return _Array(arr.dtype, tuple(b - a for a, b in region), t.replicated((device,)), group=group,
                       region=region)
 
+    @_serves("result_handle")
     def _fully_replicated_shard_request(self, body: Any) -> Any:
         arr = self._array(body.array_handle)
         if not arr.sharding.replicated:
@@ -517,6 +545,7 @@ class IfrtSession:
         handles = self._insert([body.result_handle] if body.result_handle else [], [shard])
         return pb.FullyReplicatedShardResponse(array_handle=handles[0])
 
+    @_serves("result_handles")
     def _disassemble_into_single_device_arrays_request(self, body: Any) -> Any:
         arr = self._array(body.array_handle)
         if len(arr.sharding.devices) == 1:
@@ -527,6 +556,7 @@ class IfrtSession:
         handles = self._insert(list(body.result_handles), shards)
         return pb.DisassembleIntoSingleDeviceArraysResponse(array_handles=handles)
 
+    @_serves("result_handle")
     def _assemble_array_from_single_device_arrays_request(self, body: Any) -> Any:
         shape = t.shape_of(body.shape.dims)
         sharding = t.parse_sharding(body.sharding, len(self._table))
@@ -557,6 +587,7 @@ class IfrtSession:
 
     # ---- copies between devices ------------------------------------------------------------------
 
+    @_serves("result_handles")
     def _copy_arrays_request(self, body: Any) -> Any:
         arrays = [self._array(h) for h in body.array_handles]
         out = []
@@ -569,6 +600,7 @@ class IfrtSession:
         handles = self._insert(list(body.result_handles), out)
         return pb.CopyArraysResponse(array_handles=handles)
 
+    @_serves("result_handles")
     def _reshard_arrays_request(self, body: Any) -> Any:
         arrays = [self._array(h) for h in body.array_handles]
         if len(body.array_specs) != len(arrays):
@@ -618,7 +650,7 @@ class IfrtSession:
             self._delete(arr)
         return out
 
-    def _identity(self, dtype: np.dtype, shape: tuple[int, ...], layout: Layout, place: Placement) -> int:
+    def _identity(self, dtype: np.dtype, shape: tuple[int, ...], layout: Layout, place: SliceDevices) -> int:
         key = (dtype.name, shape, layout)
         program = self._identities.get(key)
         if program is not None:
@@ -649,6 +681,7 @@ class IfrtSession:
             arr.deleted = True
             self._drop(arr)
 
+    @_serves()
     def _delete_array_request(self, body: Any) -> Any:
         missing = [h for h in body.array_handle if h not in self._arrays]
         for h in body.array_handle:
@@ -659,9 +692,11 @@ class IfrtSession:
                                  if missing else _DONE)
         return pb.DeleteArrayResponse(deletion_future_handle=handle)
 
+    @_serves()
     def _is_array_deleted_request(self, body: Any) -> Any:
         return pb.IsArrayDeletedResponse(deleted=self._array(body.array_handle, usable=False).deleted)
 
+    @_serves()
     def _destruct_array_request(self, body: Any) -> Any:
         missing = []
         for h in body.array_handle:
@@ -676,6 +711,7 @@ class IfrtSession:
 
     # ---- compilation and execution --------------------------------------------------------------
 
+    @_serves()
     def _compile_request(self, body: pb.CompileRequest) -> Deferred:
         if body.host_callbacks:
             raise IfrtError(t.UNIMPLEMENTED, "host callbacks (jax.debug.print, pure_callback, io_callback) are "
@@ -720,6 +756,7 @@ class IfrtSession:
             raise IfrtError(t.NOT_FOUND, f"unknown loaded executable handle {handle}")
         return exe
 
+    @_serves()
     def _loaded_executable_metadata_request(self, body: Any) -> Any:
         c = self._executable(body.loaded_executable_handle).compiled
         resp = pb.LoadedExecutableMetadataResponse()
@@ -734,6 +771,7 @@ class IfrtSession:
         resp.compiled_memory_stats.CopyFrom(executable_metadata_pb2.CompiledMemoryStatsProto())
         return resp
 
+    @_serves("result_array_handle")
     def _loaded_executable_execute_request(self, body: Any) -> Any:
         exe = self._executable(body.loaded_executable_handle)
         c = exe.compiled
@@ -763,8 +801,8 @@ class IfrtSession:
         outs = []
         for j, layout in enumerate(c.outs):
             dtype, shape = c.out_types[j]
-            place = Placement(exe.place.slice, layout.devices, layout.workers,
-                              tuple(by_worker[w] for w in layout.workers))
+            place = SliceDevices(exe.place.slice, layout.devices, layout.workers,
+                                 tuple(by_worker[w] for w in layout.workers))
             outs.append(_Array(t._np_dtype(dtype), tuple(shape), Sharding(exe.devices, c.out_shardings[j]),
                                base + len(args) + j, layout, place))
         keep = set(body.execute_options.non_donatable_input_indices)
@@ -784,6 +822,7 @@ class IfrtSession:
                                  sharding=t.sharding_proto(arr.sharding), array_handle=h)
         return resp
 
+    @_serves()
     def _loaded_executable_destruct_request(self, body: Any) -> Any:
         with self._lock:
             exe = self._executables.pop(body.loaded_executable_handle, None)
@@ -791,35 +830,42 @@ class IfrtSession:
             raise IfrtError(t.NOT_FOUND, f"unknown loaded executable handle {body.loaded_executable_handle}")
         return pb.LoadedExecutableDestructResponse()
 
+    @_serves()
     def _loaded_executable_delete_request(self, body: Any) -> Any:
         handle = self._server_handle()
         self._futures[handle] = _failed(IfrtError(t.UNIMPLEMENTED, "LoadedExecutable::Delete is no longer "
                                                                    "supported; destruct the executable"))
         return pb.LoadedExecutableDeleteResponse(future_handle=handle)
 
+    @_serves()
     def _loaded_executable_is_deleted_request(self, body: Any) -> Any:
         self._executable(body.loaded_executable_handle)
         return pb.LoadedExecutableIsDeletedResponse(is_deleted=False)
 
+    @_serves()
     def _loaded_executable_cost_analysis_request(self, body: Any) -> Any:
-        self._executable(body.loaded_executable_handle)
-        resp = pb.LoadedExecutableCostAnalysisResponse()
-        resp.status.code, resp.status.message = t.UNIMPLEMENTED, "cost analysis is not available from pathways"
-        return resp
+        return self._not_available(body, pb.LoadedExecutableCostAnalysisResponse, "cost analysis")
 
+    @_serves()
     def _loaded_executable_human_readable_program_text_request(self, body: Any) -> Any:
+        return self._not_available(body, pb.LoadedExecutableHumanReadableProgramTextResponse, "program text")
+
+    def _not_available(self, body: Any, response: Callable[[], Any], what: str) -> Any:
+        """An executable's ``what`` that pathways cannot give: a response whose status says so."""
         self._executable(body.loaded_executable_handle)
-        resp = pb.LoadedExecutableHumanReadableProgramTextResponse()
-        resp.status.code, resp.status.message = t.UNIMPLEMENTED, "program text is not available from pathways"
+        resp = response()
+        resp.status.code, resp.status.message = t.UNIMPLEMENTED, f"{what} is not available from pathways"
         return resp
 
     # ---- defaults -------------------------------------------------------------------------------
 
+    @_serves()
     def _get_default_layout_request(self, body: Any) -> Any:
         t.dtype_of(body.dtype)
         self._table.get(body.device_id)
         return pb.GetDefaultLayoutResponse(serialized_pjrt_layout=t.default_layout_text(len(body.dims)))
 
+    @_serves()
     def _get_default_device_assignment_request(self, body: Any) -> Any:
         replicas, partitions = body.num_replicas, body.num_partitions
         if not (0 < replicas and 0 < partitions and replicas * partitions <= len(self._table)):
@@ -874,29 +920,3 @@ def executable_devices(options: Any, ndevices: int) -> list[int]:
                         f"{ndevices}")
     return ids
 
-
-SERVED = frozenset({
-    "init_request", "check_future_request", "check_value_ready_request", "make_array_from_host_buffer_request",
-    "make_arrays_from_host_buffer_shards_request", "make_error_arrays_request",
-    "assemble_array_from_single_device_arrays_request", "reshard_arrays_request", "copy_to_host_buffer_request",
-    "disassemble_into_single_device_arrays_request", "delete_array_request", "copy_arrays_request",
-    "fully_replicated_shard_request", "is_array_deleted_request", "destruct_array_request", "compile_request",
-    "loaded_executable_metadata_request", "loaded_executable_execute_request",
-    "loaded_executable_fetch_execute_result_request", "loaded_executable_cost_analysis_request",
-    "loaded_executable_human_readable_program_text_request", "loaded_executable_delete_request",
-    "loaded_executable_is_deleted_request", "loaded_executable_destruct_request",
-    "get_default_device_assignment_request", "get_default_layout_request",
-})
-
-# The field of a request that names the handles of the arrays it makes.
-RESULT_HANDLES = {
-    "make_array_from_host_buffer_request": "array_handle",
-    "make_arrays_from_host_buffer_shards_request": "array_handles",
-    "make_error_arrays_request": "array_handles",
-    "assemble_array_from_single_device_arrays_request": "result_handle",
-    "reshard_arrays_request": "result_handles",
-    "disassemble_into_single_device_arrays_request": "result_handles",
-    "copy_arrays_request": "result_handles",
-    "fully_replicated_shard_request": "result_handle",
-    "loaded_executable_execute_request": "result_array_handle",
-}

@@ -283,14 +283,20 @@ class Delete(Message):
     handles: tuple[int, ...] = wire(HANDLES)
 
 
-def _check_path(what: str, path: str) -> None:
-    """A directory workers write into and read from: "" (none), or absolute with no '..'."""
-    if not path:
-        return
-    if not path.startswith("/") or ".." in path.split("/") or "\0" in path:
-        raise WireError(f"{what}: path {path[:200]!r} must be an absolute directory without '..' components "
-                        "(each worker writes its own arrays under it on its own host); pass an absolute path, "
-                        "or none to keep the arrays in the workers' host memory")
+class Directory(Str):
+    """A directory workers write a suspended session's arrays into and read them from: ""
+    (none: they stay in the workers' host memory), or absolute with no '..'."""
+
+    def __init__(self) -> None:
+        super().__init__(MAX_PATH)
+
+    def check(self, value: Any, what: str) -> str:
+        path = super().check(value, what)
+        if path and (not path.startswith("/") or ".." in path.split("/") or "\0" in path):
+            raise WireError(f"{what}: path {path[:200]!r} must be an absolute directory without '..' components "
+                            "(each worker writes its own arrays under it on its own host); pass an absolute path, "
+                            "or none to keep the arrays in the workers' host memory")
+        return path
 
 
 @message("suspend")
@@ -300,11 +306,7 @@ class Suspend(Message):
     which each worker writes for its own shards), and release its slices."""
 
     req: int = wire(REQ)
-    path: str = wire(Str(MAX_PATH), "")
-
-    def checked(self) -> "Suspend":
-        _check_path("suspend", self.path)
-        return self
+    path: str = wire(Directory(), "")
 
 
 @message("resume")
@@ -603,11 +605,7 @@ class Offload(Message):
     or (``path``) into files under ``path``/session-S/worker-W. Answered by Offloaded."""
 
     session: int = wire(Int(1, MAX_SESSION))
-    path: str = wire(Str(MAX_PATH), "")
-
-    def checked(self) -> "Offload":
-        _check_path("offload", self.path)
-        return self
+    path: str = wire(Directory(), "")
 
 
 @message("offloaded")

@@ -74,6 +74,32 @@ def route_to(host: str, port: int) -> str:
         return s.getsockname()[0]
 
 
+def unreachable(host: str, port: int, timeout: float = 2.0) -> str | None:
+    """Why a TCP connection to ``host:port`` cannot be made, said with what to check: the
+    name does not resolve, the connection is refused, or nothing answers within ``timeout``
+    seconds (host down or cut off, or a firewall that drops it); None when it can be made."""
+    try:
+        infos = socket.getaddrinfo(strip_brackets(host), port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        return f"the host name {host!r} does not resolve ({e.strerror}); check its spelling, or give an IP address"
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.settimeout(timeout)
+        try:
+            s.connect(sockaddr)
+        except ConnectionRefusedError:
+            return (f"the connection was refused: {host} answers, but nothing listens on port {port}; check the "
+                    "port, and that the server runs")
+        except TimeoutError:
+            return (f"nothing answered: a TCP connection to {sockaddr[0]} port {port} got no reply within "
+                    f"{timeout:g} s, so the host is down or cut off from this machine, or a firewall drops the "
+                    f"connection; check that the host is up and that port {port} is open to this machine")
+        except OSError as e:
+            return (f"{sockaddr[0]} cannot be reached from here ({e.strerror or e}); check the address, and this "
+                    "machine's network and routes to it")
+    return None
+
+
 def reachable_host(bind_host: str) -> str:
     """A host that peers can use to reach a server bound to ``bind_host``: the bind host
     itself, or for a wildcard the address of the interface the default route leaves by;

@@ -76,11 +76,26 @@ _ALIGN = 64  # XLA's CPU client adopts host buffers aligned like this instead of
 _ALIGN_FROM = 4096  # smaller arrays are left for XLA to copy
 
 
+# The container's memory limit (cgroup v2, then v1), where one is set and below the host's.
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
 @functools.cache
 def host_memory_bytes() -> int:
-    """This host's physical memory: no array announced larger than it can be stored here.
-    Read once: every array header is checked against it, and each read is a system call."""
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    """The memory this process's host can use, in bytes: its physical memory, or the
+    container's limit where that is lower. No array announced larger than it can be stored
+    here, and a worker reports it as its CPU devices' memory. Read once: every array header
+    is checked against it, and each read is a system call."""
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for path in _CGROUP_LIMITS:
+        try:
+            with open(path) as f:
+                raw = f.read().strip()
+        except OSError:
+            continue
+        if raw.isdigit():
+            return min(physical, int(raw))
+    return physical
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import queue
-import socket
 import time
 from concurrent import futures
 from typing import Awaitable, Callable, Iterator, Optional
@@ -29,7 +28,7 @@ import grpc
 from pathways.errors import AuthenticationError, ConnectError
 from pathways.protocol.messages import MAX_MESSAGE_BYTES, Message, encode_batch
 from pathways.wire import security as sec
-from pathways.wire.addresses import join_host_port, split_host_port
+from pathways.wire.addresses import join_host_port, split_host_port, unreachable
 from pathways.wire.security import Security
 
 CONTROLLER_SERVICE = "pathways.Controller"
@@ -304,20 +303,13 @@ def wait_ready(channel: grpc.Channel, address: str, timeout: float, advice: str 
                 refused_at = time.monotonic()
     finally:
         channel.unsubscribe(watch)
+    why = unreachable(*split_host_port(parse_address(address)))
+    if why is not None:
+        raise ConnectError(f"could not connect to {address}: {why}; {advice}")
     if refused_at is not None:
-        if _accepts_connections(parse_address(address)):
-            raise ConnectError(_handshake_failure(address, security or Security()))
-        raise ConnectError(f"could not connect to {address}: the connection was refused (or the host name does "
-                           f"not resolve); {advice}")
-    raise ConnectError(f"nothing answered at {address} within {timeout:.0f} s; {advice}")
-
-
-def _accepts_connections(target: str) -> bool:
-    try:
-        with socket.create_connection(split_host_port(target), timeout=1.0):
-            return True
-    except OSError:
-        return False
+        raise ConnectError(_handshake_failure(address, security or Security()))
+    raise ConnectError(f"{address} accepts connections but its gRPC server did not answer within {timeout:.0f} s; "
+                       f"{advice}")
 
 
 def _handshake_failure(address: str, security: Security) -> str:

@@ -144,7 +144,9 @@ def add_flags(parser: argparse.ArgumentParser, server: bool, data_plane: bool = 
     (workers, and a local cluster's) ``--data-plane-tls``."""
     parser.add_argument("--token-file", metavar="PATH",
                         help=f"file holding the cluster's shared token (default: ${TOKEN_ENV}); required to "
-                             "listen beyond loopback")
+                             "listen beyond loopback" if server else
+                        f"file holding the cluster's shared token, which this process presents to it (default: "
+                        f"${TOKEN_ENV}; none)")
     if server:
         parser.add_argument("--tls-cert", metavar="PATH", help="PEM certificate this process's servers present "
                                                                "(TLS; with --tls-key)")

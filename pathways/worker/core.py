@@ -57,7 +57,7 @@ from pathways.worker.executables import Executables
 from pathways.worker.executor import Executor
 from pathways.worker.measure import Measurer
 from pathways.worker.sessions import Sessions
-from pathways.worker.store import ObjectStore, Offloaded as OffloadedArray, Poison, failure
+from pathways.worker.store import ObjectStore, OffloadedArray, Poison, failure
 
 log = logging.getLogger("pathways.worker")
 

@@ -13,7 +13,6 @@ PROBE_TIMEOUT seconds is reported unmeasured.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import statistics
 import threading
@@ -25,6 +24,7 @@ import numpy as np
 from pathways.errors import ConnectError, WireError
 from pathways.protocol.messages import Measured
 from pathways.wire import tcp
+from pathways.wire.codec import host_memory_bytes
 from pathways.wire.security import Security
 
 log = logging.getLogger("pathways.worker")
@@ -33,22 +33,6 @@ MATMUL_SIZE = 256  # 34 MFLOP per device per round: about a millisecond on a CPU
 MATMUL_ROUNDS = 5
 PROBE_TIMEOUT = 2.0
 PROBE_BYTES = 512 * 1024
-_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
-
-
-def host_memory_bytes() -> int:
-    """The memory this worker's devices can use, in bytes: for CPU devices, the host's
-    physical memory, or the container's limit where that is lower."""
-    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for path in _CGROUP_LIMITS:
-        try:
-            with open(path) as f:
-                raw = f.read().strip()
-        except OSError:
-            continue
-        if raw.isdigit():
-            return min(physical, int(raw))
-    return physical
 
 
 def measure_flops(jax: Any, devices: list, n: int = MATMUL_SIZE, rounds: int = MATMUL_ROUNDS) -> float:

@@ -56,8 +56,8 @@ from pathways.wire.addresses import join_host_port, split_host_port
 from pathways.wire.liveness import Heartbeats, check_timeout
 from pathways.wire.security import Security, SecurityConfigError
 from pathways import keeper
+from pathways.worker import native_stdout
 from pathways.worker.island import IslandMembership, PortReservation, configure_jax, worker_hosts
-from pathways.worker.measure import host_memory_bytes
 
 if TYPE_CHECKING:  # imported when needed: the core takes JAX's devices, which exist after configure_jax
     from pathways.worker.core import WorkerCore
@@ -241,6 +241,7 @@ def main(controller: str, devices: Devices, island: IslandMembership, wait_timeo
     back: the new process tries for ``reconnect_timeout`` seconds, then exits. A new process
     because JAX cannot leave a jax.distributed group and join another in-process, and
     because a controller that restarted knows nothing of the old state."""
+    native_stdout.filter_stdout(log)
     security = security or Security()
     if security.serves_tls != security.uses_tls:
         raise SecurityConfigError("a worker uses TLS with --tls-cert and --tls-key (clients and peers reach its "
@@ -407,7 +408,7 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
         outbox.put(Register(f"grpc://{join_host_port(advertise, port)}",
                             f"tcp://{join_host_port(advertise, listener.port)}", devices.kind, devices.count, island.name,
                             island.hosts, island.rank, coordinator, os.getpid(), socket.gethostname(),
-                            host_memory_bytes()))
+                            codec.host_memory_bytes()))
         outbox.put(Heartbeat(heartbeat_timeout))  # at once: the controller paces its heartbeats to it
         # Every recv and send on the stream waits at most this long: the controller sends
         # something at least every fifth of it, so a longer silence means it is gone.

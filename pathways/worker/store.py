@@ -3,7 +3,7 @@
 Values arrive from the executor, from clients' puts and from peers' pushes; readers wait
 with a deadline. A delete that overtakes its value's arrival leaves a tombstone so the
 late value is dropped instead of leaking; so does a transfer copy, once taken. A suspended
-session's arrays stay in the store off the devices (``Offloaded``), and a resumed
+session's arrays stay in the store off the devices (``OffloadedArray``), and a resumed
 session's arrays arrive as transfer copies that the store renames to the session's
 handles as they come (``adopt``).
 """
@@ -15,7 +15,7 @@ import time
 from collections import OrderedDict
 from typing import Any, Callable, Iterable, Optional
 
-from pathways.protocol.handles import session_of
+from pathways.protocol.handles import discard, session_of
 
 _MAX_TOMBSTONES = 100_000
 # A waiter that may be abandoned (a fetch whose caller hung up) looks again at least this
@@ -37,7 +37,7 @@ class Poison:
         return f"Poison({self.kind}: {self.message!r})"
 
 
-class Offloaded:
+class OffloadedArray:
     """An array of a suspended session, off the devices: its distinct shards as numpy
     pieces ((region, array), ...) in host memory, or in ``file`` (the pieces one after the
     other, in numpy's .npy format)."""
@@ -49,7 +49,7 @@ class Offloaded:
         self.dtype, self.shape, self.regions, self.pieces, self.file = dtype, shape, regions, pieces, file
 
     def __repr__(self) -> str:
-        return f"Offloaded({self.dtype}{list(self.shape)}{', ' + self.file if self.file else ''})"
+        return f"OffloadedArray({self.dtype}{list(self.shape)}{', ' + self.file if self.file else ''})"
 
 
 def failure(what: str, error: Exception) -> Poison:
@@ -198,11 +198,7 @@ class ObjectStore:
             # Usually the put that woke this waiter took its registration already.
             if waiter in self._waiters.get(handle, ()):
                 with self._lock:
-                    waiting = self._waiters.get(handle)
-                    if waiting is not None:
-                        waiting.discard(waiter)
-                        if not waiting:
-                            del self._waiters[handle]
+                    discard(self._waiters, handle, waiter)
 
     def _taken_locked(self, handle: int) -> None:
         """A value was taken out for good (or waited for in vain). More may still arrive

@@ -14,7 +14,7 @@ command per line on stdin and answer with the seconds it took:
   timing (a fresh one per run: JAX keeps an array's host copy), of 1 KiB to 64 MiB; next to
   them ``pw.device_put`` and ``to_numpy`` of the native client on the one-device slice, and
   the same bytes through one TCP stream between two helper processes on loopback
-  (pathways.bench.transfer's raw copy);
+  (pathways_bench.transfer's raw copy);
 - one optax (adam) step of a 4-layer MLP on a host batch, steps submitted back to back and
   the last loss waited for; both helpers start from the same parameters and batches, and
   their losses are compared.
@@ -34,7 +34,7 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
-from pathways.bench import report
+from pathways_bench import report
 
 MiB = 1 << 20
 SIZES = (1024, MiB, 16 * MiB, 64 * MiB)
@@ -83,7 +83,7 @@ def _runs(nbytes: int) -> int:
 
 def measure(rounds: int, tiny: bool, progress: report.Progress) -> dict[str, Any]:
     import pathways as pw
-    from pathways.bench.transfer import LOOPBACK, Pair
+    from pathways_bench.transfer import LOOPBACK, Pair
 
     sizes = TINY_SIZES if tiny else SIZES
     calls = TINY_CALLS if tiny else CALLS

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 import pathways as pw
-from pathways.bench import report
+from pathways_bench import report
 from pathways.cluster import status, stop_processes, worker_stats
 
 RESULT_SECONDS = 60.0  # the bound on any one result: past it, the run counts as hung
@@ -68,7 +68,7 @@ def _rss(pid: int) -> int:
 
 class _Workload:
     """One client's workload (in a client process of its own: ``python -m
-    pathways.bench.chaos``), on the default session."""
+    pathways_bench.chaos``), on the default session."""
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
@@ -136,7 +136,7 @@ def _psum(x: Any) -> Any:
 def _client_main(address: str, seed: int, seconds: float) -> None:
     """A chaos client process: warm up, say "ready", run the workload for ``seconds``,
     print what happened as one JSON line."""
-    pw.connect(address).timeout = RESULT_SECONDS  # a result that takes longer fails, as a hang
+    pw.connect(address).result_timeout = RESULT_SECONDS  # a result that takes longer fails, as a hang
     work = _Workload(seed)
     work.warm_up()
     print("ready", flush=True)
@@ -155,7 +155,7 @@ def run(duration: float = 60.0, kill_every: float = 6.0, clients: int = 3, seed:
     rng = random.Random(seed)
     result = ChaosResult(duration, 0, 0)
     with pw.local_cluster(islands=[pw.Island(hosts=2), pw.Island(hosts=1)], restart_workers=True) as cluster:
-        team = [subprocess.Popen([sys.executable, "-m", "pathways.bench.chaos", cluster.address, str(seed + 1 + i),
+        team = [subprocess.Popen([sys.executable, "-m", "pathways_bench.chaos", cluster.address, str(seed + 1 + i),
                                   repr(duration)], stdout=subprocess.PIPE, text=True) for i in range(clients)]
         try:
             for c in team:

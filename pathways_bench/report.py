@@ -1,7 +1,7 @@
 """What every benchmark shares: repetition statistics, tables, progress, JSON, plots and the
 markdown section that BENCHMARKS.md is made of.
 
-A benchmark is a module of ``pathways.bench`` with
+A benchmark is a module of ``pathways_bench`` with
 
 - ``TITLE`` (one line), ``PAPER`` (the paper's figure it reproduces, or ``""``),
   ``PAPER_RESULT`` (what the paper reports there, or ``""``), ``ROUNDS`` (the default
@@ -26,25 +26,7 @@ import sys
 import time
 from typing import Any, Iterable, Sequence
 
-
-@dataclasses.dataclass
-class Table:
-    title: str
-    columns: list[str]
-    rows: list[list[str]]
-
-    def text(self) -> str:
-        widths = [max(len(c), *(len(r[i]) for r in self.rows)) if self.rows else len(c)
-                  for i, c in enumerate(self.columns)]
-        line = lambda cells: "  ".join(  # noqa: E731
-            (c.ljust(w) if i == 0 else c.rjust(w)) for i, (c, w) in enumerate(zip(cells, widths)))
-        return "\n".join([self.title, line(self.columns), line(["-" * w for w in widths]),
-                          *(line(r) for r in self.rows)])
-
-    def markdown(self) -> str:
-        head = "| " + " | ".join(self.columns) + " |"
-        sep = "| " + " | ".join(["---"] + ["---:"] * (len(self.columns) - 1)) + " |"
-        return "\n".join([f"{self.title}:", "", head, sep, *("| " + " | ".join(r) + " |" for r in self.rows)])
+from pathways.table import Table  # noqa: F401  (the benchmarks' tables are report.Table)
 
 
 def stats(samples: Sequence[float]) -> dict[str, float]:

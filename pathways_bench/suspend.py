@@ -39,7 +39,7 @@ def measure(gib: float = 1.0, rounds: int = 3) -> dict[str, Any]:
     suspend_s, resume_s, islands = [], [], []
     with pw.local_cluster(islands=[pw.Island(hosts=1, devices_per_host=1),
                                    pw.Island(hosts=1, devices_per_host=1)]) as cluster:
-        session = Session(cluster.address, timeout=60)
+        session = Session(cluster.address, connect_timeout=60)
         try:
             s = VirtualDeviceSet(session).add_slice(cpu_devices=1, island=0)
             arrays = [session.put_layout(h, *_whole(s)) for h in host]
@@ -49,7 +49,7 @@ def measure(gib: float = 1.0, rounds: int = 3) -> dict[str, Any]:
                 began = time.perf_counter()
                 session.suspend(timeout=_TIMEOUT)
                 suspend_s.append(time.perf_counter() - began)
-                other = Session(cluster.address, timeout=60)
+                other = Session(cluster.address, connect_timeout=60)
                 try:  # the island the arrays were on goes to another client
                     VirtualDeviceSet(other).add_slice(cpu_devices=1, island=s.island, exclusive=True)
                     was = s.island

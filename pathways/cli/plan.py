@@ -1,4 +1,4 @@
-"""``python -m pathways plan pipeline|dag FILE.json``: plan from a JSON file, print the plan
+"""``pathways plan pipeline|dag FILE.json``: plan from a JSON file, print the plan
 as a table and write its Gantt chart.
 
 Both kinds of file hold a topology in ``Topology.to_dict`` form::
@@ -28,17 +28,18 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Sequence
+from typing import Any
 
 from pathways.planner.partition import OBJECTIVES, STRATEGIES, Layer, PipelinePlan, pipeline_partition
 from pathways.planner.schedule import METHODS, Schedule, Task, schedule
 from pathways.planner.topology import PlanError, Topology, _field, _objects
+from pathways.table import Table
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m pathways plan",
-                                     description="Plan a pipeline or a task graph from a JSON file.")
-    sub = parser.add_subparsers(dest="kind", required=True)
+def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = commands.add_parser("plan", help="plan a pipeline partition or a DAG schedule from a JSON file",
+                                 description="Plan a pipeline or a task graph from a JSON file.")
+    sub = parser.add_subparsers(dest="kind", required=True, metavar="pipeline|dag")
     pipe = sub.add_parser("pipeline", help="split a model's layers over the devices as a ring pipeline")
     pipe.add_argument("file", help="JSON file: topology and layers")
     pipe.add_argument("--objective", choices=OBJECTIVES, default="latency",
@@ -58,12 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str]) -> int:
-    """Run the planner's command line; returns the exit status (2 for a bad file)."""
-    try:
-        args = _parser().parse_args(list(argv))
-    except SystemExit as e:  # argparse has printed the usage error or the help
-        return int(e.code or 0)
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Plan, print the plan and write its chart; the exit status (2 for a bad file)."""
     # By default in the current directory, not next to the input (which may be the package's examples).
     png = args.png or os.path.splitext(os.path.basename(args.file))[0] + ".png"
     try:
@@ -145,7 +142,6 @@ def _mib(n: int) -> str:
 
 
 def _pipeline_text(plan: PipelinePlan, topology: Topology) -> str:
-    from pathways.bench.report import Table
 
     rows = [[str(k), st.device, f"{st.start}-{st.end - 1}", _seconds(st.compute_s), _seconds(st.send_s),
              _mib(st.memory_bytes), _mib(topology.device(st.device).memory_bytes)]
@@ -161,7 +157,6 @@ def _pipeline_text(plan: PipelinePlan, topology: Topology) -> str:
 
 
 def _schedule_text(result: Schedule) -> str:
-    from pathways.bench.report import Table
 
     rows = [[p.task, p.device, _seconds(p.start), _seconds(p.end), _seconds(p.end - p.start)]
             for p in sorted(result.placements.values(), key=lambda p: (p.start, p.device, p.task))]

@@ -22,7 +22,7 @@ import numpy as np
 
 import pathways as pw
 from pathways import timeline_view
-from pathways.bench import report
+from pathways_bench import report
 
 STAGES = (1, 2, 4, 8, 16)
 
@@ -122,7 +122,7 @@ def _stage_hops(program: Callable, first: pw.Slice, stages: int, rounds: int, pr
     the time from the first stage's execute starting to the last one's, per stage; then the
     median of 20 raw round trips between two helper processes. Also where the last recorded
     step's time went, per step."""
-    from pathways.bench import transfer  # its raw socket helpers
+    from pathways_bench import transfer  # its raw socket helpers
 
     x = pw.device_put(np.float32(0), first.devices)
     np.asarray(program(x))  # warm: this input's first transfers

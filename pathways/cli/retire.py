@@ -2,8 +2,7 @@
 
 The controller drains it first (no new slices; the runs queued and in flight there may
 finish, for at most ``--timeout`` seconds), then shuts its hosts down and forgets it
-(cluster.retire says exactly what happens). Its own module, so that the command line's
-main module only registers it.
+(cluster.retire says exactly what happens).
 """
 
 from __future__ import annotations
@@ -11,19 +10,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from pathways.wire.security import Security
+from pathways.errors import PathwaysError
+from pathways.wire import security as sec
 
 DEFAULT_TIMEOUT = 60.0  # seconds the runs of a retired island may take to finish
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    """Register ``retire`` with the command line's subcommands."""
-    from pathways.wire import security
-
-    retire = sub.add_parser(
+def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = commands.add_parser(
         "retire", help="retire an island (or one host) for good: drain it, shut its hosts down, forget it",
         description="Retire an island by its name as `pathways status` shows it, or one host with --worker. "
                     "It takes no new slices at once; the runs queued and in flight there may finish (for at "
@@ -33,38 +28,37 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "and new workers may take its name. A lost (UNHEALTHY) island is simply forgotten. One "
                     "host of a larger island is lost on purpose instead: the island heals once a worker started "
                     "with its --island replaces the host.")
-    retire.add_argument("island", nargs="?", default=None, help="the island's name (or its id)")
-    retire.add_argument("--worker", type=int, default=None, metavar="ID",
+    parser.add_argument("island", nargs="?", default=None, help="the island's name (or its id)")
+    parser.add_argument("--worker", type=int, default=None, metavar="ID",
                         help="retire this one host (its worker id in `pathways status`) instead of an island")
-    retire.add_argument("--host", default=None, metavar="ADDRESS",
+    parser.add_argument("--host", default=None, metavar="ADDRESS",
                         help="retire the one host serving at this address (grpc://HOST:PORT or HOST:PORT, as "
                              "`pathways status` shows it) instead of an island")
-    retire.add_argument("--address", default=os.environ.get("PATHWAYS_ADDRESS"),
+    parser.add_argument("--address", default=os.environ.get("PATHWAYS_ADDRESS"),
                         help="the controller, grpc://HOST:PORT (default: $PATHWAYS_ADDRESS)")
-    retire.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
                         help=f"seconds to wait for the runs there to finish before retiring it anyway (default "
                              f"{DEFAULT_TIMEOUT:g}; 0: at once, failing them)")
-    security.add_flags(retire, server=False)
+    sec.add_flags(parser, server=False)
+    return parser
 
 
-def main(args: argparse.Namespace) -> int:
-    """Run ``pathways retire``; returns the exit code (2: usage, 1: refused or failed)."""
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Retire what ``args`` names; the exit status (2: usage, 1: refused or failed)."""
     from pathways import cluster
-    from pathways.errors import PathwaysError
     from pathways.protocol.messages import MAX_WAIT_SECONDS
-    from pathways.wire import security
 
     given = [x for x in (args.island or None, args.worker, args.host or None) if x is not None]
     if len(given) != 1:
-        return _usage("name what to retire: an island's name, --worker ID or --host ADDRESS (one of them)")
+        parser.error("name what to retire: an island's name, --worker ID or --host ADDRESS (one of them)")
     if not args.address:
-        return _usage("no cluster address: pass --address grpc://HOST:PORT or set PATHWAYS_ADDRESS")
+        parser.error("no cluster address: pass --address grpc://HOST:PORT or set PATHWAYS_ADDRESS")
     if not 0 <= args.timeout <= MAX_WAIT_SECONDS:
-        return _usage(f"--timeout must be 0 to {MAX_WAIT_SECONDS:g} seconds, got {args.timeout:g}")
-    sec = security.from_args(args)
+        parser.error(f"--timeout must be 0 to {MAX_WAIT_SECONDS:g} seconds, got {args.timeout:g}")
+    security = sec.from_args(args)
     try:
-        worker = args.worker if args.host is None else _worker_at(args.address, args.host, sec)
-        report = cluster.retire(args.address, args.island or "", worker, args.timeout, sec)
+        worker = args.worker if args.host is None else _worker_at(args.address, args.host, security)
+        report = cluster.retire(args.address, args.island or "", worker, args.timeout, security)
     except PathwaysError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -72,18 +66,12 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _usage(message: str) -> int:
-    print(f"pathways retire: error: {message}", file=sys.stderr)
-    return 2
-
-
-def _worker_at(address: str, host: str, sec: Security) -> int:
+def _worker_at(address: str, host: str, security: sec.Security) -> int:
     """The id of the worker serving at ``host`` (its gRPC address, with or without the scheme)."""
     from pathways import cluster
-    from pathways.errors import PathwaysError
 
     wanted = host if "://" in host else f"grpc://{host}"
-    workers = cluster.status(address, security=sec)["workers"]
+    workers = cluster.status(address, security=security)["workers"]
     found = [w["worker"] for w in workers if w["address"] == wanted]
     if not found:
         raise PathwaysError(f"no worker serves at {host}; the workers serve at: "

@@ -1,7 +1,7 @@
 """``python -m pathways bench train``: training throughput of a pipelined model next to SPMD
 data parallelism, same model, same devices (the paper's Table 2, as ratios).
 
-The MLP of ``pathways.bench.gpipe`` (one residual block per host) is trained from the same
+The MLP of ``pathways_bench.gpipe`` (one residual block per host) is trained from the same
 initial parameters on the same global batches, three ways, on ``hosts`` one-device hosts:
 
 - GPipe on pathways: one stage per host, each on its own 1-device slice; a step is one
@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 import pathways as pw
-from pathways.bench import gpipe, report
+from pathways_bench import gpipe, report
 
 TITLE = "Training: a pipelined model against SPMD data parallelism"
 PAPER = "Table 2"
@@ -43,7 +43,7 @@ _FETCH_TIMEOUT = 120.0
 MODES = ("GPipe, pathways", "data parallel, pathways", "data parallel, JAX")
 
 ABOUT = f"""
-The residual MLP of `pathways/bench/gpipe.py` ({CONFIG.stages} blocks of width {CONFIG.width}, hidden
+The residual MLP of `pathways_bench/gpipe.py` ({CONFIG.stages} blocks of width {CONFIG.width}, hidden
 {CONFIG.hidden}, global batch {CONFIG.batch}) trained from the same initial parameters on the same
 batches, on {CONFIG.stages} one-device hosts: GPipe on pathways (one stage per host,
 {CONFIG.microbatches} microbatches, one `@pw.program` per step); data parallel on pathways (one

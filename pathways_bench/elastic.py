@@ -7,9 +7,9 @@ session costs.
   and again, returns the right value. Beside it, what the alternative costs: starting a
   fresh cluster of the same shape and running the psum on it.
 - *Suspend and resume*: a session holding 1 GiB on one island is suspended, another client
-  takes the island, and the session resumes on the other island (pathways/bench/suspend.py),
+  takes the island, and the session resumes on the other island (pathways_bench/suspend.py),
   next to a raw copy of the same bytes.
-- *Chaos*: the chaos run of tests/test_chaos.py (pathways/bench/chaos.py), longer.
+- *Chaos*: the chaos run of tests/test_chaos.py (pathways_bench/chaos.py), longer.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 import pathways as pw
-from pathways.bench import chaos, report
+from pathways_bench import chaos, report
 from pathways.cluster import RESTART_STABLE_SECONDS, status
 
 TITLE = "Elastic islands: from a lost host to serving again, suspend and resume, chaos"
@@ -48,14 +48,14 @@ compiled and run on it.
 **Suspend and resume**: arrays totalling {SUSPEND_GIB:g} GiB on island 0 of a cluster of two
 one-host islands; `session.suspend()` moves them into the workers' host memory and releases
 the slices, another client takes island 0 exclusively, and `session.resume()` re-places the
-slices on island 1 and moves the bytes there worker to worker (`pathways/bench/suspend.py`).
+slices on island 1 and moves the bytes there worker to worker (`pathways_bench/suspend.py`).
 *Raw copy* is a numpy copy of the same bytes in one process's memory, the floor for moving
 them off a device on CPU; *raw move* is an ordinary program moving arrays of the same bytes
 from island 0 to island 1, the data plane's worker-to-worker transfer.
 
 **Chaos**: three client processes run op-by-op psums, programs across both islands and
 transfers for {CHAOS_SECONDS:g} s while a worker is SIGKILLed every 7 s on average (see
-`pathways/bench/chaos.py`): every result must be right or `WorkerLostError`, nothing may
+`pathways_bench/chaos.py`): every result must be right or `WorkerLostError`, nothing may
 hang, every island must be healthy at the end, the workers must hold no array once the
 sessions closed, and memory must be flat.
 """
@@ -110,7 +110,7 @@ def _heal_rounds(rounds: int, progress: report.Progress) -> dict[str, list[float
 
 
 def measure(rounds: int, tiny: bool, progress: report.Progress) -> dict:
-    from pathways.bench import suspend
+    from pathways_bench import suspend
 
     progress.expect(2 * rounds + 2)
     heal = _heal_rounds(rounds, progress)

@@ -15,7 +15,7 @@ import statistics
 import time
 from typing import Any
 
-from pathways.bench.report import Progress, Table, plot_lines, rate, stats
+from pathways_bench.report import Progress, Table, plot_lines, rate, stats
 from pathways.planner import (Device, Layer, Link, PlanError, Task, Topology, pipeline_partition, schedule,
                               validate)
 

@@ -16,7 +16,7 @@ import functools
 import time
 from typing import Any, Callable
 
-from pathways.bench import dispatch, report
+from pathways_bench import dispatch, report
 
 TITLE = "Parity: the smallest computation at which pathways reaches 95% of multi-controller JAX"
 PAPER = "Figure 6"

@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from pathways.bench import report
+from pathways_bench import report
 from pathways.wire import frames
 
 TITLE = "Control messages: CPU per message on the controller's transports"

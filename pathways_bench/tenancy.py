@@ -31,7 +31,7 @@ from typing import Optional
 
 import numpy as np
 
-from pathways.bench import report
+from pathways_bench import report
 
 TITLE = "Multi-tenancy: clients sharing one device"
 PAPER = "Figures 8 and 9"
@@ -108,7 +108,7 @@ class _Clients:
         self.address = address
         self.weights = weights
         env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}  # clients exit if this process dies
-        self.procs = [subprocess.Popen([sys.executable, "-m", "pathways.bench.tenancy", "--client", address, str(w)],
+        self.procs = [subprocess.Popen([sys.executable, "-m", "pathways_bench.tenancy", "--client", address, str(w)],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, bufsize=1)
                       for w in weights]
         self.lines: queue.Queue[tuple[int, str]] = queue.Queue()

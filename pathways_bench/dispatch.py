@@ -28,7 +28,7 @@ import statistics
 import time
 from typing import Any, Callable
 
-from pathways.bench import report
+from pathways_bench import report
 
 TITLE = "Dispatch: computations per second, pathways against multi-controller JAX"
 PAPER = "Figure 5"

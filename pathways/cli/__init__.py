@@ -1,0 +1,70 @@
+"""The ``pathways`` command line (``python -m pathways``, the ``pathways`` script): one module
+of this package per command.
+
+A command's module has
+
+- ``add_parser(commands) -> argparse.ArgumentParser``: adds its parser to ``commands`` (the
+  top-level parser's subparsers), with its help and flags, and returns it;
+- ``run(parser, args) -> int``: does the command with the parsed ``args`` and returns the
+  exit status; ``parser`` is its own parser, for ``parser.error``.
+
+Every call builds every command's parser, so a module's top-level imports stay light: what
+the command's work needs (JAX, the client, a cluster) is imported inside ``run``.
+Adding a command: a new module here, and its name in ``COMMANDS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import signal
+import sys
+
+# The commands in the order `pathways --help` lists them: each is the module of that name.
+COMMANDS = ("controller", "worker", "up", "run", "status", "retire", "demo", "bench", "spmd", "plan", "trace")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser: a subparser per command, each knowing its module's ``run``."""
+    top = argparse.ArgumentParser(prog="pathways", description=f"The pathways command line: {', '.join(COMMANDS)}.")
+    top.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS,
+                     default=os.environ.get("PATHWAYS_LOG_LEVEL", "warning").lower(),
+                     help="what this process and the processes it starts (a local cluster's controller and "
+                          "workers) log on stderr (default: $PATHWAYS_LOG_LEVEL, else warning)")
+    commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        module = importlib.import_module(f"{__name__}.{name}")
+        command = module.add_parser(commands)
+        command.set_defaults(run=module.run, parser=command)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command of ``argv`` (default: this process's arguments); its exit status."""
+    try:
+        return _main(argv)
+    except SystemExit as e:  # argparse's help (0) and usage errors (2): a status, also when called in-process
+        if e.code is not None and not isinstance(e.code, int):
+            raise
+        return e.code or 0
+    except BrokenPipeError:  # stdout closed early (`pathways status | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the exit flush cannot fail
+        return 128 + signal.SIGPIPE
+
+
+def _main(argv: list[str] | None) -> int:
+    from pathways.wire.security import SecurityConfigError
+
+    args = parser().parse_args(argv)
+    # Child processes (a local cluster's controller and workers) log at the same level.
+    os.environ["PATHWAYS_LOG_LEVEL"] = args.log_level
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING),
+                        format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
+    try:
+        return args.run(args.parser, args)
+    except SecurityConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,53 @@
+"""Flags that several commands share: a local cluster's islands (``up``, ``run``) and a
+controller's scheduling (``controller``, ``up``)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from pathways.defaults import DEFAULT_WINDOW
+
+if TYPE_CHECKING:
+    from pathways.cluster import Island
+
+POLICIES = ("fair", "fifo")
+
+
+def scheduling_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--policy", choices=POLICIES, default="fair",
+                        help="order of runs between clients: fair (device time in proportion to each client's "
+                             "weight) or fifo (in order of arrival); default fair")
+    parser.add_argument("--window", type=int, default=DEFAULT_WINDOW, metavar="N",
+                        help=f"runs in flight per island while several clients have runs queued for it (a "
+                             f"client alone may run further ahead); default {DEFAULT_WINDOW}")
+
+
+def island_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--islands", default=None,
+                        help="comma-separated islands, each HOSTSxDEVICES or HOSTS (with --devices-per-host), "
+                             "e.g. 2x1,1x4 (default 2x2)")
+    parser.add_argument("--devices-per-host", type=int, default=None, metavar="N",
+                        help="CPU devices of each host of the islands given as HOSTS in --islands (default 2)")
+
+
+def islands(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Island]:
+    """The islands of --islands and --devices-per-host; a usage error names what is wrong."""
+    from pathways.cluster import Island
+
+    spec = args.islands or "2"
+    per_host = args.devices_per_host
+    if per_host is not None and per_host < 1:
+        parser.error(f"--devices-per-host must be at least 1, got {per_host}")
+    found = []
+    for part in spec.split(","):
+        hosts, x, devices = part.strip().partition("x")
+        if x and per_host is not None:
+            parser.error(f"--islands {spec!r} gives the devices per host already ({part!r}); give HOSTS in "
+                         "--islands with --devices-per-host, or HOSTSxDEVICES without it")
+        if not hosts.isdigit() or not (devices.isdigit() if x else True) or int(hosts) < 1 \
+                or (x and int(devices) < 1):
+            parser.error(f"--islands {spec!r} is not a list like 2x1,1x4 (HOSTSxDEVICES per island, at least 1 "
+                         "of each) or 2,1 with --devices-per-host")
+        found.append(Island(int(hosts), int(devices) if x else per_host or 2))
+    return found

@@ -1,0 +1,43 @@
+"""``pathways controller``: run a controller."""
+
+from __future__ import annotations
+
+import argparse
+
+from pathways.cli.common import scheduling_flags
+from pathways.defaults import HEARTBEAT_TIMEOUT
+from pathways.wire import security
+
+
+def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = commands.add_parser("controller", help="run a controller; prints its address on stdout",
+                                 description="Run a controller. Once serving, it prints `PATHWAYS_CONTROLLER_"
+                                             "ADDRESS grpc://HOST:PORT` on stdout: the address clients and "
+                                             "workers use.")
+    parser.add_argument("--bind", default="127.0.0.1:0", metavar="HOST:PORT",
+                        help="where clients and workers reach it (default 127.0.0.1:0: this machine only, "
+                             "any free port). Its gRPC server takes PORT; workers' streams take another "
+                             "free port of HOST, which workers learn from the controller. With a wildcard "
+                             "host (0.0.0.0, or [::] for IPv6) it serves on every address of the machine "
+                             "and prints the address of the interface its default route uses (without a "
+                             "default route, its first address that is not loopback); peers may use any "
+                             "address of the machine")
+    parser.add_argument("--ifrt-bind", metavar="HOST:PORT", default=None,
+                        help="also serve unmodified JAX programs (JAX_PLATFORMS=proxy) over the IFRT proxy "
+                             "protocol there, e.g. 127.0.0.1:0; prints `ifrt grpc://HOST:PORT` on the line "
+                             "after its address. Beyond loopback it requires the token, like --bind")
+    scheduling_flags(parser)
+    security.add_flags(parser, server=True, data_plane=False)
+    parser.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT, metavar="S",
+                        help="seconds a worker may send nothing (not even a heartbeat) before it is lost "
+                             "and its island marked unhealthy")
+    return parser
+
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from pathways.controller.server import main
+    from pathways.keeper import exit_with_parent
+
+    exit_with_parent()
+    main(args.policy, args.window, args.bind, security.from_args(args), args.heartbeat_timeout, args.ifrt_bind)
+    return 0

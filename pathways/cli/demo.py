@@ -1,0 +1,32 @@
+"""``pathways demo``: run the paper's Figure 2 program (:mod:`pathways.demo`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pathways.errors import PathwaysError
+from pathways.wire import security
+
+
+def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = commands.add_parser("demo", help="run the paper's Figure 2 program")
+    parser.add_argument("--address", default=None, metavar="grpc://HOST:PORT",
+                        help="a running cluster's controller (default: $PATHWAYS_ADDRESS, else an embedded "
+                             "local cluster, started and stopped by the demo)")
+    security.add_flags(parser, server=False)
+    return parser
+
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from pathways.demo import figure2
+
+    # the flags only: pw.connect reads PATHWAYS_TOKEN and PATHWAYS_TLS_CA itself, and
+    # applies the CA only to a cluster at an address
+    token = security.read_token_file(args.token_file) if args.token_file else None
+    try:
+        figure2(args.address, token, args.tls_ca)
+    except PathwaysError as e:  # a cluster that cannot be reached or refuses the token: one line, like status
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,97 @@
+"""``pathways status``: show a running cluster's islands, workers, links, clients and queues."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from pathways.errors import PathwaysError
+from pathways.wire import security as sec
+
+
+def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = commands.add_parser("status",
+                                 help="show islands, workers (speed, memory), links, slices, clients, queues")
+    parser.add_argument("--address", default=os.environ.get("PATHWAYS_ADDRESS"), metavar="grpc://HOST:PORT",
+                        help="the cluster's controller (default: $PATHWAYS_ADDRESS)")
+    parser.add_argument("--measure", action="store_true",
+                        help="have every worker measure its FLOP/s and links again first, and wait for it")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds to wait for the controller (default 10) or, with --measure, for the "
+                             "measurements (default 60)")
+    sec.add_flags(parser, server=False)
+    return parser
+
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from pathways import cluster
+
+    address, timeout = args.address, args.timeout
+    if not address:
+        print("no cluster address: pass --address grpc://HOST:PORT or set PATHWAYS_ADDRESS", file=sys.stderr)
+        return 2
+    security = sec.from_args(args)
+    try:
+        st = (cluster.measure(address, 60.0 if timeout is None else timeout, security) if args.measure
+              else cluster.status(address, 10.0 if timeout is None else timeout, security))
+    except PathwaysError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    _print(address, st)
+    return 0
+
+
+def _print(address: str, st: dict) -> None:
+    """The status ``st`` of the controller at ``address``, a line per island, worker and client session."""
+    print(f"controller {address}: {len(st['workers'])} worker(s), {len(st['sessions'])} client session(s), "
+          f"{st['slices']} slice(s), {st['arrays']} live array(s); policy {st['policy']}, "
+          f"window {st['window']} run(s) per island")
+    for i in st["islands"]:
+        name = i["name"] if i["name"] == str(i["island"]) else f"{i['name']} (id {i['island']})"
+        if i.get("healing"):
+            state = (f"HEALING ({i['hosts']} of {i['expected_hosts']} hosts joined again; "
+                     f"{i.get('lost') or 'a host was lost'})")
+        elif i["assembling"]:
+            state = f"assembling ({i['hosts']} of {i['expected_hosts']} hosts joined; it takes slices once all have)"
+        elif not i["healthy"]:
+            state = f"UNHEALTHY ({i.get('lost') or 'a host was lost'})"
+        elif i.get("retiring"):
+            state = "RETIRING (an operator retires it: it takes no new slices, its runs drain, then its hosts exit)"
+        else:
+            state = "healthy"
+        print(f"  island {name}: {state}, {i['hosts']} host(s), {i['devices']} device(s), {i['queued']} run(s) "
+              f"queued, {i['inflight']} in flight")
+        for w in (w for w in st["workers"] if w["island"] == i["island"]):
+            speed = f"{w['flops'] / 1e9:.1f} GFLOP/s" if w.get("flops") else "FLOP/s not measured yet"
+            print(f"    worker {w['worker']} rank {w['rank']} host {w['host']} pid {w['pid']} {w['address']}: "
+                  f"{w['devices']} {w['kind']} device(s), {speed}, {w['memory_bytes'] / 2**30:.1f} GiB memory, "
+                  f"slices per device {w['load']}")
+    _print_links(st)
+    for c in st["sessions"]:
+        state = c.get("state", "active")
+        if state == "suspended":
+            state = (f"SUSPENDED ({c.get('suspended_arrays', 0)} array(s), "
+                     f"{c.get('suspended_bytes', 0) / 2**20:.1f} MiB off the devices; slices released), ")
+        else:  # an active session says nothing; one suspending or resuming says which
+            state = "" if state == "active" else f"{state.upper()}, "
+        print(f"  client session {c['session']}: {state}weight {c.get('weight', 1.0):g}, {c['slices']} slice(s), "
+              f"{c['arrays']} array(s), {c.get('queued', 0)} run(s) queued, {c.get('inflight', 0)} in flight, "
+              f"{c.get('completed', 0)} done, {c.get('device_seconds', 0.0):.3f} device-s")
+
+
+def _print_links(st: dict) -> None:
+    """The measured links as two matrices, latency in us and bandwidth in MB/s (row: from,
+    column: to; ? where not measured)."""
+    ids = [w["worker"] for w in st["workers"]]
+    if len(ids) < 2:
+        return
+    links = {(x["src"], x["dst"]): x for x in st.get("links", [])}
+    for title, field, scale in (("latency in us", "latency", 1e6), ("bandwidth in MB/s", "bandwidth", 1e-6)):
+        print(f"  links, {title} (row: from worker, column: to worker):")
+        print("    " + " " * 6 + "".join(f"{w:>8}" for w in ids))
+        for a in ids:
+            cells = ["-" if a == b else f"{links[(a, b)][field] * scale:.0f}" if (a, b) in links else "?"
+                     for b in ids]
+            print(f"    {a:>6}" + "".join(f"{c:>8}" for c in cells))
+

@@ -1,0 +1,30 @@
+"""``pathways trace``: summarize a timeline file, and draw it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = commands.add_parser("trace", help="summarize a timeline file (pw.trace, PATHWAYS_TRACE); draw it "
+                                               "with --png")
+    parser.add_argument("file", help="the timeline's Chrome trace-event JSON")
+    parser.add_argument("--png", metavar="PATH", help="write a Gantt chart: a row per process and thread")
+    return parser
+
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from pathways.timeline_view import TimelineFileError, gantt, load, summary
+
+    try:
+        spans = load(args.file)
+    except TimelineFileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(summary(spans))
+    if args.png:
+        gantt(spans, args.png, f"pathways timeline: {os.path.basename(args.file)}")
+        print(f"wrote {args.png}")
+    return 0

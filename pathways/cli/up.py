@@ -1,0 +1,55 @@
+"""``pathways up``: run a local cluster until Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+from pathways.cli.common import island_flags, islands, scheduling_flags
+from pathways.defaults import HEARTBEAT_TIMEOUT
+from pathways.wire import security
+
+
+def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = commands.add_parser("up", help="run a local cluster until Ctrl-C; prints its address")
+    island_flags(parser)
+    scheduling_flags(parser)
+    security.add_flags(parser, server=True)
+    parser.add_argument("--heartbeat-timeout", type=float, default=None, metavar="S",
+                        help=f"seconds of silence after which controller and workers give each other up "
+                             f"(default {HEARTBEAT_TIMEOUT:g})")
+    parser.add_argument("--restart-workers", action="store_true",
+                        help="start a worker that dies again (with a back-off): its island heals")
+    parser.add_argument("--ifrt-port", type=int, default=None, metavar="PORT",
+                        help="also serve unmodified JAX programs over the IFRT proxy protocol on this loopback "
+                             "port (0: any free one): JAX_PLATFORMS=proxy JAX_BACKEND_TARGET=grpc://127.0.0.1:PORT")
+    return parser
+
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from pathways.cluster import LocalCluster
+
+    try:
+        cluster = LocalCluster(islands(parser, args), policy=args.policy, window=args.window,
+                               security=security.from_args(args), heartbeat_timeout=args.heartbeat_timeout,
+                               ifrt_port=args.ifrt_port, restart_workers=args.restart_workers,
+                               restart_controller=True)
+    except ValueError as e:
+        parser.error(str(e))
+    cluster.start()
+    lines = [f"pathways cluster up at {cluster.address}; export PATHWAYS_ADDRESS={cluster.address}"]
+    if cluster.ifrt_address:
+        lines.append(f"IFRT proxy at {cluster.ifrt_address}; run unmodified JAX programs with "
+                     f"JAX_PLATFORMS=proxy JAX_BACKEND_TARGET={cluster.ifrt_address}")
+    print("\n".join(lines), flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the cluster on SIGTERM too
+    try:
+        while True:  # the supervisor restarts the controller, and says so, should it die
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cluster.stop()
+    return 0

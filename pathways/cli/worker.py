@@ -1,0 +1,88 @@
+"""``pathways worker``: run a worker host attached to a controller."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from pathways.defaults import HEARTBEAT_TIMEOUT
+from pathways.keeper import RECONNECT_TIMEOUT
+from pathways.platforms import PLATFORMS
+from pathways.wire import security
+from pathways.worker.launchers import LAUNCHERS
+
+
+def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = commands.add_parser("worker", help="run a worker host attached to a controller")
+    parser.add_argument("--controller", required=True, help="grpc://HOST:PORT of the controller")
+    parser.add_argument("--bind", metavar="HOST",
+                        help="the address its servers (gRPC, data plane, and on an island's rank 0 the "
+                             "island's jax.distributed coordinator) listen on (default: --advertise if given, "
+                             "else the local address this machine uses to reach the controller; 0.0.0.0 "
+                             "for every address)")
+    parser.add_argument("--advertise", metavar="HOST",
+                        help="the host name or address clients and other workers reach it at (default: the "
+                             "bind address, or for a wildcard bind the local address this machine uses to "
+                             "reach the controller)")
+    parser.add_argument("--platform", choices=PLATFORMS, default=None,
+                        help="the JAX platform it serves (default: whichever JAX finds); slices ask for its "
+                             "devices as cpu_devices=, gpu_devices= (cuda, rocm) or tpu_devices=")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="virtual CPU devices on this host (default 1); CPU only: an accelerator worker "
+                             "serves the devices JAX finds on the host")
+    parser.add_argument("--island", default=None, metavar="NAME",
+                        help="the island (hosts joined by a fast interconnect, one jax.distributed group) this "
+                             "host belongs to (default: the launcher's, e.g. a JobSet's Job, else 0)")
+    parser.add_argument("--island-hosts", type=int, default=None, metavar="H",
+                        help="hosts in this worker's island; the island takes work once all H have joined "
+                             "(default: the launcher's task count, else 1)")
+    parser.add_argument("--rank", type=int, default=None,
+                        help="this host's index within its island, 0 to H-1 (default: the launcher's task "
+                             "index, else the controller gives ranks in order of arrival)")
+    parser.add_argument("--launcher", choices=LAUNCHERS, default="auto",
+                        help="read rank and island size from the launcher's environment: auto (Slurm's srun "
+                             "or a Kubernetes indexed Job / JobSet, whichever started it), slurm, kubernetes, "
+                             "or none (flags only). Flags win over the environment")
+    parser.add_argument("--wait-timeout", type=float, default=300.0,
+                        help="seconds an op waits for an input array before poisoning its outputs")
+    parser.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to reach the controller")
+    parser.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT, metavar="S",
+                        help="seconds the controller may send nothing (not even a heartbeat) before this "
+                             "worker gives it up and exits; also how long a data-plane peer may stall")
+    parser.add_argument("--reconnect-timeout", type=float, default=RECONNECT_TIMEOUT, metavar="S",
+                        help="when the controller goes away, restart and attach again once it is back, trying for "
+                             "S seconds (0: exit at once); the controller's arrays and sessions are gone either way")
+    parser.add_argument("--join-timeout", type=float, default=300.0,
+                        help="seconds to wait for the island's rank 0 host to register, and then for every "
+                             "host of the island to join its jax.distributed group")
+    parser.add_argument("--unsafe-local-order", action="store_true",
+                        help="debugging only: order runs of different clients locally instead of in "
+                             "the island's gang order (collectives across hosts can hang)")
+    security.add_flags(parser, server=True)
+    return parser
+
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from pathways import keeper
+    from pathways.platforms import find_devices
+    from pathways.worker.launchers import LaunchError, resolve
+    from pathways.worker.server import IslandMembership, main
+
+    keeper.exit_with_parent()
+    if os.environ.get(keeper.KEPT_ENV) != "1":  # the host's process becomes the keeper of the worker
+        os.execv(sys.executable, keeper.command(args.reconnect_timeout, [sys.executable, *sys.orig_argv[1:]]))
+    try:
+        launch = resolve(os.environ, args.launcher, args.rank, args.island_hosts, args.island)
+        devices = find_devices(args.platform, args.devices)
+    except (LaunchError, ValueError) as e:
+        parser.error(str(e))
+    logging.getLogger("pathways.worker").info("island place from %s: %s", launch.source, launch)
+    island = launch.island if launch.island is not None else "0"
+    if not island.strip():
+        parser.error("--island needs a name, e.g. --island 0 or --island rack-a")
+    main(args.controller, devices, IslandMembership(island, launch.hosts, launch.rank), args.wait_timeout,
+         args.connect_timeout, args.join_timeout, args.bind, args.advertise, args.unsafe_local_order,
+         security.from_args(args), args.heartbeat_timeout, args.reconnect_timeout)
+    return 0

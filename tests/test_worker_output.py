@@ -1,0 +1,44 @@
+"""What a worker shows on the terminal at the default log level: gloo's connection notices
+on its stdout become log records at info (pathways/worker/native_stdout.py), and its C++
+logs (XLA, the coordination service it may host) show errors only, however it was started."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pathways import keeper
+
+NOTICE = "[Gloo] Rank 0 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3"
+# A process that installs the filter, then writes as a C++ library does (straight to fd 1)
+# and as Python does (sys.stdout, flushed at exit).
+PROGRAM = f"""
+import logging, os, sys
+logging.basicConfig(level=sys.argv[1].upper(), format="%(levelname)s %(message)s")
+from pathways.worker.native_stdout import filter_stdout
+filter_stdout(logging.getLogger("pathways.worker"))
+os.write(1, b"{NOTICE}\\n")
+os.write(1, b"[Gloo] an error gloo reports\\n")
+print("the program's own line")
+"""
+
+
+@pytest.mark.parametrize("level", ["warning", "info"])
+def test_gloo_connection_notices_are_logged_at_info_and_other_lines_pass(level):
+    out = subprocess.run([sys.executable, "-c", PROGRAM, level], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["[Gloo] an error gloo reports", "the program's own line"]
+    assert (f"INFO {NOTICE}" in out.stderr) == (level == "info"), out.stderr
+
+
+@pytest.mark.parametrize("level, cpp", [("warning", "2"), ("error", "2"), ("info", "0"), ("DEBUG", "0")])
+def test_the_keeper_gives_its_worker_the_cpp_log_level_of_its_log_level(level, cpp):
+    # as `pathways worker` started by hand runs it: PATHWAYS_LOG_LEVEL from --log-level, and
+    # TF_CPP_MIN_LOG_LEVEL=1 as JAX leaves it on import (warnings shown) in the process it replaces
+    env = {**os.environ, keeper.LOG_LEVEL_ENV: level, keeper.CPP_LOG_LEVEL_ENV: "1"}
+    env.pop(keeper.PARENT_PID_ENV, None)
+    worker = [sys.executable, "-c", f"import os; print(os.environ[{keeper.CPP_LOG_LEVEL_ENV!r}])"]
+    out = subprocess.run(keeper.command(1.0, worker), env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [cpp]
