@@ -56,6 +56,7 @@ class Controllerless:
             self.rm.add_host(worker, worker, kind, devices, 1 << 30, rank=0)
         self.sent, self.asked = [], []
         self.slices = {}  # the Slice objects by id, as a Session keeps them (SliceMoved)
+        self.local = False  # a remote cluster, as far as placement advice goes (Session.local)
         self._ids = itertools.count(1)
 
     def request(self, make):

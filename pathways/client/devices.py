@@ -7,7 +7,7 @@ back a slice is the controller's business (the client keeps it only to address b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from jax.sharding import PartitionSpec
 
@@ -52,19 +52,17 @@ class VirtualDeviceSet:
         return s
 
 
+@dataclass(eq=False, repr=False)  # a slice is itself: equal, and hashed, by identity
 class Slice:
-    def __init__(self, session, slice_id: int, kind: str, count: int, mesh_shape: tuple[int, ...],
-                 island: int, workers: tuple[int, ...], addresses: tuple[str, ...],
-                 physical: tuple[tuple[int, int], ...]) -> None:
-        self.session = session
-        self.id = slice_id
-        self.kind = kind
-        self.count = count
-        self.mesh_shape = mesh_shape
-        self.island = island
-        self.workers = workers  # the hosts holding the slice (several for a multi-host slice)
-        self.addresses = addresses
-        self._physical = physical
+    session: Any
+    id: int
+    kind: str
+    count: int
+    mesh_shape: tuple[int, ...]
+    island: int
+    workers: tuple[int, ...]  # the hosts holding the slice (several for a multi-host slice)
+    addresses: tuple[str, ...]
+    _physical: tuple[tuple[int, int], ...]
 
     def move(self, workers: tuple[int, ...], addresses: tuple[str, ...], island: int,
              physical: tuple[tuple[int, int], ...]) -> None:

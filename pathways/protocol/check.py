@@ -70,15 +70,23 @@ class Bool(Checker[bool]):
         return value
 
 
+def _sized(value: Any, what: str, of_type: type, must_be: str, unit: str, max_len: int, min_len: int = 0) -> None:
+    """Raise unless ``value`` is of ``of_type`` (``must_be`` in words) with ``min_len`` to
+    ``max_len`` ``unit``."""
+    if type(value) is not of_type:
+        raise WireError(f"{what} must be {must_be}, got {_kind(value)}")
+    if len(value) > max_len:
+        raise WireError(f"{what} has {len(value)} {unit}; at most {max_len} are allowed")
+    if len(value) < min_len:
+        raise WireError(f"{what} has {len(value)} {unit}; at least {min_len} are needed")
+
+
 class Str(Checker[str]):
     def __init__(self, max_len: int = MAX_NAME, choices: frozenset[str] | None = None) -> None:
         self.max_len, self.choices = max_len, choices
 
     def check(self, value: Any, what: str) -> str:
-        if type(value) is not str:
-            raise WireError(f"{what} must be a string, got {_kind(value)}")
-        if len(value) > self.max_len:
-            raise WireError(f"{what} is {len(value)} characters long; at most {self.max_len} are allowed")
+        _sized(value, what, str, "a string", "characters", self.max_len)
         if self.choices is not None and value not in self.choices:
             raise WireError(f"{what} must be one of {sorted(self.choices)}, got {value[:64]!r}")
         return value
@@ -89,12 +97,7 @@ class Bytes(Checker[bytes]):
         self.max_len, self.min_len = max_len, min_len
 
     def check(self, value: Any, what: str) -> bytes:
-        if type(value) is not bytes:
-            raise WireError(f"{what} must be binary, got {_kind(value)}")
-        if len(value) > self.max_len:
-            raise WireError(f"{what} has {len(value)} bytes; at most {self.max_len} are allowed")
-        if len(value) < self.min_len:
-            raise WireError(f"{what} has {len(value)} bytes; at least {self.min_len} are needed")
+        _sized(value, what, bytes, "binary", "bytes", self.max_len, self.min_len)
         return value
 
 

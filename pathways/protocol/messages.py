@@ -581,6 +581,9 @@ class Define(Message):
 
 @message("run")
 class RunProgram(Message):
+    """Run the op stream ``Define`` sent as ``key``, once, as run ``id``: its outputs take
+    handles from ``base``, its transfer copies from ``tbase``, and ``args`` binds its inputs."""
+
     id: int = wire(Int(0))
     key: int = wire(Int(1))
     base: int = wire(HANDLE)
