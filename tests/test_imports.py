@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import pathways
 
@@ -22,6 +22,18 @@ def test_client_import_loads_no_controller_worker_or_planner() -> None:
     assert out.returncode == 0, out.stderr
     loaded = out.stdout.split()
     assert not loaded, f"`import pathways` loaded server-side modules: {loaded}"
+
+
+def test_the_controller_a_worker_before_its_welcome_and_the_command_line_import_no_jax() -> None:
+    # Importing JAX costs about a second of CPU: a cluster's processes that never use it
+    # (the controller, a worker's host process that becomes its keeper, `pathways status`)
+    # must not pay it; a worker imports it beside attaching (worker/server.py).
+    code = ("import sys, pathways, pathways.__main__, pathways.controller.server, pathways.worker.server, "
+            "pathways.cluster; print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib')))")
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE_DIR.parent)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"imported JAX: {out.stdout}"
 
 
 def _module_names() -> dict[str, Path]:
@@ -59,6 +71,18 @@ def _absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
+def _lazy_exports(tree: ast.Module) -> tuple[dict[str, tuple[str, ...]], dict[str, str]]:
+    """A module's ``_EXPORTS`` (module -> names) and ``_ALIASES`` (name -> name) literals,
+    empty where it has none."""
+    found: dict[str, Any] = {"_EXPORTS": {}, "_ALIASES": {}}
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (
+            node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
+        if isinstance(target, ast.Name) and target.id in found and node.value is not None:
+            found[target.id] = ast.literal_eval(node.value)
+    return found["_EXPORTS"], found["_ALIASES"]
+
+
 class ImportGraph:
     """Which pathways modules each pathways module imports, at top level or inside functions.
 
@@ -77,6 +101,10 @@ class ImportGraph:
       ancestor's ``from ... import f`` re-export to the module defining ``f`` (recursively),
       and ``import pathways as pw`` followed by ``pw.f`` likewise. A name the ancestor
       defines itself, or that cannot be traced, stays an edge to the ancestor.
+    - A package whose names are imported when first used (``pathways/__init__.py``: its
+      ``_EXPORTS`` literal maps each module to the names it gives, ``_ALIASES`` a name to
+      another) re-exports them as if by ``from module import name``: edges from the package
+      to those modules, and uses of the names resolved to them.
     - Imports under ``if TYPE_CHECKING:`` never run and are ignored.
     """
 
@@ -100,6 +128,15 @@ class ImportGraph:
         further package re-exports; None when the package defines it or it cannot be traced."""
         if f"{package}.{attr}" in self.paths:
             return f"{package}.{attr}"
+        lazy, aliases = _lazy_exports(self.trees[package])
+        attr = aliases.get(attr, attr)
+        for source, names in lazy.items():
+            if attr in names:
+                if source not in self.paths or (source, attr) in seen:
+                    return None
+                if self._is_package(source):
+                    return self._origin(source, attr, seen | {(source, attr)}) or source
+                return source
         for node in self.trees[package].body:
             if not isinstance(node, ast.ImportFrom):
                 continue
@@ -127,6 +164,7 @@ class ImportGraph:
 
     def _imports(self, module: str) -> Iterator[str]:
         tree = self.trees[module]
+        yield from (source for source in _lazy_exports(tree)[0] if source in self.paths)
         for node in _walk_runtime(tree):
             if isinstance(node, ast.Import):
                 for alias in node.names:
