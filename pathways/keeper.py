@@ -32,7 +32,9 @@ RECONNECT_UNTIL_ENV = "PATHWAYS_RECONNECT_UNTIL"  # wall-clock time until which 
 PARENT_PID_ENV = "PATHWAYS_PARENT_PID"
 _STOP_GRACE_SECONDS = 3.0
 _POLL_SECONDS = 0.5  # how often a wait for the worker looks whether the keeper is stopping
-_ABORT_PAUSE, _ABORT_MAX_PAUSE = 1.0, 10.0  # back-off between restarts after SIGABRT
+# Back-off between restarts after SIGABRT: the first comes soon (the island waits for this
+# host to join it again), the next ones later, in case its coordination keeps failing.
+_ABORT_PAUSE, _ABORT_MAX_PAUSE = 0.25, 10.0
 _ABORT_STABLE_SECONDS = 30.0  # a worker that ran this long before aborting restarts after the first pause
 
 
