@@ -14,7 +14,7 @@ SERVER_SIDE = ("pathways.controller", "pathways.worker", "pathways.planner")
 
 
 def test_client_import_loads_no_controller_worker_or_planner() -> None:
-    code = ("import sys, pathways; "
+    code = ("import sys, pathways; [getattr(pathways, name) for name in pathways.__all__]; "
             f"print('\\n'.join(m for m in sys.modules if m.split('.')[:2] in "
             f"{[p.split('.') for p in SERVER_SIDE]!r}))")
     env = {**os.environ, "PYTHONPATH": str(PACKAGE_DIR.parent)}
