@@ -303,21 +303,23 @@ def wait_ready(channel: grpc.Channel, address: str, timeout: float, advice: str 
     try:
         deadline = time.monotonic() + timeout
         refused_at = checked_at = None
-        accepting = False  # the server accepted a connection when last checked
+        accepting = False  # the server accepted a connection when last looked at
         while True:
-            if refused_at is None:
-                limit = deadline
-            else:  # every REFUSED_GRACE_SECONDS, look whether it is the handshake that fails
-                limit = min(deadline, refused_at + refused_grace, checked_at + REFUSED_GRACE_SECONDS)
-            try:
-                state = states.get(timeout=max(0.0, limit - time.monotonic()))
-            except queue.Empty:
-                now = time.monotonic()
-                if refused_at is None or now >= min(deadline, refused_at + refused_grace):
-                    break
-                if accepting:  # for a whole period, in which the channel tried again (MAX_RECONNECT_BACKOFF_MS)
-                    raise ConnectError(_handshake_failure(address, security or Security())) from None
+            now = time.monotonic()
+            if now >= (deadline if refused_at is None else min(deadline, refused_at + refused_grace)):
+                break
+            if refused_at is not None and now >= checked_at + REFUSED_GRACE_SECONDS:
+                # Every REFUSED_GRACE_SECONDS, look whether it is the handshake that fails: a server that
+                # accepted connections for a whole period, in which the channel tried again (at most
+                # MAX_RECONNECT_BACKOFF_MS later), without the channel getting ready.
+                if accepting:
+                    raise ConnectError(_handshake_failure(address, security or Security()))
                 accepting, checked_at = _accepts_connections(parse_address(address)), now
+            limit = deadline if refused_at is None else min(deadline, refused_at + refused_grace,
+                                                            checked_at + REFUSED_GRACE_SECONDS)
+            try:
+                state = states.get(timeout=max(0.0, limit - now))
+            except queue.Empty:
                 continue
             if state is grpc.ChannelConnectivity.READY:
                 return
