@@ -18,7 +18,8 @@ plane, and for an island of several hosts a reserved coordinator port; all on th
 host, see island.py), attach and register with the advertised addresses, wait for the
 welcome (this host's rank and its island's coordinator; or a refusal, which ends the
 process with its reason), configure JAX and join the island's jax.distributed group, and
-only then build the core. What the controller sends meanwhile is kept and handed to the
+only then build the core; JAX and the core's modules are imported in the background from
+the start, and a controller not listening yet is waited for (``--connect-timeout``). What the controller sends meanwhile is kept and handed to the
 core in order; callers of the gRPC methods and the data plane wait for the core.
 
 When the controller says the island lost a host, the worker has its keeper
