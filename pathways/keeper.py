@@ -34,7 +34,9 @@ LOG_LEVEL_ENV = "PATHWAYS_LOG_LEVEL"  # set by `pathways --log-level` for its ch
 CPP_LOG_LEVEL_ENV = "TF_CPP_MIN_LOG_LEVEL"
 _STOP_GRACE_SECONDS = 3.0
 _POLL_SECONDS = 0.5  # how often a wait for the worker looks whether the keeper is stopping
-_ABORT_PAUSE, _ABORT_MAX_PAUSE = 1.0, 10.0  # back-off between restarts after SIGABRT
+# Back-off between restarts after SIGABRT: the first comes soon (the island waits for this
+# host to join it again), the next ones later, in case its coordination keeps failing.
+_ABORT_PAUSE, _ABORT_MAX_PAUSE = 0.25, 10.0
 _ABORT_STABLE_SECONDS = 30.0  # a worker that ran this long before aborting restarts after the first pause
 
 

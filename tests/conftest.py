@@ -8,6 +8,11 @@ import pytest
 import pathways as pw
 from pathways.cluster import status, worker_stats
 
+# The package imports each public name's module when first used (pathways/__init__.py):
+# import them all now, so that what a test times is never an import.
+for _name in pw.__all__:
+    getattr(pw, _name)
+
 
 def pids_alive(pids):
     alive = []

@@ -17,6 +17,9 @@ import numpy as np
 
 import pathways as pw
 
+for _name in pw.__all__:  # imported now (they are imported when first used): the scenarios time calls
+    getattr(pw, _name)
+
 
 def _islands() -> dict[int, int]:
     """Island id -> hosts, of the healthy islands."""

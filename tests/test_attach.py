@@ -5,6 +5,7 @@ workers, and a clean end when the controller stops.
 The bounds are tested on a ControllerServer run in this process on its own event loop (so
 that the frame deadline can be shortened); the rest through a real controller process."""
 
+import os
 import signal
 import socket
 import subprocess
@@ -127,3 +128,27 @@ def test_sigterm_closes_worker_connections_cleanly(controller_process):
             assert batch
     finally:
         raw.close()
+
+
+def test_a_worker_started_before_its_controller_waits_for_it_and_attaches(tmp_path):
+    port = cluster.free_port()
+    address = f"grpc://127.0.0.1:{port}"
+    log = tmp_path / "worker.log"
+    with open(log, "w") as err:
+        procs = [subprocess.Popen([sys.executable, "-m", "pathways", "worker", "--controller", address, "--platform",
+                                   "cpu", "--launcher", "none", "--connect-timeout", "120"],
+                                  stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, "PATHWAYS_LOG_LEVEL": "info"})]
+    try:
+        # the worker's last line before it connects; then refused for longer than a connection's
+        # usual grace (rpc.REFUSED_GRACE_SECONDS, 2 s)
+        wait_until(lambda: "island place" in log.read_text(), timeout=60.0, what="the worker to start connecting")
+        time.sleep(5.0)
+        assert procs[0].poll() is None, f"the worker gave up on a controller not listening yet:\n{log.read_text()}"
+        procs.append(subprocess.Popen([sys.executable, "-m", "pathways", "controller", "--bind", f"127.0.0.1:{port}"],
+                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
+        assert read_line(procs[1]).split()[-1] == address
+        wait_until(lambda: cluster.status(address)["workers"], timeout=60.0, what="the worker to attach")
+    finally:
+        stop_processes(procs)
+        if len(procs) > 1:
+            procs[1].stdout.close()

@@ -117,6 +117,13 @@ def check_elastic(d):
     assert chaos["failures"] == [] and chaos["healed_after_s"] is not None and chaos["leaked"] == {}, chaos
 
 
+def check_assembly(d):
+    assert 0 < d["loopback"]["assembled"]["median"] <= d["loopback"]["serving"]["median"] < 120, d
+    assert d["loopback"]["cpu"]["median"] > 0, d
+    netns = d["netns"]
+    assert "skipped" in netns or 0 < netns["assembled"]["median"] <= netns["serving"]["median"] < 120, d
+
+
 CHECKS = {name: globals()[f"check_{name}"] for name in suite.EXPERIMENTS}
 
 

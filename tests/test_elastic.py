@@ -19,6 +19,12 @@ def _island(address, island=0):
     return next(i for i in status(address)["islands"] if i["island"] == island)
 
 
+def _assembled(address, island=0):
+    """Whether the island has all its hosts and is healthy (an island still assembling is not lost either)."""
+    found = [i for i in status(address)["islands"] if i["island"] == island]
+    return bool(found) and found[0]["healthy"] and not found[0]["assembling"]
+
+
 def jax_psum(x):
     import jax
     return jax.lax.psum(x, "i")
@@ -105,8 +111,7 @@ def test_a_restarted_controller_is_rejoined_by_its_workers_and_old_clients_fail_
                                      "--launcher", "none", "--reconnect-timeout", "60"],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(2)]
         procs.extend(workers)
-        wait_until(lambda: _island(address)["healthy"] if status(address)["islands"] else False, timeout=60,
-                   what="the island to assemble")
+        wait_until(lambda: _assembled(address), timeout=60, what="the island to assemble")
         old = pw.connect(address)
         try:
             s = pw.make_virtual_device_set().add_slice(cpu_devices=2)
@@ -124,7 +129,7 @@ def test_a_restarted_controller_is_rejoined_by_its_workers_and_old_clients_fail_
             old.close()
         first.wait(timeout=10)
         controller()
-        wait_until(lambda: len(status(address)["workers"]) == 2 and _island(address)["healthy"], timeout=90,
+        wait_until(lambda: len(status(address)["workers"]) == 2 and _assembled(address), timeout=90,
                    what="the workers to attach to the restarted controller")
         assert pids_alive([w.pid for w in workers]) == [w.pid for w in workers], "the workers kept their processes"
         new = pw.connect(address)

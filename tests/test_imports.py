@@ -43,6 +43,18 @@ def test_client_import_loads_no_controller_worker_or_planner() -> None:
     assert not loaded, f"`import pathways` loaded server-side modules: {loaded}"
 
 
+def test_the_controller_a_worker_before_its_welcome_and_the_command_line_import_no_jax() -> None:
+    # Importing JAX costs about a second of CPU: a cluster's processes that never use it
+    # (the controller, a worker's host process that becomes its keeper, `pathways status`)
+    # must not pay it; a worker imports it beside attaching (worker/server.py).
+    code = ("import sys, pathways, pathways.__main__, pathways.controller.server, pathways.worker.server, "
+            "pathways.cluster; print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib')))")
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE_DIR.parent)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"imported JAX: {out.stdout}"
+
+
 def _module_names() -> dict[str, Path]:
     names = {}
     for package in PACKAGES:
@@ -103,6 +115,10 @@ class ImportGraph:
       ancestor's ``from ... import f`` re-export to the module defining ``f`` (recursively),
       and ``import pathways as pw`` followed by ``pw.f`` likewise. A name the ancestor
       defines itself, or that cannot be traced, stays an edge to the ancestor.
+    - A package whose names are imported when first used (``pathways/__init__.py``: its
+      ``_EXPORTS`` literal maps each module to the names it gives, ``_ALIASES`` a name to
+      another) re-exports them as if by ``from module import name``: edges from the package
+      to those modules, and uses of the names resolved to them.
     - Imports under ``if TYPE_CHECKING:`` never run and are ignored.
     """
 

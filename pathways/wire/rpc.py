@@ -35,8 +35,9 @@ CONTROLLER_SERVICE = "pathways.Controller"
 LOOPBACK = "127.0.0.1"  # where servers listen unless told otherwise (--bind)
 WORKER_SERVICE = "pathways.Worker"
 
-# How long a refused connection is retried: one reconnection attempt (gRPC's first backoff is
-# 1 s) for a server that is just starting, instead of the caller's whole timeout.
+# How long a refused connection is retried by default: a few reconnection attempts (see
+# INITIAL_RECONNECT_BACKOFF_MS) for a server that is just starting, instead of the caller's
+# whole timeout.
 REFUSED_GRACE_SECONDS = 2.0
 START_ADVICE = ("check the address (the one `python -m pathways up` printed), or start a cluster with "
                 "`python -m pathways up`")
@@ -55,9 +56,17 @@ _OPTIONS = [
 # pings that often; they do not ping their clients (a paused client keeps its session).
 KEEPALIVE_TIME_MS = 3000
 KEEPALIVE_TIMEOUT_MS = 5000
+# A channel whose server is not (yet, or no longer) there tries again after these pauses,
+# growing from the first to the most. gRPC's defaults (1 s, growing 1.6-fold to 120 s) leave
+# a worker started before its controller, or waiting for one that restarts, idle for
+# seconds to minutes after the server is back; the processes of a cluster start in seconds.
+INITIAL_RECONNECT_BACKOFF_MS = 100
+MAX_RECONNECT_BACKOFF_MS = 1000
 _CHANNEL_OPTIONS = [*_OPTIONS, ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
                     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-                    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS), ("grpc.http2.max_pings_without_data", 0)]
+                    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS), ("grpc.http2.max_pings_without_data", 0),
+                    ("grpc.initial_reconnect_backoff_ms", INITIAL_RECONNECT_BACKOFF_MS),
+                    ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS)]
 _SERVER_OPTIONS = [*_OPTIONS, ("grpc.keepalive_permit_without_calls", 1),
                    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
                    ("grpc.http2.max_ping_strikes", 0)]
@@ -281,26 +290,41 @@ def open_aio_channel(address: str) -> grpc.aio.Channel:
 def wait_ready(channel: grpc.Channel, address: str, timeout: float, advice: str = START_ADVICE,
                refused_grace: float = REFUSED_GRACE_SECONDS, security: Security | None = None) -> None:
     """Wait until ``channel`` is connected. A refused connection (or a host name that does not
-    resolve) fails after ``refused_grace`` seconds, time for one reconnection attempt in case
-    the server is just starting, instead of waiting for the whole ``timeout``; so does a
-    server that accepts the connection but not its TLS (or lack of it): ``security`` is the
-    channel's, to say which. ``advice`` ends the error message: what the caller can do about it."""
+    resolve) fails after ``refused_grace`` seconds, time for a few reconnection attempts in
+    case the server is just starting, instead of waiting for the whole ``timeout`` (a caller
+    that expects the server to start later passes its whole timeout); a server that accepts
+    the connection but not its TLS (or lack of it) fails after REFUSED_GRACE_SECONDS however
+    long the grace: ``security`` is the channel's, to say which. ``advice`` ends the error
+    message: what the caller can do about it."""
     states: queue.SimpleQueue = queue.SimpleQueue()
     watch = states.put
     channel.subscribe(watch, try_to_connect=True)
     try:
         deadline = time.monotonic() + timeout
-        refused_at = None
+        refused_at = checked_at = None
+        accepting = False  # the server accepted a connection when last looked at
         while True:
-            limit = deadline if refused_at is None else min(deadline, refused_at + refused_grace)
-            try:
-                state = states.get(timeout=max(0.0, limit - time.monotonic()))
-            except queue.Empty:
+            now = time.monotonic()
+            if now >= (deadline if refused_at is None else min(deadline, refused_at + refused_grace)):
                 break
+            if refused_at is not None and now >= checked_at + REFUSED_GRACE_SECONDS:
+                # Every REFUSED_GRACE_SECONDS, look whether it is the handshake that fails: a server that
+                # accepted connections for a whole period, in which the channel tried again (at most
+                # MAX_RECONNECT_BACKOFF_MS later), without the channel getting ready.
+                if accepting:
+                    raise ConnectError(_handshake_failure(address, security or Security()))
+                accepting = unreachable(*split_host_port(parse_address(address)), timeout=1.0) is None
+                checked_at = now
+            limit = deadline if refused_at is None else min(deadline, refused_at + refused_grace,
+                                                            checked_at + REFUSED_GRACE_SECONDS)
+            try:
+                state = states.get(timeout=max(0.0, limit - now))
+            except queue.Empty:
+                continue
             if state is grpc.ChannelConnectivity.READY:
                 return
             if state is grpc.ChannelConnectivity.TRANSIENT_FAILURE and refused_at is None:
-                refused_at = time.monotonic()
+                refused_at = checked_at = time.monotonic()
     finally:
         channel.unsubscribe(watch)
     why = unreachable(*split_host_port(parse_address(address)))

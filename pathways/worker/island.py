@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -20,6 +21,8 @@ from pathways.protocol.messages import WorkerWelcome
 from pathways.wire.addresses import family_of, is_wildcard, join_host_port, route_to, split_host_port, strip_brackets
 
 log = logging.getLogger("pathways.worker")
+
+_COORDINATOR_FIRST_PAUSE, _COORDINATOR_MAX_PAUSE = 0.02, 0.1  # seconds between looks at the coordinator
 
 
 @dataclass(frozen=True)
@@ -99,8 +102,30 @@ def configure_jax(devices: Devices, hosts: int, welcome: Optional[WorkerWelcome]
     # jax's coordinator binds every address of the machine ([::]:PORT) unless told otherwise
     service = join_host_port(bind, port) if welcome.rank == 0 else None
     log.info("joining island group as rank %d of %d, coordinator %s", welcome.rank, hosts, welcome.coordinator)
-    jax.distributed.initialize(welcome.coordinator, hosts, welcome.rank, initialization_timeout=max(1, int(timeout)),
+    deadline = time.monotonic() + timeout
+    if welcome.rank != 0:
+        _wait_for_coordinator(welcome.coordinator, deadline)
+    left = deadline - time.monotonic()
+    jax.distributed.initialize(welcome.coordinator, hosts, welcome.rank, initialization_timeout=max(1, int(left)),
                                coordinator_bind_address=service)
+
+
+def _wait_for_coordinator(coordinator: str, deadline: float) -> None:
+    """Wait until the coordination service at ``coordinator`` (HOST:PORT) accepts
+    connections, until ``deadline`` (monotonic) at most. A host often learns its rank
+    before rank 0 runs the service, and JAX's client, refused once, tries again only after
+    gRPC's first back-off (1 s); looking with short pauses first costs a few connections
+    instead. If it does not come, jax.distributed.initialize waits and reports on its own."""
+    host, port = split_host_port(coordinator)
+    pause = _COORDINATOR_FIRST_PAUSE
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((strip_brackets(host), port),
+                                          timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                return
+        except OSError:
+            time.sleep(pause)
+            pause = min(2 * pause, _COORDINATOR_MAX_PAUSE)
 
 
 def _gloo_on(host: str) -> None:

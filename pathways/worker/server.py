@@ -18,7 +18,8 @@ plane, and for an island of several hosts a reserved coordinator port; all on th
 host, see island.py), attach and register with the advertised addresses, wait for the
 welcome (this host's rank and its island's coordinator; or a refusal, which ends the
 process with its reason), configure JAX and join the island's jax.distributed group, and
-only then build the core. What the controller sends meanwhile is kept and handed to the
+only then build the core; JAX and the core's modules are imported in the background from
+the start, and a controller not listening yet is waited for (``--connect-timeout``). What the controller sends meanwhile is kept and handed to the
 core in order; callers of the gRPC methods and the data plane wait for the core.
 
 When the controller says the island lost a host, the worker has its keeper
@@ -66,8 +67,6 @@ log = logging.getLogger("pathways.worker")
 
 RESTART = "restart"  # the island lost a host: restart now and rejoin it
 RECONNECT = "reconnect"  # the controller went away: restart and attach again once it is back
-_RECONNECT_FIRST_PAUSE = 0.2
-_RECONNECT_MAX_PAUSE = 2.0
 
 __all__ = ["IslandMembership", "WorkerService", "main"]
 
@@ -264,9 +263,10 @@ def main(controller: str, devices: Devices, island: IslandMembership, wait_timeo
                          "--advertise HOST (the address other hosts reach this one at)") from None
     if not (math.isfinite(reconnect_timeout) and reconnect_timeout >= 0):
         raise SystemExit(f"--reconnect-timeout must be a finite number of seconds, 0 or more, got {reconnect_timeout!r}")
+    threading.Thread(target=_import_core, name="pathways-import", daemon=True).start()
     reconnecting = os.environ.pop(keeper.RECONNECT_UNTIL_ENV, None)
     if reconnecting is not None:
-        error = _wait_for_controller(controller, reconnecting, connect_timeout, security)
+        error = _wait_for_controller(controller, reconnecting, security)
         if error:
             raise SystemExit(f"error: {error}")
     error, again = trio.run(_serve, controller, devices, island, bind_host, advertise_host, wait_timeout,
@@ -298,30 +298,36 @@ def main(controller: str, devices: Devices, island: IslandMembership, wait_timeo
         sys.exit(code)
 
 
-def _wait_for_controller(controller: str, until: str, connect_timeout: float, security: Security) -> Optional[str]:
+def _import_core() -> None:
+    """Import JAX and the worker's core (a second or more of CPU) while the worker attaches
+    and waits for its welcome, instead of after: importing them sets nothing up (JAX's
+    backends start when configure_jax has run and the core is built)."""
+    try:
+        import pathways.worker.core  # noqa: F401
+    except Exception:  # _start_core imports it again, and there its error ends the worker
+        pass
+
+
+def _wait_for_controller(controller: str, until: str, security: Security) -> Optional[str]:
     """In a worker that restarted because its controller went away: wait until the
-    controller at ``controller`` answers again, trying with back-off until wall-clock time
-    ``until`` (keeper.RECONNECT_UNTIL_ENV); returns why not, or None."""
+    controller at ``controller`` answers again, until wall-clock time ``until``
+    (keeper.RECONNECT_UNTIL_ENV); returns why not, or None. The channel tries again every
+    second at most (rpc.MAX_RECONNECT_BACKOFF_MS), so the worker attaches within about a
+    second of the controller's return."""
     try:
         deadline = float(until)
     except ValueError:
         return f"{keeper.RECONNECT_UNTIL_ENV}={until!r} is not a time; unset it"
-    pause = _RECONNECT_FIRST_PAUSE
-    while True:
-        left = deadline - time.time()
-        channel = rpc.open_channel(controller, security)  # a fresh one: no gRPC back-off carried over
-        try:
-            rpc.wait_ready(channel, controller, max(0.1, min(left, connect_timeout)), security=security)
-            log.info("the controller at %s answers again; attaching", controller)
-            return None
-        except ConnectError as e:
-            if time.time() + pause > deadline:
-                return (f"the controller at {controller} did not come back within the reconnect timeout "
-                        f"(--reconnect-timeout): {e}")
-        finally:
-            channel.close()
-        time.sleep(pause)
-        pause = min(pause * 2, _RECONNECT_MAX_PAUSE)
+    left = max(0.1, deadline - time.time())
+    channel = rpc.open_channel(controller, security)
+    try:
+        rpc.wait_ready(channel, controller, left, refused_grace=left, security=security)
+    except ConnectError as e:
+        return f"the controller at {controller} did not come back within the reconnect timeout (--reconnect-timeout): {e}"
+    finally:
+        channel.close()
+    log.info("the controller at %s answers again; attaching", controller)
+    return None
 
 
 def _attach(channel: grpc.Channel, controller: str, timeout: float, security: Security) -> socket.socket:
@@ -402,8 +408,9 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
             return (f"the worker cannot listen on {bind} ({e}); pass --bind an address of this machine "
                     "(or 0.0.0.0 with --advertise HOST)")
         coordinator = join_host_port(advertise, reservation.port) if reservation is not None else ""
+        # the controller may start after this worker (a refused connection is tried again)
         await trio.to_thread.run_sync(functools.partial(rpc.wait_ready, channel, controller, connect_timeout,
-                                                        security=security))
+                                                        refused_grace=connect_timeout, security=security))
         sock = await trio.to_thread.run_sync(_attach, channel, controller, connect_timeout, security)
         outbox.put(Register(f"grpc://{join_host_port(advertise, port)}",
                             f"tcp://{join_host_port(advertise, listener.port)}", devices.kind, devices.count, island.name,

@@ -1,0 +1,244 @@
+"""``python -m pathways bench assembly``: how long an island of two hosts takes to assemble
+from cold processes, on this machine's loopback and across network namespaces.
+
+- *Loopback*: ``pw.local_cluster`` of one island of two hosts (one CPU device each), from
+  the call until the controller's status shows the island healthy (*assembled*: both hosts
+  registered), and until a psum over both hosts first returns (*serving*: the hosts formed
+  their jax.distributed group and built their cores, and the psum compiled and ran).
+- *Namespaces*: docs/deploy.md's "By hand" commands, each host in a network namespace of its
+  own (pathways_bench/netns.py; needs root): ``pathways controller`` and two ``pathways
+  worker`` of island ``a``, all started at once, and a client in a fourth namespace (started
+  and warm before them) that polls the controller's status and then runs the psum.
+
+Each also gives the CPU seconds that the controller and workers (with their keepers) spent
+until serving: on a machine of few cores the processes of a start compete for them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Iterable, Optional
+
+from pathways_bench import netns, report
+
+TITLE = "Island assembly: from cold processes to an island of two hosts serving"
+PAPER = ""
+PAPER_RESULT = ""
+ROUNDS = 5
+TARGETS = {"loopback": 3.0, "netns": 5.0}  # seconds from start to assembled
+_TIMEOUT = 120.0
+_POLL = 0.02
+_HOSTS = ["ctl", "w1", "w2", "client"]
+_PORT = 50051
+
+ABOUT = """
+**Loopback**: `pw.local_cluster(islands=[pw.Island(hosts=2)])` (one CPU device per host),
+timed from the call: *assembled* when the controller's status shows the island healthy (both
+hosts registered and took their ranks), *serving* when a `pw.pmap` psum over both hosts
+first returns (the hosts formed their jax.distributed group and built their cores, and the
+psum compiled and ran). The client process has imported JAX before it starts.
+
+**Namespaces**: docs/deploy.md's "By hand" commands, each host in a network namespace of
+its own joined by a bridge (`pathways_bench/netns.py`; needs root): `pathways controller
+--bind 0.0.0.0:PORT --token-file F` and, on two more hosts, `pathways worker --controller
+ADDRESS --island a --island-hosts 2 --token-file F`, all three started at once. A client
+in a fourth namespace, started and warm before them, polls the controller's status every
+20 ms from that moment, then runs the same psum.
+
+*CPU s*: what the controller, the workers and their keepers spent until serving (user and
+system, from /proc): on 2 cores, the processes of a start compete for them.
+"""
+
+
+def _island_healthy(status: dict, name: str) -> bool:
+    return any(i["name"] == name and i["healthy"] and not i["assembling"] for i in status["islands"])
+
+
+def _wait_assembled(address: str, name: str, deadline: float) -> float:
+    """Poll the controller at ``address`` (which may not be up yet) until island ``name`` is
+    healthy; returns when (monotonic)."""
+    from pathways.cluster import status
+    from pathways.errors import ConnectError
+
+    while True:
+        try:
+            if _island_healthy(status(address, timeout=max(0.1, deadline - time.monotonic())), name):
+                return time.monotonic()
+        except ConnectError:
+            pass  # not listening yet
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"island {name!r} did not assemble within {_TIMEOUT:g} s")
+        time.sleep(_POLL)
+
+
+def _serve_psum(devices_of: Callable[[], Any]) -> None:
+    """A psum over the two hosts of the slice ``devices_of()`` gives, run once and checked."""
+    import jax
+    import numpy as np
+
+    import pathways as pw
+
+    total = pw.pmap(lambda x: jax.lax.psum(x, "i"), devices=devices_of())
+    got = np.asarray(total(np.ones(2, np.float32)))
+    if not np.array_equal(got, [2.0, 2.0]):
+        raise RuntimeError(f"the psum over the island gave {got}, not [2. 2.]")
+
+
+def _cpu_seconds(roots: Iterable[int]) -> float:
+    """User and system CPU seconds of the processes ``roots`` and their descendants alive now."""
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        parents[int(entry)] = int(fields[1])
+        times[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    wanted = set(roots)
+    grew = True
+    while grew:
+        more = {pid for pid, parent in parents.items() if parent in wanted} - wanted
+        wanted |= more
+        grew = bool(more)
+    return sum(times.get(pid, 0.0) for pid in wanted)
+
+
+def _loopback_round() -> dict[str, float]:
+    import pathways as pw
+
+    began = time.monotonic()
+    with pw.local_cluster(islands=[pw.Island(hosts=2)]) as c:
+        assembled = _wait_assembled(c.address, "0", began + _TIMEOUT)
+        _serve_psum(lambda: pw.make_virtual_device_set().add_slice(cpu_devices=2).devices)
+        served = time.monotonic()
+        cpu = _cpu_seconds(c.pids)
+    return {"assembled": assembled - began, "serving": served - began, "cpu": cpu}
+
+
+def _client(address: str) -> None:
+    """The client in its namespace (this file run as a script): warm up, say ``ready``, and
+    once told ``go`` time the island's assembly and first psum; prints them as JSON."""
+    import pathways as pw
+
+    pw.P  # noqa: B018 - imports JAX and the client now, before the clock starts
+    print("ready", flush=True)
+    sys.stdin.readline()
+    began = time.monotonic()
+    assembled = _wait_assembled(address, "a", began + _TIMEOUT)
+    session = pw.connect(address)
+    try:
+        _serve_psum(lambda: pw.make_virtual_device_set().add_slice(cpu_devices=2).devices)
+    finally:
+        session.close()
+    print(json.dumps({"assembled": assembled - began, "serving": time.monotonic() - began}), flush=True)
+
+
+def _netns_round(directory: str) -> dict[str, float]:
+    token_file = os.path.join(directory, "token")
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")])),
+           "PATHWAYS_TOKEN": open(token_file).read().strip(), "PATHWAYS_LOG_LEVEL": "warning",
+           "TF_CPP_MIN_LOG_LEVEL": "2"}
+    with netns.Network(_HOSTS) as net:
+        address = f"grpc://{net.addr('ctl')}:{_PORT}"
+        client = net.popen("client", [sys.executable, os.path.abspath(__file__), address], env=env,
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if report.read_line(client, _TIMEOUT, "the assembly client") != "ready":
+            raise RuntimeError("the assembly client did not start")
+        client.stdin.write("go\n")
+        client.stdin.flush()
+        py = [sys.executable, "-m", "pathways"]
+        servers = [net.popen("ctl", [*py, "controller", "--bind", f"0.0.0.0:{_PORT}", "--token-file", token_file],
+                             env=env, stdout=subprocess.DEVNULL)]
+        servers += [net.popen(host, [*py, "worker", "--controller", address, "--island", "a", "--island-hosts", "2",
+                                     "--token-file", token_file], env=env, stdout=subprocess.DEVNULL)
+                    for host in ("w1", "w2")]
+        times = json.loads(report.read_line(client, _TIMEOUT, "the assembly client"))
+        times["cpu"] = _cpu_seconds(p.pid for p in servers)
+    return times
+
+
+def _package_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def measure(rounds: int, tiny: bool, progress: report.Progress) -> dict:
+    skipped: Optional[str] = netns.unavailable()
+    progress.expect(rounds * (1 if skipped else 2))
+    samples: dict[str, list[dict[str, float]]] = {"loopback": [], "netns": []}
+    load: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="pathways-assembly-") as directory:
+        with open(os.open(os.path.join(directory, "token"), os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+            f.write(secrets.token_urlsafe(32))
+        for i in range(rounds):  # the two cases alternate, so that they share the machine's moods
+            load.append(os.getloadavg()[0])
+            samples["loopback"].append(_loopback_round())
+            progress.step(f"loopback round {i + 1}: {samples['loopback'][-1]['assembled']:.1f} s")
+            if not skipped:
+                samples["netns"].append(_netns_round(directory))
+                progress.step(f"namespaces round {i + 1}: {samples['netns'][-1]['assembled']:.1f} s")
+    data: dict[str, Any] = {"load": report.stats(load)}
+    for case, rows in samples.items():
+        data[case] = ({"skipped": skipped} if not rows else
+                      {key: report.stats([r[key] for r in rows]) for key in ("assembled", "serving", "cpu")})
+    return data
+
+
+def _s(s: dict) -> str:
+    return f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"
+
+
+_CASES = {"loopback": "loopback: pw.local_cluster", "netns": "network namespaces: the By hand commands"}
+
+
+def tables(data: dict) -> list:
+    rows = [[label, _s(data[case]["assembled"]), _s(data[case]["serving"]), _s(data[case]["cpu"]),
+             f"{TARGETS[case]:g}"] if "skipped" not in data[case] else [label, "skipped", "-", "-", f"{TARGETS[case]:g}"]
+            for case, label in _CASES.items()]
+    return [report.Table("Seconds from start to an island of 2 hosts assembled and serving, median (min-max); "
+                         f"the machine's load average {data['load']['median']:.1f} (median of the rounds' starts)",
+                         ["case", "assembled s", "serving s", "CPU s", "target s (assembled)"], rows)]
+
+
+def summary(data: dict) -> list[str]:
+    lines = []
+    for case, label in _CASES.items():
+        if "skipped" in data[case]:
+            lines.append(f"{label}: skipped ({data[case]['skipped']})")
+            continue
+        got, target = data[case]["assembled"]["median"], TARGETS[case]
+        lines.append(f"{label}: assembled in {got:.2f} s (target {target:g} s: "
+                     + ("met" if got <= target else f"missed by {got - target:.2f} s")
+                     + f"), serving a psum at {data[case]['serving']['median']:.2f} s")
+    return lines
+
+
+def notes(data: dict) -> str:
+    return """
+Where the time goes. Each process imports Python's and the package's modules; a worker also
+imports JAX (about 1.1 s of CPU here) while it attaches and waits for its rank, then starts
+JAX's backend and the island's jax.distributed group. The controller, the keepers and the
+command line import no JAX. On 2 cores shared with the client and other work, the start is
+CPU-bound: the CPU seconds are a better guide than the wall-clock figures, which follow the
+machine's load.
+"""
+
+
+def plot(data: dict, path: str) -> None:
+    cases = [c for c in _CASES if "skipped" not in data[c]]
+    report.plot_bars(path, "Island of 2 hosts: start to assembled and serving", "seconds", cases,
+                     {key: [data[c][key]["median"] for c in cases] for key in ("assembled", "serving")})
+
+
+if __name__ == "__main__":
+    _client(sys.argv[1])
