@@ -27,38 +27,34 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                              "bind address, or for a wildcard bind the local address this machine uses to "
                              "reach the controller)")
     host = parser.add_argument_group("devices and island")
-    host.add_argument("--platform", choices=PLATFORMS, default=None,
-                        help="the JAX platform it serves (default: whichever JAX finds); slices ask for its "
-                             "devices as cpu_devices=, gpu_devices= (cuda, rocm) or tpu_devices=")
-    host.add_argument("--devices", type=int, default=None,
-                        help="virtual CPU devices on this host (default 1); CPU only: an accelerator worker "
-                             "serves the devices JAX finds on the host")
-    host.add_argument("--island", default=None, metavar="NAME",
-                        help="the island (hosts joined by a fast interconnect, one jax.distributed group) this "
-                             "host belongs to (default: the launcher's, e.g. a JobSet's Job, else 0)")
-    host.add_argument("--island-hosts", type=int, default=None, metavar="H",
-                        help="hosts in this worker's island; the island takes work once all H have joined "
-                             "(default: the launcher's task count, else 1)")
-    host.add_argument("--rank", type=int, default=None,
-                        help="this host's index within its island, 0 to H-1 (default: the launcher's task "
-                             "index, else the controller gives ranks in order of arrival)")
-    host.add_argument("--launcher", choices=LAUNCHERS, default="auto",
-                        help="read rank and island size from the launcher's environment: auto (Slurm's srun "
-                             "or a Kubernetes indexed Job / JobSet, whichever started it), slurm, kubernetes, "
-                             "or none (flags only). Flags win over the environment")
-    timeouts = parser.add_argument_group("timeouts")
-    timeouts.add_argument("--wait-timeout", type=float, default=300.0,
-                        help="seconds an op waits for an input array before poisoning its outputs")
-    timeouts.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to reach the controller")
-    timeouts.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT, metavar="S",
-                        help="seconds the controller may send nothing (not even a heartbeat) before this "
-                             "worker gives it up and exits; also how long a data-plane peer may stall")
-    timeouts.add_argument("--reconnect-timeout", type=float, default=RECONNECT_TIMEOUT, metavar="S",
-                        help="when the controller goes away, restart and attach again once it is back, trying for "
-                             "S seconds (0: exit at once); the controller's arrays and sessions are gone either way")
-    timeouts.add_argument("--join-timeout", type=float, default=300.0,
-                        help="seconds to wait for the island's rank 0 host to register, and then for every "
-                             "host of the island to join its jax.distributed group")
+    for flag, options, meaning in (
+            ("--platform", dict(choices=PLATFORMS), "the JAX platform it serves (default: whichever JAX finds); "
+             "slices ask for its devices as cpu_devices=, gpu_devices= (cuda, rocm) or tpu_devices="),
+            ("--devices", dict(type=int), "virtual CPU devices on this host (default 1); CPU only: an accelerator "
+             "worker serves the devices JAX finds on the host"),
+            ("--island", dict(metavar="NAME"), "the island (hosts joined by a fast interconnect, one "
+             "jax.distributed group) this host belongs to (default: the launcher's, e.g. a JobSet's Job, else 0)"),
+            ("--island-hosts", dict(type=int, metavar="H"), "hosts in this worker's island; the island takes work "
+             "once all H have joined (default: the launcher's task count, else 1)"),
+            ("--rank", dict(type=int), "this host's index within its island, 0 to H-1 (default: the launcher's "
+             "task index, else the controller gives ranks in order of arrival)"),
+            ("--launcher", dict(choices=LAUNCHERS, default="auto"), "read rank and island size from the "
+             "launcher's environment: auto (Slurm's srun or a Kubernetes indexed Job / JobSet, whichever started "
+             "it), slurm, kubernetes, or none (flags only). Flags win over the environment")):
+        host.add_argument(flag, **options, help=meaning)
+    timeouts = parser.add_argument_group("timeouts, in seconds")
+    for flag, default, meaning in (
+            ("--wait-timeout", 300.0, "how long an op waits for an input array before poisoning its outputs"),
+            ("--connect-timeout", 30.0, "how long to try to reach the controller"),
+            ("--heartbeat-timeout", HEARTBEAT_TIMEOUT,
+             "how long the controller may send nothing (not even a heartbeat) before this worker gives it up and "
+             "exits; also how long a data-plane peer may stall"),
+            ("--reconnect-timeout", RECONNECT_TIMEOUT,
+             "when the controller goes away, restart and attach again once it is back, trying for this long (0: "
+             "exit at once); the controller's arrays and sessions are gone either way"),
+            ("--join-timeout", 300.0, "how long to wait for the island's rank 0 host to register, and then for "
+             "every host of the island to join its jax.distributed group")):
+        timeouts.add_argument(flag, type=float, default=default, metavar="S", help=meaning)
     parser.add_argument("--unsafe-local-order", action="store_true",
                         help="debugging only: order runs of different clients locally instead of in "
                              "the island's gang order (collectives across hosts can hang)")

@@ -589,7 +589,7 @@ class RunProgram(Message):
     base: int = wire(HANDLE)
     tbase: int = wire(HANDLE)
     args: dict[int, int] = wire(BINDINGS)
-    traced: bool = wire(Bool(), False)
+    traced: bool = wire(Bool(), False)  # the client's Run asked for its steps on the timeline
 
 
 @message("drop_session")
