@@ -120,6 +120,7 @@ def check_elastic(d):
 CHECKS = {name: globals()[f"check_{name}"] for name in suite.EXPERIMENTS}
 
 
+@pytest.mark.soak  # each benchmark starts clusters of its own: minutes in all
 @pytest.mark.parametrize("name", suite.EXPERIMENTS)
 def test_benchmark_runs_at_a_tiny_size(name, tmp_path, capsys):
     before = child_pids()
@@ -138,6 +139,7 @@ def test_benchmark_runs_at_a_tiny_size(name, tmp_path, capsys):
         assert line in printed.out
 
 
+@pytest.mark.soak
 def test_bench_all_writes_a_markdown_section_per_experiment(tmp_path):
     out, data = tmp_path / "BENCHMARKS.md", tmp_path / "all.json"
     suite.run_all(tiny=True, out=str(out), plots=str(tmp_path / "plots"), json_path=str(data), only=("planner",))
