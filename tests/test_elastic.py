@@ -19,6 +19,13 @@ def _island(address, island=0):
     return next(i for i in status(address)["islands"] if i["island"] == island)
 
 
+def _serving(address, island=0):
+    """Whether the island takes slices: no host lost, and every host joined. ("healthy" alone
+    holds while a fresh island is still assembling: nothing was lost yet.)"""
+    i = _island(address, island)
+    return i["healthy"] and not i["assembling"]
+
+
 def jax_psum(x):
     import jax
     return jax.lax.psum(x, "i")
@@ -52,7 +59,7 @@ def test_a_killed_host_replaced_by_hand_heals_its_island_for_the_same_client_obj
              "--devices", "1", "--island", "0", "--island-hosts", "2", "--launcher", "none"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            wait_until(lambda: _island(c.address)["healthy"], timeout=60, what="the island to heal")
+            wait_until(lambda: _serving(c.address), timeout=60, what="the island to heal")
             workers = {w["rank"]: w for w in status(c.address)["workers"]}
             assert workers[killed]["pid"] == child_of(replacement.pid), "the replacement takes the free rank"
             assert workers[killed]["worker"] == lost["worker"] and workers[1 - killed]["worker"] == survivor["worker"], \
@@ -76,7 +83,7 @@ def test_the_local_supervisor_restarts_a_killed_worker_and_the_island_heals():
         before = list(c.pids)
         lost = _kill(c.address, 0, 0)  # rank 0 runs the island's coordinator
         wait_until(lambda: not _island(c.address)["healthy"], what="the loss to be seen")
-        wait_until(lambda: _island(c.address)["healthy"], timeout=60, what="the island to heal")
+        wait_until(lambda: _serving(c.address), timeout=60, what="the island to heal")
         assert c.restarts == 1 and c.pids[1:] != before[1:] and c.pids[2:] == before[2:], \
             "the supervisor started the dead worker again, and only it"
         assert lost["pid"] not in [w["pid"] for w in status(c.address)["workers"]]
@@ -105,7 +112,7 @@ def test_a_restarted_controller_is_rejoined_by_its_workers_and_old_clients_fail_
                                      "--launcher", "none", "--reconnect-timeout", "60"],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(2)]
         procs.extend(workers)
-        wait_until(lambda: _island(address)["healthy"] if status(address)["islands"] else False, timeout=60,
+        wait_until(lambda: _serving(address) if status(address)["islands"] else False, timeout=60,
                    what="the island to assemble")
         old = pw.connect(address)
         try:
@@ -124,7 +131,7 @@ def test_a_restarted_controller_is_rejoined_by_its_workers_and_old_clients_fail_
             old.close()
         first.wait(timeout=10)
         controller()
-        wait_until(lambda: len(status(address)["workers"]) == 2 and _island(address)["healthy"], timeout=90,
+        wait_until(lambda: len(status(address)["workers"]) == 2 and _serving(address), timeout=90,
                    what="the workers to attach to the restarted controller")
         assert pids_alive([w.pid for w in workers]) == [w.pid for w in workers], "the workers kept their processes"
         new = pw.connect(address)
