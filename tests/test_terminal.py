@@ -9,8 +9,10 @@ import textwrap
 import time
 
 import grpc
+import pytest
 
 import pathways as pw
+from pathways.__main__ import main
 from pathways.cluster import status
 from tests.conftest import pids_alive, read_line, wait_until
 from tests.test_bench import check_tiny_run
@@ -130,14 +132,21 @@ def _status_or_none(address):
     return st if st["workers"] else None
 
 
-def test_plan_help_shows_the_planners_options():
+def test_plan_help_shows_the_planners_options(capsys, monkeypatch):
+    # in this process: the command line's parsers, without an interpreter's start each; main
+    # sets the log level of child processes in the environment, which monkeypatch restores
+    monkeypatch.setenv("PATHWAYS_LOG_LEVEL", os.environ.get("PATHWAYS_LOG_LEVEL", "error"))
     for flag in ("--help", "-h"):
-        out = pathways("plan", flag)
-        assert out.returncode == 0, out.stderr
-        assert "pipeline" in out.stdout and "dag" in out.stdout, out.stdout
-    out = pathways("plan", "pipeline", "--help")
-    assert out.returncode == 0 and "--objective" in out.stdout and "--time-limit" in out.stdout
-    assert pathways("status", "--bogus").returncode == 2, "other commands still reject unknown arguments"
+        assert main(["plan", flag]) == 0
+        out = capsys.readouterr().out
+        assert "pipeline" in out and "dag" in out, out
+    assert main(["plan", "pipeline", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--objective" in out and "--time-limit" in out
+    with pytest.raises(SystemExit) as e:
+        main(["status", "--bogus"])
+    assert e.value.code == 2, "other commands still reject unknown arguments"
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
 
 
 def test_status_into_a_closed_pipe_exits_quietly(cluster):
