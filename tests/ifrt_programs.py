@@ -1,10 +1,10 @@
 """Plain JAX programs, with no pathways import, that the IFRT proxy tests run twice: on
 pathways under ``JAX_PLATFORMS=proxy`` and on local CPU JAX with four host devices.
 
-    python tests/ifrt_programs.py PROGRAM OUT.npz
+    python tests/ifrt_programs.py PROGRAM OUT.npz [PROGRAM OUT.npz ...]
 
-runs PROGRAM and writes every result it computed to OUT.npz; the test compares the two
-files. The programs place arrays by device index, so both runs use the same logical
+runs each PROGRAM in turn and writes every result it computed to its OUT.npz; the test
+compares the two files (the local runs take one process for all programs: one JAX start). The programs place arrays by device index, so both runs use the same logical
 placement: under the proxy the devices are numbered island by island, host by host, on a
 cluster of two islands (2 hosts x 1 device, then 1 host x 2 devices), so devices 0 and 1 are
 island 0's two hosts and devices 2 and 3 island 1's host.
@@ -465,11 +465,13 @@ PROGRAMS: dict[str, Callable[[], Results]] = {
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[0] not in PROGRAMS:
-        print(f"usage: ifrt_programs.py {{{','.join(PROGRAMS)}}} OUT.npz", file=sys.stderr)
+    pairs = list(zip(argv[::2], argv[1::2]))
+    if not pairs or len(argv) % 2 or any(name not in PROGRAMS for name, _ in pairs):
+        print(f"usage: ifrt_programs.py {{{','.join(PROGRAMS)}}} OUT.npz [PROGRAM OUT.npz ...]", file=sys.stderr)
         return 2
-    results = {k: np.asarray(v) for k, v in PROGRAMS[argv[0]]().items()}
-    np.savez(argv[1], **results)
+    for name, path in pairs:
+        results = {k: np.asarray(v) for k, v in PROGRAMS[name]().items()}
+        np.savez(path, **results)
     return 0
 
 

@@ -127,24 +127,32 @@ def check_assembly(d):
 CHECKS = {name: globals()[f"check_{name}"] for name in suite.EXPERIMENTS}
 
 
-@pytest.mark.parametrize("name", suite.EXPERIMENTS)
+def check_tiny_run(name, out_json, out_png, printed):
+    """What `bench NAME --tiny --json OUT_JSON --plot OUT_PNG` must leave: its JSON with sane
+    numbers, a PNG, and its tables and summary in ``printed`` (its stdout)."""
+    data = json.loads(out_json.read_text())
+    assert data["meta"]["name"] == name and data["meta"]["tiny"] and data["meta"]["rounds"] == 1
+    CHECKS[name](data)
+    assert out_png.read_bytes().startswith(PNG)
+    module = suite.module(name)
+    for table in module.tables(data):
+        assert table.title in printed and len(table.rows) > 0
+    for line in module.summary(data):
+        assert line in printed
+
+
+# dispatch runs through the command line in tests/test_terminal.py, which checks the same
+@pytest.mark.soak  # each benchmark starts clusters of its own: minutes in all
+@pytest.mark.parametrize("name", [name for name in suite.EXPERIMENTS if name != "dispatch"])
 def test_benchmark_runs_at_a_tiny_size(name, tmp_path, capsys):
     before = child_pids()
     out_json, out_png = tmp_path / f"{name}.json", tmp_path / f"{name}.png"
     assert main(["bench", name, "--tiny", "--json", str(out_json), "--plot", str(out_png)]) == 0
     assert child_pids() <= before, f"bench {name} left processes running"
-    data = json.loads(out_json.read_text())
-    assert data["meta"]["name"] == name and data["meta"]["tiny"] and data["meta"]["rounds"] == 1
-    CHECKS[name](data)
-    assert out_png.read_bytes().startswith(PNG)
-    printed = capsys.readouterr()
-    module = suite.module(name)
-    for table in module.tables(data):
-        assert table.title in printed.out and len(table.rows) > 0
-    for line in module.summary(data):
-        assert line in printed.out
+    check_tiny_run(name, out_json, out_png, capsys.readouterr().out)
 
 
+@pytest.mark.soak
 def test_bench_all_writes_a_markdown_section_per_experiment(tmp_path):
     out, data = tmp_path / "BENCHMARKS.md", tmp_path / "all.json"
     suite.run_all(tiny=True, out=str(out), plots=str(tmp_path / "plots"), json_path=str(data), only=("planner",))

@@ -6,6 +6,8 @@ import pytest
 
 from pathways_bench import chaos
 
+pytestmark = pytest.mark.soak
+
 
 @pytest.mark.timeout(600)  # its own bounds: a minute of chaos, then results, healing and drops each bounded
 def test_a_minute_of_random_worker_kills_loses_only_what_it_must_and_heals():

@@ -58,7 +58,7 @@ def test_a_killed_host_replaced_by_hand_heals_its_island_for_the_same_client_obj
              "--devices", "1", "--island", "0", "--island-hosts", "2", "--launcher", "none"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            wait_until(lambda: _island(c.address)["healthy"], timeout=60, what="the island to heal")
+            wait_until(lambda: _assembled(c.address), timeout=60, what="the island to heal")
             workers = {w["rank"]: w for w in status(c.address)["workers"]}
             assert workers[killed]["pid"] == child_of(replacement.pid), "the replacement takes the free rank"
             assert workers[killed]["worker"] == lost["worker"] and workers[1 - killed]["worker"] == survivor["worker"], \
@@ -82,7 +82,7 @@ def test_the_local_supervisor_restarts_a_killed_worker_and_the_island_heals():
         before = list(c.pids)
         lost = _kill(c.address, 0, 0)  # rank 0 runs the island's coordinator
         wait_until(lambda: not _island(c.address)["healthy"], what="the loss to be seen")
-        wait_until(lambda: _island(c.address)["healthy"], timeout=60, what="the island to heal")
+        wait_until(lambda: _assembled(c.address), timeout=60, what="the island to heal")
         assert c.restarts == 1 and c.pids[1:] != before[1:] and c.pids[2:] == before[2:], \
             "the supervisor started the dead worker again, and only it"
         assert lost["pid"] not in [w["pid"] for w in status(c.address)["workers"]]

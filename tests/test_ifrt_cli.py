@@ -22,6 +22,7 @@ import grpc
 import pytest
 
 import pathways as pw
+from pathways.__main__ import main
 from pathways.cluster import stop_processes
 from pathways.defaults import ADDRESS_LINE, IFRT_LINE
 from pathways.ifrt import launch, plugin
@@ -361,9 +362,13 @@ def test_run_trains_the_example_mlp_with_a_decreasing_loss():
     assert all(a > b for a, b in zip(losses, losses[1:])), losses
 
 
-def test_run_names_a_missing_script():
-    out = run_cli("no_such_script.py", timeout=120)
-    assert out.returncode == 2 and "no such script: 'no_such_script.py'" in out.stderr
+def test_run_names_a_missing_script(capsys, monkeypatch):
+    # in this process: refused before any cluster starts (main sets the children's log level
+    # in the environment, which monkeypatch restores)
+    monkeypatch.setenv("PATHWAYS_LOG_LEVEL", os.environ.get("PATHWAYS_LOG_LEVEL", "error"))
+    with pytest.raises(SystemExit) as e:
+        main(["run", "no_such_script.py"])
+    assert e.value.code == 2 and "no such script: 'no_such_script.py'" in capsys.readouterr().err
 
 
 # ---- a cluster with a token and TLS ---------------------------------------------------------

@@ -66,16 +66,18 @@ def proxy_env(target: str, pythonpath: str | None = None, **extra: str) -> dict[
     return _env(JAX_PLATFORMS="proxy", JAX_BACKEND_TARGET=target, PYTHONPATH=pythonpath, **extra)
 
 
-def command(program: str, out: Path, register: str | None) -> list[str]:
-    """The program as a plain script, or run after one of the ``_REGISTER`` lines."""
-    args = [str(SCRIPT), program, str(out)]
+def command(program: str, out: Path, register: str | None, *more: tuple[str, Path]) -> list[str]:
+    """The program as a plain script, or run after one of the ``_REGISTER`` lines; ``more``
+    programs after it in the same process."""
+    args = [str(SCRIPT), program, str(out), *(str(a) for pair in more for a in pair)]
     if register is None:
         return [sys.executable, *args]
     return [sys.executable, "-c", f"{_REGISTER[register]}\n{_RUN}", *args]
 
 
-def start(program: str, out: Path, env: dict[str, str], register: str | None = None) -> subprocess.Popen:
-    return subprocess.Popen(command(program, out, register), env=env, cwd=str(out.parent),
+def start(program: str, out: Path, env: dict[str, str], register: str | None = None,
+          *more: tuple[str, Path]) -> subprocess.Popen:
+    return subprocess.Popen(command(program, out, register, *more), env=env, cwd=str(out.parent),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -132,17 +134,30 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def local(tmp_path_factory):
-    """``local(program)``: the path of the program's results on local CPU JAX, run once."""
+def local(request, tmp_path_factory):
+    """``local(program)``: the path of the program's results on local CPU JAX. The first call
+    runs, in one process, every program that this run's tests of the module need."""
     directory = tmp_path_factory.mktemp("local")
     done: dict[str, Path] = {}
 
     def results(program: str) -> Path:
-        if program not in done:
-            done[program] = run(program, directory / f"{program}.npz", local_env(), what=f"{program!r} on local JAX")
+        if not done:
+            needed = sorted({program, *(_program_of(item) for item in request.session.items
+                                        if item.module is request.module)} - {None})
+            paths = {name: directory / f"{name}.npz" for name in needed}
+            first, *rest = paths.items()
+            finish(start(*first, local_env(), None, *rest), f"{needed} on local JAX")
+            done.update(paths)
         return done[program]
 
     return results
+
+
+def _program_of(item: pytest.Item) -> str | None:
+    """The program whose local results the test ``item`` compares with."""
+    if item.originalname == "test_two_ifrt_clients_and_a_native_client_at_once":
+        return "concurrent"
+    return getattr(item, "callspec", None) and item.callspec.params.get("program")
 
 
 @pytest.fixture

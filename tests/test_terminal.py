@@ -9,10 +9,13 @@ import textwrap
 import time
 
 import grpc
+import pytest
 
 import pathways as pw
+from pathways.__main__ import main
 from pathways.cluster import status
 from tests.conftest import pids_alive, read_line, wait_until
+from tests.test_bench import check_tiny_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,6 +37,20 @@ def children_of(pid):
             continue
         if ppid == pid:
             found[int(entry)] = [c.decode() for c in cmdline]
+    return found
+
+
+def session_members(sid):
+    """The live processes of session ``sid``."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            found.append(int(entry))
     return found
 
 
@@ -116,14 +133,21 @@ def _status_or_none(address):
     return st if st["workers"] else None
 
 
-def test_plan_help_shows_the_planners_options():
+def test_plan_help_shows_the_planners_options(capsys, monkeypatch):
+    # in this process: the command line's parsers, without an interpreter's start each; main
+    # sets the log level of child processes in the environment, which monkeypatch restores
+    monkeypatch.setenv("PATHWAYS_LOG_LEVEL", os.environ.get("PATHWAYS_LOG_LEVEL", "error"))
     for flag in ("--help", "-h"):
-        out = pathways("plan", flag)
-        assert out.returncode == 0, out.stderr
-        assert "pipeline" in out.stdout and "dag" in out.stdout, out.stdout
-    out = pathways("plan", "pipeline", "--help")
-    assert out.returncode == 0 and "--objective" in out.stdout and "--time-limit" in out.stdout
-    assert pathways("status", "--bogus").returncode == 2, "other commands still reject unknown arguments"
+        assert main(["plan", flag]) == 0
+        out = capsys.readouterr().out
+        assert "pipeline" in out and "dag" in out, out
+    assert main(["plan", "pipeline", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--objective" in out and "--time-limit" in out
+    with pytest.raises(SystemExit) as e:
+        main(["status", "--bogus"])
+    assert e.value.code == 2, "other commands still reject unknown arguments"
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
 
 
 def test_status_into_a_closed_pipe_exits_quietly(cluster):
@@ -140,14 +164,27 @@ def test_status_into_a_closed_pipe_exits_quietly(cluster):
     assert b"BrokenPipeError" not in err and b"Traceback" not in err, err.decode()
 
 
-def test_bench_explains_its_mode_names_and_prints_one_rounds_value_alone(monkeypatch):
+def test_bench_explains_its_mode_names_and_prints_one_rounds_value_alone(monkeypatch, tmp_path):
+    """Also the dispatch benchmark's run at its tiny size (the others: tests/test_bench.py)."""
     monkeypatch.delenv("PATHWAYS_LOG_LEVEL", raising=False)
     started = time.monotonic()
-    out = pathways("bench", "dispatch", "--tiny", "--rounds", "1", timeout=300)
-    assert out.returncode == 0, out.stderr
+    out_json, out_png = tmp_path / "dispatch.json", tmp_path / "dispatch.png"
+    # in a session of its own, so that any process it leaves behind can be found
+    proc = subprocess.Popen([sys.executable, "-m", "pathways", "bench", "dispatch", "--tiny", "--rounds", "1",
+                             "--json", str(out_json), "--plot", str(out_png)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, stderr
+    assert session_members(proc.pid) == [], "bench dispatch left processes running"
+    check_tiny_run("dispatch", out_json, out_png, stdout)
     for name in ("JAX-O", "JAX-F", "PW-O", "PW-C", "PW-F"):
-        assert f"\n{name}: " in out.stdout, out.stdout
-    rows = out.stdout.split("median (min-max) of the rounds\n")[1].split("\n\n")[0].splitlines()[2:]
+        assert f"\n{name}: " in stdout, stdout
+    rows = stdout.split("median (min-max) of the rounds\n")[1].split("\n\n")[0].splitlines()[2:]
     assert rows and not any("(" in row for row in rows), f"one round has no (min-max) spread:\n{rows}"
-    assert "[Gloo]" not in out.stdout and "coordination_service" not in out.stderr
+    assert "[Gloo]" not in stdout and "coordination_service" not in stderr
     assert time.monotonic() - started < 300
