@@ -76,6 +76,8 @@ def sample(checker: c.Checker, rng: random.Random, field: str) -> Any:
         return [sample(checker.item, rng, field) for _ in range(n)]
     if isinstance(checker, c.Fixed):
         return [sample(x, rng, field) for x in checker.items]
+    if isinstance(checker, m.Nested):  # a record: each of its fields by name
+        return [sample(x, rng, name) for name, x in checker.cls.FIELDS]
     if field in ("ins", "outs", "layout"):
         return LAYOUT
     if field == "graph":

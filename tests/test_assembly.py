@@ -345,7 +345,8 @@ def test_the_core_heals_an_island_for_its_sessions_and_refuses_runs_until_it_is_
     fn, program, data, base = (first_handle(sid) + i for i in (1, 2, 3, 10))
     graph = m.GRAPH.check({"nvalues": 2, "inputs": [0], "nodes": [[fn, [0], [1]]], "outputs": [1],
                            "types": [["float32", [2]]] * 2}, "graph")
-    core.on_session_batch(sid, m.encode_batch([m.DefineFunction(fn, reply.slice, "f", b"artifact", (layout,), (layout,)),
+    body = m.FunctionBody("f", b"artifact", (layout,), (layout,))
+    core.on_session_batch(sid, m.encode_batch([m.DefineFunction(fn, reply.slice, body),
                                                m.DefineProgram(program, graph, "parallel")]))
 
     core.worker_lost(rank1)
@@ -388,8 +389,8 @@ def test_a_lost_island_poisons_each_copy_bound_elsewhere_once_however_many_of_it
     graph = m.GRAPH.check({"nvalues": 3, "inputs": [0], "nodes": [[f, [0], [1]], [g, [1], [2]]], "outputs": [2],
                            "types": [["float32", [2]]] * 3}, "graph")
     core.on_session_batch(sid, m.encode_batch([
-        m.DefineFunction(f, pair.slice, "f", b"x", (halves,), (halves,)),
-        m.DefineFunction(g, one.slice, "g", b"x", (whole,), (whole,)),
+        m.DefineFunction(f, pair.slice, m.FunctionBody("f", b"x", (halves,), (halves,))),
+        m.DefineFunction(g, one.slice, m.FunctionBody("g", b"x", (whole,), (whole,))),
         m.DefineProgram(program, graph, "parallel"), m.PutNotice(data, halves), m.Run(program, base, {0: data})]))
     assert not _of(client, m.Error) and _of(single.outbox, m.RunProgram), "the run went out to all three hosts"
     d = core.scheduler.running(_of(single.outbox, m.RunProgram)[0].id).payload

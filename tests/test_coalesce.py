@@ -35,7 +35,7 @@ def _cluster(window=1, hosts=1):
     graph = m.GRAPH.check({"nvalues": 2, "inputs": [0], "nodes": [[FN, [0], [1]]], "outputs": [1],
                            "types": [["float32", [hosts]]] * 2}, "graph")
     core.on_session_batch(1, m.encode_batch([
-        m.DefineFunction(FN, reply.slice, "f", b"x", (layout,), (layout,)),
+        m.DefineFunction(FN, reply.slice, m.FunctionBody("f", b"x", (layout,), (layout,))),
         m.DefineProgram(PROGRAM, graph, "parallel"), m.DefineProgram(SEQUENTIAL, graph, "sequential"),
         m.PutNotice(DATA, layout)]))
     assert not _of(client, m.Error), client

@@ -49,7 +49,7 @@ def test_sequential_runs_release_each_node_after_its_predecessors_finish():
     chain = m.GRAPH.check({"nvalues": 4, "inputs": [0], "nodes": [[fns[i], [i], [i + 1]] for i in range(3)],
                            "outputs": [3], "types": [["float32", [2]]] * 4}, "graph")
     core.on_session_batch(sid, m.encode_batch(
-        [m.DefineFunction(fns[i], slices[i].slice, f"f{i}", b"artifact", (layouts[i],), (layouts[i],))
+        [m.DefineFunction(fns[i], slices[i].slice, m.FunctionBody(f"f{i}", b"artifact", (layouts[i],), (layouts[i],)))
          for i in range(3)]
         + [m.DefineProgram(program, chain, "sequential"), m.PutNotice(data, layouts[0]), m.Run(program, base, {0: data})]))
     assert not _of(client, m.Error), client

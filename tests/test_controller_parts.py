@@ -71,7 +71,7 @@ def test_the_dispatcher_sends_a_program_once_per_worker_and_frees_the_window_whe
     graph = m.GRAPH.check({"nvalues": 2, "inputs": [0], "nodes": [[fn, [0], [1]]], "outputs": [1],
                            "types": [["float32", [1]]] * 2}, "graph")
     core.on_session_batch(1, m.encode_batch([
-        m.DefineFunction(fn, _of(client, m.SliceReply)[0].slice, "f", b"x", (layout,), (layout,)),
+        m.DefineFunction(fn, _of(client, m.SliceReply)[0].slice, m.FunctionBody("f", b"x", (layout,), (layout,))),
         m.DefineProgram(program, graph, "parallel"), m.PutNotice(data, layout),
         m.Run(program, (1 << 40) + 10, {0: data}), m.Run(program, (1 << 40) + 20, {0: data})]))
     assert not _of(client, m.Error)
@@ -141,7 +141,7 @@ def _two_sessions_with_a_program():
     graph = m.GRAPH.check({"nvalues": 2, "inputs": [0], "nodes": [[fn, [0], [1]]], "outputs": [1],
                            "types": [["float32", [1]]] * 2}, "graph")
     core.on_session_batch(2, m.encode_batch([
-        m.DefineFunction(fn, _of(thief, m.SliceReply)[0].slice, "f", b"x", (layout,), (layout,)),
+        m.DefineFunction(fn, _of(thief, m.SliceReply)[0].slice, m.FunctionBody("f", b"x", (layout,), (layout,))),
         m.DefineProgram(program, graph, "parallel")]))
     assert not _of(victim, m.Error) and not _of(thief, m.Error)
     return core, w0, victim, thief, victim_array, program, layout
@@ -210,11 +210,11 @@ def test_an_xla_function_compiles_on_the_hosts_of_its_devices_and_runs_once_the_
     base = first_handle(1)
     one_host, both, program, data = base + 1, base + 2, base + 3, base + 4
     core.on_session_batch(1, m.encode_batch([
-        m.DefineFunction(one_host, reply.slice, "f", b"mlir", (), (), "xla", b"opts", (1, 1, 1, 0)),
-        m.DefineFunction(both, reply.slice, "g", b"mlir", (), (), "xla", b"opts", (1, 0, 0, 0)),
+        m.DefineFunction(one_host, reply.slice, m.FunctionBody("f", b"mlir", (), (), "xla", b"opts", (1, 1, 1, 0))),
+        m.DefineFunction(both, reply.slice, m.FunctionBody("g", b"mlir", (), (), "xla", b"opts", (1, 0, 0, 0))),
     ]))
-    assert _of(w0.outbox, m.Compile) == [m.Compile(both, "g", b"mlir", (), (), "xla", b"opts", (1, 0, 0, 0),
-                                                   (w0.worker, w1.worker))], "workers in island-rank order"
+    g = m.FunctionBody("g", b"mlir", (), (), "xla", b"opts", (1, 0, 0, 0))
+    assert _of(w0.outbox, m.Compile) == [m.Compile(both, g, (w0.worker, w1.worker))], "workers in island-rank order"
     assert [c.fn for c in _of(w1.outbox, m.Compile)] == [one_host, both]
     assert _of(w1.outbox, m.Compile)[0].workers == (w1.worker,)
 
@@ -255,14 +255,15 @@ def test_an_xla_function_off_its_slice_or_on_a_lost_host_fails_its_compile():
     base = first_handle(1)
     off = next(d for d in ((0, 0), (0, 1), (1, 0), (1, 1)) if d not in zip(reply.devices[::2], reply.devices[1::2]))
     core.on_session_batch(1, m.encode_batch([
-        m.DefineFunction(base + 1, reply.slice, "f", b"mlir", (), (), "xla", b"", off),
-        m.DefineFunction(base + 2, reply.slice + 5, "f", b"mlir", (), (), "xla", b"", reply.devices[:2])]))
+        m.DefineFunction(base + 1, reply.slice, m.FunctionBody("f", b"mlir", (), (), "xla", b"", off)),
+        m.DefineFunction(base + 2, reply.slice + 5,
+                         m.FunctionBody("f", b"mlir", (), (), "xla", b"", reply.devices[:2]))]))
     failed = _of(client, m.Compiled)
     assert [c.fn for c in failed] == [base + 1, base + 2]
     assert "outside slice" in failed[0].error and "not one of this session's slices" in failed[1].error
     assert not _of(w0.outbox, m.Compile) + _of(w1.outbox, m.Compile)
     core.on_session_batch(1, m.encode_batch([
-        m.DefineFunction(base + 3, reply.slice, "f", b"mlir", (), (), "xla", b"", reply.devices)]))
+        m.DefineFunction(base + 3, reply.slice, m.FunctionBody("f", b"mlir", (), (), "xla", b"", reply.devices))]))
     core.worker_lost(w1)
     assert _of(client, m.Compiled)[-1].fn == base + 3 and "was lost" in _of(client, m.Compiled)[-1].error
 
@@ -277,8 +278,8 @@ def test_a_jax_export_function_may_use_some_devices_of_its_slice():
     second_host = Layout((w1.worker,), ((1, 0), (1, 1)), (2,), ("x",), ("x",))
     mislabelled = Layout((w0.worker,), ((1, 0),), (1,), ("x",), ())
     core.on_session_batch(1, m.encode_batch([
-        m.DefineFunction(base + 1, reply.slice, "f", b"x", (second_host,), (second_host,)),
-        m.DefineFunction(base + 2, reply.slice, "g", b"x", (mislabelled,), (mislabelled,))]))
+        m.DefineFunction(base + 1, reply.slice, m.FunctionBody("f", b"x", (second_host,), (second_host,))),
+        m.DefineFunction(base + 2, reply.slice, m.FunctionBody("g", b"x", (mislabelled,), (mislabelled,)))]))
     assert [c.workers for c in _of(w1.outbox, m.Compile)] == [(w1.worker,)] and not _of(w0.outbox, m.Compile)
     assert core.sessions[1].programs.fns[base + 1].workers == (w1.worker,)
     error, = _of(client, m.Error)
@@ -304,7 +305,8 @@ def test_a_put_or_run_on_a_healing_island_says_which_island_lost_what_and_that_c
     fn, program, data, base = (first_handle(sid) + i for i in (1, 2, 3, 10))
     graph = m.GRAPH.check({"nvalues": 2, "inputs": [0], "nodes": [[fn, [0], [1]]], "outputs": [1],
                            "types": [["float32", [2]]] * 2}, "graph")
-    core.on_session_batch(sid, m.encode_batch([m.DefineFunction(fn, reply.slice, "f", b"artifact", (layout,), (layout,)),
+    body = m.FunctionBody("f", b"artifact", (layout,), (layout,))
+    core.on_session_batch(sid, m.encode_batch([m.DefineFunction(fn, reply.slice, body),
                                                m.DefineProgram(program, graph, "parallel")]))
     core.worker_lost(rank1, error="connection reset")
 

@@ -45,9 +45,13 @@ class Client:
         self.fn, self.program, self.array = next(self.ids), next(self.ids), next(self.ids)
         graph = m.GRAPH.check({"nvalues": 2, "inputs": [0], "nodes": [[self.fn, [0], [1]]], "outputs": [1],
                                "types": [["float32", [2]]] * 2}, "graph")
-        self.send(m.DefineFunction(self.fn, self.slice.slice, "f", b"artifact", (self.layout,), (self.layout,)),
+        self.send(m.DefineFunction(self.fn, self.slice.slice, self.body("f")),
                   m.DefineProgram(self.program, graph, "parallel"), m.PutNotice(self.array, self.layout))
         assert not _of(self.box, m.Error), self.box
+
+    def body(self, name):
+        """A jax.export function on this client's one layout."""
+        return m.FunctionBody(name, b"artifact", (self.layout,), (self.layout,))
 
     def send(self, *messages):
         self.core.on_session_batch(self.sid, m.encode_batch(list(messages)))
@@ -92,8 +96,7 @@ def test_a_lost_island_is_forgotten_its_slices_released_and_its_name_free_again(
     assert not _of(w0.outbox, m.Shutdown)
 
     # the session is told why when it uses the slice or its function
-    client.send(m.DefineFunction(next(client.ids), client.slice.slice, "g", b"artifact", (client.layout,),
-                                 (client.layout,)))
+    client.send(m.DefineFunction(next(client.ids), client.slice.slice, client.body("g")))
     error = _of(client.box, m.Error)[-1]
     assert error.kind == "PlacementError" and "retired by the operator" in error.message
     out = client.run(client.put_on(0))  # an input from elsewhere, for the function on the retired island

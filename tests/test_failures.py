@@ -150,7 +150,7 @@ def test_malformed_session_messages_get_error_replies(cluster, session):
              "must be one of ['parallel', 'sequential']"),
             (m.encode_batch([m.DefineProgram(victim, m.GRAPH.check(good, "graph"), "parallel")]),
              "does not belong to this session"),
-            (m.encode_batch([m.DefineFunction(first_handle(sid) + 2, s.id, "x", b"", (), ())]),
+            (m.encode_batch([m.DefineFunction(first_handle(sid) + 2, s.id, m.FunctionBody("x", b"", (), ()))]),
              "not one of this session's slices"),
             (m.encode_batch([m.Hello(999, 1.0)]), "protocol"),
             (codec.pack([["hello", m.PROTOCOL_VERSION, -2]]), "weight"),

@@ -119,7 +119,7 @@ def test_a_function_for_a_gpu_slice_is_exported_for_cuda_and_rocm_from_a_cpu_cli
         x = np.ones((2, 3), np.float32)
         f.specialize(jax.tree.structure((x,)), [(x.shape, x.dtype)], (x,))
         fn, = [msg for msg in session.sent if isinstance(msg, m.DefineFunction) and msg.slice == s.id]
-        assert jax.export.deserialize(bytearray(fn.blob)).platforms == platforms
+        assert jax.export.deserialize(bytearray(fn.body.blob)).platforms == platforms
 
 
 def test_find_devices_counts_cpu_devices_by_hand_and_asks_jax_for_the_rest():

@@ -53,14 +53,17 @@ def test_a_payload_that_is_no_batch_is_refused(payload, needle):
     (["slice", 1, "cpu", 1, [2] * 17, None, False], "must have 1 to 16 entries"),
     (["delete", [1, "2"]], "an entry of field 'handles'"),
     (["delete", [-1]], r"must be in \[0,"),
-    (["fn", 1, 1, "x" * 5000, b"", [], [], "jax.export", b"", []], "at most 1024"),
-    (["fn", 1, 1, "f", b"", [], [], "hlo", b"", []], "'format' of message 'fn' must be one of"),
-    (["fn", 1, 1, "f", b"", [], [], "xla", b"", []], "needs its devices"),
-    (["fn", 1, 1, "f", b"", [], [], "xla", b"", [0]], "needs its devices as a non-empty flat list"),
-    (["fn", 1, 1, "f", b"", [], [], "xla", b"", [0, 1, 0, 1]], "names a device twice"),
-    (["fn", 1, 1, "f", b"", [[[0], [0, 0], [1], ["x"], [None]]], [], "xla", b"", [0, 0]], "takes no layouts"),
-    (["fn", 1, 1, "f", b"", [], [], "jax.export", b"opts", []], "takes no options or devices"),
-    (["fn", 1, 1, "f", b"", [], [], "xla", b"x" * (2 << 20), [0, 0]], "'options' of message 'fn' has"),
+    (["fn", 1, 1, ["x" * 5000, b"", [], [], "jax.export", b"", []]], "at most 1024"),
+    (["fn", 1, 1, ["f", b"", [], [], "hlo", b"", []]], "'format' of field 'body' of message 'fn' must be one of"),
+    (["fn", 1, 1, ["f", b"", [], [], "xla", b"", []]], "needs its devices"),
+    (["fn", 1, 1, ["f", b"", [], [], "xla", b"", [0]]], "needs its devices as a non-empty flat list"),
+    (["fn", 1, 1, ["f", b"", [], [], "xla", b"", [0, 1, 0, 1]]], "names a device twice"),
+    (["fn", 1, 1, ["f", b"", [[[0], [0, 0], [1], ["x"], [None]]], [], "xla", b"", [0, 0]]], "takes no layouts"),
+    (["fn", 1, 1, ["f", b"", [], [], "jax.export", b"opts", []]], "takes no options or devices"),
+    (["fn", 1, 1, ["f", b"", [], [], "xla", b"x" * (2 << 20), [0, 0]]],
+     "'options' of field 'body' of message 'fn' has"),
+    (["fn", 1, 1, ["f", b""]], "'body' of message 'fn' must be a list of its 7 fields"),
+    (["fn", 1, 1, "f"], "'body' of message 'fn' must be a list of its 7 fields .*got str"),
     (["run", 1, 1, [[0, 1, 2]], False], "a list of 2 entries"),
     (["run", 1, 1, [], 1], "'traced' of message 'run' must be true or false"),
     (["timeline", 1, 10 ** 6], "'max_events' of message 'timeline' must be in"),
@@ -93,15 +96,15 @@ def test_compiled_round_trips_and_its_lists_must_agree():
 
 
 def test_compile_names_one_worker_per_host_of_an_xla_function():
-    fine = m.Compile(1, "f", b"", (), (), "xla", b"", (0, 0, 1, 0, 1, 1), (4, 7))
+    fine = m.Compile(1, m.FunctionBody("f", b"", (), (), "xla", b"", (0, 0, 1, 0, 1, 1)), (4, 7))
     assert m.WORKER_DOWN.decode(fine.encode()) == fine
     with pytest.raises(WireError, match="devices on 2 host"):
         m.WORKER_DOWN.decode(dataclasses.replace(fine, workers=(4,)).encode())
     with pytest.raises(WireError, match="distinct worker"):
         m.WORKER_DOWN.decode(dataclasses.replace(fine, workers=(4, 4)).encode())
     # a jax.export function's defaults travel too (older senders name none of them)
-    export = m.Compile(1, "f", b"", (), ())
-    assert m.WORKER_DOWN.decode(export.encode()) == export and export.format == "jax.export"
+    export = m.Compile(1, m.FunctionBody("f", b"", (), ()))
+    assert m.WORKER_DOWN.decode(export.encode()) == export and export.body.format == "jax.export"
 
 
 def test_a_malformed_request_keeps_its_request_id_so_the_caller_hears_back():

@@ -172,10 +172,10 @@ def test_the_remap_moves_layouts_functions_and_compiles_position_by_position():
     assert part.workers == (9,) and part.devices == ((0, 7),)
     fn = remap.function(FnLayouts((3, 4), (layout,), (layout,)), 7)
     assert fn == FnLayouts((9,), (moved,), (moved,))
-    compile_msg = remap.compile(m.Compile(1, "f", b"blob", (layout,), (layout,), workers=(3, 4)), 7)
-    assert compile_msg.workers == (9,) and compile_msg.ins == (moved,)
-    xla = remap.compile(m.Compile(2, "g", b"blob", (), (), "xla", b"", (1, 0, 0, 1), (3, 4)), 7)
-    assert xla.devices == (0, 6, 0, 5) and xla.workers == (9,)
+    compile_msg = remap.compile(m.Compile(1, m.FunctionBody("f", b"blob", (layout,), (layout,)), (3, 4)), 7)
+    assert compile_msg.workers == (9,) and compile_msg.body.ins == (moved,)
+    xla = remap.compile(m.Compile(2, m.FunctionBody("g", b"blob", (), (), "xla", b"", (1, 0, 0, 1)), (3, 4)), 7)
+    assert xla.body.devices == (0, 6, 0, 5) and xla.workers == (9,)
 
 
 def test_a_host_lost_while_its_session_offloads_or_resumes_loses_its_arrays_and_the_session_goes_on():

@@ -84,10 +84,15 @@ FN = first_handle(SESSION) + 1
 KEY = 11
 
 
+def compile_on_layout(fn, name, f):
+    """Compile ``f`` as function ``fn``, from and to LAYOUT."""
+    return m.Compile(fn, m.FunctionBody(name, export(f), (LAYOUT,), (LAYOUT,)))
+
+
 def define_double(core):
     """Compile ``2 * x`` as FN and define program KEY: input register 0, output 1."""
     core.on_batch(m.encode_batch([
-        m.Compile(FN, "double", export(lambda x: 2 * x), (LAYOUT,), (LAYOUT,)),
+        compile_on_layout(FN, "double", lambda x: 2 * x),
         m.Define(KEY, SESSION, 2, 0, ([int(Op.IN), 0, True], [int(Op.EXEC), FN, [0], [1]], [int(Op.OUT), 1])),
     ]))
 
@@ -116,7 +121,7 @@ def test_define_and_run_a_compiled_function(core, up):
 def test_a_malformed_message_gets_a_notice_and_the_rest_of_the_batch_runs(core, up):
     x = first_handle(SESSION) + 100
     put(core, x, np.ones(3, np.float32))
-    good = [m.Compile(FN, "double", export(lambda x: 2 * x), (LAYOUT,), (LAYOUT,)).encode(),
+    good = [compile_on_layout(FN, "double", lambda x: 2 * x).encode(),
             m.Define(KEY, SESSION, 2, 0, ([int(Op.IN), 0, True], [int(Op.EXEC), FN, [0], [1]],
                                           [int(Op.OUT), 1])).encode()]
     bad = [
@@ -184,9 +189,9 @@ def test_drop_session_frees_arrays_functions_and_programs(core, up):
     before = core.stats()
     other = first_handle(SESSION + 1) + 1
     # another session registered the same function: the shared compilation must survive
-    core.on_batch(m.encode_batch([m.Compile(other, "double", export(lambda x: 2 * x), (LAYOUT,), (LAYOUT,))]))
+    core.on_batch(m.encode_batch([compile_on_layout(other, "double", lambda x: 2 * x)]))
     define_double(core)
-    core.on_batch(m.encode_batch([m.Compile(FN + 1, "inc", export(lambda x: x + 1), (LAYOUT,), (LAYOUT,))]))
+    core.on_batch(m.encode_batch([compile_on_layout(FN + 1, "inc", lambda x: x + 1)]))
     x = first_handle(SESSION) + 100
     put(core, x, np.ones(3, np.float32))
     run(core, 1, first_handle(SESSION) + 200, x)
@@ -381,8 +386,8 @@ def test_a_run_on_the_lean_path_switches_to_the_careful_one_at_a_poisoned_input_
     poison on to the outputs, and the next run is lean again."""
     g = first_handle(SESSION) + 2
     core.on_batch(m.encode_batch([
-        m.Compile(FN, "double", export(lambda x: 2 * x), (LAYOUT,), (LAYOUT,)),
-        m.Compile(g, "plus_one", export(lambda x: x + 1), (LAYOUT,), (LAYOUT,)),
+        compile_on_layout(FN, "double", lambda x: 2 * x),
+        compile_on_layout(g, "plus_one", lambda x: x + 1),
         # out = 2 * x + 1
         m.Define(KEY, SESSION, 3, 0, ([int(Op.IN), 0, True], [int(Op.EXEC), FN, [0], [1]],
                                       [int(Op.EXEC), g, [1], [2]], [int(Op.OUT), 2])),

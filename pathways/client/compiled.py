@@ -126,8 +126,8 @@ class CompiledFunction:
         fn_id = session.allocate(1)
         in_layouts = tuple(self.slice.layout(mesh.shape, mesh.axis_names, s) for s in in_specs)
         out_layouts = tuple(self.slice.layout(mesh.shape, mesh.axis_names, s) for s in out_specs)
-        session.send(m.DefineFunction(fn_id, self.slice.id, self.name, bytes(exported.serialize()),
-                                      in_layouts, out_layouts))
+        session.send(m.DefineFunction(fn_id, self.slice.id, m.FunctionBody(self.name, bytes(exported.serialize()),
+                                                                           in_layouts, out_layouts)))
         out_shardings = tuple(NamedSharding(mesh, s) for s in out_specs)
         n_in, n_out = len(avals), len(out_avals)
         graph = ProgramGraph(n_in + n_out, tuple(range(n_in)),

@@ -83,7 +83,7 @@ def _define(session: Any, graph: ProgramGraph, group: fusion.Group, specs: Mappi
         raise ProgramTraceError(f"program {program}: nodes {names} could not be compiled as one function "
                                 f"({type(e).__name__}: {e}); call pw.program without fuse=True") from e
     fn_id = session.allocate(1)
-    session.send(m.DefineFunction(fn_id, first.slice.id, name, bytes(exported.serialize()),
-                                  tuple(in_shardings[v].layout() for v in group.ins),
-                                  tuple(out_shardings[v].layout() for v in group.outs)))
+    body = m.FunctionBody(name, bytes(exported.serialize()), tuple(in_shardings[v].layout() for v in group.ins),
+                          tuple(out_shardings[v].layout() for v in group.outs))
+    session.send(m.DefineFunction(fn_id, first.slice.id, body))
     return fn_id, name

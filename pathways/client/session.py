@@ -175,8 +175,8 @@ class Session:
         future: Future = Future()
         self._pending[("compiled", fn)] = future
         try:
-            self.send(m.DefineFunction(fn, slice_id, name, artifact, (), (), "xla", options,
-                                       tuple(x for d in devices for x in d)))
+            self.send(m.DefineFunction(fn, slice_id, m.FunctionBody(name, artifact, (), (), "xla", options,
+                                                                    tuple(x for d in devices for x in d))))
         except BaseException:
             self._pending.pop(("compiled", fn), None)
             raise

@@ -470,7 +470,8 @@ class ControllerCore:
         s.programs.compiling.pop(fn, None)
         s.programs.failed.pop(fn, None)
         s.programs.compiles.pop(fn, None)
-        if msg.format == "xla":
+        body = msg.body
+        if body.format == "xla":
             try:
                 self._xla_fn(fn, s, msg)
             except PathwaysError as e:  # the client waits for the Compiled reply, not for an Error
@@ -480,19 +481,19 @@ class ControllerCore:
         placement = self._placement(s, msg)
         rank_of = self._ranks(placement)
         slice_devices = set(placement.devices)
-        for layout in (*msg.ins, *msg.outs):
+        for layout in (*body.ins, *body.outs):
             if not set(layout.devices) <= slice_devices:
-                raise WireError(f"function {msg.name!r} names devices outside its slice: "
+                raise WireError(f"function {body.name!r} names devices outside its slice: "
                                 f"{sorted(set(layout.devices) - slice_devices)}")
             hosts = tuple(w for w in placement.workers if rank_of[w] in {r for r, _ in layout.devices})
             if layout.workers != hosts:
-                raise WireError(f"function {msg.name!r} has a layout on workers {list(layout.workers)}, but its "
+                raise WireError(f"function {body.name!r} has a layout on workers {list(layout.workers)}, but its "
                                 f"devices are on workers {list(hosts)}")
-        ranks = {r for layout in (*msg.ins, *msg.outs) for r, _ in layout.devices}
+        ranks = {r for layout in (*body.ins, *body.outs) for r, _ in layout.devices}
         # a function of no arrays at all runs on the whole slice
         workers = tuple(w for w in placement.workers if rank_of[w] in ranks) or placement.workers
-        s.programs.fns[fn] = FnLayouts(workers, msg.ins, msg.outs)
-        compile_msg = s.programs.compiles[fn] = m.Compile(fn, msg.name, msg.blob, msg.ins, msg.outs, workers=workers)
+        s.programs.fns[fn] = FnLayouts(workers, body.ins, body.outs)
+        compile_msg = s.programs.compiles[fn] = m.Compile(fn, body, workers)
         for w in workers:
             self.workers[w].outbox.put(compile_msg)
 
@@ -500,18 +501,18 @@ class ControllerCore:
         """Have the hosts of an "xla" function's devices compile it; the host of its first
         device answers with Compiled (``_compiled``)."""
         placement = self._placement(s, msg)
-        devices = tuple(zip(msg.devices[::2], msg.devices[1::2]))
+        body = msg.body
+        devices = tuple(zip(body.devices[::2], body.devices[1::2]))
         outside = [d for d in devices if d not in set(placement.devices)]
         if outside:
-            raise WireError(f"function {msg.name!r} names devices {outside} (host rank, index) outside slice "
+            raise WireError(f"function {body.name!r} names devices {outside} (host rank, index) outside slice "
                             f"{msg.slice}, whose devices are {list(placement.devices)}")
         rank_of = self._ranks(placement)
         ranks = {r for r, _ in devices}
         workers = tuple(w for w in placement.workers if rank_of[w] in ranks)
         reporter = next(w for w in workers if rank_of[w] == devices[0][0])
-        s.programs.compiling[fn] = XlaCompile(msg.name, workers, reporter, devices)
-        compile_msg = s.programs.compiles[fn] = m.Compile(fn, msg.name, msg.blob, (), (), "xla", msg.options,
-                                                          msg.devices, workers)
+        s.programs.compiling[fn] = XlaCompile(body.name, workers, reporter, devices)
+        compile_msg = s.programs.compiles[fn] = m.Compile(fn, body, workers)
         for w in workers:
             self.workers[w].outbox.put(compile_msg)
 

@@ -14,7 +14,7 @@ gives it no share: its weight counts again from the first run after it resumes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional
 
 from pathways.controller.lowering import FnLayouts
@@ -94,15 +94,15 @@ class Remap:
     def compile(self, msg: Compile, slice_id: int) -> Compile:
         """What the new hosts are sent to compile the function that ``msg`` compiled."""
         new = self.slices[slice_id]
-        if msg.format == "xla":
-            pairs = tuple(zip(msg.devices[::2], msg.devices[1::2]))
+        body = msg.body
+        if body.format == "xla":
+            pairs = tuple(zip(body.devices[::2], body.devices[1::2]))
             moved = self.devices(msg.workers, pairs)
             if moved is None:
-                raise ValueError(f"function {msg.name!r} was compiled on devices of no slice of its session")
+                raise ValueError(f"function {body.name!r} was compiled on devices of no slice of its session")
             workers, devices = moved
-            return Compile(msg.fn, msg.name, msg.blob, (), (), "xla", msg.options,
-                           tuple(x for d in devices for x in d), workers)
-        ins, outs = self._layouts(msg.ins), self._layouts(msg.outs)
+            return Compile(msg.fn, replace(body, devices=tuple(x for d in devices for x in d)), workers)
+        ins, outs = self._layouts(body.ins), self._layouts(body.outs)
         ranks = {r for x in (*ins, *outs) for r, _ in x.devices}
         workers = tuple(w for w in new.workers if self._rank[w] in ranks) or new.workers
-        return Compile(msg.fn, msg.name, msg.blob, ins, outs, workers=workers)
+        return Compile(msg.fn, replace(body, ins=ins, outs=outs), workers)

@@ -667,8 +667,8 @@ class IfrtSession:
         except Exception as e:
             raise IfrtError(t.INTERNAL, f"no copy function for a {dtype.name}{list(shape)} array: {e}") from None
         fn = self.native.allocate(1)
-        self.native.send(m.DefineFunction(fn, place.slice.id, "copy", bytes(exported.serialize()), (layout,),
-                                          (layout,), "jax.export", b"", ()))
+        self.native.send(m.DefineFunction(fn, place.slice.id,
+                                          m.FunctionBody("copy", bytes(exported.serialize()), (layout,), (layout,))))
         graph = ProgramGraph(2, (0,), (Node(fn, (0,), (1,)),), (1,), value_types([(shape, dtype)] * 2))
         program = register_program(self.native, graph, {}, {}).program_id
         self._identities[key] = program

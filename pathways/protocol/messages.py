@@ -1,7 +1,8 @@
 """Every message of the control plane, one frozen dataclass per kind, and the tables that
 say which kinds each stream accepts.
 
-A message travels as a msgpack list ``[tag, field, ...]`` in declaration order, inside a
+A message travels as a msgpack list ``[tag, field, ...]`` in declaration order (a field
+that is itself a record, such as a function's body, as the list of its own fields), inside a
 batch (a msgpack list of messages: whatever queued up while the stream was busy). Each
 field declares its checker (check.py), so decoding is the one validation at the trust
 boundary: it returns typed messages whose every number, size and length is bounded, or a
@@ -26,7 +27,7 @@ from pathways.timeline import MAX_DETAIL, MAX_EVENTS
 from pathways.timeline import MAX_NAME as MAX_SPAN_NAME
 from pathways.wire.codec import MAX_MESSAGE_BYTES, is_wire_dtype_name, pack, unpack
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 # How a function's blob is to be compiled: a jax.export artifact (its layouts given by the
 # client), or a StableHLO portable artifact with xla CompileOptions (layouts reported back
 # by the worker that compiles it, in ``Compiled``).
@@ -93,27 +94,59 @@ def wire(checker: Checker, default: Any = dataclasses.MISSING) -> Any:
     return dataclasses.field(default=default, metadata={"check": checker})
 
 
-class Message:
-    """Base of every message kind (see ``message``)."""
+class Record:
+    """A frozen dataclass whose fields each declare their checker (``wire``); ``record``
+    makes one. Messages are records with a tag; a record may also be one field of a message
+    (``Nested``), sent as the list of its fields in declaration order."""
 
-    TAG: ClassVar[str]
     FIELDS: ClassVar[tuple[tuple[str, Checker], ...]]
 
-    def encode(self) -> list:
-        return [self.TAG, *(c.encode(getattr(self, name)) for name, c in self.FIELDS)]
-
-    def checked(self) -> "Message":
+    def checked(self) -> "Record":
         """Checks that span several fields, after each field was checked on its own."""
         return self
 
 
+class Message(Record):
+    """Base of every message kind (see ``message``)."""
+
+    TAG: ClassVar[str]
+
+    def encode(self) -> list:
+        return [self.TAG, *(c.encode(getattr(self, name)) for name, c in self.FIELDS)]
+
+
+def record(cls: type) -> type:
+    """Make ``cls`` a frozen dataclass and list its fields' checkers, in declaration order."""
+    cls = dataclasses.dataclass(frozen=True, slots=True)(cls)
+    cls.FIELDS = tuple((f.name, f.metadata["check"]) for f in dataclasses.fields(cls))
+    return cls
+
+
 def message(tag: str):
     def wrap(cls: type) -> type:
-        cls = dataclasses.dataclass(frozen=True, slots=True)(cls)
+        cls = record(cls)
         cls.TAG = tag
-        cls.FIELDS = tuple((f.name, f.metadata["check"]) for f in dataclasses.fields(cls))
         return cls
     return wrap
+
+
+class Nested(Checker[Record]):
+    """A record as one field of a message: a list of exactly its fields, each checked by its
+    own checker (errors name the field within the field), then the record's ``checked``."""
+
+    def __init__(self, cls: type[Record]) -> None:
+        self.cls = cls
+
+    def check(self, value: Any, what: str) -> Record:
+        fields = self.cls.FIELDS
+        if type(value) is not list or len(value) != len(fields):
+            got = f"{len(value)} entries" if type(value) is list else type(value).__name__
+            raise WireError(f"{what} must be a list of its {len(fields)} fields "
+                            f"({', '.join(n for n, _ in fields)}), got {got}")
+        return self.cls(*(c.check(v, f"field {name!r} of {what}") for (name, c), v in zip(fields, value))).checked()
+
+    def encode(self, value: Record) -> list:
+        return [c.encode(getattr(value, name)) for name, c in self.cls.FIELDS]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,32 +244,15 @@ OPTIONS = Bytes(MAX_OPTIONS_BYTES)
 DEVICE_PAIRS = Seq(Int(0, MAX_ITEMS), max_len=2 * MAX_XLA_DEVICES)  # flat (host rank, device index) pairs
 
 
-def _check_format(what: str, fmt: str, options: bytes, devices: tuple[int, ...], ins: tuple, outs: tuple) -> None:
-    """The fields of DefineFunction and Compile that depend on the function's format."""
-    if fmt == "xla":
-        if not devices or len(devices) % 2:
-            raise WireError(f"{what}: an 'xla' function needs its devices as a non-empty flat list of "
-                            "(host rank, device index) pairs")
-        pairs = list(zip(devices[::2], devices[1::2]))
-        if len(set(pairs)) != len(pairs):
-            raise WireError(f"{what}: an 'xla' function names a device twice in its devices")
-        if ins or outs:
-            raise WireError(f"{what}: an 'xla' function takes no layouts (ins and outs must be empty): "
-                            "the compiled executable says where its parameters and outputs live")
-    elif options or devices:
-        raise WireError(f"{what}: a 'jax.export' function takes no options or devices (its layouts say where)")
+@record
+class FunctionBody(Record):
+    """A function's definition, as a client gives it and as workers compile it: ``blob``
+    compiled under ``name``. For "jax.export" the layouts say where it runs (any devices of
+    its slice); for "xla" ``blob`` is a StableHLO portable artifact compiled with
+    ``options`` (a serialized xla CompileOptionsProto) on ``devices`` (flat (host rank,
+    device index) pairs: logical device i of the executable is pair i), and the layouts
+    are reported back by the worker that compiles it (``Compiled``)."""
 
-
-@message("fn")
-class DefineFunction(Message):
-    """Compile ``blob`` on the devices of slice ``slice``. For "jax.export" the layouts say
-    where it runs (any devices of the slice); for "xla" ``blob`` is a StableHLO portable
-    artifact compiled with ``options`` (a serialized xla CompileOptionsProto) on
-    ``devices`` (logical device i of the executable is pair i), and the worker hosting the
-    first device answers with ``Compiled``."""
-
-    id: int = wire(HANDLE)
-    slice: int = wire(Int(0, MAX_HANDLE))
     name: str = wire(NAME)
     blob: bytes = wire(BLOB)
     ins: tuple[Layout, ...] = wire(LAYOUTS)
@@ -245,9 +261,34 @@ class DefineFunction(Message):
     options: bytes = wire(OPTIONS, b"")
     devices: tuple[int, ...] = wire(DEVICE_PAIRS, ())
 
-    def checked(self) -> "DefineFunction":
-        _check_format(f"function {self.name[:64]!r}", self.format, self.options, self.devices, self.ins, self.outs)
+    def checked(self) -> "FunctionBody":
+        what = f"function {self.name[:64]!r}"
+        if self.format == "xla":
+            if not self.devices or len(self.devices) % 2:
+                raise WireError(f"{what}: an 'xla' function needs its devices as a non-empty flat list of "
+                                "(host rank, device index) pairs")
+            pairs = list(zip(self.devices[::2], self.devices[1::2]))
+            if len(set(pairs)) != len(pairs):
+                raise WireError(f"{what}: an 'xla' function names a device twice in its devices")
+            if self.ins or self.outs:
+                raise WireError(f"{what}: an 'xla' function takes no layouts (ins and outs must be empty): "
+                                "the compiled executable says where its parameters and outputs live")
+        elif self.options or self.devices:
+            raise WireError(f"{what}: a 'jax.export' function takes no options or devices (its layouts say where)")
         return self
+
+
+BODY = Nested(FunctionBody)
+
+
+@message("fn")
+class DefineFunction(Message):
+    """Compile ``body`` on the devices of slice ``slice``; for an "xla" body the worker
+    hosting its first device answers with ``Compiled``."""
+
+    id: int = wire(HANDLE)
+    slice: int = wire(Int(0, MAX_HANDLE))
+    body: FunctionBody = wire(BODY)
 
 
 @message("program")
@@ -491,25 +532,18 @@ class Peers(Message):
 
 @message("compile")
 class Compile(Message):
-    """Compile function ``fn`` (DefineFunction's fields); ``workers`` are the worker ids of
+    """Compile function ``fn`` (DefineFunction's body); ``workers`` are the worker ids of
     the hosts of its devices, in island-rank order."""
 
     fn: int = wire(HANDLE)
-    name: str = wire(NAME)
-    blob: bytes = wire(BLOB)
-    ins: tuple[Layout, ...] = wire(LAYOUTS)
-    outs: tuple[Layout, ...] = wire(LAYOUTS)
-    format: str = wire(FORMAT, "jax.export")
-    options: bytes = wire(OPTIONS, b"")
-    devices: tuple[int, ...] = wire(DEVICE_PAIRS, ())
+    body: FunctionBody = wire(BODY)
     workers: tuple[int, ...] = wire(WORKERS, ())
 
     def checked(self) -> "Compile":
-        _check_format(f"function {self.name[:64]!r}", self.format, self.options, self.devices, self.ins, self.outs)
-        if self.format == "xla":
-            ranks = {r for r in self.devices[::2]}
+        if self.body.format == "xla":
+            ranks = {r for r in self.body.devices[::2]}
             if len(self.workers) != len(ranks) or len(set(self.workers)) != len(self.workers):
-                raise WireError(f"function {self.name[:64]!r} has devices on {len(ranks)} host(s) but names "
+                raise WireError(f"function {self.body.name[:64]!r} has devices on {len(ranks)} host(s) but names "
                                 f"{len(self.workers)} worker(s); it needs one distinct worker per host")
         return self
 

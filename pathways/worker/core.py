@@ -181,14 +181,15 @@ class WorkerCore:
         elif kind is Define:
             self.executor.define(msg)
         elif kind is Compile:
-            if msg.format == "xla":
-                devices = list(zip(msg.devices[::2], msg.devices[1::2]))
+            body = msg.body
+            if body.format == "xla":
+                devices = list(zip(body.devices[::2], body.devices[1::2]))
                 # the host of the first device tells the controller how it went
                 first = devices[0][0] == self.executables.rank
-                self.executables.register_xla(msg.fn, msg.name, msg.blob, msg.options, devices, list(msg.workers),
+                self.executables.register_xla(msg.fn, body.name, body.blob, body.options, devices, list(msg.workers),
                                               self.up if first else None)
             else:
-                self.executables.register(msg.fn, msg.name, msg.blob, list(msg.ins), list(msg.outs))
+                self.executables.register(msg.fn, body.name, body.blob, list(body.ins), list(body.outs))
         elif kind is Poisoned:
             for h in msg.handles:
                 self._poisoned(h, Poison(msg.message, msg.kind))
