@@ -144,9 +144,7 @@ def test_plan_help_shows_the_planners_options(capsys, monkeypatch):
     assert main(["plan", "pipeline", "--help"]) == 0
     out = capsys.readouterr().out
     assert "--objective" in out and "--time-limit" in out
-    with pytest.raises(SystemExit) as e:
-        main(["status", "--bogus"])
-    assert e.value.code == 2, "other commands still reject unknown arguments"
+    assert main(["status", "--bogus"]) == 2, "other commands still reject unknown arguments"
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
 
 
