@@ -110,6 +110,8 @@ def test_fuzzed_frames_are_delivered_intact_or_closed_and_nothing_leaks(monkeypa
     listener = tcp.Listener(collector, timeout=2.0, budget_bytes=256 << 20, connection_bytes=64 << 20)
     worker_data = status(cluster.address)["workers"][0]["data_address"]
     workers = worker_pids(cluster.address)
+    # the baseline is of workers that have served (JAX loaded, backend started), whatever ran before
+    check_a_transfer_between_the_hosts()
     workers_before = {pid: rss_bytes(pid) for pid in workers}
     expected: dict[int, list] = {}
     frames = broken = to_worker = 0
