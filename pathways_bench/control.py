@@ -353,7 +353,7 @@ and it costs no more CPU per message: the server's side is \
 Either way grpcio's Python layer is most of a control message's cost, on both ends:
 framed TCP does the same exchange for {report.ratio(ping['framed TCP'], ping['aio gRPC']):.2f}x the CPU of aio gRPC.
 The controller-worker streams, which carry every run's `go` and `done`, are therefore the
-candidates for the data plane's framing (DESIGN.md section 4); client sessions stay on gRPC.
+candidates for the data plane's framing, where it measures cheaper; client sessions stay on gRPC.
 
 The figures include the client's side, the same synchronous grpcio stream for both gRPC
 rows (a request-iterator thread and a reading thread), so the difference between those

@@ -600,7 +600,7 @@ async def _start_core(devices: Devices, island: IslandMembership, wait_timeout: 
 
     # Under jax.distributed, a process with several CPU devices hangs after a few dozen
     # multi-device computations dispatched back to back (even ones local to the process);
-    # waiting for each before the next is safe (measured: DESIGN.md, BENCHMARKS.md).
+    # waiting for each before the next is safe (one device per process did not hang).
     sync = island.hosts > 1 and devices.kind == "cpu" and devices.count > 1
     made: list["WorkerCore"] = []
     done = trio.Event()
