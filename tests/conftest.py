@@ -26,35 +26,29 @@ def pids_alive(pids):
     return alive
 
 
-def child_pids():
-    """This process's live children (zombies excluded: they no longer run)."""
-    children = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+def live_processes():
+    """(pid, fields of /proc/PID/stat after the command name) of every process that runs
+    now (zombies excluded: they no longer run); fields[1] is the parent, fields[3] the session."""
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if int(fields[1]) == os.getpid() and fields[0] != "Z":
-            children.add(int(entry))
-    return children
+        except OSError:
+            continue  # gone meanwhile
+        if fields[0] != "Z":
+            yield int(entry), fields
+
+
+def child_pids():
+    """This process's live children."""
+    return {pid for pid, fields in live_processes() if int(fields[1]) == os.getpid()}
 
 
 def child_of(pid, timeout=30.0):
     """The one child of process ``pid``: the worker that a worker's keeper runs (the
     process ``pathways worker`` starts keeps the worker as its child, keeper.py)."""
     def child():
-        found = []
-        for entry in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                found.append(int(entry))
+        found = [p for p, fields in live_processes() if int(fields[1]) == pid]
         return found[0] if len(found) == 1 else None
     return wait_until(child, timeout, f"process {pid}'s child")
 

@@ -14,7 +14,7 @@ import pytest
 import pathways as pw
 from pathways.__main__ import main
 from pathways.cluster import status
-from tests.conftest import pids_alive, read_line, wait_until
+from tests.conftest import live_processes, pids_alive, read_line, wait_until
 from tests.test_bench import check_tiny_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,16 +42,7 @@ def children_of(pid):
 
 def session_members(sid):
     """The live processes of session ``sid``."""
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            found.append(int(entry))
-    return found
+    return [pid for pid, fields in live_processes() if int(fields[3]) == sid]
 
 
 MULTI_HOST_SCRIPT = """
