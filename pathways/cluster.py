@@ -75,8 +75,8 @@ def child_log_env() -> dict[str, str]:
 
 def free_port() -> int:
     """A free loopback port, released before it is returned (another process may take it
-    before the caller binds it): for `pathways spmd`'s jax.distributed coordinator, which
-    cannot bind port 0 and report back."""
+    before the caller binds it): an address where nothing listens. A port a server must
+    bind later is reserved instead (``wire.addresses.PortReservation``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

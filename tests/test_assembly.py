@@ -24,7 +24,7 @@ from pathways.ir import Layout
 from pathways.protocol import messages as m
 from pathways.protocol.handles import first_handle
 from pathways.wire import addresses
-from pathways.worker.island import PortReservation, worker_hosts
+from pathways.worker.island import worker_hosts
 from tests.conftest import child_of, read_line, wait_until
 from tests.test_controller import Box, _of
 
@@ -150,7 +150,7 @@ def test_a_wildcard_without_a_default_route_names_an_interface_address_then_the_
 
 
 def test_a_coordinator_port_reservation_lets_a_reuseport_server_bind_beside_it_and_no_one_else():
-    reservation = PortReservation("127.0.0.1")
+    reservation = addresses.PortReservation("127.0.0.1")
     try:
         with pytest.raises(OSError):
             socket.create_server(("127.0.0.1", reservation.port))

@@ -11,7 +11,7 @@ import pytest
 
 import pathways as pw
 from pathways_bench import gpipe
-from tests.conftest import child_pids, connected, running_cluster
+from tests.conftest import child_pids, connected, live_processes, running_cluster
 
 CFG = gpipe.Config(stages=2, microbatches=1, batch=16, width=8, hidden=16, lr=0.3)
 STEPS = 3
@@ -160,31 +160,39 @@ def test_cli_runs_a_script_in_every_process(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(SCRIPT))
     cmd = [sys.executable, "-m", "pathways", "spmd", "2", str(script), "a", "b"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    env = marked_env()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     lines = sorted(line for line in done.stdout.splitlines() if "total" in line)
     assert lines == ["[0] process 0 of 2: total 3, args ['a', 'b']", "[1] process 1 of 2: total 3, args ['a', 'b']"]
 
-    failed = subprocess.run(cmd + ["--fail"], capture_output=True, text=True, timeout=120)
+    failed = subprocess.run(cmd + ["--fail"], capture_output=True, text=True, timeout=120, env=env)
     assert failed.returncode == 3
     assert "process 1 exited with code 3" in failed.stderr
 
     missing = subprocess.run([sys.executable, "-m", "pathways", "spmd", "2", str(tmp_path / "nope.py")],
-                             capture_output=True, text=True, timeout=60)
+                             capture_output=True, text=True, timeout=60, env=env)
     assert missing.returncode != 0 and "no such script" in missing.stderr
     assert missing.stderr.startswith("error:"), missing.stderr
-    assert not spmd_processes(), "the command left processes behind"
+    assert not marked_processes(env), "the command left processes behind"
 
 
-def spmd_processes():
+def marked_env():
+    """An environment whose processes, and every process they start, carry a mark of their own:
+    processes left behind are found by it (other tests may run SPMD processes at the same time)."""
+    return {**os.environ, "PATHWAYS_TEST_MARK": f"{os.getpid()}-{time.monotonic_ns()}"}
+
+
+def marked_processes(env):
+    mark = f"PATHWAYS_TEST_MARK={env['PATHWAYS_TEST_MARK']}".encode()
     found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid, _ in live_processes():
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"pathways.spmd._child" in f.read():
-                    found.append(int(pid))
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if mark in f.read().split(b"\0"):
+                    found.append(pid)
         except OSError:
-            pass
+            pass  # gone meanwhile
     return found
 
 
@@ -210,10 +218,11 @@ def test_cli_exits_with_the_failing_code_when_the_others_wait_in_a_collective(tm
     script = tmp_path / "early.py"
     script.write_text(textwrap.dedent(EARLY_FAILURE))
     started = time.monotonic()
+    env = marked_env()
     failed = subprocess.run([sys.executable, "-m", "pathways", "spmd", "--timeout", "60", "2", str(script)],
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=120, env=env)
     assert failed.returncode == 1, failed.stderr  # the failing process's code, not the timeout's 124
     assert "process 1 exited with code 1" in failed.stderr
     assert "after the failure" in failed.stderr and "after 60 s" not in failed.stderr, failed.stderr
     assert time.monotonic() - started < 45
-    assert not spmd_processes(), "the command left processes behind"
+    assert not marked_processes(env), "the command left processes behind"

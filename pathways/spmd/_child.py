@@ -36,8 +36,11 @@ def initialize() -> None:
     jax.config.update("jax_num_cpu_devices", int(os.environ[ENV_DEVICES]))
     if processes > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(os.environ[ENV_COORDINATOR], processes, int(os.environ[ENV_RANK]),
-                                   initialization_timeout=int(float(os.environ.get(ENV_INIT_TIMEOUT, "120"))))
+        # Bound to the coordinator's loopback address: by default jax binds every address ([::]:PORT).
+        coordinator = os.environ[ENV_COORDINATOR]
+        jax.distributed.initialize(coordinator, processes, int(os.environ[ENV_RANK]),
+                                   initialization_timeout=int(float(os.environ.get(ENV_INIT_TIMEOUT, "120"))),
+                                   coordinator_bind_address=coordinator)
 
 
 def to_host(tree: Any) -> Any:

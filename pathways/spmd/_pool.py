@@ -22,10 +22,11 @@ from typing import Any, Callable, Optional, Sequence
 
 import cloudpickle
 
-from pathways.cluster import child_log_env, free_port, stop_processes
+from pathways.cluster import child_log_env, stop_processes
 from pathways.keeper import PARENT_PID_ENV
 from pathways.errors import DeadlineExceededError, SpmdError
 from pathways.spmd import _child
+from pathways.wire.addresses import PortReservation
 
 _GRACE_SECONDS = 3.0
 _FAILURE_GRACE_SECONDS = 5.0  # how long the others may take to report after one process failed
@@ -68,7 +69,10 @@ class _Group:
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         self.outputs: list[_Output] = []
-        coordinator = f"127.0.0.1:{free_port()}"
+        # Held until the group ends, so that no other process takes the port before rank 0's
+        # coordination service binds it.
+        self._port = PortReservation("127.0.0.1")
+        coordinator = f"127.0.0.1:{self._port.port}"
         try:
             for rank in range(num_processes):
                 env = {**os.environ, PARENT_PID_ENV: str(os.getpid()), **child_log_env(), _child.ENV_COORDINATOR: coordinator,
@@ -108,6 +112,7 @@ class _Group:
         """Stop every process: SIGTERM, then SIGKILL after ``grace`` (JAX processes may ignore
         SIGTERM), and reap them."""
         stop_processes(self.procs, grace)
+        self._port.close()
         for conn in self.conns:
             conn.close()
         for out in self.outputs:

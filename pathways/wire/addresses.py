@@ -133,3 +133,31 @@ def interface_addresses() -> list[str]:
             if not ipaddress.ip_address(address).is_loopback:
                 found.append(address)
     return found
+
+
+class PortReservation:
+    """A port of ``host`` held for a jax.distributed coordinator until its coordination
+    service runs.
+
+    The coordinator cannot bind port 0 and say which port it got, so its port is chosen
+    before it starts: for an island, every host reserves one before it knows its rank and
+    the controller hands rank 0's to all; ``pathways spmd`` reserves one per group.
+    Releasing the reservation before the coordination service binds would leave a window
+    for another process to take the port; instead the socket is bound with SO_REUSEPORT and
+    never listens, and gRPC servers (the coordination service is one) bind with
+    SO_REUSEPORT on Linux, so the service binds beside it and no other process can take the
+    port in between."""
+
+    def __init__(self, host: str) -> None:
+        self._sock = socket.socket(family_of(host), socket.SOCK_STREAM)
+        try:
+            if hasattr(socket, "SO_REUSEPORT"):
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            self._sock.bind((strip_brackets(host), 0))
+        except OSError:
+            self._sock.close()
+            raise
+        self.port: int = self._sock.getsockname()[1]
+
+    def close(self) -> None:
+        self._sock.close()

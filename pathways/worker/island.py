@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 from pathways.platforms import Devices
 from pathways.protocol.messages import WorkerWelcome
-from pathways.wire.addresses import family_of, is_wildcard, join_host_port, route_to, split_host_port, strip_brackets
+from pathways.wire.addresses import is_wildcard, join_host_port, route_to, split_host_port, strip_brackets
 
 log = logging.getLogger("pathways.worker")
 
@@ -48,34 +48,6 @@ def worker_hosts(controller_host: str, controller_port: int, bind: Optional[str]
     elif advertise is None:
         advertise = bind
     return strip_brackets(bind if bind is not None else advertise), strip_brackets(advertise)
-
-
-class PortReservation:
-    """A port of ``host`` held for the island's jax.distributed coordinator from before
-    registration until the coordinator runs (rank 0) or is known to be another host's.
-
-    The coordinator cannot bind port 0 and say which port it got, so rank 0 must name its
-    port before it knows it is rank 0: every host of the island reserves one, and the
-    controller hands rank 0's to all. Releasing the reservation before the coordination
-    service binds would leave a window for another process to take the port; instead the
-    socket is bound with SO_REUSEPORT and never listens, and gRPC servers (the coordination
-    service is one) bind with SO_REUSEPORT on Linux, so the service binds beside it and no
-    other process can take the port in between. The reservation is closed once the
-    service runs."""
-
-    def __init__(self, host: str) -> None:
-        self._sock = socket.socket(family_of(host), socket.SOCK_STREAM)
-        try:
-            if hasattr(socket, "SO_REUSEPORT"):
-                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            self._sock.bind((strip_brackets(host), 0))
-        except OSError:
-            self._sock.close()
-            raise
-        self.port: int = self._sock.getsockname()[1]
-
-    def close(self) -> None:
-        self._sock.close()
 
 
 def configure_jax(devices: Devices, hosts: int, welcome: Optional[WorkerWelcome], bind: str, advertise: str,

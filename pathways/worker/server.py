@@ -53,12 +53,12 @@ from pathways.platforms import Devices
 from pathways.protocol.messages import (FETCH, MAX_MESSAGE_BYTES, TIMELINE, WORKER_DOWN, Heartbeat, Register,
                                         Reset, Shutdown, WorkerWelcome)
 from pathways.wire import codec, frames, rpc, tcp
-from pathways.wire.addresses import join_host_port, split_host_port
+from pathways.wire.addresses import PortReservation, join_host_port, split_host_port
 from pathways.wire.liveness import Heartbeats, check_timeout
 from pathways.wire.security import Security, SecurityConfigError
 from pathways import keeper
 from pathways.worker import native_stdout
-from pathways.worker.island import IslandMembership, PortReservation, configure_jax, worker_hosts
+from pathways.worker.island import IslandMembership, configure_jax, worker_hosts
 
 if TYPE_CHECKING:  # imported when needed: the core takes JAX's devices, which exist after configure_jax
     from pathways.worker.core import WorkerCore
