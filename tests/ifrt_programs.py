@@ -3,11 +3,14 @@ pathways under ``JAX_PLATFORMS=proxy`` and on local CPU JAX with four host devic
 
     python tests/ifrt_programs.py PROGRAM OUT.npz [PROGRAM OUT.npz ...]
 
-runs each PROGRAM in turn and writes every result it computed to its OUT.npz; the test
-compares the two files (the local runs take one process for all programs: one JAX start). The programs place arrays by device index, so both runs use the same logical
-placement: under the proxy the devices are numbered island by island, host by host, on a
-cluster of two islands (2 hosts x 1 device, then 1 host x 2 devices), so devices 0 and 1 are
-island 0's two hosts and devices 2 and 3 island 1's host.
+runs each PROGRAM in turn and writes every result it computed to its OUT.npz, or the
+traceback of what it raised to OUT.npz.error (the next program still runs); the test
+compares the two files. The tests run every program they need in one process per way of
+running (one JAX start each, not one per program). The programs place arrays by device
+index, so both runs use the same logical placement: under the proxy the devices are numbered
+island by island, host by host, on a cluster of two islands (2 hosts x 1 device, then 1
+host x 2 devices), so devices 0 and 1 are island 0's two hosts and devices 2 and 3 island
+1's host.
 
 Keys starting with ``approx_`` hold floating-point results of reductions (sums, matmuls,
 gradients, training) and are compared to 1e-6; ``meta_`` keys (wall times) are not compared;
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import sys
 import time
+import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 import jax
@@ -469,10 +474,21 @@ def main(argv: list[str]) -> int:
     if not pairs or len(argv) % 2 or any(name not in PROGRAMS for name, _ in pairs):
         print(f"usage: ifrt_programs.py {{{','.join(PROGRAMS)}}} OUT.npz [PROGRAM OUT.npz ...]", file=sys.stderr)
         return 2
+    failed = 0
     for name, path in pairs:
-        results = {k: np.asarray(v) for k, v in PROGRAMS[name]().items()}
+        try:
+            results = {k: np.asarray(v) for k, v in PROGRAMS[name]().items()}
+        except Exception:  # reported in the program's own file; the next program still runs
+            Path(error_path(path)).write_text(traceback.format_exc())
+            failed += 1
+            continue
         np.savez(path, **results)
-    return 0
+    return 1 if failed else 0
+
+
+def error_path(out: str | Path) -> str:
+    """Where a program that raised leaves its traceback instead of OUT.npz."""
+    return f"{out}.error"
 
 
 if __name__ == "__main__":

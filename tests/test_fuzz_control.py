@@ -1,6 +1,6 @@
 """Fuzzing what faces the network on the control plane: the controller's Session stream
 (gRPC) and worker stream (framed TCP, whose frames are broken too) and its Status and Measure requests, and a worker's Put, Fetch and Stats, with
-tens of thousands of generated messages, mostly broken (tests/fuzzing.py). Every broken
+thousands of generated messages, mostly broken (tests/fuzzing.py). Every broken
 message gets an error reply, the servers keep serving a normal client correctly, and
 their memory stays bounded. (The data plane is fuzzed in its own test.)"""
 
@@ -24,7 +24,7 @@ from tests import fuzzing
 from tests.conftest import pids_alive, wait_until, worker_pids
 from tests.rawworker import RawWorker
 
-MESSAGES = 10_000
+MESSAGES = 3_000
 RSS_SLACK = 100 * 1024 * 1024
 
 
@@ -91,7 +91,7 @@ def _double_on_island_0(address):
         pw.disconnect()
 
 
-def test_a_normal_client_is_served_correctly_after_tens_of_thousands_of_hostile_messages(target):
+def test_a_normal_client_is_served_correctly_after_thousands_of_hostile_messages(target):
     rng = random.Random(20261122)
     st = cluster.status(target.address)
     worker_address = st["workers"][0]["address"]

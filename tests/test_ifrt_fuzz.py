@@ -21,7 +21,7 @@ from pathways.ifrt.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_p
 from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
 from pathways.ifrt.server import IfrtServer
 
-REQUESTS = 5000
+REQUESTS = 2000
 PER_SESSION = 500
 _HANDLES = [0, 1, 2, 3, 4, 7, 1 << 48, (1 << 48) + 1, (1 << 64) - 1]
 

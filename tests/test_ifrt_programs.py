@@ -2,8 +2,9 @@
 the IFRT proxy, compared result by result with the same programs on local CPU JAX.
 
 One local cluster of two islands (2 hosts x 1 device, 1 host x 2 devices) with the IFRT
-front end serves every test of this module. Each program runs in a subprocess under
-``JAX_PLATFORMS=proxy`` and once on local CPU JAX with four host devices; the proxy's
+front end serves every test of this module. Each program runs under ``JAX_PLATFORMS=proxy``
+and once on local CPU JAX with four host devices, every program of one way of running in
+one subprocess (a program that raises fails only its own tests); the proxy's
 devices are numbered island by island and host by host, so device index i is the same
 logical place in both runs. Results must be bit-identical, except ``approx_`` ones (float
 reductions), which must agree to 1e-6.
@@ -22,6 +23,7 @@ import sys
 import time
 import tomllib
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 import pytest
@@ -81,21 +83,20 @@ def start(program: str, out: Path, env: dict[str, str], register: str | None = N
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def finish(proc: subprocess.Popen, what: str) -> None:
-    """Wait for a program started by :func:`start`; AssertionError with its output if it
-    failed or ran past PROGRAM_TIMEOUT."""
+def finish(proc: subprocess.Popen, what: str, outs: Iterable[Path] = ()) -> None:
+    """Wait for programs started by :func:`start`; AssertionError with their output if they
+    ran past PROGRAM_TIMEOUT, or failed otherwise than by programs that raised (each
+    leaving its traceback beside its results, in ``outs``)."""
     try:
         output, _ = proc.communicate(timeout=PROGRAM_TIMEOUT)
     except subprocess.TimeoutExpired:
         proc.kill()
         output, _ = proc.communicate()
         raise AssertionError(f"{what} ran past {PROGRAM_TIMEOUT:.0f} s; its output ends:\n{output[-4000:]}") from None
-    assert proc.returncode == 0, f"{what} exited with code {proc.returncode}; its output ends:\n{output[-6000:]}"
-
-
-def run(program: str, out: Path, env: dict[str, str], register: str | None = None, what: str = "") -> Path:
-    finish(start(program, out, env, register), what or f"{program!r}")
-    return out
+    outs = list(outs)
+    reported = outs and all(out.exists() or Path(ifrt_programs.error_path(out)).exists() for out in outs)
+    assert proc.returncode == 0 or (proc.returncode == 1 and reported), (
+        f"{what} exited with code {proc.returncode}; its output ends:\n{output[-6000:]}")
 
 
 def compare(program: str, got_path: Path, want_path: Path) -> None:
@@ -133,31 +134,60 @@ def cluster():
     assert pids_alive(pids) == [], "the local cluster left processes behind"
 
 
-@pytest.fixture(scope="module")
-def local(request, tmp_path_factory):
-    """``local(program)``: the path of the program's results on local CPU JAX. The first call
-    runs, in one process, every program that this run's tests of the module need."""
-    directory = tmp_path_factory.mktemp("local")
-    done: dict[str, Path] = {}
-
-    def results(program: str) -> Path:
-        if not done:
-            needed = sorted({program, *(_program_of(item) for item in request.session.items
-                                        if item.module is request.module)} - {None})
-            paths = {name: directory / f"{name}.npz" for name in needed}
-            first, *rest = paths.items()
-            finish(start(*first, local_env(), None, *rest), f"{needed} on local JAX")
-            done.update(paths)
-        return done[program]
-
-    return results
+# How each test runs its programs under the proxy: the backend registered by
+# pathways.ifrt.plugin.initialize(), by pathwaysutils, or by the jax_plugins entry point.
+_WAY_OF_TEST = {"test_program_matches_local_jax": "plugin", "test_through_pathwaysutils": "pathwaysutils",
+                "test_through_the_entry_point_with_no_import": "entry_point"}
+_WHAT = {"local": "on local JAX", "plugin": "under the proxy", "pathwaysutils": "through pathwaysutils",
+         "entry_point": "through the jax_plugins entry point"}
 
 
-def _program_of(item: pytest.Item) -> str | None:
-    """The program whose local results the test ``item`` compares with."""
+def _how(way: str, cluster: pw.LocalCluster, directory: Path) -> tuple[dict[str, str], str | None]:
+    """(environment, registration) of a process running programs ``way``."""
+    if way == "local":
+        return local_env(), None
+    if way == "plugin":
+        return proxy_env(cluster.ifrt_address, str(ROOT)), "plugin"
+    if way == "pathwaysutils":
+        # no pathways code in the client: pathwaysutils registers the backend; it needs the
+        # credentials switch from the user's environment, as on Pathways on Cloud
+        return proxy_env(cluster.ifrt_address, IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS="true"), "pathwaysutils"
+    return proxy_env(cluster.ifrt_address, entry_point_path(directory / "site")), None
+
+
+def _program_of(item: pytest.Item, way: str) -> str | None:
+    """The program whose results, run ``way``, the test ``item`` uses."""
     if item.originalname == "test_two_ifrt_clients_and_a_native_client_at_once":
-        return "concurrent"
+        return "concurrent" if way == "local" else None
+    if way != "local" and _WAY_OF_TEST.get(item.originalname) != way:
+        return None
     return getattr(item, "callspec", None) and item.callspec.params.get("program")
+
+
+@pytest.fixture(scope="module")
+def results(request, tmp_path_factory, cluster):
+    """``results(way, program)``: the path of the program's results run ``way`` (a key of
+    ``_WHAT``). The first call for a way runs, in one process, every program that this run's
+    tests of the module need that way; a program that raised fails only its own tests."""
+    directory = tmp_path_factory.mktemp("results")
+    done: dict[str, dict[str, Path]] = {}
+
+    def get(way: str, program: str) -> Path:
+        if way not in done:
+            needed = sorted({program, *(_program_of(item, way) for item in request.session.items
+                                        if item.module is request.module)} - {None})
+            paths = {name: directory / f"{way}-{name}.npz" for name in needed}
+            env, register = _how(way, cluster, directory)
+            first, *rest = paths.items()
+            finish(start(*first, env, register, *rest), f"{needed} {_WHAT[way]}", paths.values())
+            done[way] = paths
+        path = done[way][program]
+        error = Path(ifrt_programs.error_path(path))
+        if error.exists():
+            raise AssertionError(f"{program!r} {_WHAT[way]} raised:\n{error.read_text()[-6000:]}")
+        return path
+
+    return get
 
 
 @pytest.fixture
@@ -192,33 +222,25 @@ PROGRAMS = [name for name in ifrt_programs.PROGRAMS if name != "concurrent"]
 
 
 @pytest.mark.parametrize("program", PROGRAMS)
-def test_program_matches_local_jax(program, cluster, local, tmp_path, ifrt_cleanup):
-    got = run(program, tmp_path / "proxy.npz", proxy_env(cluster.ifrt_address, str(ROOT)), "plugin",
-              f"{program!r} under the proxy")
-    compare(program, got, local(program))
+def test_program_matches_local_jax(program, results, ifrt_cleanup):
+    compare(program, results("plugin", program), results("local", program))
 
 
 @pytest.mark.parametrize("program", SUBSET)
-def test_through_pathwaysutils(program, cluster, local, tmp_path, ifrt_cleanup):
-    # no pathways code in the client: pathwaysutils registers the backend; it needs the
-    # credentials switch from the user's environment, as on Pathways on Cloud
-    env = proxy_env(cluster.ifrt_address, IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS="true")
-    got = run(program, tmp_path / "proxy.npz", env, "pathwaysutils", f"{program!r} through pathwaysutils")
-    compare(program, got, local(program))
+def test_through_pathwaysutils(program, results, ifrt_cleanup):
+    compare(program, results("pathwaysutils", program), results("local", program))
 
 
 @pytest.mark.parametrize("program", SUBSET)
-def test_through_the_entry_point_with_no_import(program, cluster, local, tmp_path, ifrt_cleanup):
-    env = proxy_env(cluster.ifrt_address, entry_point_path(tmp_path / "site"))
-    got = run(program, tmp_path / "proxy.npz", env, None, f"{program!r} through the jax_plugins entry point")
-    compare(program, got, local(program))
+def test_through_the_entry_point_with_no_import(program, results, ifrt_cleanup):
+    compare(program, results("entry_point", program), results("local", program))
 
 
-def test_two_ifrt_clients_and_a_native_client_at_once(cluster, local, tmp_path, ifrt_cleanup):
+def test_two_ifrt_clients_and_a_native_client_at_once(cluster, results, tmp_path, ifrt_cleanup):
     """Two proxy clients run collectives across island 0's two hosts while this process's
     native session runs its own on a slice of the same island; all three are correct and
     their runs overlap in time."""
-    want = local("concurrent")
+    want = results("local", "concurrent")
     env = proxy_env(cluster.ifrt_address, str(ROOT))
     outs = [tmp_path / f"client{k}.npz" for k in range(2)]
     procs = [start("concurrent", out, env, "plugin") for out in outs]

@@ -19,11 +19,13 @@ import pytest
 
 import pathways as pw
 from pathways.cluster import status
-from pathways.defaults import HEARTBEAT_TIMEOUT
 from tests.conftest import pids_alive, wait_until
 
-# How long a test allows for something the runtime bounds by the default heartbeat timeout
-# (10 s) or gRPC keepalive (about 8 s), with room for a busy machine.
+# The clusters' heartbeat timeout: shorter than the default (10 s), so that the tests wait
+# seconds, and long enough that a busy machine does not lose a host it should keep.
+HEARTBEAT_TIMEOUT = 3.0
+# How long a test allows for something the runtime bounds by the heartbeat timeout or gRPC
+# keepalive (about 8 s), with room for a busy machine.
 BOUND = 15.0
 
 
@@ -33,12 +35,14 @@ def steps(x):
 
 
 def test_a_frozen_worker_is_lost_within_the_heartbeat_timeout_and_healthy_islands_keep_serving():
-    """Default heartbeat timeout. One host of the two-host island 0 is stopped: its island's
-    pending futures fail with WorkerLostError naming it, while island 1 keeps completing
-    programs of the same client; a run on island 1 that needs island 0's data fails as soon
-    as the host is declared lost; status shows island 0 unhealthy, naming the host."""
-    with pw.local_cluster(islands=[pw.Island(hosts=2, devices_per_host=1),
-                                   pw.Island(hosts=1, devices_per_host=1)]) as c:
+    """``heartbeat_timeout`` reaches the controller and the workers: idle for longer than it,
+    heartbeats alone keep every island healthy. Then one host of the two-host island 0 is
+    stopped: its island's pending futures fail with WorkerLostError naming it, after about
+    the timeout, while island 1 keeps completing programs of the same client; a run on
+    island 1 that needs island 0's data fails as soon as the host is declared lost; status
+    shows island 0 unhealthy, naming the host."""
+    with pw.local_cluster(islands=[pw.Island(hosts=2, devices_per_host=1), pw.Island(hosts=1, devices_per_host=1)],
+                          heartbeat_timeout=HEARTBEAT_TIMEOUT) as c:
         vds = pw.make_virtual_device_set()
         doomed = vds.add_slice(cpu_devices=2, island=0)
         safe = vds.add_slice(cpu_devices=1, island=1)
@@ -50,6 +54,8 @@ def test_a_frozen_worker_is_lost_within_the_heartbeat_timeout_and_healthy_island
         heavy(x).block_until_ready(timeout=120)  # compiled and warm, like everything below
         np.testing.assert_array_equal(fetch(there).to_numpy(timeout=60), [0.0, 3.0, 6.0, 9.0])
         np.testing.assert_array_equal(light(np.ones(2, np.float32)).to_numpy(timeout=60), [3.0, 3.0])
+        time.sleep(HEARTBEAT_TIMEOUT * 1.5)  # idle: heartbeats alone keep everyone attached
+        assert all(i["healthy"] for i in status(c.address)["islands"])
 
         workers = status(c.address)["workers"]
         frozen = next(w for w in workers if w["island"] == 0 and w["rank"] == 1)
@@ -63,7 +69,9 @@ def test_a_frozen_worker_is_lost_within_the_heartbeat_timeout_and_healthy_island
                 np.testing.assert_array_equal(light(np.full(2, done, np.float32)).to_numpy(timeout=5), [3.0 * done] * 2)
                 done += 1
             assert done >= 3, f"only {done} programs completed on the healthy island during the stall"
-            assert status(c.address)["islands"][0]["healthy"], "not lost before the heartbeat timeout"
+            healthy, looked = status(c.address)["islands"][0]["healthy"], time.monotonic() - stopped
+            # silence counts from the last heartbeat heard, up to a fifth of the timeout before the stop
+            assert healthy or looked > HEARTBEAT_TIMEOUT * 0.8, f"lost {looked:.1f} s after the stop"
 
             moved = fetch(there)  # needs the frozen host's half of `there`
             failures = []
@@ -82,7 +90,8 @@ def test_a_frozen_worker_is_lost_within_the_heartbeat_timeout_and_healthy_island
 
             island = status(c.address)["islands"][0]
             assert not island["healthy"] and frozen["address"] in island["lost"]
-            assert "stopped answering" in island["lost"]
+            silence = re.search(r"stopped answering for (\d+\.\d) s", island["lost"])
+            assert silence and HEARTBEAT_TIMEOUT <= float(silence[1]) < BOUND, island["lost"]
             cli = subprocess.run([sys.executable, "-m", "pathways", "status", "--address", c.address],
                                  capture_output=True, text=True, timeout=60)
             # UNHEALTHY, or HEALING once the island's other host restarted and joined it again
@@ -114,7 +123,7 @@ def _blocked(call):
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
 def test_a_dead_or_frozen_controller_fails_every_pending_call_within_seconds(sig):
-    with pw.local_cluster(hosts=1, devices_per_host=1) as c:
+    with pw.local_cluster(hosts=1, devices_per_host=1, heartbeat_timeout=HEARTBEAT_TIMEOUT) as c:
         s = pw.make_virtual_device_set().add_slice(cpu_devices=1)
         slow = pw.jit(lambda x: jax.lax.fori_loop(0, 1 << 30, lambda i, y: jax.numpy.tanh(y) + 1e-9, x),
                       mesh=s.mesh("d"))
@@ -163,34 +172,3 @@ def _reconnecting(keeper):
         except OSError:
             continue
     return False
-
-
-def test_a_shorter_heartbeat_timeout_is_honoured_end_to_end():
-    """``heartbeat_timeout`` reaches the controller and the workers: a frozen one-host
-    island is lost after about 2 s, and the other island keeps serving."""
-    with pw.local_cluster(islands=[pw.Island(), pw.Island()], heartbeat_timeout=2.0) as c:
-        s0 = pw.make_virtual_device_set().add_slice(cpu_devices=1, island=0)
-        s1 = pw.make_virtual_device_set().add_slice(cpu_devices=1, island=1)
-        f0 = pw.jit(lambda x: x + 1, mesh=s0.mesh("d"))
-        f1 = pw.jit(lambda x: x * 2, mesh=s1.mesh("d"))
-        kept = f0(np.float32(1))
-        assert float(kept.to_numpy(timeout=60)) == 2.0
-        assert float(f1(np.float32(1)).to_numpy(timeout=60)) == 2.0
-        time.sleep(3.0)  # idle for longer than the timeout: heartbeats alone keep everyone attached
-        assert all(i["healthy"] for i in status(c.address)["islands"])
-        frozen = next(w for w in status(c.address)["workers"] if w["island"] == 0)
-        os.kill(frozen["pid"], signal.SIGSTOP)
-        stopped = time.monotonic()
-        try:
-            wait_until(lambda: not status(c.address)["islands"][0]["healthy"], timeout=BOUND,
-                       what="the frozen island to be lost")
-            elapsed = time.monotonic() - stopped
-            assert 1.0 < elapsed < 6.0, elapsed
-            assert re.search(r"stopped answering for 2\.\d s", status(c.address)["islands"][0]["lost"])
-            with pytest.raises(pw.WorkerLostError, match=f"worker {frozen['worker']} .* stopped answering for 2"):
-                kept.to_numpy(timeout=30)
-            with pytest.raises(pw.WorkerLostError):
-                f0(np.float32(1)).to_numpy(timeout=30)
-            assert float(f1(np.float32(4)).to_numpy(timeout=30)) == 8.0
-        finally:
-            os.kill(frozen["pid"], signal.SIGCONT)

@@ -91,6 +91,7 @@ def double_on_island_0() -> np.ndarray:
     return np.asarray(pw.pmap(lambda x: x * 2 + 1, devices=s.devices)(np.arange(2, dtype=np.float32)))
 
 
+@pytest.mark.soak
 @pytest.mark.timeout(240)
 def test_a_thousand_idle_sessions_and_256_workers_leave_status_and_new_clients_served():
     # The crowd's fake workers send no heartbeats: the timeout outlasts the test.

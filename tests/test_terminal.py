@@ -153,6 +153,7 @@ def test_status_into_a_closed_pipe_exits_quietly(cluster):
     assert b"BrokenPipeError" not in err and b"Traceback" not in err, err.decode()
 
 
+@pytest.mark.soak  # a benchmark run, with clusters of its own
 def test_bench_explains_its_mode_names_and_prints_one_rounds_value_alone(monkeypatch, tmp_path):
     """Also the dispatch benchmark's run at its tiny size (the others: tests/test_bench.py)."""
     monkeypatch.delenv("PATHWAYS_LOG_LEVEL", raising=False)
