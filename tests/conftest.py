@@ -1,3 +1,4 @@
+import compileall
 import os
 import selectors
 import time
@@ -134,3 +135,14 @@ def _no_env_address(monkeypatch):
 
 def pytest_configure(config):
     os.environ.setdefault("PATHWAYS_LOG_LEVEL", "error")
+    if not hasattr(config, "workerinput"):  # once, in the process that starts pytest-xdist's workers
+        _compile_sources()
+
+
+def _compile_sources():
+    """Byte-compile the repository's modules before the tests start hundreds of processes
+    that import them: with PYTHONDONTWRITEBYTECODE set (as on some CI machines) Python never
+    writes a module's bytecode, and every process would compile every module it imports."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for package in ("pathways", "pathways_bench", "tests"):
+        compileall.compile_dir(os.path.join(root, package), quiet=2)
