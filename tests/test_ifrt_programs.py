@@ -142,17 +142,18 @@ _WHAT = {"local": "on local JAX", "plugin": "under the proxy", "pathwaysutils": 
          "entry_point": "through the jax_plugins entry point"}
 
 
-def _how(way: str, cluster: pw.LocalCluster, directory: Path) -> tuple[dict[str, str], str | None]:
-    """(environment, registration) of a process running programs ``way``."""
+def _how(way: str, ifrt_address: str, directory: Path) -> tuple[dict[str, str], str | None]:
+    """(environment, registration) of a process running programs ``way`` against the proxy
+    at ``ifrt_address``."""
     if way == "local":
         return local_env(), None
     if way == "plugin":
-        return proxy_env(cluster.ifrt_address, str(ROOT)), "plugin"
+        return proxy_env(ifrt_address, str(ROOT)), "plugin"
     if way == "pathwaysutils":
         # no pathways code in the client: pathwaysutils registers the backend; it needs the
         # credentials switch from the user's environment, as on Pathways on Cloud
-        return proxy_env(cluster.ifrt_address, IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS="true"), "pathwaysutils"
-    return proxy_env(cluster.ifrt_address, entry_point_path(directory / "site")), None
+        return proxy_env(ifrt_address, IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS="true"), "pathwaysutils"
+    return proxy_env(ifrt_address, entry_point_path(directory / "site")), None
 
 
 def _program_of(item: pytest.Item, way: str) -> str | None:
@@ -168,19 +169,25 @@ def _program_of(item: pytest.Item, way: str) -> str | None:
 def results(request, tmp_path_factory, cluster):
     """``results(way, program)``: the path of the program's results run ``way`` (a key of
     ``_WHAT``). The first call for a way runs, in one process, every program that this run's
-    tests of the module need that way; a program that raised fails only its own tests."""
+    tests of the module need that way; a program that raised fails only its own tests, a
+    process that failed otherwise (a crash, a timeout) every test of its way, once."""
     directory = tmp_path_factory.mktemp("results")
-    done: dict[str, dict[str, Path]] = {}
+    done: dict[str, dict[str, Path] | AssertionError] = {}
 
     def get(way: str, program: str) -> Path:
         if way not in done:
             needed = sorted({program, *(_program_of(item, way) for item in request.session.items
                                         if item.module is request.module)} - {None})
             paths = {name: directory / f"{way}-{name}.npz" for name in needed}
-            env, register = _how(way, cluster, directory)
+            env, register = _how(way, cluster.ifrt_address, directory)
             first, *rest = paths.items()
-            finish(start(*first, env, register, *rest), f"{needed} {_WHAT[way]}", paths.values())
-            done[way] = paths
+            try:
+                finish(start(*first, env, register, *rest), f"{needed} {_WHAT[way]}", paths.values())
+                done[way] = paths
+            except AssertionError as e:
+                done[way] = e
+        if isinstance(done[way], AssertionError):
+            raise done[way]
         path = done[way][program]
         error = Path(ifrt_programs.error_path(path))
         if error.exists():
