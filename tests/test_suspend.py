@@ -224,3 +224,34 @@ def test_a_host_lost_while_its_session_offloads_or_resumes_loses_its_arrays_and_
     core.on_worker_batch(w2, m.encode_batch([m.Adopted(1, 1, 0)]))
     assert [x.req for x in _of(client, m.Resumed)] == [4]
     assert {x["session"]: x["state"] for x in core.status()["sessions"]} == {1: "active", 2: "active"}
+
+
+def test_an_xla_function_still_compiling_when_its_session_moves_is_compiled_and_reported_on_the_new_host():
+    """The controller's core alone: the function's pending compile follows its slice to the
+    new host, whose report answers the client."""
+    from pathways.controller.core import ControllerCore
+    from pathways.protocol import messages as m
+    from pathways.protocol.handles import first_handle
+    from tests.test_assembly import _register
+    from tests.test_controller import _of
+    from tests.test_controller import session as opened
+
+    core = ControllerCore()
+    w0, w1 = (_register(core, name, 1, coordinator=f"{name}:1") for name in "ab")
+    client, rival = opened(core, 1), opened(core, 2)
+    core.on_session_batch(1, m.encode_batch([m.SliceRequest(1, "cpu", 1, None, 0, False)]))
+    [reply] = _of(client, m.SliceReply)
+    fn = first_handle(1) + 1
+    body = m.FunctionBody("f", b"mlir", (), (), "xla", b"opts", (0, 0))
+    core.on_session_batch(1, m.encode_batch([m.DefineFunction(fn, reply.slice, body), m.Suspend(2)]))
+    assert _of(w0.outbox, m.Compile) == [m.Compile(fn, body, (w0.worker,))]
+    core.on_worker_batch(w0, m.encode_batch([m.Offloaded(1, (), (), 0)]))  # it held no array
+    assert [x.req for x in _of(client, m.Suspended)] == [2]
+
+    core.on_session_batch(2, m.encode_batch([m.SliceRequest(1, "cpu", 1, None, 0, True)]))
+    assert _of(rival, m.SliceReply)[0].workers == (w0.worker,), "another client takes island a for itself"
+    core.on_session_batch(1, m.encode_batch([m.Resume(3)]))
+    assert [x.workers for x in _of(client, m.SliceMoved)] == [(w1.worker,)]
+    assert _of(w1.outbox, m.Compile) == [m.Compile(fn, body, (w1.worker,))]
+    core.on_worker_batch(w1, m.encode_batch([m.Compiled(fn, "")]))
+    assert _of(client, m.Compiled) == [m.Compiled(fn, "")], "the new host reports the compile"

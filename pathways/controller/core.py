@@ -786,7 +786,7 @@ class ControllerCore:
                 progs.fns[fn] = remap.function(progs.fns[fn], slice_id)
             pending = progs.compiling.get(fn)
             if pending is not None:
-                devices = tuple(zip(moved.devices[::2], moved.devices[1::2]))
+                devices = tuple(zip(moved.body.devices[::2], moved.body.devices[1::2]))
                 rank = {w: self.rm.hosts[w].rank for w in moved.workers}
                 progs.compiling[fn] = XlaCompile(pending.name, moved.workers,
                                                  next(w for w in moved.workers if rank[w] == devices[0][0]), devices)
