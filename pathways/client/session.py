@@ -176,7 +176,7 @@ class Session:
         self._pending[("compiled", fn)] = future
         try:
             self.send(m.DefineFunction(fn, slice_id, m.FunctionBody(name, artifact, (), (), "xla", options,
-                                                                    tuple(x for d in devices for x in d))))
+                                                                    m.flat_devices(devices))))
         except BaseException:
             self._pending.pop(("compiled", fn), None)
             raise
@@ -295,7 +295,7 @@ class Session:
         elif kind is m.SliceMoved:
             moved = self.slices.get(msg.slice)
             if moved is not None:
-                moved.move(msg.workers, msg.addresses, msg.island, tuple(zip(msg.devices[::2], msg.devices[1::2])))
+                moved.move(msg.workers, msg.addresses, msg.island, m.device_pairs(msg.devices))
             self.moves += 1  # after the move: a put that read the new addresses reports it
         elif kind is m.Poisoned:
             error = type(error_of(msg.kind, "", errors.RemoteError))

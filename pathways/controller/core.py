@@ -234,7 +234,7 @@ class ControllerCore:
                 if p is not None and p.island == island:
                     self._moved(s, m.SliceMoved(slice_id, p.workers,
                                                 tuple(self.workers[w].address for w in p.workers), island,
-                                                tuple(x for d in p.devices for x in d)))
+                                                m.flat_devices(p.devices)))
             for fn, compile_msg in s.programs.compiles.items():
                 if set(compile_msg.workers) <= hosts:
                     for w in compile_msg.workers:
@@ -459,7 +459,7 @@ class ControllerCore:
         p = self.rm.place(msg.count, msg.kind, msg.mesh_shape, msg.island, msg.exclusive, owner=sid)
         s.slices.add(p.slice_id)
         s.outbox.put(m.SliceReply(msg.req, p.slice_id, p.workers, tuple(self.workers[w].address for w in p.workers),
-                                  p.island, tuple(x for d in p.devices for x in d), p.mesh_shape))
+                                  p.island, m.flat_devices(p.devices), p.mesh_shape))
 
     def _fn(self, sid: int, s: SessionState, msg: m.DefineFunction) -> None:
         fn = self._own(sid, msg.id, "function")
@@ -502,7 +502,7 @@ class ControllerCore:
         device answers with Compiled (``_compiled``)."""
         placement = self._placement(s, msg)
         body = msg.body
-        devices = tuple(zip(body.devices[::2], body.devices[1::2]))
+        devices = m.device_pairs(body.devices)
         outside = [d for d in devices if d not in set(placement.devices)]
         if outside:
             raise WireError(f"function {body.name!r} names devices {outside} (host rank, index) outside slice "
@@ -749,7 +749,7 @@ class ControllerCore:
         sus.req, sus.state = msg.req, RESUMING
         for slice_id, new in sorted(remap.slices.items()):
             self._moved(s, m.SliceMoved(slice_id, new.workers, tuple(self.workers[w].address for w in new.workers),
-                                        new.island, tuple(x for d in new.devices for x in d)))
+                                        new.island, m.flat_devices(new.devices)))
         self._remap_functions(s, remap)
         self._move_arrays(sid, s, remap)
 
@@ -786,7 +786,7 @@ class ControllerCore:
                 progs.fns[fn] = remap.function(progs.fns[fn], slice_id)
             pending = progs.compiling.get(fn)
             if pending is not None:
-                devices = tuple(zip(moved.body.devices[::2], moved.body.devices[1::2]))
+                devices = m.device_pairs(moved.body.devices)
                 rank = {w: self.rm.hosts[w].rank for w in moved.workers}
                 progs.compiling[fn] = XlaCompile(pending.name, moved.workers,
                                                  next(w for w in moved.workers if rank[w] == devices[0][0]), devices)

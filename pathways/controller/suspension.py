@@ -20,7 +20,7 @@ from typing import Mapping, Optional
 from pathways.controller.lowering import FnLayouts
 from pathways.controller.placement import SlicePlacement
 from pathways.ir import Layout
-from pathways.protocol.messages import Compile
+from pathways.protocol.messages import Compile, device_pairs, flat_devices
 
 DRAINING, OFFLOADING, SUSPENDED, RESUMING = "draining", "offloading", "suspended", "resuming"
 
@@ -96,12 +96,11 @@ class Remap:
         new = self.slices[slice_id]
         body = msg.body
         if body.format == "xla":
-            pairs = tuple(zip(body.devices[::2], body.devices[1::2]))
-            moved = self.devices(msg.workers, pairs)
+            moved = self.devices(msg.workers, device_pairs(body.devices))
             if moved is None:
                 raise ValueError(f"function {body.name!r} was compiled on devices of no slice of its session")
             workers, devices = moved
-            return Compile(msg.fn, replace(body, devices=tuple(x for d in devices for x in d)), workers)
+            return Compile(msg.fn, replace(body, devices=flat_devices(devices)), workers)
         ins, outs = self._layouts(body.ins), self._layouts(body.outs)
         ranks = {r for x in (*ins, *outs) for r, _ in x.devices}
         workers = tuple(w for w in new.workers if self._rank[w] in ranks) or new.workers

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar, Iterable, Sequence, Union
 
 from pathways.errors import WireError
 from pathways.ir import DISPATCH_MODES, Layout, ProgramGraph
@@ -244,6 +244,16 @@ OPTIONS = Bytes(MAX_OPTIONS_BYTES)
 DEVICE_PAIRS = Seq(Int(0, MAX_ITEMS), max_len=2 * MAX_XLA_DEVICES)  # flat (host rank, device index) pairs
 
 
+def device_pairs(flat: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """(host rank, device index) pairs from their flat form on the wire (``DEVICE_PAIRS``)."""
+    return tuple(zip(flat[::2], flat[1::2]))
+
+
+def flat_devices(pairs: Iterable[tuple[int, int]]) -> tuple[int, ...]:
+    """The flat form on the wire (``DEVICE_PAIRS``) of (host rank, device index) pairs."""
+    return tuple(x for pair in pairs for x in pair)
+
+
 @record
 class FunctionBody(Record):
     """A function's definition, as a client gives it and as workers compile it: ``blob``
@@ -267,7 +277,7 @@ class FunctionBody(Record):
             if not self.devices or len(self.devices) % 2:
                 raise WireError(f"{what}: an 'xla' function needs its devices as a non-empty flat list of "
                                 "(host rank, device index) pairs")
-            pairs = list(zip(self.devices[::2], self.devices[1::2]))
+            pairs = device_pairs(self.devices)
             if len(set(pairs)) != len(pairs):
                 raise WireError(f"{what}: an 'xla' function names a device twice in its devices")
             if self.ins or self.outs:

@@ -48,7 +48,8 @@ from pathways.protocol.handles import MAX_HANDLE, session_of
 from pathways.protocol.messages import (CREDENTIAL, Adopt, Adopted, Compile, Define, Delete, Done, DropSession,
                                         FetchRequest, Go, Heartbeat, Malformed, Measure, Message, Notice, Offload,
                                         Offloaded, Peers, Poisoned, Restore, RunProgram, Reset, SessionOpen,
-                                        Shutdown, Step, Timeline, TimelineFetch, WorkerWelcome, WORKER_DOWN)
+                                        Shutdown, Step, Timeline, TimelineFetch, WorkerWelcome, WORKER_DOWN,
+                                        device_pairs)
 from pathways.protocol.ops import LAYOUT, MAX_SENDERS
 from pathways.timeline import RECORDER, now
 from pathways.wire import codec, tcp
@@ -183,7 +184,7 @@ class WorkerCore:
         elif kind is Compile:
             body = msg.body
             if body.format == "xla":
-                devices = list(zip(body.devices[::2], body.devices[1::2]))
+                devices = list(device_pairs(body.devices))
                 # the host of the first device tells the controller how it went
                 first = devices[0][0] == self.executables.rank
                 self.executables.register_xla(msg.fn, body.name, body.blob, body.options, devices, list(msg.workers),
