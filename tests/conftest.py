@@ -40,6 +40,20 @@ def live_processes():
             yield int(entry), fields
 
 
+def processes_marked(entry):
+    """The live processes whose environment holds ``entry`` (b"NAME=value"): a mark given to
+    the processes a test starts is inherited by all they start in turn."""
+    found = []
+    for pid, _ in live_processes():
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if entry in f.read().split(b"\0"):
+                    found.append(pid)
+        except OSError:
+            pass  # gone meanwhile, or not ours to read
+    return found
+
+
 def child_pids():
     """This process's live children."""
     return {pid for pid, fields in live_processes() if int(fields[1]) == os.getpid()}

@@ -19,7 +19,7 @@ import pytest
 
 import pathways as pw
 from pathways.cluster import status
-from tests.conftest import pids_alive, wait_until
+from tests.conftest import live_processes, pids_alive, wait_until
 
 # The clusters' heartbeat timeout: shorter than the default (10 s), so that the tests wait
 # seconds, and long enough that a busy machine does not lose a host it should keep.
@@ -161,14 +161,13 @@ def test_a_dead_or_frozen_controller_fails_every_pending_call_within_seconds(sig
 
 def _reconnecting(keeper):
     """Whether the worker that process ``keeper`` keeps restarted to wait for its controller."""
-    for entry in filter(str.isdigit, os.listdir("/proc")):
+    for pid, fields in live_processes():
+        if int(fields[1]) != keeper:
+            continue
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) != keeper:
-                    continue
-            with open(f"/proc/{entry}/environ", "rb") as f:
+            with open(f"/proc/{pid}/environ", "rb") as f:
                 if b"PATHWAYS_RECONNECT_UNTIL=" in f.read():
                     return True
         except OSError:
-            continue
+            continue  # gone meanwhile
     return False

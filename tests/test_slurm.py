@@ -22,7 +22,7 @@ import pytest
 import pathways as pw
 from pathways.cluster import free_port, stop_processes, wait_for_workers
 from pathways.defaults import ADDRESS_LINE
-from tests.conftest import read_line
+from tests.conftest import processes_marked, read_line
 
 _SBIN = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
 _TOOLS = ("slurmctld", "slurmd", "srun", "sinfo", "scancel", "squeue")
@@ -95,15 +95,7 @@ class Slurm:
     def ours(self) -> list[int]:
         """Every process this Slurm started or runs: daemons, step daemons, tasks and sruns
         all carry SLURM_CONF naming this cluster's own file."""
-        marker = f"SLURM_CONF={self.conf}".encode()
-        pids = []
-        for entry in os.listdir("/proc"):
-            if entry.isdigit() and int(entry) != os.getpid():
-                with contextlib.suppress(OSError):
-                    with open(f"/proc/{entry}/environ", "rb") as f:
-                        if marker in f.read().split(b"\0"):
-                            pids.append(int(entry))
-        return pids
+        return [pid for pid in processes_marked(f"SLURM_CONF={self.conf}".encode()) if pid != os.getpid()]
 
 
 @pytest.fixture

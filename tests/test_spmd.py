@@ -11,7 +11,7 @@ import pytest
 
 import pathways as pw
 from pathways_bench import gpipe
-from tests.conftest import child_pids, connected, live_processes, running_cluster
+from tests.conftest import child_pids, connected, processes_marked, running_cluster
 
 CFG = gpipe.Config(stages=2, microbatches=1, batch=16, width=8, hidden=16, lr=0.3)
 STEPS = 3
@@ -184,16 +184,7 @@ def marked_env():
 
 
 def marked_processes(env):
-    mark = f"PATHWAYS_TEST_MARK={env['PATHWAYS_TEST_MARK']}".encode()
-    found = []
-    for pid, _ in live_processes():
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if mark in f.read().split(b"\0"):
-                    found.append(pid)
-        except OSError:
-            pass  # gone meanwhile
-    return found
+    return processes_marked(f"PATHWAYS_TEST_MARK={env['PATHWAYS_TEST_MARK']}".encode())
 
 
 def test_the_example_trains_identically_in_both_modes():

@@ -27,16 +27,14 @@ def pathways(*args, timeout=120):
 
 def children_of(pid):
     found = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read().split(b"\0")
-        except OSError:
+    for child, fields in live_processes():
+        if int(fields[1]) != pid:
             continue
-        if ppid == pid:
-            found[int(entry)] = [c.decode() for c in cmdline]
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                found[child] = [c.decode() for c in f.read().split(b"\0")]
+        except OSError:
+            continue  # gone meanwhile
     return found
 
 
