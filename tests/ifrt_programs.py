@@ -19,6 +19,7 @@ every other key must be bit-identical.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
@@ -31,6 +32,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 Results = dict[str, Any]
+
+STOP_ENV = "IFRT_PROGRAMS_STOP"  # a file: `concurrent` repeats its calls until it exists
+REPEAT_LIMIT = 120.0  # seconds
 
 
 def island0() -> list:
@@ -446,21 +450,34 @@ def flax_model() -> Results:
     return out
 
 
-def concurrent(calls: int = 40, seconds: float = 15.0) -> Results:
+def concurrent(calls: int = 40) -> Results:
     """A loop of small collectives across island 0's two hosts, for running alongside other
-    clients: ``calls`` different ones, then the same again until ``seconds`` have passed, so
-    that clients started a few seconds apart overlap. ``meta_`` keys say when it ran."""
+    clients: ``calls`` different ones; then, when STOP_ENV names a file, a started marker
+    beside it (:func:`started`) and the same calls again until that file exists (at most
+    REPEAT_LIMIT seconds), so that the test decides how long clients overlap. ``meta_``
+    keys say when it ran."""
     start = time.time()
     mesh = Mesh(island0(), ("x",))
     f = jax.jit(jax.shard_map(lambda b: jax.lax.psum(b * b, "x") + 1.0, mesh=mesh, in_specs=P("x"), out_specs=P()))
     x = jax.device_put(np.arange(8, dtype=np.float32).reshape(4, 2), NamedSharding(mesh, P("x")))
     values = [host(f(x + k)) for k in range(calls)]
     again, k = [], 0
-    while time.time() < start + seconds:
-        again.append(np.array_equal(host(f(x + k % calls)), values[k % calls]))
-        k += 1
+    stop = os.environ.get(STOP_ENV)
+    if stop:
+        Path(f"{stop}.started-{os.getpid()}").touch()
+        deadline = time.monotonic() + REPEAT_LIMIT
+        while not os.path.exists(stop) and time.monotonic() < deadline:
+            again.append(np.array_equal(host(f(x + k % calls)), values[k % calls]))
+            k += 1
     return {"values": np.stack(values), "repeats_equal": np.array(all(again)), "meta_start": np.array(start),
             "meta_end": np.array(time.time()), "meta_calls": np.array(calls + k)}
+
+
+def started(stop: str | Path) -> list[Path]:
+    """The markers of the ``concurrent`` programs that run until ``stop`` exists and have
+    made their first calls."""
+    stop = Path(stop)
+    return sorted(stop.parent.glob(f"{stop.name}.started-*"))
 
 
 PROGRAMS: dict[str, Callable[[], Results]] = {

@@ -248,7 +248,8 @@ def test_two_ifrt_clients_and_a_native_client_at_once(cluster, results, tmp_path
     native session runs its own on a slice of the same island; all three are correct and
     their runs overlap in time."""
     want = results("local", "concurrent")
-    env = proxy_env(cluster.ifrt_address, str(ROOT))
+    stop = tmp_path / "stop"
+    env = proxy_env(cluster.ifrt_address, str(ROOT), **{ifrt_programs.STOP_ENV: str(stop)})
     outs = [tmp_path / f"client{k}.npz" for k in range(2)]
     procs = [start("concurrent", out, env, "plugin") for out in outs]
     try:
@@ -258,11 +259,14 @@ def test_two_ifrt_clients_and_a_native_client_at_once(cluster, results, tmp_path
         native_times = []
         deadline = time.monotonic() + PROGRAM_TIMEOUT
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            both_running = len(ifrt_programs.started(stop)) == len(procs)
             k = len(native_times)
             x = np.arange(8, dtype=np.float32).reshape(4, 2) + k
             np.testing.assert_array_equal(np.asarray(f(x)), (x * x).sum(axis=0) + 1.0,
                                           err_msg=f"the native client's call {k} while the IFRT clients ran")
             native_times.append(time.time())
+            if both_running:
+                stop.touch()  # a native call ran from start to end while both IFRT clients looped
     finally:
         for k, proc in enumerate(procs):
             finish(proc, f"IFRT client {k}")
