@@ -3,9 +3,9 @@ b of one) and the clients each in a network namespace of its own (tests/netns.py
 address, own loopback, a bridge between them), started with exactly the commands of
 docs/deploy.md's "By hand" block. Through them: the Figure 2 program, a psum over the
 two-host island, 64 MiB between the islands, `pathways status`, refusals of clients without
-the token or with a wrong one, isolation between clients, the same with TLS, and hosts and
-a controller that are lost (a link set down, a SIGSTOP, a SIGKILL). Skipped, saying why,
-where namespaces cannot be made (not root, no `ip`)."""
+the token or with a wrong one, isolation between clients, the same with TLS, and on that TLS
+deployment hosts and a controller that are lost (a link set down, a SIGSTOP, a SIGKILL).
+Skipped, saying why, where namespaces cannot be made (not root, no `ip`)."""
 
 import json
 import os
@@ -180,16 +180,28 @@ def test_a_client_in_another_namespace_cannot_read_overwrite_or_delete_anothers_
         owner.wait()
 
 
-def test_the_same_programs_with_tls_on_the_control_and_data_planes(tmp_path):
+@pytest.fixture(scope="module")
+def tls_deployed(tmp_path_factory):
+    """The By hand block with TLS on the control and data planes, and a heartbeat timeout of
+    5 s (the default is 10): a host is lost within 5 s of its last heartbeat, so within 10 s
+    whatever the phase of the heartbeats when it froze. The TLS test reads from it; the
+    lost-hosts test, after it, cuts and freezes its hosts and kills its controller."""
+    tmp = tmp_path_factory.mktemp("tls")
     with Network(HOSTS) as net:
-        tls = make_certificates(str(tmp_path), [net.addr(h) for h in HOSTS])
-        d = Deployment(net, tmp_path, tls=tls)
-        _check_by_hand_output(d.start(), net)
-        assert d.client("psum") == {"psum": [7.0, 7.0]}
-        assert d.client("transfer")["equal"]
-        without_ca = d.client("refused", env={**d.client_env(), "PATHWAYS_TLS_CA": ""})
-        assert without_ca["kind"] in ("ConnectError", "AuthenticationError"), without_ca
-        assert "TLS" in without_ca["message"] and without_ca["seconds"] < 5.0, without_ca
+        tls = make_certificates(str(tmp), [net.addr(h) for h in HOSTS])
+        d = Deployment(net, tmp, tls=tls, extra=" --heartbeat-timeout 5")
+        d.by_hand_output = d.start()
+        yield d
+
+
+def test_the_same_programs_with_tls_on_the_control_and_data_planes(tls_deployed):
+    d = tls_deployed
+    _check_by_hand_output(d.by_hand_output, d.net)
+    assert d.client("psum") == {"psum": [7.0, 7.0]}
+    assert d.client("transfer")["equal"]
+    without_ca = d.client("refused", env={**d.client_env(), "PATHWAYS_TLS_CA": ""})
+    assert without_ca["kind"] in ("ConnectError", "AuthenticationError"), without_ca
+    assert "TLS" in without_ca["message"] and without_ca["seconds"] < 5.0, without_ca
 
 
 def _lost(d: Deployment, cut, host: str, limit: float) -> dict:
@@ -216,47 +228,43 @@ def _lost(d: Deployment, cut, host: str, limit: float) -> dict:
     return report
 
 
-def test_lost_hosts_fail_their_island_within_10_s_while_the_other_keeps_serving_and_a_lost_controller_too(tmp_path):
-    # A heartbeat timeout of 5 s (the default is 10): a host is lost within 5 s of its last
-    # heartbeat, so within 10 s whatever the phase of the heartbeats when it froze.
-    with Network(HOSTS) as net:
-        d = Deployment(net, tmp_path, extra=" --heartbeat-timeout 5")
-        _check_by_hand_output(d.start(), net)
+def test_lost_hosts_fail_their_island_within_10_s_while_the_other_keeps_serving_and_a_lost_controller_too(
+        tls_deployed):
+    d, net = tls_deployed, tls_deployed.net
+    # the link of island a's second host goes down
+    _lost(d, lambda: net.link_down("w2"), "w2", 10.0)
+    status = net.run("client", [sys.executable, "-m", "pathways", "status", "--address", d.address],
+                     timeout=30, text=True, env=d.client_env())
+    assert re.search(r"island a \(id \d+\): UNHEALTHY \(worker \d+ on host .* at grpc://"
+                     + re.escape(net.addr("w2")), status.stdout), status.stdout
 
-        # the link of island a's second host goes down
-        _lost(d, lambda: net.link_down("w2"), "w2", 10.0)
-        status = net.run("client", [sys.executable, "-m", "pathways", "status", "--address", d.address],
-                         timeout=30, text=True, env=d.client_env())
-        assert re.search(r"island a \(id \d+\): UNHEALTHY \(worker \d+ on host .* at grpc://"
-                         + re.escape(net.addr("w2")), status.stdout), status.stdout
+    # island a heals on its own: its other host restarted in place and joined it again, and
+    # the cut host, which gave the silent controller up, attaches again once it is back
+    net.link_up("w2")
+    wait_until(lambda: re.search(r"island a \(id \d+\): healthy", net.run(
+        "client", [sys.executable, "-m", "pathways", "status", "--address", d.address], timeout=30, text=True,
+        env=d.client_env()).stdout), timeout=90, what="island a to heal")
+    assert FIGURE2 in d.client_part()
 
-        # island a heals on its own: its other host restarted in place and joined it again, and
-        # the cut host, which gave the silent controller up, attaches again once it is back
-        net.link_up("w2")
-        wait_until(lambda: re.search(r"island a \(id \d+\): healthy", net.run(
-            "client", [sys.executable, "-m", "pathways", "status", "--address", d.address], timeout=30, text=True,
-            env=d.client_env()).stdout), timeout=90, what="island a to heal")
-        assert FIGURE2 in d.client_part()
+    # a host of the new island a is frozen
+    frozen = d.pid_of("w2", "worker")
+    try:
+        _lost(d, lambda: os.kill(frozen, signal.SIGSTOP), "w2", 10.0)
+    finally:
+        os.kill(frozen, signal.SIGCONT)
 
-        # a host of the new island a is frozen
-        frozen = d.pid_of("w2", "worker")
-        try:
-            _lost(d, lambda: os.kill(frozen, signal.SIGSTOP), "w2", 10.0)
-        finally:
-            os.kill(frozen, signal.SIGCONT)
-
-        # the controller is killed while a client waits for results
-        client = d.spawn("controller_lost")
-        try:
-            assert read_line(client, 180).strip() == "ready"
-            os.kill(d.pid_of("ctl", "controller"), signal.SIGKILL)
-            killed_at = time.monotonic()
-            client.stdin.write("go\n")
-            client.stdin.flush()
-            report = json.loads(read_line(client, 30))
-            waited = time.monotonic() - killed_at
-        finally:
-            client.kill()
-            client.wait()
-        assert report["failure"] is not None and report["failure"]["kind"] == "ControllerLostError", report
-        assert waited < 10.0, report
+    # the controller is killed while a client waits for results
+    client = d.spawn("controller_lost")
+    try:
+        assert read_line(client, 180).strip() == "ready"
+        os.kill(d.pid_of("ctl", "controller"), signal.SIGKILL)
+        killed_at = time.monotonic()
+        client.stdin.write("go\n")
+        client.stdin.flush()
+        report = json.loads(read_line(client, 30))
+        waited = time.monotonic() - killed_at
+    finally:
+        client.kill()
+        client.wait()
+    assert report["failure"] is not None and report["failure"]["kind"] == "ControllerLostError", report
+    assert waited < 10.0, report
