@@ -2,6 +2,7 @@
 layer may import which, and that no modules import each other."""
 
 import ast
+import functools
 import os
 import subprocess
 import sys
@@ -185,37 +186,45 @@ class ImportGraph:
                 if _ours(source):
                     yield from self._through(module, source, [a.name for a in node.names if a.name != "*"])
 
-    def cycle(self) -> Optional[list[str]]:
-        """One cycle of the graph as a path that returns to its start, or None."""
-        state: dict[str, int] = {}  # 1 on the current path, 2 done
-        path: list[str] = []
 
-        def visit(name: str) -> Optional[list[str]]:
-            state[name] = 1
-            path.append(name)
-            for target in sorted(self.edges[name]):
-                if state.get(target) == 1:
-                    return path[path.index(target):] + [target]
-                if target not in state:
-                    found = visit(target)
-                    if found:
-                        return found
-            path.pop()
-            state[name] = 2
-            return None
+def find_cycle(edges: dict[str, set[str]]) -> Optional[list[str]]:
+    """One cycle of the graph ``edges`` as a path that returns to its start, or None."""
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
+    path: list[str] = []
 
-        for name in sorted(self.edges):
-            if name not in state:
-                found = visit(name)
+    def visit(name: str) -> Optional[list[str]]:
+        state[name] = 1
+        path.append(name)
+        for target in sorted(edges[name]):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state:
+                found = visit(target)
                 if found:
                     return found
+        path.pop()
+        state[name] = 2
         return None
+
+    for name in sorted(edges):
+        if name not in state:
+            found = visit(name)
+            if found:
+                return found
+    return None
+
+
+@functools.cache
+def package_graph() -> ImportGraph:
+    """The import graph of the repository's packages, built once (parsing every module takes
+    seconds); read it, never change it."""
+    return ImportGraph()
 
 
 def test_import_graph_resolves_imports() -> None:
     """The rules of ImportGraph on modules whose imports are known, so that an acyclic result
     is not the result of missing edges."""
-    graph = ImportGraph()
+    graph = package_graph()
     # `from pathways.client import program` names a module.
     assert "pathways.client.program" in graph.edges["pathways.client.pipeline"]
     # A lazy import inside a function counts.
@@ -239,15 +248,14 @@ def test_type_checking_imports_are_skipped() -> None:
 
 
 def test_cycle_is_found_and_printed_as_a_path() -> None:
-    graph = ImportGraph()
-    graph.edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
-    assert graph.cycle() == ["a", "b", "c", "a"]
-    graph.edges["c"] = set()
-    assert graph.cycle() is None
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycle(edges) == ["a", "b", "c", "a"]
+    edges["c"] = set()
+    assert find_cycle(edges) is None
 
 
 def test_import_graph_has_no_cycle() -> None:
-    cycle = ImportGraph().cycle()
+    cycle = find_cycle(package_graph().edges)
     assert cycle is None, "pathways modules import each other: " + " -> ".join(cycle)
 
 
@@ -265,7 +273,7 @@ def test_layers_are_known() -> None:
 
 
 def test_no_module_imports_a_higher_layer() -> None:
-    graph = ImportGraph()
+    graph = package_graph()
     upward = [f"{module} (layer {_layer(module)}) imports {target} (layer {_layer(target)})"
               for module, targets in sorted(graph.edges.items()) for target in sorted(targets)
               if _layer(target) > _layer(module)]
@@ -275,7 +283,7 @@ def test_no_module_imports_a_higher_layer() -> None:
 def test_the_lower_layers_load_neither_jax_nor_the_client() -> None:
     """Each module of the wire and protocol layers imported in turn in a fresh process: the
     first whose import brings in JAX or the client is named."""
-    modules = sorted(m for m in ImportGraph().paths if _layer(m) < _layer("pathways.client"))
+    modules = sorted(m for m in package_graph().paths if _layer(m) < _layer("pathways.client"))
     assert "pathways.wire.codec" in modules and "pathways.protocol.messages" in modules
     code = ("import importlib, sys\n"
             f"for m in {modules!r}:\n"
