@@ -69,6 +69,7 @@ CLIENT = textwrap.dedent("""
     import pathways as pw
 
     address, order, iterations = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    until_wrong = sys.argv[4:] == ["until-wrong"]  # stop at the first wrong result
     pw.connect(address)
     vds = pw.make_virtual_device_set()
     a, b = vds.add_slice(cpu_devices=2, island=0), vds.add_slice(cpu_devices=2, island=0)
@@ -98,16 +99,20 @@ CLIENT = textwrap.dedent("""
                             and np.all(gx.to_numpy(timeout=20) == 2 * j + 3)):
                         wrong += 1
                 pending = []
+                if until_wrong and wrong:
+                    break
     except pw.PathwaysError as e:
         error = f"{type(e).__name__}: {e}"
     print(json.dumps({"wrong": wrong, "error": error}), flush=True)
 """)
 
 
-def run_clients(address, orders, iterations, victim=False):
+def run_clients(address, orders, iterations, victim=False, until_wrong=False):
     """Start one client process per order, release them together, and return each one's
-    report. With ``victim``, one more client starts the same work and is SIGKILLed."""
-    procs = [subprocess.Popen([sys.executable, "-c", CLIENT, address, order, str(iterations)],
+    report. With ``victim``, one more client starts the same work and is SIGKILLed; with
+    ``until_wrong``, a client stops at its first wrong result."""
+    more = ["until-wrong"] if until_wrong else []
+    procs = [subprocess.Popen([sys.executable, "-c", CLIENT, address, order, str(iterations), *more],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
              for order in (*orders, *(("fg",) if victim else ()))]
     try:
@@ -142,7 +147,7 @@ def test_without_the_gang_order_the_same_workload_is_unsafe():
     workload then pairs collectives of different computations across hosts: results come
     out wrong, or the collectives hang until the clients' deadlines."""
     with pw.local_cluster(islands=[pw.Island(hosts=2, devices_per_host=1)], unsafe_local_order=True) as c:
-        reports = run_clients(c.address, ["fg", "gf"], 200)
+        reports = run_clients(c.address, ["fg", "gf"], 200, until_wrong=True)
     assert any(r["wrong"] or r["error"] for r in reports), reports
 
 
