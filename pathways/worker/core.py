@@ -55,7 +55,7 @@ from pathways.timeline import RECORDER, now
 from pathways.wire import codec, tcp
 from pathways.wire.security import Security
 from pathways.worker.executables import Executables
-from pathways.worker.executor import Executor
+from pathways.worker.executor import Executor, shareable
 from pathways.worker.measure import Measurer
 from pathways.worker.sessions import Sessions
 from pathways.worker.store import ObjectStore, OffloadedArray, Poison, failure
@@ -534,7 +534,7 @@ class WorkerCore:
                        f"what this worker holds of it")
             self.store.put(handle, Poison(message), replace=False)
             return message
-        self.store.put(handle, self._device_arrays.make(sharding, shape, dtype, assembly))
+        self.store.put(handle, shareable(self._device_arrays.make(sharding, shape, dtype, assembly)))
         return None
 
     def _poisoned(self, handle: int, poison: Poison) -> None:

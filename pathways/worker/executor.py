@@ -354,7 +354,7 @@ class Executor:
                                f"{self._wait_timeout:.0f} s: it was deleted, or its sender failed")
             regs[op[1]] = value
         elif code is _OUT:
-            self._store.put(value_handle(op[1], msg.base, msg.tbase, nvalues, msg.args), regs[op[1]])
+            self._store.put(value_handle(op[1], msg.base, msg.tbase, nvalues, msg.args), shareable(regs[op[1]]))
         elif code is _DROP:
             for v in op[1]:
                 regs[v] = None
@@ -383,6 +383,17 @@ class Executor:
                 except Exception as e:
                     value = Poison(f"moving an array on worker {self.worker_id} failed: {e}")
             regs[op[2]] = value
+
+
+def shareable(value: Any) -> Any:
+    """``value``, ready for the store to hand to other threads. A jax.Array builds its list
+    of per-device buffers on first use; arrays first used in two threads at once (the
+    executor resharding an array while a fetch reads it) were seen listing every buffer
+    twice, which every later read of the array fails on ("safe_zip() argument 1 has length
+    2 but argument 0 has length 4"). The thread that made the array builds the list first."""
+    if isinstance(value, jax.Array):
+        getattr(value, "_arrays", None)
+    return value
 
 
 class _Program:
