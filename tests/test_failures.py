@@ -296,13 +296,22 @@ PARENT = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
-def test_no_process_outlives_its_client(sig):
-    proc = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+def test_no_process_outlives_its_client(sig, tmp_path):
+    stderr = tmp_path / "stderr"
+    with open(stderr, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", PARENT], stdout=subprocess.PIPE,
+                                stderr=err, text=True)
     try:
         pids = [int(p) for p in read_line(proc).split()]
         assert len(pids) == 3 and pids_alive(pids) == pids
         proc.send_signal(sig)
-        proc.wait(timeout=30)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack, to say where it hung
+            proc.wait(timeout=10)
+            raise AssertionError(f"the client did not exit within 30 s of {signal.Signals(sig).name}; "
+                                 f"its stderr ends:\n{stderr.read_text()[-6000:]}") from None
         wait_until(lambda: pids_alive(pids) == [], timeout=15, what="every cluster process to exit")
     finally:
         proc.kill()
