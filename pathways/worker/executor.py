@@ -359,8 +359,8 @@ class Executor:
             for v in op[1]:
                 regs[v] = None
         elif code is _SEND:
-            self._controls.send(value_handle(op[2], msg.base, msg.tbase, nvalues, msg.args), regs[op[1]], op[3],
-                                op[4], msg.base if traced else 0)
+            self._controls.send(value_handle(op[2], msg.base, msg.tbase, nvalues, msg.args), shareable(regs[op[1]]),
+                                op[3], op[4], msg.base if traced else 0)
         elif code is _AWAIT:
             if traced:
                 began = now()
@@ -386,11 +386,12 @@ class Executor:
 
 
 def shareable(value: Any) -> Any:
-    """``value``, ready for the store to hand to other threads. A jax.Array builds its list
-    of per-device buffers on first use; arrays first used in two threads at once (the
-    executor resharding an array while a fetch reads it) were seen listing every buffer
-    twice, which every later read of the array fails on ("safe_zip() argument 1 has length
-    2 but argument 0 has length 4"). The thread that made the array builds the list first."""
+    """``value``, ready to be read by other threads: those the store hands it to, and the
+    sender of a SEND. A jax.Array builds its list of per-device buffers on first use;
+    arrays first used in two threads at once (the executor resharding an array while a
+    fetch reads it) were seen listing every buffer twice, which every later read of the
+    array fails on ("safe_zip() argument 1 has length 2 but argument 0 has length 4"). The
+    thread that made the array builds the list first."""
     if isinstance(value, jax.Array):
         getattr(value, "_arrays", None)
     return value
