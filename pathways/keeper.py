@@ -120,8 +120,18 @@ def main(argv: list[str]) -> int:
             if reconnect_timeout > 0:
                 env[RECONNECT_UNTIL_ENV] = repr(time.time() + reconnect_timeout)
                 continue
+        if code < 0:  # a signal ends a process without a word: say which, for whoever reads the host's log
+            print(f"pathways worker: the worker (pid {child.pid}) was ended by {_signal_name(-code)}",
+                  file=sys.stderr, flush=True)
         return code if code >= 0 else 128 - code
     return 0
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 if __name__ == "__main__":

@@ -42,3 +42,12 @@ def test_the_keeper_gives_its_worker_the_cpp_log_level_of_its_log_level(level, c
     out = subprocess.run(keeper.command(1.0, worker), env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [cpp]
+
+
+def test_the_keeper_says_which_signal_ended_its_worker():
+    # a SIGKILL (the kernel's OOM killer, an operator) leaves the worker no chance to say anything
+    env = {k: v for k, v in os.environ.items() if k != keeper.PARENT_PID_ENV}
+    worker = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+    out = subprocess.run(keeper.command(1.0, worker), env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 128 + 9, out.stderr
+    assert "pathways worker: the worker (pid " in out.stderr and ") was ended by SIGKILL" in out.stderr, out.stderr
