@@ -74,14 +74,18 @@ def worker_pids(address):
 
 
 def wait_until(predicate, timeout=20.0, what="condition"):
+    """``predicate()``'s first true value, asked again and again, less often the longer the
+    wait (most predicates are calls to a server: CPU the suite's other processes need)."""
     deadline = time.monotonic() + timeout
+    pause = 0.02
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
+        time.sleep(pause)
+        pause = min(pause * 1.5, 0.25)
 
 
 def read_line(proc, timeout=60.0):

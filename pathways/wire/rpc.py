@@ -39,6 +39,9 @@ WORKER_SERVICE = "pathways.Worker"
 # INITIAL_RECONNECT_BACKOFF_MS) for a server that is just starting, instead of the caller's
 # whole timeout.
 REFUSED_GRACE_SECONDS = 2.0
+# wait_ready's probe: a method no server has, and the pauses between probes while refused
+_PROBE_SERVICE = "pathways.Probe"
+_PROBE_FIRST_PAUSE, _PROBE_MAX_PAUSE = 0.01, 0.2
 START_ADVICE = ("check the address (the one `python -m pathways up` printed), or start a cluster with "
                 "`python -m pathways up`")
 
@@ -295,38 +298,44 @@ def wait_ready(channel: grpc.Channel, address: str, timeout: float, advice: str 
     that expects the server to start later passes its whole timeout); a server that accepts
     the connection but not its TLS (or lack of it) fails after REFUSED_GRACE_SECONDS however
     long the grace: ``security`` is the channel's, to say which. ``advice`` ends the error
-    message: what the caller can do about it."""
-    states: queue.SimpleQueue = queue.SimpleQueue()
-    watch = states.put
-    channel.subscribe(watch, try_to_connect=True)
-    try:
-        deadline = time.monotonic() + timeout
-        refused_at = checked_at = None
-        accepting = False  # the server accepted a connection when last looked at
-        while True:
-            now = time.monotonic()
-            if now >= (deadline if refused_at is None else min(deadline, refused_at + refused_grace)):
-                break
-            if refused_at is not None and now >= checked_at + REFUSED_GRACE_SECONDS:
-                # Every REFUSED_GRACE_SECONDS, look whether it is the handshake that fails: a server that
-                # accepted connections for a whole period, in which the channel tried again (at most
-                # MAX_RECONNECT_BACKOFF_MS later), without the channel getting ready.
-                if accepting:
-                    raise ConnectError(_handshake_failure(address, security or Security()))
-                accepting = unreachable(*split_host_port(parse_address(address)), timeout=1.0) is None
-                checked_at = now
-            limit = deadline if refused_at is None else min(deadline, refused_at + refused_grace,
-                                                            checked_at + REFUSED_GRACE_SECONDS)
-            try:
-                state = states.get(timeout=max(0.0, limit - now))
-            except queue.Empty:
-                continue
-            if state is grpc.ChannelConnectivity.READY:
-                return
-            if state is grpc.ChannelConnectivity.TRANSIENT_FAILURE and refused_at is None:
-                refused_at = checked_at = time.monotonic()
-    finally:
-        channel.unsubscribe(watch)
+    message: what the caller can do about it.
+
+    It probes with a call to a method no server has: any answer (UNIMPLEMENTED) means
+    connected, UNAVAILABLE means not (gRPC fails such a call at once while the channel waits
+    to try again). Not gRPC's connectivity subscription: its poller keeps a 0.2 s watch
+    pending that ``channel.close()`` then waits for."""
+    probe = method(channel, _PROBE_SERVICE, "Ready", "unary_unary")
+    deadline = time.monotonic() + timeout
+    refused_at = checked_at = None
+    accepting = False  # the server accepted a connection when last looked at
+    pause = _PROBE_FIRST_PAUSE
+    while True:
+        now = time.monotonic()
+        if now >= (deadline if refused_at is None else min(deadline, refused_at + refused_grace)):
+            break
+        if refused_at is not None and now >= checked_at + REFUSED_GRACE_SECONDS:
+            # Every REFUSED_GRACE_SECONDS, look whether it is the handshake that fails: a server that
+            # accepted connections for a whole period, in which the channel tried again (at most
+            # MAX_RECONNECT_BACKOFF_MS later), without the channel getting ready.
+            if accepting:
+                raise ConnectError(_handshake_failure(address, security or Security()))
+            accepting = unreachable(*split_host_port(parse_address(address)), timeout=1.0) is None
+            checked_at = now
+        limit = deadline if refused_at is None else min(deadline, refused_at + refused_grace,
+                                                        checked_at + REFUSED_GRACE_SECONDS)
+        try:
+            probe(b"", timeout=max(0.01, limit - now))
+            return  # no server has the method; answered all the same, so connected
+        except grpc.RpcError as e:
+            code = e.code() if hasattr(e, "code") else None
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                continue  # still connecting
+            if code != grpc.StatusCode.UNAVAILABLE:
+                return  # UNIMPLEMENTED, or any other answer of a connected server
+        if refused_at is None:
+            refused_at = checked_at = time.monotonic()
+        time.sleep(max(0.0, min(pause, limit - time.monotonic())))
+        pause = min(2 * pause, _PROBE_MAX_PAUSE)
     why = unreachable(*split_host_port(parse_address(address)))
     if why is not None:
         raise ConnectError(f"could not connect to {address}: {why}; {advice}")
