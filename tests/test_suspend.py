@@ -153,6 +153,15 @@ def test_suspend_waits_for_the_runs_in_flight(cluster, session):
         np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-6)
 
 
+def test_suspend_right_after_a_put_keeps_the_array(cluster, session):
+    s = VirtualDeviceSet(session).add_slice(cpu_devices=2)
+    value = np.random.default_rng(1).standard_normal((2, 8 << 20)).astype(np.float32)  # 64 MiB, still on its way
+    put = pw.device_put(value, s.devices)
+    session.suspend()
+    session.resume()
+    np.testing.assert_array_equal(np.asarray(put), value)
+
+
 def test_the_remap_moves_layouts_functions_and_compiles_position_by_position():
     from pathways.controller.lowering import FnLayouts
     from pathways.controller.placement import SlicePlacement

@@ -116,6 +116,10 @@ class Session:
         self.slices: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._fetches: dict[int, set] = {}  # handle -> its fetch calls in flight, cancelled on bad news
         self._fetches_lock = threading.Lock()
+        # puts on their way to the workers, and puts still starting theirs: suspend waits for both
+        self._puts: set[grpc.Future] = set()
+        self._starting_puts = 0
+        self._puts_lock = threading.Condition()
         self.suspended = False  # from suspend() until resume() returns
         self._closed = threading.Event()
         self._welcome: Future = Future()
@@ -183,8 +187,8 @@ class Session:
         return fn, future
 
     def suspend(self, path: Optional[str] = None, timeout: float = DEFAULT_TIMEOUT) -> None:
-        """Suspend the session: admit no more of its runs, wait (up to ``timeout`` seconds)
-        for those in flight, move every one of its arrays off the devices, into the host
+        """Suspend the session: admit no more of its runs and puts, wait (up to ``timeout``
+        seconds) for those in flight, move every one of its arrays off the devices, into the host
         memory of the workers that hold them or, with ``path`` (an absolute directory on
         the workers' hosts), into files that each worker writes there for its own shards;
         then release its slices. Until ``resume()``, its runs, puts and reads raise
@@ -193,9 +197,12 @@ class Session:
             raise TypeError(f"suspend's path must be a string (an absolute directory) or None, got {path!r}")
         if self.suspended:
             raise errors.SuspendedError("the session is already suspended; call resume() first")
-        self.suspended = True
+        with self._puts_lock:
+            self.suspended = True  # from here on, no new put starts
+        deadline = time.monotonic() + timeout
         try:
-            reply = self.request(lambda req: m.Suspend(req, path or ""), timeout)
+            self._wait_for_puts(deadline)
+            reply = self.request(lambda req: m.Suspend(req, path or ""), max(0.0, deadline - time.monotonic()))
         except errors.SuspendedError:
             raise
         except BaseException:
@@ -203,6 +210,23 @@ class Session:
             raise
         if reply.warning:
             warnings.warn(f"suspend: {reply.warning}", RuntimeWarning, stacklevel=2)
+
+    def _wait_for_puts(self, deadline: float) -> None:
+        """Wait until every put this session started has reached its workers (or failed):
+        an array still on its way when the workers offload would not be there to offload."""
+        with self._puts_lock:
+            self._puts_lock.wait_for(lambda: self._starting_puts == 0, max(0.0, deadline - time.monotonic()))
+            pending = list(self._puts)
+        for future in pending:
+            try:
+                future.exception(timeout=max(0.0, deadline - time.monotonic()))
+            except grpc.FutureTimeoutError:
+                raise errors.DeadlineExceededError(
+                    f"suspend: {sum(not f.done() for f in pending)} of this session's puts were still on their way "
+                    "to the workers when the timeout ran out; nothing was suspended. Call suspend() again with a "
+                    "longer timeout") from None
+            except grpc.FutureCancelledError:
+                pass
 
     def resume(self, timeout: float = DEFAULT_TIMEOUT) -> None:
         """Resume a suspended session: its slices are placed again, on whichever hosts
@@ -362,7 +386,18 @@ class Session:
         had applied when ``addresses`` were read (default: now)."""
         moves = self.moves if moves is None else moves
         self._check_alive()
-        self._refuse_if_suspended("put an array")
+        with self._puts_lock:
+            self._refuse_if_suspended("put an array")
+            self._starting_puts += 1
+        try:
+            self._start_put(addresses, handle, layout, array, moves)
+        finally:
+            with self._puts_lock:
+                self._starting_puts -= 1
+                self._puts_lock.notify_all()
+
+    def _start_put(self, addresses: tuple[str, ...], handle: int, layout: Layout, array: np.ndarray,
+                   moves: int) -> None:
         if self.traced:
             began = now()
         whole = [(codec.full_index(array.shape), array)]
@@ -379,12 +414,16 @@ class Session:
                 future = stubs.put_one.future(request, timeout=self.result_timeout)
             else:
                 future = stubs.put.future(_chunks(header, pieces), timeout=self.result_timeout)
+            with self._puts_lock:
+                self._puts.add(future)
             future.add_done_callback(lambda f, address=address: self._put_done(f, address, handle))
         self.send(m.PutNotice(handle, layout, moves))
         if self.traced:
             self.recorder.span("put", began, 0, f"array {handle:#x}, {array.nbytes} bytes")
 
     def _put_done(self, f: grpc.Future, address: str, handle: int) -> None:
+        with self._puts_lock:
+            self._puts.discard(f)
         try:
             reply = codec.unpack(f.result())
             if "error" in reply:
