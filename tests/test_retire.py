@@ -68,6 +68,16 @@ def test_a_stopped_one_host_island_is_retired_with_the_token_and_the_other_keeps
         np.testing.assert_array_equal(np.asarray(pw.jit(lambda v: v * 2, mesh=s.mesh("d"))(x)), [2.0, 4.0])
 
 
+def _told_retired(x):
+    """Whether reading ``x`` fails because its island was retired: until its session is told,
+    the read may still succeed, or fail as any read from a host that went away does."""
+    try:
+        np.asarray(x)
+    except pw.WorkerLostError as e:
+        return "retired by the operator" in str(e)
+    return False
+
+
 def test_retiring_a_healthy_island_exits_its_worker_and_tells_the_session_that_had_a_slice_there():
     # restart_workers: the local supervisor starts failed workers again, but not a retired one
     with pw.local_cluster(islands=[pw.Island(1, 1), pw.Island(1, 1)], restart_workers=True) as c:
@@ -82,6 +92,8 @@ def test_retiring_a_healthy_island_exits_its_worker_and_tells_the_session_that_h
         assert report["was"] == "healthy" and report["drained"] and report["slices_released"] == 1
         assert report["hosts"] == [here.workers[0]] and len(report["sessions"]) == 1
 
+        # The session hears of it on its own stream, a moment after the operator's reply
+        wait_until(lambda: _told_retired(x), timeout=10, what="the session to be told of the retirement")
         with pytest.raises(pw.WorkerLostError, match="retired by the operator"):
             np.asarray(x)
         elsewhere = pw.make_virtual_device_set().add_slice(cpu_devices=1)
