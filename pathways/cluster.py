@@ -98,7 +98,7 @@ class LocalCluster:
                  window: int = DEFAULT_WINDOW, unsafe_local_order: bool = False,
                  security: Security | None = None, heartbeat_timeout: Optional[float] = None,
                  ifrt_port: Optional[int] = None, restart_workers: bool = False,
-                 restart_controller: bool = False) -> None:
+                 restart_controller: bool = False, suspend_dir: Optional[str] = None) -> None:
         if not islands or any(i.hosts < 1 or i.devices_per_host < 1 for i in islands):
             raise ValueError("a local cluster needs at least one island of hosts >= 1 and devices_per_host >= 1")
         if policy not in ("fair", "fifo") or window < 1:
@@ -115,6 +115,7 @@ class LocalCluster:
         self.heartbeat_timeout = None if heartbeat_timeout is None else check_timeout(heartbeat_timeout,
                                                                                         "heartbeat_timeout")
         self.ifrt_port = ifrt_port
+        self.suspend_dir = suspend_dir  # where the workers may write suspended sessions' files
         self.restart_workers = restart_workers
         self.restart_controller = restart_controller
         self.restarts = 0  # processes the supervisor restarted
@@ -200,6 +201,8 @@ class LocalCluster:
                     if ifrt_address:
                         controller_cmd += ["--ifrt-bind", ifrt_address.removeprefix("grpc://")]
                     debug = ["--unsafe-local-order"] if self.unsafe_local_order else []
+                    if self.suspend_dir:
+                        debug += ["--suspend-dir", self.suspend_dir]
                     for island_id, island in enumerate(self.islands):
                         # island i is named "i" (so its id is i) and ranks follow start order,
                         # so that a cluster's layout is the same every time; CPU devices whatever

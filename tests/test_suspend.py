@@ -18,9 +18,14 @@ from pathways.cluster import status
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def suspend_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("suspend")
+
+
+@pytest.fixture(scope="module")
+def cluster(suspend_dir):
     with pw.local_cluster(islands=[pw.Island(hosts=1, devices_per_host=2),
-                                   pw.Island(hosts=1, devices_per_host=2)]) as c:
+                                   pw.Island(hosts=1, devices_per_host=2)], suspend_dir=str(suspend_dir)) as c:
         yield c
 
 
@@ -90,7 +95,8 @@ def test_a_session_suspended_on_one_island_resumes_on_the_other_with_its_arrays_
         other.close()
 
 
-def test_suspend_to_a_path_has_the_workers_write_files_that_resume_reads_back(cluster, session, tmp_path):
+def test_suspend_to_a_path_has_the_workers_write_files_that_resume_reads_back(cluster, session, suspend_dir):
+    tmp_path = suspend_dir / "files"
     s = VirtualDeviceSet(session).add_slice(cpu_devices=2)
     x = pw.device_put(np.arange(12, dtype=np.float32).reshape(2, 6), s.devices)
     y = pw.pmap(lambda v: v - 1.0, devices=s.devices)(x)
@@ -105,6 +111,19 @@ def test_suspend_to_a_path_has_the_workers_write_files_that_resume_reads_back(cl
     np.testing.assert_array_equal(np.asarray(x), np.arange(12, dtype=np.float32).reshape(2, 6))
     np.testing.assert_array_equal(np.asarray(y), expected)
     assert not list(tmp_path.rglob("*.npy")), "the files are removed once read back"
+
+
+def test_the_workers_write_no_file_outside_the_directory_their_operator_allowed(cluster, session, suspend_dir,
+                                                                                 tmp_path):
+    s = VirtualDeviceSet(session).add_slice(cpu_devices=2)
+    x = pw.device_put(np.arange(4, dtype=np.float32).reshape(2, 2), s.devices)
+    (suspend_dir / "link").symlink_to(tmp_path)  # under the directory by name, outside it in fact
+    for outside in (tmp_path, suspend_dir / "link"):
+        with pytest.warns(RuntimeWarning, match="writes suspend files only under .*--suspend-dir"):
+            pw.suspend(path=str(outside))
+        assert not list(tmp_path.rglob("*")), "nothing is written outside the allowed directory"
+        pw.resume()
+        np.testing.assert_array_equal(np.asarray(x), np.arange(4, dtype=np.float32).reshape(2, 2))
 
 
 @pytest.mark.parametrize("path", ["relative/dir", "/tmp/../etc"])

@@ -438,3 +438,13 @@ def test_a_copy_from_two_senders_read_as_poison_leaves_nothing_behind_whatever_c
     assert core.receive_frame(*half(((2, 3),))) is None
     core.on_batch(m.encode_batch([m.Poisoned((copy,), "WorkerLostError", "again")]))
     assert core.store.get(copy) is None and len(core.store) == 0 and not core._incoming
+
+
+def test_a_worker_allowed_no_suspend_directory_writes_no_file_and_says_why(core, up, tmp_path):
+    x = first_handle(SESSION) + 100
+    put(core, x, np.arange(3, dtype=np.float32))
+    core.on_batch(m.encode_batch([m.Offload(SESSION, str(tmp_path))]))
+    (offloaded,) = up.wait_for(m.Offloaded)
+    assert offloaded.arrays == ((x, (3,)),), "the array is kept, in host memory"
+    assert "writes no suspend files" in offloaded.warning and "--suspend-dir" in offloaded.warning
+    assert not list(tmp_path.rglob("*")), "and nothing is written where the client asked"

@@ -25,6 +25,9 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--ifrt-port", type=int, default=None, metavar="PORT",
                         help="also serve unmodified JAX programs over the IFRT proxy protocol on this loopback "
                              "port (0: any free one): JAX_PLATFORMS=proxy JAX_BACKEND_TARGET=grpc://127.0.0.1:PORT")
+    parser.add_argument("--suspend-dir", metavar="DIR",
+                        help="the directory under which suspended sessions' arrays may be written to files "
+                             "(suspend's path must lie under it; default: none, arrays stay in host memory)")
     return parser
 
 
@@ -35,7 +38,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         cluster = LocalCluster(islands(parser, args), policy=args.policy, window=args.window,
                                security=security.from_args(args), heartbeat_timeout=args.heartbeat_timeout,
                                ifrt_port=args.ifrt_port, restart_workers=args.restart_workers,
-                               restart_controller=True)
+                               restart_controller=True, suspend_dir=args.suspend_dir)
     except ValueError as e:
         parser.error(str(e))
     cluster.start()

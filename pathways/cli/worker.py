@@ -58,6 +58,10 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--unsafe-local-order", action="store_true",
                         help="debugging only: order runs of different clients locally instead of in "
                              "the island's gang order (collectives across hosts can hang)")
+    parser.add_argument("--suspend-dir", metavar="DIR",
+                        help="the directory under which a suspended session's arrays may be written to files "
+                             "(a client's suspend path must lie under it; default: none, they stay in host "
+                             "memory): no client can have this worker write elsewhere")
     security.add_flags(parser, server=True)
     return parser
 
@@ -82,5 +86,5 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error("--island needs a name, e.g. --island 0 or --island rack-a")
     main(args.controller, devices, IslandMembership(island, launch.hosts, launch.rank), args.wait_timeout,
          args.connect_timeout, args.join_timeout, args.bind, args.advertise, args.unsafe_local_order,
-         security.from_args(args), args.heartbeat_timeout, args.reconnect_timeout)
+         security.from_args(args), args.heartbeat_timeout, args.reconnect_timeout, args.suspend_dir)
     return 0

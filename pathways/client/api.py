@@ -137,7 +137,7 @@ def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[S
                   start_timeout: float = 120.0, policy: str = "fair", window: int = DEFAULT_WINDOW,
                   unsafe_local_order: bool = False, security: Optional[Security] = None,
                   heartbeat_timeout: Optional[float] = None, ifrt: bool = False,
-                  restart_workers: bool = False) -> ConnectedCluster:
+                  restart_workers: bool = False, suspend_dir: Optional[str] = None) -> ConnectedCluster:
     """A context manager running a controller and workers on this machine.
 
     One island of ``hosts`` worker processes with ``devices_per_host`` CPU devices each, or
@@ -163,10 +163,14 @@ def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[S
     ``restart_workers``: a worker process that dies is started again (with a back-off), and
     its island heals: slices and compiled functions there work again, from the same client
     objects; arrays that lived there are lost (``WorkerLostError``).
+
+    ``suspend_dir``: the directory under which ``pw.suspend(path=...)`` may have the workers
+    write a session's arrays (``path`` must lie under it); none by default, and a suspend
+    then keeps them in the workers' host memory.
     """
     return ConnectedCluster(list(islands) if islands else [Island(hosts, devices_per_host)], start_timeout,
                             policy, window, unsafe_local_order, security, heartbeat_timeout,
-                            ifrt_port=0 if ifrt else None, restart_workers=restart_workers)
+                            ifrt_port=0 if ifrt else None, restart_workers=restart_workers, suspend_dir=suspend_dir)
 
 
 def trace(path: str) -> RecordingBlock:

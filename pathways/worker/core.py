@@ -93,7 +93,7 @@ class WorkerCore:
                  unsafe_local_order: bool = False, on_shutdown: Callable[[], None] = lambda: None,
                  security: Security | None = None, peer_timeout: float | None = None,
                  on_heartbeat: Callable[[float], None] = lambda timeout: None,
-                 on_reset: Optional[Callable[[], None]] = None) -> None:
+                 on_reset: Optional[Callable[[], None]] = None, suspend_dir: Optional[str] = None) -> None:
         if not (math.isfinite(wait_timeout) and wait_timeout > 0):
             raise ValueError(f"wait_timeout must be a finite number of seconds above 0, got {wait_timeout!r}")
         self.up = up
@@ -120,6 +120,8 @@ class WorkerCore:
         self._probed: set[int] = set()  # peers whose link has been measured (or is being)
         # suspended sessions: their arrays off the devices, and the directory of their files
         self._suspended: dict[int, dict[int, OffloadedArray]] = {}
+        # where the operator lets clients have suspended arrays written (`--suspend-dir`); None: nowhere
+        self.suspend_dir = os.path.realpath(suspend_dir) if suspend_dir else None
         self._offload_dirs: dict[int, str] = {}
         self._suspended_lock = threading.Lock()
 
@@ -304,12 +306,30 @@ class WorkerCore:
 
     # ---- suspend and resume -------------------------------------------------------------
 
+    def _refuse_suspend_path(self, path: str) -> str:
+        """Why this worker does not write files under ``path`` (a client's), or "": only
+        under the directory its operator allowed, so that no client can have a worker write
+        where it pleases."""
+        if self.suspend_dir is None:
+            return (f"worker {self.worker_id} writes no suspend files (its operator allowed no directory: "
+                    "`pathways worker --suspend-dir DIR`, `pathways up --suspend-dir DIR`, "
+                    "pw.local_cluster(suspend_dir=DIR)); it keeps the session's arrays in its host memory instead")
+        real = os.path.realpath(path)
+        if os.path.commonpath([real, self.suspend_dir]) != self.suspend_dir:
+            return (f"worker {self.worker_id} writes suspend files only under {self.suspend_dir} (--suspend-dir), "
+                    f"not under {path!r}; it keeps the session's arrays in its host memory instead")
+        return ""
+
     def _offload(self, msg: Offload) -> None:
         """Move every array of the session off the devices (host memory, or files under
         the Offload's path), and tell the controller which, with their shapes."""
         session, directory, warning = msg.session, "", ""
         if msg.path:
             directory = os.path.join(msg.path, f"session-{session}", f"worker-{self.worker_id}")
+            warning = self._refuse_suspend_path(msg.path)
+        if warning:
+            directory = ""
+        elif directory:
             try:
                 os.makedirs(directory, exist_ok=True)
                 if not os.access(directory, os.W_OK):
