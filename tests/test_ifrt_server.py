@@ -4,6 +4,7 @@ device, 1 host x 2 devices) and an IfrtServer in this process; plus its pure par
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -12,14 +13,14 @@ import numpy as np
 import pytest
 
 from ifrt_helpers import PRELUDE, run_jax
-from pathways.cluster import Island, LocalCluster, status
+from pathways.cluster import Island, LocalCluster, status, stop_processes
 from pathways.ifrt import types as t
 from pathways.ifrt.devices import DeviceTable, SliceInfo
 from pathways.ifrt.proto.xla import xla_data_pb2
 from pathways.ifrt.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as gpb
 from pathways.ifrt.server import IfrtServer, _lookup_response
 from pathways.ifrt.session import parse_slice
-from tests.conftest import wait_until
+from tests.conftest import read_line, wait_until
 
 @pytest.fixture(scope="module")
 def server():
@@ -45,6 +46,7 @@ def test_devices_and_round_trip(server):
             "n": len(devices), "processes": jax.process_count(), "index": jax.process_index(),
             "local": len(jax.local_devices()), "platform": devices[0].platform,
             "ids": [d.id for d in devices], "islands": [d.island for d in devices],
+            "slices": [d.slice_index for d in devices],
             "hosts": [d.host for d in devices], "kinds": [d.device_kind for d in devices],
             "round_trip": back.tolist(), "on_last": np.asarray(on_last).tolist(),
             "last_device": [d.id for d in on_last.devices()]}))
@@ -53,6 +55,7 @@ def test_devices_and_round_trip(server):
     assert result["platform"] == "cpu" and result["kinds"] == ["cpu"] * 4
     assert result["ids"] == [0, 1, 2, 3]
     assert result["islands"] == [0, 0, 1, 1] and result["hosts"] == [0, 1, 0, 0]
+    assert result["slices"] == result["islands"], "slice_index is the island, as pathwaysutils reads it"
     assert result["round_trip"] == np.arange(12, dtype=np.float32).reshape(3, 4).tolist()
     assert result["on_last"] == list(range(5)) and result["last_device"] == [3]
 
@@ -343,3 +346,61 @@ def test_pathways_slice_limits_a_session_to_one_placed_slice(server):
     assert out.returncode == 0 and lines, out.stderr[-3000:]
     result = json.loads(lines[-1][len("RESULT "):])
     assert result == {"islands": [1, 1], "y": [0.0, 3.0, 6.0, 9.0]}
+
+
+LOST_HOST_SCRIPT = PLUGIN + textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    from pathwaysutils.elastic import elastic
+    on1 = [d for d in jax.devices() if d.slice_index == 1]
+    x = jax.device_put(np.arange(4.0), on1[0])
+    y = jax.jit(lambda v: v + 1)(x)
+    y.block_until_ready()
+    print("READY", flush=True)
+    sys.stdin.readline()  # the test kills the host of island 1 meanwhile
+    errors = []
+    for read in (lambda: np.asarray(x), lambda: jax.jit(lambda v: v * 2)(y).block_until_ready()):
+        try:
+            read()
+            errors.append(None)
+        except Exception as e:
+            errors.append({"type": type(e).__name__, "message": str(e)[:600],
+                           "slice_down": elastic.is_error_due_to_slice_down(e, log_traceback=False)})
+    on0 = [d for d in jax.devices() if d.slice_index == 0]
+    z = np.asarray(jax.jit(lambda v: v * 3)(jax.device_put(np.arange(2.0), on0[0])))
+    print("RESULT " + json.dumps({"errors": errors, "island0": z.tolist()}), flush=True)
+""")
+
+
+def test_a_lost_host_fails_reads_and_runs_with_data_loss_naming_it_as_pathwaysutils_expects():
+    """The failure contract of JAX tooling: an array or computation lost with its host fails
+    with a JaxRuntimeError carrying DATA_LOSS and the host, which pathwaysutils' elastic
+    manager takes for a slice that went down; the other island keeps serving."""
+    cluster = LocalCluster([Island(1, 1), Island(1, 1)]).start()
+    ifrt = IfrtServer(cluster.address)
+    client = None
+    try:
+        ifrt.start()
+        client = subprocess.Popen([sys.executable, "-c", LOST_HOST_SCRIPT], env=_proxy_env(ifrt.address),
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert read_line(client, timeout=240).strip() == "READY", client.stderr.read()[-3000:]
+        host = next(w for w in status(cluster.address)["workers"] if w["island"] == 1)
+        os.kill(host["pid"], signal.SIGKILL)
+        wait_until(lambda: not next(i for i in status(cluster.address)["islands"] if i["name"] == "1")["healthy"],
+                   30, "the controller to see island 1 lost")
+        client.stdin.write("\n")
+        client.stdin.flush()
+        line = read_line(client, timeout=120)
+        assert line.startswith("RESULT "), client.stderr.read()[-3000:]
+        result = json.loads(line[len("RESULT "):])
+        for error in result["errors"]:
+            assert error is not None, "a read or run of what the lost host held must fail"
+            assert error["type"] == "JaxRuntimeError" and "DATA_LOSS" in error["message"], error
+            assert f"worker {host['worker']}" in error["message"], error
+            assert error["slice_down"], error
+        assert result["island0"] == [0.0, 3.0]
+    finally:
+        if client is not None:
+            stop_processes([client])
+        ifrt.stop()
+        cluster.stop()

@@ -183,16 +183,16 @@ def test_compile_errors_reach_the_caller_and_runs_of_the_function_fail(session):
     reply, addresses, devices = slice_of(session, 2, 1)
     x = np.ones((4,), np.float32)
     blob, options = artifact(lambda a: a + 1, [jax.ShapeDtypeStruct(x.shape, x.dtype)], 1)
-    cases = [
-        (b"not an artifact", options, devices[:1], "no StableHLO artifact"),
-        (blob, b"\xff\xff garbage", devices[:1], "CompileOptionsProto"),
-        (blob, b"", devices[:1], "0 replica\\(s\\) and 0 partition\\(s\\)"),
-        (blob, options, devices, "1 replica\\(s\\) x 1 partition\\(s\\) but given 2 device"),
-        (blob, options, ((0, 7),), "outside slice"),
+    cases = [  # the workers' compile errors, and the controller's refusal of a bad definition
+        (b"not an artifact", options, devices[:1], errors.RemoteError, "no StableHLO artifact"),
+        (blob, b"\xff\xff garbage", devices[:1], errors.RemoteError, "CompileOptionsProto"),
+        (blob, b"", devices[:1], errors.RemoteError, "0 replica\\(s\\) and 0 partition\\(s\\)"),
+        (blob, options, devices, errors.RemoteError, "1 replica\\(s\\) x 1 partition\\(s\\) but given 2 device"),
+        (blob, options, ((0, 7),), errors.WireError, "outside slice"),
     ]
-    for artifact_bytes, opts, devs, needle in cases:
+    for artifact_bytes, opts, devs, error, needle in cases:
         fn, future = session.define_xla(reply.slice, "broken", artifact_bytes, opts, devs)
-        with pytest.raises(errors.RemoteError, match=needle):
+        with pytest.raises(error, match=needle):
             future.result(WAIT)
     fn, future = session.define_xla(reply.slice, "broken", b"not an artifact", options, devices[:1])
     with pytest.raises(errors.RemoteError):

@@ -173,7 +173,9 @@ class Session:
         ((host rank, device index) pairs of the slice; logical device i of the executable
         is ``devices[i]``). Returns the new function's id and a future of its
         ``messages.Compiled`` (where its parameters and outputs live, their shardings,
-        ...); the future raises RemoteError with the compile error, or ControllerLostError.
+        ...); the future raises RemoteError with a worker's compile error, the controller's
+        refusal of the definition (WireError, PlacementError; WorkerLostError where the slice
+        lost a host), or ControllerLostError.
         Programs may call the function once the future is done."""
         fn = self.allocate(1)
         future: Future = Future()
@@ -332,7 +334,7 @@ class Session:
                 log.warning("the controller reported function %#x compiled, which this session did not define "
                             "with define_xla", msg.fn)
             elif msg.error:
-                future.set_exception(errors.RemoteError(msg.error))
+                future.set_exception(error_of(msg.kind, msg.error, errors.RemoteError))
             else:
                 future.set_result(msg)
         elif kind is m.Error or kind is m.Malformed:

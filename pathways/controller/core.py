@@ -34,7 +34,7 @@ from pathways.controller.scheduler import DEFAULT_WINDOW, ScheduledRun, Schedule
 from pathways.controller.status import status
 from pathways.controller.suspension import DRAINING, OFFLOADING, RESUMING, SUSPENDED, Remap, Suspension
 from pathways.controller.transfers import plan
-from pathways.errors import AccessDeniedError, PathwaysError, PlacementError, SuspendedError, WireError
+from pathways.errors import AccessDeniedError, PathwaysError, PlacementError, SuspendedError, WireError, WorkerLostError
 from pathways.ir import Layout, ProgramGraph
 from pathways.protocol import messages as m
 from pathways.protocol.errors import DENIED, LOST, REMOTE, SUSPENDED as SUSPENDED_KIND, kind_of
@@ -209,7 +209,7 @@ class ControllerCore:
             for fn in [fn for fn, c in s.programs.compiling.items() if set(c.workers) & lost]:
                 del s.programs.compiling[fn]
                 s.programs.failed[fn] = message
-                s.outbox.put(m.Compiled(fn, message))
+                s.outbox.put(m.Compiled(fn, message, kind=LOST))
 
     def _after_loss(self, lost: set[int], message: str) -> None:
         """Once workers ``lost`` are removed: runs they held back may go, suspends and
@@ -476,7 +476,7 @@ class ControllerCore:
                 self._xla_fn(fn, s, msg)
             except PathwaysError as e:  # the client waits for the Compiled reply, not for an Error
                 s.programs.failed[fn] = str(e)
-                s.outbox.put(m.Compiled(fn, f"{msg.TAG}: {e}"))
+                s.outbox.put(m.Compiled(fn, f"{msg.TAG}: {e}", kind=kind_of(e)))
             return
         placement = self._placement(s, msg)
         rank_of = self._ranks(placement)
@@ -524,9 +524,9 @@ class ControllerCore:
             raise WireError(f"slice {msg.slice} is not one of this session's slices")
         gone = self.membership.gone(placement.workers)
         if gone:
-            raise WireError(f"slice {msg.slice} lost its worker(s) {gone}: its island is healing. Define the "
-                            "function again once `python -m pathways status` shows the island healthy, or ask "
-                            "for a slice on a healthy island")
+            raise WorkerLostError(f"slice {msg.slice} lost its worker(s) {gone}: {self.membership.healing(gone)}. "
+                                  "Define the function again once `python -m pathways status` shows the island "
+                                  "healthy, or ask for a slice on a healthy island")
         return placement
 
     def _ranks(self, placement: SlicePlacement) -> dict[int, int]:

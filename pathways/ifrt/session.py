@@ -300,7 +300,7 @@ class IfrtSession:
         try:
             value = self.native.fetch(addresses, arr.handle, WAIT_SECONDS, data)
         except errors.PathwaysError as e:
-            raise IfrtError(t.INTERNAL, f"{type(e).__name__}: {e}") from None
+            raise t.runtime_failure(e) from None
         if value is None:
             raise IfrtError(t.DEADLINE_EXCEEDED, f"the array was not computed within {WAIT_SECONDS:g} s")
         return value
@@ -371,8 +371,9 @@ class IfrtSession:
                                        debug_string=f"{d.kind}:{d.id}",
                                        to_string=(f"PathwaysDevice(id={d.id}, kind={d.kind}, island={d.island}, "
                                                   f"host={d.rank}, index={d.index})"))
-            _attributes(dev.attributes, {"island": d.island, "host": d.rank, "worker": d.worker, "index": d.index,
-                                         "kind": d.kind})
+            # slice_index: the island, under the name Pathways tooling groups devices into slices by
+            _attributes(dev.attributes, {"island": d.island, "slice_index": d.island, "host": d.rank,
+                                         "worker": d.worker, "index": d.index, "kind": d.kind})
             resp.addressable_device_ids.append(d.id)
             resp.primary_device_ids.append(d.id)
             resp.memories.add(id=d.id, memory_space_kind=t.MEMORY_KIND, kind_id=0, device_ids=[d.id],
@@ -738,6 +739,8 @@ class IfrtSession:
                 compiled = future.result(timeout=WAIT_SECONDS)
             except TimeoutError:
                 raise IfrtError(t.DEADLINE_EXCEEDED, f"compilation took longer than {WAIT_SECONDS:g} s") from None
+            except errors.WorkerLostError as e:
+                raise t.runtime_failure(e, "compilation failed: ") from None
             except errors.PathwaysError as e:
                 raise IfrtError(t.INVALID_ARGUMENT, f"compilation failed: {e}") from None
             handle, ready = self._server_handle(), self._server_handle()

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from pathways.errors import PathwaysError, WorkerLostError
 from pathways.ifrt.proto.xla import xla_data_pb2
 from pathways.ifrt.proto.xla.python.ifrt import dtype_pb2, serdes_pb2, sharding_pb2, sharding_serdes_pb2, shape_pb2
 from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2
@@ -31,6 +32,7 @@ INTERNAL = error_codes_pb2.INTERNAL
 UNAVAILABLE = error_codes_pb2.UNAVAILABLE
 PERMISSION_DENIED = error_codes_pb2.PERMISSION_DENIED
 UNAUTHENTICATED = error_codes_pb2.UNAUTHENTICATED
+DATA_LOSS = error_codes_pb2.DATA_LOSS
 
 SERVER_HANDLE_BASE = 1 << 48  # handles the server makes: never among the client's small ones
 MEMORY_KIND = "device"
@@ -52,6 +54,14 @@ class IfrtError(Exception):
 
 def invalid(message: str) -> IfrtError:
     return IfrtError(INVALID_ARGUMENT, message)
+
+
+def runtime_failure(e: PathwaysError, what: str = "") -> IfrtError:
+    """The IfrtError for the runtime's error ``e``: DATA_LOSS where a host was lost with
+    what it held (JAX tooling, pathwaysutils' elastic manager among it, takes DATA_LOSS for
+    a slice that went down), INTERNAL otherwise."""
+    code = DATA_LOSS if isinstance(e, WorkerLostError) else INTERNAL
+    return IfrtError(code, f"{what}{type(e).__name__}: {e}")
 
 
 # ---- dtypes and shapes ---------------------------------------------------------------------

@@ -27,7 +27,7 @@ from pathways.timeline import MAX_DETAIL, MAX_EVENTS
 from pathways.timeline import MAX_NAME as MAX_SPAN_NAME
 from pathways.wire.codec import MAX_MESSAGE_BYTES, is_wire_dtype_name, pack, unpack
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 # How a function's blob is to be compiled: a jax.export artifact (its layouts given by the
 # client), or a StableHLO portable artifact with xla CompileOptions (layouts reported back
 # by the worker that compiles it, in ``Compiled``).
@@ -576,7 +576,9 @@ class Compiled(Message):
     its first device, forwarded unchanged to the function's session. Describes the
     executable's parameters and outputs as it reports them: where each lives (``ins``,
     ``outs``), each output's (dtype name, global shape), serialized xla OpShardings,
-    minor_to_major layouts, and the indices of donated parameters."""
+    minor_to_major layouts, and the indices of donated parameters. ``kind``: the error's
+    kind where the controller refused or cut the compile (a lost host: WorkerLostError),
+    "" for a worker's compile error."""
 
     fn: int = wire(HANDLE)
     error: str = wire(TEXT)
@@ -590,6 +592,7 @@ class Compiled(Message):
     donated: tuple[int, ...] = wire(Seq(Int(0, (1 << 16) - 1), max_len=1 << 16), ())
     fingerprint: str = wire(Str(128), "")
     name: str = wire(NAME, "")
+    kind: str = wire(Str(32, frozenset({"", *KINDS})), "")
 
     def checked(self) -> "Compiled":
         if self.error:
