@@ -200,9 +200,9 @@ class LocalCluster:
                     controller_cmd += ["--bind", address.removeprefix("grpc://")]
                     if ifrt_address:
                         controller_cmd += ["--ifrt-bind", ifrt_address.removeprefix("grpc://")]
-                    debug = ["--unsafe-local-order"] if self.unsafe_local_order else []
+                    options = ["--unsafe-local-order"] if self.unsafe_local_order else []
                     if self.suspend_dir:
-                        debug += ["--suspend-dir", self.suspend_dir]
+                        options += ["--suspend-dir", self.suspend_dir]
                     for island_id, island in enumerate(self.islands):
                         # island i is named "i" (so its id is i) and ranks follow start order,
                         # so that a cluster's layout is the same every time; CPU devices whatever
@@ -215,7 +215,7 @@ class LocalCluster:
                                     "worker", "--controller", address, "--platform", "cpu",
                                     "--devices", str(island.devices_per_host), "--launcher", "none",
                                     "--island", str(island_id), "--island-hosts", str(island.hosts),
-                                    "--rank", str(rank), *debug, *secure, *beats)),
+                                    "--rank", str(rank), *options, *secure, *beats)),
                                 env=env, stdout=_STDERR_FD))
                     self.pids = [p.pid for p in procs]
                     for i, p in enumerate(procs):

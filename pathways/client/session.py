@@ -216,17 +216,18 @@ class Session:
     def _wait_for_puts(self, deadline: float) -> None:
         """Wait until every put this session started has reached its workers (or failed):
         an array still on its way when the workers offload would not be there to offload."""
+        late = errors.DeadlineExceededError(
+            "suspend: some of this session's puts were still on their way to the workers when the timeout ran "
+            "out; nothing was suspended. Call suspend() again with a longer timeout")
         with self._puts_lock:
-            self._puts_lock.wait_for(lambda: self._starting_puts == 0, max(0.0, deadline - time.monotonic()))
+            if not self._puts_lock.wait_for(lambda: self._starting_puts == 0, max(0.0, deadline - time.monotonic())):
+                raise late
             pending = list(self._puts)
         for future in pending:
             try:
                 future.exception(timeout=max(0.0, deadline - time.monotonic()))
             except grpc.FutureTimeoutError:
-                raise errors.DeadlineExceededError(
-                    f"suspend: {sum(not f.done() for f in pending)} of this session's puts were still on their way "
-                    "to the workers when the timeout ran out; nothing was suspended. Call suspend() again with a "
-                    "longer timeout") from None
+                raise late from None
             except grpc.FutureCancelledError:
                 pass
 
