@@ -25,7 +25,6 @@ import grpc
 import numpy as np
 
 from pathways.client.session import Session
-from pathways.errors import PathwaysError
 from pathways.ifrt.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as gpb
 from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
 from pathways.ifrt import types as t
@@ -335,9 +334,7 @@ def _as_ifrt(e: Exception, kind: str) -> IfrtError:
     if isinstance(e, IfrtError):
         return e
     log.warning("%s failed: %s: %s", kind, type(e).__name__, e)
-    if isinstance(e, PathwaysError):
-        return t.runtime_failure(e, f"{kind} failed in the pathways IFRT server: ")
-    return IfrtError(t.INTERNAL, f"{kind} failed in the pathways IFRT server: {type(e).__name__}: {e}")
+    return t.runtime_failure(e, f"{kind} failed in the pathways IFRT server: ")
 
 
 def _ok(op_id: int, kind: str, body: Any) -> bytes:

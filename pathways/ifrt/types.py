@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from pathways.errors import PathwaysError, WorkerLostError
+from pathways.errors import WorkerLostError
 from pathways.ifrt.proto.xla import xla_data_pb2
 from pathways.ifrt.proto.xla.python.ifrt import dtype_pb2, serdes_pb2, sharding_pb2, sharding_serdes_pb2, shape_pb2
 from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2
@@ -56,8 +56,8 @@ def invalid(message: str) -> IfrtError:
     return IfrtError(INVALID_ARGUMENT, message)
 
 
-def runtime_failure(e: PathwaysError, what: str = "") -> IfrtError:
-    """The IfrtError for the runtime's error ``e``: DATA_LOSS where a host was lost with
+def runtime_failure(e: Exception, what: str = "") -> IfrtError:
+    """The IfrtError for the error ``e`` of a request: DATA_LOSS where a host was lost with
     what it held (JAX tooling, pathwaysutils' elastic manager among it, takes DATA_LOSS for
     a slice that went down), INTERNAL otherwise."""
     code = DATA_LOSS if isinstance(e, WorkerLostError) else INTERNAL

@@ -325,11 +325,9 @@ class WorkerCore:
         the Offload's path), and tell the controller which, with their shapes."""
         session, directory, warning = msg.session, "", ""
         if msg.path:
-            directory = os.path.join(msg.path, f"session-{session}", f"worker-{self.worker_id}")
             warning = self._refuse_suspend_path(msg.path)
-        if warning:
-            directory = ""
-        elif directory:
+        if msg.path and not warning:
+            directory = os.path.join(msg.path, f"session-{session}", f"worker-{self.worker_id}")
             try:
                 os.makedirs(directory, exist_ok=True)
                 if not os.access(directory, os.W_OK):
