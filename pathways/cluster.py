@@ -13,8 +13,10 @@ SIGTERM. Every wait has a deadline.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -85,6 +87,9 @@ def free_port() -> int:
 class LocalCluster:
     """A controller and workers on this machine. ``security``: the token and TLS settings
     every process of the cluster (and this process, to reach it) is given; none by default.
+    Its controller and workers also share a worker token (``security.worker_token``, drawn
+    at random where ``security`` has none): a worker started by hand for this cluster needs
+    it (PATHWAYS_WORKER_TOKEN).
     ``ifrt_port``: the controller also serves the IFRT proxy protocol on this loopback port
     (0: any free one), at ``.ifrt_address`` (``grpc://127.0.0.1:PORT``); None: it does not.
     ``restart_workers``: a worker that fails while the cluster runs is started again, after a
@@ -110,7 +115,11 @@ class LocalCluster:
         self.policy = policy
         self.window = window
         self.unsafe_local_order = unsafe_local_order
-        self.security = security or Security()
+        security = security or Security()
+        # its workers attach with a worker token of their own, drawn here where none is given,
+        # so that holding the clients' token (or none, on loopback) attaches no worker
+        self.security = security if security.worker_token else dataclasses.replace(
+            security, worker_token=secrets.token_urlsafe(32))
         # None: the processes' default (defaults.HEARTBEAT_TIMEOUT)
         self.heartbeat_timeout = None if heartbeat_timeout is None else check_timeout(heartbeat_timeout,
                                                                                         "heartbeat_timeout")
@@ -184,7 +193,7 @@ class LocalCluster:
                     return
                 with trio.fail_after(self.start_timeout):
                     env = sec.child_env(self.security, {**os.environ, keeper.PARENT_PID_ENV: str(os.getpid()),
-                                                        **child_log_env()})
+                                                        **child_log_env()}, cluster_process=True)
                     secure = sec.child_flags(self.security)
                     beats = ([] if self.heartbeat_timeout is None
                              else ["--heartbeat-timeout", repr(self.heartbeat_timeout)])

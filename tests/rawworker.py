@@ -24,12 +24,14 @@ def attach_address(controller: str, timeout: float = TIMEOUT, security=None) -> 
 class RawWorker:
     """One connection to a controller's worker port. Reads time out after ``timeout``. With
     ``security`` (a wire.security.Security) it greets the controller as a worker does (TLS
-    when it has a CA, then the hello frame with its token); without, it sends no hello."""
+    when it has a CA, then the hello frame with its worker token, or its token where it has
+    none); without, it sends no hello."""
 
     def __init__(self, address: str, timeout: float = TIMEOUT, security=None) -> None:
         if address.startswith("grpc://"):
             address = attach_address(address, timeout, security)
-        self.sock = tcp.connect(address, timeout, security, tls=security is not None and security.uses_tls)
+        self.sock = tcp.connect(address, timeout, security and security.for_attach(),
+                                tls=security is not None and security.uses_tls)
         self.sock.settimeout(timeout)
         self.reader = frames.FrameReader(self.sock)
         self._sending = threading.Lock()  # whole frames, whichever thread sends

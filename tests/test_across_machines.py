@@ -54,6 +54,7 @@ class Deployment:
         self.address = f"grpc://{net.addr('ctl')}:50051"
         self.token_file = tmp / "token"
         self.env = {"CONTROLLER_HOST": net.addr("ctl"), "PORT": "50051", "TOKEN_FILE": str(self.token_file),
+                    "WORKER_TOKEN_FILE": str(tmp / "worker-token"), "PATHWAYS_WORKER_TOKEN": "",
                     "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
                     "PATHWAYS_TOKEN": "", "PATHWAYS_TLS_CA": ""}
         self.flags = {"controller": extra, "worker": extra}

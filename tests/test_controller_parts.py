@@ -26,10 +26,22 @@ def test_membership_welcomes_each_worker_and_tells_everyone_every_peer():
     for i, conn in enumerate(conns):
         members.register(conn, _register(i))
     assert [_of(c.outbox, m.WorkerWelcome) for c in conns] == [[m.WorkerWelcome(i, i, 0, "")] for i in range(3)]
-    known = [{p for x in _of(c.outbox, m.Peers) for p in x.peers} for c in conns]
+    known = [{p[:2] for x in _of(c.outbox, m.Peers) for p in x.peers} for c in conns]
     assert known == [{(0, "tcp://h:0"), (1, "tcp://h:1"), (2, "tcp://h:2")}] * 3
     assert [len(_of(c.outbox, m.Peers)[0].peers) for c in conns] == [1, 2, 3], "each newcomer gets the full list"
     assert all(len(x.peers) == 1 for c in conns for x in _of(c.outbox, m.Peers)[1:]), "the others, the newcomer"
+    # each worker gets its own key first, and for each peer the ticket that peer's key makes
+    # for it; no two workers share a key, so no ticket opens another pair's connection
+    keys = [_of(c.outbox, m.DataKey) for c in conns]
+    assert [[k.worker for k in ks] for ks in keys] == [[0], [1], [2]]
+    assert all([type(x) for x in c.outbox].index(m.DataKey) < [type(x) for x in c.outbox].index(m.Peers)
+               for c in conns)
+    keys = [ks[0].key for ks in keys]
+    assert len(set(keys)) == 3
+    for i, c in enumerate(conns):
+        for x in _of(c.outbox, m.Peers):
+            for peer, _, ticket in x.peers:
+                assert ticket == m.data_ticket(keys[peer], i) != m.data_ticket(keys[peer], (i + 1) % 3)
     members.register(conns[0], _register(9))
     assert "already registered" in _of(conns[0].outbox, m.Notice)[0].message
     assert members.gone([0, 1, 7]) == [7]
@@ -114,15 +126,20 @@ def test_each_session_has_its_own_credential_and_every_worker_learns_it_before_t
     credentials = {sid: core.sessions[sid].credential for sid in clients}
     assert len(set(credentials.values())) == 3 and all(len(c) == m.CREDENTIAL_BYTES for c in credentials.values())
     assert {sid: _of(c, m.SessionWelcome)[0].credential for sid, c in clients.items()} == credentials
-    digests = {sid: m.digest(c) for sid, c in credentials.items()}
+    digests = {sid: m.digest(m.worker_credential(c, early.address)) for sid, c in credentials.items()}
     assert _of(early.outbox, m.SessionOpen) == [m.SessionOpen(sid, digests[sid]) for sid in (1, 2, 3)]
-    assert all(c not in digests.values() for c in credentials.values()), "workers get digests, not secrets"
+    assert all(c not in digests.values() and m.digest(c) not in digests.values() for c in credentials.values()), \
+        "workers get digests of their own credentials, not the session's secret"
     core.session_closed(2)
     assert _of(early.outbox, m.DropSession)[0].session == 2
-    # a worker that registers later hears of every open session, in the order they opened
+    # a worker that registers later hears of every open session, in the order they opened,
+    # each with the digest of what the session presents to it, which no other worker accepts
     late = WorkerConn(Box())
     core.on_worker_batch(late, m.encode_batch([_register(5)]))
-    assert _of(late.outbox, m.SessionOpen) == [m.SessionOpen(1, digests[1]), m.SessionOpen(3, digests[3])]
+    assert late.address != early.address
+    own = {sid: m.digest(m.worker_credential(credentials[sid], late.address)) for sid in (1, 3)}
+    assert _of(late.outbox, m.SessionOpen) == [m.SessionOpen(1, own[1]), m.SessionOpen(3, own[3])]
+    assert not set(own.values()) & set(digests.values())
     # a second Register on the same stream is refused and announces nothing again
     core.on_worker_batch(late, m.encode_batch([_register(6)]))
     assert len(_of(late.outbox, m.SessionOpen)) == 2

@@ -85,7 +85,7 @@ def test_a_worker_refuses_a_huge_put_without_committing_its_memory(cluster, sess
     workers = worker_pids(cluster.address)
     before = {pid: peak_rss_bytes(pid) for pid in workers}
     header = {"dtype": "uint8", "shape": [4 * _GIB], "nbytes": 4 * _GIB}
-    put_message = codec.pack({"t": "put", "handle": first_handle(session.id) + 77, "credential": session._credential,
+    put_message = codec.pack({"t": "put", "handle": first_handle(session.id) + 77, "credential": session._stubs(worker["address"]).credential,
                               "layout": [[0], [0, 0], [1], ["d"], []], "of": 1,
                               "array": header, "pieces": [{"index": [[0, 4 * _GIB]], "array": header}]})
     channel = rpc.open_channel(worker["address"])
@@ -95,7 +95,7 @@ def test_a_worker_refuses_a_huge_put_without_committing_its_memory(cluster, sess
         reply = codec.unpack(put(iter([put_message, b"0123456789"]), timeout=30))
         assert time.monotonic() - start < 5.0
         assert "header announced" in reply.get("error", ""), reply
-        huge = codec.pack({"t": "put", "handle": first_handle(session.id) + 78, "credential": session._credential,
+        huge = codec.pack({"t": "put", "handle": first_handle(session.id) + 78, "credential": session._stubs(worker["address"]).credential,
                            "layout": [[0], [0, 0], [1], ["d"], []], "of": 1,
                            "array": {"dtype": "uint8", "shape": [1 << 62], "nbytes": 1 << 62}, "pieces": []})
         assert "exceeds this host's" in codec.unpack(put(iter([huge]), timeout=30)).get("error", "")

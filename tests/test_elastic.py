@@ -56,7 +56,8 @@ def test_a_killed_host_replaced_by_hand_heals_its_island_for_the_same_client_obj
         replacement = subprocess.Popen(
             [sys.executable, "-m", "pathways", "worker", "--controller", c.address, "--platform", "cpu",
              "--devices", "1", "--island", "0", "--island-hosts", "2", "--launcher", "none"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env={**os.environ, "PATHWAYS_WORKER_TOKEN": c.security.worker_token})  # the cluster's, which it drew
         try:
             wait_until(lambda: _assembled(c.address), timeout=60, what="the island to heal")
             workers = {w["rank"]: w for w in status(c.address)["workers"]}

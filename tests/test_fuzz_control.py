@@ -126,7 +126,7 @@ def test_a_normal_client_is_served_correctly_after_thousands_of_hostile_messages
         # stay out of the real island
         # registered first: until then a frame may be at most 64 KiB, and a batch of the fuzz
         # is often more (that limit has its own test below); heartbeats keep it attached
-        attach = RawWorker(target.address, timeout=60.0)
+        attach = RawWorker(target.address, timeout=60.0, security=target.security)
         attach.register(island=999)
         attach.keep_alive()
         sent = 0
@@ -142,7 +142,7 @@ def test_a_normal_client_is_served_correctly_after_thousands_of_hostile_messages
         attach.close()
 
         # broken frames: each closes its own connection, and only it
-        bystander = RawWorker(target.address)
+        bystander = RawWorker(target.address, security=target.security)
         over_limit = frames.LENGTH.pack(m.MAX_MESSAGE_BYTES + 1) + bytes(100)
         over_stranger_limit = frames.LENGTH.pack(controller_server.UNREGISTERED_FRAME_BYTES + 1) + bytes(100)
         for broken, registered, end_sending in [
@@ -150,7 +150,7 @@ def test_a_normal_client_is_served_correctly_after_thousands_of_hostile_messages
                 (over_stranger_limit, False, False),  # before registering, 64 KiB
                 (frames.LENGTH.pack(1000) + b"\x91\xa3cut", True, True),  # the connection ends inside a frame
                 (b"\0\0", False, True)]:  # ... or inside a length
-            raw = RawWorker(target.address)
+            raw = RawWorker(target.address, security=target.security)
             try:
                 if registered:
                     raw.register(island=1000)

@@ -16,6 +16,7 @@ import pathways as pw
 from pathways.client.array import Array, _Buffer
 from pathways.client.devices import VirtualDeviceSet
 from pathways.client.session import Session
+from pathways.protocol import messages as m
 from pathways.protocol.handles import session_of
 from tests.conftest import connected, running_cluster, session_handles, wait_until
 
@@ -127,14 +128,16 @@ def test_a_closed_sessions_credential_opens_nothing_and_a_new_session_reads_only
     try:
         assert second.id > first.id
         # with its own credential, or with the closed session's (had it leaked)
+        address = addresses[0]
+        own = second._stubs(address)
         for credential in (second._credential, first._credential):
-            second._credential, own = credential, second._credential
+            second._workers[address] = own._replace(credential=m.worker_credential(credential, address))
             t0 = time.monotonic()
             try:
                 with pytest.raises(pw.AccessDeniedError, match=f"its session {first.id} has closed"):
                     second.fetch(addresses, handle, 5.0, data=True)
             finally:
-                second._credential = own
+                second._workers[address] = own
             assert time.monotonic() - t0 < QUICK
         mine = VirtualDeviceSet(second).add_slice(cpu_devices=1)
         np.testing.assert_array_equal(np.asarray(pw.device_put(np.ones(2, np.float32), mine.devices)), np.ones(2))

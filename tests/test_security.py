@@ -10,6 +10,7 @@ import secrets
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -18,6 +19,8 @@ import pytest
 
 import pathways as pw
 from pathways import cluster
+from pathways.client.devices import VirtualDeviceSet
+from pathways.client.session import Session
 from pathways.controller import server as controller_server
 from pathways.defaults import DEFAULT_WINDOW
 from pathways.demo import figure2
@@ -26,6 +29,7 @@ from pathways.wire import codec, frames, rpc, tcp
 from pathways.wire import security as sec
 from pathways.wire.certs import make_certificates
 from pathways.wire.security import Security, SecurityConfigError
+from pathways.worker.peers import PeerTickets
 from tests.conftest import pids_alive
 from tests.inprocess import InProcessController
 from tests.rawworker import RawWorker
@@ -39,6 +43,7 @@ FIGURE_2 = ([3.0, 5.0], [2.0, 4.0])
 def _no_env_security(monkeypatch):
     monkeypatch.delenv(sec.TOKEN_ENV, raising=False)
     monkeypatch.delenv(sec.TLS_CA_ENV, raising=False)
+    monkeypatch.delenv(sec.WORKER_TOKEN_ENV, raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +91,13 @@ def _teaches(message):
     assert TOKEN not in message
 
 
+def _teaches_workers(message):
+    """A refused worker is told which token the controller admits workers with."""
+    assert "--worker-token-file" in message and sec.WORKER_TOKEN_ENV in message and TOKEN not in message, message
+
+
 def _child_env():
-    return {k: v for k, v in os.environ.items() if k not in (sec.TOKEN_ENV, sec.TLS_CA_ENV)}
+    return {k: v for k, v in os.environ.items() if k not in (sec.TOKEN_ENV, sec.TLS_CA_ENV, sec.WORKER_TOKEN_ENV)}
 
 
 # ---- the token -------------------------------------------------------------------------------
@@ -139,11 +149,93 @@ def test_a_worker_refuses_fetch_and_stats_without_the_token(guarded):
     assert "sessions" in cluster.worker_stats(worker, security=Security(token=TOKEN)), "with the token it serves"
 
 
-def test_a_worker_data_listener_refuses_a_connection_without_the_token(guarded):
-    data = cluster.status(guarded.address, security=Security(token=TOKEN))["workers"][0]["data_address"]
+def test_a_worker_data_listener_admits_only_workers_with_their_ticket(guarded):
+    """The forged-copies probe: a holder of the clients' token connects to a worker's data
+    listener and sends transfer copies, while a client runs programs that move arrays
+    between hosts. Without the ticket the controller gave a peer, no connection gets past
+    its hello (whatever id it claims), no forged copy is read, and the client's values stay
+    right."""
+    client = Security(token=TOKEN)
+    st = cluster.status(guarded.address, security=client)
+    target, peer = st["workers"]
+    data = target["data_address"]
+    refused = cluster.worker_stats(target["address"], security=client)["refused_peers"]
     _teaches(_refused_fast(lambda: tcp.connect(data, FAST, Security())))
-    latency, bandwidth = tcp.probe(data, 30, 1 << 16, security=Security(token=TOKEN))
-    assert latency > 0 and bandwidth > 0, "with the token the listener serves"
+    for ticket in (None, (peer["worker"], bytes(32)), (peer["worker"], secrets.token_bytes(32)),
+                   (target["worker"], secrets.token_bytes(32))):
+        message = _refused_fast(lambda: tcp.connect(data, FAST, client, ticket=ticket))
+        assert "ticket the controller gave" in message and TOKEN not in message, message
+    assert cluster.worker_stats(target["address"], security=client)["refused_peers"] == refused + 4
+
+    copy = np.full(2, 666.0, np.float32)
+    forged = frames.frame(codec.pack({"t": "hello", "token": TOKEN})) + b"".join(
+        frames.frame(codec.pack({"t": "put", "handle": handle, "layout": [[target["worker"]], [0, 0], [2], ["d"], []],
+                                 "of": 1, **codec.pieces_header(copy.dtype, copy.shape,
+                                                                [(codec.full_index(copy.shape), copy)])})) + copy.tobytes()
+        for handle in range(1, 200))
+    stop = threading.Event()
+    attempts = []
+
+    def attack() -> None:
+        while not stop.is_set():
+            with _dial(data) as raw:
+                try:
+                    raw.sendall(forged)
+                    raw.recv(1 << 16)
+                except OSError:
+                    pass
+            attempts.append(1)
+
+    attacker = threading.Thread(target=attack, daemon=True)
+    attacker.start()
+    try:
+        for _ in range(3):
+            y, z = figure2(guarded.address, token=TOKEN)
+            assert (y.tolist(), z.tolist()) == FIGURE_2
+    finally:
+        stop.set()
+        attacker.join(timeout=30)
+    assert attempts and cluster.worker_stats(target["address"], security=client)["refused_peers"] >= refused + 4 + len(attempts)
+
+
+def test_what_a_session_presents_one_worker_opens_nothing_on_another(guarded):
+    """A session's credential never reaches a worker: each worker is given its own
+    derivation, so what a host that should not have been trusted received cannot be
+    replayed at another."""
+    session = Session(guarded.address, security=Security(token=TOKEN))
+    try:
+        s = VirtualDeviceSet(session).add_slice(cpu_devices=4)
+        x = pw.device_put(np.arange(4, dtype=np.float32), s.devices)
+        first, second = x._buffer.addresses
+        np.testing.assert_array_equal(np.asarray(x), np.arange(4))
+        own = session._stubs(second)
+        assert own.credential not in (session._credential, session._stubs(first).credential)
+        session._workers[second] = own._replace(credential=session._stubs(first).credential)
+        try:
+            started = time.monotonic()
+            with pytest.raises(pw.AccessDeniedError, match="not that session's"):
+                session.fetch((second,), x.handle, 5.0, data=True)
+            assert time.monotonic() - started < FAST
+        finally:
+            session._workers[second] = own
+        np.testing.assert_array_equal(np.asarray(x), np.arange(4))
+    finally:
+        session.close()
+
+
+def test_a_process_with_the_clients_token_cannot_attach_as_a_worker(guarded):
+    """The rogue-worker probe: a process that holds the clients' token (not the worker
+    token the cluster's controller and workers share) tries to join as a worker of an
+    island of its own, where clients' slices would go. It is refused at its greeting and
+    told what it lacks; the cluster keeps its two workers."""
+    env = {**_child_env(), sec.TOKEN_ENV: TOKEN}
+    out = subprocess.run([sys.executable, "-m", "pathways", "worker", "--controller", guarded.address,
+                          "--platform", "cpu", "--launcher", "none", "--island", "rogue", "--connect-timeout", "20",
+                          "--reconnect-timeout", "1"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode != 0, out.stderr
+    assert "worker token" in out.stderr and sec.WORKER_TOKEN_ENV in out.stderr and TOKEN not in out.stderr, out.stderr
+    assert len(cluster.status(guarded.address, security=Security(token=TOKEN))["workers"]) == 2
 
 
 @pytest.fixture
@@ -176,10 +268,10 @@ def test_an_attach_connection_without_the_token_cannot_register_and_the_controll
     register = m.Register("grpc://127.0.0.1:1", "tcp://127.0.0.1:1", "cpu", 1, "1000", 1, None, "", 1, "fake", 1 << 30)
     with _dial(inproc.attach) as stranger:
         stranger.sendall(frames.frame(m.encode_batch([register])))  # a Register with no hello first
-        _teaches(_read_refusal(stranger)["error"])
+        _teaches_workers(_read_refusal(stranger)["error"])
     assert inproc.workers() == []
     for wrong in (Security(), Security(token="not-" + TOKEN)):
-        _teaches(_refused_fast(lambda: RawWorker(inproc.attach, security=wrong)))
+        _teaches_workers(_refused_fast(lambda: RawWorker(inproc.attach, security=wrong)))
     assert inproc.workers() == []
     _refused_fast(lambda: RawWorker(inproc.address), grpc.RpcError)  # AttachAddress itself needs the token
     worker = RawWorker(inproc.address, security=Security(token=TOKEN))
@@ -190,13 +282,37 @@ def test_an_attach_connection_without_the_token_cannot_register_and_the_controll
         worker.close()
 
 
-def test_an_attach_connection_that_does_not_greet_is_closed(inproc, monkeypatch):
-    monkeypatch.setattr(sec, "HELLO_SECONDS", 0.5)
-    with _dial(inproc.attach) as silent:
-        started = time.monotonic()
-        assert silent.recv(1) == b"", "closed without a word"
-        assert time.monotonic() - started < FAST
-    assert inproc.workers() == []
+def test_a_controller_with_a_worker_token_admits_workers_only_with_it():
+    worker_token = "worker-" + secrets.token_urlsafe(24)
+    controller = InProcessController(Security(token=TOKEN, worker_token=worker_token))
+    try:
+        for wrong in (Security(token=TOKEN), Security(token=TOKEN, worker_token="not-" + worker_token)):
+            message = _refused_fast(lambda: RawWorker(controller.address, security=wrong))
+            _teaches_workers(message)
+            assert worker_token not in message
+        assert controller.workers() == []
+        worker = RawWorker(controller.address, security=Security(token=TOKEN, worker_token=worker_token))
+        try:
+            registered = worker.register(island=1000)
+            assert controller.workers() == [registered], "a worker with the worker token registers"
+        finally:
+            worker.close()
+    finally:
+        controller.close()
+
+
+def test_an_attach_connection_that_does_not_greet_is_sent_nothing_and_closed(monkeypatch):
+    monkeypatch.setattr(sec, "HELLO_SECONDS", 1.5)
+    # heartbeats every 0.1 s to greeted workers: a stranger gets none of them
+    controller = InProcessController(Security(token=TOKEN), heartbeat_timeout=0.5)
+    try:
+        with _dial(controller.attach) as silent:
+            started = time.monotonic()
+            assert silent.recv(1 << 16) == b"", "closed without a word"
+            assert 1.0 < time.monotonic() - started < FAST
+        assert controller.workers() == []
+    finally:
+        controller.close()
 
 
 def test_a_data_connection_without_the_token_is_refused_and_the_listener_keeps_serving():
@@ -226,6 +342,37 @@ def test_a_data_connection_without_the_token_is_refused_and_the_listener_keeps_s
         listener.close()
 
 
+def test_a_listener_with_peer_tickets_takes_frames_only_from_the_sender_a_ticket_names():
+    key = secrets.token_bytes(m.DATA_KEY_BYTES)
+    tickets = PeerTickets(key_wait=FAST)
+    received = []
+    listener = tcp.Listener(lambda header, pieces: received.append(header), timeout=FAST, admit=tickets.admit)
+    try:
+        with pytest.raises(pw.ConnectError, match="no ticket"):
+            tickets.ticket(listener.address)  # this worker has not been told of that peer
+        # peers may connect before this worker has its key (they learn of it as it registers)
+        threading.Timer(0.3, tickets.learn, [m.DataKey(1, key)]).start()
+        sender = PeerTickets()
+        sender.learn(m.DataKey(0, secrets.token_bytes(m.DATA_KEY_BYTES)))
+        sender.learn(m.Peers(((1, listener.address, m.data_ticket(key, 0)),)))
+        assert sender.ticket(listener.address) == (0, m.data_ticket(key, 0))
+        links = tcp.Links(FAST, tickets=sender.ticket)
+        try:
+            links.send(listener.address, {"t": "put", "handle": 5, "poison": "x", "kind": "x", "layout": [], "of": 1}, [])
+            deadline = time.monotonic() + FAST
+            while not received and time.monotonic() < deadline:
+                time.sleep(0.02)
+        finally:
+            links.close()
+        assert [h["handle"] for h in received] == [5]
+        # a ticket shown by another sender than it names, or made under another key, opens nothing
+        for ticket in ((2, m.data_ticket(key, 0)), (0, m.data_ticket(secrets.token_bytes(32), 0)), (0, b"short")):
+            assert "ticket" in _refused_fast(lambda: tcp.connect(listener.address, FAST, ticket=ticket))
+        assert tickets.refused == 3 and len(received) == 1
+    finally:
+        listener.close()
+
+
 def test_a_server_refuses_to_listen_beyond_loopback_without_a_token():
     starts = {
         "worker gRPC": lambda: rpc.make_server(rpc.WORKER_SERVICE, {}, host="0.0.0.0"),
@@ -237,6 +384,12 @@ def test_a_server_refuses_to_listen_beyond_loopback_without_a_token():
         with pytest.raises(SecurityConfigError, match="beyond loopback") as info:
             start()
         assert "--token-file" in str(info.value) and "PATHWAYS_TOKEN" in str(info.value), what
+    # the clients' token alone does not do for workers' connections: any client could attach one
+    with pytest.raises(SecurityConfigError, match="beyond loopback, without a worker token") as info:
+        asyncio.run(controller_server.ControllerServer("fair", DEFAULT_WINDOW, Security(token=TOKEN)).listen("0.0.0.0"))
+    assert "--worker-token-file" in str(info.value) and sec.WORKER_TOKEN_ENV in str(info.value)
+    with pytest.raises(SecurityConfigError, match="must differ"):
+        Security(token=TOKEN, worker_token=TOKEN)
 
 
 def test_a_token_file_that_cannot_be_read_stops_a_server_at_start(tmp_path):
@@ -265,12 +418,11 @@ def test_the_data_plane_speaks_tls_exactly_when_told(encrypted, tls):
     data = cluster.status(encrypted.address, security=Security(token=TOKEN, tls_ca=tls.ca))["workers"][0]["data_address"]
     on = Security(TOKEN, tls.cert, tls.key, tls.ca, data_plane_tls=True)
     off = Security(token=TOKEN)
-    if encrypted.security.data_plane_tls:
-        assert "TLS" in _refused_fast(lambda: tcp.connect(data, FAST, off), pw.ConnectError)
-        assert tcp.probe(data, 30, 1 << 16, security=on)[1] > 0
-    else:
-        assert "TLS" in _refused_fast(lambda: tcp.connect(data, FAST, on), pw.ConnectError)
-        assert tcp.probe(data, 30, 1 << 16, security=off)[1] > 0
+    # with the right settings the greeting is read and answered (a stranger to the
+    # workers is refused for want of a ticket); with the wrong ones the TLS handshake fails
+    right, wrong = (on, off) if encrypted.security.data_plane_tls else (off, on)
+    assert "TLS" in _refused_fast(lambda: tcp.connect(data, FAST, wrong), pw.ConnectError)
+    assert "ticket the controller gave" in _refused_fast(lambda: tcp.connect(data, FAST, right))
 
 
 def test_a_tls_client_of_a_plain_server_fails_fast(guarded, tls):

@@ -100,7 +100,7 @@ def test_a_silent_peer_leaves_its_links_unmeasured_and_the_rest_keeps_working(is
     with a data port that accepts connections and never replies: the others' probes of it time out, a measurement names it after its
     timeout, and every other figure is still measured."""
     silent = socket.create_server(("127.0.0.1", 0))
-    fake_worker = RawWorker(islands.address)
+    fake_worker = RawWorker(islands.address, security=islands.security)
     try:
         fake = fake_worker.register(island=99, data_address=f"tcp://127.0.0.1:{silent.getsockname()[1]}")
         measured = {"flops": None, "memory_bytes": 1 << 30, "links": []}

@@ -151,7 +151,7 @@ def test_cli_draws_the_timeline(program, tmp_path):
 def test_hostile_collect_requests_are_refused_and_servers_keep_serving(session, program):
     chain, (a, _) = program
     ask = rpc.method(session._stubs(a.addresses[0]).channel, rpc.WORKER_SERVICE, "Timeline", "unary_unary")
-    oversized = m.pack(["timeline", session.id, session._credential, MAX_EVENTS + 1])
+    oversized = m.pack(["timeline", session.id, session._stubs(a.addresses[0]).credential, MAX_EVENTS + 1])
     reply = codec.unpack(ask(oversized, timeout=30))
     assert reply["kind"] == "WireError" and "max_events" in reply["error"]
     assert codec.unpack(ask(b"\xc1garbage", timeout=30))["kind"] == "WireError"
@@ -161,7 +161,7 @@ def test_hostile_collect_requests_are_refused_and_servers_keep_serving(session, 
     with pytest.raises(WireError, match="max_events"):
         session.request(lambda req: m.CollectTimeline(req, MAX_EVENTS + 1))
     assert float(np.asarray(chain(np.float32(1)))) == 4.0  # both still serve
-    mine = m.pack(m.TimelineFetch(session.id, session._credential, 10).encode())
+    mine = m.pack(m.TimelineFetch(session.id, session._stubs(a.addresses[0]).credential, 10).encode())
     assert m.TIMELINE_REPLY.decode(codec.unpack(ask(mine, timeout=30))).pid > 0
 
 

@@ -147,7 +147,7 @@ def test_a_host_whose_input_is_poisoned_keeps_its_peer_company_in_the_collective
     good, bad = (addresses[w] for w in layout.workers)
     session.put((good,), h, layout, x)
     header = codec.pack({"t": "put", "handle": h, "layout": layout.to_wire(), "of": 1,
-                         "credential": session._credential, "poison": "this part is broken on purpose"})
+                         "credential": session._stubs(bad).credential, "poison": "this part is broken on purpose"})
     assert "error" not in codec.unpack(session._stubs(bad).put(iter([header]), timeout=WAIT))
     program = session.allocate(1)
     session.send(m.DefineProgram(program, ProgramGraph(2, (0,), (Node(fn, (0,), (1,)),), (1,),

@@ -154,7 +154,9 @@ def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[S
     restarts and attaches again once the controller is back).
 
     ``security`` (``pathways.wire.security.Security``): the token, TLS certificate and CA
-    that every process of the cluster, and the session, is given; none by default.
+    that every process of the cluster, and the session, is given; none by default. The
+    controller and workers also share a worker token, drawn at random unless ``security``
+    names one (``.security.worker_token``): no client can attach a process as a worker.
 
     ``ifrt``: the controller also serves the IFRT proxy protocol on a free loopback port,
     at ``.ifrt_address`` (``grpc://127.0.0.1:PORT``), so that unmodified JAX programs run

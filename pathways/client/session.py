@@ -71,6 +71,7 @@ class WorkerStubs(NamedTuple):
     fetch: Any  # Fetch, unary-stream
     channel: grpc.Channel
     put_one: Any  # PutOne, unary-unary: a small array in one message
+    credential: bytes  # what the session presents to this worker (messages.worker_credential)
 
 
 class Session:
@@ -366,7 +367,8 @@ class Session:
             channel = rpc.open_channel(address, self.security, caller_reads_streams=True)
             stubs = WorkerStubs(rpc.method(channel, rpc.WORKER_SERVICE, "Put", "stream_unary"),
                                 rpc.method(channel, rpc.WORKER_SERVICE, "Fetch", "unary_stream"), channel,
-                                rpc.method(channel, rpc.WORKER_SERVICE, "PutOne", "unary_unary"))
+                                rpc.method(channel, rpc.WORKER_SERVICE, "PutOne", "unary_unary"),
+                                m.worker_credential(self._credential, address))
             self._workers[address] = stubs
         return stubs
 
@@ -408,10 +410,10 @@ class Session:
         for worker, address in zip(layout.workers, addresses):
             # each host gets the blocks of its own devices, not the whole array
             pieces = whole if parts is None else [(r, array[tuple(slice(a, b) for a, b in r)]) for r in parts[worker]]
-            header = codec.pack({"t": "put", "handle": handle, "layout": layout.to_wire(), "of": 1,
-                                 "credential": self._credential,
-                                 **codec.pieces_header(array.dtype, array.shape, pieces)})
             stubs = self._stubs(address)
+            header = codec.pack({"t": "put", "handle": handle, "layout": layout.to_wire(), "of": 1,
+                                 "credential": stubs.credential,
+                                 **codec.pieces_header(array.dtype, array.shape, pieces)})
             if sum(a.nbytes for _, a in pieces) <= _PUT_ONE_BYTES:
                 request = codec.pack([header, *codec.pieces_chunks(pieces)])
                 future = stubs.put_one.future(request, timeout=self.result_timeout)
@@ -483,10 +485,11 @@ class Session:
 
     def _fetch_one(self, address: str, handle: int, wait: float, data: bool) -> Any:
         self._check_alive()
-        request = m.pack(m.FetchRequest(handle, wait, data, self._credential).encode())
+        stubs = self._stubs(address)
+        request = m.pack(m.FetchRequest(handle, wait, data, stubs.credential).encode())
         call = None
         try:
-            call = self._stubs(address).fetch(request, timeout=wait + 30.0)
+            call = stubs.fetch(request, timeout=wait + 30.0)
             with self._fetches_lock:
                 self._fetches.setdefault(handle, set()).add(call)
             if handle in self.poisoned or self._dead is not None:

@@ -136,11 +136,12 @@ def collect(session: "Session") -> list[Process]:
 
 
 def _worker(session: "Session", address: str) -> Process:
-    ask = rpc.method(session._stubs(address).channel, rpc.WORKER_SERVICE, "Timeline", "unary_unary")
+    stubs = session._stubs(address)
+    ask = rpc.method(stubs.channel, rpc.WORKER_SERVICE, "Timeline", "unary_unary")
     clock = Clock()
     reply = None
     for max_events in (*[0] * _PINGS, MAX_EVENTS):
-        request = m.pack(m.TimelineFetch(session.id, session._credential, max_events).encode())
+        request = m.pack(m.TimelineFetch(session.id, stubs.credential, max_events).encode())
         sent = now()
         try:
             raw = ask(request, timeout=_REQUEST_SECONDS)

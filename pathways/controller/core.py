@@ -128,7 +128,7 @@ class ControllerCore:
                 # in the order they opened: a worker takes a session that is not open and
                 # older than the newest it heard of as closed (worker/sessions.py)
                 for sid in sorted(self.sessions):
-                    conn.outbox.put(m.SessionOpen(sid, m.digest(self.sessions[sid].credential)))
+                    conn.outbox.put(self._session_open(sid, conn))
                 island = self.islands.by_id[conn.island]
                 if island.health is Health.HEALING and island.assembled:
                     self._healed(island.id)
@@ -394,9 +394,13 @@ class ControllerCore:
         its puts seldom wait for it (they travel on other connections, so they still may)."""
         s = self.sessions[sid] = SessionState(outbox, secrets.token_bytes(m.CREDENTIAL_BYTES))
         self.scheduler.add_session(sid)
-        opened = m.SessionOpen(sid, m.digest(s.credential))
         for w in self.workers.values():
-            w.outbox.put(opened)
+            w.outbox.put(self._session_open(sid, w))
+
+    def _session_open(self, sid: int, worker: WorkerConn) -> m.SessionOpen:
+        """What ``worker`` is told of session ``sid``: the digest of the credential the
+        session presents to it, and to no other worker."""
+        return m.SessionOpen(sid, m.digest(m.worker_credential(self.sessions[sid].credential, worker.address)))
 
     def session_closed(self, sid: int) -> None:
         s = self.sessions.pop(sid, None)

@@ -2,7 +2,9 @@
 
 Workers register on their stream (framed TCP) and join their island (islands.py assigns
 ranks and the island's coordinator; a registration that does not fit is refused with a
-Shutdown that says what to fix), get an id and the data-plane address of every peer; the
+Shutdown that says what to fix), get an id, a data-plane key, and every peer's data-plane
+address with the ticket that opens it (messages.data_ticket: only workers the controller
+admitted can send each other transfer copies); the
 resource manager learns their devices, and keeps slices off islands that are not healthy
 (the islands registry owns their health). A
 lost worker takes its island with it until the island heals (islands.py; what that means
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
 
@@ -47,6 +50,7 @@ class WorkerConn:
     defined: set[int] = field(default_factory=set)  # program keys sent to it
     retired: bool = False  # its island was lost: whatever it still sends is stale (its id may be reused)
     heartbeat: float | None = None  # the silence, in seconds, after which the worker gives up on the controller
+    data_key: bytes = b""  # checks the tickets of the worker's data-plane peers (drawn when it registers)
 
     def describe(self) -> str:
         """The worker as an operator finds it: id, host name, advertised address, pid, island."""
@@ -101,17 +105,19 @@ class Membership:
         if worker == fresh:
             self._next_worker += 1
         conn.worker, conn.info, conn.island, conn.rank = worker, msg, island.id, rank
+        conn.data_key = secrets.token_bytes(m.DATA_KEY_BYTES)
         self.workers[worker] = conn
         self.rm.add_host(worker, island.id, msg.kind, msg.devices, msg.memory_bytes, rank)
         for w, r in welcome:
             self.workers[w].outbox.put(m.WorkerWelcome(w, island.id, r, island.coordinator, copies))
         # the newcomer learns every peer; the others learn only the newcomer (peers add up on
         # a worker), so that n registrations send O(n) addresses, not O(n^2)
-        conn.outbox.put(m.Peers(tuple((w.worker, w.info.data_address) for w in self.workers.values())))
-        newcomer = m.Peers(((worker, msg.data_address),))
+        conn.outbox.put(m.DataKey(worker, conn.data_key))
+        conn.outbox.put(m.Peers(tuple((w.worker, w.info.data_address, m.data_ticket(w.data_key, worker))
+                                      for w in self.workers.values())))
         for w in self.workers.values():
             if w is not conn:
-                w.outbox.put(newcomer)
+                w.outbox.put(m.Peers(((worker, msg.data_address, m.data_ticket(conn.data_key, w.worker)),)))
         log.info("worker %d registered: %d %s device(s) at %s, rank %d of island %s (%d of %d host(s) joined)",
                  worker, msg.devices, msg.kind, msg.address, rank, island.describe(), len(island.members),
                  island.hosts)

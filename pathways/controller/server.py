@@ -11,9 +11,10 @@ as one batch. A worker learns the TCP port from the gRPC method AttachAddress an
 to it at the host it reached the controller at. Both listen on the host of ``--bind``
 (loopback by default).
 
-Given a ``Security`` (wire/security.py) with a token, every gRPC call must carry it and a
-worker's connection must open with a hello frame carrying it, answered before any other
-frame is read; with a certificate, gRPC and the workers' connections use TLS.
+Given a ``Security`` (wire/security.py) with a token, every gRPC call must carry it; a
+worker's connection must open with a hello frame carrying the worker token (where there is
+one; else the token), answered before any other frame is read; with a certificate, gRPC
+and the workers' connections use TLS.
 
 Each worker stream carries heartbeats both ways (wire/liveness.py): a loop timer per
 stream queues one when nothing else went out for a while, and gives the worker up once it
@@ -86,9 +87,10 @@ def _guarded(fn: Callable, *args: Any) -> None:
 
 
 class _Keepalive:
-    """One worker stream's heartbeat timer on the event loop: queues a heartbeat when
-    nothing went out for an interval, and calls ``on_silent(seconds)`` once the worker has
-    been silent past the timeout (then stops)."""
+    """One worker stream's heartbeat timer on the event loop, from its first ``schedule``
+    (once the worker has greeted: nothing is sent to a peer that has not): queues a
+    heartbeat when nothing went out for an interval, and calls ``on_silent(seconds)`` once
+    the worker has been silent past the timeout (then stops)."""
 
     def __init__(self, beats: Heartbeats, outbox: rpc.LoopOutbox, on_silent: Callable[[float], None]) -> None:
         self._beats = beats
@@ -96,7 +98,6 @@ class _Keepalive:
         self._on_silent = on_silent
         self._loop = asyncio.get_running_loop()
         self._timer: Optional[asyncio.TimerHandle] = None
-        self.schedule()
 
     def schedule(self) -> None:
         """(Re)arm the timer for whatever falls due first; call it after the intervals change."""
@@ -125,6 +126,7 @@ class ControllerServer:
     def __init__(self, policy: str, window: int, security: Security | None = None,
                  heartbeat_timeout: float = HEARTBEAT_TIMEOUT) -> None:
         self.security = security or Security()
+        self._attach_security = self.security.for_attach()  # what workers' streams must greet with
         self.core = ControllerCore(policy, window)
         self.heartbeat_timeout = check_timeout(heartbeat_timeout)
         self._session_ids = itertools.count(1)
@@ -177,6 +179,7 @@ class ControllerServer:
         by default), that AttachAddress names. Workers use only its port, with the host they
         reached the controller at."""
         sec.check_bind(host, self.security, "the controller's worker port")
+        sec.check_worker_admission(host, self.security)
         tls = {"ssl": sec.server_context(self.security), "ssl_handshake_timeout": sec.HELLO_SECONDS} \
             if self.security.serves_tls else {}
         self._attach_server = await asyncio.start_server(self.attach, strip_brackets(host) or None, 0,
@@ -231,7 +234,7 @@ class ControllerServer:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = writer.get_extra_info("peername")
         conn = WorkerConn(rpc.LoopOutbox())
-        greeted = self.security.token is None
+        greeted = self._attach_security.token is None
         beats = Heartbeats(self.heartbeat_timeout)
         silence: list[float] = []  # how long the worker was silent, once given up for it
         cut: list[str] = []  # the error that ended the connection, if one did
@@ -243,6 +246,8 @@ class ControllerServer:
             writer.transport.abort()  # a frozen peer would never take what is buffered for it
 
         keepalive = _Keepalive(beats, conn.outbox, on_silent)
+        if greeted:
+            keepalive.schedule()
 
         async def read() -> Optional[bytes]:
             nonlocal greeted
@@ -259,13 +264,14 @@ class ControllerServer:
                     header = _header(payload)
                     if greeted and not sec.is_hello(header):
                         return payload  # no token required, and no hello: the stream's first batch
-                    refused = sec.refusal_of(self.security, header, "controller")
+                    refused = sec.refusal_of(self._attach_security, header, "controller", sec.attach_refusal())
                     writer.write(sec.answer(refused))  # a whole frame
                     await writer.drain()
                     if refused is not None:
-                        log.warning("refused a worker connection from %s: it did not give the cluster's token", peer)
+                        log.warning("refused a worker connection from %s: it did not give the worker token", peer)
                         return None
                     greeted = True
+                    keepalive.schedule()
             except asyncio.TimeoutError:
                 log.warning("closing the worker connection from %s: it did not greet within %g s", peer,
                             sec.HELLO_SECONDS)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
 from typing import Any, ClassVar, Iterable, Sequence, Union
 
 from pathways.errors import WireError
@@ -27,7 +28,7 @@ from pathways.timeline import MAX_DETAIL, MAX_EVENTS
 from pathways.timeline import MAX_NAME as MAX_SPAN_NAME
 from pathways.wire.codec import MAX_MESSAGE_BYTES, is_wire_dtype_name, pack, unpack
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 # How a function's blob is to be compiled: a jax.export artifact (its layouts given by the
 # client), or a StableHLO portable artifact with xla CompileOptions (layouts reported back
 # by the worker that compiles it, in ``Compiled``).
@@ -58,12 +59,30 @@ GRAPH = Custom(ProgramGraph.from_wire, ProgramGraph.to_wire)
 CREDENTIAL_BYTES = 32  # a session's secret: 256 random bits, drawn by the controller
 CREDENTIAL = Bytes(CREDENTIAL_BYTES, min_len=CREDENTIAL_BYTES)
 DIGEST = Bytes(32, min_len=32)
+DATA_KEY_BYTES = 32
+DATA_KEY = Bytes(DATA_KEY_BYTES, min_len=DATA_KEY_BYTES)
 
 
 def digest(credential: bytes) -> bytes:
     """What workers are told of a session's credential: its SHA-256, so that whoever reads
     the controller's stream to a worker (or attaches as one) cannot present it."""
     return hashlib.sha256(credential).digest()
+
+
+def data_ticket(key: bytes, sender: int) -> bytes:
+    """What worker ``sender`` shows, in its hello, the worker whose DataKey is ``key``: only
+    the controller (which draws every worker's key when it registers) and that worker can
+    make it, so a data-plane connection that shows it comes from worker ``sender``, and
+    none from a client, whatever token it holds."""
+    return hmac.digest(key, b"pathways data-plane sender %d" % sender, "sha256")
+
+
+def worker_credential(credential: bytes, address: str) -> bytes:
+    """What a session presents to the worker at ``address`` (its gRPC address, as the
+    controller gives it): an HMAC of the address under the session's credential. A worker
+    learns only its own one's digest, so what a client sends it, even to a host that
+    should not have been trusted, cannot be presented to any other worker."""
+    return hmac.digest(credential, b"pathways worker " + address.encode(), "sha256")
 
 
 def _map(key: Int, value: Int) -> Custom:
@@ -533,11 +552,21 @@ class WorkerWelcome(Message):
     copies: int = wire(HANDLE, 0)
 
 
+@message("data_key")
+class DataKey(Message):
+    """A registered worker's id and the key it checks its peers' tickets with (see
+    ``data_ticket``): sent before any Peers, only to that worker."""
+
+    worker: int = wire(WORKER)
+    key: bytes = wire(DATA_KEY)
+
+
 @message("peers")
 class Peers(Message):
-    """Every worker's data-plane address."""
+    """Workers' data-plane addresses, each with the ticket that opens a connection to it
+    (``data_ticket`` of its key and the id of the worker told)."""
 
-    peers: tuple[tuple[int, str], ...] = wire(Seq(Fixed(WORKER, NAME)))
+    peers: tuple[tuple[int, str, bytes], ...] = wire(Seq(Fixed(WORKER, NAME, DIGEST)))
 
 
 @message("compile")
@@ -720,7 +749,8 @@ class Adopted(Message):
 @message("open_session")
 class SessionOpen(Message):
     """A client session opened: serve puts and fetches of its handles to whoever presents
-    the credential whose ``digest`` this is (until DropSession)."""
+    the credential whose ``digest`` this is (until DropSession): the session's
+    ``worker_credential`` for this worker's address."""
 
     session: int = wire(Int(1, MAX_SESSION))
     digest: bytes = wire(DIGEST)
@@ -849,7 +879,7 @@ SESSION_DOWN = Table("session (controller to client)", SessionWelcome, SliceRepl
                      Compiled, Timeline, SliceMoved, Suspended, Resumed)
 WORKER_UP = Table("attach (worker to controller)", Register, Done, Step, Notice, Measured,
                   Heartbeat, Compiled, Offloaded, Adopted)
-WORKER_DOWN = Table("attach (controller to worker)", WorkerWelcome, Peers, Compile, Define, RunProgram, Delete,
+WORKER_DOWN = Table("attach (controller to worker)", WorkerWelcome, DataKey, Peers, Compile, Define, RunProgram, Delete,
                     DropSession, Poisoned, Shutdown, Go, Measure, Notice, SessionOpen, Heartbeat, Reset,
                     Offload, Restore, Adopt)
 MEASURE = Table("measure request", MeasureRequest)

@@ -9,6 +9,14 @@ carrying it, answered before any other frame is read (``greet``, ``refusal_of``)
 and a wrong token get the same refusal, so that nothing is learned from it. A server asked
 to listen beyond loopback without a token refuses to start (``check_bind``).
 
+Workers are admitted, not trusted for holding the clients' token: the controller and its
+workers also share a worker token (``--worker-token-file PATH`` or PATHWAYS_WORKER_TOKEN,
+another than the clients'), which a worker's stream to the controller must greet with
+(``Security.for_attach``); a controller that takes workers beyond loopback requires one
+(``check_worker_admission``), and a local cluster draws one. Beyond that, a worker's data
+listener admits only peers with a ticket from the controller (worker/peers.py), and a
+session presents each worker a credential of its own (messages.worker_credential).
+
 TLS: a server given ``--tls-cert`` and ``--tls-key`` serves gRPC and the workers' stream to
 the controller over TLS; clients and workers verify it with ``--tls-ca``. With
 ``--data-plane-tls`` the array bytes between workers go over TLS too (it costs bandwidth:
@@ -18,6 +26,7 @@ the controller over TLS; clients and workers verify it with ``--tls-ca``. With
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import hmac
 import ipaddress
@@ -35,11 +44,13 @@ from pathways.wire.addresses import strip_brackets
 from pathways.wire.frames import LENGTH, frame, recv_exactly
 
 TOKEN_ENV = "PATHWAYS_TOKEN"
+WORKER_TOKEN_ENV = "PATHWAYS_WORKER_TOKEN"
 TLS_CA_ENV = "PATHWAYS_TLS_CA"
 TOKEN_METADATA = "pathways-token"  # the gRPC metadata key that carries the token
 MAX_TOKEN_CHARS = 1024  # gRPC metadata must stay small; 32 random bytes need 43 characters
-# The most bytes a connection may send before it is greeted: a hello frame's header.
-HELLO_BYTES = MAX_TOKEN_CHARS + 64
+# The most bytes a connection may send before it is greeted: a hello frame's header (the
+# token, and on the data plane a worker id and a 32-byte ticket).
+HELLO_BYTES = MAX_TOKEN_CHARS + 128
 _ANSWER_BYTES = 64 * 1024  # a greeting's answer: a short refusal at most
 # How long a connection to a server that requires a token may take to greet it, and how long
 # a greeting waits for its answer.
@@ -64,10 +75,16 @@ class Security:
     tls_key: str | None = None
     tls_ca: str | None = None
     data_plane_tls: bool = False
+    worker_token: str | None = None
 
     def __post_init__(self) -> None:
         if self.token is not None:
             _check_token(self.token, "the token")
+        if self.worker_token is not None:
+            _check_token(self.worker_token, "the worker token")
+            if self.worker_token == self.token:
+                raise SecurityConfigError("the worker token must differ from the client token: whoever holds "
+                                          "the worker token can attach a process as a worker")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise SecurityConfigError("--tls-cert and --tls-key go together: a server presents a certificate "
                                       "and proves it with its private key; give both or neither")
@@ -93,6 +110,11 @@ class Security:
         return isinstance(offered, str) and hmac.compare_digest(offered.encode("utf-8", "replace"),
                                                                 self.token.encode())
 
+    def for_attach(self) -> "Security":
+        """The settings of a worker's stream to the controller, on both ends: the worker
+        token where there is one (else the cluster's token) stands for the token."""
+        return dataclasses.replace(self, token=self.worker_token or self.token, worker_token=None)
+
     def checked(self) -> "Security":
         """Self, once its certificate files load; SecurityConfigError naming the file if not."""
         if self.serves_tls:
@@ -109,23 +131,23 @@ def _check_token(token: object, what: str) -> None:
                                   f"spaces; make one with `{_MAKE_TOKEN}`")
 
 
-def read_token_file(path: str) -> str:
-    """The token in the file at ``path`` (surrounding whitespace dropped)."""
+def read_token_file(path: str, flag: str = "--token-file") -> str:
+    """The token in the file at ``path`` (surrounding whitespace dropped), given by ``flag``."""
     try:
         token = Path(path).read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as e:
-        raise SecurityConfigError(f"--token-file {path}: cannot read the token ({e}); make one with "
+        raise SecurityConfigError(f"{flag} {path}: cannot read the token ({e}); make one with "
                                   f"`{_MAKE_TOKEN}`") from None
-    _check_token(token, f"the token in --token-file {path}")
+    _check_token(token, f"the token in {flag} {path}")
     return token
 
 
-def env_token() -> str | None:
-    """PATHWAYS_TOKEN, or None where it is unset or empty."""
-    token = os.environ.get(TOKEN_ENV, "").strip()
+def env_token(name: str = TOKEN_ENV) -> str | None:
+    """The token in environment variable ``name``, or None where it is unset or empty."""
+    token = os.environ.get(name, "").strip()
     if not token:
         return None
-    _check_token(token, TOKEN_ENV)
+    _check_token(token, name)
     return token
 
 
@@ -151,6 +173,12 @@ def add_flags(parser: argparse.ArgumentParser, server: bool, data_plane: bool = 
         parser.add_argument("--tls-cert", metavar="PATH", help="PEM certificate this process's servers present "
                                                                "(TLS; with --tls-key)")
         parser.add_argument("--tls-key", metavar="PATH", help="PEM private key of --tls-cert")
+    if server:
+        parser.add_argument("--worker-token-file", metavar="PATH",
+                            help=f"file holding the token workers attach to the controller with (default: "
+                                 f"${WORKER_TOKEN_ENV}); it must differ from the clients' token, and is required "
+                                 "where the controller listens beyond loopback, so that no client can attach a "
+                                 "process as a worker")
     parser.add_argument("--tls-ca", metavar="PATH",
                         help=f"PEM CA certificate that servers' certificates are verified with (default: ${TLS_CA_ENV})")
     if server and data_plane:
@@ -161,9 +189,11 @@ def add_flags(parser: argparse.ArgumentParser, server: bool, data_plane: bool = 
 def from_args(args: argparse.Namespace) -> Security:
     """The settings given by the flags of ``add_flags`` (and the environment)."""
     token = read_token_file(args.token_file) if args.token_file else env_token()
+    worker_file = getattr(args, "worker_token_file", None)
+    worker_token = read_token_file(worker_file, "--worker-token-file") if worker_file else env_token(WORKER_TOKEN_ENV)
     return Security(token, getattr(args, "tls_cert", None), getattr(args, "tls_key", None),
                     args.tls_ca or os.environ.get(TLS_CA_ENV) or None,
-                    getattr(args, "data_plane_tls", False)).checked()
+                    getattr(args, "data_plane_tls", False), worker_token).checked()
 
 
 def child_flags(security: Security, data_plane: bool = True) -> list[str]:
@@ -175,13 +205,17 @@ def child_flags(security: Security, data_plane: bool = True) -> list[str]:
     return flags + (["--data-plane-tls"] if data_plane and security.data_plane_tls else [])
 
 
-def child_env(security: Security, env: dict[str, str]) -> dict[str, str]:
+def child_env(security: Security, env: dict[str, str], cluster_process: bool = False) -> dict[str, str]:
     """``env`` with PATHWAYS_TOKEN set to ``security``'s token (unset where it has none) and
     PATHWAYS_TLS_CA unset (the CA goes by ``child_flags``): a child of a local cluster takes
-    exactly its cluster's settings, not whatever this process's environment holds."""
-    env = {k: v for k, v in env.items() if k not in (TOKEN_ENV, TLS_CA_ENV)}
+    exactly its cluster's settings, not whatever this process's environment holds. Only a
+    ``cluster_process`` (a controller or worker, not a client's script) gets
+    PATHWAYS_WORKER_TOKEN."""
+    env = {k: v for k, v in env.items() if k not in (TOKEN_ENV, TLS_CA_ENV, WORKER_TOKEN_ENV)}
     if security.token is not None:
         env[TOKEN_ENV] = security.token
+    if cluster_process and security.worker_token is not None:
+        env[WORKER_TOKEN_ENV] = security.worker_token
     return env
 
 
@@ -204,11 +238,31 @@ def check_bind(host: str, security: Optional[Security], what: str) -> None:
         f"PATH or {TOKEN_ENV} (make one with `{_MAKE_TOKEN}`), or listen on 127.0.0.1")
 
 
+def check_worker_admission(host: str, security: Security) -> None:
+    """Refuse to take workers' streams on ``host`` beyond loopback without a worker token
+    of their own: with the clients' token alone, any client could attach a process as a
+    worker, and be given other clients' functions and arrays."""
+    if is_loopback(host) or security.worker_token is not None:
+        return
+    raise SecurityConfigError(
+        f"the controller would take workers' connections on {host}, beyond loopback, without a worker token: any "
+        f"client could then attach a process as a worker and be given other clients' programs and arrays. Give "
+        f"the controller and every worker the same worker token, another than the clients' one, with "
+        f"--worker-token-file PATH or {WORKER_TOKEN_ENV} (make one with `{_MAKE_TOKEN}`)")
+
+
 def refusal(server: str) -> str:
     """What a server that requires the token answers a peer without it (or with another)."""
     return (f"this {server} requires the cluster's shared token, the one given to the controller with "
             f"--token-file PATH or {TOKEN_ENV}; give this process the same one: --token-file PATH or "
             f"{TOKEN_ENV}, or pw.connect(address, token=...)")
+
+
+def attach_refusal() -> str:
+    """What the controller answers a worker's stream without its worker token."""
+    return (f"this controller admits workers only with its worker token, the one given to it with "
+            f"--worker-token-file PATH or {WORKER_TOKEN_ENV} (or, where it has none, the cluster's token); give "
+            f"this worker the same one")
 
 
 # ---- TLS ----------------------------------------------------------------------------------
@@ -269,21 +323,27 @@ def wrap_client(sock: socket.socket, security: Security, host: str, address: str
 
 # ---- the greeting of framed TCP connections -------------------------------------------------
 
-def hello(security: Security) -> bytes:
-    """The frame that opens a connection: its header carries the token ("" for none)."""
-    return frame(codec.pack({"t": "hello", "token": security.token or ""}))
+def hello(security: Security, ticket: tuple[int, bytes] | None = None) -> bytes:
+    """The frame that opens a connection: its header carries the token ("" for none) and,
+    on the data plane, the sending worker's id and its ticket for the receiver (``from``,
+    ``ticket``: see messages.data_ticket)."""
+    header: dict = {"t": "hello", "token": security.token or ""}
+    if ticket is not None:
+        header["from"], header["ticket"] = ticket
+    return frame(codec.pack(header))
 
 
 def is_hello(header: object) -> bool:
     return isinstance(header, dict) and header.get("t") == "hello"
 
 
-def refusal_of(security: Security, header: object, server: str) -> str | None:
+def refusal_of(security: Security, header: object, server: str, refused: str | None = None) -> str | None:
     """None if ``header`` (a connection's first frame, decoded) is a hello that admits it,
-    else the refusal to send back (the same whatever was wrong)."""
+    else the refusal to send back (``refused``, by default ``refusal(server)``: the same
+    whatever was wrong)."""
     if is_hello(header) and security.allows(header.get("token")):
         return None
-    return refusal(server)
+    return refused or refusal(server)
 
 
 def answer(refused: str | None) -> bytes:
@@ -291,14 +351,15 @@ def answer(refused: str | None) -> bytes:
     return frame(codec.pack({"t": "hello"} if refused is None else {"t": "refused", "error": refused}))
 
 
-def greet(sock: socket.socket, security: Security, address: str, timeout: float) -> None:
-    """Send the hello on a new connection to ``address`` and wait (up to ``timeout``
-    seconds) for its answer: AuthenticationError if refused, ConnectError if the server
-    closes the connection or answers something else."""
+def greet(sock: socket.socket, security: Security, address: str, timeout: float,
+          ticket: tuple[int, bytes] | None = None) -> None:
+    """Send the hello (with ``ticket``, if given) on a new connection to ``address`` and
+    wait (up to ``timeout`` seconds) for its answer: AuthenticationError if refused,
+    ConnectError if the server closes the connection or answers something else."""
     deadline = time.monotonic() + timeout
     sock.settimeout(timeout)
     try:
-        sock.sendall(hello(security))
+        sock.sendall(hello(security, ticket))
         head = bytearray(LENGTH.size)
         if recv_exactly(sock, memoryview(head), deadline):
             (n,) = LENGTH.unpack(head)

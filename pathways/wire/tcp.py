@@ -19,10 +19,12 @@ replies on the same connection with a frame of header ``{"t": "probe", "bytes": 
 payload. ``probe`` uses it to measure a link's latency and bandwidth on its own connection,
 so that it never shares a socket with array traffic.
 
-A connection opened with a ``Security`` (``connect``) first sends a hello frame carrying the
-cluster's token and waits for its answer (security.py); a listener that requires the token
-answers a connection's first frame with a refusal and closes it unless that frame is a
-hello with the token. With ``data_plane_tls`` both ends speak TLS.
+A connection opened with a ``Security`` or a ticket (``connect``) first sends a hello frame
+carrying the cluster's token and the ticket, and waits for its answer (security.py); a
+listener that requires the token (or, a worker's, a ticket: only a worker the controller
+admitted has one for it, see messages.data_ticket) answers a connection's first frame with
+a refusal and closes it unless that frame is a hello that passes. With ``data_plane_tls``
+both ends speak TLS.
 
 Nothing waits on a dead or frozen peer for longer than the timeout each side is given (a
 worker gives its heartbeat timeout): connecting, each piece of a send (a frozen receiver's
@@ -75,6 +77,9 @@ _ACCEPT_RETRY = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.
 
 # receive(header, pieces) stores one sender's part of an array; returns an error or None
 Receive = Callable[[dict, list], Optional[str]]
+# admit(hello) checks a connection's hello beyond the token (a worker's: its peer's ticket);
+# returns the refusal to answer, or None
+Admit = Callable[[dict], Optional[str]]
 
 
 class Budget:
@@ -110,13 +115,20 @@ class Budget:
 
 
 class _Refused(WireError):
-    """A connection that did not greet with the token: answered with a refusal, then closed."""
+    """A connection whose greeting was refused: answered with the refusal, then closed;
+    ``reason`` is what this listener logs."""
+
+    def __init__(self, refusal: str, reason: str) -> None:
+        super().__init__(refusal)
+        self.reason = reason
 
 
 class Listener:
     """Accepts peers' connections on a port of ``host`` (loopback unless told otherwise)
     and hands every frame to ``receive``. ``security``: the token a connection's first frame
-    must carry (security.py), and TLS if its ``data_plane_tls`` is set.
+    must carry (security.py), and TLS if its ``data_plane_tls`` is set; ``admit``: a check
+    of that hello beyond the token (a worker's listener requires its peer's ticket), which
+    makes the hello required even where no token is.
 
     Memory is bounded: a frame (its header and its pieces) may hold at most
     ``connection_bytes`` (by default a quarter of this host's memory), and all frames being
@@ -126,8 +138,10 @@ class Listener:
     keeps a peer that never finishes from stalling every other one."""
 
     def __init__(self, receive: Receive, timeout: float, host: str = "127.0.0.1", security: Security | None = None,
-                 budget_bytes: int | None = None, connection_bytes: int | None = None) -> None:
+                 budget_bytes: int | None = None, connection_bytes: int | None = None,
+                 admit: Admit | None = None) -> None:
         self._security = security or Security()
+        self._admit = admit
         sec.check_bind(host, self._security, "the worker's data listener")
         self._tls = sec.server_context(self._security) if self._security.data_plane_tls else None
         self._receive = receive
@@ -171,14 +185,14 @@ class Listener:
                 return
         with conn:
             reader = _Reader(conn, self._timeout)
-            greeted = self._security.token is None
+            greeted = self._security.token is None and self._admit is None
             while True:
                 try:
                     greeted = self._frame(reader, greeted)
                     if greeted is None:
                         return
                 except _Refused as e:
-                    log.warning("refused a data connection that did not give the cluster's token")
+                    log.warning("refused a data connection: %s", e.reason)
                     try:
                         conn.sendall(sec.answer(str(e)))
                     except OSError:
@@ -207,7 +221,7 @@ class Listener:
             return None
         (n,) = LENGTH.unpack(length)
         if not greeted and n > sec.HELLO_BYTES:
-            raise _Refused(sec.refusal("worker"))
+            raise _Refused(sec.refusal("worker"), f"its first frame ({n} bytes) is too long to be a hello")
         if n > _MAX_HEADER_BYTES:
             raise WireError(f"a data frame header of {n} bytes exceeds {_MAX_HEADER_BYTES}")
         held = 0
@@ -222,7 +236,10 @@ class Listener:
             if sec.is_hello(header) or not greeted:
                 refused = sec.refusal_of(self._security, header, "worker")
                 if refused is not None:
-                    raise _Refused(refused)
+                    raise _Refused(refused, "it did not give the cluster's token")
+                refused = self._admit(header) if self._admit is not None else None
+                if refused is not None:
+                    raise _Refused(refused, refused)
                 reader.conn.sendall(sec.answer(None))
                 return True
             if not isinstance(header, dict):
@@ -384,7 +401,8 @@ def keep_alive(sock: socket.socket, timeout: float) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
-def connect(address: str, timeout: float, security: Security | None = None, tls: bool | None = None) -> socket.socket:
+def connect(address: str, timeout: float, security: Security | None = None, tls: bool | None = None,
+            ticket: tuple[int, bytes] | None = None) -> socket.socket:
     """A connection to ``tcp://HOST:PORT``, opened within ``timeout`` seconds (OSError
     naming the address if not; ValueError for an address not of the form tcp://HOST:PORT),
     with Nagle's delay off (frames are sent whole, and a small one must not wait for the
@@ -392,8 +410,9 @@ def connect(address: str, timeout: float, security: Security | None = None, tls:
     keepalive on.
 
     With ``security``: over TLS if ``tls`` (by default its ``data_plane_tls``), then greeted
-    with its token (security.greet): AuthenticationError if the peer refuses it,
-    ConnectError if the handshake or the greeting fails."""
+    with its token and ``ticket`` (security.greet; a worker's listener requires a ticket):
+    AuthenticationError if the peer refuses it, ConnectError if the handshake or the
+    greeting fails."""
     host, port = split_host_port(address.removeprefix("tcp://"))
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
@@ -405,10 +424,11 @@ def connect(address: str, timeout: float, security: Security | None = None, tls:
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         keep_alive(sock, timeout)
-        if security is not None:
+        if security is not None or ticket is not None:
+            security = security or Security()
             if security.data_plane_tls if tls is None else tls:
                 sock = sec.wrap_client(sock, security, host, address)
-            sec.greet(sock, security, address, timeout)
+            sec.greet(sock, security, address, timeout, ticket)
     except BaseException:
         sock.close()
         raise
@@ -452,13 +472,19 @@ def _send_parts(sock: socket.socket, head: bytes, arrays: list[np.ndarray]) -> N
             send_all(sock, data.reshape(-1).view(np.uint8))
 
 
-class Links:
-    """Connections to peers' listeners, opened on first use (with ``security``: see
-    ``connect``) and reopened after a failure."""
+# what a sender shows the listener at an address: (its worker id, its ticket there)
+Tickets = Callable[[str], tuple[int, bytes]]
 
-    def __init__(self, timeout: float, security: Security | None = None) -> None:
+
+class Links:
+    """Connections to peers' listeners, opened on first use (with ``security`` and the
+    ticket ``tickets`` gives for the address: see ``connect``) and reopened after a
+    failure."""
+
+    def __init__(self, timeout: float, security: Security | None = None, tickets: Tickets | None = None) -> None:
         self._timeout = timeout
         self._security = security
+        self._tickets = tickets
         self._links: dict[str, tuple[socket.socket, threading.Lock]] = {}
         self._lock = threading.Lock()
 
@@ -480,7 +506,8 @@ class Links:
             link = self._links.get(address)
         if link is not None:
             return link
-        sock = connect(address, self._timeout, self._security)  # unlocked: an unreachable peer must not hold up sends to others
+        ticket = self._tickets(address) if self._tickets is not None else None
+        sock = connect(address, self._timeout, self._security, ticket=ticket)  # unlocked: an unreachable peer must not hold up sends to others
         with self._lock:
             link = self._links.get(address)
             if link is None:
@@ -507,16 +534,18 @@ def _probe_frame(nbytes: int) -> bytes:
 
 
 def probe(address: str, timeout: float, payload_bytes: int = 1 << 20, pings: int = 5,
-          rounds: int = 2, security: Security | None = None) -> tuple[float, float]:
+          rounds: int = 2, security: Security | None = None,
+          ticket: tuple[int, bytes] | None = None) -> tuple[float, float]:
     """Measure the link to the listener at ``address``: (latency in seconds, half the
     median round trip of ``pings`` empty probes; bandwidth in bytes per second, of the
     fastest of ``rounds`` transfers of ``payload_bytes``). Everything, connecting included,
     finishes within ``timeout`` seconds or raises OSError; a reply that is not a probe's
-    raises WireError; a refused greeting ConnectError (``security``: see ``connect``)."""
+    raises WireError; a refused greeting ConnectError (``security``, ``ticket``: see
+    ``connect``)."""
     if not 0 < payload_bytes <= MAX_PROBE_BYTES or pings < 1 or rounds < 1:
         raise ValueError(f"a probe needs 0 < payload_bytes <= {MAX_PROBE_BYTES}, pings >= 1 and rounds >= 1")
     deadline = time.monotonic() + timeout
-    with connect(address, timeout, security) as sock:
+    with connect(address, timeout, security, ticket=ticket) as sock:
 
         def exchange(nbytes: int, payload: bytes) -> float:
             left = deadline - time.monotonic()

@@ -45,7 +45,7 @@ from pathways.errors import AccessDeniedError, ConnectError, WireError
 from pathways.protocol.check import MAX_TEXT, Int, Str
 from pathways.protocol.errors import POISON_KINDS, REMOTE
 from pathways.protocol.handles import MAX_HANDLE, session_of
-from pathways.protocol.messages import (CREDENTIAL, Adopt, Adopted, Compile, Define, Delete, Done, DropSession,
+from pathways.protocol.messages import (CREDENTIAL, Adopt, Adopted, Compile, DataKey, Define, Delete, Done, DropSession,
                                         FetchRequest, Go, Heartbeat, Malformed, Measure, Message, Notice, Offload,
                                         Offloaded, Peers, Poisoned, Restore, RunProgram, Reset, SessionOpen,
                                         Shutdown, Step, Timeline, TimelineFetch, WorkerWelcome, WORKER_DOWN,
@@ -57,6 +57,7 @@ from pathways.wire.security import Security
 from pathways.worker.executables import Executables
 from pathways.worker.executor import Executor, shareable
 from pathways.worker.measure import Measurer
+from pathways.worker.peers import PeerTickets
 from pathways.worker.sessions import Sessions
 from pathways.worker.store import ObjectStore, OffloadedArray, Poison, failure
 
@@ -93,7 +94,8 @@ class WorkerCore:
                  unsafe_local_order: bool = False, on_shutdown: Callable[[], None] = lambda: None,
                  security: Security | None = None, peer_timeout: float | None = None,
                  on_heartbeat: Callable[[float], None] = lambda timeout: None,
-                 on_reset: Optional[Callable[[], None]] = None, suspend_dir: Optional[str] = None) -> None:
+                 on_reset: Optional[Callable[[], None]] = None, suspend_dir: Optional[str] = None,
+                 tickets: Optional[PeerTickets] = None) -> None:
         if not (math.isfinite(wait_timeout) and wait_timeout > 0):
             raise ValueError(f"wait_timeout must be a finite number of seconds above 0, got {wait_timeout!r}")
         self.up = up
@@ -102,9 +104,10 @@ class WorkerCore:
         self.sessions = Sessions()
         self.executables = Executables()
         self.peers: dict[int, str] = {}
-        # the data plane, greeted with the cluster's token
-        self.links = tcp.Links(wait_timeout if peer_timeout is None else peer_timeout, security)
-        self.measurer = Measurer(jax, up, security=security)
+        # the data plane, greeted with the cluster's token and this worker's ticket for each peer
+        self.tickets = tickets or PeerTickets()
+        self.links = tcp.Links(wait_timeout if peer_timeout is None else peer_timeout, security, self.tickets.ticket)
+        self.measurer = Measurer(jax, up, security=security, tickets=self.tickets.ticket)
         self.executor = Executor(self.store, self.executables, self, wait_timeout, sync_collectives,
                                  unsafe_local_order)
         self._on_shutdown = on_shutdown
@@ -214,8 +217,11 @@ class WorkerCore:
         elif kind is Adopt:
             self._adopt(msg)
         elif kind is Peers:
-            self.peers.update(msg.peers)
+            self.tickets.learn(msg)
+            self.peers.update((worker, address) for worker, address, _ in msg.peers)
             self._measure_new_peers(flops=False)
+        elif kind is DataKey:
+            self.tickets.learn(msg)
         elif kind is WorkerWelcome:
             self.executor.worker_id = msg.worker
             self.store.refuse_copies_below(msg.copies)
@@ -638,10 +644,11 @@ class WorkerCore:
     # ---- the rest -------------------------------------------------------------------------
 
     def stats(self) -> dict:
-        """Counts for the Stats RPC (and tests): arrays, per session, executables, programs."""
+        """Counts for the Stats RPC (and tests): arrays, per session, executables, programs,
+        and data-plane connections refused for want of a peer's ticket."""
         return {"worker": self.worker_id, "handles": len(self.store), "sessions": self.store.session_counts(),
                 "executables": len(self.executables), "compiled": self.executables.compiled(),
-                "programs": self.executor.programs}
+                "programs": self.executor.programs, "refused_peers": self.tickets.refused}
 
     def close(self) -> None:
         self.measurer.stop()

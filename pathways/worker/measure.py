@@ -56,9 +56,10 @@ class Measurer:
     message to ``report``."""
 
     def __init__(self, jax: Any, report: Callable[[Measured], None], probe_timeout: float = PROBE_TIMEOUT,
-                 security: Security | None = None) -> None:
+                 security: Security | None = None, tickets: tcp.Tickets | None = None) -> None:
         self._jax = jax
         self._security = security
+        self._tickets = tickets
         self._report = report
         self._probe_timeout = probe_timeout
         self._flops: float | None = None
@@ -85,7 +86,9 @@ class Measurer:
             links = []
             for peer, address in sorted(peers.items()):
                 try:
-                    latency, bandwidth = tcp.probe(address, self._probe_timeout, PROBE_BYTES, security=self._security)
+                    ticket = self._tickets(address) if self._tickets is not None else None
+                    latency, bandwidth = tcp.probe(address, self._probe_timeout, PROBE_BYTES, security=self._security,
+                                                   ticket=ticket)
                 except (OSError, ValueError, WireError, ConnectError) as e:  # ValueError: a malformed address
                     log.info("the link to worker %d at %s stays unmeasured: %s", peer, address, e)
                     links.append((peer, None, None))

@@ -9,9 +9,10 @@ for its own session's arrays (core.py). In the background the core measures its 
 its links to the other workers (measure.py).
 
 Given a ``Security`` (wire/security.py), the worker gives the cluster's token on every
-connection it opens (gRPC calls, the stream to the controller, the data plane) and requires
-it on every one it serves; with TLS, its gRPC server and data listener present its
-certificate and it verifies the controller's and its peers' with the CA.
+connection it opens (gRPC calls, the data plane; the worker token, where it has one, on
+its stream to the controller) and requires it on every one it serves; its data listener
+also requires a peer's ticket (peers.py). With TLS, its gRPC server and data listener
+present its certificate and it verifies the controller's and its peers' with the CA.
 
 Start-up runs in this order because ranks come from the controller: listen (gRPC, data
 plane, and for an island of several hosts a reserved coordinator port; all on the bind
@@ -50,8 +51,8 @@ import trio
 from pathways.defaults import CONTROLLER_STOPPED, HEARTBEAT_TIMEOUT
 from pathways.errors import AccessDeniedError, ConnectError, WireError
 from pathways.platforms import Devices
-from pathways.protocol.messages import (FETCH, MAX_MESSAGE_BYTES, TIMELINE, WORKER_DOWN, Heartbeat, Register,
-                                        Reset, Shutdown, WorkerWelcome)
+from pathways.protocol.messages import (FETCH, MAX_MESSAGE_BYTES, TIMELINE, WORKER_DOWN, DataKey, Heartbeat, Peers,
+                                        Register, Reset, Shutdown, WorkerWelcome)
 from pathways.wire import codec, frames, rpc, tcp
 from pathways.wire.addresses import PortReservation, join_host_port, split_host_port
 from pathways.wire.liveness import Heartbeats, check_timeout
@@ -59,6 +60,7 @@ from pathways.wire.security import Security, SecurityConfigError
 from pathways import keeper
 from pathways.worker import native_stdout
 from pathways.worker.island import IslandMembership, configure_jax, worker_hosts
+from pathways.worker.peers import PeerTickets
 
 if TYPE_CHECKING:  # imported when needed: the core takes JAX's devices, which exist after configure_jax
     from pathways.worker.core import WorkerCore
@@ -168,14 +170,16 @@ _NOT_READY = ("the worker is still joining its island (its other hosts have not 
 
 class Joining:
     """The controller's stream before the core exists: keeps every payload, in order, and
-    notes the welcome or the refusal among them, and the controller's heartbeat timeout
+    notes the welcome or the refusal among them, the controller's heartbeat timeout
     (``on_heartbeat``: joining may take minutes, and this worker must beat often enough for
-    it all along); ``hand_to`` gives what was kept to the core and sends later payloads
+    it all along), and this worker's data-plane key and tickets (``tickets``: peers measure
+    their links to a newcomer at once); ``hand_to`` gives what was kept to the core and sends later payloads
     straight to it. Called from the reader thread."""
 
     def __init__(self, on_welcome: Callable[[], None], on_shutdown: Callable[[], None],
-                 on_heartbeat: Callable[[float], None]) -> None:
+                 on_heartbeat: Callable[[float], None], tickets: PeerTickets) -> None:
         self._lock = threading.Lock()
+        self._tickets = tickets
         self._kept: list[bytes] = []
         self._core: Optional["WorkerCore"] = None
         self._on_welcome = on_welcome
@@ -212,6 +216,8 @@ class Joining:
                 self._on_shutdown()
             elif type(msg) is Heartbeat:
                 self._on_heartbeat(msg.timeout)
+            elif type(msg) is DataKey or type(msg) is Peers:
+                self._tickets.learn(msg)  # peers may connect (to measure the link) while this worker joins
 
     def hand_to(self, core: "WorkerCore") -> None:
         with self._lock:
@@ -336,14 +342,14 @@ def _wait_for_controller(controller: str, until: str, security: Security) -> Opt
 def _attach(channel: grpc.Channel, controller: str, timeout: float, security: Security) -> socket.socket:
     """Ask the controller at ``controller`` (grpc://HOST:PORT) which port workers attach
     to, and connect to that port of HOST (over TLS when the controller uses it, greeted
-    with the token), within ``timeout`` seconds each."""
+    with the worker token), within ``timeout`` seconds each."""
     ask = rpc.method(channel, rpc.CONTROLLER_SERVICE, "AttachAddress", "unary_unary")
     try:
         port = codec.unpack(ask(b"", timeout=timeout))["port"]
         if type(port) is not int or not 0 < port < 65536:
             raise ValueError(f"the controller named port {port!r}")
         host, _ = split_host_port(rpc.parse_address(controller))
-        sock = tcp.connect(f"tcp://{join_host_port(host, port)}", timeout, security, tls=security.uses_tls)
+        sock = tcp.connect(f"tcp://{join_host_port(host, port)}", timeout, security.for_attach(), tls=security.uses_tls)
     except grpc.RpcError as e:
         raise rpc.refusal(e, controller) or ConnectError(
             f"could not ask the controller at {controller} where to attach ({e.code().name}); check that it is "
@@ -386,7 +392,8 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
     end = setter(ended)
     settled = threading.Event()  # the stream's end is expected from now on (see _start_stream)
     beats = Heartbeats(heartbeat_timeout)
-    joining = Joining(setter(welcomed), end, beats.learn)
+    tickets = PeerTickets()
+    joining = Joining(setter(welcomed), end, beats.learn, tickets)
     service = WorkerService(wait=join_timeout)
 
     def receive_frame(header: dict, pieces: list) -> Optional[str]:
@@ -404,7 +411,8 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
         try:
             # Data-plane peers get the heartbeat timeout too: a frozen peer must not hold a send or
             # a half-received frame for longer than the controller takes to declare it lost.
-            listener = tcp.Listener(receive_frame, heartbeat_timeout, host=bind, security=security)
+            listener = tcp.Listener(receive_frame, heartbeat_timeout, host=bind, security=security,
+                                    admit=tickets.admit)
             server, port = rpc.make_server(rpc.WORKER_SERVICE, service.handlers(), host=bind, security=security)
             reservation = PortReservation(bind) if island.hosts > 1 else None
         except (ConnectError, OSError, SecurityConfigError) as e:
@@ -441,7 +449,7 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
                 return error
             core = await _start_core(devices, island, wait_timeout, unsafe_local_order, outbox, told_to("shutdown"),
                                      told_to("reset"), ended, security, heartbeat_timeout, beats.learn,
-                                     suspend_dir)
+                                     suspend_dir, tickets)
             if core is None:
                 return _stopped(joining, island)
             joining.hand_to(core)  # the welcome first: it says which peers' copies are stale
@@ -598,7 +606,8 @@ async def _join(island: IslandMembership, devices: Devices, bind: str, advertise
 async def _start_core(devices: Devices, island: IslandMembership, wait_timeout: float, unsafe_local_order: bool,
                       outbox: rpc.Outbox, on_shutdown: Callable[[], None], on_reset: Callable[[], None],
                       ended: trio.Event, security: Security, heartbeat_timeout: float,
-                      on_heartbeat: Callable[[float], None], suspend_dir: Optional[str]) -> Optional["WorkerCore"]:
+                      on_heartbeat: Callable[[float], None], suspend_dir: Optional[str],
+                      tickets: PeerTickets) -> Optional["WorkerCore"]:
     """The worker's core (JAX's devices exist now); None if the stream ended first."""
     from pathways.worker.core import WorkerCore
 
@@ -613,7 +622,7 @@ async def _start_core(devices: Devices, island: IslandMembership, wait_timeout: 
         made.append(await trio.to_thread.run_sync(
             lambda: WorkerCore(outbox.put, wait_timeout, sync, unsafe_local_order, on_shutdown, security,
                                peer_timeout=heartbeat_timeout, on_heartbeat=on_heartbeat, on_reset=on_reset,
-                               suspend_dir=suspend_dir),
+                               suspend_dir=suspend_dir, tickets=tickets),
             abandon_on_cancel=True))
         done.set()
 
