@@ -96,6 +96,8 @@ class LocalCluster:
     back-off (RESTART_FIRST_PAUSE, doubled for each restart of a process that ran less than
     RESTART_STABLE_SECONDS, at most RESTART_MAX_PAUSE), and its island heals; one that exits
     with code 0 was told to (``pathways retire``, or a controller stopped on purpose) and is not.
+    ``run_timeout``: seconds an island may have runs in flight and finish none before the
+    controller resets it (``pathways controller --run-timeout``); None: never.
     ``restart_controller``: so is the controller, on the same address; the workers attach to
     it again on their own (``pathways worker --reconnect-timeout``)."""
 
@@ -103,7 +105,8 @@ class LocalCluster:
                  window: int = DEFAULT_WINDOW, unsafe_local_order: bool = False,
                  security: Security | None = None, heartbeat_timeout: Optional[float] = None,
                  ifrt_port: Optional[int] = None, restart_workers: bool = False,
-                 restart_controller: bool = False, suspend_dir: Optional[str] = None) -> None:
+                 restart_controller: bool = False, suspend_dir: Optional[str] = None,
+                 run_timeout: Optional[float] = None) -> None:
         if not islands or any(i.hosts < 1 or i.devices_per_host < 1 for i in islands):
             raise ValueError("a local cluster needs at least one island of hosts >= 1 and devices_per_host >= 1")
         if policy not in ("fair", "fifo") or window < 1:
@@ -125,6 +128,8 @@ class LocalCluster:
                                                                                         "heartbeat_timeout")
         self.ifrt_port = ifrt_port
         self.suspend_dir = suspend_dir  # where the workers may write suspended sessions' files
+        # seconds an island may go without finishing a run in flight before it is reset; None: never
+        self.run_timeout = None if run_timeout is None else check_timeout(run_timeout, "run_timeout")
         self.restart_workers = restart_workers
         self.restart_controller = restart_controller
         self.restarts = 0  # processes the supervisor restarted
@@ -199,8 +204,9 @@ class LocalCluster:
                              else ["--heartbeat-timeout", repr(self.heartbeat_timeout)])
                     ifrt = ([] if self.ifrt_port is None
                             else ["--ifrt-bind", f"{rpc.LOOPBACK}:{self.ifrt_port}"])
+                    stuck = [] if self.run_timeout is None else ["--run-timeout", repr(self.run_timeout)]
                     controller_cmd = _python_cmd("controller", "--policy", self.policy, "--window", str(self.window),
-                                                 *sec.child_flags(self.security, data_plane=False), *beats)
+                                                 *sec.child_flags(self.security, data_plane=False), *beats, *stuck)
                     controller = await trio.lowlevel.open_process([*controller_cmd, *ifrt], stdout=subprocess.PIPE,
                                                                   env=env)
                     procs.append(controller)

@@ -23,6 +23,15 @@ def scheduling_flags(parser: argparse.ArgumentParser) -> None:
                              f"client alone may run further ahead); default {DEFAULT_WINDOW}")
 
 
+def run_timeout_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run-timeout", type=float, default=None, metavar="S",
+                        help="reset an island that has had runs in flight and finished none of them for S "
+                             "seconds (a host stuck in a computation or a collective): the run fails with "
+                             "DeadlineExceededError naming the hosts that had not finished it, they write their "
+                             "threads' stacks to their logs, and the island's hosts restart and serve again. "
+                             "Default: off (a stuck run waits for ever)")
+
+
 def island_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--islands", default=None,
                         help="comma-separated islands, each HOSTSxDEVICES or HOSTS (with --devices-per-host), "

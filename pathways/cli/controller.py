@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pathways.cli.common import scheduling_flags
+from pathways.cli.common import run_timeout_flag, scheduling_flags
 from pathways.defaults import HEARTBEAT_TIMEOUT
 from pathways.wire import security
 
@@ -31,6 +31,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT, metavar="S",
                         help="seconds a worker may send nothing (not even a heartbeat) before it is lost "
                              "and its island marked unhealthy")
+    run_timeout_flag(parser)
     return parser
 
 
@@ -39,5 +40,6 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from pathways.keeper import exit_with_parent
 
     exit_with_parent()
-    main(args.policy, args.window, args.bind, security.from_args(args), args.heartbeat_timeout, args.ifrt_bind)
+    main(args.policy, args.window, args.bind, security.from_args(args), args.heartbeat_timeout, args.ifrt_bind,
+         args.run_timeout)
     return 0

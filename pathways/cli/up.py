@@ -7,7 +7,7 @@ import signal
 import sys
 import time
 
-from pathways.cli.common import island_flags, islands, scheduling_flags
+from pathways.cli.common import island_flags, islands, run_timeout_flag, scheduling_flags
 from pathways.defaults import HEARTBEAT_TIMEOUT
 from pathways.wire import security
 
@@ -20,6 +20,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--heartbeat-timeout", type=float, default=None, metavar="S",
                         help=f"seconds of silence after which controller and workers give each other up "
                              f"(default {HEARTBEAT_TIMEOUT:g})")
+    run_timeout_flag(parser)
     parser.add_argument("--restart-workers", action="store_true",
                         help="start a worker that dies again (with a back-off): its island heals")
     parser.add_argument("--ifrt-port", type=int, default=None, metavar="PORT",
@@ -38,7 +39,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         cluster = LocalCluster(islands(parser, args), policy=args.policy, window=args.window,
                                security=security.from_args(args), heartbeat_timeout=args.heartbeat_timeout,
                                ifrt_port=args.ifrt_port, restart_workers=args.restart_workers,
-                               restart_controller=True, suspend_dir=args.suspend_dir)
+                               restart_controller=True, suspend_dir=args.suspend_dir, run_timeout=args.run_timeout)
     except ValueError as e:
         parser.error(str(e))
     cluster.start()

@@ -137,7 +137,8 @@ def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[S
                   start_timeout: float = 120.0, policy: str = "fair", window: int = DEFAULT_WINDOW,
                   unsafe_local_order: bool = False, security: Optional[Security] = None,
                   heartbeat_timeout: Optional[float] = None, ifrt: bool = False,
-                  restart_workers: bool = False, suspend_dir: Optional[str] = None) -> ConnectedCluster:
+                  restart_workers: bool = False, suspend_dir: Optional[str] = None,
+                  run_timeout: Optional[float] = None) -> ConnectedCluster:
     """A context manager running a controller and workers on this machine.
 
     One island of ``hosts`` worker processes with ``devices_per_host`` CPU devices each, or
@@ -169,10 +170,18 @@ def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[S
     ``suspend_dir``: the directory under which ``pw.suspend(path=...)`` may have the workers
     write a session's arrays (``path`` must lie under it); none by default, and a suspend
     then keeps them in the workers' host memory.
+
+    ``run_timeout``: seconds an island may have runs in flight and finish none of them
+    before it is reset (a host stuck in a computation or a collective): the run's results
+    raise ``DeadlineExceededError`` naming the hosts that had not finished it, those hosts
+    write their threads' stacks to their logs, everything else on the island raises
+    ``WorkerLostError``, and the island's hosts restart and serve again. None (default):
+    a stuck run waits for ever.
     """
     return ConnectedCluster(list(islands) if islands else [Island(hosts, devices_per_host)], start_timeout,
                             policy, window, unsafe_local_order, security, heartbeat_timeout,
-                            ifrt_port=0 if ifrt else None, restart_workers=restart_workers, suspend_dir=suspend_dir)
+                            ifrt_port=0 if ifrt else None, restart_workers=restart_workers, suspend_dir=suspend_dir,
+                            run_timeout=run_timeout)
 
 
 def trace(path: str) -> RecordingBlock:

@@ -20,6 +20,7 @@ import itertools
 import logging
 import os
 import secrets
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Union
 
@@ -37,7 +38,7 @@ from pathways.controller.transfers import plan
 from pathways.errors import AccessDeniedError, PathwaysError, PlacementError, SuspendedError, WireError, WorkerLostError
 from pathways.ir import Layout, ProgramGraph
 from pathways.protocol import messages as m
-from pathways.protocol.errors import DENIED, LOST, REMOTE, SUSPENDED as SUSPENDED_KIND, kind_of
+from pathways.protocol.errors import DENIED, LOST, REMOTE, STUCK, SUSPENDED as SUSPENDED_KIND, kind_of
 from pathways.protocol.handles import first_handle, fits, session_of
 from pathways.timeline import RECORDER, now
 
@@ -80,12 +81,17 @@ class Retirement:
 
 
 class ControllerCore:
-    def __init__(self, policy: str = "fair", window: int = DEFAULT_WINDOW) -> None:
+    """``run_timeout``: seconds an island with runs in flight may go without finishing one
+    before ``check_stuck_runs`` resets it (None: never); ``clock`` times it."""
+
+    def __init__(self, policy: str = "fair", window: int = DEFAULT_WINDOW, run_timeout: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.islands = Islands()  # the one owner of island health
         self.rm = ResourceManager(self.islands)
         self.scheduler = Scheduler(policy, window)
         self.membership = Membership(self.rm)
-        self.dispatcher = Dispatcher(self.scheduler, self.membership)
+        self.dispatcher = Dispatcher(self.scheduler, self.membership, clock)
+        self.run_timeout = run_timeout
         self.sessions: dict[int, SessionState] = {}
         self._next_copy = first_handle(0) + 1  # transfer copies are the controller's handles
         self._draining: set[int] = set()  # sessions suspending that wait for their runs to finish
@@ -185,11 +191,48 @@ class ControllerCore:
         self._after_loss(lost, message)
         self._forget_old_losses()
 
-    def _cut(self, lost: set[int], message: str) -> None:
+    def check_stuck_runs(self) -> None:
+        """Reset every island that has had runs in flight and finished none of them for
+        longer than the run timeout (the shell calls this every so often): its oldest run
+        fails with DeadlineExceededError naming the hosts that had not finished it."""
+        if self.run_timeout is None:
+            return
+        while (stuck := next(self.dispatcher.stalled(self.run_timeout), None)) is not None:
+            self._reset_stuck(*stuck)
+
+    def _reset_stuck(self, island: int, run: ScheduledRun) -> None:
+        """Island ``island`` stalled on ``run``: the run fails with DeadlineExceededError,
+        and the island is reset as if it had lost a host (everything on it fails with
+        WorkerLostError), its hosts told to restart (those that had not finished the run
+        first write their threads' stacks to their logs) and join it again."""
+        name = self.islands.by_id[island].describe()
+        waiting = run.payload.waiting
+        behind = [w for w in sorted(waiting) if w in self.workers]
+        hosts = ", ".join(self.workers[w].describe() for w in behind) or "no host it was sent to"
+        why = (f"run {run.id} did not finish within the run timeout of {self.run_timeout:g} s: {hosts} had not "
+               "finished it (stuck in a computation, or in a collective waiting for a host that is; the threads' "
+               "stacks of each are in its log)")
+        log.warning("island %s is stuck and is reset: %s", name, why)
+        workers = self.membership.lose_island(island, f"it was reset: {why}")
+        message = (f"island {name} was reset because {why}; arrays and computations on it are gone. Its hosts "
+                   "restart and join it again, and its slices and compiled functions then work again")
+        self._cut(workers, message, {run.id: (STUCK, f"{why}. Island {name} was reset: its hosts restart, and "
+                                                      "its slices work again once they have joined it")})
+        for w in workers:
+            conn = self.membership.remove(w)
+            if conn is not None:
+                conn.outbox.put(m.Reset(message, stacks=w in waiting))
+        self._after_loss(workers, message)
+        self._forget_old_losses()
+
+    def _cut(self, lost: set[int], message: str, failures: dict[int, tuple[str, str]] | None = None) -> None:
         """Workers ``lost`` go away: every run, array and compile that involves them fails
-        with WorkerLostError saying ``message``; copies they were sending to other workers
-        reach them poisoned."""
+        with WorkerLostError saying ``message`` (a run in ``failures``, by id: with that
+        kind and message instead); copies they were sending to other workers reach them
+        poisoned."""
+        failures = failures or {}
         queued, flying = self.scheduler.cancel(lambda r: bool(r.payload.lowered.workers & lost))
+        self.dispatcher.progressed(flying)
         for run in flying:
             self.dispatcher.release_all(run, lost)
             # each copy once per receiver, however many of its senders were lost
@@ -201,11 +244,12 @@ class ControllerCore:
             for receiver, copies in stranded.items():
                 self.workers[receiver].outbox.put(m.Poisoned(tuple(copies), LOST, message))
         for run in (*queued, *flying):
-            self._poison(run.session, (h for d in run.payload.parts for h in d.outputs.values()), LOST, message)
+            self._poison(run.session, (h for d in run.payload.parts for h in d.outputs.values()),
+                         *failures.get(run.id, (LOST, message)))
         for run in queued:
             self._reads_done(run)
-        for sid, s in self.sessions.items():
-            self._poison(sid, s.handles.on_workers(lost), LOST, message)
+        for sid, s in self.sessions.items():  # each array that failed already keeps its first cause
+            self._poison(sid, (h for h in s.handles.on_workers(lost) if h not in s.handles.poisoned), LOST, message)
             for fn in [fn for fn, c in s.programs.compiling.items() if set(c.workers) & lost]:
                 del s.programs.compiling[fn]
                 s.programs.failed[fn] = message

@@ -14,12 +14,17 @@ together, one window slot and one payload per worker, each still its own ``RunPr
 (carrying the group's id) in the session's order. Every worker reports each of them done.
 A group is bounded in runs and in expected device time, so that fair share between
 sessions keeps its granularity.
+
+Each island's progress is timed (the one clock here, injected): an island with runs in
+flight that has finished none for longer than the run timeout is stuck (``stalled``), and
+the core resets it.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 from pathways.controller.lowering import Lowered
 from pathways.controller.membership import Membership, WorkerConn
@@ -83,15 +88,42 @@ def coalesce(scheduler: Scheduler, tail: ScheduledRun | None, d: Dispatch) -> bo
 
 
 class Dispatcher:
-    def __init__(self, scheduler: Scheduler, membership: Membership) -> None:
+    """Sends released runs to their workers and takes their reports. ``clock`` (seconds,
+    monotonic) times each island's progress: when a run was last finished or abandoned
+    there, or dispatched to it while it had nothing in flight (``stalled``)."""
+
+    def __init__(self, scheduler: Scheduler, membership: Membership,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.scheduler = scheduler
         self.membership = membership
+        self._clock = clock
+        self._progress: dict[int, float] = {}  # island -> when it last made progress
+
+    def progressed(self, runs: Iterable[ScheduledRun]) -> None:
+        """``runs`` finished or were abandoned: their islands made progress."""
+        now = self._clock()
+        for run in runs:
+            for island in run.islands:
+                self._progress[island] = now
+
+    def stalled(self, timeout: float) -> Iterator[tuple[int, ScheduledRun]]:
+        """(island, its oldest run in flight) for each island with runs in flight that has
+        made no progress for more than ``timeout`` seconds."""
+        now = self._clock()
+        for island, since in list(self._progress.items()):
+            if now - since > timeout and self.scheduler.inflight(island):
+                run = self.scheduler.oldest_in_flight(island)
+                if run is not None:
+                    yield island, run
 
     def release(self) -> Iterator[ScheduledRun]:
         """Send whatever the scheduler releases, in its order, to every worker involved;
         yields each run sent."""
         workers = self.membership.workers
         for run in self.scheduler.dispatchable():
+            for island in run.islands:
+                if self.scheduler.inflight(island) == 1:  # the island was idle: its clock starts now
+                    self._progress[island] = self._clock()
             d: Dispatch = run.payload
             parts = d.parts
             d.waiting = dict.fromkeys(d.lowered.workers, len(parts))
@@ -131,6 +163,7 @@ class Dispatcher:
             d.seconds += seconds
             if not d.waiting:
                 self.scheduler.finish(run.id, d.seconds)
+                self.progressed((run,))
             if part.traced:
                 RECORDER.span("done", began, part.base, f"worker {conn.worker} reported it done")
 

@@ -158,6 +158,11 @@ class Scheduler:
         """The dispatched, unfinished run ``run_id``, if any."""
         return self._inflight.get(run_id)
 
+    def oldest_in_flight(self, island: int) -> ScheduledRun | None:
+        """The first dispatched of the unfinished runs on ``island``: the one its workers
+        execute first, since they follow the order of dispatch."""
+        return next((r for r in self._inflight.values() if island in r.islands), None)
+
     def finish(self, run_id: int, device_seconds: float | None) -> ScheduledRun | None:
         """A run completed on all its workers (``device_seconds`` None: it was abandoned)."""
         run = self._inflight.pop(run_id, None)

@@ -122,12 +122,20 @@ class _Keepalive:
             self._timer = None
 
 
+_STUCK_CHECKS = 10  # how often, per run timeout, the controller looks for stuck islands
+
+
 class ControllerServer:
+    """``run_timeout``: seconds an island may have runs in flight and finish none before it
+    is reset (ControllerCore.check_stuck_runs, asked every ``_STUCK_CHECKS``-th of it);
+    None: never."""
+
     def __init__(self, policy: str, window: int, security: Security | None = None,
-                 heartbeat_timeout: float = HEARTBEAT_TIMEOUT) -> None:
+                 heartbeat_timeout: float = HEARTBEAT_TIMEOUT, run_timeout: float | None = None) -> None:
         self.security = security or Security()
         self._attach_security = self.security.for_attach()  # what workers' streams must greet with
-        self.core = ControllerCore(policy, window)
+        self.core = ControllerCore(policy, window, run_timeout)
+        self._stuck_checks: Optional[asyncio.Task] = None
         self.heartbeat_timeout = check_timeout(heartbeat_timeout)
         self._session_ids = itertools.count(1)
         self._streams: set[asyncio.Task] = set()
@@ -185,13 +193,22 @@ class ControllerServer:
         self._attach_server = await asyncio.start_server(self.attach, strip_brackets(host) or None, 0,
                                                          family=family_of(host), **tls)
         self.worker_port = self._attach_server.sockets[0].getsockname()[1]
+        if self.core.run_timeout is not None:
+            self._stuck_checks = asyncio.create_task(self._check_stuck_runs(self.core.run_timeout / _STUCK_CHECKS))
         self.worker_address = f"tcp://{join_host_port(advertise or host, self.worker_port)}"
         return self.worker_address
+
+    async def _check_stuck_runs(self, every: float) -> None:
+        while True:
+            await asyncio.sleep(every)
+            self.core.check_stuck_runs()
 
     async def stop(self, server: grpc.aio.Server) -> None:
         """Stop accepting workers, end every stream (a worker's connection closes after
         what was queued for it), then the gRPC server."""
         self._stopping = True
+        if self._stuck_checks is not None:
+            self._stuck_checks.cancel()
         if self._attach_server is not None:
             self._attach_server.close()
         stopped = m.Shutdown(CONTROLLER_STOPPED)  # workers exit, rather than wait for it to come back
@@ -377,16 +394,19 @@ def _header(payload: bytes) -> object:
 
 def main(policy: str = "fair", window: int = DEFAULT_WINDOW, bind: str = f"{rpc.LOOPBACK}:0",
          security: Security | None = None, heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
-         ifrt_bind: str | None = None) -> None:
+         ifrt_bind: str | None = None, run_timeout: float | None = None) -> None:
     """Serve on ``bind`` (``HOST:PORT``) until SIGINT or SIGTERM; a bind that fails exits
     with a message that says why. ``ifrt_bind`` (``HOST:PORT``): also serve the IFRT proxy
-    protocol there (pathways.ifrt.server), in this process, stopped with it."""
+    protocol there (pathways.ifrt.server), in this process, stopped with it.
+    ``run_timeout``: see ControllerServer."""
     try:
         host, port = split_host_port(bind)
     except ValueError as e:
         raise SystemExit(f"error: --bind {e}") from None
     try:
         check_timeout(heartbeat_timeout)
+        if run_timeout is not None:
+            check_timeout(run_timeout, "--run-timeout")
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     if ifrt_bind is not None:
@@ -402,12 +422,12 @@ def main(policy: str = "fair", window: int = DEFAULT_WINDOW, bind: str = f"{rpc.
         if security is not None and security.serves_tls and not security.uses_tls:
             raise SystemExit("error: --ifrt-bind with --tls-cert needs --tls-ca too: the IFRT proxy server's "
                              "sessions connect to this controller and its workers over TLS and verify them with it")
-    asyncio.run(_serve(policy, window, host, port, security, heartbeat_timeout, ifrt_bind))
+    asyncio.run(_serve(policy, window, host, port, security, heartbeat_timeout, ifrt_bind, run_timeout))
 
 
 async def _serve(policy: str, window: int, host: str, port: int, security: Security | None,
-                 heartbeat_timeout: float, ifrt_bind: str | None) -> None:
-    controller = ControllerServer(policy, window, security, heartbeat_timeout)
+                 heartbeat_timeout: float, ifrt_bind: str | None, run_timeout: float | None) -> None:
+    controller = ControllerServer(policy, window, security, heartbeat_timeout, run_timeout)
     advertise = reachable_host(host)
     try:
         await controller.listen(host, advertise)  # before the gRPC server: AttachAddress must know it

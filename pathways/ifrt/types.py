@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from pathways.errors import WorkerLostError
+from pathways.errors import DeadlineExceededError, WorkerLostError
 from pathways.ifrt.proto.xla import xla_data_pb2
 from pathways.ifrt.proto.xla.python.ifrt import dtype_pb2, serdes_pb2, sharding_pb2, sharding_serdes_pb2, shape_pb2
 from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2
@@ -59,8 +59,10 @@ def invalid(message: str) -> IfrtError:
 def runtime_failure(e: Exception, what: str = "") -> IfrtError:
     """The IfrtError for the error ``e`` of a request: DATA_LOSS where a host was lost with
     what it held (JAX tooling, pathwaysutils' elastic manager among it, takes DATA_LOSS for
-    a slice that went down), INTERNAL otherwise."""
-    code = DATA_LOSS if isinstance(e, WorkerLostError) else INTERNAL
+    a slice that went down), DEADLINE_EXCEEDED where a run outlasted the run timeout and
+    its island was reset, INTERNAL otherwise."""
+    code = (DATA_LOSS if isinstance(e, WorkerLostError) else
+            DEADLINE_EXCEEDED if isinstance(e, DeadlineExceededError) else INTERNAL)
     return IfrtError(code, f"{what}{type(e).__name__}: {e}")
 
 

@@ -18,9 +18,12 @@ KINDS: dict[str, type[errors.PathwaysError]] = {cls.__name__: cls for cls in (
     errors.ControllerLostError, errors.SuspendedError,
 )}
 # what a poisoned handle may report: a failed computation, a lost host, a run refused
-# because it named another session's array, or one submitted while its session was suspended
-POISON_KINDS = frozenset({"RemoteError", "WorkerLostError", "AccessDeniedError", "SuspendedError"})
-REMOTE, LOST, DENIED, SUSPENDED = "RemoteError", "WorkerLostError", "AccessDeniedError", "SuspendedError"
+# because it named another session's array, one submitted while its session was suspended,
+# or one that outlasted the controller's run timeout
+POISON_KINDS = frozenset({"RemoteError", "WorkerLostError", "AccessDeniedError", "SuspendedError",
+                          "DeadlineExceededError"})
+REMOTE, LOST, DENIED, SUSPENDED, STUCK = ("RemoteError", "WorkerLostError", "AccessDeniedError", "SuspendedError",
+                                          "DeadlineExceededError")
 
 
 def kind_of(error: BaseException) -> str:

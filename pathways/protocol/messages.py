@@ -765,10 +765,13 @@ class Shutdown(Message):
 
 @message("reset")
 class Reset(Message):
-    """The worker's island lost a host: restart in place (same command line) and join the
-    island again, in a fresh jax.distributed group with the hosts that replace the lost one."""
+    """The worker's island lost a host, or was stuck past the run timeout: restart in place
+    (same command line) and join the island again, in a fresh jax.distributed group with
+    the hosts that replace the lost one. ``stacks``: first write every thread's stack to
+    the log (this host had not finished the stuck run)."""
 
     reason: str = wire(TEXT)
+    stacks: bool = wire(Bool(), False)
 
 
 @message("go")

@@ -26,11 +26,13 @@ whatever its types.
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import logging
 import math
 import os
 import shutil
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -234,6 +236,11 @@ class WorkerCore:
             self._on_shutdown()
         elif kind is Reset:
             log.warning("this worker restarts to join its island again: %s", msg.reason)
+            if msg.stacks:  # it had not finished a run its island was stuck on: say where each thread was,
+                # whatever the log level (the stacks are written whatever it is)
+                print(f"pathways worker: the stacks of this worker's threads (pid {os.getpid()}) as its island "
+                      "was reset for a stuck run:", file=sys.stderr, flush=True)
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             self._on_reset()
         elif kind is Heartbeat:
             self._on_heartbeat(msg.timeout)
