@@ -7,6 +7,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import time
 
 import grpc
 import jax
@@ -16,11 +17,13 @@ import pytest
 
 import pathways as pw
 from pathways.cluster import status
+from pathways.errors import WireError
 from pathways.protocol import messages as m
 from pathways.protocol.handles import first_handle
 from pathways.wire import codec, rpc
 from tests.conftest import check_a_transfer_between_the_hosts, pids_alive, read_line, session_handles, wait_until
 from tests.rawworker import RawWorker
+from tests.test_dataplane_bounds import rss_bytes
 
 
 def new_slice(n, **kw):
@@ -123,6 +126,51 @@ def _raw(outbox):
 
 def next_messages(replies):
     return m.SESSION_DOWN.decode_batch(next(replies))
+
+
+def test_a_client_that_does_not_read_its_replies_holds_no_more_of_the_controllers_memory(cluster):
+    """The unread-replies probe: 200,000 requests whose every one is answered (refused
+    deletes), sent without reading a reply. The controller stops reading the stream while
+    its replies wait (a backlog of at most rpc.MAX_QUEUED_MESSAGES, about 5 MB here, where
+    it grew 58 MB and, at 300,000, failed the stream with an oversized payload); it serves
+    other clients meanwhile, and every reply arrives once the client reads."""
+    controller = cluster.pids[0]
+    before = rss_bytes(controller)
+    channel, outbox, replies = raw_session(cluster.address)
+    requests = 200_000
+    try:
+        outbox.put(m.encode_batch([m.Hello(m.PROTOCOL_VERSION, 1.0)]))
+        for _ in range(requests // 1000):
+            outbox.put(m.encode_batch([m.Delete((7,))] * 1000))  # the controller's handle: refused each time
+        time.sleep(2.0)  # about as long as the controller takes to go through them all, had it not stopped reading
+        assert rss_bytes(controller) - before < 30 << 20
+        started = time.monotonic()
+        status(cluster.address)
+        assert time.monotonic() - started < 2.0, "other clients are served meanwhile"
+        refused = 0
+        for payload in replies:
+            refused += sum(type(x) is m.Error for x in m.SESSION_DOWN.decode_batch(payload))
+            if refused >= requests:
+                break
+        assert refused == requests, "every request was answered once the client read"
+    finally:
+        outbox.put(None)
+        channel.close()
+
+
+def test_a_backlog_larger_than_one_payload_goes_out_in_several():
+    batch = [m.Error(i, "RemoteError", "x" * 1000) for i in range(1, 3001)]
+    limit = len(m.encode_batch(batch)) // 5
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rpc, "MAX_MESSAGE_BYTES", limit)
+        payloads = list(rpc.payloads(batch))
+    assert len(payloads) > 5 and all(len(p) <= limit for p in payloads)
+    assert [x.req for p in payloads for x in m.SESSION_DOWN.decode_batch(p)] == list(range(1, 3001)), "all, in order"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rpc, "MAX_BATCH_MESSAGES", 1000)
+        assert [len(m.SESSION_DOWN.decode_batch(p)) for p in rpc.payloads(batch[:2500])] == [1000, 1000, 500]
+    with pytest.raises(WireError, match="exceeds the 65536"):
+        m.SESSION_DOWN.decode_batch(codec.pack([["cluster", 1]] * (m.MAX_BATCH_MESSAGES + 1)))
 
 
 def test_malformed_session_messages_get_error_replies(cluster, session):

@@ -145,17 +145,22 @@ class ControllerServer:
         self.worker_port = 0
 
     async def _stream(self, read: Read, send: Callable[[bytes], Awaitable[None]], outbox: rpc.LoopOutbox,
-                      on_payload: Callable[[bytes], None], on_end: Callable[[], None]) -> None:
+                      on_payload: Callable[[bytes], None], on_end: Callable[[], None],
+                      backpressure: bool = False) -> None:
         """Feed a stream's payloads (from ``read``) to ``on_payload`` while a writer task
         sends its outbox with ``send``. ``on_end`` is called exactly once, whether the peer
         finished sending or the stream was cancelled (the peer vanished), unless the
-        controller is stopping."""
+        controller is stopping. With ``backpressure`` (a client's session), the next payload
+        is read only once the outbox has room (rpc.MAX_QUEUED_MESSAGES): a client that does
+        not read its replies is not served further, and costs no more memory."""
         task = asyncio.current_task()
         self._streams.add(task)
         writer = asyncio.create_task(outbox.write_to(send))
         try:
             while (payload := await read()) is not None:
                 _guarded(on_payload, payload)
+                if backpressure:
+                    await outbox.room()
         except asyncio.CancelledError:
             if not self._stopping:
                 writer.cancel()
@@ -236,7 +241,7 @@ class ControllerServer:
             return None if payload is grpc.aio.EOF else payload
 
         await self._stream(read, context.write, outbox, lambda p: self.core.on_session_batch(sid, p),
-                           lambda: self.core.session_closed(sid))
+                           lambda: self.core.session_closed(sid), backpressure=True)
 
     async def attach(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One worker's stream: a TCP connection of frames (wire/frames.py). A broken frame

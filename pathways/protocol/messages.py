@@ -206,6 +206,8 @@ class Table:
         batch = unpack(payload)
         if type(batch) is not list:
             raise WireError(f"a payload must be a list of messages, got {type(batch).__name__}")
+        if len(batch) > MAX_BATCH_MESSAGES:
+            raise WireError(f"a payload of {len(batch)} messages exceeds the {MAX_BATCH_MESSAGES} one may carry")
         out: list[Union[Message, Malformed]] = []
         for raw in batch:
             try:
@@ -229,6 +231,11 @@ def _tag_and_req(raw: Any, table: Table) -> tuple[str, int | None]:
         if type(req) is int and REQ.lo <= req <= REQ.hi:
             return cls.TAG, req
     return (cls.TAG if cls else "?"), None
+
+
+# Messages one payload may carry: what one read of a stream can make a server do (and reply),
+# before it looks again at whether its peer reads the replies (wire/rpc.py).
+MAX_BATCH_MESSAGES = 1 << 16
 
 
 def encode_batch(messages: list[Message]) -> bytes:

@@ -26,7 +26,7 @@ from typing import Awaitable, Callable, Iterator, Optional
 import grpc
 
 from pathways.errors import AuthenticationError, ConnectError
-from pathways.protocol.messages import MAX_MESSAGE_BYTES, Message, encode_batch
+from pathways.protocol.messages import MAX_BATCH_MESSAGES, MAX_MESSAGE_BYTES, Message, encode_batch
 from pathways.wire import security as sec
 from pathways.wire.addresses import join_host_port, split_host_port, unreachable
 from pathways.wire.security import Security
@@ -359,6 +359,26 @@ def method(channel: grpc.Channel, service: str, name: str, kind: str) -> Callabl
     return getattr(channel, kind)(path, request_serializer=None, response_deserializer=None)
 
 
+def payloads(batch: list[Message]) -> Iterator[bytes]:
+    """``batch`` encoded as payloads of at most MAX_MESSAGE_BYTES and MAX_BATCH_MESSAGES
+    messages (one, unless halving is needed to stay within them): what queued up while a
+    peer was slow to read may be more than one payload may carry. A single message larger
+    than that goes alone, for its receiver to refuse."""
+    if not batch:
+        return
+    if len(batch) > MAX_BATCH_MESSAGES:
+        yield from payloads(batch[:MAX_BATCH_MESSAGES])
+        yield from payloads(batch[MAX_BATCH_MESSAGES:])
+        return
+    payload = encode_batch(batch)
+    if len(payload) <= MAX_MESSAGE_BYTES or len(batch) == 1:
+        yield payload
+        return
+    half = len(batch) // 2
+    yield from payloads(batch[:half])
+    yield from payloads(batch[half:])
+
+
 class Outbox:
     """A thread-safe queue of messages drained as batches by a gRPC stream generator.
 
@@ -397,8 +417,13 @@ class Outbox:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     break
-            if batch:
-                yield encode_batch(batch)
+            yield from payloads(batch)
+
+
+# Messages a stream's outbox may hold, not yet handed to its writer, before the stream stops
+# reading its peer's requests (``LoopOutbox.room``): a peer that sends without reading its
+# replies gets no more served until it does, instead of growing the server's memory.
+MAX_QUEUED_MESSAGES = 10_000
 
 
 class LoopOutbox:
@@ -406,14 +431,27 @@ class LoopOutbox:
 
     ``put`` appends and wakes the stream's writer, which sends whatever has queued by the
     time it runs as one payload: everything one inbound batch caused goes out together.
+    While a payload waits for the peer to take it (flow control), later messages queue
+    here; ``room`` is how the stream's reader waits for them to drain.
     """
 
-    __slots__ = ("_messages", "_wake", "_closed")
+    __slots__ = ("_messages", "_wake", "_closed", "_room")
 
     def __init__(self) -> None:
         self._messages: list[dict] = []
         self._wake: Optional[asyncio.Future] = None
         self._closed = False
+        self._room: Optional[asyncio.Future] = None
+
+    async def room(self) -> None:
+        """Return once fewer than MAX_QUEUED_MESSAGES messages wait here (or it closed)."""
+        while len(self._messages) >= MAX_QUEUED_MESSAGES and not self._closed:
+            self._room = asyncio.get_running_loop().create_future()
+            await self._room
+
+    def _free(self) -> None:
+        if self._room is not None and not self._room.done():
+            self._room.set_result(None)
 
     def put(self, message: dict) -> None:
         if self._closed:  # the stream is ending: nobody will send it
@@ -427,6 +465,7 @@ class LoopOutbox:
         self._closed = True
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
+        self._free()
 
     async def write_to(self, send: Callable[[bytes], Awaitable[None]]) -> None:
         """Send batches with ``send`` (a gRPC call's ``write``, or a framed socket's) until
@@ -441,8 +480,12 @@ class LoopOutbox:
                 await self._wake
                 continue
             batch, self._messages = self._messages, []
-            payload = encode_batch(batch)
+            self._free()
             try:
-                await send(payload)
+                for payload in payloads(batch):
+                    await send(payload)
             except Exception:  # the stream ended under it (peer gone, server stopping): nothing more goes out
+                self._closed = True
+                self._messages.clear()
+                self._free()  # a reader waiting for room goes on, to find the stream's end
                 return
