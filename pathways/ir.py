@@ -140,6 +140,18 @@ class Node:
 
 ValueType = tuple[str, tuple[int, ...]]  # (dtype name, shape)
 DISPATCH_MODES = ("parallel", "sequential")  # how a program's nodes reach their workers
+# The most nodes (compiled-function calls) one program may have: the controller lowers a
+# program in one go, a few microseconds per node, and must stay well within the heartbeat
+# timeout meanwhile (a million nodes held it past 10 s, and its workers gave it up).
+MAX_PROGRAM_NODES = 1 << 16
+
+
+def too_many_nodes(nodes: int) -> str:
+    """Why a program of ``nodes`` nodes is refused, or "" if it is not."""
+    if nodes <= MAX_PROGRAM_NODES:
+        return ""
+    return (f"a program of {nodes} nodes has more than the {MAX_PROGRAM_NODES} one may have: split it into "
+            "several programs, or move a loop into a compiled function (jax.lax.fori_loop, jax.lax.scan)")
 
 
 @dataclass(frozen=True)
@@ -176,6 +188,8 @@ class ProgramGraph:
         raw_nodes = raw.get("nodes")
         if not isinstance(raw_nodes, list) or not raw_nodes:
             raise WireError("program graph nodes must be a non-empty list")
+        if too_many_nodes(len(raw_nodes)):
+            raise WireError(too_many_nodes(len(raw_nodes)))
         nodes = []
         for rn in raw_nodes:
             if not isinstance(rn, list) or len(rn) != 3 or not isinstance(rn[0], int):

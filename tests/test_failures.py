@@ -7,6 +7,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import grpc
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 import pathways as pw
+from pathways import cluster as clusters
 from pathways.cluster import status
 from pathways.errors import WireError
 from pathways.protocol import messages as m
@@ -23,6 +25,7 @@ from pathways.protocol.handles import first_handle
 from pathways.wire import codec, rpc
 from tests.conftest import check_a_transfer_between_the_hosts, pids_alive, read_line, session_handles, wait_until
 from tests.rawworker import RawWorker
+from pathways.worker.sessions import WAITING_FETCHES_PER_SESSION
 from tests.test_dataplane_bounds import rss_bytes
 
 
@@ -156,6 +159,79 @@ def test_a_client_that_does_not_read_its_replies_holds_no_more_of_the_controller
     finally:
         outbox.put(None)
         channel.close()
+
+
+def test_fetches_that_wait_for_ever_hold_a_few_of_a_workers_threads_and_others_are_served(cluster, session):
+    """The long-wait probe: 20 fetches that would wait an hour for arrays that will never
+    exist, from one session. Only WAITING_FETCHES_PER_SESSION of them wait (the rest are
+    answered "pending" at once), so the worker's other callers are served meanwhile, and a
+    client whose fetch finds the waits taken asks again after a pause, not at once."""
+    worker = next(w["address"] for w in status(cluster.address)["workers"] if w["rank"] == 0)
+    stubs = session._stubs(worker)
+    forever = [m.pack(m.FetchRequest(first_handle(session.id) + (1 << 30) + i, m.MAX_WAIT_SECONDS, True,
+                                     stubs.credential).encode()) for i in range(20)]
+    calls = [stubs.fetch(request, timeout=m.MAX_WAIT_SECONDS + 30) for request in forever]
+    answered = []
+
+    def read(call):
+        try:
+            answered.append(codec.unpack(next(call)))
+        except grpc.RpcError:
+            pass
+
+    readers = [threading.Thread(target=read, args=(c,), daemon=True) for c in calls]
+    try:
+        for r in readers:
+            r.start()
+        wait_until(lambda: len(answered) >= 20 - WAITING_FETCHES_PER_SESSION, timeout=10,
+                   what="the fetches beyond the session's share to be answered at once")
+        assert all(a == {"state": "pending"} for a in answered), answered[:2]
+        started = time.monotonic()
+        assert "sessions" in clusters.worker_stats(worker)
+        s = new_slice(1)
+        np.testing.assert_array_equal(np.asarray(pw.device_put(np.arange(3, dtype=np.float32), s.devices)),
+                                      np.arange(3))
+        assert time.monotonic() - started < 5.0, "the worker's other callers are served meanwhile"
+        assert len(answered) == 20 - WAITING_FETCHES_PER_SESSION, "the session's share still waits"
+    finally:
+        for c in calls:
+            c.cancel()
+
+
+def test_a_program_beyond_the_node_limit_is_refused_naming_it(cluster, session):
+    """The huge-program probe: a million nodes held the controller's loop past the heartbeat
+    timeout, and its workers gave it up. A program may have MAX_PROGRAM_NODES nodes; the
+    client refuses more when it traces, the controller when it decodes, at once."""
+    from pathways.client.program import ProgramTraceError
+    from pathways.ir import MAX_PROGRAM_NODES
+
+    s = new_slice(1)
+    inc = pw.jit(lambda x: x + 1.0, mesh=s.mesh("d"))
+
+    @pw.program
+    def long(x):
+        for _ in range(MAX_PROGRAM_NODES + 1):
+            x = inc(x)
+        return x
+
+    with pytest.raises(ProgramTraceError, match=f"more than the {MAX_PROGRAM_NODES} one may have"):
+        long(pw.device_put(np.float32(0), s.devices))
+    channel, outbox, replies = raw_session(cluster.address)
+    try:
+        outbox.put(m.encode_batch([m.Hello(m.PROTOCOL_VERSION, 1.0)]))
+        sid = next_messages(replies)[0].session
+        nodes = [[first_handle(sid) + 1, [v], [v + 1]] for v in range(MAX_PROGRAM_NODES + 1)]
+        graph = {"nvalues": len(nodes) + 1, "inputs": [0], "nodes": nodes, "outputs": [len(nodes)],
+                 "types": [["float32", []]] * (len(nodes) + 1)}
+        started = time.monotonic()
+        outbox.put(codec.pack([["program", first_handle(sid) + 2, graph, "parallel"]]))
+        [refused] = next_messages(replies)
+        assert type(refused) is m.Error and f"more than the {MAX_PROGRAM_NODES}" in refused.message, refused
+        assert time.monotonic() - started < 5.0
+    finally:
+        outbox.put(None)
+        channel.close()
+    assert len(status(cluster.address)["workers"]) == 2
 
 
 def test_a_backlog_larger_than_one_payload_goes_out_in_several():

@@ -404,3 +404,58 @@ def test_a_lost_host_fails_reads_and_runs_with_data_loss_naming_it_as_pathwaysut
             stop_processes([client])
         ifrt.stop()
         cluster.stop()
+
+
+def test_streams_without_the_token_hold_a_few_of_the_servers_threads_for_seconds_at_most(monkeypatch):
+    """The unauthenticated-streams probe: 70 IFRT session streams opened without the token,
+    sending nothing. A refused stream is kept REFUSED_SECONDS at most (to answer the
+    client's requests with why), and at most MAX_REFUSED_STREAMS at once (the rest end at
+    once), so the server's threads stay free: GetVersion answers at once throughout."""
+    import threading
+    import time
+
+    import grpc
+
+    from pathways.ifrt import server as ifrt_server
+    from pathways.wire.security import Security
+
+    monkeypatch.setattr(ifrt_server, "REFUSED_SECONDS", 2.0)
+    ifrt = IfrtServer("grpc://127.0.0.1:1", "127.0.0.1:0", Security(token="the-token"))  # never reached
+    ifrt.start()
+    channel = grpc.insecure_channel(ifrt.address)
+    try:
+        meta = gpb.GrpcIfrtSessionMetadata()
+        meta.version.protocol_version = ifrt_server.PROTOCOL_MAX
+        metadata = ((ifrt_server.SESSION_METADATA, meta.SerializeToString()),)
+        silent = threading.Event()
+        session = channel.stream_stream(f"/{ifrt_server.SERVICE}/IfrtSession")
+        calls = [session(iter(silent.wait, True), metadata=metadata, timeout=60) for _ in range(70)]
+        ended = []
+
+        def drain(call):
+            try:
+                list(call)
+            except grpc.RpcError as e:
+                ended.append(e.code())
+
+        readers = [threading.Thread(target=drain, args=(c,), daemon=True) for c in calls]
+        for r in readers:
+            r.start()
+        wait_until(lambda: len(ended) >= 70 - ifrt_server.MAX_REFUSED_STREAMS, timeout=10,
+                   what="the streams beyond the few kept to end at once")
+        assert set(ended) == {grpc.StatusCode.UNAUTHENTICATED}
+        # the pool grew only by the few kept, and those the quick refusals passed through (of 64)
+        pool = [t for t in threading.enumerate() if t.name.startswith("pathways-ifrt")]
+        assert len(pool) <= 3 * ifrt_server.MAX_REFUSED_STREAMS, len(pool)
+        version = gpb.GrpcGetVersionRequest()
+        version.min_version.protocol_version = ifrt_server.PROTOCOL_MIN
+        version.max_version.protocol_version = ifrt_server.PROTOCOL_MAX
+        ask = channel.unary_unary(f"/{ifrt_server.SERVICE}/GetVersion")
+        started = time.monotonic()
+        ask(version.SerializeToString(), timeout=5)
+        assert time.monotonic() - started < 1.0, "the server's threads are free for others"
+        wait_until(lambda: len(ended) == 70, timeout=2.0 + 5, what="the kept streams to end after REFUSED_SECONDS")
+    finally:
+        silent.set()
+        channel.close()
+        ifrt.stop()

@@ -448,3 +448,16 @@ def test_a_worker_allowed_no_suspend_directory_writes_no_file_and_says_why(core,
     assert offloaded.arrays == ((x, (3,)),), "the array is kept, in host memory"
     assert "writes no suspend files" in offloaded.warning and "--suspend-dir" in offloaded.warning
     assert not list(tmp_path.rglob("*")), "and nothing is written where the client asked"
+
+
+def test_fetch_waits_are_shared_out_per_session_and_in_all():
+    from pathways.worker.sessions import FetchWaits
+
+    waits = FetchWaits(per_session=2, total=3)
+    assert [waits.slot(1), waits.slot(1), waits.slot(1)] == [True, True, False], "a session's share"
+    assert [waits.slot(2), waits.slot(3)] == [True, False], "and the total"
+    waits.release(1)
+    assert waits.slot(3) and not waits.slot(1)
+    for session in (1, 2, 3):
+        waits.release(session)
+    assert [waits.slot(4), waits.slot(4)] == [True, True], "everything given back"

@@ -21,7 +21,7 @@ from pathways.client.devices import NamedSharding
 from pathways.client.fusion import fuse_graph
 from pathways.client.tracing import current_trace, tracing
 from pathways.errors import ProgramTraceError
-from pathways.ir import DISPATCH_MODES, Layout, Node, ProgramGraph
+from pathways.ir import DISPATCH_MODES, Layout, Node, ProgramGraph, too_many_nodes
 from pathways.timeline import now
 
 
@@ -201,6 +201,8 @@ class Program:
         origins: dict[int, str] = {}
         if self.fuse:
             graph, origins = fuse_graph(session, graph, trace.specs, trace.avals, self.__name__)
+        if too_many_nodes(len(graph.nodes)):
+            raise ProgramTraceError(f"program {self.__name__}: {too_many_nodes(len(graph.nodes))}")
         spec = register_program(session, graph, trace.avals, trace.shardings, self.dispatch, origins)
         return _Traced(spec, out_tree, tuple(arg_values), trace.captured, trace.placement, trace.shardings)
 

@@ -53,6 +53,8 @@ _FLUSH_SECONDS = 0.05
 # client a thread per call (gRPC's request-iterator consumer).
 _PUT_ONE_BYTES = 1 << 20
 _POLL_SECONDS = 1.0  # a long wait for an array is split so news of a lost worker cuts it short
+# pauses between fetches that a busy worker answered at once, instead of waiting
+_BUSY_PAUSE, _BUSY_PAUSE_MAX = 0.005, 0.2
 _VERDICT_SECONDS = 3.0  # how long a failed fetch waits for the controller to say why
 # ... when the worker became unreachable: keepalive may give up on a frozen worker before
 # the controller does (its heartbeat timeout), and the controller's verdict names the host
@@ -463,14 +465,21 @@ class Session:
         deadline = time.monotonic() + wait
         assembly = None
         for address in addresses:
+            pause = _BUSY_PAUSE
             while True:
                 self._raise_if_poisoned(handle)
-                left = max(deadline - time.monotonic(), 0.0)
+                asked = time.monotonic()
+                left = max(deadline - asked, 0.0)
                 reply = self._fetch_one(address, handle, min(left, _POLL_SECONDS), data)
                 if reply is not None:
                     break
-                if left <= _POLL_SECONDS:
+                answered = time.monotonic()
+                if answered >= deadline:
                     return None
+                if answered - asked < min(left, _POLL_SECONDS) / 2:
+                    # answered at once: the worker's fetch waits are taken (worker/sessions.py)
+                    time.sleep(min(pause, deadline - answered))
+                    pause = min(2 * pause, _BUSY_PAUSE_MAX)
             if data:
                 dtype, shape, pieces = reply
                 if assembly is None:

@@ -45,6 +45,11 @@ PROTOCOL_MIN, PROTOCOL_MAX = 16, 25  # jaxlib 0.10.2 proposes 16..25
 SERDES_MAX = 3
 LOOKUP_CHUNK = 1 << 20
 REFUSED_ANSWERS = 16  # requests of a refused session answered with its error before the stream ends
+# How long a refused session's stream is kept to answer its requests with why (the client
+# raises that answer), and how many such streams at once: a caller the server refused
+# holds one of its threads that long at most, and strangers hold a few of them at most.
+REFUSED_SECONDS = 5.0
+MAX_REFUSED_STREAMS = 8
 MAX_MESSAGE = 1 << 30  # a compile request carries the whole program
 MAX_WAITING = 256  # requests of one session waiting on the pool at once
 POOL_THREADS = 8  # per session
@@ -67,6 +72,7 @@ class IfrtServer:
         self.security = security or Security()
         self._server: Optional[grpc.Server] = None
         self._sessions: dict[int, IfrtSession] = {}
+        self._refused = 0  # refused sessions' streams open (``_refuse``)
         self._lock = threading.Lock()
         self.address = ""
 
@@ -127,6 +133,25 @@ class IfrtServer:
 
     # ---- the session stream ------------------------------------------------------------------
 
+    def _refuse(self, requests: Iterator[bytes], context: grpc.ServicerContext, error: IfrtError) -> Iterator[bytes]:
+        """A refused session's stream: its requests answered with ``error`` for
+        REFUSED_SECONDS at most (then the call is cancelled, which frees its thread), or,
+        with MAX_REFUSED_STREAMS refused streams open already, the call aborted at once."""
+        with self._lock:
+            crowded = self._refused >= MAX_REFUSED_STREAMS
+            self._refused += not crowded
+        if crowded:
+            context.abort(_grpc_code(error.code), error.message)
+        timer = threading.Timer(REFUSED_SECONDS, context.cancel)
+        timer.daemon = True
+        timer.start()
+        try:
+            yield from _answer_refused(requests, error)
+        finally:
+            timer.cancel()
+            with self._lock:
+                self._refused -= 1
+
     def _session(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         metadata = _metadata(context, SESSION_METADATA, gpb.GrpcIfrtSessionMetadata)
         version = metadata.version.protocol_version
@@ -139,19 +164,19 @@ class IfrtServer:
         # but after a broken stream it then says only CANCELLED, whereas the status of its
         # first request (init) is what it raises, message and all.
         if not self.security.allows(init_data.get(TOKEN_KEY)):
-            yield from _refuse(requests, IfrtError(t.UNAUTHENTICATED, (
+            yield from self._refuse(requests, context, IfrtError(t.UNAUTHENTICATED, (
                 "this IFRT server requires the cluster's shared token: set PATHWAYS_TOKEN in the client's "
                 f"environment (the pathways plugin passes it as initialization data {TOKEN_KEY!r})")))
             return
         try:
             weight = session_weight(init_data.get(WEIGHT_KEY))
         except ValueError as e:
-            yield from _refuse(requests, IfrtError(t.INVALID_ARGUMENT, str(e)))
+            yield from self._refuse(requests, context, IfrtError(t.INVALID_ARGUMENT, str(e)))
             return
         try:
             native = Session(self.controller, CONNECT_TIMEOUT, weight=weight, security=self.security)
         except Exception as e:
-            yield from _refuse(requests, IfrtError(t.UNAVAILABLE, (
+            yield from self._refuse(requests, context, IfrtError(t.UNAVAILABLE, (
                 f"the pathways controller at {self.controller} is not reachable ({type(e).__name__}: {e})")))
             return
         session_id = secrets.randbits(62) + 1  # unguessable: host-buffer calls name the session by it
@@ -359,7 +384,7 @@ def session_weight(value: Any) -> float:
     return weight
 
 
-def _refuse(requests: Iterator[bytes], error: IfrtError) -> Iterator[bytes]:
+def _answer_refused(requests: Iterator[bytes], error: IfrtError) -> Iterator[bytes]:
     """Answer each request of a refused session with ``error``, up to a few (a client
     gives up after its first failed request), then end the stream."""
     for _, raw in zip(range(REFUSED_ANSWERS), requests):

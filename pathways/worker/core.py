@@ -60,7 +60,7 @@ from pathways.worker.executables import Executables
 from pathways.worker.executor import Executor, shareable
 from pathways.worker.measure import Measurer
 from pathways.worker.peers import PeerTickets
-from pathways.worker.sessions import Sessions
+from pathways.worker.sessions import FetchWaits, Sessions
 from pathways.worker.store import ObjectStore, OffloadedArray, Poison, failure
 
 log = logging.getLogger("pathways.worker")
@@ -104,6 +104,7 @@ class WorkerCore:
         self.wait_timeout = wait_timeout
         self.store = ObjectStore()
         self.sessions = Sessions()
+        self.fetch_waits = FetchWaits()
         self.executables = Executables()
         self.peers: dict[int, str] = {}
         # the data plane, greeted with the cluster's token and this worker's ticket for each peer
@@ -597,8 +598,8 @@ class WorkerCore:
 
         Served only with the credential of the handle's session (else an AccessDeniedError
         reply). A session not announced yet is waited for within ``req.wait`` (pending
-        after it), or for ``sessions.wait`` at most when ``req.wait`` is longer."""
-        deadline = time.monotonic() + req.wait
+        after it), or for ``sessions.wait`` at most when ``req.wait`` is longer. Beyond the
+        fetches that may wait at once (sessions.FetchWaits), a fetch is answered at once."""
         if req.wait < self.sessions.wait and not self.sessions.heard_of(session_of(req.handle), req.wait):
             if still_wanted():
                 yield codec.pack({"state": "pending"})
@@ -608,6 +609,16 @@ class WorkerCore:
         except AccessDeniedError as e:
             yield codec.pack({"state": "error", "kind": AccessDeniedError.__name__, "message": str(e)})
             return
+        session = session_of(req.handle)
+        waits = req.wait > 0 and self.fetch_waits.slot(session)
+        try:
+            yield from self._answer_fetch(req, time.monotonic() + (req.wait if waits else 0.0), still_wanted)
+        finally:
+            if waits:
+                self.fetch_waits.release(session)
+
+    def _answer_fetch(self, req: FetchRequest, deadline: float, still_wanted: Callable[[], bool]) -> Iterator[bytes]:
+        """The reply frames to an admitted fetch, waiting until ``deadline`` at most."""
         value = self.store.wait(req.handle, max(deadline - time.monotonic(), 0.0), still_wanted)
         if value is None:
             if still_wanted():

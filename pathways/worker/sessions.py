@@ -1,10 +1,15 @@
 """Which client sessions a worker serves, and the credential each must present.
 
 The controller draws a secret per session and tells every worker when the session opens
-(SessionOpen, with the secret's digest) and closes (DropSession). A client's put or fetch
+(SessionOpen, with the digest of what the session presents to this worker:
+messages.worker_credential) and closes (DropSession). A client's put or fetch
 names a handle and carries a credential; it is served only when the credential is that of
 the handle's session (``session_of``; digests compared in constant time). Handles of the
 controller's own session 0 (transfer copies) are never served to clients.
+
+A fetch may wait for its array, holding one of the worker's gRPC threads meanwhile; so
+that no client holds them all, only a few fetches of a session, and a few more in all, wait
+at once (``FetchWaits``); others are answered at once.
 
 The client learns its credential on its own connection to the controller, the worker on
 another, so a client's first put may arrive before the worker has heard of its session:
@@ -24,6 +29,12 @@ from pathways.protocol.handles import session_of
 from pathways.protocol.messages import digest
 
 SESSION_WAIT_SECONDS = 5.0  # how long a put waits for the controller to announce its session
+# Fetches that may wait (each holds one of the worker's 16 gRPC threads) at once: per session,
+# and in all, so that no client, and no few clients, hold the threads puts and others need.
+# A fetch beyond them is answered at once ("pending" if the array is not ready), and its
+# client asks again after a pause.
+WAITING_FETCHES_PER_SESSION = 8  # as many as an IFRT session waits on at once (its pool)
+WAITING_FETCHES = 12
 
 
 class Sessions:
@@ -82,3 +93,34 @@ class Sessions:
             raise AccessDeniedError(f"this worker refused a {subject}: {owner} "
                                     f"session {session}, and the credential presented is not that session's. "
                                     "A client reads and writes only the arrays it created itself")
+
+
+class FetchWaits:
+    """Who may wait in a fetch now: ``slot(session)`` is true (and must be given back with
+    ``release``) while the session has fewer than its share of waits and all sessions
+    fewer than the total."""
+
+    def __init__(self, per_session: int = WAITING_FETCHES_PER_SESSION, total: int = WAITING_FETCHES) -> None:
+        self._per_session = per_session
+        self._total = total
+        self._waiting: dict[int, int] = {}
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def slot(self, session: int) -> bool:
+        with self._lock:
+            mine = self._waiting.get(session, 0)
+            if mine >= self._per_session or self._count >= self._total:
+                return False
+            self._waiting[session] = mine + 1
+            self._count += 1
+            return True
+
+    def release(self, session: int) -> None:
+        with self._lock:
+            left = self._waiting[session] - 1
+            if left:
+                self._waiting[session] = left
+            else:
+                del self._waiting[session]
+            self._count -= 1
