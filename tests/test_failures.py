@@ -234,6 +234,33 @@ def test_a_program_beyond_the_node_limit_is_refused_naming_it(cluster, session):
     assert len(status(cluster.address)["workers"]) == 2
 
 
+def test_connections_that_never_greet_hold_a_few_of_a_workers_threads(cluster, session):
+    """The 2,000-connections probe (500 here): data-plane connections that send nothing.
+    A worker serves at most MAX_UNGREETED of them at once, each until HELLO_SECONDS, and
+    closes the rest as they arrive; its threads stay few and its peers' transfers go on."""
+    from pathways.wire.tcp import MAX_UNGREETED
+
+    worker = next(w for w in status(cluster.address)["workers"] if w["rank"] == 0)
+    host, _, port = worker["data_address"].removeprefix("tcp://").rpartition(":")
+    check_a_transfer_between_the_hosts()  # the threads a transfer needs are there before counting
+    before = _threads(worker["pid"])
+    strangers = []
+    try:
+        for _ in range(500):
+            strangers.append(socket.create_connection((host, int(port)), timeout=10))
+        time.sleep(0.5)
+        assert _threads(worker["pid"]) - before <= MAX_UNGREETED + 16, (before, _threads(worker["pid"]))
+        check_a_transfer_between_the_hosts()
+    finally:
+        for sock in strangers:
+            sock.close()
+
+
+def _threads(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
 def test_a_backlog_larger_than_one_payload_goes_out_in_several():
     batch = [m.Error(i, "RemoteError", "x" * 1000) for i in range(1, 3001)]
     limit = len(m.encode_batch(batch)) // 5

@@ -72,6 +72,10 @@ _PROBE_CHUNK = 1 << 20  # probe payloads are read into a scratch buffer this lar
 # a whole sendall): a large array on a slow link is progress, a stalled peer is not.
 _SEND_PIECE = 4 << 20
 _KEEPALIVE_PROBES = 5
+# Connections that have not greeted yet (each held by a thread for HELLO_SECONDS at most) a
+# listener that requires a greeting serves at once; more are closed as they arrive, so that
+# strangers hold a few threads at most however many connections they open.
+MAX_UNGREETED = 64
 # accept() errors that mean "out of descriptors or memory for now", not "listener closed"
 _ACCEPT_RETRY = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED}
 
@@ -128,7 +132,9 @@ class Listener:
     and hands every frame to ``receive``. ``security``: the token a connection's first frame
     must carry (security.py), and TLS if its ``data_plane_tls`` is set; ``admit``: a check
     of that hello beyond the token (a worker's listener requires its peer's ticket), which
-    makes the hello required even where no token is.
+    makes the hello required even where no token is. Where a hello is required, at most
+    MAX_UNGREETED connections that have not greeted yet are served at once (each for
+    HELLO_SECONDS at most); more are closed as they arrive (counted in ``turned_away``).
 
     Memory is bounded: a frame (its header and its pieces) may hold at most
     ``connection_bytes`` (by default a quarter of this host's memory), and all frames being
@@ -153,7 +159,25 @@ class Listener:
         self.port: int = self._server.getsockname()[1]
         self.address = f"tcp://{join_host_port(host, self.port)}"  # where it listens (peers may need another host)
         self._closed = False
+        self._greets = self._security.token is not None or admit is not None  # a hello comes first
+        self._ungreeted = 0  # connections served that have not greeted yet
+        self.turned_away = 0  # connections closed on arrival: MAX_UNGREETED others had not greeted
+        self._lock = threading.Lock()
         threading.Thread(target=self._accept, name="pathways-data-accept", daemon=True).start()
+
+    def _stranger(self) -> bool:
+        """Count in a new connection that has yet to greet; False (turned away) when
+        MAX_UNGREETED have not greeted yet."""
+        with self._lock:
+            if self._ungreeted >= MAX_UNGREETED:
+                self.turned_away += 1
+                return False
+            self._ungreeted += 1
+            return True
+
+    def _greeted(self) -> None:
+        with self._lock:
+            self._ungreeted -= 1
 
     def _accept(self) -> None:
         while not self._closed:
@@ -165,6 +189,12 @@ class Listener:
                 log.error("a data listener cannot accept connections for now (%s); retrying", e)
                 time.sleep(0.1)
                 continue
+            if self._greets and not self._stranger():
+                if self.turned_away % 1000 == 1:
+                    log.warning("turned a data connection away: %d others have not greeted yet (%d turned away "
+                                "so far)", MAX_UNGREETED, self.turned_away)
+                conn.close()
+                continue
             try:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 keep_alive(conn, self._timeout)
@@ -172,42 +202,52 @@ class Listener:
             except (OSError, RuntimeError) as e:  # the peer left already; or no thread can start
                 log.error("dropped a data connection: %s: %s", type(e).__name__, e)
                 conn.close()
+                if self._greets:  # no thread took it: give its count back here
+                    self._greeted()
 
     def _serve(self, conn: socket.socket) -> None:
-        if self._tls is not None:
-            conn.settimeout(sec.HELLO_SECONDS)  # a stranger may not hold a thread for longer
-            try:
-                conn = self._tls.wrap_socket(conn, server_side=True)
-            except OSError as e:  # ssl.SSLError is one
-                log.warning("closing a data connection whose TLS handshake failed (the peer must use "
-                            "--data-plane-tls too, and trust this worker's certificate): %s", e)
-                conn.close()
-                return
-        with conn:
-            reader = _Reader(conn, self._timeout)
-            greeted = self._security.token is None and self._admit is None
-            while True:
+        ungreeted = self._greets  # counted among the connections that have not greeted (``_stranger``)
+        try:
+            if self._tls is not None:
+                conn.settimeout(sec.HELLO_SECONDS)  # a stranger may not hold a thread for longer
                 try:
-                    greeted = self._frame(reader, greeted)
-                    if greeted is None:
-                        return
-                except _Refused as e:
-                    log.warning("refused a data connection: %s", e.reason)
+                    conn = self._tls.wrap_socket(conn, server_side=True)
+                except OSError as e:  # ssl.SSLError is one
+                    log.warning("closing a data connection whose TLS handshake failed (the peer must use "
+                                "--data-plane-tls too, and trust this worker's certificate): %s", e)
+                    conn.close()
+                    return
+            with conn:
+                reader = _Reader(conn, self._timeout)
+                greeted = not self._greets
+                while True:
                     try:
-                        conn.sendall(sec.answer(str(e)))
+                        greeted = self._frame(reader, greeted)
+                        if greeted is None:
+                            return
+                        if greeted and ungreeted:
+                            ungreeted = False
+                            self._greeted()
+                    except _Refused as e:
+                        log.warning("refused a data connection: %s", e.reason)
+                        try:
+                            conn.sendall(sec.answer(str(e)))
+                        except OSError:
+                            pass
+                        return
+                    except WireError as e:
+                        # the text, not the exception: a handler that keeps records would keep its
+                        # traceback, and with it the frame's buffers
+                        log.error("closing a data connection after a refused frame: %s", str(e))
+                        return
                     except OSError:
-                        pass
-                    return
-                except WireError as e:
-                    # the text, not the exception: a handler that keeps records would keep its
-                    # traceback, and with it the frame's buffers
-                    log.error("closing a data connection after a refused frame: %s", str(e))
-                    return
-                except OSError:
-                    return  # the peer left, or stalled within a frame
-                except Exception:  # a bug here or in the receiver must not go unnoticed, nor leak the connection
-                    log.exception("closing a data connection after an unexpected error")
-                    return
+                        return  # the peer left, or stalled within a frame
+                    except Exception:  # a bug here or in the receiver must not go unnoticed, nor leak the connection
+                        log.exception("closing a data connection after an unexpected error")
+                        return
+        finally:
+            if ungreeted:
+                self._greeted()
 
     def _frame(self, reader: "_Reader", greeted: bool) -> bool | None:
         """Read and handle one frame; None once the connection ended, else whether it has
