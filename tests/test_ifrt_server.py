@@ -459,3 +459,47 @@ def test_streams_without_the_token_hold_a_few_of_the_servers_threads_for_seconds
         silent.set()
         channel.close()
         ifrt.stop()
+
+
+def test_a_session_the_server_would_refuse_fails_at_once_naming_why(server):
+    """The three refusals (a missing or wrong token, a slice the cluster cannot place, a bad
+    weight): JAX's client would retry each for its whole connection timeout, so the plugin
+    asks the server first, and the server answers within seconds with one line that names
+    the cause."""
+    import time
+
+    from pathways.ifrt import plugin
+    from pathways.wire.security import Security
+
+    guarded = IfrtServer(server.controller, "127.0.0.1:0", Security(token="the-token"))
+    guarded.start()
+    target = f"grpc://{guarded.address}"
+    token = {"PATHWAYS_TOKEN": "the-token"}
+    try:
+        for env, needle in [({}, "and none was given"), ({"PATHWAYS_TOKEN": "nope"}, "the one given (PATHWAYS_TOKEN) is wrong"),
+                            ({**token, "PATHWAYS_SLICE": "cpu:64"}, "no slice of 64 cpu device(s)"),
+                            ({**token, "PATHWAYS_SLICE": "gpu:1"}, "no slice of 1 gpu device(s)"),
+                            ({**token, "PATHWAYS_SLICE": "cpu"}, "PATHWAYS_SLICE must read KIND:COUNT"),
+                            ({**token, "PATHWAYS_WEIGHT": "-1"}, "PATHWAYS_WEIGHT")]:
+            started = time.monotonic()
+            refused = plugin.admission(target, plugin.initialization_data(env))
+            assert refused is not None and needle in refused and "\n" not in refused, (env, refused)
+            assert time.monotonic() - started < 5.0
+        assert plugin.admission(target, plugin.initialization_data({**token, "PATHWAYS_SLICE": "cpu:2"})) is None
+        assert plugin.admission(target, plugin.initialization_data(token)) is None
+        assert plugin.admission("grpc://127.0.0.1:1", {}) is None, "no server there: the client's connection decides"
+        # through JAX itself: the program fails at once, with the server's reason
+        out = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+            import json, time, jax
+            started = time.monotonic()
+            try:
+                jax.devices()
+            except RuntimeError as e:
+                print(json.dumps({"error": str(e), "seconds": time.monotonic() - started}))
+            """)], capture_output=True, text=True, timeout=120,
+            env=_proxy_env(guarded.address, PATHWAYS_TOKEN="nope"))
+        failed = json.loads(out.stdout.strip().splitlines()[-1])
+        assert "refused this program's session" in failed["error"] and "is wrong" in failed["error"], failed
+        assert failed["seconds"] < 5.0
+    finally:
+        guarded.stop()

@@ -21,7 +21,11 @@ The factory, when JAX calls it:
   session's initialization data, keys ``pathways_token``, ``pathways_slice`` and
   ``pathways_weight``;
 - waits ``PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS`` seconds for the server where set (as
-  pathwaysutils does), else the client's own bound (2 minutes).
+  pathwaysutils does), else the client's own bound (2 minutes);
+- first asks a ``grpc://`` server whether it would admit the session (``admission``: the
+  pathways server's own method), and fails at once with its one-line reason where it would
+  not (a missing or wrong token, a slice it cannot place, a bad weight): JAX's client
+  retries a refused session for its whole connection timeout.
 
 ``pathwaysutils.initialize()`` registers a ``proxy`` factory too; whichever registers last
 wins while the backend is not yet made, and this one runs last (JAX calls it while making
@@ -83,6 +87,31 @@ def connection_timeout(env: Mapping[str, str]) -> Optional[int]:
     return int(value)
 
 
+ADMISSION = "/pathways.IfrtAdmission/Check"  # the pathways IFRT server's (server.py)
+ADMISSION_SECONDS = 5.0
+
+
+def admission(target: str, data: Mapping[str, bytes], timeout: float = ADMISSION_SECONDS) -> Optional[str]:
+    """Why the pathways IFRT server at ``target`` (``grpc://HOST:PORT``) would refuse a
+    session with initialization ``data``, or None: admitted, or not said (the server is
+    not reachable yet, or not a pathways one); the client's own connection then decides."""
+    import grpc
+    import msgpack
+
+    channel = grpc.insecure_channel(target.removeprefix(PLAIN_GRPC))
+    try:
+        ask = channel.unary_unary(ADMISSION)
+        answer = msgpack.unpackb(ask(msgpack.packb({k: v.decode("utf-8", "replace") for k, v in data.items()}),
+                                     timeout=timeout))
+    except grpc.RpcError as e:
+        log.debug("no admission check at %s (%s); connecting anyway", target, e.code())
+        return None
+    finally:
+        channel.close()
+    refused = answer.get("refused") if isinstance(answer, dict) else None
+    return refused if isinstance(refused, str) else None
+
+
 def make_client() -> Any:
     """The ``proxy`` backend: an IFRT proxy client connected to JAX_BACKEND_TARGET."""
     import jax
@@ -100,6 +129,10 @@ def make_client() -> Any:
     if timeout is not None:
         options.connection_timeout_in_seconds = timeout
     data = initialization_data(os.environ)
+    if target.startswith(PLAIN_GRPC):
+        refused = admission(target, data)
+        if refused is not None:
+            raise RuntimeError(f"the pathways IFRT server at {target} refused this program's session: {refused}")
     if data:
         options.initialization_data = data
     return ifrt_proxy.get_client(target, options)

@@ -10,6 +10,13 @@ host-buffer side channel (chunked stores and lookups).
 Payloads are decoded here, not by gRPC, so that a malformed request gets a status that
 says what was wrong instead of a broken stream; every response is built from the
 generated protobuf classes, so none is malformed (a malformed one aborts the client).
+
+JAX's client retries a session the server refuses until its connection timeout (two
+minutes by default), whatever the status. So the server also answers ``ADMISSION``, a
+method of its own that the pathways plugin (plugin.py) asks before the client connects:
+given the session's initialization data (a msgpack map), whether its session would be
+refused (the token missing or wrong, the weight out of bounds, the slice not placeable)
+and why, so that the program fails at once with that one line.
 """
 
 from __future__ import annotations
@@ -28,8 +35,10 @@ from pathways.client.session import Session
 from pathways.ifrt.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as gpb
 from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
 from pathways.ifrt import types as t
-from pathways.ifrt.session import HOST_BUFFER_WAIT, Deferred, IfrtSession
+from pathways.errors import WireError
+from pathways.ifrt.session import HOST_BUFFER_WAIT, SLICE_KEY, Deferred, IfrtSession
 from pathways.ifrt.types import IfrtError
+from pathways.wire import codec
 from pathways.wire import security as sec
 from pathways.wire.addresses import join_host_port, split_host_port
 from pathways.wire.security import Security
@@ -37,6 +46,10 @@ from pathways.wire.security import Security
 log = logging.getLogger("pathways.ifrt")
 
 SERVICE = "xla.ifrt.proxy.GrpcIfrtService"
+# the pathways server's own method: would a session of this initialization data be admitted?
+ADMISSION_SERVICE, ADMISSION_METHOD = "pathways.IfrtAdmission", "Check"
+ADMISSION = f"/{ADMISSION_SERVICE}/{ADMISSION_METHOD}"
+MAX_ADMISSION_BYTES = 64 * 1024
 SESSION_METADATA = "ifrt-proxy-grpc-ifrt-session-metadata-bin"
 STORE_METADATA = "ifrt-proxy-grpc-host-buffer-store-metadata-bin"
 TOKEN_KEY = "pathways_token"
@@ -88,7 +101,9 @@ class IfrtServer:
             "HostBufferLookup": grpc.unary_stream_rpc_method_handler(self._lookup),
             "HostBufferDelete": grpc.unary_unary_rpc_method_handler(self._delete),
             "HostBufferReadFromDisk": grpc.unary_unary_rpc_method_handler(self._read_from_disk),
-        }),))
+        }), grpc.method_handlers_generic_handler(ADMISSION_SERVICE, {
+            ADMISSION_METHOD: grpc.unary_unary_rpc_method_handler(self._admission),
+        })))
         target = join_host_port(host, port)
         try:
             if self.security.serves_tls:
@@ -133,6 +148,52 @@ class IfrtServer:
 
     # ---- the session stream ------------------------------------------------------------------
 
+    def _refusal(self, init_data: dict[str, Any]) -> Optional[IfrtError]:
+        """Why a session of ``init_data`` is refused before it reaches the controller (its
+        token, its weight), or None."""
+        token = init_data.get(TOKEN_KEY)
+        if not self.security.allows(token):
+            given = ("none was given: set PATHWAYS_TOKEN in the client's environment" if token is None else
+                     "the one given (PATHWAYS_TOKEN) is wrong: give the token the cluster was started with")
+            return IfrtError(t.UNAUTHENTICATED, f"this IFRT server requires the cluster's shared token, and {given} "
+                                                f"(the pathways plugin passes it as initialization data {TOKEN_KEY!r})")
+        try:
+            session_weight(init_data.get(WEIGHT_KEY))
+        except ValueError as e:
+            return IfrtError(t.INVALID_ARGUMENT, str(e))
+        return None
+
+    def _admission(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        """ADMISSION: ``{"refused": why}`` if a session of the initialization data in
+        ``raw`` would be refused, else ``{}``; a slice it asks for (PATHWAYS_SLICE) is
+        placed to find out, and released."""
+        try:
+            init_data = codec.unpack(raw) if len(raw) <= MAX_ADMISSION_BYTES else None
+        except WireError:
+            init_data = None
+        if not isinstance(init_data, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                      for k, v in init_data.items()):
+            return codec.pack({"refused": "the admission check takes a map of initialization data (strings)"})
+        refused = self._refusal(init_data)
+        if refused is None and SLICE_KEY in init_data:
+            refused = self._unplaceable(init_data)
+        return codec.pack({} if refused is None else {"refused": refused.message})
+
+    def _unplaceable(self, init_data: dict[str, str]) -> Optional[IfrtError]:
+        """Why the slice ``init_data`` asks for cannot be placed now, or None."""
+        try:
+            native = Session(self.controller, CONNECT_TIMEOUT, security=self.security)
+        except Exception as e:
+            return IfrtError(t.UNAVAILABLE, f"the pathways controller at {self.controller} is not reachable "
+                                            f"({type(e).__name__}: {e})")
+        try:
+            IfrtSession(native, 0, init_data).slices()
+        except IfrtError as e:
+            return e
+        finally:
+            native.close()
+        return None
+
     def _refuse(self, requests: Iterator[bytes], context: grpc.ServicerContext, error: IfrtError) -> Iterator[bytes]:
         """A refused session's stream: its requests answered with ``error`` for
         REFUSED_SECONDS at most (then the call is cancelled, which frees its thread), or,
@@ -163,16 +224,11 @@ class IfrtServer:
         # ending the stream: JAX's proxy client retries either until its connection timeout,
         # but after a broken stream it then says only CANCELLED, whereas the status of its
         # first request (init) is what it raises, message and all.
-        if not self.security.allows(init_data.get(TOKEN_KEY)):
-            yield from self._refuse(requests, context, IfrtError(t.UNAUTHENTICATED, (
-                "this IFRT server requires the cluster's shared token: set PATHWAYS_TOKEN in the client's "
-                f"environment (the pathways plugin passes it as initialization data {TOKEN_KEY!r})")))
+        refused = self._refusal(init_data)
+        if refused is not None:
+            yield from self._refuse(requests, context, refused)
             return
-        try:
-            weight = session_weight(init_data.get(WEIGHT_KEY))
-        except ValueError as e:
-            yield from self._refuse(requests, context, IfrtError(t.INVALID_ARGUMENT, str(e)))
-            return
+        weight = session_weight(init_data.get(WEIGHT_KEY))
         try:
             native = Session(self.controller, CONNECT_TIMEOUT, weight=weight, security=self.security)
         except Exception as e:

@@ -360,7 +360,7 @@ class IfrtSession:
     def _init_request(self, body: pb.InitRequest) -> pb.InitResponse:
         if self.devices is not None:
             raise IfrtError(t.FAILED_PRECONDITION, "init_request was sent twice in one session")
-        self.devices = DeviceTable(self._slices())
+        self.devices = DeviceTable(self.slices())
         kinds = {d.kind for d in self.devices.devices}
         platform = export_platforms(sorted(kinds)[0])[0] if kinds else "cpu"
         resp = pb.InitResponse(session_id=self.id, platform_name=platform, platform_version="pathways",
@@ -381,7 +381,9 @@ class IfrtSession:
         _attributes(resp.client_attributes, {})
         return resp
 
-    def _slices(self) -> list[SliceInfo]:
+    def slices(self) -> list[SliceInfo]:
+        """The slices of this session's devices, placed now: the one PATHWAYS_SLICE asks
+        for, else one per healthy island; IfrtError where there is none."""
         asked = self.init_data.get(SLICE_KEY)
         if asked is not None:
             kind, count, island = parse_slice(asked)
