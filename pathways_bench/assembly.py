@@ -46,8 +46,9 @@ psum compiled and ran). The client process has imported JAX before it starts.
 
 **Namespaces**: docs/deploy.md's "By hand" commands, each host in a network namespace of
 its own joined by a bridge (`pathways_bench/netns.py`; needs root): `pathways controller
---bind 0.0.0.0:PORT --token-file F` and, on two more hosts, `pathways worker --controller
-ADDRESS --island a --island-hosts 2 --token-file F`, all three started at once. A client
+--bind 0.0.0.0:PORT --token-file F --worker-token-file W` and, on two more hosts, `pathways
+worker --controller ADDRESS --island a --island-hosts 2 --token-file F --worker-token-file
+W`, all three started at once. A client
 in a fourth namespace, started and warm before them, polls the controller's status every
 20 ms from that moment, then runs the same psum.
 
@@ -145,7 +146,7 @@ def _client(address: str) -> None:
 
 
 def _netns_round(directory: str) -> dict[str, float]:
-    token_file = os.path.join(directory, "token")
+    token_file, worker_token_file = os.path.join(directory, "token"), os.path.join(directory, "worker-token")
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")])),
            "PATHWAYS_TOKEN": open(token_file).read().strip(), "PATHWAYS_LOG_LEVEL": "warning",
            "TF_CPP_MIN_LOG_LEVEL": "2"}
@@ -158,10 +159,11 @@ def _netns_round(directory: str) -> dict[str, float]:
         client.stdin.write("go\n")
         client.stdin.flush()
         py = [sys.executable, "-m", "pathways"]
-        servers = [net.popen("ctl", [*py, "controller", "--bind", f"0.0.0.0:{_PORT}", "--token-file", token_file],
+        tokens = ["--token-file", token_file, "--worker-token-file", worker_token_file]
+        servers = [net.popen("ctl", [*py, "controller", "--bind", f"0.0.0.0:{_PORT}", *tokens],
                              env=env, stdout=subprocess.DEVNULL)]
         servers += [net.popen(host, [*py, "worker", "--controller", address, "--island", "a", "--island-hosts", "2",
-                                     "--token-file", token_file], env=env, stdout=subprocess.DEVNULL)
+                                     *tokens], env=env, stdout=subprocess.DEVNULL)
                     for host in ("w1", "w2")]
         times = json.loads(report.read_line(client, _TIMEOUT, "the assembly client"))
         times["cpu"] = _cpu_seconds(p.pid for p in servers)
@@ -178,8 +180,9 @@ def measure(rounds: int, tiny: bool, progress: report.Progress) -> dict:
     samples: dict[str, list[dict[str, float]]] = {"loopback": [], "netns": []}
     load: list[float] = []
     with tempfile.TemporaryDirectory(prefix="pathways-assembly-") as directory:
-        with open(os.open(os.path.join(directory, "token"), os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
-            f.write(secrets.token_urlsafe(32))
+        for name in ("token", "worker-token"):
+            with open(os.open(os.path.join(directory, name), os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+                f.write(secrets.token_urlsafe(32))
         for i in range(rounds):  # the two cases alternate, so that they share the machine's moods
             load.append(os.getloadavg()[0])
             samples["loopback"].append(_loopback_round())

@@ -13,7 +13,9 @@ import pytest
 import pathways as pw
 from pathways.cluster import free_port, status
 from pathways.protocol import messages as m
-from pathways.wire import frames, rpc
+from pathways.wire import codec, frames, rpc
+from pathways.wire import security as sec
+from pathways.wire.security import Security
 from tests.conftest import wait_until
 from tests.rawworker import attach_address
 
@@ -27,8 +29,9 @@ class Crowd:
     """Raw Session streams and worker connections held open from an asyncio loop on a thread
     of the test process: idle clients that said hello, and fake workers that registered."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, security: Security) -> None:
         self.address = address
+        self.hello = sec.hello(security.for_attach())  # fake workers greet with the cluster's worker token
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="crowd", daemon=True)
         self.thread.start()
@@ -55,6 +58,8 @@ class Crowd:
     async def _attach(self, host: str, port: int, message: m.Message) -> list:
         reader, writer = await asyncio.open_connection(host, port)
         self.writers.append(writer)
+        writer.write(self.hello)
+        assert codec.unpack(await frames.read_frame(reader, 1 << 16, OPEN_SECONDS)) == {"t": "hello"}
         writer.write(frames.frame(m.encode_batch([message])))
         await writer.drain()
         # the first batch it was sent; the rest is left unread
@@ -97,7 +102,7 @@ def test_a_thousand_idle_sessions_and_256_workers_leave_status_and_new_clients_s
     # The crowd's fake workers send no heartbeats: the timeout outlasts the test.
     with pw.local_cluster(hosts=2, heartbeat_timeout=600.0) as cluster:
         before = len(status(cluster.address)["sessions"])
-        crowd = Crowd(cluster.address)
+        crowd = Crowd(cluster.address, cluster.security)
         try:
             start = time.monotonic()
             welcomed, registered = crowd.run(crowd.open(SESSIONS, FAKE_WORKERS), OPEN_SECONDS)

@@ -382,7 +382,8 @@ def payloads(batch: list[Message]) -> Iterator[bytes]:
 class Outbox:
     """A thread-safe queue of messages drained as batches by a gRPC stream generator.
 
-    Whatever has queued up while the stream was busy goes out as one payload.
+    Whatever has queued up while the stream was busy goes out as one payload (or several:
+    ``payloads``).
     """
 
     _CLOSE = object()
@@ -430,7 +431,8 @@ class LoopOutbox:
     """The messages waiting for one stream served on an event loop; used only from that loop.
 
     ``put`` appends and wakes the stream's writer, which sends whatever has queued by the
-    time it runs as one payload: everything one inbound batch caused goes out together.
+    time it runs as one payload (several where one would be too large: ``payloads``):
+    everything one inbound batch caused goes out together.
     While a payload waits for the peer to take it (flow control), later messages queue
     here; ``room`` is how the stream's reader waits for them to drain.
     """

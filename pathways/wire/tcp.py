@@ -547,7 +547,8 @@ class Links:
         if link is not None:
             return link
         ticket = self._tickets(address) if self._tickets is not None else None
-        sock = connect(address, self._timeout, self._security, ticket=ticket)  # unlocked: an unreachable peer must not hold up sends to others
+        # unlocked: an unreachable peer must not hold up sends to others
+        sock = connect(address, self._timeout, self._security, ticket=ticket)
         with self._lock:
             link = self._links.get(address)
             if link is None:
