@@ -93,20 +93,22 @@ def test_the_local_supervisor_restarts_a_killed_worker_and_the_island_heals():
 
 
 def test_a_restarted_controller_is_rejoined_by_its_workers_and_old_clients_fail_fast():
-    port = free_port()
-    bind = f"127.0.0.1:{port}"
-    address = f"grpc://{bind}"
     procs = []
 
-    def controller():
+    def controller(bind):
         p = subprocess.Popen([sys.executable, "-m", "pathways", "controller", "--bind", bind],
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         procs.append(p)
-        assert read_line(p).split()[-1] == address
-        return p
+        return p, read_line(p)
 
     try:
-        first = controller()
+        for _ in range(3):  # a free port may be taken by another process before the controller binds it
+            bind = f"127.0.0.1:{free_port()}"
+            first, line = controller(bind)
+            if line:
+                break
+        address = f"grpc://{bind}"
+        assert line.split()[-1] == address
         workers = [subprocess.Popen([sys.executable, "-m", "pathways", "worker", "--controller", address,
                                      "--platform", "cpu", "--island", "0", "--island-hosts", "2",
                                      "--launcher", "none", "--reconnect-timeout", "60"],
@@ -129,7 +131,7 @@ def test_a_restarted_controller_is_rejoined_by_its_workers_and_old_clients_fail_
         finally:
             old.close()
         first.wait(timeout=10)
-        controller()
+        assert controller(bind)[1].split()[-1] == address
         wait_until(lambda: len(status(address)["workers"]) == 2 and _assembled(address), timeout=90,
                    what="the workers to attach to the restarted controller")
         assert pids_alive([w.pid for w in workers]) == [w.pid for w in workers], "the workers kept their processes"

@@ -197,8 +197,9 @@ class ControllerCore:
         fails with DeadlineExceededError naming the hosts that had not finished it."""
         if self.run_timeout is None:
             return
-        while (stuck := next(self.dispatcher.stalled(self.run_timeout), None)) is not None:
-            self._reset_stuck(*stuck)
+        for island, run in list(self.dispatcher.stalled(self.run_timeout)):
+            if self.scheduler.running(run.id) is run:  # not cut already by an earlier reset of this call
+                self._reset_stuck(island, run)
 
     def _reset_stuck(self, island: int, run: ScheduledRun) -> None:
         """Island ``island`` stalled on ``run``: the run fails with DeadlineExceededError,

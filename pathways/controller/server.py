@@ -206,7 +206,7 @@ class ControllerServer:
     async def _check_stuck_runs(self, every: float) -> None:
         while True:
             await asyncio.sleep(every)
-            self.core.check_stuck_runs()
+            _guarded(self.core.check_stuck_runs)  # a bug there must not end the checks
 
     async def stop(self, server: grpc.aio.Server) -> None:
         """Stop accepting workers, end every stream (a worker's connection closes after
