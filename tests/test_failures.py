@@ -132,11 +132,10 @@ def next_messages(replies):
 
 
 def test_a_client_that_does_not_read_its_replies_holds_no_more_of_the_controllers_memory(cluster):
-    """The unread-replies probe: 200,000 requests whose every one is answered (refused
-    deletes), sent without reading a reply. The controller stops reading the stream while
-    its replies wait (a backlog of at most rpc.MAX_QUEUED_MESSAGES, about 5 MB here, where
-    it grew 58 MB and, at 300,000, failed the stream with an oversized payload); it serves
-    other clients meanwhile, and every reply arrives once the client reads."""
+    """200,000 requests whose every one is answered (refused deletes), sent without
+    reading a reply. The controller stops reading the stream while its replies wait (a
+    backlog of at most rpc.MAX_QUEUED_MESSAGES, a few MB, where holding all of them takes
+    tens), serves other clients meanwhile, and every reply arrives once the client reads."""
     controller = cluster.pids[0]
     before = rss_bytes(controller)
     channel, outbox, replies = raw_session(cluster.address)
@@ -162,8 +161,8 @@ def test_a_client_that_does_not_read_its_replies_holds_no_more_of_the_controller
 
 
 def test_fetches_that_wait_for_ever_hold_a_few_of_a_workers_threads_and_others_are_served(cluster, session):
-    """The long-wait probe: 20 fetches that would wait an hour for arrays that will never
-    exist, from one session. Only WAITING_FETCHES_PER_SESSION of them wait (the rest are
+    """20 fetches that would wait an hour for arrays that will never exist, from one
+    session. Only WAITING_FETCHES_PER_SESSION of them wait (the rest are
     answered "pending" at once), so the worker's other callers are served meanwhile, and a
     client whose fetch finds the waits taken asks again after a pause, not at once."""
     worker = next(w["address"] for w in status(cluster.address)["workers"] if w["rank"] == 0)
@@ -199,8 +198,8 @@ def test_fetches_that_wait_for_ever_hold_a_few_of_a_workers_threads_and_others_a
 
 
 def test_a_program_beyond_the_node_limit_is_refused_naming_it(cluster, session):
-    """The huge-program probe: a million nodes held the controller's loop past the heartbeat
-    timeout, and its workers gave it up. A program may have MAX_PROGRAM_NODES nodes; the
+    """A program may have MAX_PROGRAM_NODES nodes (lowering a million would hold the
+    controller's loop past the heartbeat timeout, and its workers would give it up): the
     client refuses more when it traces, the controller when it decodes, at once."""
     from pathways.client.program import ProgramTraceError
     from pathways.ir import MAX_PROGRAM_NODES
@@ -235,9 +234,9 @@ def test_a_program_beyond_the_node_limit_is_refused_naming_it(cluster, session):
 
 
 def test_connections_that_never_greet_hold_a_few_of_a_workers_threads(cluster, session):
-    """The 2,000-connections probe (500 here): data-plane connections that send nothing.
-    A worker serves at most MAX_UNGREETED of them at once, each until HELLO_SECONDS, and
-    closes the rest as they arrive; its threads stay few and its peers' transfers go on."""
+    """500 data-plane connections that send nothing: a worker serves at most
+    MAX_UNGREETED of them at once, each until HELLO_SECONDS, and closes the rest as they
+    arrive; its threads stay few and its peers' transfers go on."""
     from pathways.wire.tcp import MAX_UNGREETED
 
     worker = next(w for w in status(cluster.address)["workers"] if w["rank"] == 0)

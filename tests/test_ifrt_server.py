@@ -407,10 +407,10 @@ def test_a_lost_host_fails_reads_and_runs_with_data_loss_naming_it_as_pathwaysut
 
 
 def test_streams_without_the_token_hold_a_few_of_the_servers_threads_for_seconds_at_most(monkeypatch):
-    """The unauthenticated-streams probe: 70 IFRT session streams opened without the token,
-    sending nothing. A refused stream is kept REFUSED_SECONDS at most (to answer the
-    client's requests with why), and at most MAX_REFUSED_STREAMS at once (the rest end at
-    once), so the server's threads stay free: GetVersion answers at once throughout."""
+    """70 IFRT session streams opened without the token, sending nothing. A refused
+    stream is kept REFUSED_SECONDS at most (to answer the client's requests with why), and
+    at most MAX_REFUSED_STREAMS at once (the rest end at once), so the server's threads
+    stay free: GetVersion answers at once throughout."""
     import threading
     import time
 

@@ -150,7 +150,7 @@ def test_a_worker_refuses_fetch_and_stats_without_the_token(guarded):
 
 
 def test_a_worker_data_listener_admits_only_workers_with_their_ticket(guarded):
-    """The forged-copies probe: a holder of the clients' token connects to a worker's data
+    """A holder of the clients' token connects to a worker's data
     listener and sends transfer copies, while a client runs programs that move arrays
     between hosts. Without the ticket the controller gave a peer, no connection gets past
     its hello (whatever id it claims), no forged copy is read, and the client's values stay
@@ -224,7 +224,7 @@ def test_what_a_session_presents_one_worker_opens_nothing_on_another(guarded):
 
 
 def test_a_process_with_the_clients_token_cannot_attach_as_a_worker(guarded):
-    """The rogue-worker probe: a process that holds the clients' token (not the worker
+    """A process that holds the clients' token (not the worker
     token the cluster's controller and workers share) tries to join as a worker of an
     island of its own, where clients' slices would go. It is refused at its greeting and
     told what it lacks; the cluster keeps its two workers."""
