@@ -30,7 +30,7 @@ from pathways.wire import security as sec
 from pathways.wire.certs import make_certificates
 from pathways.wire.security import Security, SecurityConfigError
 from pathways.worker.peers import PeerTickets
-from tests.conftest import pids_alive
+from tests.conftest import pids_alive, wait_until
 from tests.inprocess import InProcessController
 from tests.rawworker import RawWorker
 
@@ -369,6 +369,19 @@ def test_a_listener_with_peer_tickets_takes_frames_only_from_the_sender_a_ticket
         for ticket in ((2, m.data_ticket(key, 0)), (0, m.data_ticket(secrets.token_bytes(32), 0)), (0, b"short")):
             assert "ticket" in _refused_fast(lambda: tcp.connect(listener.address, FAST, ticket=ticket))
         assert tickets.refused == 3 and len(received) == 1
+    finally:
+        listener.close()
+
+
+def test_refused_data_connections_are_counted_and_logged_once_per_thousand(caplog):
+    listener = tcp.Listener(lambda header, pieces: None, timeout=FAST, security=Security(token=TOKEN))
+    try:
+        with caplog.at_level("WARNING", logger="pathways.wire"):
+            for _ in range(5):
+                _refused_fast(lambda: tcp.connect(listener.address, FAST, Security(token="not-" + TOKEN)))
+            wait_until(lambda: listener.refused == 5, timeout=FAST, what="the listener to count the refusals")
+        logged = [r for r in caplog.records if "refused a data connection" in r.getMessage()]
+        assert len(logged) == 1 and "(1 refused so far)" in logged[0].getMessage(), "strangers do not fill the log"
     finally:
         listener.close()
 

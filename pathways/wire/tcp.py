@@ -135,6 +135,7 @@ class Listener:
     makes the hello required even where no token is. Where a hello is required, at most
     MAX_UNGREETED connections that have not greeted yet are served at once (each for
     HELLO_SECONDS at most); more are closed as they arrive (counted in ``turned_away``).
+    Refused greetings are counted in ``refused``, and logged once per thousand.
 
     Memory is bounded: a frame (its header and its pieces) may hold at most
     ``connection_bytes`` (by default a quarter of this host's memory), and all frames being
@@ -162,6 +163,7 @@ class Listener:
         self._greets = self._security.token is not None or admit is not None  # a hello comes first
         self._ungreeted = 0  # connections served that have not greeted yet
         self.turned_away = 0  # connections closed on arrival: MAX_UNGREETED others had not greeted
+        self.refused = 0  # connections refused at their greeting
         self._lock = threading.Lock()
         threading.Thread(target=self._accept, name="pathways-data-accept", daemon=True).start()
 
@@ -229,7 +231,11 @@ class Listener:
                             ungreeted = False
                             self._greeted()
                     except _Refused as e:
-                        log.warning("refused a data connection: %s", e.reason)
+                        with self._lock:
+                            self.refused += 1
+                            refused = self.refused
+                        if refused % 1000 == 1:  # strangers may not fill the log either
+                            log.warning("refused a data connection: %s (%d refused so far)", e.reason, refused)
                         try:
                             conn.sendall(sec.answer(str(e)))
                         except OSError:
