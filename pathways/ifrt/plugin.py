@@ -87,7 +87,9 @@ def connection_timeout(env: Mapping[str, str]) -> Optional[int]:
     return int(value)
 
 
-ADMISSION = "/pathways.IfrtAdmission/Check"  # the pathways IFRT server's (server.py)
+# the pathways IFRT server's own method (server.py serves it): would it admit a session?
+ADMISSION_SERVICE, ADMISSION_METHOD = "pathways.IfrtAdmission", "Check"
+ADMISSION = f"/{ADMISSION_SERVICE}/{ADMISSION_METHOD}"
 ADMISSION_SECONDS = 5.0
 
 

@@ -12,8 +12,8 @@ says what was wrong instead of a broken stream; every response is built from the
 generated protobuf classes, so none is malformed (a malformed one aborts the client).
 
 JAX's client retries a session the server refuses until its connection timeout (two
-minutes by default), whatever the status. So the server also answers ``ADMISSION``, a
-method of its own that the pathways plugin (plugin.py) asks before the client connects:
+minutes by default), whatever the status. So the server also answers ``plugin.ADMISSION``,
+a method of its own that the pathways plugin (plugin.py) asks before the client connects:
 given the session's initialization data (a msgpack map), whether its session would be
 refused (the token missing or wrong, the weight out of bounds, the slice not placeable)
 and why, so that the program fails at once with that one line.
@@ -36,6 +36,7 @@ from pathways.ifrt.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_p
 from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
 from pathways.ifrt import types as t
 from pathways.errors import WireError
+from pathways.ifrt.plugin import ADMISSION_METHOD, ADMISSION_SERVICE
 from pathways.ifrt.session import HOST_BUFFER_WAIT, SLICE_KEY, Deferred, IfrtSession
 from pathways.ifrt.types import IfrtError
 from pathways.wire import codec
@@ -46,9 +47,6 @@ from pathways.wire.security import Security
 log = logging.getLogger("pathways.ifrt")
 
 SERVICE = "xla.ifrt.proxy.GrpcIfrtService"
-# the pathways server's own method: would a session of this initialization data be admitted?
-ADMISSION_SERVICE, ADMISSION_METHOD = "pathways.IfrtAdmission", "Check"
-ADMISSION = f"/{ADMISSION_SERVICE}/{ADMISSION_METHOD}"
 MAX_ADMISSION_BYTES = 64 * 1024
 SESSION_METADATA = "ifrt-proxy-grpc-ifrt-session-metadata-bin"
 STORE_METADATA = "ifrt-proxy-grpc-host-buffer-store-metadata-bin"
