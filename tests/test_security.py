@@ -379,7 +379,7 @@ def test_refused_data_connections_are_counted_and_logged_once_per_thousand(caplo
         with caplog.at_level("WARNING", logger="pathways.wire"):
             for _ in range(5):
                 _refused_fast(lambda: tcp.connect(listener.address, FAST, Security(token="not-" + TOKEN)))
-            wait_until(lambda: listener.refused == 5, timeout=FAST, what="the listener to count the refusals")
+            wait_until(lambda: listener.refused.count == 5, timeout=FAST, what="the listener to count the refusals")
         logged = [r for r in caplog.records if "refused a data connection" in r.getMessage()]
         assert len(logged) == 1 and "(1 refused so far)" in logged[0].getMessage(), "strangers do not fill the log"
     finally:

@@ -136,7 +136,7 @@ class ControllerServer:
         self._attach_security = self.security.for_attach()  # what workers' streams must greet with
         self.core = ControllerCore(policy, window, run_timeout)
         self._stuck_checks: Optional[asyncio.Task] = None
-        self._refused_attaches = 0  # worker connections refused at (or for want of) their greeting
+        self._refused_attaches = sec.Refusals()  # worker connections refused at (or for want of) their greeting
         self.heartbeat_timeout = check_timeout(heartbeat_timeout)
         self._session_ids = itertools.count(1)
         self._streams: set[asyncio.Task] = set()
@@ -291,18 +291,16 @@ class ControllerServer:
                     writer.write(sec.answer(refused))  # a whole frame
                     await writer.drain()
                     if refused is not None:
-                        self._refused_attaches += 1
-                        if self._refused_attaches % 1000 == 1:  # strangers may not fill the log
+                        if refused_so_far := self._refused_attaches.add():
                             log.warning("refused a worker connection from %s: it did not give the worker token "
-                                        "(%d refused so far)", peer, self._refused_attaches)
+                                        "(%d refused so far)", peer, refused_so_far)
                         return None
                     greeted = True
                     keepalive.schedule()
             except asyncio.TimeoutError:
-                self._refused_attaches += 1
-                if self._refused_attaches % 1000 == 1:
+                if refused_so_far := self._refused_attaches.add():
                     log.warning("closing the worker connection from %s: it did not greet within %g s (%d refused "
-                                "so far)", peer, sec.HELLO_SECONDS, self._refused_attaches)
+                                "so far)", peer, sec.HELLO_SECONDS, refused_so_far)
             except WireError as e:
                 log.warning("closing the worker connection from %s (worker %d): %s", peer, conn.worker, e)
             except OSError as e:  # reset by the peer; worker_lost says so

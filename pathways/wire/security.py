@@ -33,6 +33,7 @@ import ipaddress
 import os
 import socket
 import ssl
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -249,6 +250,24 @@ def check_worker_admission(host: str, security: Security) -> None:
         f"client could then attach a process as a worker and be given other clients' programs and arrays. Give "
         f"the controller and every worker the same worker token, another than the clients' one, with "
         f"--worker-token-file PATH or {WORKER_TOKEN_ENV} (make one with `{_MAKE_TOKEN}`)")
+
+
+class Refusals:
+    """How many connections a server refused or turned away, and which of them to log: the
+    first and then one per ``LOG_EVERY``, so that strangers, who may open connections in a
+    loop, cannot fill the log. Thread-safe."""
+
+    LOG_EVERY = 1000
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def add(self) -> int:
+        """Count one more: the count so far when this one is to be logged, else 0."""
+        with self._lock:
+            self.count += 1
+            return self.count if self.count % self.LOG_EVERY == 1 else 0
 
 
 def refusal(server: str) -> str:

@@ -135,7 +135,7 @@ class Listener:
     makes the hello required even where no token is. Where a hello is required, at most
     MAX_UNGREETED connections that have not greeted yet are served at once (each for
     HELLO_SECONDS at most); more are closed as they arrive (counted in ``turned_away``).
-    Refused greetings are counted in ``refused``, and logged once per thousand.
+    Refused greetings are counted in ``refused``, and logged sparsely (``security.Refusals``).
 
     Memory is bounded: a frame (its header and its pieces) may hold at most
     ``connection_bytes`` (by default a quarter of this host's memory), and all frames being
@@ -162,8 +162,8 @@ class Listener:
         self._closed = False
         self._greets = self._security.token is not None or admit is not None  # a hello comes first
         self._ungreeted = 0  # connections served that have not greeted yet
-        self.turned_away = 0  # connections closed on arrival: MAX_UNGREETED others had not greeted
-        self.refused = 0  # connections refused at their greeting
+        self.turned_away = sec.Refusals()  # connections closed on arrival: MAX_UNGREETED others had not greeted
+        self.refused = sec.Refusals()  # connections refused at their greeting
         self._lock = threading.Lock()
         threading.Thread(target=self._accept, name="pathways-data-accept", daemon=True).start()
 
@@ -172,7 +172,6 @@ class Listener:
         MAX_UNGREETED have not greeted yet."""
         with self._lock:
             if self._ungreeted >= MAX_UNGREETED:
-                self.turned_away += 1
                 return False
             self._ungreeted += 1
             return True
@@ -192,9 +191,9 @@ class Listener:
                 time.sleep(0.1)
                 continue
             if self._greets and not self._stranger():
-                if self.turned_away % 1000 == 1:
+                if turned_away := self.turned_away.add():
                     log.warning("turned a data connection away: %d others have not greeted yet (%d turned away "
-                                "so far)", MAX_UNGREETED, self.turned_away)
+                                "so far)", MAX_UNGREETED, turned_away)
                 conn.close()
                 continue
             try:
@@ -231,10 +230,7 @@ class Listener:
                             ungreeted = False
                             self._greeted()
                     except _Refused as e:
-                        with self._lock:
-                            self.refused += 1
-                            refused = self.refused
-                        if refused % 1000 == 1:  # strangers may not fill the log either
+                        if refused := self.refused.add():
                             log.warning("refused a data connection: %s (%d refused so far)", e.reason, refused)
                         try:
                             conn.sendall(sec.answer(str(e)))
