@@ -42,7 +42,7 @@ CLIENTS = (1, 2, 4, 8)
 WEIGHT_SETS: tuple[tuple[int, ...], ...] = ((1, 1, 1, 1), (1, 2, 4, 8))
 COMPUTATIONS = {"small": (1, 8), "large": (8, 256)}  # (steps, size) of tanh(x @ w)
 OUTSTANDING = 16  # runs per client submitted and not yet waited for: enough to stay queued
-READY, PAUSED = "ready", "paused"
+READY, RUNNING, PAUSED = "ready", "running", "paused"
 _TIMEOUT = 180.0
 _SETTLE_SECONDS = 0.5
 
@@ -61,7 +61,7 @@ def measure(rounds: int, tiny: bool, progress: report.Progress) -> dict:
 
     clients = CLIENTS[:2] if tiny else CLIENTS
     window = 0.5 if tiny else 2.0
-    share_window = 1.0 if tiny else 8.0
+    share_window = 2.0 if tiny else 8.0
     progress.expect(1 + rounds * len(clients) * len(COMPUTATIONS) + len(WEIGHT_SETS))
     cluster = LocalCluster([Island(1, 1)], policy="fair").start()
     assert cluster.address is not None
@@ -151,7 +151,8 @@ class _Clients:
         from pathways.cluster import status
 
         self._tell(which, f"run {computation}")
-        time.sleep(_SETTLE_SECONDS)
+        self._expect(which, RUNNING)  # every client has its runs queued
+        time.sleep(_SETTLE_SECONDS)  # and the scheduler has reached its steady order
         t0, a = time.monotonic(), _by_session(status(self.address))
         time.sleep(seconds)
         t1, b = time.monotonic(), _by_session(status(self.address))
@@ -204,6 +205,7 @@ def client(address: str, weight: float) -> None:
         programs[name] = (fn, x, w)
     state: dict[str, Optional[str]] = {"run": None}
     changed = threading.Condition()
+    announced = [False]  # said RUNNING since the last pause
 
     def submit() -> None:
         pending: deque = deque()
@@ -211,6 +213,7 @@ def client(address: str, weight: float) -> None:
             with changed:
                 current = state["run"]
                 if current is None:
+                    announced[0] = False
                     while pending:
                         pending.popleft().block_until_ready(timeout=_TIMEOUT)
                     print(PAUSED, flush=True)
@@ -221,6 +224,9 @@ def client(address: str, weight: float) -> None:
             while len(pending) >= OUTSTANDING:
                 pending.popleft().block_until_ready(timeout=_TIMEOUT)
             pending.append(fn(x, w))
+            if len(pending) == OUTSTANDING and not announced[0]:
+                announced[0] = True
+                print(RUNNING, flush=True)
 
     runner = threading.Thread(target=submit, daemon=True)
     print(f"{READY} {session.id}", flush=True)
