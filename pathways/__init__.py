@@ -24,8 +24,8 @@ __all__ = [
     "AccessDeniedError", "Array", "ArrayDeletedError", "AuthenticationError", "ConnectError", "ControllerLostError",
     "DeadlineExceededError", "Island", "NamedSharding",
     "P", "PartitionSpec", "PathwaysError", "PlacementError", "ProgramTraceError", "RemoteError",
-    "SignatureError", "Slice", "SpmdError", "SuspendedError", "VirtualDeviceSet", "VirtualMesh", "WireError", "WorkerLostError", "connect",
-    "default_session", "device_get", "device_put", "disconnect", "jit", "local_cluster",
+    "SignatureError", "Slice", "SpmdError", "SuspendedError", "VirtualDeviceSet", "VirtualMesh", "WireError", "WorkerLostError", "conduct",
+    "connect", "default_session", "device_get", "device_put", "disconnect", "jit", "local_cluster",
     "make_virtual_device_set", "pipeline", "pmap", "program", "resume", "spmd", "suspend", "trace",
 ]
 
@@ -49,6 +49,7 @@ def __getattr__(name: str) -> Any:
     from pathways.client.pipeline import pipeline
     from pathways.client.program import program
     from pathways.cluster import Island
+    from pathways.conductor import conduct
 
     P = PartitionSpec
     api = locals()

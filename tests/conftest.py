@@ -1,7 +1,11 @@
 import compileall
+import json
 import os
 import selectors
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -111,6 +115,37 @@ def check_a_transfer_between_the_hosts():
     move = pw.program(lambda x: pw.jit(lambda v: v + 1, mesh=b.mesh("d"))(x))
     np.testing.assert_array_equal(np.asarray(move(pw.device_put(np.arange(3.0, dtype=np.float32), a.devices))),
                                   [1.0, 2.0, 3.0])
+
+
+def run_device_checks(script, groups, timeout):
+    """Run ``python script GROUP`` for each group side by side, in processes with four CPU
+    devices, and return {group: the JSON object each printed on its last line}."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           # Four devices; little LLVM optimisation, since compiling dominates the checks'
+           # time and what they measure (values, buffer sizes, the HLO) does not depend on it.
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(script).parent), str(Path(script).parent.parent),
+                                                       os.environ.get("PYTHONPATH")]))}
+    procs = {group: subprocess.Popen([sys.executable, str(script), group], env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+             for group in groups}
+    results = {}
+    try:
+        for group, proc in procs.items():
+            try:
+                out, err = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+                raise AssertionError(f"the {group} checks did not finish within {timeout} s:\n{err[-4000:]}")
+            assert proc.returncode == 0, f"the {group} checks failed:\n{err[-4000:]}"
+            results[group] = json.loads(out.splitlines()[-1])
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
 
 
 def running_cluster(*islands):

@@ -124,6 +124,37 @@ def check_assembly(d):
     assert "skipped" in netns or 0 < netns["assembled"]["median"] <= netns["serving"]["median"] < 120, d
 
 
+def check_conduct(d):
+    from pathways_bench import conduct
+
+    assert d["versions"] == list(conduct.VERSIONS)
+    assert set(d["step_seconds"]) == set(conduct.VERSIONS) and all(rate_ok(s) for s in d["step_seconds"].values())
+    assert set(d["ratios"]) == set(conduct.BASELINES)
+    assert all(r > 0 and math.isfinite(r) for r in d["ratios"].values())
+    best = min(conduct.BASELINES, key=lambda b: d["step_seconds"][b]["median"])
+    assert d["best_baseline"] == best and d["ratio_to_best"] == d["ratios"][best]
+    # the same gradient as plain JAX, whichever way it is sharded
+    assert set(d["max_gradient_error"]) == set(conduct.VERSIONS)
+    assert all(e <= 1e-5 for e in d["max_gradient_error"].values()), d["max_gradient_error"]
+    assert set(d["targets"]) == {"step", "replan"}
+    r = d["replan"]
+    assert len(r["warm"]) == len(r["cold"]) == d["meta"]["rounds"]
+    for p in [d["plan"], *r["warm"], *r["cold"]]:
+        assert math.prod(p["mesh"].values()) == d["size"]["devices"], p
+        assert p["predicted_seconds"] > 0 and 0 < p["solve_seconds"] <= p["planning_seconds"], p
+        assert isinstance(p["optimal"], bool) and isinstance(p["ring_attention"], bool), p
+        assert isinstance(p["attention_split"], str) and p["attention_split"], p
+        assert p["gap"] == 0 if p["optimal"] else p["gap"] >= 0, p
+    # a re-plan starts from the previous plan (its solution on each mesh shape); a cold plan never does
+    assert all(w["hinted"] for w in r["warm"]) and not any(c["hinted"] for c in r["cold"])
+    assert r["hinted"]
+    assert all(rate_ok(r[k][mode]) for k in ("planning_seconds", "solve_seconds") for mode in ("warm", "cold"))
+    assert r["ratio"] == r["planning_seconds"]["warm"]["median"] / r["planning_seconds"]["cold"]["median"]
+    if all(p["optimal"] for p in r["warm"] + r["cold"]):
+        assert r["same_cost"], "re-planning found a costlier plan than planning from scratch"
+    assert isinstance(r["plan_changed"], bool) and r["flops_scale"] > 0
+
+
 CHECKS = {name: globals()[f"check_{name}"] for name in suite.EXPERIMENTS}
 
 
