@@ -270,8 +270,22 @@ def test_an_empty_graph_has_the_empty_plan():
     assert got.choices == () and got.seconds == 0.0 and got.peak_bytes == 0.0 and got.optimal
 
 
+def odd_cycle():
+    """Three operations whose transfers cost only between like shardings: any spanning tree
+    of the cycle can avoid them, the cycle cannot, so only the search proves the optimum."""
+    ops = [Operation(f"op{i}", (Choice("a", 0.0, 0.0, 0.0), Choice("b", 0.0, 0.0, 0.0))) for i in range(3)]
+    unlike = ((0.25, 0.0), (0.0, 0.25))
+    return ops, [Transfer(0, 1, unlike), Transfer(1, 2, unlike), Transfer(2, 0, unlike)]
+
+
+def test_an_odd_cycle_is_proven_by_the_search():
+    ops, transfers = odd_cycle()
+    got = assert_same_outcome(ops, transfers, None)
+    assert got.method == "cp-sat" and got.optimal and got.seconds == pytest.approx(0.25)
+
+
 def test_the_search_log_is_shown_on_request(monkeypatch, capfd):
-    ops, transfers = triangle()
+    ops, transfers = odd_cycle()
     monkeypatch.setenv("PATHWAYS_PLAN_LOG", "1")
     solve_sharding(ops, transfers)
     assert "CP-SAT" in capfd.readouterr().out

@@ -42,7 +42,12 @@ Method (``solve_sharding``):
   search starts, as a complete hint, from the cheapest of a few plans polished by local
   search: the previous plan ``hint``, the optimum over a spanning forest and, under a
   memory limit, the optimum without it, the smallest-peak plan and plans found by pricing
-  memory (a Lagrangian relaxation of the limit), each repaired to fit.
+  memory (a Lagrangian relaxation of the limit), each repaired to fit. The optimum over the
+  spanning forest also bounds the optimum from below (every transfer costs at least zero
+  once reparametrized): a starting plan that meets the bound is returned as proven optimal
+  without a search, and a ``time_limit`` too short to build the model and then search as
+  long (about 25 us per entry of the transfer matrices left) returns the best starting
+  plan with that bound (``optimal=False`` unless it meets it).
 
 Exactness. Times are scaled to integers, one unit being 2^-36 of the starting plan's cost
 above the constant every plan pays (CP-SAT's linear relaxation works in doubles); a positive
@@ -101,6 +106,10 @@ _POLISH_ROUNDS = 30
 _PRICE_ROUNDS = 8
 # Solver optima excluded for exceeding the memory limit by less than the rounding, at most.
 _EXCLUDED_PLANS = 20
+# Building the CP-SAT model takes about this long per entry of the transfer matrices left
+# after presolve (measured on a 2-core machine): a solve without time left for at least as
+# long a search after building does not start.
+_BUILD_SECONDS_PER_ENTRY = 2.5e-5
 
 
 @dataclass(frozen=True)
@@ -562,11 +571,11 @@ class _Reduced:
             plan[i] = int(self.choice[i][k])
         return tuple(plan)
 
-    def cost(self, local: Sequence[int]) -> float:
-        """A plan's cost above ``constant``."""
+    def cost(self, local: Sequence[int], edges: dict[tuple[int, int], np.ndarray] | None = None) -> float:
+        """A plan's cost above ``constant`` (counting only ``edges`` of the transfers, when given)."""
         at = dict(zip(self.live, local))
         return math.fsum([float(self.unary[i][at[i]]) for i in self.live]
-                         + [float(m[at[a], at[b]]) for (a, b), m in self.edges.items()])
+                         + [float(m[at[a], at[b]]) for (a, b), m in (self.edges if edges is None else edges).items()])
 
     def seconds(self, local: Sequence[int]) -> float:
         """A plan's time, recomputed from the inputs."""
@@ -781,7 +790,11 @@ def _optimum(problem: _Reduced, starts: list[tuple[int, ...]], began: float, dea
         except KeyError:  # a choice that cannot fit the memory limit
             continue
     forest = _spanning_forest(problem.live, problem.edges)
-    free = problem.polish(problem.tree_optimum(forest), memory=False)
+    tree = problem.tree_optimum(forest)
+    # Every transfer costs at least zero once reparametrized, so the optimum over the
+    # spanning forest's transfers alone bounds the optimum from below.
+    lower = max(lower, problem.constant + problem.cost(tree, forest))
+    free = problem.polish(tree, memory=False)
     candidates.append(free)
     if memory:
         candidates += problem.priced(forest, free, time.monotonic() + (deadline - time.monotonic()) / 4)
@@ -789,9 +802,12 @@ def _optimum(problem: _Reduced, starts: list[tuple[int, ...]], began: float, dea
     polished = [problem.polish(c, memory) for c in candidates if c is not None]
     # The smallest-peak plan fits whenever a limit binds, so some candidate does.
     incumbent = min((c for c in polished if problem.fits(c)), key=problem.seconds)
+    if lower >= problem.constant + problem.cost(incumbent) * (1 - _TOLERANCE):  # already proven optimal
+        return _solution(operations, transfers, problem.expand(incumbent), True, lower, began, "cp-sat")
     found, optimal, cost = _search(problem, incumbent, memory, deadline, time_limit)
-    return _solution(operations, transfers, problem.expand(found), optimal, max(lower, problem.constant + cost),
-                     began, "cp-sat")
+    bound = max(lower, problem.constant + cost)
+    optimal = optimal or bound >= problem.constant + problem.cost(found) * (1 - _TOLERANCE)
+    return _solution(operations, transfers, problem.expand(found), optimal, bound, began, "cp-sat")
 
 
 def _search(problem: _Reduced, incumbent: tuple[int, ...], memory: bool, deadline: float,
@@ -803,7 +819,8 @@ def _search(problem: _Reduced, incumbent: tuple[int, ...], memory: bool, deadlin
     found, once more to the plan's (see "Exactness"). The model's memory is rounded down,
     so it admits every plan that fits; an optimum that does not fit in bytes (rounding
     admitted it) is excluded and the model solved again."""
-    if deadline - time.monotonic() <= _wrap_up(time_limit):  # no time left for the solver
+    building = _BUILD_SECONDS_PER_ENTRY * sum(m.size for m in problem.edges.values())
+    if deadline - time.monotonic() <= _wrap_up(time_limit) + 2 * building:  # no time left for the solver
         return incumbent, False, 0.0
     reference = problem.cost(incumbent)
     terms = len(problem.live) + len(problem.edges)
