@@ -92,10 +92,12 @@ def replan() -> dict:
     other = topology(flops=1e12, latency=1e-3)
     warm = first.replan(other)
     cold = pw.conduct(gpt_block, jax.devices(), topology=other).plan_for(params, x)
+    given_time = first.replan(other, time_limit=30.0)
     out = first(params, x)
     return {"hinted": warm.hinted, "warm_seconds": warm.predicted_seconds, "cold_seconds": cold.predicted_seconds,
             "first_seconds": cold_plan.predicted_seconds, "optimal": [warm.optimal, cold.optimal], "gap": warm.gap,
             "warm_planning": warm.planning_seconds, "cold_planning": cold.planning_seconds,
+            "given_time": {"optimal": given_time.optimal, "seconds": given_time.predicted_seconds},
             "output_error": relative_error(out, gpt_block(params, x))}
 
 

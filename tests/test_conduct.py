@@ -229,6 +229,8 @@ def test_a_plan_made_again_from_the_previous_one_is_a_cold_plans_equal_or_says_i
     else:  # its time ran out: it is no better than the optimum, and within its stated gap of it
         assert r["cold_seconds"] * (1 - 1e-9) <= r["warm_seconds"] <= r["cold_seconds"] / (1 - r["gap"]) * (1 + 1e-9)
     assert r["first_seconds"] != pytest.approx(r["warm_seconds"])  # the figures did change the plan's cost
+    # given the time, a re-plan proves the cold plan's optimum
+    assert r["given_time"]["optimal"] and r["given_time"]["seconds"] == pytest.approx(r["cold_seconds"], rel=1e-9)
     assert r["output_error"] < TOLERANCE
 
 

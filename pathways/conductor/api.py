@@ -216,13 +216,14 @@ class ConductedFunction:
         self._last = plan
         return plan
 
-    def replan(self, topology: Any = None) -> Plan:
+    def replan(self, topology: Any = None, time_limit: Optional[float] = None) -> Plan:
         """Plan the last signature again with new figures (``topology``, or the cluster's as
-        they stand), starting from the current plan (see ``REPLAN_SHARE``)."""
+        they stand), starting from the current plan with ``REPLAN_SHARE`` of the cold
+        solve's time, or ``time_limit`` seconds per mesh shape."""
         plan = self.plan
         self._topology = topology
         key = next(k for k, p in self._plans.items() if p is plan)
-        new = self._make(key, plan.in_tree, key[1], hint=plan)
+        new = self._make(key, plan.in_tree, key[1], hint=plan, time_limit=time_limit)
         self._plans[key] = self._last = new
         return new
 
@@ -273,7 +274,8 @@ class ConductedFunction:
     def _placement(self) -> Any:
         return None if self._slice is None else self._slice._physical
 
-    def _make(self, key: tuple, tree: Any, avals: tuple, hint: Optional[Plan]) -> Plan:
+    def _make(self, key: tuple, tree: Any, avals: tuple, hint: Optional[Plan],
+              time_limit: Optional[float] = None) -> Plan:
         from pathways.planner.ring import best_ring
         from pathways.planner.sharding import Operation, solve_sharding
         from pathways.planner.topology import PlanError
@@ -314,11 +316,11 @@ class ConductedFunction:
             transfers = _transfers(graph, cands, mesh)
             previous = hint.solutions.get(mesh.shape) if hint is not None else None
             cold = self._cold_solves.setdefault(key, {})
-            time_limit = self.time_limit
-            if previous is not None and mesh.shape in cold:
-                time_limit = min(time_limit, max(REPLAN_FLOOR, REPLAN_SHARE * cold[mesh.shape]))
+            limit = self.time_limit if time_limit is None else time_limit
+            if previous is not None and mesh.shape in cold and time_limit is None:
+                limit = min(limit, max(REPLAN_FLOOR, REPLAN_SHARE * cold[mesh.shape]))
             try:
-                solution = solve_sharding(ops, transfers, memory_limit=self.memory_limit, time_limit=time_limit,
+                solution = solve_sharding(ops, transfers, memory_limit=self.memory_limit, time_limit=limit,
                                           hint=previous)
             except PlanError as e:
                 failures.append(f"mesh {mesh.shape}: {e}")
