@@ -58,6 +58,11 @@ def test_attention_without_a_mask_is_recognised_and_other_masks_are_not():
     band = jnp.asarray(np.triu(np.tril(np.ones((8, 8), bool)), -2))  # a local window: no ring for it
     banded = graph_of(lambda q, k, v: attend(q, k, v, band), (2, 8, 4), (2, 8, 4), (2, 8, 4))
     assert "attention" not in kinds(banded) and "exp" in kinds(banded)
+    # a softmax over the queries' axis is no attention either
+    columns = graph_of(lambda q, k, v: jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k),
+                                                                                  axis=1), v),
+                       (2, 8, 4), (2, 8, 4), (2, 8, 4))
+    assert "attention" not in kinds(columns)
 
 
 def test_reshape_groups_share_a_loop_dimension_on_their_leading_dimensions():

@@ -129,7 +129,7 @@ class Plan:
                 moved = pricing.reshard_seconds(self.graph.value_bytes(op.operands[j]), src, dst, self.mesh)
                 if moved > 0:
                     seconds += moved
-                    collectives.append(f"operand {j} {_show(src)} -> {_show(dst)}")
+                    collectives.append(f"operand {j} {pricing.show(src)} -> {pricing.show(dst)}")
             out.append(PlannedOperation(op.name, c.label, tuple(collectives), seconds, c.working_bytes))
         return out
 
@@ -414,8 +414,6 @@ def _emit(plan: Plan, mesh: Any) -> Callable:
             op, c = ring
             out = _ring(ring_attention, op, c, mesh, plan.ring_orders[c.ring], values_of(op))
             return [constrain(eqn.outvars[0], out)]
-        if eqn.primitive.name in ("jit", "pjit"):
-            return None
         outs = eqn.primitive.bind(*values, **eqn.params)
         outs = list(outs) if eqn.primitive.multiple_results else [outs]
         return [constrain(v, x) for v, x in zip(eqn.outvars, outs)]
@@ -586,10 +584,6 @@ def _is_literal(v: Any) -> bool:
     from jax.extend.core import Literal
 
     return isinstance(v, Literal)
-
-
-def _show(spec: tuple) -> str:
-    return "[" + ",".join(a or "-" for a in spec) + "]"
 
 
 def _mib(n: float) -> str:

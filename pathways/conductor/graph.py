@@ -423,7 +423,8 @@ def _match_attention(final: Any, producer: dict, order: dict, depends: set, cons
         return None
     e_var, denom = div.invars
     chain = _through(denom, prod, ("broadcast_in_dim",))
-    if chain is None or chain[0].primitive.name != "reduce_sum" or chain[0].invars[0] is not e_var:
+    if chain is None or chain[0].primitive.name != "reduce_sum" or chain[0].invars[0] is not e_var \
+            or not _over_last_axis(chain[0]):
         return None
     region += [div, *chain[1]]
     region.append(chain[0])
@@ -437,7 +438,8 @@ def _match_attention(final: Any, producer: dict, order: dict, depends: set, cons
     region.append(sub)
     x_var, shift = sub.invars
     chain = _through(shift, prod, ("broadcast_in_dim", "stop_gradient", "max"))
-    if chain is None or chain[0].primitive.name != "reduce_max" or chain[0].invars[0] is not x_var:
+    if chain is None or chain[0].primitive.name != "reduce_max" or chain[0].invars[0] is not x_var \
+            or not _over_last_axis(chain[0]):
         return None
     for e in chain[1]:
         if e.primitive.name == "max" and not any(
@@ -498,6 +500,11 @@ def _match_attention(final: Any, producer: dict, order: dict, depends: set, cons
                           tuple(vb) + (vc[0], v_free), tuple(qs[d] for d in qb), qs[q_free], ks[k_free],
                           qs[qc[0]], vs[v_free], causal, scale)
     return attention, region
+
+
+def _over_last_axis(reduction: Any) -> bool:
+    """Whether a reduction is over its operand's last axis alone (a softmax's row)."""
+    return tuple(reduction.params["axes"]) == (len(_shape(reduction.invars[0])) - 1,)
 
 
 def _through(v: Any, prod: Callable, passes: tuple[str, ...]):

@@ -245,9 +245,9 @@ def _priced(graph: Graph, op: Operation, mesh: Mesh, figures: Figures, axes: tup
         resident = sum(in_bytes)
     working = sum(in_bytes) + sum(out_bytes) + temporaries
     if not label:
-        label = " ".join(_show(s) for s in result_specs) or "-"
+        label = " ".join(show(s) for s in result_specs) or "-"
         if op.kind == "output":
-            label = _show(operand_specs[0])
+            label = show(operand_specs[0])
         if reduce_over:
             label += " (partial sums, all-reduce over " + ",".join(reduce_over) + ")"
         if ring is not None:
@@ -273,5 +273,6 @@ def _ring_candidates(graph: Graph, op: Operation, mesh: Mesh, figures: Figures, 
     return out
 
 
-def _show(spec: Spec) -> str:
+def show(spec: Spec) -> str:
+    """A spec as plans print it: ``[x,-,y]``."""
     return "[" + ",".join(a or "-" for a in spec) + "]"
