@@ -485,7 +485,6 @@ def _slice_figures(s: Any, topology: Any) -> Figures:
         except PlanError:  # not measured yet
             topology = measured_topology(session.address, measure_first=True, security=session.security)
     hosts = [w for w, _ in s._physical]
-    per_host = {w: hosts.count(w) for w in hosts}
     n = len(hosts)
     latency, bandwidth = np.zeros((n, n)), np.full((n, n), math.inf)
     for i, a in enumerate(hosts):
@@ -496,9 +495,7 @@ def _slice_figures(s: Any, topology: Any) -> Figures:
             else:
                 link = topology.link(str(a), str(b))
                 latency[i, j], bandwidth[i, j] = link.latency, link.bandwidth
-    devices = [topology.device(str(w)) for w in per_host]
-    return Figures(min(d.flops for d in devices), latency, bandwidth,
-                   min(d.memory_bytes / per_host[w] for d, w in zip(devices, per_host)))
+    return Figures(min(topology.device(str(w)).flops for w in set(hosts)), latency, bandwidth)
 
 
 def _jax_figures(devices: list, topology: Any) -> Figures:

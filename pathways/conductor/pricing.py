@@ -54,7 +54,6 @@ class Figures:
     flops: float  # FLOP/s of the slowest device
     latency: np.ndarray  # [i, j]: seconds from device i to device j
     bandwidth: np.ndarray  # [i, j]: bytes/s from device i to device j
-    memory_bytes: Optional[float] = None  # what the smallest device holds, when known
 
     @property
     def count(self) -> int:
