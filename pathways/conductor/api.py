@@ -193,10 +193,6 @@ class ConductedFunction:
         self._last: Optional[Plan] = None
 
     @property
-    def devices(self) -> Any:
-        return self._slice.devices if self._slice is not None else self._jax_devices
-
-    @property
     def plan(self) -> Plan:
         if self._last is None:
             raise SignatureError(f"{self.name} has no plan yet: call it, or call plan_for(*args) with arrays "
@@ -238,36 +234,35 @@ class ConductedFunction:
 
     def __call__(self, *args: Any) -> Any:
         plan = self.plan_for(*args)
-        if self._slice is None:
-            mesh = self._jax_mesh(plan)
-            run = plan._compiled.get("jax")
-            if run is None:
-                ins, outs = plan.shardings(mesh)
-                run = plan._compiled["jax"] = jax.jit(plan.jax_fun(mesh), in_shardings=ins, out_shardings=outs)
-            return run(*args)
-        return self._compiled_on_slice(plan)(*args)
+        return self._compiled(plan, "call", lambda f: f, keep_out_shardings=True)(*args)
 
     def grad(self, argnums: int | Sequence[int] = 0) -> Callable:
         """A function returning ``jax.grad`` of the conducted function (which must return a
         scalar) with respect to ``argnums``, run as planned: the forward pass's shardings
         and ring attention, and their transposes for the backward pass."""
+        key = ("grad", argnums if isinstance(argnums, int) else tuple(argnums))
 
         def grad_fun(*args: Any) -> Any:
             plan = self.plan_for(*args)
-            key = ("grad", argnums if isinstance(argnums, int) else tuple(argnums))
-            if self._slice is None:
-                mesh = self._jax_mesh(plan)
-                run = plan._compiled.get(key)
-                if run is None:
-                    ins, _ = plan.shardings(mesh)
-                    run = plan._compiled[key] = jax.jit(jax.grad(plan.jax_fun(mesh), argnums), in_shardings=ins)
-                return run(*args)
-            compiled = plan._compiled.get(key)
-            if compiled is None:
-                compiled = plan._compiled[key] = _on_slice(self._slice, plan, lambda f: jax.grad(f, argnums), None)
-            return compiled(*args)
+            return self._compiled(plan, key, lambda f: jax.grad(f, argnums), keep_out_shardings=False)(*args)
 
         return grad_fun
+
+    def _compiled(self, plan: Plan, key: Any, wrap: Callable, keep_out_shardings: bool) -> Callable:
+        """``wrap`` of the planned function, compiled once per plan: by ``pw.jit`` on the slice,
+        or ``jax.jit`` on the JAX devices. Its outputs keep the plan's shardings when
+        ``keep_out_shardings``; otherwise the compiler chooses."""
+        run = plan._compiled.get(key)
+        if run is not None:
+            return run
+        if self._slice is None:
+            mesh = self._jax_mesh(plan)
+            ins, outs = plan.shardings(mesh)
+            run = jax.jit(wrap(plan.jax_fun(mesh)), in_shardings=ins, out_shardings=outs if keep_out_shardings else None)
+        else:
+            run = _on_slice(self._slice, plan, wrap, plan.out_specs if keep_out_shardings else None)
+        plan._compiled[key] = run
+        return run
 
     # ---- planning -------------------------------------------------------------------------
 
@@ -352,12 +347,6 @@ class ConductedFunction:
                                  "with a mesh of your own JAX devices, or call the function")
         return jax.sharding.Mesh(np.array(self._jax_devices).reshape(plan.mesh.shape), plan.mesh.axes)
 
-    def _compiled_on_slice(self, plan: Plan) -> Callable:
-        compiled = plan._compiled.get("slice")
-        if compiled is None:
-            compiled = plan._compiled["slice"] = _on_slice(self._slice, plan, lambda f: f, plan.out_specs)
-        return compiled
-
 
 def conduct(fun: Callable, devices: Any, *, memory_limit: Optional[float] = None, objective: str = "time",
             topology: Any = None, time_limit: float = 30.0) -> ConductedFunction:
@@ -406,33 +395,20 @@ def _emit(plan: Plan, mesh: Any) -> Callable:
             return value
         return jax.lax.with_sharding_constraint(value, NamedSharding(mesh, PartitionSpec(*spec)))
 
-    def on_eqn(eqn: Any, values: list) -> Optional[list]:
+    def on_eqn(eqn: Any, values: list, read: Callable) -> list:
         if id(eqn) in skipped:
             return [None] * len(eqn.outvars)
         ring = rings.get(id(eqn))
         if ring is not None:
             op, c = ring
-            out = _ring(ring_attention, op, c, mesh, plan.ring_orders[c.ring], values_of(op))
+            out = _ring(ring_attention, op, c, mesh, plan.ring_orders[c.ring], [read(v) for v in op.operands])
             return [constrain(eqn.outvars[0], out)]
         outs = eqn.primitive.bind(*values, **eqn.params)
         outs = list(outs) if eqn.primitive.multiple_results else [outs]
         return [constrain(v, x) for v, x in zip(eqn.outvars, outs)]
 
-    env: dict = {}
-
-    def values_of(op: Any) -> list:
-        return [env[v] for v in op.operands]
-
-    def remember(eqn: Any, values: list) -> Optional[list]:
-        outs = on_eqn(eqn, values)
-        if outs is not None:
-            env.update(zip(eqn.outvars, outs))
-        return outs
-
     def flat(*args: Any) -> list:
-        env.clear()
-        env.update(zip(graph.jaxpr.invars, args))
-        return evaluate(graph.jaxpr, graph.consts, args, remember)
+        return evaluate(graph.jaxpr, graph.consts, args, on_eqn)
 
     return flat
 
@@ -485,34 +461,37 @@ def _slice_figures(s: Any, topology: Any) -> Figures:
         except PlanError:  # not measured yet
             topology = measured_topology(session.address, measure_first=True, security=session.security)
     hosts = [w for w, _ in s._physical]
-    n = len(hosts)
-    latency, bandwidth = np.zeros((n, n)), np.full((n, n), math.inf)
-    for i, a in enumerate(hosts):
-        for j, b in enumerate(hosts):
-            if a == b:
-                latency[i, j], bandwidth[i, j] = (0.0, math.inf) if i == j else (pricing.SAME_HOST_LATENCY,
-                                                                                   pricing.SAME_HOST_BANDWIDTH)
-            else:
-                link = topology.link(str(a), str(b))
-                latency[i, j], bandwidth[i, j] = link.latency, link.bandwidth
-    return Figures(min(topology.device(str(w)).flops for w in set(hosts)), latency, bandwidth)
+
+    def link(i: int, j: int) -> tuple[float, float]:
+        if hosts[i] == hosts[j]:
+            return pricing.SAME_HOST_LATENCY, pricing.SAME_HOST_BANDWIDTH
+        found = topology.link(str(hosts[i]), str(hosts[j]))
+        return found.latency, found.bandwidth
+
+    return _figures_of(min(topology.device(str(w)).flops for w in set(hosts)), len(hosts), link)
 
 
 def _jax_figures(devices: list, topology: Any) -> Figures:
+    def link(i: int, j: int) -> tuple[float, float]:
+        if topology is not None:
+            found = topology.link(str(i), str(j))
+            return found.latency, found.bandwidth
+        if devices[i].process_index == devices[j].process_index:
+            return pricing.SAME_HOST_LATENCY, pricing.SAME_HOST_BANDWIDTH
+        return ASSUMED_LATENCY, ASSUMED_BANDWIDTH
+
     n = len(devices)
-    latency, bandwidth = np.zeros((n, n)), np.full((n, n), math.inf)
-    for i, a in enumerate(devices):
-        for j, b in enumerate(devices):
-            if i == j:
-                continue
-            if topology is not None:
-                link = topology.link(str(i), str(j))
-                latency[i, j], bandwidth[i, j] = link.latency, link.bandwidth
-            elif a.process_index == b.process_index:
-                latency[i, j], bandwidth[i, j] = pricing.SAME_HOST_LATENCY, pricing.SAME_HOST_BANDWIDTH
-            else:
-                latency[i, j], bandwidth[i, j] = ASSUMED_LATENCY, ASSUMED_BANDWIDTH
     flops = min(topology.device(str(i)).flops for i in range(n)) if topology is not None else ASSUMED_FLOPS
+    return _figures_of(flops, n, link)
+
+
+def _figures_of(flops: float, n: int, link: Callable[[int, int], tuple[float, float]]) -> Figures:
+    """Figures for ``n`` devices, ``link(i, j)`` giving the (latency, bandwidth) from i to j."""
+    latency, bandwidth = np.zeros((n, n)), np.full((n, n), math.inf)
+    for i in range(n):
+        for j in range(n):
+            if i != j:
+                latency[i, j], bandwidth[i, j] = link(i, j)
     return Figures(flops, latency, bandwidth)
 
 
@@ -564,13 +543,16 @@ def _transfers(graph: Graph, cands: list[list[Candidate]], mesh: Mesh) -> list:
 
 
 def _aval(x: Any, i: int) -> tuple[tuple[int, ...], np.dtype]:
-    if isinstance(x, jax.ShapeDtypeStruct) or hasattr(x, "shape") and hasattr(x, "dtype"):
+    """The (shape, dtype) of an argument leaf: an array of any kind, or a ``jax.ShapeDtypeStruct``."""
+    from pathways.client.compiled import host_array
+
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
         return tuple(x.shape), np.dtype(x.dtype)
     try:
-        a = np.asarray(x)
-    except Exception as e:
-        raise SignatureError(f"argument leaf {i} is a {type(x).__name__}, not an array: {e}") from None
-    return a.shape, jax.dtypes.canonicalize_dtype(a.dtype)
+        a = host_array(x)
+    except TypeError as e:
+        raise SignatureError(f"argument leaf {i} {e}") from None
+    return a.shape, a.dtype
 
 
 def _describe(avals: tuple) -> str:

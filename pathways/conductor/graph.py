@@ -122,8 +122,9 @@ def _inner(eqn: Any) -> Optional[tuple[Jaxpr, list]]:
 
 
 def evaluate(jaxpr: Jaxpr, consts: Sequence, args: Sequence, on_eqn: Optional[Callable] = None) -> list:
-    """Evaluate ``jaxpr``, inlining nested calls. ``on_eqn(eqn, operand values)`` may return
-    the equation's results instead (a list), or None to bind it as usual."""
+    """Evaluate ``jaxpr``, inlining nested calls. ``on_eqn(eqn, operand values, read)`` may
+    return the equation's results instead (a list), or None to bind it as usual; ``read(var)``
+    is the value of any variable computed so far."""
     env: dict = {}
 
     def read(v: Any) -> Any:
@@ -133,7 +134,7 @@ def evaluate(jaxpr: Jaxpr, consts: Sequence, args: Sequence, on_eqn: Optional[Ca
     env.update(zip(jaxpr.invars, args))
     for eqn in jaxpr.eqns:
         values = [read(v) for v in eqn.invars]
-        outs = on_eqn(eqn, values) if on_eqn is not None else None
+        outs = on_eqn(eqn, values, read) if on_eqn is not None else None
         if outs is None:
             inner = _inner(eqn)
             if inner is not None:
@@ -156,30 +157,30 @@ def _flatten(closed: ClosedJaxpr, avals: Sequence) -> ClosedJaxpr:
 def _build(jaxpr: Jaxpr, consts: list) -> Graph:
     eqns = _live(jaxpr)
     graph = Graph(jaxpr, consts, [])
-    depends: set = set(jaxpr.invars)
+    depends = _depends_on_args(jaxpr, eqns)
     for i, v in enumerate(jaxpr.invars):
         graph.producer[v] = (len(graph.operations), 0)
         graph.operations.append(_value_operation("input", f"input {i}", v, operand=False))
-    attention = _find_attention(eqns, depends_on_args(jaxpr, eqns), dict(zip(jaxpr.constvars, consts)))
+    attention = _find_attention(eqns, depends, dict(zip(jaxpr.constvars, consts)))
     finals = {id(region[-1]): (a, region) for a, region in attention}
     covered = {id(e) for _, region in attention for e in region}
     for eqn in eqns:
-        if not any(_var(v) in depends for v in eqn.invars):
+        if not any(v in depends for v in eqn.outvars):
             continue  # depends on no argument (masks, iotas, scale factors): every device computes it
-        depends.update(eqn.outvars)
         if id(eqn) in finals:
             a, region = finals[id(eqn)]
-            _add(graph, _attention_operation(a, eqn, region, len(graph.operations)), depends)
+            _add(graph, _attention_operation(a, eqn, region, len(graph.operations)))
         elif id(eqn) not in covered:
-            _add(graph, _operation(eqn, len(graph.operations)), depends)
+            _add(graph, _operation(eqn, len(graph.operations)))
     for i, v in enumerate(jaxpr.outvars):
         if isinstance(v, Literal) or v not in depends:
             continue  # a constant output: computed where it is returned
-        _add(graph, _value_operation("output", f"output {i}", v, operand=True), depends)
+        _add(graph, _value_operation("output", f"output {i}", v, operand=True))
     return graph
 
 
-def depends_on_args(jaxpr: Jaxpr, eqns: list) -> set:
+def _depends_on_args(jaxpr: Jaxpr, eqns: list) -> set:
+    """The variables whose values depend on the function's arguments."""
     depends = set(jaxpr.invars)
     for eqn in eqns:
         if any(_var(v) in depends for v in eqn.invars):
@@ -187,10 +188,10 @@ def depends_on_args(jaxpr: Jaxpr, eqns: list) -> set:
     return depends
 
 
-def _add(graph: Graph, op: Operation, depends: set) -> None:
+def _add(graph: Graph, op: Operation) -> None:
     index = len(graph.operations)
     # Operands that depend on no argument are constants, not edges of the graph.
-    keep = [j for j, v in enumerate(op.operands) if _var(v) in depends and v in graph.producer]
+    keep = [j for j, v in enumerate(op.operands) if _var(v) in graph.producer]
     op.operands = [op.operands[j] for j in keep]
     op.operand_dims = [op.operand_dims[j] for j in keep]
     for r, v in enumerate(op.results):
