@@ -425,6 +425,16 @@ def topology(address: str, measure_first: bool = False, timeout: float = 60.0,
                                 else status(address, timeout, security))
 
 
+def measured_topology(address: str, timeout: float = 60.0, security: Security | None = None) -> Topology:
+    """``topology``, measuring the workers first only when one of them has not been measured yet."""
+    from pathways.planner import PlanError
+
+    try:
+        return topology(address, timeout=timeout, security=security)
+    except PlanError:
+        return topology(address, measure_first=True, timeout=timeout, security=security)
+
+
 def _unary(address: str, service: str, name: str, timeout: float, request: bytes = b"",
            security: Security | None = None) -> dict:
     security = security or sec.for_client()

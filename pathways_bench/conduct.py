@@ -236,16 +236,6 @@ def _plan_record(plan: Any) -> dict:
             "attention_split": _attention_split(plan), "hinted": plan.hinted}
 
 
-def _measured_topology(address: str) -> Any:
-    from pathways.cluster import topology
-    from pathways.planner import PlanError
-
-    try:
-        return topology(address)
-    except PlanError:  # the workers have not been measured yet
-        return topology(address, measure_first=True)
-
-
 def _scaled(topo: Any, factor: float) -> Any:
     from pathways.planner import Topology
 
@@ -255,6 +245,7 @@ def _scaled(topo: Any, factor: float) -> Any:
 
 def measure(rounds: int, tiny: bool, progress: report.Progress) -> dict:
     import pathways as pw
+    from pathways.cluster import measured_topology
 
     size = TINY if tiny else SIZE
     calls = TINY_CALLS if tiny else CALLS
@@ -262,7 +253,7 @@ def measure(rounds: int, tiny: bool, progress: report.Progress) -> dict:
     progress.step(f"starting a host of {DEVICES} devices")
     with pw.local_cluster(islands=[pw.Island(hosts=1, devices_per_host=DEVICES)]) as cluster:
         s = pw.make_virtual_device_set().add_slice(cpu_devices=DEVICES)
-        measured = _measured_topology(cluster.address)
+        measured = measured_topology(cluster.address)
         args = inputs(**size)
         conducted = pw.conduct(loss, s.devices, topology=measured)
         steps, errors = _versions(s, conducted, args, progress)

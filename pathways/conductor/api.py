@@ -451,15 +451,10 @@ def _devices(devices: Any) -> tuple[Any, Optional[list]]:
 
 
 def _slice_figures(s: Any, topology: Any) -> Figures:
-    from pathways.cluster import topology as measured_topology
-    from pathways.planner.topology import PlanError
+    from pathways.cluster import measured_topology
 
     if topology is None:
-        session = s.session
-        try:
-            topology = measured_topology(session.address, security=session.security)
-        except PlanError:  # not measured yet
-            topology = measured_topology(session.address, measure_first=True, security=session.security)
+        topology = measured_topology(s.session.address, security=s.session.security)
     hosts = [w for w, _ in s._physical]
 
     def link(i: int, j: int) -> tuple[float, float]:
