@@ -33,7 +33,7 @@ import functools
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -113,19 +113,23 @@ def meshes(count: int, figures: Figures) -> list[Mesh]:
 
 def specs(shape: Sequence[int], mesh: Mesh) -> list[Spec]:
     """Every spec of a tensor of ``shape`` on ``mesh``: each axis splits one dimension it divides, or none."""
-    out: list[Spec] = []
-    for choice in itertools.product([None, *range(len(shape))], repeat=len(mesh.axes)):
+    return list(_assignments(shape, mesh))
+
+
+def _assignments(sizes: Sequence[int], mesh: Mesh) -> Iterator[Spec]:
+    """Every way to give each of ``sizes``' dimensions a mesh axis or none, each axis at most
+    one dimension whose size it divides."""
+    for choice in itertools.product([None, *range(len(sizes))], repeat=len(mesh.axes)):
         dims = [d for d in choice if d is not None]
         if len(dims) != len(set(dims)):
             continue
-        if any(d is not None and shape[d] % mesh.shape[i] for i, d in enumerate(choice)):
+        if any(d is not None and sizes[d] % mesh.shape[i] for i, d in enumerate(choice)):
             continue
-        spec: list[Optional[str]] = [None] * len(shape)
+        spec: list[Optional[str]] = [None] * len(sizes)
         for i, d in enumerate(choice):
             if d is not None:
                 spec[d] = mesh.axes[i]
-        out.append(tuple(spec))
-    return out
+        yield tuple(spec)
 
 
 def shard_bytes(nbytes: float, spec: Spec, mesh: Mesh) -> float:
@@ -166,30 +170,22 @@ def candidates(graph: Graph, op: Operation, mesh: Mesh, figures: Figures,
     if op.kind == "opaque":
         return [_priced(graph, op, mesh, figures, (), label="replicated")]
     out = []
-    dims = range(len(op.loop))
-    for choice in itertools.product([None, *dims], repeat=len(mesh.axes)):
-        used = [d for d in choice if d is not None]
-        if len(used) != len(set(used)):
-            continue
-        axes: list[Optional[str]] = [None] * len(op.loop)
-        for i, d in enumerate(choice):
-            if d is not None:
-                axes[d] = mesh.axes[i]
+    for axes in _assignments(op.loop, mesh):
         if not _allowed(graph, op, axes, mesh):
             continue
-        out.append(_priced(graph, op, mesh, figures, tuple(axes)))
+        out.append(_priced(graph, op, mesh, figures, axes))
         if op.kind == "attention":
-            out.extend(_ring_candidates(graph, op, mesh, figures, tuple(axes), ring_latency))
+            out.extend(_ring_candidates(graph, op, mesh, figures, axes, ring_latency))
     return out
 
 
 def _allowed(graph: Graph, op: Operation, axes: Sequence[Optional[str]], mesh: Mesh) -> bool:
+    """Whether every tensor dimension along a split loop dimension divides too, and the
+    operation may be split there."""
     for d, axis in enumerate(axes):
         if axis is None:
             continue
         k = mesh.size(axis)
-        if op.loop[d] % k:
-            return False
         if op.kind == "attention" and d > len(op.attention.batch):
             return False  # plain attention splits its batch and query dimensions; a ring splits the sequence
         for var, ds in [*zip(op.operands, op.operand_dims), *zip(op.results, op.result_dims)]:
