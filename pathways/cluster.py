@@ -5,10 +5,11 @@ A local cluster listens on loopback only: the controller binds 127.0.0.1, and wo
 which bind and advertise the address they reach the controller from, do too. Each island
 is named by its index and its hosts take ranks in start order.
 
-The supervisor runs in a background thread of the client process. Children die with it:
-each watches its parent (PATHWAYS_PARENT_PID) and exits when it is gone, and on stop (normal exit, error, Ctrl-C) every child is
-sent SIGTERM and, after a short grace, SIGKILL, since processes running JAX may ignore
-SIGTERM. Every wait has a deadline.
+The supervisor runs in a background thread of the client process. Its processes are forked
+by the client process's process template (template.py), which exits with the client; each
+process watches its parent (PATHWAYS_PARENT_PID) and exits when it is gone, and on stop
+(normal exit, error, Ctrl-C) every process is sent SIGTERM and, after a short grace, SIGKILL,
+since processes running JAX may ignore SIGTERM. Every wait has a deadline.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from pathways.wire import security as sec
 from pathways.wire.security import Security
 from pathways.wire.liveness import check_timeout
 from pathways import keeper
+from pathways.template import Template, template_for
 
 if TYPE_CHECKING:
     from pathways.planner import Topology
@@ -62,8 +64,67 @@ class Island:
     devices_per_host: int = 1
 
 
+# What a cluster's processes import: its template imports them once, and forks each process
+# from its image (template.py).
+_PRELOAD = ("pathways.cli", "pathways.cli.controller", "pathways.cli.worker", "pathways.controller.server",
+            "pathways.worker.server", "pathways.worker.core")
+
+
 def _python_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "pathways", *args]
+
+
+class _Forked:
+    """A process a template forked for a cluster, with the part of ``trio.Process``'s
+    interface the supervisor uses: its pid, command line, exit status and signals. The
+    template is its parent; the supervisor waits on its pidfd and reads its exit status from
+    the template."""
+
+    def __init__(self, template: Template, pid: int, args: list[str], stdout: Optional[trio.lowlevel.FdStream]):
+        self._template, self.pid, self.args, self.stdout = template, pid, args, stdout
+        self.returncode: Optional[int] = None
+        try:
+            self._pidfd: Optional[int] = os.pidfd_open(pid)
+        except ProcessLookupError:  # gone already: its status is on its way from the template
+            self._pidfd = None
+
+    async def wait(self) -> int:
+        if self.returncode is None:
+            if self._pidfd is not None:
+                await trio.lowlevel.wait_readable(self._pidfd)
+                os.close(self._pidfd)
+                self._pidfd = None
+            code = await trio.to_thread.run_sync(self._template.exit_code, self.pid, _GRACE_SECONDS + 10)
+            # no status: the template is gone (and so is the process, exit_with_parent)
+            self.returncode = -signal.SIGKILL if code is None else code
+            if self.stdout is not None:
+                self.stdout.close()
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.returncode is None and self._pidfd is not None:
+            try:
+                signal.pidfd_send_signal(self._pidfd, signum)
+            except ProcessLookupError:
+                pass  # exited meanwhile; wait() collects its status
+
+
+async def _start(command: list[str], env: dict[str, str], stdout: Optional[int]) -> _Forked:
+    """``command`` forked by this process's template for ``env``; its stdout on descriptor
+    ``stdout``, or on a pipe (``.stdout``) when None."""
+    template = await trio.to_thread.run_sync(template_for, _PRELOAD, env)
+    if stdout is not None:
+        pid = await trio.to_thread.run_sync(template.spawn, command, env, stdout)
+        return _Forked(template, pid, command, None)
+    read, write = os.pipe()
+    try:
+        pid = await trio.to_thread.run_sync(template.spawn, command, env, write)
+    except BaseException:
+        os.close(read)
+        raise
+    finally:
+        os.close(write)
+    return _Forked(template, pid, command, trio.lowlevel.FdStream(read))
 
 
 def child_log_env() -> dict[str, str]:
@@ -190,7 +251,7 @@ class LocalCluster:
 
     async def _supervise(self) -> None:
         self._token = trio.lowlevel.current_trio_token()
-        procs: list[trio.Process] = []
+        procs: list[_Forked] = []
         try:
             async with trio.open_nursery() as nursery:
                 self._cancel = nursery.cancel_scope
@@ -207,8 +268,7 @@ class LocalCluster:
                     stuck = [] if self.run_timeout is None else ["--run-timeout", repr(self.run_timeout)]
                     controller_cmd = _python_cmd("controller", "--policy", self.policy, "--window", str(self.window),
                                                  *sec.child_flags(self.security, data_plane=False), *beats, *stuck)
-                    controller = await trio.lowlevel.open_process([*controller_cmd, *ifrt], stdout=subprocess.PIPE,
-                                                                  env=env)
+                    controller = await _start([*controller_cmd, *ifrt], env, None)
                     procs.append(controller)
                     address, ifrt_address = await _read_address(controller.stdout, bool(ifrt))
                     # a restarted controller binds the same ports: its workers and clients find it there
@@ -225,13 +285,13 @@ class LocalCluster:
                         # (srun, a Kubernetes Job) started this process
                         for rank in range(island.hosts):
                             # started as its keeper, which restarts it when it asks (keeper.py)
-                            procs.append(await trio.lowlevel.open_process(
+                            procs.append(await _start(
                                 keeper.command(keeper.RECONNECT_TIMEOUT, _python_cmd(
                                     "worker", "--controller", address, "--platform", "cpu",
                                     "--devices", str(island.devices_per_host), "--launcher", "none",
                                     "--island", str(island_id), "--island-hosts", str(island.hosts),
                                     "--rank", str(rank), *options, *secure, *beats)),
-                                env=env, stdout=_STDERR_FD))
+                                env, _STDERR_FD))
                     self.pids = [p.pid for p in procs]
                     for i, p in enumerate(procs):
                         nursery.start_soon(self._watch, procs, i, "controller" if i == 0 else "worker",
@@ -253,7 +313,7 @@ class LocalCluster:
                 await _reap(procs[:1])
                 await _reap(procs[1:])
 
-    async def _watch(self, procs: list[trio.Process], i: int, role: str, command: list[str],
+    async def _watch(self, procs: list[_Forked], i: int, role: str, command: list[str],
                      env: dict[str, str]) -> None:
         """Wait for ``procs[i]`` to exit; start ``command`` in its place when the cluster
         restarts that kind of process (with a back-off), else report it."""
@@ -283,8 +343,7 @@ class LocalCluster:
             pause = min(pause * 2, RESTART_MAX_PAUSE)
             if self._stopping:
                 return
-            replacement = await trio.lowlevel.open_process(
-                command, env=env, stdout=subprocess.PIPE if role == "controller" else _STDERR_FD)
+            replacement = await _start(command, env, None if role == "controller" else _STDERR_FD)
             procs[i] = replacement
             self.pids = [p.pid for p in procs]
             self.restarts += 1
@@ -316,7 +375,7 @@ async def _read_address(stream: trio.abc.ReceiveStream, ifrt: bool = False) -> t
     return found[ADDRESS_LINE], found.get(IFRT_LINE)
 
 
-async def _reap(procs: list[trio.Process]) -> None:
+async def _reap(procs: list[_Forked]) -> None:
     alive = [p for p in procs if p.returncode is None]
     for p in alive:
         p.send_signal(signal.SIGTERM)
@@ -325,7 +384,7 @@ async def _reap(procs: list[trio.Process]) -> None:
             await p.wait()
     for p in alive:
         if p.returncode is None:
-            p.kill()
+            p.send_signal(signal.SIGKILL)
             await p.wait()
 
 

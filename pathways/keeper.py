@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any, Callable
 
 RECONNECT_TIMEOUT = 60.0  # the default of `pathways worker --reconnect-timeout`
 RESTART = 75  # the worker's exit code asking for a restart now (its island lost a host)
@@ -74,8 +75,12 @@ def exit_with_parent() -> None:
     threading.Thread(target=watch, name="pathways-parent-watch", daemon=True).start()
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], start: Callable[[list[str], dict[str, str]], Any] | None = None) -> int:
+    """Keep the worker ``argv[1:]`` (``argv[0]``: the reconnect timeout) running; its exit
+    status. ``start(command, env)`` starts it and returns a ``subprocess.Popen``-like child
+    (default: a new process; a process template forks it instead, template.py)."""
     reconnect_timeout, command = float(argv[0]), argv[1:]
+    start = start or (lambda command, env: subprocess.Popen(command, env=env))
     exit_with_parent()
     env = {**os.environ, KEPT_ENV: "1", PARENT_PID_ENV: str(os.getpid()),
            CPP_LOG_LEVEL_ENV: cpp_log_level(os.environ.get(LOG_LEVEL_ENV, ""))}
@@ -94,7 +99,7 @@ def main(argv: list[str]) -> int:
     pause = _ABORT_PAUSE
     while not stopping:
         started = time.monotonic()
-        child = subprocess.Popen(command, env=env)
+        child = start(command, env)
         kill_at = None
         while True:
             try:

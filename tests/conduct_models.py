@@ -1,5 +1,5 @@
 """Plain jax.numpy functions, with no sharding anywhere, that tests/test_conduct.py conducts:
-an MLP, a GPT-style block (layernorm, multi-head attention with a causal mask, MLP,
+an MLP and its loss, a GPT-style block (layernorm, multi-head attention with a causal mask, MLP,
 residuals), its loss, and a sum over a long axis."""
 
 import jax
@@ -12,6 +12,10 @@ from pathways_bench.conduct import block, inputs, loss
 def mlp(params, x):
     h = jax.nn.relu(x @ params["w1"] + params["b1"])
     return jnp.tanh(h @ params["w2"] + params["b2"])
+
+
+def mlp_loss(params, x):
+    return (mlp(params, x) ** 2).mean()
 
 
 def mlp_inputs(batch=16, width=32, hidden=64, seed=0):

@@ -36,8 +36,9 @@ START = 240  # seconds: a cluster starting on a busy machine
 
 
 def children(pid):
-    """The pids of ``pid``'s children (scripts run by `pathways run` get this function too,
-    to report the processes of their cluster)."""
+    """The pids of ``pid``'s children and, where one is the process template of a local
+    cluster (pathways/template.py), the processes it forked too (scripts run by `pathways run`
+    get this function as well, to report the processes of their cluster)."""
     import os
     found = []
     for entry in os.listdir("/proc"):
@@ -46,10 +47,14 @@ def children(pid):
         try:
             with open(f"/proc/{entry}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                template = b"pathways.template" in f.read()
         except OSError:
             continue
         if int(fields[1]) == pid:
             found.append(int(entry))
+            if template:
+                found += children(int(entry))
     return found
 
 
@@ -244,7 +249,7 @@ def test_up_with_ifrt_port_serves_the_proxy_and_stops_every_process(entry_point)
         target = f"grpc://127.0.0.1:{port}"
         assert f"IFRT proxy at {target}" in line and f"JAX_BACKEND_TARGET={target}" in line
         pids = children(proc.pid)
-        assert len(pids) == 2, "the controller and one worker"
+        assert len(pids) == 3, "the process template, the controller and one worker"
         out = run_script("import jax; print(len(jax.devices()), jax.process_count())", proxy_env(target, entry_point))
         assert out.returncode == 0 and out.stdout.split() == ["2", "1"], out.stderr
         proc.send_signal(signal.SIGTERM)
@@ -315,7 +320,7 @@ def test_run_passes_the_script_exit_code_through_and_stops_the_cluster(tmp_path)
     assert out.returncode == 3, out.stderr
     assert "devices 3 args ['a', '--b']" in out.stdout
     pids = [int(p) for p in re.search(r"cluster (.*)", out.stdout)[1].split()]
-    assert len(pids) == 3, out.stdout  # the controller, the worker and the script itself
+    assert len(pids) == 4, out.stdout  # the process template, the controller, the worker and the script itself
     assert pids_alive(pids) == []
 
 

@@ -19,7 +19,7 @@ import pytest
 
 import pathways as pw
 from pathways.cluster import status
-from tests.conftest import live_processes, pids_alive, wait_until
+from tests.conftest import child_of, live_processes, pids_alive, wait_until
 
 # The clusters' heartbeat timeout: shorter than the default (10 s), so that the tests wait
 # seconds, and long enough that a busy machine does not lose a host it should keep.
@@ -134,6 +134,7 @@ def test_a_dead_or_frozen_controller_fails_every_pending_call_within_seconds(sig
         time.sleep(1.0)
         assert blocked == [], "the computation should still be running"
         controller, workers = c.pids[0], c.pids[1:]
+        first = {keeper: child_of(keeper) for keeper in workers}  # the worker each keeper runs
         os.kill(controller, sig)
         killed = time.monotonic()
         try:
@@ -151,7 +152,7 @@ def test_a_dead_or_frozen_controller_fails_every_pending_call_within_seconds(sig
                 assert "stopped answering" in str(error), error
                 # the workers give the silent controller up after their heartbeat timeout, and
                 # restart in place to attach again once it is back (--reconnect-timeout)
-                wait_until(lambda: all(_reconnecting(w) for w in workers), timeout=HEARTBEAT_TIMEOUT + 20,
+                wait_until(lambda: all(_restarted(w, first[w]) for w in workers), timeout=HEARTBEAT_TIMEOUT + 20,
                            what="the workers to restart and wait for the controller")
                 assert pids_alive(workers) == workers
         finally:
@@ -159,15 +160,7 @@ def test_a_dead_or_frozen_controller_fails_every_pending_call_within_seconds(sig
                 os.kill(controller, signal.SIGCONT)
 
 
-def _reconnecting(keeper):
-    """Whether the worker that process ``keeper`` keeps restarted to wait for its controller."""
-    for pid, fields in live_processes():
-        if int(fields[1]) != keeper:
-            continue
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if b"PATHWAYS_RECONNECT_UNTIL=" in f.read():
-                    return True
-        except OSError:
-            continue  # gone meanwhile
-    return False
+def _restarted(keeper, first):
+    """Whether process ``keeper`` runs a worker other than ``first``: its worker exited to
+    attach again, and the keeper started the next, which waits for the controller."""
+    return any(int(fields[1]) == keeper and pid != first for pid, fields in live_processes())

@@ -26,16 +26,24 @@ def pathways(*args, timeout=120):
 
 
 def children_of(pid):
+    """{pid: command line} of the live children of process ``pid``."""
     found = {}
     for child, fields in live_processes():
         if int(fields[1]) != pid:
             continue
         try:
             with open(f"/proc/{child}/cmdline", "rb") as f:
-                found[child] = [c.decode() for c in f.read().split(b"\0")]
+                found[child] = " ".join(c.decode() for c in f.read().split(b"\0") if c)
         except OSError:
             continue  # gone meanwhile
     return found
+
+
+def cluster_processes(pid):
+    """{pid: command line} of the processes of the local cluster that process ``pid`` runs:
+    the children of its process template (pathways/template.py), which forks them."""
+    (template,) = [child for child, cmd in children_of(pid).items() if "-m pathways.template" in cmd]
+    return children_of(template)
 
 
 def session_members(sid):
@@ -88,17 +96,18 @@ def test_up_restarts_its_controller_when_it_dies_and_the_workers_attach_again():
         line = read_line(up, timeout=90)
         assert "pathways cluster up at grpc://" in line
         address = line.split()[4].rstrip(";")
-        children = children_of(up.pid)
-        controller = next(pid for pid, cmd in children.items() if "controller" in cmd)
-        worker = next(pid for pid, cmd in children.items() if "worker" in cmd)
+        children = cluster_processes(up.pid)
+        controller = next(pid for pid, cmd in children.items() if "-m pathways controller" in cmd)
+        worker = next(pid for pid, cmd in children.items() if "keeper.py" in cmd)
         os.kill(controller, signal.SIGKILL)
-        wait_until(lambda: any("controller" in cmd for pid, cmd in children_of(up.pid).items() if pid != controller),
+        wait_until(lambda: any("-m pathways controller" in cmd for pid, cmd in cluster_processes(up.pid).items()
+                               if pid != controller),
                    timeout=30, what="a new controller")
         st = wait_until(lambda: _status_or_none(address), timeout=60, what="the workers to attach to it again")
         assert pids_alive([worker]) == [worker], "the worker's keeper kept running"
         assert [w["pid"] for w in st["workers"]] == list(children_of(worker)), "and restarted the worker"
         assert up.poll() is None, "up keeps running"
-        children = children_of(up.pid)
+        children = {**children_of(up.pid), **cluster_processes(up.pid)}
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=30) == 0
         stderr = up.stderr.read()

@@ -1,0 +1,95 @@
+"""The process template (pathways/template.py): what a forked process becomes (its command,
+environment, stdout, title and exit status), a keeper forking its worker, and which clusters
+share a template. Local clusters start every process through it: the cluster tests cover
+the rest."""
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from pathways import keeper
+from pathways.errors import ConnectError
+from pathways.template import Template, template_for
+
+ROOT = str(Path(__file__).resolve().parent.parent)
+PRELOAD = ("xml.dom.minidom",)  # a module the target does not import: found there only if forked
+
+
+def environment(**extra):
+    return {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": ROOT, **extra}
+
+
+@pytest.fixture(scope="module")
+def template():
+    t = Template(PRELOAD, environment(TEMPLATE_OWNER_ONLY="1"))
+    yield t
+    t.close()
+    assert t.process.returncode is not None
+
+
+def run(template, argv, env):
+    """Spawn ``argv`` and return (what it printed, its exit status)."""
+    read, write = os.pipe()
+    try:
+        pid = template.spawn(argv, env, write)
+    finally:
+        os.close(write)
+    with os.fdopen(read) as out:
+        printed = out.read()
+    return pid, printed, template.exit_code(pid, timeout=30)
+
+
+def target(*args):
+    return [sys.executable, "-m", "tests.template_target", *map(str, args)]
+
+
+def test_a_forked_process_becomes_its_command_with_its_own_environment_and_exit_status(template):
+    pid, printed, code = run(template, target(3, "--flag"), environment(TEMPLATE_TEST_MARK="forked"))
+    seen = json.loads(printed)
+    assert code == 3
+    assert seen["argv"] == ["3", "--flag"] and seen["title"] == " ".join(target(3, "--flag"))
+    assert seen["mark"] == "forked" and seen["owner_only"] is None  # its environment, not the template's
+    assert seen["preloaded"] and seen["parent"] == template.process.pid
+    assert seen["cwd"] == os.getcwd()
+
+
+def test_a_process_ended_by_a_signal_reports_it_as_popen_does(template):
+    _, _, code = run(template, target(-signal.SIGKILL), environment())
+    assert code == -signal.SIGKILL
+
+
+def test_a_keeper_forks_its_worker_from_its_own_image_and_passes_its_status_on(template):
+    keeper_pid, printed, code = run(template, keeper.command(0.0, target(5)), environment())
+    seen = json.loads(printed)
+    assert code == 5, "the keeper exits with its worker's status"
+    assert seen["parent"] == keeper_pid and seen["preloaded"] and seen["argv"] == ["5"]
+
+
+def test_a_command_it_cannot_run_exits_with_1_saying_why_on_its_owners_stderr(template, capfd):
+    _, _, code = run(template, [sys.executable, "script.py"], environment())
+    assert code == 1
+    assert "runs `python -m MODULE ...` or a worker's keeper" in capfd.readouterr().err
+
+
+def test_clusters_share_a_template_unless_what_is_read_at_import_differs():
+    first = template_for(PRELOAD, environment(PATHWAYS_TOKEN="a"))
+    try:
+        assert template_for(PRELOAD, environment(PATHWAYS_TOKEN="b")) is first
+        other = template_for(PRELOAD, environment(JAX_ENABLE_X64="1"))
+        assert other is not first
+        other.close()
+        with pytest.raises(ConnectError, match="template exited"):
+            other.spawn(target(0), environment(), 1)
+        assert template_for(PRELOAD, environment(JAX_ENABLE_X64="1")) is not other, "a dead one is replaced"
+    finally:
+        for t in {first, template_for(PRELOAD, environment(JAX_ENABLE_X64="1"))}:
+            t.close()
+
+
+def test_a_template_whose_imports_fail_says_so():
+    with pytest.raises(ConnectError, match="did not start: ModuleNotFoundError"):
+        Template(("no_such_module_here",), environment())
