@@ -214,14 +214,14 @@ def tables(data: dict) -> list:
 
 
 def summary(data: dict) -> list[str]:
-    lines = []
+    lines = report.unjudged(data)
     for case, label in _CASES.items():
         if "skipped" in data[case]:
             lines.append(f"{label}: skipped ({data[case]['skipped']})")
             continue
         got, target = data[case]["assembled"]["median"], TARGETS[case]
         lines.append(f"{label}: assembled in {got:.2f} s (target {target:g} s: "
-                     + ("met" if got <= target else f"missed by {got - target:.2f} s")
+                     + report.verdict(data, got <= target, f"missed by {got - target:.2f} s")
                      + f"), serving a psum at {data[case]['serving']['median']:.2f} s")
     return lines
 

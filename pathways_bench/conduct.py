@@ -366,11 +366,12 @@ def tables(data: dict) -> list[report.Table]:
 def summary(data: dict) -> list[str]:
     best, ratio = data["best_baseline"], data["ratio_to_best"]
     target = data["targets"]["step"]
-    verdict = "met" if ratio <= target else f"**missed** by {ratio - target:.2f}x"
+    verdict = report.verdict(data, ratio <= target, f"**missed** by {ratio - target:.2f}x")
     r = data["replan"]
     rtarget = data["targets"]["replan"]
-    rverdict = "met" if r["ratio"] <= rtarget else f"**missed** by {r['ratio'] - rtarget:.0%}"
-    return [f"The conducted step takes {ratio:.2f}x the time of the best hand-sharded version ({best}; "
+    rverdict = report.verdict(data, r["ratio"] <= rtarget, f"**missed** by {r['ratio'] - rtarget:.0%}")
+    return [*report.unjudged(data),
+            f"The conducted step takes {ratio:.2f}x the time of the best hand-sharded version ({best}; "
             f"target <= {target:.2f}x): {verdict}.",
             f"Re-planning takes {r['ratio']:.0%} of a cold plan's time (median planning seconds "
             f"{r['planning_seconds']['warm']['median']:.2f} against {r['planning_seconds']['cold']['median']:.2f}; "

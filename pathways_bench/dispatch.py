@@ -223,11 +223,11 @@ def tables(data: dict) -> list[report.Table]:
 
 
 def summary(data: dict) -> list[str]:
-    lines = []
+    lines = report.unjudged(data)
     if 1 in data["hosts"]:
         r = data["rates"]["1"]
         x = report.ratio(r["JAX-O"], r["PW-C"])
-        verdict = "met" if x <= 2 else f"**missed** by {x - 2:.2f}x"
+        verdict = report.verdict(data, x <= 2, f"**missed** by {x - 2:.2f}x")
         lines.append(f"1 host: a computation of the 128-node chain (PW-C) takes {x:.2f}x a plain `jax.jit` call "
                      f"(JAX-O) (target <= 2x): {verdict}")
     for a, b, target in TARGETS:
@@ -236,7 +236,7 @@ def summary(data: dict) -> list[str]:
                 continue
             r = data["rates"][str(h)]
             x = report.ratio(r[a], r[b])
-            verdict = "met" if x >= target else f"**missed** by {target - x:.2f}x"
+            verdict = report.verdict(data, x >= target, f"**missed** by {target - x:.2f}x")
             lines.append(f"{h} hosts: {a}/{b} = {x:.2f}x (target >= {target:g}x): {verdict}")
     if "PW-C fused" not in _modes(data):
         return lines

@@ -299,9 +299,10 @@ def tables(data: dict) -> list[report.Table]:
 
 def summary(data: dict) -> list[str]:
     jit = data["jit"]
-    lines = [f"jit {mode}: the proxy makes {report.ratio(jit[mode]['proxy'], jit[mode]['local']):.3f}x local JAX's "
-             f"calls per second and {report.ratio(jit[mode]['proxy'], jit[mode]['native']):.2f}x pathways' native "
-             "op-by-op path" for mode in MODES]
+    lines = report.unjudged(data) + [
+        f"jit {mode}: the proxy makes {report.ratio(jit[mode]['proxy'], jit[mode]['local']):.3f}x local JAX's "
+        f"calls per second and {report.ratio(jit[mode]['proxy'], jit[mode]['native']):.2f}x pathways' native "
+        "op-by-op path" for mode in MODES]
     smallest, largest = str(min(data["sizes"])), str(max(data["sizes"]))
     lines.append(f"fixed cost of a {_size(int(smallest))} transfer through the proxy: " + ", ".join(
         f"{d} {1e3 * int(smallest) / data['transfers'][d][smallest]['proxy']['median']:.2f} ms" for d in DIRECTIONS)
@@ -310,7 +311,7 @@ def summary(data: dict) -> list[str]:
     for d in DIRECTIONS:
         r = data["transfers"][d][largest]
         x = report.ratio(r["proxy"], r["raw"])
-        verdict = "met" if x >= TARGET_RAW else f"**missed** by {TARGET_RAW - x:.2f}x"
+        verdict = report.verdict(data, x >= TARGET_RAW, f"**missed** by {TARGET_RAW - x:.2f}x")
         lines.append(f"{d} of {_size(int(largest))}: {x:.2f}x the raw TCP copy's rate (target >= {TARGET_RAW:g}x, "
                      f"within 2x): {verdict}; {report.ratio(r['proxy'], r['local']):.2f}x local JAX, "
                      f"{report.ratio(r['proxy'], r['native']):.2f}x pathways' native client")

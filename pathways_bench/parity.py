@@ -153,15 +153,16 @@ def tables(data: dict) -> list[report.Table]:
 
 
 def summary(data: dict) -> list[str]:
-    lines = []
+    lines = report.unjudged(data)
     for h in data["hosts"]:
         rates, durations = data["rates"][str(h)], data["durations_ms"]
         p, first = parity_point(durations, rates), parity_point(durations, rates, sustained=False)
         reached = f"{PARITY:.0%} first reached at {first:g} ms" if first is not None else "never reached"
         if p is None:
-            lines.append(f"{h} host(s): no parity point up to {durations[-1]:g} ms ({reached}): **target missed**")
+            verdict = report.verdict(data, False, "**target missed**")
+            lines.append(f"{h} host(s): no parity point up to {durations[-1]:g} ms ({reached}): {verdict}")
         else:
-            verdict = "met" if p <= 2.3 else f"**missed** by {p - 2.3:g} ms"
+            verdict = report.verdict(data, p <= 2.3, f"**missed** by {p - 2.3:g} ms")
             lines.append(f"{h} host(s): parity point {p:g} ms of work ({reached}; target <= 2.3 ms): {verdict}")
     return lines
 

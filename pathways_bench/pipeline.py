@@ -218,12 +218,12 @@ def _cost(r: dict) -> str:
 def summary(data: dict) -> list[str]:
     n = str(max(data["stages"]))
     x = report.ratio(data["rates"][n]["parallel"], data["rates"][n]["sequential"])
-    verdict = "met" if x >= 3 else f"**missed** by {3 - x:.2f}x"
-    lines = [f"{n} stages: parallel is {x:.2f}x sequential (target >= 3x): {verdict}"]
+    verdict = report.verdict(data, x >= 3, f"**missed** by {3 - x:.2f}x")
+    lines = [*report.unjudged(data), f"{n} stages: parallel is {x:.2f}x sequential (target >= 3x): {verdict}"]
     if "hops" in data:
         t = data["hops"]
         hop = report.ratio(t["hop_us"], t["raw_us"])
-        verdict = "met" if hop <= 3 else f"**missed** by {hop - 3:.2f}x"
+        verdict = report.verdict(data, hop <= 3, f"**missed** by {hop - 3:.2f}x")
         lines.append(f"one stage hop of the {t['stages']}-stage pipeline: {t['hop_us']['median']:,.0f} us, "
                      f"{hop:.2f}x a raw TCP round trip (target <= 3x): {verdict}")
     for what, r in data.get("overhead", {}).items():

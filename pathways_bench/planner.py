@@ -15,7 +15,7 @@ import statistics
 import time
 from typing import Any
 
-from pathways_bench.report import Progress, Table, plot_lines, rate, stats
+from pathways_bench.report import Progress, Table, plot_lines, rate, stats, unjudged, verdict
 from pathways.planner import (Device, Layer, Link, PlanError, Task, Topology, pipeline_partition, schedule,
                               validate)
 
@@ -272,7 +272,7 @@ def tables(data: dict) -> list[Table]:
 
 
 def summary(data: dict) -> list[str]:
-    lines = []
+    lines = unjudged(data)
     for objective in ("latency", "throughput"):
         s = _ratios([r for r in data["pipelines"] if r["objective"] == objective])
         if s:
@@ -285,17 +285,17 @@ def summary(data: dict) -> list[str]:
     largest = max(data["scaling"], key=lambda r: (r["devices"], r["items"]))
     big = [r for r in data["scaling"] if (r["devices"], r["items"]) == (largest["devices"], largest["items"])]
     worst, limit = max(r["seconds"] for r in big), data["limit"]
-    verdict = "met" if worst <= limit * 1.1 else f"missed by {worst - limit:.1f} s"
+    limit_verdict = verdict(data, worst <= limit * 1.1, f"missed by {worst - limit:.1f} s")
     lines.append(f"{largest['devices']} devices x {largest['items']} layers/tasks: planned in at most {worst:.1f} s "
                  f"with a {limit:.0f} s limit (target: within it, allowing 10% for the solver's parallel "
-                 f"workers to stop: {verdict}); "
+                 f"workers to stop: {limit_verdict}); "
                  f"proven optimal: {sum(r['optimal'] for r in big)} of {len(big)}.")
     speedups = _speedups(data["replans"])
     if speedups:
         median = statistics.median(speedups)
         lines.append(f"Re-planning from the previous schedule: {median:.2f}x faster than from scratch (median over "
                      f"{len(speedups)} changed graphs, {min(speedups):.2f}x-{max(speedups):.2f}x; target: faster, "
-                     f"{'met' if median > 1 else 'missed'}).")
+                     f"{verdict(data, median > 1, 'missed')}).")
     return lines
 
 

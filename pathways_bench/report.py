@@ -9,8 +9,8 @@ A benchmark is a module of ``pathways_bench`` with
 - ``measure(rounds, tiny, progress) -> dict``: runs it; the dict is JSON-serializable and
   holds every number the other functions show;
 - ``tables(data) -> list[Table]``, ``summary(data) -> list[str]`` (markdown lines: the
-  headline ratios and each target, met or missed and by how much) and ``notes(data) -> str``
-  (markdown: why the numbers are what they are);
+  headline ratios and each target, met or missed and by how much, through :func:`verdict`
+  and :func:`unjudged`) and ``notes(data) -> str`` (markdown: why the numbers are what they are);
 - ``plot(data, path)``: a PNG.
 """
 
@@ -62,6 +62,28 @@ LEGEND = {
 def legend(text: str) -> list[str]:
     """``NAME: meaning`` for every short name of LEGEND that ``text`` uses."""
     return [f"{name}: {meaning}" for name, meaning in LEGEND.items() if name in text]
+
+
+def judged(data: dict) -> bool:
+    """Whether a run's figures are judged against the targets: a ``--tiny`` run takes one cold
+    sample of sizes below the targets', so it shows that the benchmark runs, not whether the
+    targets are met."""
+    return not data.get("meta", {}).get("tiny")
+
+
+def unjudged(data: dict) -> list[str]:
+    """The summary line saying that a ``--tiny`` run's targets are not judged; none otherwise."""
+    if judged(data):
+        return []
+    return ["targets not judged: a --tiny run is too short and too small for its figures to mean anything"]
+
+
+def verdict(data: dict, met: bool, missed: str) -> str:
+    """A target's verdict: ``"met"``, or ``missed`` (how far it fell short), or ``"not judged"``
+    on a ``--tiny`` run."""
+    if not judged(data):
+        return "not judged"
+    return "met" if met else missed
 
 
 def times(x: float) -> str:

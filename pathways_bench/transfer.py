@@ -293,21 +293,17 @@ def summary(data: dict) -> list[str]:
     lines = ["fixed cost per run (one float32): " + ", ".join(
         f"{route} {1e3 * s:.2f} ms" for route, s in data["overhead_s"].items())
         + f"; raw TCP round trip {1e3 * data['raw_round_trip_s']:.3f} ms"]
-    # A --tiny run takes one cold sample of sizes below the targets': it shows that the benchmark
-    # runs, not whether the targets are met.
-    judged = not data.get("meta", {}).get("tiny")
-    if not judged:
-        lines.append("targets not judged: a --tiny run is too short and too small for its figures to mean anything")
+    lines += report.unjudged(data)
     for route in ROUTES:  # in the clear: the target is the runtime's, not TLS's
         x = data["overhead_s"][route] / data["raw_round_trip_s"]
-        verdict = ("met" if x <= 5 else f"**missed** by {x - 5:.1f}x") if judged else "not judged"
+        verdict = report.verdict(data, x <= 5, f"**missed** by {x - 5:.1f}x")
         lines.append(f"fixed cost of a one-float32 run, {route} / raw TCP round trip: {x:.1f}x (target <= 5x): {verdict}")
     clear = {(r["size"], r["route"]): r for r in data["rows"] if not r.get("tls")}
     for r in data["rows"]:
         if r["size"] < 16 * MiB:
             continue
         if not r.get("tls"):
-            verdict = ("met" if r["ratio"] >= 0.5 else f"**missed** by {0.5 - r['ratio']:.2f}x") if judged else "not judged"
+            verdict = report.verdict(data, r["ratio"] >= 0.5, f"**missed** by {0.5 - r['ratio']:.2f}x")
             lines.append(f"{_size(r['size'])}, {r['route']}: {r['ratio']:.2f}x raw TCP (target >= 0.5x): {verdict}")
         else:
             lines.append(f"{_size(r['size'])}, {r['route']}, data plane over TLS: "

@@ -10,7 +10,9 @@ from pathways_bench.suite import EXPERIMENTS
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = commands.add_parser("bench", help="run a benchmark, or all of them (regenerates BENCHMARKS.md)")
-    parser.add_argument("name", choices=[*EXPERIMENTS, "all"])
+    parser.add_argument("name", metavar="NAME", choices=[*EXPERIMENTS, "all"],
+                        help=f"the benchmark to run: one of {', '.join(EXPERIMENTS)}; or all, to run every one "
+                             "and write --out")
     parser.add_argument("--rounds", type=int, default=None,
                         help="alternating repetitions of each measurement (default: the benchmark's own)")
     parser.add_argument("--tiny", action="store_true", help="the smallest sizes, to check that it runs")

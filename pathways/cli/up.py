@@ -45,8 +45,11 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     cluster.start()
     lines = [f"pathways cluster up at {cluster.address}; export PATHWAYS_ADDRESS={cluster.address}"]
     if cluster.ifrt_address:
+        # jaxlib reads its log level only when it loads: the script's environment alone can hide
+        # the proxy client's harmless warnings (insecure credentials, a stack trace at exit)
         lines.append(f"IFRT proxy at {cluster.ifrt_address}; run unmodified JAX programs with "
-                     f"JAX_PLATFORMS=proxy JAX_BACKEND_TARGET={cluster.ifrt_address}")
+                     f"JAX_PLATFORMS=proxy JAX_BACKEND_TARGET={cluster.ifrt_address} TF_CPP_MIN_LOG_LEVEL=2 "
+                     "(the last hides the proxy client's harmless warnings)")
     print("\n".join(lines), flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the cluster on SIGTERM too
     try:

@@ -14,7 +14,8 @@ CP-SAT):
   ``best_ring`` (``pathways.planner.ring``): the ring order whose slowest hop is fastest.
 
 A ``Topology`` describes the devices and links, by hand, from JSON or from a running
-cluster's status. ``gantt`` draws plans; ``cli`` is ``python -m pathways plan``.
+cluster's status. ``gantt`` draws plans; the ``pathways plan`` command
+(:mod:`pathways.cli.plan`) plans from a JSON file.
 """
 
 from pathways.planner.partition import (OBJECTIVES, STRATEGIES, Layer, Partition, PipelinePlan, Stage,
