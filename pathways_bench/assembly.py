@@ -4,14 +4,17 @@ from cold processes, on this machine's loopback and across network namespaces.
 - *Loopback*: ``pw.local_cluster`` of one island of two hosts (one CPU device each), from
   the call until the controller's status shows the island healthy (*assembled*: both hosts
   registered), and until a psum over both hosts first returns (*serving*: the hosts formed
-  their jax.distributed group and built their cores, and the psum compiled and ran).
+  their jax.distributed group and built their cores, and the psum compiled and ran). Each
+  round runs in a new process, so that its cluster's process template starts cold; then
+  *warm*: a second cluster in the same process, whose processes the running template forks.
 - *Namespaces*: docs/deploy.md's "By hand" commands, each host in a network namespace of its
   own (pathways_bench/netns.py; needs root): ``pathways controller`` and two ``pathways
   worker`` of island ``a``, all started at once, and a client in a fourth namespace (started
   and warm before them) that polls the controller's status and then runs the psum.
 
-Each also gives the CPU seconds that the controller and workers (with their keepers) spent
-until serving: on a machine of few cores the processes of a start compete for them.
+Each also gives the CPU seconds that the controller and workers (with their keepers and, on
+loopback, the process template) spent until serving: on a machine of few cores the
+processes of a start compete for them.
 """
 
 from __future__ import annotations
@@ -42,7 +45,10 @@ ABOUT = """
 timed from the call: *assembled* when the controller's status shows the island healthy (both
 hosts registered and took their ranks), *serving* when a `pw.pmap` psum over both hosts
 first returns (the hosts formed their jax.distributed group and built their cores, and the
-psum compiled and ran). The client process has imported JAX before it starts.
+psum compiled and ran). The client process has imported JAX before it starts. Each round
+runs in a new client process, so that the cluster's process template, which imports JAX
+and forks the controller and the workers, starts cold. *Warm*: a second cluster of the same
+shape in that process, right after, whose processes the running template forks.
 
 **Namespaces**: docs/deploy.md's "By hand" commands, each host in a network namespace of
 its own joined by a bridge (`pathways_bench/netns.py`; needs root): `pathways controller
@@ -52,8 +58,9 @@ W`, all three started at once. A client
 in a fourth namespace, started and warm before them, polls the controller's status every
 20 ms from that moment, then runs the same psum.
 
-*CPU s*: what the controller, the workers and their keepers spent until serving (user and
-system, from /proc): on 2 cores, the processes of a start compete for them.
+*CPU s*: what the controller, the workers, their keepers and (cold loopback) the process
+template spent until serving (user and system, from /proc): on 2 cores, the processes of a
+start compete for them.
 """
 
 
@@ -115,16 +122,59 @@ def _cpu_seconds(roots: Iterable[int]) -> float:
     return sum(times.get(pid, 0.0) for pid in wanted)
 
 
-def _loopback_round() -> dict[str, float]:
+def _loopback_round() -> dict[str, dict[str, float]]:
+    """A cold loopback round and a warm one, in a new process (this file run with
+    ``--loopback``)."""
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--loopback"], capture_output=True, text=True,
+                          timeout=2 * _TIMEOUT + 60,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              filter(None, [_package_root(), os.environ.get("PYTHONPATH")]))})
+    if done.returncode != 0:
+        raise RuntimeError(f"the loopback round failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def _loopback_client() -> None:
+    """Time a cluster whose process template starts with it, then a second one that the
+    running template forks; prints both as JSON."""
     import pathways as pw
 
-    began = time.monotonic()
-    with pw.local_cluster(islands=[pw.Island(hosts=2)]) as c:
-        assembled = _wait_assembled(c.address, "0", began + _TIMEOUT)
-        _serve_psum(lambda: pw.make_virtual_device_set().add_slice(cpu_devices=2).devices)
-        served = time.monotonic()
-        cpu = _cpu_seconds(c.pids)
-    return {"assembled": assembled - began, "serving": served - began, "cpu": cpu}
+    pw.P  # noqa: B018 - imports JAX and the client now, before the clock starts
+    rounds = {}
+    for case in ("loopback", "warm"):
+        began = time.monotonic()
+        with pw.local_cluster(islands=[pw.Island(hosts=2)]) as c:
+            assembled = _wait_assembled(c.address, "0", began + _TIMEOUT)
+            _serve_psum(lambda: pw.make_virtual_device_set().add_slice(cpu_devices=2).devices)
+            served = time.monotonic()
+            cpu = _cpu_seconds(c.pids) + (_own_cpu_seconds(_templates()) if case == "loopback" else 0.0)
+        rounds[case] = {"assembled": assembled - began, "serving": served - began, "cpu": cpu}
+    print(json.dumps(rounds), flush=True)
+
+
+def _templates() -> list[int]:
+    """The process templates this process started (pathways/template.py)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if parent == os.getpid() and b"pathways.template" in f.read():
+                    found.append(int(entry))
+        except OSError:
+            continue  # gone meanwhile
+    return found
+
+
+def _own_cpu_seconds(pids: Iterable[int]) -> float:
+    """User and system CPU seconds of the processes ``pids`` themselves."""
+    total = 0.0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def _client(address: str) -> None:
@@ -177,7 +227,7 @@ def _package_root() -> str:
 def measure(rounds: int, tiny: bool, progress: report.Progress) -> dict:
     skipped: Optional[str] = netns.unavailable()
     progress.expect(rounds * (1 if skipped else 2))
-    samples: dict[str, list[dict[str, float]]] = {"loopback": [], "netns": []}
+    samples: dict[str, list[dict[str, float]]] = {"loopback": [], "warm": [], "netns": []}
     load: list[float] = []
     with tempfile.TemporaryDirectory(prefix="pathways-assembly-") as directory:
         for name in ("token", "worker-token"):
@@ -185,8 +235,10 @@ def measure(rounds: int, tiny: bool, progress: report.Progress) -> dict:
                 f.write(secrets.token_urlsafe(32))
         for i in range(rounds):  # the two cases alternate, so that they share the machine's moods
             load.append(os.getloadavg()[0])
-            samples["loopback"].append(_loopback_round())
-            progress.step(f"loopback round {i + 1}: {samples['loopback'][-1]['assembled']:.1f} s")
+            for case, times in _loopback_round().items():
+                samples[case].append(times)
+            progress.step(f"loopback round {i + 1}: {samples['loopback'][-1]['assembled']:.1f} s "
+                          f"(warm {samples['warm'][-1]['assembled']:.1f} s)")
             if not skipped:
                 samples["netns"].append(_netns_round(directory))
                 progress.step(f"namespaces round {i + 1}: {samples['netns'][-1]['assembled']:.1f} s")
@@ -201,47 +253,60 @@ def _s(s: dict) -> str:
     return f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"
 
 
-_CASES = {"loopback": "loopback: pw.local_cluster", "netns": "network namespaces: the By hand commands"}
+_CASES = {"loopback": "loopback: pw.local_cluster", "warm": "loopback: a second pw.local_cluster (template warm)",
+          "netns": "network namespaces: the By hand commands"}
 
 
 def tables(data: dict) -> list:
-    rows = [[label, _s(data[case]["assembled"]), _s(data[case]["serving"]), _s(data[case]["cpu"]),
-             f"{TARGETS[case]:g}"] if "skipped" not in data[case] else [label, "skipped", "-", "-", f"{TARGETS[case]:g}"]
-            for case, label in _CASES.items()]
+    rows = [[label, _s(data[case]["assembled"]), _s(data[case]["serving"]), _s(data[case]["cpu"]), _target(case)]
+            if "skipped" not in data[case] else [label, "skipped", "-", "-", _target(case)]
+            for case, label in _CASES.items() if case in data]
     return [report.Table("Seconds from start to an island of 2 hosts assembled and serving, median (min-max); "
                          f"the machine's load average {data['load']['median']:.1f} (median of the rounds' starts)",
                          ["case", "assembled s", "serving s", "CPU s", "target s (assembled)"], rows)]
 
 
+def _target(case: str) -> str:
+    return f"{TARGETS[case]:g}" if case in TARGETS else "-"
+
+
 def summary(data: dict) -> list[str]:
     lines = report.unjudged(data)
     for case, label in _CASES.items():
+        if case not in data:
+            continue
         if "skipped" in data[case]:
             lines.append(f"{label}: skipped ({data[case]['skipped']})")
             continue
-        got, target = data[case]["assembled"]["median"], TARGETS[case]
-        lines.append(f"{label}: assembled in {got:.2f} s (target {target:g} s: "
-                     + report.verdict(data, got <= target, f"missed by {got - target:.2f} s")
-                     + f"), serving a psum at {data[case]['serving']['median']:.2f} s")
+        got, target = data[case]["assembled"]["median"], TARGETS.get(case)
+        judged = "" if target is None else (
+            f" (target {target:g} s: " + report.verdict(data, got <= target, f"missed by {got - target:.2f} s") + ")")
+        lines.append(f"{label}: assembled in {got:.2f} s{judged}, serving a psum at "
+                     f"{data[case]['serving']['median']:.2f} s")
     return lines
 
 
 def notes(data: dict) -> str:
     return """
-Where the time goes. Each process imports Python's and the package's modules; a worker also
-imports JAX (about 1.1 s of CPU here) while it attaches and waits for its rank, then starts
-JAX's backend and the island's jax.distributed group. The controller, the keepers and the
-command line import no JAX. On 2 cores shared with the client and other work, the start is
+Where the time goes. On loopback, the cluster's process template imports Python's, the
+package's and JAX's modules once (about 2 s of CPU here), then forks the controller, the
+keepers and the workers, which start JAX's backend and the island's jax.distributed group;
+a second cluster of the same program reuses the template. Across namespaces each process
+imports what it runs: a worker imports JAX (about 1.1 s of CPU) while it attaches and waits
+for its rank; the controller, the keepers and the command line import no JAX. On 2 cores shared with the client and other work, the start is
 CPU-bound: the CPU seconds are a better guide than the wall-clock figures, which follow the
 machine's load.
 """
 
 
 def plot(data: dict, path: str) -> None:
-    cases = [c for c in _CASES if "skipped" not in data[c]]
+    cases = [c for c in _CASES if c in data and "skipped" not in data[c]]
     report.plot_bars(path, "Island of 2 hosts: start to assembled and serving", "seconds", cases,
                      {key: [data[c][key]["median"] for c in cases] for key in ("assembled", "serving")})
 
 
 if __name__ == "__main__":
-    _client(sys.argv[1])
+    if sys.argv[1] == "--loopback":
+        _loopback_client()
+    else:
+        _client(sys.argv[1])
