@@ -49,7 +49,11 @@ IMPORT_ENV_PREFIXES = ("PYTHON", "JAX_", "XLA_", "TF_", "LD_", "OMP_", "OPENBLAS
 START_TIMEOUT = 120.0  # seconds for a template to import its modules
 REQUEST_TIMEOUT = 30.0  # seconds for a template to fork what it was asked to
 _MESSAGE_BYTES = 1 << 20
-_KEEPER = os.path.abspath(keeper.__file__)
+_KEEPER = os.path.realpath(keeper.__file__)
+# The directory this process imports the package from: the template starts there, so that
+# `python -m` puts it first on its path and it imports the same package (a script's
+# process may import an installed copy while its working directory holds another).
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 
 
 class Template:
@@ -64,7 +68,8 @@ class Template:
             # One BLAS thread: the template must stay single-threaded to fork safely.
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "pathways.template", str(theirs.fileno()), *self.preload],
-                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env={**env, "OPENBLAS_NUM_THREADS": "1"})
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, cwd=_PACKAGE_ROOT,
+                env={**env, "OPENBLAS_NUM_THREADS": "1"})
         self._socket = ours
         self._socket.settimeout(START_TIMEOUT)
         try:
@@ -263,7 +268,7 @@ def _run(argv: list[str]) -> int:
         sys.argv = [argv[0], *args[2:]]
         runpy.run_module(args[1], run_name="__main__", alter_sys=True)
         return 0
-    if args and os.path.abspath(args[0]) == _KEEPER:
+    if args and os.path.realpath(args[0]) == _KEEPER:
         sys.argv = args
         return keeper.main(args[1:], start=fork_command)
     raise SystemExit(f"a process template runs `python -m MODULE ...` or a worker's keeper, not {argv}")

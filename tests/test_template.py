@@ -93,3 +93,17 @@ def test_clusters_share_a_template_unless_what_is_read_at_import_differs():
 def test_a_template_whose_imports_fail_says_so():
     with pytest.raises(ConnectError, match="did not start: ModuleNotFoundError"):
         Template(("no_such_module_here",), environment())
+
+
+def test_a_template_imports_its_owners_package_whatever_the_working_directory_holds(tmp_path, monkeypatch):
+    # a script run from a checkout imports the installed package while its directory holds
+    # another copy: the template must import the owner's, not the directory's
+    (tmp_path / "pathways").mkdir()
+    (tmp_path / "pathways" / "__init__.py").write_text("raise ImportError('the working directory's copy')\n")
+    monkeypatch.chdir(tmp_path)
+    template = Template(PRELOAD, environment())
+    try:
+        _, printed, code = run(template, keeper.command(0.0, target(0)), environment())
+    finally:
+        template.close()
+    assert code == 0 and json.loads(printed)["cwd"] == str(tmp_path)
