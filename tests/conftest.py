@@ -59,8 +59,20 @@ def processes_marked(entry):
 
 
 def child_pids():
-    """This process's live children."""
-    return {pid for pid, fields in live_processes() if int(fields[1]) == os.getpid()}
+    """This process's live children, except its process template (pathways/template.py),
+    which serves every local cluster it starts and lives as long as it does."""
+    children = set()
+    for pid, fields in live_processes():
+        if int(fields[1]) != os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"pathways.template" in f.read():
+                    continue
+        except OSError:
+            continue  # gone meanwhile
+        children.add(pid)
+    return children
 
 
 def child_of(pid, timeout=30.0):
