@@ -103,6 +103,7 @@ class Template:
             try:
                 reply = self._replies.get(timeout=REQUEST_TIMEOUT)
             except queue.Empty:
+                self.alive = False  # a late reply would answer the next request: use another template
                 raise ConnectError(f"the process template did not start {argv[3:5]} within "
                                    f"{REQUEST_TIMEOUT:g} s") from None
         if "pid" not in reply:
