@@ -167,6 +167,12 @@ def _close_templates() -> None:
         _templates.clear()
 
 
+def template_pids() -> list[int]:
+    """The pids of the templates this process runs."""
+    with _templates_lock:
+        return [t.process.pid for t in _templates.values() if t.owner == os.getpid() and t.process.poll() is None]
+
+
 def template_for(preload: Sequence[str], env: dict[str, str]) -> Template:
     """This process's template for processes with environment ``env`` that run the modules
     ``preload``: a running one that fits, else a new one (seconds: it imports them)."""

@@ -138,6 +138,7 @@ def _loopback_client() -> None:
     """Time a cluster whose process template starts with it, then a second one that the
     running template forks; prints both as JSON."""
     import pathways as pw
+    from pathways.template import template_pids
 
     pw.P  # noqa: B018 - imports JAX and the client now, before the clock starts
     rounds = {}
@@ -147,34 +148,10 @@ def _loopback_client() -> None:
             assembled = _wait_assembled(c.address, "0", began + _TIMEOUT)
             _serve_psum(lambda: pw.make_virtual_device_set().add_slice(cpu_devices=2).devices)
             served = time.monotonic()
-            cpu = _cpu_seconds(c.pids) + (_own_cpu_seconds(_templates()) if case == "loopback" else 0.0)
+            # cold: the template started with this cluster, and forked all of it
+            cpu = _cpu_seconds(template_pids() if case == "loopback" else c.pids)
         rounds[case] = {"assembled": assembled - began, "serving": served - began, "cpu": cpu}
     print(json.dumps(rounds), flush=True)
-
-
-def _templates() -> list[int]:
-    """The process templates this process started (pathways/template.py)."""
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if parent == os.getpid() and b"pathways.template" in f.read():
-                    found.append(int(entry))
-        except OSError:
-            continue  # gone meanwhile
-    return found
-
-
-def _own_cpu_seconds(pids: Iterable[int]) -> float:
-    """User and system CPU seconds of the processes ``pids`` themselves."""
-    total = 0.0
-    for pid in pids:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
 
 
 def _client(address: str) -> None:

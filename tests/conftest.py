@@ -12,6 +12,7 @@ import pytest
 
 import pathways as pw
 from pathways.cluster import status, worker_stats
+from pathways.template import template_pids
 
 # The package imports each public name's module when first used (pathways/__init__.py):
 # import them all now, so that what a test times is never an import.
@@ -59,20 +60,10 @@ def processes_marked(entry):
 
 
 def child_pids():
-    """This process's live children, except its process template (pathways/template.py),
-    which serves every local cluster it starts and lives as long as it does."""
-    children = set()
-    for pid, fields in live_processes():
-        if int(fields[1]) != os.getpid():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"pathways.template" in f.read():
-                    continue
-        except OSError:
-            continue  # gone meanwhile
-        children.add(pid)
-    return children
+    """This process's live children, except its process templates (pathways/template.py),
+    which serve every local cluster it starts and live as long as it does."""
+    templates = set(template_pids())
+    return {pid for pid, fields in live_processes() if int(fields[1]) == os.getpid() and pid not in templates}
 
 
 def child_of(pid, timeout=30.0):
