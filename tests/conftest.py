@@ -2,8 +2,10 @@ import compileall
 import json
 import os
 import selectors
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import pytest
 import pathways as pw
 from pathways.cluster import status, worker_stats
 from pathways.template import template_pids
+from pathways.worker import compile_cache
 
 # The package imports each public name's module when first used (pathways/__init__.py):
 # import them all now, so that what a test times is never an import.
@@ -193,6 +196,23 @@ def pytest_configure(config):
     os.environ.setdefault("PATHWAYS_LOG_LEVEL", "error")
     if not hasattr(config, "workerinput"):  # once, in the process that starts pytest-xdist's workers
         _compile_sources()
+        _share_executables(config)
+
+
+def _share_executables(config):
+    """The workers of every cluster the tests start keep their executables in one directory
+    for the run (pathways/worker/compile_cache.py), as a machine's workers do in production:
+    a function the tests run on many clusters compiles once, not once per cluster."""
+    if compile_cache.ENV in os.environ:
+        return
+    directory = tempfile.mkdtemp(prefix="pathways-compile-cache-")
+    os.environ[compile_cache.ENV] = directory  # pytest-xdist's workers, started next, inherit it
+
+    def remove():
+        os.environ.pop(compile_cache.ENV, None)
+        shutil.rmtree(directory, ignore_errors=True)
+
+    config.add_cleanup(remove)
 
 
 def _compile_sources():

@@ -11,6 +11,7 @@ from pathways.defaults import HEARTBEAT_TIMEOUT
 from pathways.keeper import RECONNECT_TIMEOUT
 from pathways.platforms import PLATFORMS
 from pathways.wire import security
+from pathways.worker import compile_cache
 from pathways.worker.launchers import LAUNCHERS
 
 
@@ -62,6 +63,11 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help="the directory under which a suspended session's arrays may be written to files "
                              "(a client's suspend path must lie under it; default: none, they stay in host "
                              "memory): no client can have this worker write elsewhere")
+    parser.add_argument("--compile-cache", metavar="DIR",
+                        help=f"keep compiled executables in DIR, so that this worker when it restarts, and other "
+                             f"workers of this machine, load them instead of compiling again (default: "
+                             f"${compile_cache.ENV}, else ${compile_cache.JAX_ENV}; none: compile in each process). "
+                             "DIR must be writable by the operator alone: loading an executable runs its code")
     security.add_flags(parser, server=True)
     return parser
 
@@ -86,5 +92,6 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error("--island needs a name, e.g. --island 0 or --island rack-a")
     main(args.controller, devices, IslandMembership(island, launch.hosts, launch.rank), args.wait_timeout,
          args.connect_timeout, args.join_timeout, args.bind, args.advertise, args.unsafe_local_order,
-         security.from_args(args), args.heartbeat_timeout, args.reconnect_timeout, args.suspend_dir)
+         security.from_args(args), args.heartbeat_timeout, args.reconnect_timeout, args.suspend_dir,
+         compile_cache.directory_from(args.compile_cache))
     return 0

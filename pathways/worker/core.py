@@ -56,6 +56,7 @@ from pathways.protocol.ops import LAYOUT, MAX_SENDERS
 from pathways.timeline import RECORDER, now
 from pathways.wire import codec, tcp
 from pathways.wire.security import Security
+from pathways.worker.compile_cache import CompileCache
 from pathways.worker.executables import Executables
 from pathways.worker.executor import Executor, shareable
 from pathways.worker.measure import Measurer
@@ -97,7 +98,7 @@ class WorkerCore:
                  security: Security | None = None, peer_timeout: float | None = None,
                  on_heartbeat: Callable[[float], None] = lambda timeout: None,
                  on_reset: Optional[Callable[[], None]] = None, suspend_dir: Optional[str] = None,
-                 tickets: Optional[PeerTickets] = None) -> None:
+                 tickets: Optional[PeerTickets] = None, compile_cache: Optional[str] = None) -> None:
         if not (math.isfinite(wait_timeout) and wait_timeout > 0):
             raise ValueError(f"wait_timeout must be a finite number of seconds above 0, got {wait_timeout!r}")
         self.up = up
@@ -105,7 +106,7 @@ class WorkerCore:
         self.store = ObjectStore()
         self.sessions = Sessions()
         self.fetch_waits = FetchWaits()
-        self.executables = Executables()
+        self.executables = Executables(CompileCache(compile_cache) if compile_cache else None)
         self.peers: dict[int, str] = {}
         # the data plane, greeted with the cluster's token and this worker's ticket for each peer
         self.tickets = tickets or PeerTickets()
@@ -666,6 +667,7 @@ class WorkerCore:
         and data-plane connections refused for want of a peer's ticket."""
         return {"worker": self.worker_id, "handles": len(self.store), "sessions": self.store.session_counts(),
                 "executables": len(self.executables), "compiled": self.executables.compiled(),
+                "compile_cache": self.executables.cache_counts(),
                 "programs": self.executor.programs, "refused_peers": self.tickets.refused}
 
     def close(self) -> None:

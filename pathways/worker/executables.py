@@ -23,6 +23,7 @@ from pathways.ir import Layout
 from pathways.protocol.check import MAX_NAME, MAX_TEXT
 from pathways.protocol.handles import session_of
 from pathways.protocol.messages import Compiled
+from pathways.worker.compile_cache import CompileCache, use_jax_cache
 from pathways.worker.xla import compile_xla, fingerprint as xla_fingerprint
 
 MAX_CACHED_SHARDINGS = 4096  # layouts come from the wire: the cache must not grow without bound
@@ -38,7 +39,11 @@ def island_devices() -> dict[tuple[int, int], Any]:
 
 
 class Executables:
-    def __init__(self) -> None:
+    def __init__(self, cache: Optional[CompileCache] = None) -> None:
+        """``cache``: where executables are kept across processes (none: compiled in each)."""
+        self._cache = cache
+        if cache is not None:
+            use_jax_cache(cache.directory)
         self._devices = island_devices()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pathways-compile")
         self._by_fingerprint: dict[str, Future] = {}
@@ -73,7 +78,7 @@ class Executables:
         future = self._register(
             key, name, xla_fingerprint(artifact, options, devices, workers),
             lambda: self._pool.submit(compile_xla, name, artifact, options, devices, workers, self._devices,
-                                      self.sharding),
+                                      self.sharding, self._cache),
             len(devices) > 1, None if any(rank != self.rank for rank, _ in devices) else False)
         if report is not None:
             future.add_done_callback(lambda f: report(_compiled(key, name, f)))
@@ -178,6 +183,11 @@ class Executables:
         with self._lock:
             futures = list(self._by_fingerprint.values())
         return sum(1 for f in futures if f.done() and f.exception() is None)
+
+    def cache_counts(self) -> dict:
+        """The compile cache's hits and misses for "xla" functions (both 0 without a cache)."""
+        cache = self._cache
+        return {"hits": cache.hits if cache else 0, "misses": cache.misses if cache else 0}
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -231,7 +231,8 @@ def main(controller: str, devices: Devices, island: IslandMembership, wait_timeo
          join_timeout: float = 300.0, bind: Optional[str] = None, advertise: Optional[str] = None,
          unsafe_local_order: bool = False, security: Security | None = None,
          heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
-         reconnect_timeout: float = keeper.RECONNECT_TIMEOUT, suspend_dir: Optional[str] = None) -> None:
+         reconnect_timeout: float = keeper.RECONNECT_TIMEOUT, suspend_dir: Optional[str] = None,
+         compile_cache: Optional[str] = None) -> None:
     """Serve until the controller stops it: attach to ``controller``, join ``island``
     (JAX serves ``devices``, and joins the island's jax.distributed group when it
     has several hosts, waiting up to ``join_timeout`` seconds for the other hosts). Servers
@@ -247,7 +248,8 @@ def main(controller: str, devices: Devices, island: IslandMembership, wait_timeo
     because JAX cannot leave a jax.distributed group and join another in-process, and
     because a controller that restarted knows nothing of the old state. ``suspend_dir``:
     the directory under which a suspended session's files may be written (none: in host
-    memory only)."""
+    memory only). ``compile_cache``: the directory executables are kept in across processes
+    (worker/compile_cache.py; none: each process compiles its own)."""
     native_stdout.filter_stdout(log)
     security = security or Security()
     if security.serves_tls != security.uses_tls:
@@ -279,7 +281,7 @@ def main(controller: str, devices: Devices, island: IslandMembership, wait_timeo
             raise SystemExit(f"error: {error}")
     error, again = trio.run(_serve, controller, devices, island, bind_host, advertise_host, wait_timeout,
                             connect_timeout, join_timeout, unsafe_local_order, security, heartbeat_timeout,
-                            suspend_dir)
+                            suspend_dir, compile_cache)
     kept = os.environ.get(keeper.KEPT_ENV) == "1"
     code = 1 if error else 0
     if again == RECONNECT and reconnect_timeout > 0 and kept:
@@ -374,7 +376,8 @@ async def _first(*events: trio.Event) -> None:
 async def _serve(controller: str, devices: Devices, island: IslandMembership, bind: str, advertise: str,
                  wait_timeout: float, connect_timeout: float, join_timeout: float,
                  unsafe_local_order: bool, security: Security,
-                 heartbeat_timeout: float, suspend_dir: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+                 heartbeat_timeout: float, suspend_dir: Optional[str],
+                 compile_cache: Optional[str]) -> tuple[Optional[str], Optional[str]]:
     """Run the worker until its controller or a signal stops it; returns why it could not
     run (or None), and whether to restart: RESTART (the controller said so: the island
     lost a host), RECONNECT (the controller went away), or None (stop)."""
@@ -449,7 +452,7 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
                 return error
             core = await _start_core(devices, island, wait_timeout, unsafe_local_order, outbox, told_to("shutdown"),
                                      told_to("reset"), ended, security, heartbeat_timeout, beats.learn,
-                                     suspend_dir, tickets)
+                                     suspend_dir, tickets, compile_cache)
             if core is None:
                 return _stopped(joining, island)
             joining.hand_to(core)  # the welcome first: it says which peers' copies are stale
@@ -607,7 +610,7 @@ async def _start_core(devices: Devices, island: IslandMembership, wait_timeout: 
                       outbox: rpc.Outbox, on_shutdown: Callable[[], None], on_reset: Callable[[], None],
                       ended: trio.Event, security: Security, heartbeat_timeout: float,
                       on_heartbeat: Callable[[float], None], suspend_dir: Optional[str],
-                      tickets: PeerTickets) -> Optional["WorkerCore"]:
+                      tickets: PeerTickets, compile_cache: Optional[str]) -> Optional["WorkerCore"]:
     """The worker's core (JAX's devices exist now); None if the stream ended first."""
     from pathways.worker.core import WorkerCore
 
@@ -622,7 +625,7 @@ async def _start_core(devices: Devices, island: IslandMembership, wait_timeout: 
         made.append(await trio.to_thread.run_sync(
             lambda: WorkerCore(outbox.put, wait_timeout, sync, unsafe_local_order, on_shutdown, security,
                                peer_timeout=heartbeat_timeout, on_heartbeat=on_heartbeat, on_reset=on_reset,
-                               suspend_dir=suspend_dir, tickets=tickets),
+                               suspend_dir=suspend_dir, tickets=tickets, compile_cache=compile_cache),
             abandon_on_cancel=True))
         done.set()
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
 import numpy as np
@@ -25,6 +25,7 @@ from jax._src.sharding_impls import GSPMDSharding
 from pathways.errors import WireError
 from pathways.hlo import layout_of_op_sharding, replicated
 from pathways.ir import Device, Layout
+from pathways.worker.compile_cache import CompileCache
 from pathways.wire.codec import is_wire_dtype_name
 
 _DONOR_ATTRS = ("tf.aliasing_output", "jax.buffer_donor")
@@ -96,11 +97,13 @@ class XlaExecutable:
 
 
 def compile_xla(name: str, artifact: bytes, options: bytes, devices: Sequence[Device], workers: Sequence[int],
-                island: Mapping[Device, Any], sharding_of: Callable[[Layout], Any]) -> XlaExecutable:
+                island: Mapping[Device, Any], sharding_of: Callable[[Layout], Any],
+                cache: Optional[CompileCache] = None) -> XlaExecutable:
     """Compile ``artifact`` with serialized CompileOptionsProto ``options`` on ``devices``
     (logical device i of the executable is ``devices[i]``, hosted by ``workers`` in rank
-    order); ``island`` maps this island's devices to jax devices, ``sharding_of`` gives a
-    layout's NamedSharding. Raises WireError (or XLA's error) saying what failed."""
+    order), or load it from ``cache``; ``island`` maps this island's devices to jax devices,
+    ``sharding_of`` gives a layout's NamedSharding. Raises WireError (or XLA's error) saying
+    what failed."""
     missing = [d for d in devices if d not in island]
     if missing:
         raise WireError(f"function {name!r} names devices {missing} (host rank, index) that this worker's island "
@@ -121,7 +124,7 @@ def compile_xla(name: str, artifact: bytes, options: bytes, devices: Sequence[De
     compile_options.device_assignment = xla_client.DeviceAssignment.create(
         np.array([d.id for d in jax_devices]).reshape(replicas, partitions))
     in_avals, out_types, donated = signature(name, artifact)
-    loaded = xla_bridge.get_backend().compile_and_load(artifact, xla_client.DeviceList(jax_devices), compile_options)
+    loaded = _compile_and_load(artifact, compile_options, jax_devices, cache)
 
     workers_by_rank = dict(zip(sorted({r for r, _ in devices}), workers))
     in_ops = _op_shardings(loaded.get_parameter_shardings(), len(in_avals))
@@ -141,6 +144,20 @@ def compile_xla(name: str, artifact: bytes, options: bytes, devices: Sequence[De
                         _module_name(loaded, name))
     return XlaExecutable(loaded, in_avals, [GSPMDSharding(jax_devices, h) for h in hlo],
                          [sharding_of(layout) for layout in outs], out_types, metadata)
+
+
+def _compile_and_load(artifact: bytes, compile_options: Any, jax_devices: tuple, cache: Optional[CompileCache]) -> Any:
+    backend = xla_bridge.get_backend()
+    device_list = xla_client.DeviceList(jax_devices)
+    if cache is None:
+        return backend.compile_and_load(artifact, device_list, compile_options)
+    key = cache.key(backend, artifact, compile_options.SerializeAsString(),
+                    repr([d.id for d in jax_devices]).encode())
+    loaded = cache.load(key, backend, device_list, compile_options)
+    if loaded is None:
+        loaded = backend.compile_and_load(artifact, device_list, compile_options)
+        cache.store(key, backend, loaded)
+    return loaded
 
 
 def signature(name: str, artifact: bytes) -> tuple[list, list, list[int]]:
