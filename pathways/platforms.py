@@ -8,8 +8,11 @@ run on, so that a CPU-only client can compile for accelerator workers.
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import json
 import os
+import pkgutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -68,6 +71,22 @@ class Devices:
     count: int
 
 
+def accelerator_backends() -> list[str]:
+    """The accelerator backends JAX could start here, found without starting JAX: its
+    plugins (``jax_plugins`` modules and entry points, this package's IFRT proxy aside) and
+    libtpu; none when JAX_PLATFORMS asks for the CPU alone."""
+    if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        return []
+    found = [e.value for e in importlib.metadata.entry_points(group="jax_plugins")
+             if e.value.split(".")[0] != __name__.split(".")[0]]
+    namespace = importlib.util.find_spec("jax_plugins")
+    if namespace is not None and namespace.submodule_search_locations:
+        found += [m.name for m in pkgutil.iter_modules(namespace.submodule_search_locations)]
+    if importlib.util.find_spec("libtpu") is not None:
+        found.append("libtpu")
+    return found
+
+
 # Run by ``find_devices`` in a child process: which platform JAX picks here, and its devices.
 _PROBE = """
 import json, jax
@@ -83,10 +102,10 @@ def find_devices(platform: Optional[str], devices: Optional[int], timeout: float
     """The devices a worker serves: ``devices`` virtual CPU devices (default 1) for the CPU
     (a count given without a platform means the CPU: only CPU devices are counted by hand);
     for an accelerator platform, or when neither is given (whichever JAX finds), what a
-    child process finds. The worker itself must not start JAX's backends before it joins
+    child process finds, unless no accelerator backend is installed. The worker itself must not start JAX's backends before it joins
     its island's jax.distributed group, which comes after it registers these figures."""
     count = cpu_devices(platform, devices)
-    if platform == "cpu" or (platform is None and devices is not None):
+    if platform == "cpu" or (platform is None and (devices is not None or not accelerator_backends())):
         return Devices("cpu", "cpu", count)
     env = {**os.environ, **({"JAX_PLATFORMS": platform} if platform else {})}
     what = f"--platform {platform}" if platform else "a JAX platform"

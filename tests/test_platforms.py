@@ -13,7 +13,9 @@ import pathways as pw
 from pathways.client.devices import VirtualDeviceSet
 from pathways.controller.islands import Islands
 from pathways.controller.placement import ResourceManager
-from pathways.platforms import PLATFORMS, Devices, cpu_devices, export_platforms, find_devices, kind_of
+from pathways import platforms
+from pathways.platforms import (PLATFORMS, Devices, accelerator_backends, cpu_devices, export_platforms, find_devices,
+                                kind_of)
 from pathways.protocol import messages as m
 
 
@@ -122,11 +124,24 @@ def test_a_function_for_a_gpu_slice_is_exported_for_cuda_and_rocm_from_a_cpu_cli
         assert jax.export.deserialize(bytearray(fn.body.blob)).platforms == platforms
 
 
-def test_find_devices_counts_cpu_devices_by_hand_and_asks_jax_for_the_rest():
+def test_accelerator_backends_leave_out_the_proxy_and_are_none_when_jax_platforms_says_cpu(monkeypatch):
+    assert not any(name.startswith("pathways") for name in accelerator_backends())
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert accelerator_backends() == []
+
+
+def test_find_devices_counts_cpu_devices_by_hand_and_asks_jax_for_the_rest(monkeypatch):
     assert find_devices("cpu", 3) == Devices("cpu", "cpu", 3)
     assert find_devices(None, 2) == Devices("cpu", "cpu", 2), "a count without a platform means the CPU"
-    # neither: a child process asks JAX, which finds only the CPU on this machine
+    # neither, where an accelerator backend is installed: a child process asks JAX, which
+    # finds only the CPU on this machine
+    monkeypatch.setattr(platforms, "accelerator_backends", lambda: ["jax_cuda12_plugin"])
     assert find_devices(None, None) == Devices("cpu", "cpu", 1)
+    # and where none is: the CPU, without a child process
+    monkeypatch.setattr(platforms, "accelerator_backends", lambda: [])
+    monkeypatch.setattr(platforms.subprocess, "run", lambda *a, **k: pytest.fail("asked JAX in a child process"))
+    assert find_devices(None, None) == Devices("cpu", "cpu", 1)
+    monkeypatch.undo()
     # a platform JAX cannot start here: the error says what to check
     with pytest.raises(ValueError, match="could not find the devices of --platform tpu on this host.*"
                                          "or pass --platform cpu"):
