@@ -74,10 +74,10 @@ class Attention:
     permutations bring each to (batch..., sequence, features), the layout of the result."""
 
     q: Any
-    k: Any
-    v: Any
     q_perm: tuple[int, ...]
+    k: Any
     k_perm: tuple[int, ...]
+    v: Any
     v_perm: tuple[int, ...]
     batch: tuple[int, ...]  # sizes of the batch dimensions (heads included)
     q_len: int
@@ -497,9 +497,10 @@ def _match_attention(final: Any, producer: dict, order: dict, depends: set, cons
     q_free = next(d for d in range(len(qs)) if d not in qc and d not in qb)
     k_free = next(d for d in range(len(ks)) if d not in kc and d not in kb)
     v_free = next(d for d in range(len(vs)) if d not in vc and d not in vb)
-    attention = Attention(q, k, final.invars[1], tuple(qb) + (q_free, qc[0]), tuple(kb) + (k_free, kc[0]),
-                          tuple(vb) + (vc[0], v_free), tuple(qs[d] for d in qb), qs[q_free], ks[k_free],
-                          qs[qc[0]], vs[v_free], causal, scale)
+    attention = Attention(q=q, q_perm=tuple(qb) + (q_free, qc[0]), k=k, k_perm=tuple(kb) + (k_free, kc[0]),
+                          v=final.invars[1], v_perm=tuple(vb) + (vc[0], v_free), batch=tuple(qs[d] for d in qb),
+                          q_len=qs[q_free], kv_len=ks[k_free], head_dim=qs[qc[0]], value_dim=vs[v_free],
+                          causal=causal, scale=scale)
     return attention, region
 
 

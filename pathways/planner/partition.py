@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from pathways.planner.topology import (PlanError, Topology, UnknownLinkError, _check_amount, _check_time_limit,
-                                       _check_topology)
+                                       _check_topology, _nonempty)
 
 if TYPE_CHECKING:
     from ortools.sat.python import cp_model
@@ -195,12 +195,8 @@ class _Model:
 
     def __init__(self, topology: Topology, layers: Sequence[Layer]) -> None:
         _check_topology(topology, "plan a pipeline")
-        layers = tuple(layers)
-        if not layers:
-            raise PlanError("layers is empty: a pipeline needs at least one layer")
+        layers = _nonempty(layers, "layers", Layer, "a Layer", "a pipeline needs at least one layer")
         for i, layer in enumerate(layers):
-            if not isinstance(layer, Layer):
-                raise PlanError(f"layers[{i}] must be a Layer, got {type(layer).__name__}")
             _check_amount(layer.flops, f"layers[{i}].flops")
             for name in ("param_bytes", "activation_bytes"):
                 _check_amount(getattr(layer, name), f"layers[{i}].{name}", integer=True)

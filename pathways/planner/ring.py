@@ -32,7 +32,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
-from pathways.planner.topology import PlanError, Topology, _check_time_limit, _check_topology
+from pathways.planner.topology import PlanError, Topology, _check_time_limit, _check_topology, _nonempty
 
 if TYPE_CHECKING:
     from ortools.sat.python import cp_model
@@ -71,12 +71,9 @@ def ring_from_topology(topology: Topology, device_ids: Sequence[str], *,
     """``best_ring`` over ``device_ids`` of ``topology``, latencies from ``topology.link(a, b)``:
     the order is of indices into ``device_ids``, starting with 0."""
     _check_topology(topology, "order in a ring")
-    ids = list(device_ids)
-    if not ids:
-        raise PlanError("device_ids is empty: name at least one device of the topology to order in a ring")
-    for i, d in enumerate(ids):
-        if not isinstance(d, str):
-            raise PlanError(f"device_ids[{i}] must be a device id (a string), got {d!r}")
+    ids = list(_nonempty(device_ids, "device_ids", str, "a device id (a string)",
+                         "name at least one device of the topology to order in a ring"))
+    for d in ids:
         topology.device(d)
     if len(set(ids)) != len(ids):
         twice = sorted({d for d in ids if ids.count(d) > 1})

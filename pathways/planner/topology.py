@@ -217,6 +217,18 @@ def _objects(items: Any, name: str, noun: str = "an object") -> Iterator[tuple[s
         yield where, item
 
 
+def _nonempty(items: Any, name: str, kind: type, noun: str, need: str) -> tuple:
+    """``items`` as a tuple, refused when empty (``need`` says what to give) or when an
+    element is not a ``kind`` (``noun`` names one in errors about ``name[i]``)."""
+    items = tuple(items)
+    if not items:
+        raise PlanError(f"{name} is empty: {need}")
+    for i, item in enumerate(items):
+        if not isinstance(item, kind):
+            raise PlanError(f"{name}[{i}] must be {noun}, got {type(item).__name__} {item!r:.80}")
+    return items
+
+
 def _check_topology(topology: Any, purpose: str) -> None:
     """``topology`` is a Topology with at least one device to ``purpose`` on."""
     if not isinstance(topology, Topology):
