@@ -29,6 +29,14 @@ def test_array_bytes_must_match_header():
         codec.assemble_array({**header, "nbytes": 3}, [])
 
 
+def test_a_reused_packer_packs_what_pack_does_before_and_after_a_large_object():
+    for obj in ([1, "small", b"\x00"], [b"x" * (codec._KEPT_PACKER_BYTES + 1)], {"after": [2.5, None]}):
+        assert codec.pack_each(obj) == codec.pack(obj)
+    with pytest.raises(TypeError):
+        codec.pack_each([object()])
+    assert codec.pack_each([3]) == codec.pack([3]), "a failed pack leaves nothing behind"
+
+
 def test_layout_and_graph_wire_forms():
     layout = Layout((1, 2), ((0, 0), (0, 1), (1, 0), (1, 1)), (2, 2), ("x", "y"), (("x", "y"), None))
     assert Layout.from_wire(codec.unpack(codec.pack(layout.to_wire()))) == layout

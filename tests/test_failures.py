@@ -131,33 +131,57 @@ def next_messages(replies):
     return m.SESSION_DOWN.decode_batch(next(replies))
 
 
-def test_a_client_that_does_not_read_its_replies_holds_no_more_of_the_controllers_memory(cluster):
-    """200,000 requests whose every one is answered (refused deletes), sent without
-    reading a reply. The controller stops reading the stream while its replies wait (a
-    backlog of at most rpc.MAX_QUEUED_MESSAGES, a few MB, where holding all of them takes
-    tens), serves other clients meanwhile, and every reply arrives once the client reads."""
+def _send_without_reading(cluster, payload, times, requests, refusal, memory):
+    """Send ``payload`` (``requests`` requests in all) ``times`` on a raw session without
+    reading a reply; the controller's memory grows by less than ``memory`` bytes, other
+    clients are served meanwhile, and once the client reads, every request is answered
+    with an Error that contains ``refusal``."""
     controller = cluster.pids[0]
     before = rss_bytes(controller)
     channel, outbox, replies = raw_session(cluster.address)
-    requests = 200_000
     try:
         outbox.put(m.encode_batch([m.Hello(m.PROTOCOL_VERSION, 1.0)]))
-        for _ in range(requests // 1000):
-            outbox.put(m.encode_batch([m.Delete((7,))] * 1000))  # the controller's handle: refused each time
+        for _ in range(times):
+            outbox.put(payload)
         time.sleep(2.0)  # about as long as the controller takes to go through them all, had it not stopped reading
-        assert rss_bytes(controller) - before < 30 << 20
+        grown = rss_bytes(controller) - before
+        assert grown < memory, grown
         started = time.monotonic()
         status(cluster.address)
         assert time.monotonic() - started < 2.0, "other clients are served meanwhile"
         refused = 0
-        for payload in replies:
-            refused += sum(type(x) is m.Error for x in m.SESSION_DOWN.decode_batch(payload))
+        for reply in replies:
+            errors = [x for x in m.SESSION_DOWN.decode_batch(reply) if type(x) is m.Error]
+            assert all(refusal in x.message for x in errors), errors[0].message[:200]
+            refused += len(errors)
             if refused >= requests:
                 break
         assert refused == requests, "every request was answered once the client read"
     finally:
         outbox.put(None)
         channel.close()
+
+
+def test_a_client_that_does_not_read_its_replies_holds_no_more_of_the_controllers_memory(cluster):
+    """200,000 requests whose every one is answered (refused deletes), sent without
+    reading a reply. The controller stops reading the stream while its replies wait (a
+    backlog of at most rpc.MAX_QUEUED_MESSAGES, a few MB, where holding all of them takes
+    tens), serves other clients meanwhile, and every reply arrives once the client reads."""
+    deletes = m.encode_batch([m.Delete((7,))] * 1000)  # the controller's handle: refused each time
+    _send_without_reading(cluster, deletes, 200, 200_000, "belong to other sessions", 30 << 20)
+
+
+def test_a_client_that_does_not_read_large_replies_holds_no_more_than_the_byte_bound(cluster):
+    """2,500 requests whose every one is refused with an error of about 48 KB (it quotes
+    the malformed value of the request), 120 MB of replies, sent without reading one. The
+    controller stops reading the stream once rpc.MAX_QUEUED_BYTES of replies wait (far
+    fewer than rpc.MAX_QUEUED_MESSAGES), serves other clients meanwhile, and every reply
+    arrives once the client reads."""
+    quoted = "x" * 48_000
+    graph = {"nvalues": 1, "inputs": [0], "nodes": [[1, [0], [0]]], "outputs": [0],
+             "types": [["float32", [], quoted]]}  # a value type of three entries: refused, quoted
+    programs = codec.pack([["program", 1, graph, "parallel"]] * 10)
+    _send_without_reading(cluster, programs, 250, 2500, quoted, 3 * rpc.MAX_QUEUED_BYTES + (30 << 20))
 
 
 def test_fetches_that_wait_for_ever_hold_a_few_of_a_workers_threads_and_others_are_served(cluster, session):
@@ -262,15 +286,16 @@ def _threads(pid):
 
 def test_a_backlog_larger_than_one_payload_goes_out_in_several():
     batch = [m.Error(i, "RemoteError", "x" * 1000) for i in range(1, 3001)]
+    items = [m.encode_item(x) for x in batch]
     limit = len(m.encode_batch(batch)) // 5
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(rpc, "MAX_MESSAGE_BYTES", limit)
-        payloads = list(rpc.payloads(batch))
+        payloads = list(rpc.payloads(items))
     assert len(payloads) > 5 and all(len(p) <= limit for p in payloads)
     assert [x.req for p in payloads for x in m.SESSION_DOWN.decode_batch(p)] == list(range(1, 3001)), "all, in order"
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(rpc, "MAX_BATCH_MESSAGES", 1000)
-        assert [len(m.SESSION_DOWN.decode_batch(p)) for p in rpc.payloads(batch[:2500])] == [1000, 1000, 500]
+        assert [len(m.SESSION_DOWN.decode_batch(p)) for p in rpc.payloads(items[:2500])] == [1000, 1000, 500]
     with pytest.raises(WireError, match="exceeds the 65536"):
         m.SESSION_DOWN.decode_batch(codec.pack([["cluster", 1]] * (m.MAX_BATCH_MESSAGES + 1)))
 

@@ -152,8 +152,9 @@ class ControllerServer:
         sends its outbox with ``send``. ``on_end`` is called exactly once, whether the peer
         finished sending or the stream was cancelled (the peer vanished), unless the
         controller is stopping. With ``backpressure`` (a client's session), the next payload
-        is read only once the outbox has room (rpc.MAX_QUEUED_MESSAGES): a client that does
-        not read its replies is not served further, and costs no more memory."""
+        is read only once the outbox has room (rpc.MAX_QUEUED_MESSAGES, rpc.MAX_QUEUED_BYTES):
+        a client that does not read its replies is not served further, and costs no more
+        memory."""
         task = asyncio.current_task()
         self._streams.add(task)
         writer = asyncio.create_task(outbox.write_to(send))

@@ -26,7 +26,7 @@ from pathways.protocol.handles import MAX_HANDLE, MAX_SESSION, session_of
 from pathways.protocol.ops import LAYOUT, MAX_NODES, MAX_REGISTERS, ROUTE, decode_op, encode_op
 from pathways.timeline import MAX_DETAIL, MAX_EVENTS
 from pathways.timeline import MAX_NAME as MAX_SPAN_NAME
-from pathways.wire.codec import MAX_MESSAGE_BYTES, is_wire_dtype_name, pack, unpack
+from pathways.wire.codec import MAX_MESSAGE_BYTES, is_wire_dtype_name, list_header, pack, pack_each, unpack
 
 PROTOCOL_VERSION = 12
 # How a function's blob is to be compiled: a jax.export artifact (its layouts given by the
@@ -240,6 +240,17 @@ MAX_BATCH_MESSAGES = 1 << 16
 
 def encode_batch(messages: list[Message]) -> bytes:
     return pack([m.encode() for m in messages])
+
+
+def encode_item(message: Message) -> bytes:
+    """``message`` encoded as one item of a batch (``join_items``)."""
+    return pack_each(message.encode())
+
+
+def join_items(items: list[bytes]) -> bytes:
+    """The batch of messages encoded each by ``encode_item``: byte for byte what
+    ``encode_batch`` makes of the messages themselves."""
+    return b"".join([list_header(len(items)), *items])
 
 
 # ---- client <-> controller (the Session stream) -------------------------------------------

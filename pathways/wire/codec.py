@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import threading
 from typing import Any, Iterable, Iterator
 
 import msgpack
@@ -51,6 +52,35 @@ def is_wire_dtype_name(name: object) -> bool:
 
 def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
+
+
+# Each thread's reused packer (``pack_each``), and the size of object past which it is let go:
+# a packer keeps the largest buffer it has grown to (a function's blob may be 64 MiB).
+_PACKERS = threading.local()
+_KEPT_PACKER_BYTES = 1 << 20
+
+
+def pack_each(obj: Any) -> bytes:
+    """``pack(obj)`` with a packer this thread reuses, for the many small objects packed one
+    by one (each message of a batch): ``pack`` makes a packer per call, which costs about as
+    much as packing a small object."""
+    packer = getattr(_PACKERS, "packer", None)
+    if packer is None:
+        packer = _PACKERS.packer = msgpack.Packer(use_bin_type=True)
+    packed = packer.pack(obj)
+    if len(packed) > _KEPT_PACKER_BYTES:
+        _PACKERS.packer = None
+    return packed
+
+
+def list_header(length: int) -> bytes:
+    """The msgpack header of a list of ``length`` items, in the smallest form, as ``pack``
+    writes it: ``pack(items)`` is this followed by ``pack(item)`` for each item."""
+    if length < 16:
+        return bytes((0x90 | length,))
+    if length < 1 << 16:
+        return b"\xdc" + length.to_bytes(2, "big")
+    return b"\xdd" + length.to_bytes(4, "big")
 
 
 def unpack(data: bytes) -> Any:

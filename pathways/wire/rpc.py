@@ -26,9 +26,10 @@ from typing import Awaitable, Callable, Iterator, Optional
 import grpc
 
 from pathways.errors import AuthenticationError, ConnectError
-from pathways.protocol.messages import MAX_BATCH_MESSAGES, MAX_MESSAGE_BYTES, Message, encode_batch
+from pathways.protocol.messages import MAX_BATCH_MESSAGES, MAX_MESSAGE_BYTES, Message, encode_item, join_items
 from pathways.wire import security as sec
 from pathways.wire.addresses import join_host_port, split_host_port, unreachable
+from pathways.wire.codec import list_header
 from pathways.wire.security import Security
 
 CONTROLLER_SERVICE = "pathways.Controller"
@@ -359,24 +360,24 @@ def method(channel: grpc.Channel, service: str, name: str, kind: str) -> Callabl
     return getattr(channel, kind)(path, request_serializer=None, response_deserializer=None)
 
 
-def payloads(batch: list[Message]) -> Iterator[bytes]:
-    """``batch`` encoded as payloads of at most MAX_MESSAGE_BYTES and MAX_BATCH_MESSAGES
-    messages (one, unless halving is needed to stay within them): what queued up while a
-    peer was slow to read may be more than one payload may carry. A single message larger
-    than that goes alone, for its receiver to refuse."""
-    if not batch:
+def payloads(items: list[bytes]) -> Iterator[bytes]:
+    """Messages encoded each by ``encode_item``, joined into payloads of at most
+    MAX_MESSAGE_BYTES and MAX_BATCH_MESSAGES messages (one, unless halving is needed to stay
+    within them): what queued up while a peer was slow to read may be more than one payload
+    may carry. A single message larger than that goes alone, for its receiver to refuse.
+    Each payload is what ``encode_batch`` makes of its messages."""
+    if not items:
         return
-    if len(batch) > MAX_BATCH_MESSAGES:
-        yield from payloads(batch[:MAX_BATCH_MESSAGES])
-        yield from payloads(batch[MAX_BATCH_MESSAGES:])
+    if len(items) > MAX_BATCH_MESSAGES:
+        yield from payloads(items[:MAX_BATCH_MESSAGES])
+        yield from payloads(items[MAX_BATCH_MESSAGES:])
         return
-    payload = encode_batch(batch)
-    if len(payload) <= MAX_MESSAGE_BYTES or len(batch) == 1:
-        yield payload
+    if len(items) == 1 or len(list_header(len(items))) + sum(map(len, items)) <= MAX_MESSAGE_BYTES:
+        yield join_items(items)
         return
-    half = len(batch) // 2
-    yield from payloads(batch[:half])
-    yield from payloads(batch[half:])
+    half = len(items) // 2
+    yield from payloads(items[:half])
+    yield from payloads(items[half:])
 
 
 class Outbox:
@@ -413,7 +414,7 @@ class Outbox:
                 if item is self._CLOSE:
                     closing = True
                 else:
-                    batch.append(item)
+                    batch.append(encode_item(item))
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
@@ -421,33 +422,43 @@ class Outbox:
             yield from payloads(batch)
 
 
-# Messages a stream's outbox may hold, not yet handed to its writer, before the stream stops
-# reading its peer's requests (``LoopOutbox.room``): a peer that sends without reading its
-# replies gets no more served until it does, instead of growing the server's memory.
+# What a stream's outbox may hold unsent, in messages and in their encoded bytes, before the
+# stream stops reading its peer's requests (``LoopOutbox.room``): a peer that sends without
+# reading its replies gets no more served until it does, instead of growing the server's
+# memory. The count bounds many small replies; the bytes bound a few large ones (an Error's
+# text may be MAX_TEXT, 64 KiB: 10,000 of those would hold 640 MiB). 16 MiB is more than
+# 10,000 usual replies take (a few hundred bytes each), so the count stays the bound that an
+# ordinary backlog meets, and about 250 replies of the largest text.
 MAX_QUEUED_MESSAGES = 10_000
+MAX_QUEUED_BYTES = 16 << 20
 
 
 class LoopOutbox:
     """The messages waiting for one stream served on an event loop; used only from that loop.
 
-    ``put`` appends and wakes the stream's writer, which sends whatever has queued by the
-    time it runs as one payload (several where one would be too large: ``payloads``):
-    everything one inbound batch caused goes out together.
+    ``put`` encodes a message (its size is known from then on, and the writer only joins
+    what was encoded), appends it and wakes the stream's writer, which sends whatever has
+    queued by the time it runs as one payload (several where one would be too large:
+    ``payloads``): everything one inbound batch caused goes out together.
     While a payload waits for the peer to take it (flow control), later messages queue
-    here; ``room`` is how the stream's reader waits for them to drain.
+    here; ``room`` is how the stream's reader waits until what is unsent, queued or being
+    sent, is below both bounds again.
     """
 
-    __slots__ = ("_messages", "_wake", "_closed", "_room")
+    __slots__ = ("_items", "_unsent", "_unsent_bytes", "_wake", "_closed", "_room")
 
     def __init__(self) -> None:
-        self._messages: list[dict] = []
+        self._items: list[bytes] = []  # encoded, not yet taken by the writer
+        self._unsent = 0  # messages put and not yet sent: those queued and those being sent
+        self._unsent_bytes = 0
         self._wake: Optional[asyncio.Future] = None
         self._closed = False
         self._room: Optional[asyncio.Future] = None
 
     async def room(self) -> None:
-        """Return once fewer than MAX_QUEUED_MESSAGES messages wait here (or it closed)."""
-        while len(self._messages) >= MAX_QUEUED_MESSAGES and not self._closed:
+        """Return once fewer than MAX_QUEUED_MESSAGES messages and MAX_QUEUED_BYTES bytes of
+        them are unsent (or it closed)."""
+        while (self._unsent >= MAX_QUEUED_MESSAGES or self._unsent_bytes >= MAX_QUEUED_BYTES) and not self._closed:
             self._room = asyncio.get_running_loop().create_future()
             await self._room
 
@@ -455,10 +466,13 @@ class LoopOutbox:
         if self._room is not None and not self._room.done():
             self._room.set_result(None)
 
-    def put(self, message: dict) -> None:
+    def put(self, message: Message) -> None:
         if self._closed:  # the stream is ending: nobody will send it
             return
-        self._messages.append(message)
+        item = encode_item(message)
+        self._items.append(item)
+        self._unsent += 1
+        self._unsent_bytes += len(item)
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
 
@@ -475,19 +489,23 @@ class LoopOutbox:
         ended stream itself (EOF, a reset, or cancellation)."""
         loop = asyncio.get_running_loop()
         while True:
-            if not self._messages:
+            if not self._items:
                 if self._closed:
                     return
                 self._wake = loop.create_future()
                 await self._wake
                 continue
-            batch, self._messages = self._messages, []
-            self._free()
+            # the writer sends one batch at a time, so what is unsent now is exactly what it takes
+            batch, self._items = self._items, []
+            sending, sending_bytes = self._unsent, self._unsent_bytes
             try:
                 for payload in payloads(batch):
                     await send(payload)
             except Exception:  # the stream ended under it (peer gone, server stopping): nothing more goes out
                 self._closed = True
-                self._messages.clear()
+                self._items.clear()
                 self._free()  # a reader waiting for room goes on, to find the stream's end
                 return
+            self._unsent -= sending
+            self._unsent_bytes -= sending_bytes
+            self._free()
