@@ -1,10 +1,13 @@
 """Running unmodified JAX scripts under JAX_PLATFORMS=proxy against an IfrtServer."""
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import threading
+from typing import Iterator, Optional
 
 from pathways.cluster import stop_processes
 
@@ -40,3 +43,44 @@ def run_jax(address: str, body: str, timeout: float = 240.0) -> dict:
     lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"the JAX client failed ({proc.returncode}):\n{out[-2000:]}\n{err[-4000:]}"
     return json.loads(lines[-1][len("RESULT "):])
+
+
+@contextlib.contextmanager
+def silent_streams(address: str, count: int, reopen_after: Optional[float] = None) -> Iterator[tuple]:
+    """``count`` IFRT session streams opened at the IFRT server at ``address`` (HOST:PORT)
+    without the token, sending nothing, until the block ends. Yields the channel they share
+    and the list of the status codes of the streams that ended, in order. ``reopen_after``:
+    seconds after which a stream that ended is opened again, so that ``count`` keep coming
+    all along; None: each is opened once."""
+    import grpc
+
+    from pathways.ifrt import server as ifrt_server
+    from pathways.ifrt.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as gpb
+
+    meta = gpb.GrpcIfrtSessionMetadata()
+    meta.version.protocol_version = ifrt_server.PROTOCOL_MAX
+    metadata = ((ifrt_server.SESSION_METADATA, meta.SerializeToString()),)
+    channel = grpc.insecure_channel(address)
+    session = channel.stream_stream(f"/{ifrt_server.SERVICE}/IfrtSession")
+    done = threading.Event()
+    ended: list = []
+
+    def stream() -> None:
+        while not done.is_set():
+            try:
+                list(session(iter(done.wait, True), metadata=metadata, timeout=60))  # sends nothing
+            except grpc.RpcError as e:
+                ended.append(e.code())
+            if reopen_after is None or done.wait(reopen_after):
+                return
+
+    threads = [threading.Thread(target=stream, daemon=True) for _ in range(count)]
+    for t in threads:
+        t.start()
+    try:
+        yield channel, ended
+    finally:
+        done.set()
+        channel.close()
+        for t in threads:
+            t.join(timeout=10)

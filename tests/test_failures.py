@@ -18,14 +18,16 @@ import pytest
 
 import pathways as pw
 from pathways import cluster as clusters
+from pathways.client.devices import VirtualDeviceSet
+from pathways.client.session import Session
 from pathways.cluster import status
 from pathways.errors import WireError
 from pathways.protocol import messages as m
-from pathways.protocol.handles import first_handle
+from pathways.protocol.handles import MAX_SESSION, first_handle
 from pathways.wire import codec, rpc
 from tests.conftest import check_a_transfer_between_the_hosts, pids_alive, read_line, session_handles, wait_until
 from tests.rawworker import RawWorker
-from pathways.worker.sessions import WAITING_FETCHES_PER_SESSION
+from pathways.worker.sessions import SESSION_WAIT_SECONDS, WAITING_FETCHES_PER_SESSION
 from tests.test_dataplane_bounds import rss_bytes
 
 
@@ -186,39 +188,92 @@ def test_a_client_that_does_not_read_large_replies_holds_no_more_than_the_byte_b
 
 def test_fetches_that_wait_for_ever_hold_a_few_of_a_workers_threads_and_others_are_served(cluster, session):
     """20 fetches that would wait an hour for arrays that will never exist, from one
-    session. Only WAITING_FETCHES_PER_SESSION of them wait (the rest are
-    answered "pending" at once), so the worker's other callers are served meanwhile, and a
-    client whose fetch finds the waits taken asks again after a pause, not at once."""
-    worker = next(w["address"] for w in status(cluster.address)["workers"] if w["rank"] == 0)
-    stubs = session._stubs(worker)
-    forever = [m.pack(m.FetchRequest(first_handle(session.id) + (1 << 30) + i, m.MAX_WAIT_SECONDS, True,
-                                     stubs.credential).encode()) for i in range(20)]
-    calls = [stubs.fetch(request, timeout=m.MAX_WAIT_SECONDS + 30) for request in forever]
-    answered = []
+    session. Only WAITING_FETCHES_PER_SESSION of them wait (the rest are answered "pending"
+    at once), so the worker's other callers are served meanwhile: its Stats, another
+    client's session, which puts, runs and fetches there, and the same session, whose own
+    fetch finds the waits taken and asks again after a pause, not at once."""
+    other = Session(cluster.address)
+    try:
+        theirs = VirtualDeviceSet(other).add_slice(cpu_devices=1)
+        triple = pw.jit(lambda x: x * 3.0, mesh=theirs.mesh("d"))
+        np.asarray(triple(np.zeros(3, np.float32)))  # compiled before the fetches wait: what is timed is serving
+        worker = theirs.addresses[0]
+        stubs = session._stubs(worker)
+        forever = [m.pack(m.FetchRequest(first_handle(session.id) + (1 << 30) + i, m.MAX_WAIT_SECONDS, True,
+                                         stubs.credential).encode()) for i in range(20)]
+        calls = [stubs.fetch(request, timeout=m.MAX_WAIT_SECONDS + 30) for request in forever]
+        answered = []
 
-    def read(call):
+        def read(call):
+            try:
+                answered.append(codec.unpack(next(call)))
+            except grpc.RpcError:
+                pass
+
+        readers = [threading.Thread(target=read, args=(c,), daemon=True) for c in calls]
         try:
-            answered.append(codec.unpack(next(call)))
-        except grpc.RpcError:
-            pass
+            for r in readers:
+                r.start()
+            wait_until(lambda: len(answered) >= 20 - WAITING_FETCHES_PER_SESSION, timeout=10,
+                       what="the fetches beyond the session's share to be answered at once")
+            assert all(a == {"state": "pending"} for a in answered), answered[:2]
+            started = time.monotonic()
+            assert "sessions" in clusters.worker_stats(worker)
+            tripled = triple(pw.device_put(np.arange(3, dtype=np.float32), theirs.devices))
+            np.testing.assert_array_equal(np.asarray(tripled), np.arange(3) * 3.0)
+            np.testing.assert_array_equal(np.asarray(pw.device_put(np.arange(3, dtype=np.float32),
+                                                                   new_slice(1).devices)), np.arange(3))
+            assert time.monotonic() - started < 5.0, "the worker's other callers are served meanwhile"
+            assert len(answered) == 20 - WAITING_FETCHES_PER_SESSION, "the session's share still waits"
+        finally:
+            for c in calls:
+                c.cancel()
+    finally:
+        other.close()
 
-    readers = [threading.Thread(target=read, args=(c,), daemon=True) for c in calls]
+
+def test_calls_for_a_session_not_open_hold_few_of_a_workers_threads(cluster, session):
+    """40 Timeline requests and 20 fetches that would wait an hour, all at once, for a
+    session the controller has not opened. A client asks for the timeline of the runs a
+    worker ran, so of a session the worker has heard of: those are refused at once. A fetch
+    (or put) may race its session's announcement and waits for it, but as one of the
+    worker's few waits (FetchWaits): the rest are refused at once. The worker's Stats
+    answers meanwhile, and every call ends within SESSION_WAIT_SECONDS."""
+    worker = status(cluster.address)["workers"][0]["address"]
+    stubs = session._stubs(worker)
+    ask = rpc.method(stubs.channel, rpc.WORKER_SERVICE, "Timeline", "unary_unary")
+    timeline = m.pack(m.TimelineFetch(MAX_SESSION, stubs.credential, 10).encode())
+    started = time.monotonic()
+    fetches = [stubs.fetch(m.pack(m.FetchRequest(first_handle(MAX_SESSION) + 1 + i, m.MAX_WAIT_SECONDS, True,
+                                                 stubs.credential).encode()), timeout=30) for i in range(20)]
+    timelines = [ask.future(timeline, timeout=30) for _ in range(40)]
+    fetched = []
+
+    def answer(call):
+        try:
+            fetched.append((codec.unpack(next(call)), time.monotonic()))
+        except grpc.RpcError:
+            pass  # cancelled: the test failed already
+
+    readers = [threading.Thread(target=answer, args=(c,), daemon=True) for c in fetches]
     try:
         for r in readers:
             r.start()
-        wait_until(lambda: len(answered) >= 20 - WAITING_FETCHES_PER_SESSION, timeout=10,
-                   what="the fetches beyond the session's share to be answered at once")
-        assert all(a == {"state": "pending"} for a in answered), answered[:2]
-        started = time.monotonic()
-        assert "sessions" in clusters.worker_stats(worker)
-        s = new_slice(1)
-        np.testing.assert_array_equal(np.asarray(pw.device_put(np.arange(3, dtype=np.float32), s.devices)),
-                                      np.arange(3))
-        assert time.monotonic() - started < 5.0, "the worker's other callers are served meanwhile"
-        assert len(answered) == 20 - WAITING_FETCHES_PER_SESSION, "the session's share still waits"
+        assert "sessions" in clusters.worker_stats(worker, timeout=2.0)
+        stats = time.monotonic() - started
+        refused = [codec.unpack(c.result()) for c in timelines]
+        timelines_ended = time.monotonic() - started
+        wait_until(lambda: len(fetched) == 20, SESSION_WAIT_SECONDS + 3, "every fetch to be answered")
     finally:
-        for c in calls:
+        for c in [*timelines, *fetches]:
             c.cancel()
+    at_once = sum(at - started < 2.0 for _, at in fetched)
+    assert stats < 2.0, "the worker's threads are free for others"
+    assert all(r["kind"] == "AccessDeniedError" and f"session {MAX_SESSION} yet" in r["error"] for r in refused), \
+        refused[0]
+    assert timelines_ended < 2.0, "each timeline request is refused at once"
+    assert all(a["kind"] == "AccessDeniedError" and f"session {MAX_SESSION} yet" in a["message"] for a, _ in fetched)
+    assert at_once >= 20 - WAITING_FETCHES_PER_SESSION, "beyond the session's share, fetches do not wait"
 
 
 def test_a_program_beyond_the_node_limit_is_refused_naming_it(cluster, session):

@@ -7,13 +7,16 @@ record on their PYTHONPATH.
 """
 
 import inspect
+import json
 import os
 import re
+import selectors
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 import tomllib
 from concurrent import futures
 from pathlib import Path
@@ -21,9 +24,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from ifrt_helpers import silent_streams
 import pathways as pw
 from pathways.__main__ import main
-from pathways.cluster import stop_processes
+from pathways.cluster import Island, LocalCluster, status, stop_processes
 from pathways.defaults import ADDRESS_LINE, IFRT_LINE
 from pathways.ifrt import launch, plugin
 from pathways.ifrt.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as grpc_pb
@@ -377,22 +381,95 @@ def test_run_names_a_missing_script(capsys, monkeypatch):
 
 # ---- a cluster with a token and TLS ---------------------------------------------------------
 
-def test_with_token_and_tls_the_proxy_port_is_plain_grpc_and_takes_the_token(tmp_path, entry_point):
+TOKEN = "ifrt-test-token"
+
+
+@pytest.fixture(scope="module")
+def guarded_cluster(tmp_path_factory):
+    """One host of two devices, with a token and TLS, its controller serving the IFRT proxy."""
     from pathways.wire.certs import make_certificates
     from pathways.wire.security import Security
 
-    tls = make_certificates(str(tmp_path))
-    security = Security(token="ifrt-test-token", tls_cert=tls.cert, tls_key=tls.key, tls_ca=tls.ca)
-    with pw.local_cluster(islands=[pw.Island(1, 2)], security=security, ifrt=True) as c:
-        out = run_script(JIT, proxy_env(c.ifrt_address, entry_point, PATHWAYS_TOKEN="ifrt-test-token"))
-        assert out.returncode == 0, out.stderr
-        assert out.stdout.split("\n")[0] == "2 cpu [8.0, 12.0, 16.0]"
-        # the refusal answers the client's first request (init) with the advice; the client
-        # retries for its connection timeout, then raises the last answer
-        out = run_script(JIT, proxy_env(c.ifrt_address, entry_point, PATHWAYS_TOKEN="another-token",
-                                        PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS="5"))
-        assert out.returncode != 0 and "Unable to initialize backend 'proxy'" in out.stderr
-        assert "requires the cluster's shared token" in out.stderr and "PATHWAYS_TOKEN" in out.stderr, out.stderr
+    tls = make_certificates(str(tmp_path_factory.mktemp("tls")))
+    security = Security(token=TOKEN, tls_cert=tls.cert, tls_key=tls.key, tls_ca=tls.ca)
+    cluster = LocalCluster([Island(1, 2)], security=security, ifrt_port=0).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+    assert pids_alive(cluster.pids) == [], "the local cluster left processes behind"
+
+
+def test_with_token_and_tls_the_proxy_port_is_plain_grpc_and_takes_the_token(guarded_cluster, entry_point):
+    out = run_script(JIT, proxy_env(guarded_cluster.ifrt_address, entry_point, PATHWAYS_TOKEN=TOKEN))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[0] == "2 cpu [8.0, 12.0, 16.0]"
+    # the refusal answers the client's first request (init) with the advice; the client
+    # retries for its connection timeout, then raises the last answer
+    out = run_script(JIT, proxy_env(guarded_cluster.ifrt_address, entry_point, PATHWAYS_TOKEN="another-token",
+                                    PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS="5"))
+    assert out.returncode != 0 and "Unable to initialize backend 'proxy'" in out.stderr
+    assert "requires the cluster's shared token" in out.stderr and "PATHWAYS_TOKEN" in out.stderr, out.stderr
+
+
+# A JAX program that waits for a line on stdin before it first reaches the server
+# (its first array opens its session), then prints its result.
+JIT_ON_CUE = """
+    import json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    print("ready", flush=True)
+    sys.stdin.readline()
+    y = jax.jit(lambda a: (a * 2 + 1).sum(axis=0))(jnp.arange(6.0).reshape(2, 3))
+    print(json.dumps({"y": np.asarray(y).tolist()}), flush=True)
+"""
+
+
+def _threads(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("Threads:")).split()[1])
+
+
+def test_streams_without_the_token_leave_the_controller_serving_a_client_with_it(guarded_cluster, entry_point):
+    """70 IFRT session streams opened without the token, sending nothing, each opened again
+    a second after it ends, at the controller's IFRT front end. None is given a session, nor
+    a thread beyond a few for seconds (MAX_REFUSED_STREAMS are kept REFUSED_SECONDS to say
+    why, the rest end at once), so a JAX program with the token, started meanwhile, runs its
+    jit within seconds, and the controller's threads grow by the server's pool at most."""
+    from pathways.ifrt.server import MAX_REFUSED_STREAMS, POOL_THREADS
+
+    controller = guarded_cluster.pids[0]
+
+    def sessions():
+        return len(status(guarded_cluster.address, security=guarded_cluster.security)["sessions"])
+
+    client = subprocess.Popen([sys.executable, "-c", textwrap.dedent(JIT_ON_CUE)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=proxy_env(guarded_cluster.ifrt_address, entry_point, PATHWAYS_TOKEN=TOKEN))
+    try:
+        assert read_line(client, timeout=START).strip() == "ready", client.stderr.read()[-3000:]
+        threads, open_sessions = _threads(controller), sessions()
+        peak = threads
+        with silent_streams(guarded_cluster.ifrt_address.removeprefix("grpc://"), 70, reopen_after=1.0) as (_, ended):
+            wait_until(lambda: len(ended) >= 70 - MAX_REFUSED_STREAMS, 10,
+                       "the streams beyond the few kept to end at once")
+            assert set(ended[:70 - MAX_REFUSED_STREAMS]) == {grpc.StatusCode.UNAUTHENTICATED}
+            assert sessions() == open_sessions, "a caller without the token was given a session"
+            client.stdin.write("\n")
+            client.stdin.flush()
+            with selectors.DefaultSelector() as sel:
+                sel.register(client.stdout, selectors.EVENT_READ)
+                deadline = time.monotonic() + 30
+                while not sel.select(0.1):
+                    peak = max(peak, _threads(controller))
+                    assert time.monotonic() < deadline, "the program with the token was not served within 30 s"
+            served = client.stdout.readline()
+        assert served.startswith("{"), client.stderr.read()[-3000:]
+        assert json.loads(served)["y"] == [8.0, 12.0, 16.0]
+        # the server's pool (64 threads, some there before), the kept streams' timers, and
+        # the honest session's reader and pool
+        assert peak - threads <= 64 + MAX_REFUSED_STREAMS + 1 + POOL_THREADS, (threads, peak)
+    finally:
+        stop_processes([client])
 
 
 def test_ifrt_bind_with_a_certificate_but_no_ca_is_refused(tmp_path):

@@ -12,7 +12,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from ifrt_helpers import PRELUDE, run_jax
+from ifrt_helpers import PRELUDE, run_jax, silent_streams
 from pathways.cluster import Island, LocalCluster, status, stop_processes
 from pathways.ifrt import types as t
 from pathways.ifrt.devices import DeviceTable, SliceInfo
@@ -411,7 +411,6 @@ def test_streams_without_the_token_hold_a_few_of_the_servers_threads_for_seconds
     stream is kept REFUSED_SECONDS at most (to answer the client's requests with why), and
     at most MAX_REFUSED_STREAMS at once (the rest end at once), so the server's threads
     stay free: GetVersion answers at once throughout."""
-    import threading
     import time
     from concurrent import futures
 
@@ -423,43 +422,25 @@ def test_streams_without_the_token_hold_a_few_of_the_servers_threads_for_seconds
     monkeypatch.setattr(ifrt_server, "REFUSED_SECONDS", 2.0)
     ifrt = IfrtServer("grpc://127.0.0.1:1", "127.0.0.1:0", Security(token="the-token"))  # never reached
     ifrt.start()
-    channel = grpc.insecure_channel(ifrt.address)
     try:
-        meta = gpb.GrpcIfrtSessionMetadata()
-        meta.version.protocol_version = ifrt_server.PROTOCOL_MAX
-        metadata = ((ifrt_server.SESSION_METADATA, meta.SerializeToString()),)
-        silent = threading.Event()
-        session = channel.stream_stream(f"/{ifrt_server.SERVICE}/IfrtSession")
-        calls = [session(iter(silent.wait, True), metadata=metadata, timeout=60) for _ in range(70)]
-        ended = []
-
-        def drain(call):
-            try:
-                list(call)
-            except grpc.RpcError as e:
-                ended.append(e.code())
-
-        readers = [threading.Thread(target=drain, args=(c,), daemon=True) for c in calls]
-        for r in readers:
-            r.start()
-        wait_until(lambda: len(ended) >= 70 - ifrt_server.MAX_REFUSED_STREAMS, timeout=10,
-                   what="the streams beyond the few kept to end at once")
-        assert set(ended) == {grpc.StatusCode.UNAUTHENTICATED}
-        version = gpb.GrpcGetVersionRequest()
-        version.min_version.protocol_version = ifrt_server.PROTOCOL_MIN
-        version.max_version.protocol_version = ifrt_server.PROTOCOL_MAX
-        ask = channel.unary_unary(f"/{ifrt_server.SERVICE}/GetVersion")
-        started = time.monotonic()
-        ask(version.SerializeToString(), timeout=5)
-        assert time.monotonic() - started < 1.0, "the server's threads are free for others"
-        # 70 silent streams, yet 56 callers at once (64 threads less the 8 kept) are all served
-        with futures.ThreadPoolExecutor(56) as callers:
-            answers = list(callers.map(lambda _: ask(version.SerializeToString(), timeout=10), range(56)))
-        assert len(answers) == 56
-        wait_until(lambda: len(ended) == 70, timeout=2.0 + 5, what="the kept streams to end after REFUSED_SECONDS")
+        with silent_streams(ifrt.address, 70) as (channel, ended):
+            wait_until(lambda: len(ended) >= 70 - ifrt_server.MAX_REFUSED_STREAMS, timeout=10,
+                       what="the streams beyond the few kept to end at once")
+            assert set(ended) == {grpc.StatusCode.UNAUTHENTICATED}
+            version = gpb.GrpcGetVersionRequest()
+            version.min_version.protocol_version = ifrt_server.PROTOCOL_MIN
+            version.max_version.protocol_version = ifrt_server.PROTOCOL_MAX
+            ask = channel.unary_unary(f"/{ifrt_server.SERVICE}/GetVersion")
+            started = time.monotonic()
+            ask(version.SerializeToString(), timeout=5)
+            assert time.monotonic() - started < 1.0, "the server's threads are free for others"
+            # 70 silent streams, yet 56 callers at once (64 threads less the 8 kept) are all served
+            with futures.ThreadPoolExecutor(56) as callers:
+                answers = list(callers.map(lambda _: ask(version.SerializeToString(), timeout=10), range(56)))
+            assert len(answers) == 56
+            wait_until(lambda: len(ended) == 70, timeout=2.0 + 5,
+                       what="the kept streams to end after REFUSED_SECONDS")
     finally:
-        silent.set()
-        channel.close()
         ifrt.stop()
 
 

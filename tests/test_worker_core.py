@@ -329,10 +329,11 @@ def test_a_session_not_announced_yet_is_waited_for_a_bounded_time(core):
     # a session never announced: a short fetch is pending, a put and a long fetch are refused in time
     assert fetch(core, first_handle(never) + 1, wait=0.1, credential=credential)[0] == {"state": "pending"}
     start = time.monotonic()
-    with pytest.raises(AccessDeniedError, match=f"did not announce its session {never} within 0.5 s"):
+    with pytest.raises(AccessDeniedError,
+                       match=fr"has not announced its session {never} yet \(a call waits up to 0.5 s"):
         client_put(core, first_handle(never) + 1, np.ones(3, np.float32), credential)
     header, _ = fetch(core, first_handle(never) + 1, wait=30.0, credential=credential)
-    assert header["kind"] == "AccessDeniedError" and "did not announce" in header["message"]
+    assert header["kind"] == "AccessDeniedError" and "has not announced" in header["message"]
     assert 1.0 <= time.monotonic() - start < 3.0
 
 

@@ -104,8 +104,8 @@ class WorkerCore:
         self.up = up
         self.wait_timeout = wait_timeout
         self.store = ObjectStore()
-        self.sessions = Sessions()
         self.fetch_waits = FetchWaits()
+        self.sessions = Sessions(self.fetch_waits)
         self.executables = Executables(CompileCache(compile_cache) if compile_cache else None)
         self.peers: dict[int, str] = {}
         # the data plane, greeted with the cluster's token and this worker's ticket for each peer
@@ -654,9 +654,12 @@ class WorkerCore:
     def timeline(self, req: TimelineFetch, settle: float = 2.0) -> Timeline:
         """Hand over (and forget) the spans of the traced runs of the session whose
         credential ``req`` carries, waiting up to ``settle`` seconds for its runs still
-        running here to report done. Raises AccessDeniedError for a wrong credential."""
+        running here to report done. Raises AccessDeniedError for a wrong credential, and at
+        once for a session not heard of: a client asks the workers that ran its runs, which
+        heard of its session before the first of them, so waiting for it (holding one of the
+        few gRPC threads) would serve no one."""
         self.sessions.admit_session(req.session, req.credential, f"timeline request of session {req.session}",
-                                    "the request is for")
+                                    "the request is for", wait=0.0)
         events, dropped = RECORDER.take(req.session, req.max_events, settle if req.max_events else 0.0)
         return Timeline(0, now(), os.getpid(), dropped, tuple(events))
 

@@ -13,7 +13,10 @@ at once (``FetchWaits``); others are answered at once.
 
 The client learns its credential on its own connection to the controller, the worker on
 another, so a client's first put may arrive before the worker has heard of its session:
-a session not heard of yet is waited for, a bounded time. Session ids only grow and the
+a session not heard of yet is waited for, a bounded time, by a few calls at once: a wait
+for a session takes one of the same ``FetchWaits`` as a fetch's wait for its array (a
+session that never opens would otherwise have its calls hold every thread), and a call
+that finds none left is answered at once. Session ids only grow and the
 controller tells a worker of sessions in the order they opened, so a session not open
 whose id is at most the highest heard of has closed (or closed before this worker
 registered) and is refused at once.
@@ -28,17 +31,19 @@ from pathways.errors import AccessDeniedError
 from pathways.protocol.handles import session_of
 from pathways.protocol.messages import digest
 
-SESSION_WAIT_SECONDS = 5.0  # how long a put waits for the controller to announce its session
-# Fetches that may wait (each holds one of the worker's 16 gRPC threads) at once: per session,
-# and in all, so that no client, and no few clients, hold the threads puts and others need.
-# A fetch beyond them is answered at once ("pending" if the array is not ready), and its
-# client asks again after a pause.
+SESSION_WAIT_SECONDS = 5.0  # how long a put or fetch waits for the controller to announce its session
+# Calls that may wait (each holds one of the worker's 16 gRPC threads) at once, fetches for
+# their arrays and calls for their session's announcement: per session, and in all, so that
+# no client, and no few clients, hold the threads puts and others need. A fetch beyond them
+# is answered at once ("pending" if the array is not ready), and its client asks again
+# after a pause.
 WAITING_FETCHES_PER_SESSION = 8  # as many as an IFRT session waits on at once (its pool)
 WAITING_FETCHES = 12
 
 
 class Sessions:
-    def __init__(self, wait: float = SESSION_WAIT_SECONDS) -> None:
+    def __init__(self, waits: FetchWaits, wait: float = SESSION_WAIT_SECONDS) -> None:
+        self.waits = waits
         self.wait = wait
         self._digests: dict[int, bytes] = {}  # open session -> digest of its credential
         self._highest = 0  # the highest session id heard of, open or closed
@@ -58,9 +63,17 @@ class Sessions:
 
     def heard_of(self, session: int, timeout: float) -> bool:
         """Whether this worker knows whether ``session`` is open, waiting up to ``timeout``
-        seconds for the controller to announce it."""
+        seconds for the controller to announce it where one of ``waits`` is free."""
         with self._cond:
-            return self._cond.wait_for(lambda: session <= self._highest, timeout)
+            if session <= self._highest:
+                return True
+        if timeout <= 0 or not self.waits.slot(session):
+            return False
+        try:
+            with self._cond:
+                return self._cond.wait_for(lambda: session <= self._highest, timeout)
+        finally:
+            self.waits.release(session)
 
     def admit(self, handle: int, credential: bytes, what: str) -> None:
         """Return if ``credential`` is that of ``handle``'s session, else raise
@@ -73,14 +86,17 @@ class Sessions:
                                     "only the arrays of their own session")
         self.admit_session(session, credential, f"{what} of array {handle:#x}", "the array belongs to")
 
-    def admit_session(self, session: int, credential: bytes, subject: str, owner: str = "it is for") -> None:
-        """Return if ``credential`` is that of ``session`` (waited for up to ``self.wait``
-        seconds if not heard of), else raise AccessDeniedError saying why. ``subject``:
-        what was asked ("fetch of array 0x..."); ``owner``: how the refusal names what
-        the session owns."""
-        if not self.heard_of(session, self.wait):
-            raise AccessDeniedError(f"this worker refused a {subject}: the controller did not "
-                                    f"announce its session {session} within {self.wait:g} s. Use handles from "
+    def admit_session(self, session: int, credential: bytes, subject: str, owner: str = "it is for",
+                      wait: float | None = None) -> None:
+        """Return if ``credential`` is that of ``session`` (waited for up to ``wait``
+        seconds, by default ``self.wait``, if not heard of), else raise AccessDeniedError
+        saying why. ``subject``: what was asked ("fetch of array 0x..."); ``owner``: how
+        the refusal names what the session owns."""
+        wait = self.wait if wait is None else wait
+        if not self.heard_of(session, wait):
+            waited = f" (a call waits up to {wait:g} s for that, unless many others wait)" if wait else ""
+            raise AccessDeniedError(f"this worker refused a {subject}: the controller has not announced its "
+                                    f"session {session} yet{waited}. Use handles from "
                                     "this client's session; if they are, check that the worker and the client "
                                     "talk to the same controller (`python -m pathways status`)")
         with self._cond:
@@ -96,9 +112,9 @@ class Sessions:
 
 
 class FetchWaits:
-    """Who may wait in a fetch now: ``slot(session)`` is true (and must be given back with
-    ``release``) while the session has fewer than its share of waits and all sessions
-    fewer than the total."""
+    """Who may wait now, in a fetch for its array or for its session's announcement:
+    ``slot(session)`` is true (and must be given back with ``release``) while the session
+    has fewer than its share of waits and all sessions fewer than the total."""
 
     def __init__(self, per_session: int = WAITING_FETCHES_PER_SESSION, total: int = WAITING_FETCHES) -> None:
         self._per_session = per_session
