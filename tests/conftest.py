@@ -112,12 +112,15 @@ def session_handles(address, session_id):
     return sum(worker_stats(w["address"])["sessions"].get(session_id, 0) for w in status(address)["workers"])
 
 
-def check_a_transfer_between_the_hosts():
+def check_a_transfer_between_the_hosts(into=None):
     """On the default session's cluster of two hosts with four devices each: an array moves
-    from one host to the other and comes back computed on."""
+    from one host to the other (to the worker whose id is ``into``, if given) and comes back
+    computed on."""
     a = pw.make_virtual_device_set().add_slice(cpu_devices=4)
     b = pw.make_virtual_device_set().add_slice(cpu_devices=4)
     assert a.workers != b.workers, "the two slices should take one host each"
+    if into in a.workers:
+        a, b = b, a
     move = pw.program(lambda x: pw.jit(lambda v: v + 1, mesh=b.mesh("d"))(x))
     np.testing.assert_array_equal(np.asarray(move(pw.device_put(np.arange(3.0, dtype=np.float32), a.devices))),
                                   [1.0, 2.0, 3.0])

@@ -1,6 +1,10 @@
 """Failures and bad input: remote errors, malformed wire messages, dead peers, lost clients."""
 
+import contextlib
 import os
+import resource
+import secrets
+import selectors
 import signal
 import socket
 import struct
@@ -25,10 +29,16 @@ from pathways.errors import WireError
 from pathways.protocol import messages as m
 from pathways.protocol.handles import MAX_SESSION, first_handle
 from pathways.wire import codec, rpc
+from pathways.wire.security import HELLO_SECONDS
+from pathways.wire.tcp import MAX_UNGREETED
 from tests.conftest import check_a_transfer_between_the_hosts, pids_alive, read_line, session_handles, wait_until
 from tests.rawworker import RawWorker
 from pathways.worker.sessions import SESSION_WAIT_SECONDS, WAITING_FETCHES_PER_SESSION
 from tests.test_dataplane_bounds import rss_bytes
+
+
+GROWTH = 100 << 20  # how much a worker's memory may grow while strangers press on its data plane
+TRICKLE_EVERY = 8.0  # seconds between the bytes a trickling stranger sends
 
 
 def new_slice(n, **kw):
@@ -313,25 +323,69 @@ def test_a_program_beyond_the_node_limit_is_refused_naming_it(cluster, session):
 
 
 def test_connections_that_never_greet_hold_a_few_of_a_workers_threads(cluster, session):
-    """500 data-plane connections that send nothing: a worker serves at most
+    """2,000 data-plane connections that send nothing: a worker serves at most
     MAX_UNGREETED of them at once, each until HELLO_SECONDS, and closes the rest as they
-    arrive; its threads stay few and its peers' transfers go on."""
-    from pathways.wire.tcp import MAX_UNGREETED
-
+    arrive; its threads and memory stay few and its peers' transfers go on."""
+    connections = 2000
     worker = next(w for w in status(cluster.address)["workers"] if w["rank"] == 0)
-    host, _, port = worker["data_address"].removeprefix("tcp://").rpartition(":")
-    check_a_transfer_between_the_hosts()  # the threads a transfer needs are there before counting
-    before = _threads(worker["pid"])
-    strangers = []
+    check_a_transfer_between_the_hosts(into=worker["worker"])  # the threads a transfer needs are there before counting
+    threads, memory = _threads(worker["pid"]), rss_bytes(worker["pid"])
+    strangers, ends = [], None
+    with _descriptors(connections + 256):
+        try:
+            for _ in range(connections):
+                strangers.append(_dial(worker))
+            ends = _Ends(strangers)
+            wait_until(lambda: ends.poll() >= connections - MAX_UNGREETED, timeout=30,
+                       what="the worker to close the connections beyond the ones it serves")
+            assert _threads(worker["pid"]) - threads <= MAX_UNGREETED + 16, (threads, _threads(worker["pid"]))
+            assert rss_bytes(worker["pid"]) - memory < GROWTH, (memory, rss_bytes(worker["pid"]))
+            check_a_transfer_between_the_hosts(into=worker["worker"])
+        finally:
+            if ends is not None:
+                ends.close()
+            for sock in strangers:
+                sock.close()
+
+
+@contextlib.contextmanager
+def _descriptors(count):
+    """At least ``count`` file descriptors for this process while in the block (the soft
+    limit raised, up to the hard one, if need be)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < count:
+        assert hard == resource.RLIM_INFINITY or hard >= count, f"this process may open only {hard} files"
+        resource.setrlimit(resource.RLIMIT_NOFILE, (count, hard))
     try:
-        for _ in range(500):
-            strangers.append(socket.create_connection((host, int(port)), timeout=10))
-        time.sleep(0.5)
-        assert _threads(worker["pid"]) - before <= MAX_UNGREETED + 16, (before, _threads(worker["pid"]))
-        check_a_transfer_between_the_hosts()
+        yield
     finally:
-        for sock in strangers:
-            sock.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+class _Ends:
+    """When the other end closed each of ``socks``: ``at[sock]`` (time.monotonic()), noted
+    by ``poll``, which reads what arrived and never waits."""
+
+    def __init__(self, socks):
+        self._selector = selectors.DefaultSelector()
+        for sock in socks:
+            self._selector.register(sock, selectors.EVENT_READ)
+        self.at = {}
+
+    def poll(self):
+        """How many have been closed so far."""
+        for key, _ in self._selector.select(0):
+            try:
+                ended = not key.fileobj.recv(1 << 16)
+            except OSError:  # reset: closed with bytes of ours unread
+                ended = True
+            if ended:
+                self.at[key.fileobj] = time.monotonic()
+                self._selector.unregister(key.fileobj)
+        return len(self.at)
+
+    def close(self):
+        self._selector.close()
 
 
 def _threads(pid):
@@ -551,14 +605,12 @@ def test_no_process_outlives_its_client(sig, tmp_path):
 
 def test_malformed_data_frames_close_their_connection_and_the_worker_keeps_serving(cluster, session):
     worker = status(cluster.address)["workers"][0]
-    host, _, port = worker["data_address"].removeprefix("tcp://").rpartition(":")
-    huge = {"dtype": "uint8", "shape": [1 << 50], "nbytes": 1 << 50}  # more memory than any host has
     for frame in [struct.pack("!I", 1 << 30),  # a header larger than any allowed
                   struct.pack("!I", 4) + b"\xc1\xc1\xc1\xc1",  # not msgpack
                   struct.pack("!I", 2) + codec.pack([1]),  # not a map
                   _frame({"t": "put", "array": {"dtype": "object", "shape": [], "nbytes": 8}, "pieces": []}),
-                  _frame({"t": "put", "array": huge, "pieces": [{"index": [[0, 1 << 50]], "array": huge}]})]:
-        with socket.create_connection((host, int(port)), timeout=10) as sock:
+                  _announce(worker, 1 << 50)]:  # more memory than any host has
+        with _dial(worker) as sock:
             sock.sendall(frame)
             reply = b""
             while chunk := sock.recv(1 << 16):
@@ -568,6 +620,121 @@ def test_malformed_data_frames_close_their_connection_and_the_worker_keeps_servi
     check_a_transfer_between_the_hosts()
 
 
+def test_giant_frames_from_a_stranger_are_refused_or_cut_at_the_greeting_deadline(cluster, session):
+    """Two frames announcing 5.89 GiB each at a worker's data plane, then a byte every 8 s,
+    from a process that may hold the clients' token but no worker's ticket (only the
+    controller gives tickets, to the workers it admits, and each is good only for the
+    worker it names as its sender: test_security.py). A frame before a greeting is
+    refused, so the two frames sent whole are refused at once; two more connections send
+    the frames from their first byte, a byte every 8 s (all a stranger can hold), and are
+    cut HELLO_SECONDS after they opened. Meanwhile the worker's memory stays put and an
+    honest transfer into it completes."""
+    target, peer = sorted(status(cluster.address)["workers"], key=lambda w: w["rank"])
+    giant = _announce(target, int(5.89 * (1 << 30)))
+    check_a_transfer_between_the_hosts(into=target["worker"])  # the link and threads it needs are there before
+    before = rss_bytes(target["pid"])
+    # what each connection sends at once, and what it then trickles (zeros past its end)
+    streams = [(giant, b""), (_forged_hello(peer["worker"]) + giant, b""), (giant[:1], giant[1:]),
+               (giant[:1], giant[1:])]
+    socks, ends, stop, peak = [], None, threading.Event(), 0
+    trickler = threading.Thread(target=_trickle, args=(socks, [rest for _, rest in streams], stop), daemon=True)
+    try:
+        for first, _ in streams:
+            socks.append(_dial(target))
+            socks[-1].sendall(first)
+        opened = time.monotonic()
+        ends = _Ends(socks)
+        trickler.start()
+        wait_until(lambda: ends.poll() and all(s in ends.at for s in socks[:2]), timeout=5.0,
+                   what="the frames sent whole to be refused")
+        check_a_transfer_between_the_hosts(into=target["worker"])
+        assert ends.poll() == 2, "the honest transfer was served while the tricklers were connected"
+
+        def all_cut():
+            nonlocal peak
+            peak = max(peak, rss_bytes(target["pid"]) - before)
+            return ends.poll() == len(socks)
+
+        wait_until(all_cut, timeout=HELLO_SECONDS + 10, what="the trickling connections to be cut")
+        lasted = [ends.at[s] - opened for s in socks]
+        assert max(lasted[:2]) < 5.0 and max(lasted[2:]) < HELLO_SECONDS + 2.0, lasted
+        assert peak < GROWTH, f"the worker grew by {peak >> 20} MiB"
+    finally:
+        stop.set()
+        if trickler.is_alive():
+            trickler.join(timeout=30)
+        if ends is not None:
+            ends.close()
+        for sock in socks:
+            sock.close()
+
+
+def _trickle(socks, rests, stop):
+    """Send each of ``rests`` on its socket, a byte every TRICKLE_EVERY seconds (zeros past
+    its end), until ``stop``; a socket the other end closed is let be."""
+    sent = 0
+    while not stop.wait(TRICKLE_EVERY):
+        for sock, rest in zip(socks, rests):
+            try:
+                sock.send(rest[sent:sent + 1] or b"\0")
+            except OSError:
+                pass
+        sent += 1
+
+
+def test_stray_copies_from_a_stranger_are_dropped_and_the_worker_keeps_its_memory(cluster, session):
+    """64 transfer copies of 32 MiB that no run reads, pushed at a worker's data plane by
+    a process without a worker's ticket, reconnecting whenever it is refused (for 10 s at
+    most). Each is refused at its first frame and its bytes are never read: the worker keeps
+    no array more, counts the forged greetings, stays within 150 MiB of the memory it had
+    (during the push and 2 s after), and an honest client's put, run and fetch give the
+    right values."""
+    copies, size = 64, 32 << 20
+    target, peer = sorted(status(cluster.address)["workers"], key=lambda w: w["rank"])
+    payload = memoryview(bytes(size))
+    check_a_transfer_between_the_hosts(into=target["worker"])
+    before, stats = rss_bytes(target["pid"]), clusters.worker_stats(target["address"])
+    offered, peak, started = 0, 0, time.monotonic()
+    while offered < copies and time.monotonic() - started < 10:
+        with _dial(target, timeout=2.0) as sock:
+            try:  # every other copy after a hello claiming to be the other worker
+                sock.sendall((_forged_hello(peer["worker"]) if offered % 2 else b"") +
+                             _announce(target, size, handle=offered + 1))
+                sock.sendall(payload)
+            except OSError:
+                pass  # refused while sending: offered all the same
+        offered += 1
+        peak = max(peak, rss_bytes(target["pid"]) - before)
+    assert offered == copies, f"only {offered} copies offered in 10 s"
+    after = time.monotonic() + 2.0
+    while time.monotonic() < after:  # the memory it holds for the next 2 s
+        peak = max(peak, rss_bytes(target["pid"]) - before)
+        time.sleep(0.1)
+    assert peak < 150 << 20, f"the worker grew by {peak >> 20} MiB"
+    now = clusters.worker_stats(target["address"])
+    assert now["handles"] <= stats["handles"], "no stray copy is kept"
+    assert now["refused_peers"] >= stats["refused_peers"] + copies // 2, "every forged greeting is counted"
+    check_a_transfer_between_the_hosts(into=target["worker"])
+
+
 def _frame(header):
     body = codec.pack(header)
     return struct.pack("!I", len(body)) + body
+
+
+def _dial(worker, timeout=10.0):
+    """A plain TCP connection to ``worker``'s data plane (a status entry): no hello."""
+    host, _, port = worker["data_address"].removeprefix("tcp://").rpartition(":")
+    return socket.create_connection((host, int(port)), timeout=timeout)
+
+
+def _announce(worker, nbytes, handle=1):
+    """The frame of a transfer copy of ``nbytes`` bytes for ``worker``, without those bytes."""
+    array = {"dtype": "uint8", "shape": [nbytes], "nbytes": nbytes}
+    return _frame({"t": "put", "handle": handle, "layout": [[worker["worker"]], [0, 0], [1], ["d"], []], "of": 1,
+                   "array": array, "pieces": [{"index": [[0, nbytes]], "array": array}]})
+
+
+def _forged_hello(claimed):
+    """A hello claiming to come from worker ``claimed``, with a made-up ticket."""
+    return _frame({"t": "hello", "from": claimed, "ticket": secrets.token_bytes(32)})

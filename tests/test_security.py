@@ -37,6 +37,7 @@ from tests.rawworker import RawWorker
 TOKEN = "test-" + secrets.token_urlsafe(24)
 FAST = 5.0  # a refusal arrives within this many seconds: no timeout is waited for
 FIGURE_2 = ([3.0, 5.0], [2.0, 4.0])
+FORGED_COPIES = 3000  # transfer copies a holder of the clients' token forges at a worker
 
 
 @pytest.fixture(autouse=True)
@@ -150,11 +151,13 @@ def test_a_worker_refuses_fetch_and_stats_without_the_token(guarded):
 
 
 def test_a_worker_data_listener_admits_only_workers_with_their_ticket(guarded):
-    """A holder of the clients' token connects to a worker's data
-    listener and sends transfer copies, while a client runs programs that move arrays
-    between hosts. Without the ticket the controller gave a peer, no connection gets past
-    its hello (whatever id it claims), no forged copy is read, and the client's values stay
-    right."""
+    """A holder of the clients' token connects to a worker's data listener and sends
+    FORGED_COPIES transfer copies, each on a connection of its own after a hello with the
+    token and a made-up ticket (none, or one claiming to be the other worker or the worker
+    itself), while a client runs programs that move arrays between hosts (of the cluster's
+    one island), and on after them until all are sent. Without the ticket the controller
+    gave a peer, no connection gets past its hello (whatever id it claims): every one is
+    refused and counted, no forged copy is read, and the client's values stay right."""
     client = Security(token=TOKEN)
     st = cluster.status(guarded.address, security=client)
     target, peer = st["workers"]
@@ -168,20 +171,25 @@ def test_a_worker_data_listener_admits_only_workers_with_their_ticket(guarded):
     assert cluster.worker_stats(target["address"], security=client)["refused_peers"] == refused + 4
 
     copy = np.full(2, 666.0, np.float32)
-    forged = frames.frame(codec.pack({"t": "hello", "token": TOKEN})) + b"".join(
-        frames.frame(codec.pack({"t": "put", "handle": handle, "layout": [[target["worker"]], [0, 0], [2], ["d"], []],
-                                 "of": 1, **codec.pieces_header(copy.dtype, copy.shape,
-                                                                [(codec.full_index(copy.shape), copy)])})) + copy.tobytes()
-        for handle in range(1, 200))
-    stop = threading.Event()
+    claims = [{}, {"from": peer["worker"]}, {"from": target["worker"]}]
+
+    def forged(handle: int) -> bytes:
+        hello = {"t": "hello", "token": TOKEN, **claims[handle % 3]}
+        if hello.get("from") is not None:
+            hello["ticket"] = secrets.token_bytes(32)
+        return frames.frame(codec.pack(hello)) + frames.frame(codec.pack(
+            {"t": "put", "handle": handle, "layout": [[target["worker"]], [0, 0], [2], ["d"], []], "of": 1,
+             **codec.pieces_header(copy.dtype, copy.shape, [(codec.full_index(copy.shape), copy)])})) + copy.tobytes()
+
+    victim_done = threading.Event()
     attempts = []
 
-    def attack() -> None:
-        while not stop.is_set():
+    def attack() -> None:  # for as long as the victim runs, and to FORGED_COPIES at least
+        while not victim_done.is_set() or len(attempts) < FORGED_COPIES:
             with _dial(data) as raw:
                 try:
-                    raw.sendall(forged)
-                    raw.recv(1 << 16)
+                    raw.sendall(forged(len(attempts) + 1))
+                    raw.recv(1 << 16)  # the refusal
                 except OSError:
                     pass
             attempts.append(1)
@@ -189,13 +197,15 @@ def test_a_worker_data_listener_admits_only_workers_with_their_ticket(guarded):
     attacker = threading.Thread(target=attack, daemon=True)
     attacker.start()
     try:
-        for _ in range(3):
+        for run in range(3):
             y, z = figure2(guarded.address, token=TOKEN)
-            assert (y.tolist(), z.tolist()) == FIGURE_2
+            assert (y.tolist(), z.tolist()) == FIGURE_2, f"run {run} read a wrong value"
     finally:
-        stop.set()
-        attacker.join(timeout=30)
-    assert attempts and cluster.worker_stats(target["address"], security=client)["refused_peers"] >= refused + 4 + len(attempts)
+        victim_done.set()
+        attacker.join(timeout=60)
+    assert len(attempts) >= FORGED_COPIES
+    wait_until(lambda: cluster.worker_stats(target["address"], security=client)["refused_peers"] >=
+               refused + 4 + len(attempts), timeout=FAST, what="every forged connection to be counted")
 
 
 def test_what_a_session_presents_one_worker_opens_nothing_on_another(guarded):

@@ -208,6 +208,7 @@ class Listener:
 
     def _serve(self, conn: socket.socket) -> None:
         ungreeted = self._greets  # counted among the connections that have not greeted (``_stranger``)
+        hello_by = time.monotonic() + sec.HELLO_SECONDS if ungreeted else None
         try:
             if self._tls is not None:
                 conn.settimeout(sec.HELLO_SECONDS)  # a stranger may not hold a thread for longer
@@ -219,7 +220,7 @@ class Listener:
                     conn.close()
                     return
             with conn:
-                reader = _Reader(conn, self._timeout)
+                reader = _Reader(conn, self._timeout, hello_by)
                 greeted = not self._greets
                 while True:
                     try:
@@ -228,6 +229,7 @@ class Listener:
                             return
                         if greeted and ungreeted:
                             ungreeted = False
+                            reader.until = None
                             self._greeted()
                     except _Refused as e:
                         if refused := self.refused.add():
@@ -349,15 +351,24 @@ class _Reader:
     begin, and gets the per-read timeout only when a frame is still incomplete after its
     first read. Large pieces go from the socket straight into their arrays."""
 
-    def __init__(self, conn: socket.socket, timeout: float) -> None:
+    def __init__(self, conn: socket.socket, timeout: float, until: Optional[float] = None) -> None:
         self.conn = conn
         self._timeout = timeout
+        # While set, no read waits past this time.monotonic(), and none starts after it
+        # (TimeoutError): a connection that has not greeted must have sent all of its hello
+        # within HELLO_SECONDS, however slowly its bytes come.
+        self.until = until
         self._buffer = bytearray(_READ_BUFFER)
         self._view = memoryview(self._buffer)
         self._start = self._end = 0  # the unread bytes are _buffer[_start:_end]
         self._waits: Optional[float] = -1.0  # the timeout given to the socket (None: it blocks); none yet
 
     def _wait(self, timeout: Optional[float]) -> None:
+        if self.until is not None:
+            left = self.until - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the connection did not greet in time")
+            timeout = left if timeout is None else min(timeout, left)
         if self._waits != timeout:
             self.conn.settimeout(timeout)
             self._waits = timeout
@@ -386,8 +397,8 @@ class _Reader:
                 unread = self._end - self._start
                 self._buffer[:unread] = self._buffer[self._start:self._end]
                 self._start, self._end = 0, unread
-            self._wait(self._timeout)
             while self._end - self._start < n:
+                self._wait(self._timeout)
                 if not self._fill():
                     return None
                 _check_deadline(deadline, n - (self._end - self._start))
