@@ -7,6 +7,7 @@ from pathways.controller.core import ControllerCore, WorkerConn
 from pathways.controller.handles import HandleTable
 from pathways.ir import Layout
 from pathways.protocol import messages as m
+from pathways.protocol.check import MAX_TEXT
 from pathways.protocol.handles import first_handle
 
 
@@ -95,6 +96,17 @@ def test_a_malformed_message_is_refused_alone_and_its_request_answered():
     assert [(e.req, e.kind) for e in errors] == [(7, "WireError"), (None, "WireError"), (None, "WireError")]
     assert "kind" in errors[0].message and "string" in errors[0].message
     assert [r.req for r in _of(client, m.ClusterReply)] == [8]
+
+
+def test_a_refusal_that_quotes_a_long_request_is_cut_to_a_message_the_client_accepts():
+    core = ControllerCore()
+    client = session(core)
+    quoted = "x" * (2 * MAX_TEXT)
+    graph = {"nvalues": 1, "inputs": [0], "nodes": [[1, [0], [0]]], "outputs": [0], "types": [["float32", [], quoted]]}
+    core.on_session_batch(1, m.pack([["program", 9, graph, "parallel"]]))
+    [error] = _of(client, m.Error)
+    assert error.req is None and len(error.message) == MAX_TEXT and error.message.endswith("...")
+    assert m.SESSION_DOWN.decode_batch(m.encode_batch([error])) == [error], "the client accepts it"
 
 
 def test_a_worker_claiming_more_devices_than_a_host_can_have_is_refused():

@@ -38,6 +38,7 @@ from pathways.controller.transfers import plan
 from pathways.errors import AccessDeniedError, PathwaysError, PlacementError, SuspendedError, WireError, WorkerLostError
 from pathways.ir import Layout, ProgramGraph
 from pathways.protocol import messages as m
+from pathways.protocol.check import clip_text
 from pathways.protocol.errors import DENIED, LOST, REMOTE, STUCK, SUSPENDED as SUSPENDED_KIND, kind_of
 from pathways.protocol.handles import first_handle, fits, session_of
 from pathways.timeline import RECORDER, now
@@ -468,7 +469,7 @@ class ControllerCore:
         try:
             batch = m.SESSION_UP.decode_batch(payload)
         except WireError as e:
-            s.outbox.put(m.Error(None, kind_of(e), f"controller dropped a batch: {e}"))
+            s.outbox.put(m.Error(None, kind_of(e), clip_text(f"controller dropped a batch: {e}")))
             return
         for msg in batch:
             self.on_session_message(sid, msg)
@@ -478,12 +479,12 @@ class ControllerCore:
         if s is None:
             return
         if type(msg) is m.Malformed:
-            s.outbox.put(m.Error(msg.req, kind_of(msg.error), f"{msg.tag}: {msg.error}"))
+            s.outbox.put(m.Error(msg.req, kind_of(msg.error), clip_text(f"{msg.tag}: {msg.error}")))
             return
         try:
             self._handlers[type(msg)](self, sid, s, msg)
         except PathwaysError as e:
-            s.outbox.put(m.Error(getattr(msg, "req", None), kind_of(e), f"{msg.TAG}: {e}"))
+            s.outbox.put(m.Error(getattr(msg, "req", None), kind_of(e), clip_text(f"{msg.TAG}: {e}")))
 
     @staticmethod
     def _own(sid: int, ident: int, what: str) -> int:

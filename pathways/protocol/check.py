@@ -70,6 +70,12 @@ class Bool(Checker[bool]):
         return value
 
 
+def clip_text(text: str) -> str:
+    """``text`` cut to MAX_TEXT characters, its end marked: an error that quotes what a peer
+    sent must still be a message its receiver accepts."""
+    return text if len(text) <= MAX_TEXT else text[:MAX_TEXT - 3] + "..."
+
+
 def _sized(value: Any, what: str, of_type: type, must_be: str, unit: str, max_len: int, min_len: int = 0) -> None:
     """Raise unless ``value`` is of ``of_type`` (``must_be`` in words) with ``min_len`` to
     ``max_len`` ``unit``."""

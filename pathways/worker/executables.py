@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pathways.errors import WireError
 from pathways.ir import Layout
-from pathways.protocol.check import MAX_NAME, MAX_TEXT
+from pathways.protocol.check import MAX_NAME, clip_text
 from pathways.protocol.handles import session_of
 from pathways.protocol.messages import Compiled
 from pathways.worker.compile_cache import CompileCache, use_jax_cache
@@ -200,7 +200,7 @@ def _compiled(key: int, name: str, future: Future) -> Compiled:
     error = future.exception()
     if error is not None:
         text = f"compiling {name!r} failed: {type(error).__name__}: {error}"
-        return Compiled(key, text if len(text) <= MAX_TEXT else text[:MAX_TEXT - 3] + "...")
+        return Compiled(key, clip_text(text))
     meta = future.result().metadata
     return Compiled(key, "", meta.ins, meta.outs, meta.out_types, meta.in_shardings, meta.out_shardings,
                     meta.in_layouts, meta.out_layouts, meta.donated, meta.fingerprint, meta.name[:MAX_NAME])
