@@ -74,6 +74,13 @@ def check_tenancy(d):
         assert all(s > 0 for s in r["device_seconds"]) and all(c > 0 for c in r["completed"])
 
 
+def check_clients(d):
+    assert d["clients"] == [2, 10]
+    for n in ("2", "10"):
+        [r] = d["results"][n]
+        assert r["rate"] > 0 and r["rounds"] > 0 and 0 < r["p50"] <= r["p99"] and r["latencies"] > 0
+
+
 def check_train(d):
     assert set(d["rates"]) == {"GPipe, pathways", "data parallel, pathways", "data parallel, JAX"}
     assert all(rate_ok(s) for s in d["rates"].values())
