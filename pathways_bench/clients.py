@@ -12,7 +12,7 @@ while all the others run theirs.
 For each client count, every client runs rounds from the same moment for a window; the
 aggregate rate is the rounds that ended in the window's second part over its length (the
 first part lets all clients reach their steady pace), and the percentiles are those of
-the rounds that started and ended in it.
+the same rounds' latencies.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class _Drivers:
             raise RuntimeError(f"{len(errors)} client(s) failed; the first: {errors[0]}")
         counted_from = start + window * WARMUP_FRACTION
         ended = [b for a, b in spans if counted_from <= b <= end]
-        latencies = sorted(b - a for a, b in spans if a >= counted_from and b <= end)
+        latencies = sorted(b - a for a, b in spans if counted_from <= b <= end)
         return {"rate": len(ended) / (end - counted_from), "rounds": len(ended),
                 "p50": _percentile(latencies, 50), "p99": _percentile(latencies, 99), "latencies": len(latencies)}
 
