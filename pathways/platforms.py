@@ -102,8 +102,9 @@ def find_devices(platform: Optional[str], devices: Optional[int], timeout: float
     """The devices a worker serves: ``devices`` virtual CPU devices (default 1) for the CPU
     (a count given without a platform means the CPU: only CPU devices are counted by hand);
     for an accelerator platform, or when neither is given (whichever JAX finds), what a
-    child process finds, unless no accelerator backend is installed. The worker itself must not start JAX's backends before it joins
-    its island's jax.distributed group, which comes after it registers these figures."""
+    child process finds, unless no accelerator backend is installed. The worker itself
+    must not start JAX's backends before it joins its island's jax.distributed group,
+    which comes after it registers these figures."""
     count = cpu_devices(platform, devices)
     if platform == "cpu" or (platform is None and (devices is not None or not accelerator_backends())):
         return Devices("cpu", "cpu", count)
