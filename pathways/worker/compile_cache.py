@@ -29,6 +29,16 @@ _FORMAT = b"pathways-xla-1"
 log = logging.getLogger("pathways.worker")
 
 
+def digest(*parts: bytes) -> str:
+    """sha256 of ``parts``, each prefixed by its length, so that no two different sequences
+    of parts share a digest by moving bytes across a boundary."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.hexdigest()
+
+
 def directory_from(flag: Optional[str], environ: Any = os.environ) -> Optional[str]:
     """The cache directory a worker uses: ``--compile-cache``, else PATHWAYS_COMPILE_CACHE,
     else JAX_COMPILATION_CACHE_DIR; None: no cache."""
@@ -49,13 +59,9 @@ class CompileCache:
         jaxlib's and the backend's versions and XLA_FLAGS change what XLA makes of them."""
         import jax
 
-        h = hashlib.sha256()
-        for part in (_FORMAT, jax.__version__.encode(), backend.platform.encode(),
-                     backend.platform_version.encode(), os.environ.get("XLA_FLAGS", "").encode(),
-                     f"{jax.process_index()}/{jax.process_count()}".encode(), *parts):
-            h.update(len(part).to_bytes(8, "little"))
-            h.update(part)
-        return h.hexdigest()
+        return digest(_FORMAT, jax.__version__.encode(), backend.platform.encode(),
+                      backend.platform_version.encode(), os.environ.get("XLA_FLAGS", "").encode(),
+                      f"{jax.process_index()}/{jax.process_count()}".encode(), *parts)
 
     def load(self, key: str, backend: Any, devices: Any, options: Any) -> Optional[Any]:
         """The executable stored under ``key``, loaded onto ``devices``; None if there is none

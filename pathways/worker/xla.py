@@ -10,7 +10,6 @@ holds (jax.distributed joins the hosts' collectives).
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -25,7 +24,7 @@ from jax._src.sharding_impls import GSPMDSharding
 from pathways.errors import WireError
 from pathways.hlo import layout_of_op_sharding, replicated
 from pathways.ir import Device, Layout
-from pathways.worker.compile_cache import CompileCache
+from pathways.worker.compile_cache import CompileCache, digest
 from pathways.wire.codec import is_wire_dtype_name
 
 _DONOR_ATTRS = ("tf.aliasing_output", "jax.buffer_donor")
@@ -50,11 +49,7 @@ class Metadata:
 def fingerprint(artifact: bytes, options: bytes, devices: Sequence[Device], workers: Sequence[int]) -> str:
     """The compile cache's key of an "xla" function: the same artifact and options on the
     same devices compile once."""
-    h = hashlib.sha256()
-    for part in (artifact, options, repr((tuple(devices), tuple(workers))).encode()):
-        h.update(len(part).to_bytes(8, "little"))
-        h.update(part)
-    return h.hexdigest()
+    return digest(artifact, options, repr((tuple(devices), tuple(workers))).encode())
 
 
 class XlaExecutable:
