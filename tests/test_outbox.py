@@ -1,7 +1,10 @@
-"""A stream's outbox on the controller's loop (wire/rpc.py LoopOutbox): its bounds in
-messages and in bytes, and payloads joined from messages encoded as they were put."""
+"""A stream's outboxes (wire/rpc.py): the client's ``Outbox``, whose released handles go
+out after the messages put before them, and the controller's ``LoopOutbox``, with its
+bounds in messages and in bytes and payloads joined from messages encoded as they were put."""
 
 import asyncio
+import gc
+import threading
 
 from pathways.protocol import messages as m
 from pathways.wire import rpc
@@ -14,6 +17,59 @@ def test_joined_items_are_the_bytes_of_an_encoded_batch():
     mixed = [m.SessionWelcome(3, b"c" * m.CREDENTIAL_BYTES), m.Error(None, "RemoteError", "x" * m.MAX_TEXT),
              m.Error(7, "AccessDeniedError", "é" * 100), m.ClusterReply(9, {"workers": [{"rank": 0}], "slices": 1})]
     assert list(rpc.payloads([m.encode_item(x) for x in mixed])) == [m.encode_batch(mixed)]
+
+
+def _outbox() -> rpc.Outbox:
+    return rpc.Outbox(releases=lambda handles: m.Delete(tuple(handles)))
+
+
+def _sent(outbox: rpc.Outbox) -> list[list[m.Message]]:
+    """The batches ``outbox`` sends until closed, decoded."""
+    return [m.SESSION_UP.decode_batch(p) for p in outbox.batches()]
+
+
+def test_released_handles_go_out_as_one_delete_after_the_messages_put_before_them():
+    outbox = _outbox()
+    outbox.put(m.ClusterRequest(1))
+    outbox.release(0x10)
+    outbox.put(m.ClusterRequest(2))  # may still name 0x10 (put before the release came through)
+    outbox.release(0x11)
+    outbox.close()
+    assert _sent(outbox) == [[m.ClusterRequest(1), m.ClusterRequest(2), m.Delete((0x10, 0x11))]]
+
+
+def test_releases_alone_are_sent_and_a_close_sends_what_was_put_before_it():
+    outbox = _outbox()
+    batches = outbox.batches()
+    outbox.release(7)
+    assert m.SESSION_UP.decode_batch(next(batches)) == [m.Delete((7,))]
+    outbox.put(m.ClusterRequest(3))
+    outbox.release(8)
+    outbox.close()
+    outbox.release(9)  # after the close: never sent
+    assert [m.SESSION_UP.decode_batch(p) for p in batches] == [[m.ClusterRequest(3), m.Delete((8,))]]
+
+
+def test_a_stream_waits_for_its_first_message_and_a_release_from_a_finalizer_sends_it():
+    outbox = _outbox()
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.extend(outbox.batches()))
+    reader.start()
+    reader.join(0.3)
+    assert reader.is_alive() and got == []
+
+    class Array:  # releases its handle when collected, in whichever thread collects it
+        def __del__(self) -> None:
+            outbox.release(0x42)
+
+    array = Array()
+    array.cycle = array  # collected by the cyclic collector, at a moment no code chooses
+    del array
+    gc.collect()
+    outbox.close()
+    reader.join(10)
+    assert not reader.is_alive()
+    assert [m.SESSION_UP.decode_batch(p) for p in got] == [[m.Delete((0x42,))]]
 
 
 def _fill_and_drain(message: m.Message, puts: int) -> None:

@@ -25,7 +25,6 @@ import threading
 import time
 import warnings
 import weakref
-from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
@@ -48,7 +47,6 @@ from pathways.wire.security import Security
 log = logging.getLogger("pathways.client")
 
 DEFAULT_TIMEOUT = 300.0
-_FLUSH_SECONDS = 0.05
 # Arrays up to this size go to a worker in one unary PutOne message: a streamed Put costs the
 # client a thread per call (gRPC's request-iterator consumer).
 _PUT_ONE_BYTES = 1 << 20
@@ -106,9 +104,7 @@ class Session:
         except BaseException:
             self._channel.close()
             raise
-        self._outbox = rpc.Outbox()
-        self._lock = threading.Lock()
-        self._deletes: deque[int] = deque()
+        self._outbox = rpc.Outbox(releases=lambda handles: m.Delete(tuple(handles)))
         self._pending: dict[Any, Future] = {}
         self._req_ids = itertools.count(1)
         self._dead: Optional[str] = None
@@ -130,7 +126,6 @@ class Session:
         stream = rpc.method(self._channel, rpc.CONTROLLER_SERVICE, "Session", "stream_stream")
         self._responses = stream(self._outbox.batches())
         threading.Thread(target=self._read, name="pathways-session", daemon=True).start()
-        threading.Thread(target=self._flush_loop, name="pathways-flush", daemon=True).start()
         self._counter = itertools.count(1)
         self._counter_lock = threading.Lock()
         self._outbox.put(m.Hello(m.PROTOCOL_VERSION, weight))
@@ -165,9 +160,7 @@ class Session:
 
     def send(self, msg: m.Message) -> None:
         self._check_alive()
-        with self._lock:
-            self._flush_deletes()
-            self._outbox.put(msg)
+        self._outbox.put(msg)
 
     def define_xla(self, slice_id: int, name: str, artifact: bytes, options: bytes,
                    devices: tuple[tuple[int, int], ...]) -> tuple[int, Future]:
@@ -251,13 +244,6 @@ class Session:
                                         "and its slices released); call resume() (session.resume() or "
                                         "pw.resume()) first")
 
-    def _flush_deletes(self) -> None:
-        handles = []
-        while self._deletes:
-            handles.append(self._deletes.popleft())
-        if handles:
-            self._outbox.put(m.Delete(tuple(handles)))
-
     def request(self, make: Callable[[int], m.Message], timeout: float = 30.0) -> Any:
         """Send ``make(req)`` and wait for the reply carrying its request id ``req``."""
         req = next(self._req_ids)
@@ -281,13 +267,7 @@ class Session:
     def release(self, handle: int) -> None:
         """Queue ``handle`` for deletion; safe from __del__ in any thread."""
         if not self._closed.is_set():
-            self._deletes.append(handle)
-
-    def _flush_loop(self) -> None:
-        while not self._closed.wait(_FLUSH_SECONDS):
-            if self._deletes and self._dead is None:
-                with self._lock:
-                    self._flush_deletes()
+            self._outbox.release(handle)
 
     def _read(self) -> None:
         refused = None
@@ -561,9 +541,6 @@ class Session:
                 self.recordings.stop(self._process_recording)
             except Exception as e:  # closing must not fail for the timeline's sake
                 log.warning("could not write the timeline %s: %s", self._process_recording.path, e)
-        if self._dead is None:
-            with self._lock:
-                self._flush_deletes()
         self._closed.set()
         self._outbox.close()
         self._responses.cancel()

@@ -384,42 +384,55 @@ class Outbox:
     """A thread-safe queue of messages drained as batches by a gRPC stream generator.
 
     Whatever has queued up while the stream was busy goes out as one payload (or several:
-    ``payloads``).
+    ``payloads``). ``release(handle)`` queues a handle the peer may forget: the handles one
+    batch drains go out as one message, ``releases(handles)``, at the batch's end (after
+    messages put before them, which may still name them; no later message names a released
+    handle, so going out later is safe). The stream's thread sleeps until something is put:
+    an idle stream costs no wake-ups.
     """
 
     _CLOSE = object()
 
-    def __init__(self, idle_timeout: float = 0.5) -> None:
+    def __init__(self, releases: Optional[Callable[[list[int]], Message]] = None) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._idle_timeout = idle_timeout
+        self._releases = releases
 
     def put(self, message: Message) -> None:
         self._queue.put(message)
+
+    def release(self, handle: int) -> None:
+        """Queue ``handle`` for ``releases``; safe from ``__del__`` in any thread (a
+        SimpleQueue's put is reentrant)."""
+        assert self._releases is not None, "this outbox was made without releases"
+        self._queue.put(handle)
 
     def close(self) -> None:
         """End the stream after whatever was put before."""
         self._queue.put(self._CLOSE)
 
-    def batches(self, still_wanted: Callable[[], bool] = lambda: True) -> Iterator[bytes]:
-        """Yield packed batches until closed (everything put before the close goes out)
-        or ``still_wanted()`` turns false."""
+    def batches(self) -> Iterator[bytes]:
+        """Yield packed batches until closed (everything put before the close goes out)."""
         closing = False
-        while not closing and still_wanted():
-            try:
-                item = self._queue.get(timeout=self._idle_timeout)
-            except queue.Empty:
-                continue
-            batch = []
+        while not closing:
+            item = self._queue.get()
+            batch, released = [], []
             while True:
                 if item is self._CLOSE:
                     closing = True
+                    break
+                if type(item) is int:
+                    released.append(item)
                 else:
                     batch.append(encode_item(item))
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     break
-            yield from payloads(batch)
+            if released:
+                assert self._releases is not None
+                batch.append(encode_item(self._releases(released)))
+            if batch:
+                yield from payloads(batch)
 
 
 # What a stream's outbox may hold unsent, in messages and in their encoded bytes, before the
