@@ -15,12 +15,12 @@ from pathways.protocol import messages as m
 from pathways.protocol.handles import first_handle
 from pathways.wire import codec, rpc
 from pathways.worker.core import WorkerCore
-from pathways.worker.sessions import WAITING_FETCHES_PER_SESSION
+from pathways.worker.sessions import GRPC_THREADS, WAITING_FETCHES, WAITING_FETCHES_PER_SESSION
 from pathways.worker.server import WorkerService
 from tests.test_worker_core import put, put_header
 from tests.conftest import wait_until
 
-THREADS = 16  # the worker's gRPC server threads (rpc.make_server)
+THREADS = 16  # a small server: fewer threads than the waits the core allows in all
 MISSING = first_handle(9) + 12345
 CREDENTIAL = b"9" * m.CREDENTIAL_BYTES  # session 9's
 
@@ -79,6 +79,47 @@ def test_abandoned_fetches_give_their_threads_back(served):
     start = time.monotonic()
     assert answered(fetch, MISSING, 0.01, timeout=5.0) == {"state": "pending"}
     assert time.monotonic() - start < 2.0
+
+
+def test_hundreds_of_sessions_wait_for_their_arrays_and_leave_threads_to_the_others():
+    """More sessions than the worker lets wait, each waiting for one array (as many clients
+    each waiting for its result): up to WAITING_FETCHES wait, on a server of the worker's
+    GRPC_THREADS; the rest are answered "pending" at once, and a put and a fetch of a ready
+    array are served at once all the while."""
+    sessions = range(10, 10 + WAITING_FETCHES + 40)
+    core = WorkerCore(lambda msg: None, wait_timeout=5.0)
+    credentials = {s: bytes([s % 256]) * m.CREDENTIAL_BYTES for s in sessions}
+    core.on_batch(m.encode_batch([m.SessionOpen(s, m.digest(c)) for s, c in credentials.items()]))
+    server, port = rpc.make_server(rpc.WORKER_SERVICE, WorkerService(core).handlers(), max_workers=GRPC_THREADS)
+    channel = rpc.open_channel(f"grpc://127.0.0.1:{port}")
+    try:
+        fetch = rpc.method(channel, rpc.WORKER_SERVICE, "Fetch", "unary_stream")
+        put_one = rpc.method(channel, rpc.WORKER_SERVICE, "PutOne", "unary_unary")
+        calls = [fetch(fetch_request(first_handle(s) + 1, 60.0, credential=c), timeout=60)
+                 for s, c in credentials.items()]
+        pending = []  # those answered at once
+
+        def settled() -> bool:
+            pending[:] = [c for c in calls if c.done()]
+            return core.fetch_waits.waiting() + len(pending) == len(calls)
+
+        wait_until(settled, timeout=30, what="every fetch to wait or be answered")
+        assert core.fetch_waits.waiting() == WAITING_FETCHES
+        assert len(pending) == len(calls) - WAITING_FETCHES
+        assert all(codec.unpack(next(c)) == {"state": "pending"} for c in pending)
+        start = time.monotonic()
+        good = np.arange(3, dtype=np.float32)
+        header = put_header(first_handle(10) + 2, good, credential=credentials[10])
+        assert codec.unpack(put_one(codec.pack([codec.pack(header), good.tobytes()]), timeout=10)) == {"ok": True}
+        assert answered(fetch, first_handle(10) + 2, credential=credentials[10])["state"] == "ready"
+        assert time.monotonic() - start < 2.0, "the waits left no thread to a put and a fetch"
+        for c in calls:
+            c.cancel()
+        wait_until(lambda: core.fetch_waits.waiting() == 0, timeout=10, what="the cancelled fetches to stop waiting")
+    finally:
+        channel.close()
+        server.stop(grace=0).wait(timeout=5)
+        core.close()
 
 
 @pytest.mark.parametrize("fields, needle", [

@@ -61,6 +61,7 @@ from pathways import keeper
 from pathways.worker import native_stdout
 from pathways.worker.island import IslandMembership, configure_jax, worker_hosts
 from pathways.worker.peers import PeerTickets
+from pathways.worker.sessions import GRPC_THREADS
 
 if TYPE_CHECKING:  # imported when needed: the core takes JAX's devices, which exist after configure_jax
     from pathways.worker.core import WorkerCore
@@ -416,7 +417,8 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
             # a half-received frame for longer than the controller takes to declare it lost.
             listener = tcp.Listener(receive_frame, heartbeat_timeout, host=bind, security=security,
                                     admit=tickets.admit)
-            server, port = rpc.make_server(rpc.WORKER_SERVICE, service.handlers(), host=bind, security=security)
+            server, port = rpc.make_server(rpc.WORKER_SERVICE, service.handlers(), host=bind, security=security,
+                                           max_workers=GRPC_THREADS)
             reservation = PortReservation(bind) if island.hosts > 1 else None
         except (ConnectError, OSError, SecurityConfigError) as e:
             return (f"the worker cannot listen on {bind} ({e}); pass --bind an address of this machine "

@@ -32,13 +32,17 @@ from pathways.protocol.handles import session_of
 from pathways.protocol.messages import digest
 
 SESSION_WAIT_SECONDS = 5.0  # how long a put or fetch waits for the controller to announce its session
-# Calls that may wait (each holds one of the worker's 16 gRPC threads) at once, fetches for
-# their arrays and calls for their session's announcement: per session, and in all, so that
-# no client, and no few clients, hold the threads puts and others need. A fetch beyond them
-# is answered at once ("pending" if the array is not ready), and its client asks again
-# after a pause.
+# Calls that may wait (each holds one of the worker's gRPC threads) at once, fetches for
+# their arrays and calls for their session's announcement: per session, and in all. The
+# worker has GRPC_THREADS: the waits leave FREE_THREADS of them to puts and others, so no
+# client, and no few clients, hold the threads those need. A fetch beyond them is answered
+# at once ("pending" if the array is not ready), and its client asks again after a pause:
+# enough waits that hundreds of clients, each waiting for its result, wait instead of asking
+# again and again (each refused ask costs the worker and the client a call).
 WAITING_FETCHES_PER_SESSION = 8  # as many as an IFRT session waits on at once (its pool)
-WAITING_FETCHES = 12
+WAITING_FETCHES = 256
+FREE_THREADS = 16
+GRPC_THREADS = WAITING_FETCHES + FREE_THREADS
 
 
 class Sessions:
@@ -131,6 +135,10 @@ class FetchWaits:
             self._waiting[session] = mine + 1
             self._count += 1
             return True
+
+    def waiting(self) -> int:
+        """How many calls wait now."""
+        return self._count
 
     def release(self, session: int) -> None:
         with self._lock:
