@@ -161,3 +161,64 @@ def test_bad_settings_are_refused():
         Scheduler("fair", window=0)
     with pytest.raises(ValueError, match="weight"):
         Scheduler().add_session(1, weight=0)
+
+
+class _ScanningScheduler(Scheduler):
+    """Every session looked at in every pick, and "another session has runs queued for the
+    island" asked by scanning every session, as the definitions read: what the scheduler's
+    index of queued sessions must agree with."""
+
+    def _pick(self):
+        best, best_key = None, ()
+        for sid, s in self._sessions.items():
+            run = self._next_of(sid, s)
+            if run is not None:
+                key = (run.id,) if self.policy == "fifo" else (s.vtime, run.id)
+                if best is None or key < best_key:
+                    best, best_key = run, key
+        return best
+
+    def _island_full(self, island, session):
+        load = self._island_load.get(island, 0)
+        if load < self.window:
+            return False
+        if load >= self.window * SOLO_FACTOR:
+            return True
+        return any(other != session and island in o.queues for other, o in self._sessions.items())
+
+
+@pytest.mark.parametrize("policy", ["fifo", "fair"])
+def test_the_index_of_sessions_queued_per_island_releases_what_a_scan_would(policy):
+    import random
+
+    rng = random.Random(7)
+    scheds = [Scheduler(policy, window=2), _ScanningScheduler(policy, window=2)]
+    flying: list[list[ScheduledRun]] = [[], []]
+    sessions: list[int] = []
+    for step in range(3000):
+        op, choice = rng.random(), rng.random()
+        islands = frozenset(rng.sample(range(3), rng.choice([0, 1, 1, 1, 2])))
+        if op < 0.05 or not sessions:
+            sessions.append(step)
+            act = lambda sched, i: sched.add_session(step, 1 + choice)  # noqa: E731
+        elif op < 0.08:
+            gone = sessions.pop(int(choice * len(sessions)))
+            act = lambda sched, i: sched.remove_session(gone)  # noqa: E731
+        elif op < 0.6:
+            sid = sessions[int(choice * len(sessions))]
+            act = lambda sched, i: sched.submit(ScheduledRun(sid, islands, ("p", step % 5)))  # noqa: E731
+        elif op < 0.62:
+            def act(sched, i):
+                sched.cancel(lambda r: r.id % 7 == step % 7)
+                flying[i] = [r for r in flying[i] if sched.running(r.id)]
+        else:
+            def act(sched, i):
+                if flying[i]:
+                    run = flying[i].pop(int(choice * len(flying[i])))
+                    sched.finish(run.id, 1e-3 * (1 + run.id % 3))
+        for i, sched in enumerate(scheds):
+            act(sched, i)
+            flying[i] += sched.dispatchable()
+        assert [r.id for r in flying[0]] == [r.id for r in flying[1]], f"step {step}"
+        recount = Counter(k for s in scheds[0]._sessions.values() for k in s.queues)
+        assert {k: len(v) for k, v in scheds[0]._queued_by.items()} == dict(recount), f"step {step}"

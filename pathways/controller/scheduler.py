@@ -82,6 +82,10 @@ class Scheduler:
         self._sessions: dict[int, _Session] = {}
         self._inflight: dict[int, ScheduledRun] = {}
         self._island_load: dict[int, int] = {}
+        # queue key -> the sessions with runs queued under it: a pick looks only at sessions
+        # queued for an island with room, and whether a session is alone on an island must
+        # not cost a scan of every session (hundreds of clients: a pick per done report)
+        self._queued_by: dict[Hashable, set[int]] = {}
         self._cost: dict[Hashable, float] = {}
         self._ids = itertools.count(1)
         self._vclock = 0.0  # virtual time of the latest dispatch
@@ -101,7 +105,8 @@ class Scheduler:
     def remove_session(self, session: int) -> None:
         """Forget a session and its queued runs; its runs in flight finish as usual."""
         s = self._sessions.pop(session, None)
-        for queue in s.queues.values() if s is not None else ():
+        for key, queue in s.queues.items() if s is not None else ():
+            self._unqueue(key, session)
             for run in queue:
                 run.queued = False
 
@@ -115,9 +120,23 @@ class Scheduler:
         run.id = next(self._ids)
         run.queued = True
         for key in _keys(run):
-            s.queues.setdefault(key, deque()).append(run)
+            self._enqueue(s, key, run)
         s.waiting += 1
         return run
+
+    def _enqueue(self, s: _Session, key: Hashable, run: ScheduledRun) -> None:
+        queue = s.queues.get(key)
+        if queue is None:
+            queue = s.queues[key] = deque()
+            self._queued_by.setdefault(key, set()).add(run.session)
+        queue.append(run)
+
+    def _unqueue(self, key: Hashable, session: int) -> None:
+        """``session``'s queue under ``key`` is gone."""
+        sessions = self._queued_by[key]
+        sessions.discard(session)
+        if not sessions:
+            del self._queued_by[key]
 
     def dispatchable(self) -> Iterator[ScheduledRun]:
         """Release runs, in the order workers must execute them, while windows allow."""
@@ -128,6 +147,7 @@ class Scheduler:
                 queue.popleft()
                 if not queue:
                     del s.queues[key]
+                    self._unqueue(key, run.session)
             s.waiting -= 1
             s.inflight += 1
             run.queued = False
@@ -194,8 +214,10 @@ class Scheduler:
         Returns (queued, in_flight) runs removed; in-flight ones free their window slots.
         """
         queued: list[ScheduledRun] = []
-        for s in self._sessions.values():
+        for sid, s in self._sessions.items():
             waiting = sorted({r.id: r for q in s.queues.values() for r in q}.values(), key=lambda r: r.id)
+            for key in s.queues:
+                self._unqueue(key, sid)
             s.queues = {}
             s.waiting = 0
             for r in waiting:
@@ -204,7 +226,7 @@ class Scheduler:
                     queued.append(r)
                     continue
                 for key in _keys(r):
-                    s.queues.setdefault(key, deque()).append(r)
+                    self._enqueue(s, key, r)
                 s.waiting += 1
         flying = [r for r in self._inflight.values() if doomed(r)]
         for r in flying:
@@ -212,13 +234,31 @@ class Scheduler:
         return queued, flying
 
     def _pick(self) -> ScheduledRun | None:
+        """The next run to release: the least by the policy's key of each session's
+        ``_next_of``. Only sessions queued for an island that is not full for all of them
+        are looked at, in the order of a bound on their key (a run is one of its session's
+        queue heads), until the bound passes the best key found."""
+        candidates: set[int] = set()
+        for key, sessions in self._queued_by.items():
+            if not self._island_full_for_all(key):
+                candidates |= sessions
+        fifo = self.policy == "fifo"
+        bounds = []
+        for sid in candidates:
+            s = self._sessions[sid]
+            oldest = min(q[0].id for q in s.queues.values())
+            bounds.append(((oldest,) if fifo else (s.vtime, oldest), sid))
+        bounds.sort()
         best: ScheduledRun | None = None
         best_key: tuple = ()
-        for sid, s in self._sessions.items():
+        for bound, sid in bounds:
+            if best is not None and bound > best_key:
+                break
+            s = self._sessions[sid]
             run = self._next_of(sid, s)
             if run is None:
                 continue
-            key = (run.id,) if self.policy == "fifo" else (s.vtime, run.id)
+            key = (run.id,) if fifo else (s.vtime, run.id)
             if best is None or key < best_key:
                 best, best_key = run, key
         return best
@@ -242,7 +282,16 @@ class Scheduler:
             return False
         if load >= self.window * SOLO_FACTOR:
             return True
-        return any(other != session and island in o.queues for other, o in self._sessions.items())
+        # another session has runs queued for the island
+        return len(self._queued_by.get(island, ())) > (island in self._sessions[session].queues)
+
+    def _island_full_for_all(self, key: Hashable) -> bool:
+        """Whether every session queued under ``key`` finds the island full (``_island_full``):
+        it is past the solo bound, or at its window with more than one session queued."""
+        if key is None:
+            return False
+        load = self._island_load.get(key, 0)
+        return load >= self.window and (load >= self.window * SOLO_FACTOR or len(self._queued_by.get(key, ())) > 1)
 
     # ---- status ---------------------------------------------------------------------
 
