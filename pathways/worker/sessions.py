@@ -8,8 +8,9 @@ the handle's session (``session_of``; digests compared in constant time). Handle
 controller's own session 0 (transfer copies) are never served to clients.
 
 A fetch may wait for its array, holding one of the worker's gRPC threads meanwhile; so
-that no client holds them all, only a few fetches of a session, and a few more in all, wait
-at once (``FetchWaits``); others are answered at once.
+that no client holds them all, only a few fetches of a session wait at once, and in all
+fewer than the worker's threads, leaving some to puts and the rest (``FetchWaits``); others
+are answered at once.
 
 The client learns its credential on its own connection to the controller, the worker on
 another, so a client's first put may arrive before the worker has heard of its session:
