@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import queue
+import threading
 import time
+import weakref
 from concurrent import futures
 from typing import Awaitable, Callable, Iterator, Optional
 
@@ -384,27 +387,35 @@ class Outbox:
     """A thread-safe queue of messages drained as batches by a gRPC stream generator.
 
     Whatever has queued up while the stream was busy goes out as one payload (or several:
-    ``payloads``). ``release(handle)`` queues a handle the peer may forget: the handles one
-    batch drains go out as one message, ``releases(handles)``, at the batch's end (after
-    messages put before them, which may still name them; no later message names a released
-    handle, so going out later is safe). The stream's thread sleeps until something is put:
-    an idle stream costs no wake-ups.
+    ``payloads``). ``release(handle)`` notes a handle the peer may forget: the handles
+    released before a batch starts go out at its end as one message, ``releases(handles)``
+    (after every message put before them, which may still name them). Releases ride along
+    with the next batch, and one thread of the process has a stream with releases and
+    nothing else to send flush them within RELEASE_SECONDS: a release costs no message of
+    its own, and an idle stream no wake-ups.
     """
 
-    _CLOSE = object()
+    _CLOSE, _FLUSH = object(), object()
 
     def __init__(self, releases: Optional[Callable[[list[int]], Message]] = None) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._releases = releases
+        self._released: collections.deque[int] = collections.deque()
+        if releases is not None:
+            _RELEASE_FLUSHER.watch(self)
 
     def put(self, message: Message) -> None:
         self._queue.put(message)
 
     def release(self, handle: int) -> None:
-        """Queue ``handle`` for ``releases``; safe from ``__del__`` in any thread (a
-        SimpleQueue's put is reentrant)."""
+        """Note ``handle`` for ``releases``; safe from ``__del__`` in any thread."""
         assert self._releases is not None, "this outbox was made without releases"
-        self._queue.put(handle)
+        self._released.append(handle)
+
+    def flush(self) -> None:
+        """Have the stream send the releases noted so far, if any."""
+        if self._released:
+            self._queue.put(self._FLUSH)
 
     def close(self) -> None:
         """End the stream after whatever was put before."""
@@ -415,14 +426,15 @@ class Outbox:
         closing = False
         while not closing:
             item = self._queue.get()
-            batch, released = [], []
+            # Taken before the queue is drained: a message that names a released handle was
+            # put before the release, so it is in this batch, ahead of the releases.
+            released = [self._released.popleft() for _ in range(len(self._released))]
+            batch = []
             while True:
                 if item is self._CLOSE:
                     closing = True
                     break
-                if type(item) is int:
-                    released.append(item)
-                else:
+                if item is not self._FLUSH:
                     batch.append(encode_item(item))
                 try:
                     item = self._queue.get_nowait()
@@ -433,6 +445,37 @@ class Outbox:
                 batch.append(encode_item(self._releases(released)))
             if batch:
                 yield from payloads(batch)
+
+
+RELEASE_SECONDS = 0.05  # how long a release waits for a batch to ride along with
+
+
+class _ReleaseFlusher:
+    """The one thread of a process that flushes its outboxes' releases, every
+    RELEASE_SECONDS, started with the first outbox that takes releases."""
+
+    def __init__(self) -> None:
+        self._outboxes: "weakref.WeakSet[Outbox]" = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._pid = 0  # the process the thread runs in (a forked child starts its own)
+
+    def watch(self, outbox: Outbox) -> None:
+        with self._lock:
+            self._outboxes.add(outbox)
+            if self._pid != os.getpid():
+                self._pid = os.getpid()
+                threading.Thread(target=self._run, name="pathways-releases", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(RELEASE_SECONDS)
+            with self._lock:
+                outboxes = list(self._outboxes)
+            for outbox in outboxes:
+                outbox.flush()
+
+
+_RELEASE_FLUSHER = _ReleaseFlusher()
 
 
 # What a stream's outbox may hold unsent, in messages and in their encoded bytes, before the
