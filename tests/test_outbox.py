@@ -52,6 +52,17 @@ def test_releases_alone_go_out_within_the_flush_period_and_a_close_sends_what_wa
     assert [m.SESSION_UP.decode_batch(p) for p in batches] == [[m.ClusterRequest(3), m.Delete((8,))]]
 
 
+def test_a_stream_no_one_reads_holds_one_flush_at_most():
+    outbox = _outbox()
+    outbox.release(5)
+    for _ in range(100):
+        outbox.flush()
+    assert outbox._queue.qsize() == 1
+    outbox.close()
+    outbox.flush()  # closed: nothing more is queued
+    assert outbox._queue.qsize() == 2
+
+
 def test_a_stream_waits_for_its_first_message_and_a_release_from_a_finalizer_sends_it():
     outbox = _outbox()
     got: list[bytes] = []

@@ -401,6 +401,9 @@ class Outbox:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._releases = releases
         self._released: collections.deque[int] = collections.deque()
+        self._flushing = False  # a flush is queued and its batch not yet begun
+        self._flush_lock = threading.Lock()
+        self._closed = False
         if releases is not None:
             _RELEASE_FLUSHER.watch(self)
 
@@ -413,12 +416,16 @@ class Outbox:
         self._released.append(handle)
 
     def flush(self) -> None:
-        """Have the stream send the releases noted so far, if any."""
-        if self._released:
-            self._queue.put(self._FLUSH)
+        """Have the stream send the releases noted so far, if any (one flush queued at a
+        time: a stream no one reads does not pile them up)."""
+        with self._flush_lock:
+            if self._released and not self._flushing and not self._closed:
+                self._flushing = True
+                self._queue.put(self._FLUSH)
 
     def close(self) -> None:
         """End the stream after whatever was put before."""
+        self._closed = True
         self._queue.put(self._CLOSE)
 
     def batches(self) -> Iterator[bytes]:
@@ -426,6 +433,7 @@ class Outbox:
         closing = False
         while not closing:
             item = self._queue.get()
+            self._flushing = False
             # Taken before the queue is drained: a message that names a released handle was
             # put before the release, so it is in this batch, ahead of the releases.
             released = [self._released.popleft() for _ in range(len(self._released))]
