@@ -390,9 +390,9 @@ class Outbox:
     ``payloads``). ``release(handle)`` notes a handle the peer may forget: the handles
     released before a batch starts go out at its end as one message, ``releases(handles)``
     (after every message put before them, which may still name them). Releases ride along
-    with the next batch, and one thread of the process has a stream with releases and
-    nothing else to send flush them within RELEASE_SECONDS: a release costs no message of
-    its own, and an idle stream no wake-ups.
+    with the next batch; those of a stream with nothing else to send are flushed within
+    RELEASE_SECONDS by one thread of the process: a release costs no message of its own,
+    and an idle stream no wake-ups.
     """
 
     _CLOSE, _FLUSH = object(), object()
