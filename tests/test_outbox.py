@@ -1,6 +1,7 @@
 """A stream's outboxes (wire/rpc.py): the client's ``Outbox``, whose released handles go
-out after the messages put before them, riding along with them or flushed soon after, and the controller's ``LoopOutbox``, with its
-bounds in messages and in bytes and payloads joined from messages encoded as they were put."""
+out after the messages put before them, riding along with them or flushed soon after, and
+the controller's ``LoopOutbox``, with its bounds in messages and in bytes and payloads
+joined from messages encoded as they were put."""
 
 import asyncio
 import gc

@@ -266,8 +266,7 @@ class Session:
 
     def release(self, handle: int) -> None:
         """Queue ``handle`` for deletion; safe from __del__ in any thread."""
-        if not self._closed.is_set():
-            self._outbox.release(handle)
+        self._outbox.release(handle)
 
     def _read(self) -> None:
         refused = None

@@ -277,21 +277,22 @@ class Scheduler:
         return found
 
     def _island_full(self, island: int, session: int) -> bool:
-        load = self._island_load.get(island, 0)
-        if load < self.window:
-            return False
-        if load >= self.window * SOLO_FACTOR:
-            return True
         # another session has runs queued for the island
-        return len(self._queued_by.get(island, ())) > (island in self._sessions[session].queues)
+        others = len(self._queued_by.get(island, ())) > (island in self._sessions[session].queues)
+        return self._full(island, others)
 
     def _island_full_for_all(self, key: Hashable) -> bool:
         """Whether every session queued under ``key`` finds the island full (``_island_full``):
-        it is past the solo bound, or at its window with more than one session queued."""
-        if key is None:
+        with more than one queued, each has another beside it."""
+        return key is not None and self._full(key, len(self._queued_by.get(key, ())) > 1)
+
+    def _full(self, island: int, others_queued: bool) -> bool:
+        """The window rule: an island at its window is full while other sessions have work
+        queued for it, and past SOLO_FACTOR windows in any case."""
+        load = self._island_load.get(island, 0)
+        if load < self.window:
             return False
-        load = self._island_load.get(key, 0)
-        return load >= self.window and (load >= self.window * SOLO_FACTOR or len(self._queued_by.get(key, ())) > 1)
+        return load >= self.window * SOLO_FACTOR or others_queued
 
     # ---- status ---------------------------------------------------------------------
 

@@ -411,9 +411,10 @@ class Outbox:
         self._queue.put(message)
 
     def release(self, handle: int) -> None:
-        """Note ``handle`` for ``releases``; safe from ``__del__`` in any thread."""
+        """Note ``handle`` for ``releases`` (none once closed); safe from ``__del__`` in any thread."""
         assert self._releases is not None, "this outbox was made without releases"
-        self._released.append(handle)
+        if not self._closed:
+            self._released.append(handle)
 
     def flush(self) -> None:
         """Have the stream send the releases noted so far, if any (one flush queued at a
