@@ -122,7 +122,7 @@ def _serve_sync() -> None:
                     outbox.close()
 
             threading.Thread(target=pump, daemon=True).start()
-            return outbox.batches(context.is_active)
+            return outbox.batches()
 
         server, port = rpc.make_server(rpc.CONTROLLER_SERVICE, {"Session": rpc.stream_stream(session)},
                                        max_workers=64)
