@@ -223,6 +223,19 @@ def test_lost_islands_nobody_rejoins_are_forgotten_oldest_first_beyond_the_bound
     assert list(_islands(core)) == ["2", "3", "4", "5"]
 
 
+def test_a_thousand_registrations_that_go_away_leave_the_newest_lost_islands_up_to_the_bound():
+    """The probe itself, at the real bound: 1,000 one-host islands registered and lost one
+    after another leave MAX_LOST_ISLANDS of them, the newest, and no worker."""
+    core = ControllerCore()
+    for i in range(1000):
+        core.worker_lost(_register(core, f"r{i}"))
+    status = core.status()
+    kept = {f"r{i}" for i in range(1000 - core_module.MAX_LOST_ISLANDS, 1000)}
+    assert {i["name"] for i in status["islands"]} == kept and len(status["islands"]) == len(kept)
+    assert status["workers"] == []
+    assert len(core.islands.by_id) == core_module.MAX_LOST_ISLANDS
+
+
 # ---- the shell's wait (controller/server.py), on an event loop without gRPC ----------------
 
 def _serve_retire(request, during=None):

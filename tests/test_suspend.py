@@ -174,7 +174,7 @@ def test_suspend_waits_for_the_runs_in_flight(cluster, session):
 
 def test_suspend_right_after_a_put_keeps_the_array(cluster, session):
     s = VirtualDeviceSet(session).add_slice(cpu_devices=2)
-    value = np.random.default_rng(1).standard_normal((2, 8 << 20)).astype(np.float32)  # 64 MiB, still on its way
+    value = np.random.default_rng(1).random((2, 16 << 20), dtype=np.float32)  # 128 MiB, still on its way
     put = pw.device_put(value, s.devices)
     session.suspend()
     session.resume()
