@@ -406,6 +406,99 @@ def test_a_lost_host_fails_reads_and_runs_with_data_loss_naming_it_as_pathwaysut
         cluster.stop()
 
 
+HEALING_SCRIPT = PLUGIN + textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    from pathwaysutils.elastic import manager as elastic_manager
+
+    def failure(read):
+        try:
+            read()
+        except jax.errors.JaxRuntimeError as e:
+            return str(e)[:300]
+        return None
+
+    devices = jax.devices()
+    on0 = [d for d in devices if d.slice_index == 0]
+    on1 = [d for d in devices if d.slice_index == 1]
+    step = jax.jit(lambda w: w * 2.0 + 1.0)
+    kept = jax.device_put(np.arange(3.0), on0[0])
+    w = step(jax.device_put(np.zeros(4, np.float32), on1[0]))
+    unread = step(w).block_until_ready()  # computed, never read back: only the lost host held it
+    print("READY", np.asarray(w).tolist(), flush=True)
+    sys.stdin.readline()  # island 1's host is killed and its island healed meanwhile
+    healed = {"lost": failure(lambda: np.asarray(unread)), "kept": np.asarray(kept).tolist(),
+              "next": np.asarray(step(jax.device_put(np.ones(4, np.float32), on1[0]))).tolist(),
+              "devices": [d.id for d in jax.devices()] == [d.id for d in devices]}
+
+    manager = elastic_manager.Manager()
+    state = {"w": np.zeros(4, np.float32), "steps": 0, "attempts": 0}
+
+    @manager.elastic_retry(poll_interval=0.5, timeout=120, retry_policy=lambda attempt, error: attempt < 3)
+    def train(steps):
+        state["attempts"] += 1
+        w = jax.device_put(state["w"], manager.slice_to_devices[1][0])
+        while state["steps"] < steps:
+            w = step(w)
+            state["w"] = np.asarray(w)  # the host's copy of each step: what a retry starts from
+            state["steps"] += 1
+            if state["steps"] == 2 and state["attempts"] == 1:
+                print("READY", flush=True)
+                sys.stdin.readline()  # island 1's host is killed again
+        return state["w"]
+
+    trained = train(5)
+    print("RESULT " + json.dumps({"healed": healed, "trained": trained.tolist(), "attempts": state["attempts"]}),
+          flush=True)
+""")
+
+
+def test_a_proxied_script_follows_its_healed_island_and_an_elastic_loop_survives_a_killed_host():
+    """A host killed under a running proxied script, its island healed by the local
+    supervisor (a new process at a new address, under the same worker id): the array it
+    held is lost (DATA_LOSS), an array of the other island is not, and the script's next
+    step on the healed island succeeds with the executable compiled before, the devices
+    unchanged. Then pathwaysutils' elastic loop around a training step, unchanged: the host
+    killed again mid-loop, the loop retries from the host's copy once the island serves
+    again, and finishes with the values of an uninterrupted run."""
+    cluster = LocalCluster([Island(1, 1), Island(1, 1)], restart_workers=True).start()
+    ifrt = IfrtServer(cluster.address)
+    client = None
+
+    def kill_and_heal():
+        host = next(w for w in status(cluster.address)["workers"] if w["island"] == 1)
+        os.kill(host["pid"], signal.SIGKILL)
+        wait_until(lambda: any(w["island"] == 1 and w["pid"] != host["pid"] and w["address"] != host["address"]
+                               for w in status(cluster.address)["workers"])
+                   and next(i for i in status(cluster.address)["islands"] if i["island"] == 1)["healthy"],
+                   60, "island 1 to heal with a new process")
+
+    try:
+        ifrt.start()
+        client = subprocess.Popen([sys.executable, "-c", HEALING_SCRIPT], env=_proxy_env(ifrt.address),
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert read_line(client, timeout=240).strip() == "READY [1.0, 1.0, 1.0, 1.0]", client.stderr.read()[-3000:]
+        kill_and_heal()
+        client.stdin.write("\n")
+        client.stdin.flush()
+        assert read_line(client, timeout=120).strip() == "READY", client.stderr.read()[-3000:]
+        kill_and_heal()
+        client.stdin.write("\n")
+        client.stdin.flush()
+        line = read_line(client, timeout=240)
+        assert line.startswith("RESULT "), client.stderr.read()[-3000:]
+        result = json.loads(line[len("RESULT "):])
+        healed = result["healed"]
+        assert healed["lost"] is not None and "DATA_LOSS" in healed["lost"], healed
+        assert healed["kept"] == [0.0, 1.0, 2.0] and healed["next"] == [3.0] * 4 and healed["devices"], healed
+        assert result["trained"] == [31.0] * 4 and result["attempts"] == 2, result
+    finally:
+        if client is not None:
+            stop_processes([client])
+        ifrt.stop()
+        cluster.stop()
+
+
 def test_streams_without_the_token_hold_a_few_of_the_servers_threads_for_seconds_at_most(monkeypatch):
     """70 IFRT session streams opened without the token, sending nothing. A refused
     stream is kept REFUSED_SECONDS at most (to answer the client's requests with why), and

@@ -276,7 +276,8 @@ class IfrtSession:
             return self._put_parts(value, sharding, islands)
         place, layout = self.devices.layout(sharding, value.ndim)
         handle = self.native.allocate(1)
-        self.native.put(place.addresses, handle, layout, value)
+        moves = self.native.moves  # before the addresses: a move in between makes the controller drop the put
+        self.native.put(place.addresses, handle, layout, value, moves)
         return _Array(value.dtype, tuple(value.shape), sharding, handle, layout, place)
 
     def _put_parts(self, value: np.ndarray, sharding: Sharding, islands: list[list[int]]) -> _Array:
@@ -361,6 +362,7 @@ class IfrtSession:
         if self.devices is not None:
             raise IfrtError(t.FAILED_PRECONDITION, "init_request was sent twice in one session")
         self.devices = DeviceTable(self.slices())
+        self.native.slices.update(self.devices.movers)  # an island that heals: its new addresses
         kinds = {d.kind for d in self.devices.devices}
         platform = export_platforms(sorted(kinds)[0])[0] if kinds else "cpu"
         resp = pb.InitResponse(session_id=self.id, platform_name=platform, platform_version="pathways",
@@ -802,12 +804,10 @@ class IfrtSession:
         args = [self._real(a) for a in args]
         base = self.native.allocate(len(args) + len(c.outs))
         self.native.send(m.Run(exe.program, base, {i: a.handle for i, a in enumerate(args)}))
-        by_worker = {d.worker: d.address for d in self._table.devices}
         outs = []
         for j, layout in enumerate(c.outs):
             dtype, shape = c.out_types[j]
-            place = SliceDevices(exe.place.slice, layout.devices, layout.workers,
-                                 tuple(by_worker[w] for w in layout.workers))
+            place = self._table.at(exe.place.slice, layout.devices, layout.workers)
             outs.append(_Array(t._np_dtype(dtype), tuple(shape), Sharding(exe.devices, c.out_shardings[j]),
                                base + len(args) + j, layout, place))
         keep = set(body.execute_options.non_donatable_input_indices)
