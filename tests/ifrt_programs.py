@@ -20,6 +20,7 @@ every other key must be bit-identical.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 import traceback
@@ -307,6 +308,39 @@ def psum() -> Results:
     return out
 
 
+def _hlo(text: str) -> str:
+    """An executable's HLO text without what records where the program was traced (the tables
+    of files, functions and stack frames after the module's first line, and references to
+    their frames), which differ with how the program was started."""
+    first, _, rest = text.partition("\n")
+    computations = rest[rest.index("\n%"):] if "\n%" in rest else rest
+    return first + re.sub(r" stack_frame_id=\d+", "", computations)
+
+
+def compiled_analysis() -> Results:
+    """What XLA says of compiled executables: cost analysis, memory analysis and HLO text,
+    of one device and of executables sharded over one host's two devices and over two hosts."""
+    out: Results = {}
+
+    def record(name: str, compiled: Any) -> None:
+        for key, value in compiled.cost_analysis().items():
+            out[f"{name}_cost_{re.sub(r'[^0-9A-Za-z]', '_', key)}"] = np.asarray(value)
+        memory = compiled.memory_analysis()
+        for field in ("generated_code_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
+                      "alias_size_in_bytes", "temp_size_in_bytes", "peak_memory_in_bytes"):
+            out[f"{name}_memory_{field}"] = np.asarray(getattr(memory, field))
+        out[f"{name}_text"] = np.frombuffer(_hlo(compiled.as_text()).encode(), np.uint8)
+
+    x, y = data(30, 32, 16), data(31, 16, 8)
+    record("one_device", jax.jit(lambda a, b: jnp.sin(a @ b).sum() + 2.0 * a.mean()).lower(x, y).compile())
+    for name, devices in (("one_host", island1()), ("two_hosts", island0())):
+        mesh = Mesh(devices, ("x",))
+        cols, rows = NamedSharding(mesh, P(None, "x")), NamedSharding(mesh, P("x"))
+        f = jax.jit(lambda a, b: jnp.tanh(a @ b), in_shardings=(cols, rows), out_shardings=NamedSharding(mesh, P()))
+        record(name, f.lower(x, y).compile())
+    return out
+
+
 def move() -> Results:
     """Arrays between devices of one island and between the islands."""
     out: Results = {}
@@ -482,7 +516,7 @@ def started(stop: str | Path) -> list[Path]:
 
 PROGRAMS: dict[str, Callable[[], Results]] = {
     f.__name__: f for f in (devices, device_put, device_put_all, jit_elementwise, jit_matmul, jit_reductions,
-                            mlp_grad, vmap, loops, random, psum, move, donation, deletion, train_optax,
+                            mlp_grad, vmap, loops, random, psum, compiled_analysis, move, donation, deletion, train_optax,
                             flax_model, concurrent)}
 
 

@@ -16,7 +16,7 @@ from pathways.cluster import status, worker_stats
 from pathways.worker import compile_cache
 from pathways.worker.compile_cache import CompileCache
 from tests.conftest import running_cluster
-from tests.test_xla_functions import WAIT, artifact, run_xla, slice_of
+from tests.test_xla_functions import WAIT, artifact, assert_analysis_is_local_jaxs, run_xla, slice_of
 
 
 def test_the_directory_comes_from_the_flag_then_pathways_then_jax():
@@ -100,6 +100,7 @@ def test_a_worker_loads_what_another_worker_of_the_machine_compiled(cluster, cac
             fn, future = session.define_xla(reply.slice, "tanh", blob, options, devices)
             compiled = future.result(WAIT)
             assert compiled.error == ""
+            assert_analysis_is_local_jaxs(compiled.analysis, f, x)  # loaded or compiled, XLA says the same
             results.append(run_xla(session, addresses, compiled, fn, [x])[0])
             counts.append(worker_stats(addresses_of[reply.workers[0]])["compile_cache"])
         assert counts == [{"hits": 0, "misses": 1}, {"hits": 1, "misses": 0}]

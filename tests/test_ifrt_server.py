@@ -18,8 +18,10 @@ from pathways.ifrt import types as t
 from pathways.ifrt.devices import DeviceTable, SliceInfo
 from pathways.ifrt.proto.xla import xla_data_pb2
 from pathways.ifrt.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as gpb
+from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
 from pathways.ifrt.server import IfrtServer, _lookup_response
-from pathways.ifrt.session import parse_slice
+from pathways.ifrt.session import IfrtSession, _Executable, parse_slice
+from pathways.protocol import messages as m
 from tests.conftest import read_line, wait_until
 
 @pytest.fixture(scope="module")
@@ -155,6 +157,49 @@ def test_formats_the_client_parses():
     proto = t.sharding_proto(t.replicated((0,)))
     assert proto.serialized_sharding.type_name == "xla::ifrt::HloSharding"
     assert t.parse_sharding(proto, 1) == t.replicated((0,))
+
+
+def _session_with_executable(compiled):
+    """An IFRT session holding one executable (handle 7) compiled as ``compiled`` says, with
+    no cluster: what its requests about the executable answer depends on that alone."""
+    session = IfrtSession(None, 1, {})
+    session.devices = DeviceTable([])
+    session._executables[7] = _Executable(compiled.fn, compiled, (0,), None)
+    return session
+
+
+def test_an_executables_cost_memory_and_text_are_the_workers_or_unimplemented():
+    analysis = m.Analysis((("flops", 8960.0), ("fused", True), ("ops", 3)),
+                          (("argument_size_in_bytes", 2560), ("peak_memory_in_bytes", 2564)), "HloModule jit_f")
+    given = _session_with_executable(m.Compiled(5, "", analysis=analysis))
+    cost = given.handle("loaded_executable_cost_analysis_request",
+                        pb.LoadedExecutableCostAnalysisRequest(loaded_executable_handle=7))
+    assert cost.WhichOneof("result") == "attributes" and cost.attributes.version_number == 0
+    assert {k: v.WhichOneof("value") for k, v in cost.attributes.attributes.items()} == {
+        "flops": "float_value", "fused": "bool_value", "ops": "int64_value"}
+    assert cost.attributes.attributes["flops"].float_value == 8960.0
+    text = given.handle("loaded_executable_human_readable_program_text_request",
+                        pb.LoadedExecutableHumanReadableProgramTextRequest(loaded_executable_handle=7))
+    assert text.human_readable_program_text == "HloModule jit_f"
+    meta = given.handle("loaded_executable_metadata_request", pb.LoadedExecutableMetadataRequest(
+        loaded_executable_handle=7))
+    assert meta.WhichOneof("compiled_memory_stats_oneof") == "compiled_memory_stats"
+    assert (meta.compiled_memory_stats.argument_size_in_bytes, meta.compiled_memory_stats.peak_memory_in_bytes,
+            meta.compiled_memory_stats.temp_size_in_bytes) == (2560, 2564, 0)
+
+    # a worker whose XLA gave none of them: UNIMPLEMENTED, which JAX turns into "not available"
+    none = _session_with_executable(m.Compiled(5, "", analysis=m.Analysis()))
+    for kind, request in [("loaded_executable_cost_analysis_request", pb.LoadedExecutableCostAnalysisRequest),
+                          ("loaded_executable_human_readable_program_text_request",
+                           pb.LoadedExecutableHumanReadableProgramTextRequest)]:
+        resp = none.handle(kind, request(loaded_executable_handle=7))
+        assert resp.status.code == t.UNIMPLEMENTED and "the worker's XLA gave no" in resp.status.message
+    meta = none.handle("loaded_executable_metadata_request", pb.LoadedExecutableMetadataRequest(
+        loaded_executable_handle=7))
+    assert meta.compiled_memory_stats_error.code == t.UNIMPLEMENTED
+    with pytest.raises(t.IfrtError, match="unknown loaded executable handle 8"):
+        none.handle("loaded_executable_cost_analysis_request", pb.LoadedExecutableCostAnalysisRequest(
+            loaded_executable_handle=8))
 
 
 def test_pathways_slice_parsing():

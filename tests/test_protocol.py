@@ -95,6 +95,37 @@ def test_compiled_round_trips_and_its_lists_must_agree():
             m.WORKER_UP.decode(broken.encode())
 
 
+def test_compiled_carries_what_xla_says_of_the_executable_bounded():
+    analysis = m.Analysis((("bytes accessed", 6660.0), ("flops", 8960.0), ("fused", True), ("ops", 7)),
+                          (("argument_size_in_bytes", 2560), ("temp_size_in_bytes", 1024)), "HloModule jit_f\n")
+    ok = m.Compiled(first_handle(2) + 1, "", analysis=analysis)
+    for table in (m.WORKER_UP, m.SESSION_DOWN):
+        assert table.decode_batch(m.encode_batch([ok])) == [ok]
+    assert m.WORKER_UP.decode(m.Compiled(5, "", analysis=m.Analysis()).encode()).analysis == m.Analysis()
+    for broken, needle in [
+        (dataclasses.replace(analysis, cost=(("flops", math.nan),)), "finite float"),
+        (dataclasses.replace(analysis, cost=(("flops", "many"),)), "finite float"),
+        (dataclasses.replace(analysis, cost=(("x", 1.0),) * (m.MAX_COST_ENTRIES + 1)), "entries"),
+        (dataclasses.replace(analysis, memory=(("heap_in_bytes", 1),)), "must be one of"),
+        (dataclasses.replace(analysis, memory=(("temp_size_in_bytes", -1),)), "must be in"),
+        (dataclasses.replace(analysis, memory=(("temp_size_in_bytes", 1),) * 2), "one figure twice"),
+        (dataclasses.replace(analysis, text="x" * (m.MAX_PROGRAM_TEXT + 1)), "characters"),
+    ]:
+        with pytest.raises(WireError, match=needle):
+            m.WORKER_UP.decode(m.Compiled(5, "", analysis=broken).encode())
+
+
+def test_an_analysis_keeps_what_the_protocol_carries():
+    kept = m.Analysis.kept({"flops": 2.0, "nan": math.nan, "inf": math.inf, "name": "text", "n": 3},
+                           {"argument_size_in_bytes": 8, "heap": 4, "temp_size_in_bytes": -1},
+                           "x" * (m.MAX_PROGRAM_TEXT + 1))
+    assert kept == m.Analysis((("flops", 2.0), ("n", 3)), (("argument_size_in_bytes", 8),), None)
+    many = m.Analysis.kept({f"k{i:05d}": float(i) for i in range(m.MAX_COST_ENTRIES + 5)}, None, "HloModule m")
+    assert len(many.cost) == m.MAX_COST_ENTRIES and many.cost[0] == ("k00000", 0.0)
+    assert many.memory is None and many.text == "HloModule m"
+    m.WORKER_UP.decode(m.Compiled(5, "", analysis=many).encode())  # what is kept passes the checks
+
+
 def test_compile_names_one_worker_per_host_of_an_xla_function():
     fine = m.Compile(1, m.FunctionBody("f", b"", (), (), "xla", b"", (0, 0, 1, 0, 1, 1)), (4, 7))
     assert m.WORKER_DOWN.decode(fine.encode()) == fine

@@ -85,8 +85,21 @@ def test_a_one_device_function_compiles_on_a_host_of_a_multi_host_island_and_run
     assert compiled.out_types == (("float32", (2, 3)),) and compiled.in_layouts == compiled.out_layouts == ((1, 0),)
     assert compiled.donated == () and compiled.name.startswith("jit_")
     assert len(compiled.fingerprint) == 64 and int(compiled.fingerprint, 16) >= 0
+    assert_analysis_is_local_jaxs(compiled.analysis, lambda a: jnp.sin(a) * 2 + 1, x)
+    assert "sine(" in compiled.analysis.text
     [y] = run_xla(session, addresses, compiled, fn, [x])
     np.testing.assert_array_equal(y, np.asarray(jax.jit(lambda a: jnp.sin(a) * 2 + 1)(x)))
+
+
+def assert_analysis_is_local_jaxs(analysis, f, *args):
+    """What the worker's XLA said of its compile of ``f`` (Compiled.analysis) is what local
+    JAX's compile of it on one CPU device says: the same cost and memory figures, and HLO
+    text naming the same module."""
+    local = jax.jit(f).lower(*args).compile()
+    assert dict(analysis.cost) == local.cost_analysis() and local.cost_analysis()["flops"] > 0
+    memory = local.memory_analysis()
+    assert dict(analysis.memory) == {k: getattr(memory, k) for k in m.MEMORY_STATS}
+    assert analysis.text.startswith(local.as_text().split(",")[0] + ",")
 
 
 def test_a_sharded_matmul_on_two_devices_of_one_host_in_the_order_given(session):

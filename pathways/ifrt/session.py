@@ -775,7 +775,11 @@ class IfrtSession:
                                                 for x in c.out_layouts)
         resp.output_memory_kinds.memory_kind_lists.add(memory_kinds=[t.MEMORY_KIND] * len(c.outs))
         resp.donated_input_indices.donated_input_indices.extend(c.donated)
-        resp.compiled_memory_stats.CopyFrom(executable_metadata_pb2.CompiledMemoryStatsProto())
+        memory = c.analysis.memory if c.analysis is not None else None
+        if memory is None:
+            _unavailable(resp.compiled_memory_stats_error, "compiled memory stats")
+        else:
+            resp.compiled_memory_stats.CopyFrom(executable_metadata_pb2.CompiledMemoryStatsProto(**dict(memory)))
         return resp
 
     @_serves("result_array_handle")
@@ -847,19 +851,28 @@ class IfrtSession:
         self._executable(body.loaded_executable_handle)
         return pb.LoadedExecutableIsDeletedResponse(is_deleted=False)
 
+    def _analysis(self, handle: int) -> m.Analysis:
+        """What the worker's XLA said of executable ``handle`` when it compiled it."""
+        return self._executable(handle).compiled.analysis or m.Analysis()
+
     @_serves()
     def _loaded_executable_cost_analysis_request(self, body: Any) -> Any:
-        return self._not_available(body, pb.LoadedExecutableCostAnalysisResponse, "cost analysis")
+        cost = self._analysis(body.loaded_executable_handle).cost
+        resp = pb.LoadedExecutableCostAnalysisResponse()
+        if cost is None:
+            _unavailable(resp.status, "cost analysis")
+        else:
+            _attributes(resp.attributes, dict(cost))
+        return resp
 
     @_serves()
     def _loaded_executable_human_readable_program_text_request(self, body: Any) -> Any:
-        return self._not_available(body, pb.LoadedExecutableHumanReadableProgramTextResponse, "program text")
-
-    def _not_available(self, body: Any, response: Callable[[], Any], what: str) -> Any:
-        """An executable's ``what`` that pathways cannot give: a response whose status says so."""
-        self._executable(body.loaded_executable_handle)
-        resp = response()
-        resp.status.code, resp.status.message = t.UNIMPLEMENTED, f"{what} is not available from pathways"
+        text = self._analysis(body.loaded_executable_handle).text
+        resp = pb.LoadedExecutableHumanReadableProgramTextResponse()
+        if text is None:
+            _unavailable(resp.status, f"program text (of at most {m.MAX_PROGRAM_TEXT} characters)")
+        else:
+            resp.human_readable_program_text = text
         return resp
 
     # ---- defaults -------------------------------------------------------------------------------
@@ -892,10 +905,23 @@ class IfrtSession:
 def _attributes(proto: attribute_map_pb2.AttributeMapProto, values: dict[str, Any]) -> None:
     proto.version_number = 0
     for key, value in values.items():
+        attribute = proto.attributes[key]
         if isinstance(value, str):
-            proto.attributes[key].string_value = value.encode()
+            attribute.string_value = value.encode()
+        elif isinstance(value, bool):  # before int: a bool is an int
+            attribute.bool_value = value
+        elif isinstance(value, float):  # a float32, as XLA's cost analysis has it
+            attribute.float_value = value
         else:
-            proto.attributes[key].int64_value = int(value)
+            attribute.int64_value = int(value)
+
+
+def _unavailable(status: Any, what: str) -> None:
+    """Fill ``status`` (a StatusProto) to say the worker's XLA gave no ``what`` for the
+    executable: UNIMPLEMENTED, which JAX raises as NotImplementedError, as it does locally
+    on a backend that has none."""
+    status.code = t.UNIMPLEMENTED
+    status.message = f"the worker's XLA gave no {what} for this executable"
 
 
 def parse_slice(text: Any) -> tuple[str, int, Optional[int]]:

@@ -15,12 +15,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
-from typing import Any, ClassVar, Iterable, Sequence, Union
+import math
+from typing import Any, ClassVar, Iterable, Mapping, Sequence, Union
 
 from pathways.errors import WireError
 from pathways.ir import DISPATCH_MODES, Layout, ProgramGraph
-from pathways.protocol.check import (MAX_ITEMS, MAX_NAME, MAX_TEXT, Anything, Bool, Bytes, Checker, Custom, Fixed,
-                                     Float, Int, Optional, Seq, Str)
+from pathways.protocol.check import (I64, MAX_ITEMS, MAX_NAME, MAX_TEXT, Anything, Bool, Bytes, Checker, Custom,
+                                     Fixed, Float, Int, Optional, Seq, Str)
 from pathways.protocol.errors import KINDS, POISON_KINDS
 from pathways.protocol.handles import MAX_HANDLE, MAX_SESSION, session_of
 from pathways.protocol.ops import LAYOUT, MAX_NODES, MAX_REGISTERS, ROUTE, decode_op, encode_op
@@ -28,7 +29,7 @@ from pathways.timeline import MAX_DETAIL, MAX_EVENTS
 from pathways.timeline import MAX_NAME as MAX_SPAN_NAME
 from pathways.wire.codec import MAX_MESSAGE_BYTES, is_wire_dtype_name, list_header, pack, pack_each, unpack
 
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 # How a function's blob is to be compiled: a jax.export artifact (its layouts given by the
 # client), or a StableHLO portable artifact with xla CompileOptions (layouts reported back
 # by the worker that compiles it, in ``Compiled``).
@@ -617,13 +618,76 @@ def _dtype_name(raw: Any) -> str:
     return raw
 
 
+# The compiled memory figures an executable reports (xla CompiledMemoryStats, whose proto
+# has these fields): bytes of generated code, arguments, outputs, aliased buffers and
+# temporaries, on the device and on the host, and the peak of device memory.
+MEMORY_STATS = ("generated_code_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
+                "alias_size_in_bytes", "temp_size_in_bytes", "peak_memory_in_bytes",
+                "host_generated_code_size_in_bytes", "host_argument_size_in_bytes", "host_output_size_in_bytes",
+                "host_alias_size_in_bytes", "host_temp_size_in_bytes")
+MAX_COST_ENTRIES = 4096  # XLA's cost analysis gives a few per operand, so a few dozen in practice
+MAX_PROGRAM_TEXT = 8 << 20  # characters: the HLO text of a large model is a few MB
+
+
+def _cost_value(raw: Any) -> Union[bool, int, float]:
+    # what XLA's cost analysis gives (PjRt's value types, numbers only): a bool, an int64 or a finite float
+    if (type(raw) is bool or (type(raw) is int and -I64 - 1 <= raw <= I64)
+            or (type(raw) is float and math.isfinite(raw))):
+        return raw
+    raise WireError(f"a cost must be a bool, an int64 or a finite float, got {str(raw)[:32]!r}")
+
+
+_COST = Seq(Fixed(NAME, Custom(_cost_value, lambda v: v)), max_len=MAX_COST_ENTRIES)
+_MEMORY = Seq(Fixed(Str(64, frozenset(MEMORY_STATS)), Int(0)), max_len=len(MEMORY_STATS))
+_PROGRAM_TEXT = Str(MAX_PROGRAM_TEXT)
+
+
+@record
+class Analysis(Record):
+    """What XLA says of an executable where it was compiled, as JAX gives it locally:
+    ``cost`` its cost analysis (``Compiled.cost_analysis()``: (name, value) pairs),
+    ``memory`` its compiled memory figures (``Compiled.memory_analysis()``: (name of
+    MEMORY_STATS, bytes) pairs), ``text`` its optimized HLO text (``Compiled.as_text()``).
+    Each is None where the worker's XLA gives none, or (the text) more than the protocol
+    carries."""
+
+    cost: tuple[tuple[str, Union[bool, int, float]], ...] | None = wire(Optional(_COST), None)
+    memory: tuple[tuple[str, int], ...] | None = wire(Optional(_MEMORY), None)
+    text: str | None = wire(Optional(_PROGRAM_TEXT), None)
+
+    def checked(self) -> "Analysis":
+        if self.memory is not None and len({name for name, _ in self.memory}) != len(self.memory):
+            raise WireError("an executable's memory figures name one figure twice")
+        return self
+
+    @classmethod
+    def kept(cls, cost: Mapping[str, Any] | None, memory: Mapping[str, Any] | None,
+             text: str | None) -> "Analysis":
+        """The analysis of what the protocol carries, from what XLA gave: the cost entries
+        and memory figures that pass their checks (the first MAX_COST_ENTRIES of the former,
+        by name), and the text if it is at most MAX_PROGRAM_TEXT characters."""
+        def fits(checker: Checker, value: Any) -> bool:
+            try:
+                checker.check(value, "")
+                return True
+            except WireError:
+                return False
+        entry, figure = _COST.item, _MEMORY.item
+        return cls(None if cost is None else
+                   tuple((k, v) for k, v in sorted(cost.items(), key=lambda kv: str(kv[0]))
+                         if fits(entry, [k, v]))[:MAX_COST_ENTRIES],
+                   None if memory is None else tuple((k, v) for k, v in memory.items() if fits(figure, [k, v])),
+                   text if text is not None and fits(_PROGRAM_TEXT, text) else None)
+
+
 @message("compiled")
 class Compiled(Message):
     """An "xla" function compiled (``error`` "") or failed to: sent by the worker hosting
     its first device, forwarded unchanged to the function's session. Describes the
     executable's parameters and outputs as it reports them: where each lives (``ins``,
     ``outs``), each output's (dtype name, global shape), serialized xla OpShardings,
-    minor_to_major layouts, and the indices of donated parameters. ``kind``: the error's
+    minor_to_major layouts, the indices of donated parameters, and what XLA says of it
+    (``analysis``: its cost, memory figures and program text). ``kind``: the error's
     kind where the controller refused or cut the compile (a lost host: WorkerLostError),
     "" for a worker's compile error."""
 
@@ -640,6 +704,7 @@ class Compiled(Message):
     fingerprint: str = wire(Str(128), "")
     name: str = wire(NAME, "")
     kind: str = wire(Str(32, frozenset({"", *KINDS})), "")
+    analysis: Analysis | None = wire(Optional(Nested(Analysis)), None)
 
     def checked(self) -> "Compiled":
         if self.error:

@@ -203,7 +203,8 @@ def _compiled(key: int, name: str, future: Future) -> Compiled:
         return Compiled(key, clip_text(text))
     meta = future.result().metadata
     return Compiled(key, "", meta.ins, meta.outs, meta.out_types, meta.in_shardings, meta.out_shardings,
-                    meta.in_layouts, meta.out_layouts, meta.donated, meta.fingerprint, meta.name[:MAX_NAME])
+                    meta.in_layouts, meta.out_layouts, meta.donated, meta.fingerprint, meta.name[:MAX_NAME],
+                    analysis=meta.analysis)
 
 
 _LOCATION_LINE = re.compile(r"^#loc\d*\s*=.*$", re.MULTILINE)

@@ -10,6 +10,7 @@ holds (jax.distributed joins the hosts' collectives).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -24,10 +25,13 @@ from jax._src.sharding_impls import GSPMDSharding
 from pathways.errors import WireError
 from pathways.hlo import layout_of_op_sharding, replicated
 from pathways.ir import Device, Layout
+from pathways.protocol.messages import MEMORY_STATS, Analysis
 from pathways.worker.compile_cache import CompileCache, digest
 from pathways.wire.codec import is_wire_dtype_name
 
 _DONOR_ATTRS = ("tf.aliasing_output", "jax.buffer_donor")
+
+log = logging.getLogger("pathways.worker")
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,7 @@ class Metadata:
     donated: tuple[int, ...]
     fingerprint: str
     name: str
+    analysis: Analysis
 
 
 def fingerprint(artifact: bytes, options: bytes, devices: Sequence[Device], workers: Sequence[int]) -> str:
@@ -136,9 +141,30 @@ def compile_xla(name: str, artifact: bytes, options: bytes, devices: Sequence[De
                         tuple(_minor_to_major(x) for x in loaded.get_parameter_layouts()),
                         tuple(_minor_to_major(x) for x in loaded.get_output_layouts()),
                         tuple(donated), fingerprint(artifact, options, devices, workers),
-                        _module_name(loaded, name))
+                        _module_name(loaded, name), analysis(loaded))
     return XlaExecutable(loaded, in_avals, [GSPMDSharding(jax_devices, h) for h in hlo],
                          [sharding_of(layout) for layout in outs], out_types, metadata)
+
+
+def analysis(loaded: Any) -> Analysis:
+    """What XLA says of executable ``loaded`` (as much of it as the protocol carries): the
+    figures JAX's ``Compiled.cost_analysis()``, ``memory_analysis()`` and ``as_text()``
+    give for it where it is compiled."""
+    stats = _given(loaded.get_compiled_memory_stats)
+    memory = None if stats is None else {k: getattr(stats, k) for k in MEMORY_STATS if hasattr(stats, k)}
+    return Analysis.kept(_given(loaded.cost_analysis), memory, _given(loaded.get_hlo_text))
+
+
+def _given(query: Callable[[], Any]) -> Any:
+    """What ``query`` of an executable answers; None where this backend gives none (an
+    UNIMPLEMENTED error) or fails to: the figures are informative, and the executable runs
+    without them, so their failure must not fail the compile."""
+    try:
+        return query()
+    except Exception as e:
+        if not str(e).startswith("UNIMPLEMENTED"):
+            log.warning("XLA's %s of a compiled executable failed: %s", query.__name__, e)
+        return None
 
 
 def _compile_and_load(artifact: bytes, compile_options: Any, jax_devices: tuple, cache: Optional[CompileCache]) -> Any:
