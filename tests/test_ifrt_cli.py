@@ -299,9 +299,10 @@ def test_pathwaysutils_initialize_works_with_the_entry_point_installed(ifrt_clus
 
 # ---- `pathways run` ----------------------------------------------------------------------
 
-def run_cli(*args, timeout=START + 120):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "IFRT_PROXY_"))}
+def run_cli(*args, timeout=START + 120, **extra_env):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "IFRT_PROXY_", "PATHWAYS_TRACE"))}
     env["PYTHONPATH"] = str(ROOT)  # from the source tree, not installed: `run` supplies the entry point
+    env.update(extra_env)
     return subprocess.run([sys.executable, "-m", "pathways", "run", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
@@ -369,6 +370,25 @@ def test_run_trains_the_example_mlp_with_a_decreasing_loss():
     # the proxy client's C++ warnings (plain credentials, its session cancelled at exit) stay off
     assert "insecure client credentials" not in out.stderr and "Stack trace" not in out.stderr, out.stderr
     assert all(a > b for a, b in zip(losses, losses[1:])), losses
+
+
+def test_run_with_pathways_trace_writes_the_timeline_when_the_script_exits_with_a_run_in_flight(tmp_path):
+    # the script's last run is still computing as it exits, so the server's session collects
+    # (waiting for that run on the worker) while `run` stops the cluster: it must finish first
+    script = _script(tmp_path, """
+        import jax, jax.numpy as jnp
+        def slow(a):
+            for _ in range(30):
+                a = jnp.tanh(a @ a)
+            return a
+        jax.jit(slow)(jnp.ones((1500, 1500)))
+    """)
+    path = tmp_path / "run.json"
+    out = run_cli("--islands", "1x1", script, PATHWAYS_TRACE=str(path))
+    assert out.returncode == 0, out.stderr
+    assert path.exists(), out.stderr
+    events = json.loads(path.read_text())["traceEvents"]
+    assert any(e["ph"] == "X" and e["name"] == "execute" and e["args"].get("detail") == "slow" for e in events)
 
 
 def test_run_names_a_missing_script(capsys, monkeypatch):
