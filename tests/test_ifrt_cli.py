@@ -372,6 +372,33 @@ def test_run_trains_the_example_mlp_with_a_decreasing_loss():
     assert all(a > b for a, b in zip(losses, losses[1:])), losses
 
 
+def test_run_with_pathways_trace_names_each_proxy_run_and_compile_by_its_function(tmp_path):
+    path = tmp_path / "run.json"
+    out = run_cli("--islands", "1x1", str(ROOT / "examples" / "train_mlp.py"), "--steps", "3", "--every", "1",
+                  PATHWAYS_TRACE=str(path))
+    assert out.returncode == 0, out.stderr
+    events = json.loads(path.read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    # rows by what the cluster calls each process, not by network address
+    assert sorted(n.split(" (pid")[0] for n in names.values()) == [
+        "client IFRT proxy", "controller", "worker 0, island 0 host 0"], names
+    spans = [(names[e["pid"]].split()[0], e["name"], e["args"].get("detail"), e["args"].get("run"))
+             for e in events if e["ph"] == "X"]
+    # the script's `step` (the module jit_step): compiled once, then 3 runs, each submitted,
+    # dispatched and executed under that name
+    assert [d for _, n, d, _ in spans if n == "compile"].count("step") == 1, spans
+    runs = {r for p, n, d, r in spans if p == "client" and n == "submit" and d == "step"}
+    assert len(runs) == 3, spans
+    assert runs == {r for p, n, d, r in spans if p == "worker" and n == "execute" and d == "step"}
+    assert runs <= {r for p, n, _, r in spans if p == "controller" and n == "dispatch"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    summary = subprocess.run([sys.executable, "-m", "pathways", "trace", str(path)], capture_output=True, text=True,
+                             timeout=120, env=env)
+    assert summary.returncode == 0, summary.stderr
+    assert re.search(r"^execute +step +3 ", summary.stdout, re.MULTILINE), summary.stdout
+    assert re.search(r"^compile +step +1 ", summary.stdout, re.MULTILINE), summary.stdout
+
+
 def test_run_with_pathways_trace_writes_the_timeline_when_the_script_exits_with_a_run_in_flight(tmp_path):
     # the script's last run is still computing as it exits, so the server's session collects
     # (waiting for that run on the worker) while `run` stops the cluster: it must finish first

@@ -16,6 +16,7 @@ from pathways.protocol import messages as m
 from pathways.protocol.handles import first_handle
 from pathways.client.timeline import Recording
 from pathways.timeline import MAX_EVENTS, Clock, Process, Recorder, chrome_trace, function_label, now
+from pathways.timeline_view import Span, functions, summary
 from pathways.wire import codec, rpc
 from tests.conftest import connected, running_cluster
 
@@ -212,6 +213,16 @@ def test_chrome_trace_has_names_events_and_flows():
 def test_compiled_modules_are_named_by_the_function_jitted():
     assert [function_label(n) for n in ("jit_train_step", "pmap_f", "jit__where", "jit_", "main")] == [
         "train_step", "f", "_where", "jit_", "main"]
+
+
+def test_computations_and_compiles_are_summarized_per_function():
+    spans = [Span("worker 0, island 0 host 0 (pid 3)", "executor", "execute", t, 10.0, "0x1", "step")
+             for t in (0.0, 20.0)] + [Span("client IFRT proxy (pid 1)", "wait", "compile", 0.0, 500.0, "", "step"),
+                                      Span("controller (pid 2)", "MainThread", "dispatch", 5.0, 1.0, "0x1", "1 worker")]
+    assert [s.label for s in spans] == ["execute step", "execute step", "compile", "dispatch"]
+    assert functions(spans) == [("compile", "step", 1, 500.0, 500.0), ("execute", "step", 2, 20.0, 10.0)]
+    text = summary(spans)
+    assert "1 worker" not in text and text.splitlines()[-1].split() == ["execute", "step", "2", "0.020", "10.0"]
 
 
 def test_a_recording_keeps_the_newest_spans_of_each_process():
