@@ -1,6 +1,6 @@
 """``python -m pathways trace FILE.json [--png OUT.png]``: read a timeline file (Chrome
-trace-event JSON, as ``pw.trace`` writes it), print a summary per step name, and draw a
-Gantt chart with one row per process and thread.
+trace-event JSON, as ``pw.trace`` writes it), print a summary per step name and per
+function computed or compiled, and draw a Gantt chart with one row per process and thread.
 
 matplotlib is imported only to draw, with the Agg backend, so that the summary works
 anywhere.
