@@ -121,6 +121,19 @@ def span(name: str, start: int, run: int = 0, detail: str = "", thread: Optional
     RECORDER.span(name, start, run, detail, thread)
 
 
+# How JAX names the module it compiles for ``jax.jit(f)`` ("jit_f") and ``jax.pmap(f)``.
+_MODULE_PREFIXES = ("jit_", "pmap_")
+
+
+def function_label(module: str) -> str:
+    """The name a reader knows a compiled module's function by: ``train_step`` for the
+    module ``jit_train_step``; any other name as it is."""
+    for prefix in _MODULE_PREFIXES:
+        if module.startswith(prefix) and len(module) > len(prefix):
+            return module[len(prefix):]
+    return module
+
+
 class Clock:
     """Where a process's clock stands against this one's: NTP-style, from a request sent
     at ``sent`` and answered at ``received`` (both here), stamped ``remote`` there. The

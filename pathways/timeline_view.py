@@ -1,6 +1,6 @@
 """``python -m pathways trace FILE.json [--png OUT.png]``: read a timeline file (Chrome
-trace-event JSON, as ``pw.trace`` writes it), print a summary per step name, and draw a
-Gantt chart with one row per process and thread.
+trace-event JSON, as ``pw.trace`` writes it), print a summary per step name and per
+function computed or compiled, and draw a Gantt chart with one row per process and thread.
 
 matplotlib is imported only to draw, with the Agg backend, so that the summary works
 anywhere.
@@ -26,6 +26,12 @@ class Span:
     start_us: float
     dur_us: float
     run: str
+    detail: str = ""
+
+    @property
+    def label(self) -> str:
+        """The step's name, and for a computation the function's: "execute train_step"."""
+        return f"{self.name} {self.detail}" if self.name == "execute" and self.detail else self.name
 
 
 def load(path: str) -> list[Span]:
@@ -61,8 +67,9 @@ def load(path: str) -> list[Span]:
             continue
         start, dur = _number(e.get("ts"), path), _number(e.get("dur", 0.0), path)
         pid, tid = e.get("pid"), e.get("tid")
+        args = e.get("args") or {}
         spans.append(Span(processes.get(pid, f"process {pid}"), threads.get((pid, tid), f"thread {tid}"),
-                          str(e.get("name", "?")), start, dur, str((e.get("args") or {}).get("run", ""))))
+                          str(e.get("name", "?")), start, dur, str(args.get("run", "")), str(args.get("detail", ""))))
     return spans
 
 
@@ -76,11 +83,22 @@ def _number(value: Any, path: str) -> float:
 def steps(spans: list[Span]) -> list[tuple[str, str, int, float, float]]:
     """Per step name and the kind of process it ran in (client, controller, worker): the
     count, total us and median us of its spans, the costliest first."""
+    return _grouped(spans, lambda s: (s.process.split()[0], s.name))
+
+
+def functions(spans: list[Span]) -> list[tuple[str, str, int, float, float]]:
+    """Like ``steps``, per function computed (the detail of "execute"), and per function
+    compiled (the IFRT proxy's "compile" spans)."""
+    return _grouped([s for s in spans if s.name in _FUNCTION_STEPS and s.detail],
+                    lambda s: (s.name, s.detail))
+
+
+def _grouped(spans: list[Span], key: Any) -> list[tuple[str, str, int, float, float]]:
     groups: dict[tuple[str, str], list[float]] = {}
     for s in spans:
-        groups.setdefault((s.process.split()[0], s.name), []).append(s.dur_us)
-    return [(where, name, len(durs), sum(durs), statistics.median(durs))
-            for (where, name), durs in sorted(groups.items(), key=lambda kv: (-sum(kv[1]), kv[0]))]
+        groups.setdefault(key(s), []).append(s.dur_us)
+    return [(a, b, len(durs), sum(durs), statistics.median(durs))
+            for (a, b), durs in sorted(groups.items(), key=lambda kv: (-sum(kv[1]), kv[0]))]
 
 
 def extent_us(spans: list[Span]) -> float:
@@ -97,11 +115,17 @@ def summary(spans: list[Span]) -> str:
              f"{'where':<11} {'step':<18} {'count':>7} {'total ms':>10} {'median us':>10}"]
     for where, name, count, total, median in steps(spans):
         lines.append(f"{where:<11} {name:<18} {count:>7} {total / 1000:>10.3f} {median:>10.1f}")
+    named = functions(spans)
+    if named:
+        lines.append(f"{'step':<11} {'function':<24} {'count':>7} {'total ms':>10} {'median us':>10}")
+        for step, function, count, total, median in named:
+            lines.append(f"{step:<11} {function:<24} {count:>7} {total / 1000:>10.3f} {median:>10.1f}")
     return "\n".join(lines)
 
 
 def gantt(spans: list[Span], path: str, title: Optional[str] = None) -> None:
-    """A PNG Gantt chart: a row per process and thread, a colour per step name."""
+    """A PNG Gantt chart: a row per process and thread, a colour per step name, and per
+    function for computations (named in the legend, and on bars wide enough)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -111,17 +135,20 @@ def gantt(spans: list[Span], path: str, title: Optional[str] = None) -> None:
     order = _process_order(spans)
     rows = sorted({(s.process, s.thread) for s in spans}, key=lambda r: (order[r[0]], r[1]))
     index = {r: i for i, r in enumerate(rows)}
-    names = sorted({s.name for s in spans}, key=lambda n: (n not in COLOURS, list(COLOURS).index(n) if n in COLOURS
-                                                           else 0, n))
-    cmap = plt.get_cmap("tab20")
+    names = sorted({s.label for s in spans}, key=lambda n: (n not in COLOURS, list(COLOURS).index(n) if n in COLOURS
+                                                            else 0, n))
+    cmap = plt.get_cmap("tab20b")  # functions' colours: none of them a step's
     colour = {n: COLOURS.get(n) or cmap(i % 20) for i, n in enumerate(names)}
     origin = min((s.start_us for s in spans), default=0.0)
     end = max((s.start_us + s.dur_us for s in spans), default=1.0) - origin
     scale, unit = (1e3, "ms") if end >= 2000 else (1.0, "us")
-    fig, ax = plt.subplots(figsize=(14, max(3.0, 0.3 * len(rows) + 1.8)))
+    fig, ax = plt.subplots(figsize=(14, max(3.0, 0.3 * len(rows) + 1.8, 0.17 * len(names) + 1.0)))
     for s in spans:
         ax.barh(index[(s.process, s.thread)], max(s.dur_us, end / 2000) / scale, left=(s.start_us - origin) / scale,
-                height=0.7, color=colour[s.name], edgecolor="none")
+                height=0.7, color=colour[s.label], edgecolor="none")
+        if s.name in _FUNCTION_STEPS and s.detail and s.dur_us >= end / _NAMED_BAR:
+            ax.text((s.start_us - origin + s.dur_us / 2) / scale, index[(s.process, s.thread)], s.detail,
+                    ha="center", va="center", fontsize=6, clip_on=True)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([f"{_short(p)} / {t}" for p, t in rows], fontsize=8)
     ax.invert_yaxis()
@@ -135,12 +162,17 @@ def gantt(spans: list[Span], path: str, title: Optional[str] = None) -> None:
     plt.close(fig)
 
 
+# Steps whose detail is the function they compute or compile.
+_FUNCTION_STEPS = ("execute", "compile")
+# Such a step's bar carries its function's name when at least 1/this of the chart wide.
+_NAMED_BAR = 25
+
 # Steps that do work in strong colours, waits in pale ones.
 COLOURS = {
     "trace": "#bcbd22", "put": "#7f7f7f", "submit": "#17becf", "fetch": "#e5e5e5",
     "lower": "#8c564b", "schedule": "#e377c2", "queue": "#f2d4e8", "dispatch": "#ff7f0e",
     "receive": "#9467bd", "wait for inputs": "#d9d9d9", "wait for release": "#c7c7c7", "execute": "#d62728",
-    "send": "#2ca02c", "receive data": "#1f77b4", "done": "#aec7e8",
+    "send": "#2ca02c", "receive data": "#1f77b4", "done": "#aec7e8", "compile": "#dbdb8d",
 }
 
 

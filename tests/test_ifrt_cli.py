@@ -299,9 +299,10 @@ def test_pathwaysutils_initialize_works_with_the_entry_point_installed(ifrt_clus
 
 # ---- `pathways run` ----------------------------------------------------------------------
 
-def run_cli(*args, timeout=START + 120):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "IFRT_PROXY_"))}
+def run_cli(*args, timeout=START + 120, **extra_env):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "IFRT_PROXY_", "PATHWAYS_TRACE"))}
     env["PYTHONPATH"] = str(ROOT)  # from the source tree, not installed: `run` supplies the entry point
+    env.update(extra_env)
     return subprocess.run([sys.executable, "-m", "pathways", "run", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
@@ -369,6 +370,52 @@ def test_run_trains_the_example_mlp_with_a_decreasing_loss():
     # the proxy client's C++ warnings (plain credentials, its session cancelled at exit) stay off
     assert "insecure client credentials" not in out.stderr and "Stack trace" not in out.stderr, out.stderr
     assert all(a > b for a, b in zip(losses, losses[1:])), losses
+
+
+def test_run_with_pathways_trace_names_each_proxy_run_and_compile_by_its_function(tmp_path):
+    path = tmp_path / "run.json"
+    out = run_cli("--islands", "1x1", str(ROOT / "examples" / "train_mlp.py"), "--steps", "3", "--every", "1",
+                  PATHWAYS_TRACE=str(path))
+    assert out.returncode == 0, out.stderr
+    events = json.loads(path.read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    # rows by what the cluster calls each process, not by network address
+    assert sorted(n.split(" (pid")[0] for n in names.values()) == [
+        "client IFRT proxy", "controller", "worker 0, island 0 host 0"], names
+    spans = [(names[e["pid"]].split()[0], e["name"], e["args"].get("detail"), e["args"].get("run"))
+             for e in events if e["ph"] == "X"]
+    # the script's `step` (the module jit_step): compiled once, then 3 runs, each submitted,
+    # dispatched and executed under that name
+    assert [d for _, n, d, _ in spans if n == "compile"].count("step") == 1, spans
+    runs = {r for p, n, d, r in spans if p == "client" and n == "submit" and d == "step"}
+    assert len(runs) == 3, spans
+    assert runs == {r for p, n, d, r in spans if p == "worker" and n == "execute" and d == "step"}
+    assert runs <= {r for p, n, _, r in spans if p == "controller" and n == "dispatch"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    summary = subprocess.run([sys.executable, "-m", "pathways", "trace", str(path)], capture_output=True, text=True,
+                             timeout=120, env=env)
+    assert summary.returncode == 0, summary.stderr
+    assert re.search(r"^execute +step +3 ", summary.stdout, re.MULTILINE), summary.stdout
+    assert re.search(r"^compile +step +1 ", summary.stdout, re.MULTILINE), summary.stdout
+
+
+def test_run_with_pathways_trace_writes_the_timeline_when_the_script_exits_with_a_run_in_flight(tmp_path):
+    # the script's last run is still computing as it exits, so the server's session collects
+    # (waiting for that run on the worker) while `run` stops the cluster: it must finish first
+    script = _script(tmp_path, """
+        import jax, jax.numpy as jnp
+        def slow(a):
+            for _ in range(30):
+                a = jnp.tanh(a @ a)
+            return a
+        jax.jit(slow)(jnp.ones((1500, 1500)))
+    """)
+    path = tmp_path / "run.json"
+    out = run_cli("--islands", "1x1", script, PATHWAYS_TRACE=str(path))
+    assert out.returncode == 0, out.stderr
+    assert path.exists(), out.stderr
+    events = json.loads(path.read_text())["traceEvents"]
+    assert any(e["ph"] == "X" and e["name"] == "execute" and e["args"].get("detail") == "slow" for e in events)
 
 
 def test_run_names_a_missing_script(capsys, monkeypatch):

@@ -14,7 +14,9 @@ import pathways as pw
 from pathways.errors import WireError
 from pathways.protocol import messages as m
 from pathways.protocol.handles import first_handle
-from pathways.timeline import MAX_EVENTS, Clock, Process, Recorder, chrome_trace, now
+from pathways.client.timeline import Recording
+from pathways.timeline import MAX_EVENTS, Clock, Process, Recorder, chrome_trace, function_label, now
+from pathways.timeline_view import Span, functions, summary
 from pathways.wire import codec, rpc
 from tests.conftest import connected, running_cluster
 
@@ -76,7 +78,9 @@ def test_every_run_appears_on_every_process_in_causal_order(program, tmp_path):
     kinds = sorted(n.split()[0] for n in names.values())
     assert kinds == ["client", "controller", "worker", "worker"], names
     workers = [n for n in names.values() if n.startswith("worker")]
-    assert {w.split()[1] for w in workers} == set(a.addresses) | set(b.addresses)
+    # rows named as the cluster names the workers: id, island, host rank (not their addresses)
+    assert sorted(w.split(" (pid")[0] for w in workers) == sorted(
+        f"worker {w}, island {s.island} host 0" for s in (a, b) for w in s.workers), workers
     submits = _runs(spans, "client", "submit")
     assert len(submits) == 3
     dispatches = _runs(spans, "controller", "dispatch")
@@ -204,3 +208,28 @@ def test_chrome_trace_has_names_events_and_flows():
     assert [e["ph"] for e in trace["traceEvents"] if e.get("cat") == "run"] == ["s", "t", "f"]
     assert {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"} == {
         "client (pid 1)", "controller (pid 2)", "worker w (pid 3)"}
+
+
+def test_compiled_modules_are_named_by_the_function_jitted():
+    assert [function_label(n) for n in ("jit_train_step", "pmap_f", "jit__where", "jit_", "main")] == [
+        "train_step", "f", "_where", "jit_", "main"]
+
+
+def test_computations_and_compiles_are_summarized_per_function():
+    spans = [Span("worker 0, island 0 host 0 (pid 3)", "executor", "execute", t, 10.0, "0x1", "step")
+             for t in (0.0, 20.0)] + [Span("client IFRT proxy (pid 1)", "wait", "compile", 0.0, 500.0, "", "step"),
+                                      Span("controller (pid 2)", "MainThread", "dispatch", 5.0, 1.0, "0x1", "1 worker")]
+    assert [s.label for s in spans] == ["execute step", "execute step", "compile", "dispatch"]
+    assert functions(spans) == [("compile", "step", 1, 500.0, 500.0), ("execute", "step", 2, 20.0, 10.0)]
+    text = summary(spans)
+    assert "1 worker" not in text and text.splitlines()[-1].split() == ["execute", "step", "2", "0.020", "10.0"]
+
+
+def test_a_recording_keeps_the_newest_spans_of_each_process():
+    recording = Recording("unused.json")
+    for start in range(0, 2 * MAX_EVENTS, MAX_EVENTS // 2):
+        events = [("execute", "t", start + i, 1, 1, "") for i in range(MAX_EVENTS // 2)]
+        recording.add([Process("worker 0 (pid 3)", 3, events, dropped=5)])
+    kept = recording.processes["worker 0 (pid 3)"]
+    assert len(kept.events) == MAX_EVENTS and kept.events[0][2] == MAX_EVENTS
+    assert kept.dropped == 5 + MAX_EVENTS

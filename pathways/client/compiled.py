@@ -24,7 +24,6 @@ from pathways.errors import SignatureError
 from pathways.ir import Layout, ProgramGraph, Node
 from pathways.platforms import export_platforms
 from pathways.protocol import messages as m
-from pathways.timeline import now
 from pathways.wire.codec import is_wire_dtype
 
 Aval = tuple[tuple[int, ...], np.dtype]
@@ -294,12 +293,10 @@ def run(session: Any, spec: ProgramSpec, inputs: Sequence[Array]) -> list[Array]
     session._refuse_if_suspended("run a program")
     for arr in inputs:
         arr._live()
-    traced = session.traced
-    if traced:
-        began = now()
     base = session.allocate(graph.nvalues)
     bound = dict(zip(graph.inputs, inputs))
-    session.send(m.Run(spec.program_id, base, {v: arr.handle for v, arr in bound.items()}, traced))
+    session.submit(spec.program_id, base, {v: arr.handle for v, arr in bound.items()},
+                   f"program {spec.program_id:#x}")
     outs = []
     for v in graph.outputs:
         if v in bound:
@@ -311,8 +308,7 @@ def run(session: Any, spec: ProgramSpec, inputs: Sequence[Array]) -> list[Array]
         if v in spec.origins:
             out._origin = spec.origins[v]
         outs.append(out)
-    if traced:
-        session.recorder.span("submit", began, base, f"program {spec.program_id:#x}")
+    if session.traced:
         session.recordings.watch(outs)
     return outs
 

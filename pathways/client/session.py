@@ -96,6 +96,7 @@ class Session:
         # client's own steps go to ``recorder``
         self.traced = False
         self.recorder = Recorder()
+        self.timeline_label = "client"  # this process's rows: its kind first (timeline_view groups by it)
         self.recordings = Recordings(self)
         self._process_recording = None  # PATHWAYS_TRACE's, once the controller has welcomed this session
         self._channel = rpc.open_channel(address, self.security)
@@ -161,6 +162,17 @@ class Session:
     def send(self, msg: m.Message) -> None:
         self._check_alive()
         self._outbox.put(msg)
+
+    def submit(self, program: int, base: int, args: dict[int, int], what: str) -> None:
+        """Send a run of ``program`` whose values start at handle ``base``, with ``args``
+        (graph value -> handle) bound. While a recording is open the run is traced and its
+        submission recorded, ``what`` naming it on the timeline."""
+        traced = self.traced
+        if traced:
+            began = now()
+        self.send(m.Run(program, base, args, traced))
+        if traced:
+            self.recorder.span("submit", began, base, what)
 
     def define_xla(self, slice_id: int, name: str, artifact: bytes, options: bytes,
                    devices: tuple[tuple[int, int], ...]) -> tuple[int, Future]:

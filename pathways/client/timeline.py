@@ -47,12 +47,17 @@ class Recording:
         for p in processes:
             mine = self.processes.get(p.label)
             if mine is None:
-                self.processes[p.label] = p
+                self.processes[p.label] = mine = p
             else:
                 mine.events.extend(p.events)
                 mine.dropped = max(mine.dropped, p.dropped)
                 if (p.clock.error or 0) > (mine.clock.error or 0):
                     mine.clock = p.clock  # report the worse bound
+            excess = len(mine.events) - MAX_EVENTS
+            if excess > 0:  # a server recording every session for days keeps the newest, as a process does
+                mine.events.sort(key=lambda e: e[2])
+                del mine.events[:excess]
+                mine.dropped += excess
 
     def write(self) -> None:
         """Write the timeline file (atomically: a reader never sees half of it)."""
@@ -116,16 +121,17 @@ def collect(session: "Session") -> list[Process]:
     """Take this session's spans from its own process, the controller, and every worker
     the controller names as having run its traced runs, each on this process's clock."""
     pid = os.getpid()
-    processes = [Process(f"client (pid {pid})", pid, session.recorder.take_local())]
+    processes = [Process(f"{session.timeline_label} (pid {pid})", pid, session.recorder.take_local())]
     clock = Clock()
     first = None
     for _ in range(_PINGS):
         sent = now()
         first = session.request(lambda req: m.CollectTimeline(req, 0), _REQUEST_SECONDS)
         clock.sample(sent, first.clock, now())
+    names = _worker_names(session) if first.workers else {}
     for address in first.workers:
         try:
-            processes.append(_worker(session, address))
+            processes.append(_worker(session, address, names.get(address, f"worker at {address}")))
         except errors.PathwaysError as e:  # one lost worker must not cost the rest of the timeline
             log.warning("no timeline from the worker at %s: %s", address, e)
     sent = now()
@@ -135,7 +141,18 @@ def collect(session: "Session") -> list[Process]:
     return processes
 
 
-def _worker(session: "Session", address: str) -> Process:
+def _worker_names(session: "Session") -> dict[str, str]:
+    """Each worker's row label by its gRPC address: its id, island and host rank, which is
+    how the cluster's status and errors name it (an address says little on a timeline)."""
+    try:
+        workers = session.cluster()["workers"]
+    except errors.PathwaysError as e:  # the rows then keep the addresses
+        log.warning("no cluster status to name the timeline's workers by: %s", e)
+        return {}
+    return {w["address"]: f"worker {w['worker']}, island {w['island']} host {w['rank']}" for w in workers}
+
+
+def _worker(session: "Session", address: str, name: str) -> Process:
     stubs = session._stubs(address)
     ask = rpc.method(stubs.channel, rpc.WORKER_SERVICE, "Timeline", "unary_unary")
     clock = Clock()
@@ -153,7 +170,7 @@ def _worker(session: "Session", address: str) -> Process:
             raise errors.RemoteError(str(answer.get("error")))
         reply = m.TIMELINE_REPLY.decode(answer)
         clock.sample(sent, reply.clock, received)
-    return Process(f"worker {address} (pid {reply.pid})", reply.pid, list(reply.events), clock, reply.dropped)
+    return Process(f"{name} (pid {reply.pid})", reply.pid, list(reply.events), clock, reply.dropped)
 
 
 class RecordingBlock:

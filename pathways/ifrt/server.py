@@ -65,6 +65,10 @@ MAX_MESSAGE = 1 << 30  # a compile request carries the whole program
 MAX_WAITING = 256  # requests of one session waiting on the pool at once
 POOL_THREADS = 8  # per session
 CONNECT_TIMEOUT = 30.0
+# How long stopping waits for sessions that ended just before to finish closing: a traced
+# one collects its timeline from the controller and the workers (which waits up to 2 s for
+# runs still finishing there), and the controller stops once the server has.
+CLOSING_SECONDS = 8.0
 
 _OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE),
             ("grpc.so_reuseport", 0), ("grpc.keepalive_permit_without_calls", 1),
@@ -85,6 +89,8 @@ class IfrtServer:
         self._sessions: dict[int, IfrtSession] = {}
         self._refused = 0  # refused sessions' streams open (``_refuse``)
         self._lock = threading.Lock()
+        self._closing = 0  # sessions whose stream ended, still closing (PATHWAYS_TRACE: writing the timeline)
+        self._closed = threading.Condition(self._lock)
         self.address = ""
 
     def start(self) -> None:
@@ -125,6 +131,10 @@ class IfrtServer:
             sessions, self._sessions = list(self._sessions.values()), {}
         for s in sessions:
             s.close("the IFRT proxy server stopped")
+        with self._closed:  # so that the controller, stopped next, outlives them
+            if not self._closed.wait_for(lambda: not self._closing, CLOSING_SECONDS):
+                log.warning("%d IFRT session(s) still closing after %g s; stopping anyway", self._closing,
+                            CLOSING_SECONDS)
 
     # ---- version ---------------------------------------------------------------------------
 
@@ -252,8 +262,14 @@ class IfrtServer:
             stream.closed.set()
             with self._lock:
                 self._sessions.pop(session_id, None)
+                self._closing += 1
             stream.pool.shutdown(wait=False, cancel_futures=True)
-            session.close("the IFRT session ended")
+            try:
+                session.close("the IFRT session ended")
+            finally:
+                with self._closed:
+                    self._closing -= 1
+                    self._closed.notify_all()
 
     # ---- host buffers ---------------------------------------------------------------------------
 

@@ -47,6 +47,7 @@ from pathways.ir import Layout, Node, ProgramGraph
 from pathways.platforms import export_platforms
 from pathways.protocol import messages as m
 from pathways.protocol.handles import HeldReleases
+from pathways.timeline import function_label, now
 
 log = logging.getLogger("pathways.ifrt")
 
@@ -152,6 +153,7 @@ class _Executable:
     compiled: Any  # m.Compiled
     devices: tuple[int, ...]  # IFRT ids, in device-assignment order
     place: SliceDevices
+    label: str  # what the timeline names its runs by (timeline.function_label)
     program: Optional[int] = None
     in_types: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
@@ -162,6 +164,7 @@ class IfrtSession:
     def __init__(self, native: Session, session_id: int, init_data: dict[str, Any],
                  buffers: Optional[HostBuffers] = None) -> None:
         self.native = native
+        native.timeline_label = "client IFRT proxy"  # PATHWAYS_TRACE's rows of the server's own steps
         self.id = session_id
         self.init_data = init_data
         self.buffers = buffers or HostBuffers()
@@ -630,7 +633,7 @@ class IfrtSession:
         place, layout = self._table.layout(sharding, len(arr.shape))
         program = self._identity(arr.dtype, arr.shape, layout, place)
         base = self.native.allocate(2)
-        self.native.send(m.Run(program, base, {0: arr.handle}))
+        self.native.submit(program, base, {0: arr.handle}, "copy")
         if semantics == types_pb2.ARRAY_COPY_SEMANTICS_DONATE_INPUT:
             self._delete(arr)
         return _Array(arr.dtype, arr.shape, sharding, base + 1, layout, place)
@@ -738,18 +741,24 @@ class IfrtSession:
         artifact = body.program.data
 
         def run() -> pb.CompileResponse:
+            began = now()
             fn, future = self.native.define_xla(place.slice.id, "ifrt", artifact, options, place.pairs)
+            label = "failed"  # the compile span's detail until the executable names itself
             try:
                 compiled = future.result(timeout=WAIT_SECONDS)
+                label = function_label(compiled.name or "ifrt")
             except TimeoutError:
                 raise IfrtError(t.DEADLINE_EXCEEDED, f"compilation took longer than {WAIT_SECONDS:g} s") from None
             except errors.WorkerLostError as e:
                 raise t.runtime_failure(e, "compilation failed: ") from None
             except errors.PathwaysError as e:
                 raise IfrtError(t.INVALID_ARGUMENT, f"compilation failed: {e}") from None
+            finally:
+                if self.native.traced:  # from the request to the workers' answer: what the program waited
+                    self.native.recorder.span("compile", began, 0, label)
             handle, ready = self._server_handle(), self._server_handle()
             with self._lock:
-                self._executables[handle] = _Executable(fn, compiled, tuple(ids), place)
+                self._executables[handle] = _Executable(fn, compiled, tuple(ids), place, label)
             self._futures[ready] = _DONE
             return pb.CompileResponse(loaded_executable_handle=handle, name=compiled.name or "ifrt",
                                       num_devices=len(ids), device_ids=ids, addressable_device_ids=ids,
@@ -807,7 +816,7 @@ class IfrtSession:
             raise t.invalid(f"arguments {types} do not match the executable's {exe.in_types}")
         args = [self._real(a) for a in args]
         base = self.native.allocate(len(args) + len(c.outs))
-        self.native.send(m.Run(exe.program, base, {i: a.handle for i, a in enumerate(args)}))
+        self.native.submit(exe.program, base, {i: a.handle for i, a in enumerate(args)}, exe.label)
         outs = []
         for j, layout in enumerate(c.outs):
             dtype, shape = c.out_types[j]

@@ -44,6 +44,7 @@ from pathways.protocol.ops import Op
 from pathways.timeline import RECORDER, now
 from pathways.worker.executables import Executables
 from pathways.worker.store import ObjectStore, Poison, failure
+from pathways.worker.xla import XlaExecutable
 
 log = logging.getLogger("pathways.worker")
 
@@ -326,7 +327,8 @@ class Executor:
                     if multi_device and self._sync_collectives:
                         jax.block_until_ready(results)
                     if traced:
-                        RECORDER.span("execute", began, msg.base, name)
+                        RECORDER.span("execute", began, msg.base,
+                                      executable.label if type(executable) is XlaExecutable else name)
                 except Exception as e:
                     bad = failure(f"{name} on worker {self.worker_id}", e)
                 else:

@@ -26,6 +26,7 @@ from pathways.errors import WireError
 from pathways.hlo import layout_of_op_sharding, replicated
 from pathways.ir import Device, Layout
 from pathways.protocol.messages import MEMORY_STATS, Analysis
+from pathways.timeline import function_label
 from pathways.worker.compile_cache import CompileCache, digest
 from pathways.wire.codec import is_wire_dtype_name
 
@@ -69,6 +70,9 @@ class XlaExecutable:
         self._equivalent: dict[tuple[int, Any], bool] = {}
         self.in_avals = in_avals  # (shape, dtype) per parameter
         self.metadata = metadata
+        # what a timeline names its runs by: the function the client compiled (its definition
+        # carries no name: an IFRT client sends none)
+        self.label = function_label(metadata.name)
 
     def __call__(self, *args: Any) -> list:
         if len(args) != len(self._in):
