@@ -196,7 +196,12 @@ class ForkedChild:
 
     def poll(self) -> Optional[int]:
         if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                # Reaped already by the poll this one interrupted (the keeper's signal handler
+                # runs between bytecodes): that poll records the status once it resumes.
+                return None
             if pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
                 os.close(self._pidfd)
@@ -211,7 +216,10 @@ class ForkedChild:
 
     def send_signal(self, signum: int) -> None:
         if self.poll() is None:
-            signal.pidfd_send_signal(self._pidfd, signum)
+            try:
+                signal.pidfd_send_signal(self._pidfd, signum)
+            except ProcessLookupError:  # it exited, and a poll being interrupted reaped it
+                pass
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)

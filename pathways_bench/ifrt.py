@@ -138,10 +138,15 @@ class _Helper:
     command per line (see :func:`_serve`), answering with one line of JSON."""
 
     def __init__(self, env: dict[str, str]) -> None:
+        from pathways.cluster import child_log_env
+
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
         drop = ("JAX_PLATFORMS", "JAX_BACKEND_TARGET", "XLA_FLAGS")
-        full = {**{k: v for k, v in os.environ.items() if k not in drop}, "PYTHONPATH": path, **env}
+        # child_log_env: its C++ logs follow --log-level as `pathways run`'s script's do, so that
+        # the proxy client's harmless warnings (plain credentials, a stack trace at exit) stay off
+        full = {**{k: v for k, v in os.environ.items() if k not in drop}, "PYTHONPATH": path,
+                **child_log_env(), **env}
         self.what = f"the JAX helper ({env['JAX_PLATFORMS']})"
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "serve"], env=full,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

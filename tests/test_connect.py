@@ -1,6 +1,7 @@
 """Connecting to a controller: refused connections and malformed addresses fail fast, with
 advice that fits the caller (the library or the command line)."""
 
+import os
 import socket
 import subprocess
 import sys
@@ -93,4 +94,31 @@ def test_status_of_a_refused_address_fails_fast_with_advice_for_the_command_line
     assert out.returncode == 1
     assert time.monotonic() - started < 120, "python start-up plus a refusal, not the 300 s timeout asked for"
     assert "refused" in out.stderr and "pathways up" in out.stderr, out.stderr
+    assert "pw.connect" not in out.stderr, "advice for the library does not apply on the command line"
+
+
+def test_a_host_without_a_route_is_told_from_a_refusal_and_a_silent_host(monkeypatch):
+    # Only the socket's answer is made up: EHOSTUNREACH, as a machine gets for an address on
+    # its own network that no host holds, or one that no route leads to.
+    import errno
+
+    from pathways.wire import addresses
+
+    class NoRoute(socket.socket):
+        def connect(self, address):
+            raise OSError(errno.EHOSTUNREACH, os.strerror(errno.EHOSTUNREACH))
+
+    monkeypatch.setattr(addresses.socket, "socket", NoRoute)
+    why = addresses.unreachable("192.0.2.77", 50051)
+    assert why.startswith("192.0.2.77 cannot be reached from here (No route to host)"), why
+    assert "refused" not in why and "nothing answered" not in why and "routes to it" in why
+
+
+def test_demo_with_an_address_that_refuses_says_so_in_one_line_with_advice_for_the_command_line():
+    address = f"grpc://127.0.0.1:{free_port()}"
+    out = subprocess.run([sys.executable, "-m", "pathways", "demo", "--address", address],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: could not connect"), out.stderr
+    assert "refused" in out.stderr and "`pathways demo` without --address" in out.stderr, out.stderr
     assert "pw.connect" not in out.stderr, "advice for the library does not apply on the command line"

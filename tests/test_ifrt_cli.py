@@ -418,6 +418,22 @@ def test_run_with_pathways_trace_writes_the_timeline_when_the_script_exits_with_
     assert any(e["ph"] == "X" and e["name"] == "execute" and e["args"].get("detail") == "slow" for e in events)
 
 
+def test_bench_ifrt_keeps_the_proxy_clients_warnings_off_the_terminal(ifrt_cluster, capfd, monkeypatch):
+    # `bench ifrt` runs a plain JAX helper under the proxy, whose stderr is the terminal's
+    from pathways_bench import ifrt as bench_ifrt
+
+    monkeypatch.delenv("PATHWAYS_LOG_LEVEL", raising=False)  # the default level, as a user has it
+    helper = bench_ifrt._Helper({"JAX_PLATFORMS": "proxy", "JAX_BACKEND_TARGET": ifrt_cluster.ifrt_address})
+    try:
+        helper.wait_ready(4096)
+        assert helper.ask("jit", "blocking", 2) > 0
+    finally:
+        helper.close()
+    assert helper.proc.returncode == 0
+    err = capfd.readouterr().err
+    assert "insecure client credentials" not in err and "Stack trace" not in err, err
+
+
 def test_run_names_a_missing_script(capsys, monkeypatch):
     # in this process: refused before any cluster starts (main sets the children's log level
     # in the environment, which monkeypatch restores)

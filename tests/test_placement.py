@@ -57,6 +57,14 @@ def test_island_and_kind_constraints():
         rm.place(1, "tpu")
 
 
+def test_an_island_id_the_cluster_lacks_is_told_with_the_ids_it_has():
+    rm = manager((0, 2), (1, 1), names={0: "a", 1: "b"})
+    with pytest.raises(PlacementError, match=r"there is no island 5; the cluster's islands are island 'a' "
+                                             r"\(id 0\), island 'b' \(id 1\)") as info:
+        rm.place(1, "cpu", island=5)
+    assert "add_slice(island=ID)" in str(info.value) and "cannot place" not in str(info.value)
+
+
 def test_mesh_shape_must_match_the_device_count():
     rm = manager((0, 4))
     assert rm.place(4, "cpu", mesh_shape=(2, 2)).mesh_shape == (2, 2)

@@ -96,6 +96,8 @@ def test_gpu_and_tpu_slices_ask_for_their_kind_and_land_on_its_hosts():
     ({"gpu_devices": 0}, "gpu_devices must be a positive integer, got 0"),
     ({"tpu_devices": 1.5}, "tpu_devices must be a positive integer, got 1.5"),
     ({"gpu_devices": True}, "gpu_devices must be a positive integer, got True"),
+    ({"cpu_devices": 1, "island": "a"}, r"island= takes an island's id \(an integer\), not 'a'.*`island a \(id 0\)`"),
+    ({"cpu_devices": 1, "island": 1.0}, r"island= takes an island's id \(an integer\), not 1.0"),
 ])
 def test_add_slice_arguments_are_checked_before_asking(kwargs, needle):
     session = Controllerless()

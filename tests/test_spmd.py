@@ -217,3 +217,27 @@ def test_cli_exits_with_the_failing_code_when_the_others_wait_in_a_collective(tm
     assert "after the failure" in failed.stderr and "after 60 s" not in failed.stderr, failed.stderr
     assert time.monotonic() - started < 45
     assert not marked_processes(env), "the command left processes behind"
+
+
+UNEVEN_FINISH = """
+import time
+import jax
+
+jax.devices()
+if jax.process_index() == 1:
+    time.sleep(2)  # rank 0, which holds the group's coordination service, is done by now
+print("process", jax.process_index(), "done")
+"""
+
+
+def test_cli_lets_every_process_finish_when_the_first_finishes_early(tmp_path):
+    # The coordination service lives in process 0: were it to exit as soon as its script is
+    # done, the others would lose it and abort, though their scripts never failed.
+    script = tmp_path / "uneven.py"
+    script.write_text(textwrap.dedent(UNEVEN_FINISH))
+    env = marked_env()
+    done = subprocess.run([sys.executable, "-m", "pathways", "spmd", "--timeout", "60", "2", str(script)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["[0] process 0 done", "[1] process 1 done"]
+    assert not marked_processes(env), "the command left processes behind"

@@ -107,3 +107,29 @@ def test_a_template_imports_its_owners_package_whatever_the_working_directory_ho
     finally:
         template.close()
     assert code == 0 and json.loads(printed)["cwd"] == str(tmp_path)
+
+
+def test_a_stop_signal_handled_while_the_keeper_reaps_its_worker_does_not_fail(monkeypatch):
+    # The keeper's SIGTERM handler polls and signals its worker. Python runs a handler between
+    # bytecodes: possibly just after a poll's waitpid reaped the worker, before that poll
+    # records the exit status. The handler's own poll then finds no child to wait for.
+    from pathways import template
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(7)
+    child = template.ForkedChild(pid, ["worker"])
+    reap = os.waitpid
+    handled = []
+
+    def waitpid_then_handle_a_signal(wanted, options):
+        result = reap(wanted, options)
+        if result[0] and not handled:  # the worker is reaped; its status not yet recorded
+            handled.append(True)
+            child.send_signal(signal.SIGTERM)  # what keeper.main's stop handler does
+        return result
+
+    monkeypatch.setattr(template.os, "waitpid", waitpid_then_handle_a_signal)
+    assert child.wait(timeout=10) == 7
+    assert handled and child.poll() == 7
+    child.send_signal(signal.SIGTERM)  # once it has exited, a signal for it is dropped

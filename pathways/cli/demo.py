@@ -19,6 +19,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from pathways.client.session import EMBEDDED_ADVICE
     from pathways.demo import figure2
 
     # the flags only: pw.connect reads PATHWAYS_TOKEN and PATHWAYS_TLS_CA itself, and
@@ -27,6 +28,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         figure2(args.address, token, args.tls_ca)
     except PathwaysError as e:  # a cluster that cannot be reached or refuses the token: one line, like status
-        print(f"error: {e}", file=sys.stderr)
+        message = str(e).replace(EMBEDDED_ADVICE, "or run `pathways demo` without --address (and with "
+                                                  "PATHWAYS_ADDRESS unset) to start an embedded one")
+        print(f"error: {message}", file=sys.stderr)
         return 1
     return 0

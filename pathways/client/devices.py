@@ -27,13 +27,17 @@ class VirtualDeviceSet:
                   island: Optional[int] = None, exclusive: bool = False, *,
                   gpu_devices: Optional[int] = None, tpu_devices: Optional[int] = None) -> "Slice":
         """Ask the controller for a slice of ``n`` devices of one kind: cpu, gpu (workers started
-        with ``--platform cuda`` or ``rocm``) or tpu (``--platform tpu``)."""
+        with ``--platform cuda`` or ``rocm``) or tpu (``--platform tpu``). ``island``: an island's
+        integer id, as ``pathways status`` shows it (default: any island)."""
         asked = {k: n for k, n in (("cpu", cpu_devices), ("gpu", gpu_devices), ("tpu", tpu_devices)) if n is not None}
         if len(asked) != 1:
             raise PlacementError("add_slice takes exactly one of cpu_devices=, gpu_devices=, tpu_devices=")
         (kind, count), = asked.items()
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise PlacementError(f"{kind}_devices must be a positive integer, got {count!r}")
+        if island is not None and (not isinstance(island, int) or isinstance(island, bool)):
+            raise PlacementError(f"island= takes an island's id (an integer), not {island!r}: `python -m pathways "
+                                 "status` shows each island's id beside its name, as in `island a (id 0)`")
         try:
             reply = self._session.request(lambda req: m.SliceRequest(
                 req, kind, count, tuple(mesh_shape) if mesh_shape else None, island, exclusive))

@@ -60,8 +60,9 @@ _UNREACHABLE_VERDICT_SECONDS = HEARTBEAT_TIMEOUT
 # What a call to a worker ends with when the worker died, or stopped its server to restart
 # (its island lost a host): this client cancels its own calls only once it knows why.
 _GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-_CONNECT_ADVICE = (f"{rpc.START_ADVICE}, or call pw.connect() with no address (and PATHWAYS_ADDRESS unset) "
-                   "to start an embedded one")
+# The library's advice; `pathways demo`, whose user writes no pw.connect() call, words it its own way.
+EMBEDDED_ADVICE = "or call pw.connect() with no address (and PATHWAYS_ADDRESS unset) to start an embedded one"
+_CONNECT_ADVICE = f"{rpc.START_ADVICE}, {EMBEDDED_ADVICE}"
 
 
 class WorkerStubs(NamedTuple):

@@ -279,6 +279,10 @@ class ResourceManager:
     def _explain(self, count: int, kind: str, island: Optional[int], exclusive: bool) -> str:
         if not self.hosts:
             return "the cluster has no worker hosts yet; start workers or wait for them to register"
+        if island is not None and island not in self.islands.by_id:
+            return (f"there is no island {island}; the cluster's islands are "
+                    f"{', '.join(map(self.island_name, sorted(self.islands.by_id)))}: ask for one of those ids "
+                    "with add_slice(island=ID), or leave island= out for any island")
         unhealthy = self.islands.unhealthy()
         lost = unhealthy.get(Health.LOST, [])
         assembling = sorted(unhealthy.get(Health.ASSEMBLING, []) + unhealthy.get(Health.HEALING, []))

@@ -112,9 +112,28 @@ def main() -> None:
     except BaseException:  # noqa: B036 - the traceback is this process's report
         traceback.print_exc()
         code = 1
+    if code == 0 and ENV_FD not in os.environ:
+        code = _leave_group()
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()
     # jax.distributed's exit handler waits at a barrier for every process of the group,
-    # which never comes when another one failed.
+    # which never comes when another one failed: a failed script's process exits at once.
     os._exit(code)
+
+
+def _leave_group() -> int:
+    """After the script succeeded: wait at jax.distributed's shutdown barrier for the other
+    processes to finish theirs. Process 0 holds the group's coordination service, and the
+    others abort when it goes away, so it must not exit before them. Should another process
+    fail instead, the parent stops this one. Returns the exit code."""
+    import jax
+
+    if int(os.environ[ENV_PROCESSES]) <= 1:
+        return 0
+    try:
+        jax.distributed.shutdown()
+    except Exception as e:  # noqa: BLE001 - the group broke after this script succeeded
+        print(f"pathways spmd: leaving the group failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -95,8 +95,8 @@ def unreachable(host: str, port: int, timeout: float = 2.0) -> str | None:
                     f"{timeout:g} s, so the host is down or cut off from this machine, or a firewall drops the "
                     f"connection; check that the host is up and that port {port} is open to this machine")
         except OSError as e:
-            return (f"{sockaddr[0]} cannot be reached from here ({e.strerror or e}); check the address, and this "
-                    "machine's network and routes to it")
+            return (f"{sockaddr[0]} cannot be reached from here ({e.strerror or e}): no route leads to it, or "
+                    "nothing there answers the network; check this machine's network and routes to it")
     return None
 
 
