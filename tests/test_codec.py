@@ -37,6 +37,24 @@ def test_a_reused_packer_packs_what_pack_does_before_and_after_a_large_object():
     assert codec.pack_each([3]) == codec.pack([3]), "a failed pack leaves nothing behind"
 
 
+def test_a_large_payload_of_small_values_is_refused_past_the_bound_and_one_of_bytes_is_not():
+    """Decoding holds the GIL: a payload of more than MAX_DECODED_VALUES bytes is decoded
+    counting the entries of its lists and maps, nested ones included, and refused past the
+    bound; a large payload of few values (a function's blob) decodes whole."""
+    n = codec.MAX_DECODED_VALUES
+    nested = codec.pack([[0, [0]]] * (n // 3))  # 4 values each
+    assert len(nested) > n
+    with pytest.raises(WireError, match=f"holds more than {n} values in its lists and maps"):
+        codec.unpack(nested)
+    maps = codec.pack([{"k": i} for i in range(n // 2 + 1)])
+    with pytest.raises(WireError, match=f"more than {n} values"):
+        codec.unpack(maps)
+    blob = codec.pack(["define", {"blob": bytes(3 * n)}, list(range(1000))])
+    assert codec.unpack(blob) == ["define", {"blob": bytes(3 * n)}, list(range(1000))]
+    under = [[i] for i in range(n // 3)]  # about 2n/3 values, in more than n bytes
+    assert len(codec.pack(under)) > n and codec.unpack(codec.pack(under)) == under
+
+
 def test_layout_and_graph_wire_forms():
     layout = Layout((1, 2), ((0, 0), (0, 1), (1, 0), (1, 1)), (2, 2), ("x", "y"), (("x", "y"), None))
     assert Layout.from_wire(codec.unpack(codec.pack(layout.to_wire()))) == layout

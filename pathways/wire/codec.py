@@ -83,11 +83,44 @@ def list_header(length: int) -> bytes:
     return b"\xdd" + length.to_bytes(4, "big")
 
 
+# msgpack decodes some 10 to 20 million small values a second while holding the GIL, so a
+# payload of tens of MB of small values (a program of a million nodes is 33 MB) would stop its
+# whole process for seconds: a controller would miss its heartbeats and its workers give it
+# up. No message needs more than MAX_DECODED_VALUES values in its lists and maps; a payload of
+# fewer bytes cannot hold more (each value takes at least a byte), and a larger one is decoded
+# counting them, and refused once past the bound, having decoded at most that many and one list.
+MAX_DECODED_VALUES = 1 << 21
+
+
+class _Budget:
+    """The list and map hooks of a counted decode: each container counts itself and its entries."""
+
+    __slots__ = ("left",)
+
+    def __init__(self) -> None:
+        self.left = MAX_DECODED_VALUES
+
+    def take(self, container: Any) -> Any:
+        self.left -= len(container) + 1
+        if self.left < 0:
+            raise WireError(f"the payload holds more than {MAX_DECODED_VALUES} values in its lists and maps, more "
+                            "than any message needs; send smaller messages (a program of at most 65536 nodes, "
+                            "fewer handles at once)")
+        return container
+
+
 def unpack(data: bytes) -> Any:
     if len(data) > MAX_MESSAGE_BYTES:
         raise WireError(f"a payload of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+        if len(data) <= MAX_DECODED_VALUES:
+            return msgpack.unpackb(data, raw=False, strict_map_key=False)
+        budget = _Budget()
+        return msgpack.unpackb(data, raw=False, strict_map_key=False, list_hook=budget.take,
+                               object_hook=budget.take, max_array_len=MAX_DECODED_VALUES,
+                               max_map_len=MAX_DECODED_VALUES)
+    except WireError:
+        raise
     except Exception as e:  # msgpack raises several unrelated types on garbage
         raise WireError(f"payload is not valid msgpack ({type(e).__name__}: {e})") from None
 
