@@ -164,7 +164,7 @@ def _session_with_executable(compiled):
     no cluster: what its requests about the executable answer depends on that alone."""
     session = IfrtSession(None, 1, {})
     session.devices = DeviceTable([])
-    session._executables[7] = _Executable(compiled.fn, compiled, (0,), None)
+    session._executables[7] = _Executable(compiled.fn, compiled, (0,), None, "f")
     return session
 
 

@@ -243,6 +243,7 @@ class IfrtServer:
             yield from self._refuse(requests, context, IfrtError(t.UNAVAILABLE, (
                 f"the pathways controller at {self.controller} is not reachable ({type(e).__name__}: {e})")))
             return
+        native.timeline_label = "client IFRT proxy"  # PATHWAYS_TRACE's rows of the server's own steps
         session_id = secrets.randbits(62) + 1  # unguessable: host-buffer calls name the session by it
         session = IfrtSession(native, session_id, init_data)
         with self._lock:

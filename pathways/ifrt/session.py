@@ -164,7 +164,6 @@ class IfrtSession:
     def __init__(self, native: Session, session_id: int, init_data: dict[str, Any],
                  buffers: Optional[HostBuffers] = None) -> None:
         self.native = native
-        native.timeline_label = "client IFRT proxy"  # PATHWAYS_TRACE's rows of the server's own steps
         self.id = session_id
         self.init_data = init_data
         self.buffers = buffers or HostBuffers()
