@@ -63,9 +63,10 @@ def layout(name: str, x: jax.Array, out: Results) -> None:
 
 
 def host(x: Any) -> np.ndarray:
-    """``x`` fetched; bfloat16 as its bits (numpy files cannot hold it)."""
+    """``x`` fetched; ml_dtypes' types (bfloat16, int4, float8, ...) as their bits, in
+    unsigned integers of their size (numpy files cannot hold them)."""
     a = np.asarray(x)
-    return a.view(np.uint16) if a.dtype == jnp.bfloat16 else a
+    return a.view(f"u{a.dtype.itemsize}") if a.dtype.isbuiltin == 2 else a  # 2: a type numpy does not define
 
 
 def data(seed: int, *shape: int, dtype: Any = np.float32) -> np.ndarray:
@@ -116,6 +117,51 @@ def device_put_all() -> Results:
     layout("tiled", jax.device_put(x, NamedSharding(mesh, P("a", "b"))), out)
     layout("half", jax.device_put(x, NamedSharding(mesh, P("a"))), out)
     layout("replicated", jax.device_put(x, NamedSharding(mesh, P())), out)
+    return out
+
+
+# every element type jax.numpy has
+DTYPES = ("bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64 complex64 complex128 "
+          "bfloat16 int2 uint2 int4 uint4 float4_e2m1fn float8_e3m4 float8_e4m3 float8_e4m3fn float8_e4m3b11fnuz "
+          "float8_e4m3fnuz float8_e5m2 float8_e5m2fnuz float8_e8m0fnu").split()
+
+
+def types_and_trivial() -> Results:
+    """Every element type put, read, passed through an executable and computed on, on one
+    device and across island 0's two hosts; tokens as parameters and outputs; executables
+    with no parameter, no output, or outputs that are their inputs."""
+    out: Results = {}
+    rows = NamedSharding(Mesh(island0(), ("x",)), P("x"))
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[3])
+    double = jax.jit(lambda v: (v.astype(jnp.float32) * 2).astype(v.dtype))
+    for name in DTYPES:
+        dtype = jnp.dtype(name)
+        value = (np.arange(16).reshape(2, 8) % 5 - 2).astype(dtype)
+        for where, sharding in (("one", one), ("rows", rows)):
+            x = jax.device_put(value, sharding)
+            out[f"{name}_{where}_put"] = host(x)
+            out[f"{name}_{where}_same"] = host(jax.jit(lambda v: v)(x))
+            layout(f"{name}_{where}_double", double(x), out)
+        out[f"{name}_dtype"] = np.array(str(x.dtype))
+    token = jax.lax.create_token()
+    for where, sharding in (("one", one), ("rows", rows)):
+        x = jax.device_put(np.arange(8, dtype=np.float32), sharding)
+        y, made = jax.jit(lambda v: (v + 1, jax.lax.create_token()))(x)
+        passed, z = jax.jit(lambda t, v: (t, v * 3))(made, y)
+        again, w = jax.jit(lambda v, t: (v - 1, t))(z, token)
+        captured, _ = jax.jit(lambda v: (token, v))(w)
+        out[f"token_{where}"] = host(again)
+        out[f"token_{where}_kinds"] = np.array([type(t).__name__ for t in (made, passed, w, captured)])
+        out[f"token_{where}_ready"] = np.array(jax.block_until_ready(passed) is passed)
+        layout(f"no_parameter_{where}", jax.jit(lambda: jnp.arange(8.0) * 2, out_shardings=sharding)(), out)
+        out[f"no_output_{where}"] = np.array(len(jax.jit(lambda v: ())(x)))
+        same = jax.jit(lambda v: v)(x)
+        layout(f"identity_{where}", same, out)
+        a, b, c = jax.jit(lambda v, u: (u, 1, v))(x, same * 2)
+        layout(f"reordered_{where}", a, out)
+        out[f"reordered_{where}_literal"], out[f"reordered_{where}_last"] = host(b), host(c)
+        x.delete()  # the identity's output is an array of its own
+        out[f"identity_{where}_after_delete"] = host(same)
     return out
 
 
@@ -515,9 +561,9 @@ def started(stop: str | Path) -> list[Path]:
 
 
 PROGRAMS: dict[str, Callable[[], Results]] = {
-    f.__name__: f for f in (devices, device_put, device_put_all, jit_elementwise, jit_matmul, jit_reductions,
-                            mlp_grad, vmap, loops, random, psum, compiled_analysis, move, donation, deletion, train_optax,
-                            flax_model, concurrent)}
+    f.__name__: f for f in (devices, device_put, device_put_all, types_and_trivial, jit_elementwise, jit_matmul,
+                            jit_reductions, mlp_grad, vmap, loops, random, psum, compiled_analysis, move, donation,
+                            deletion, train_optax, flax_model, concurrent)}
 
 
 def main(argv: list[str]) -> int:

@@ -132,7 +132,10 @@ def compile_xla(name: str, artifact: bytes, options: bytes, devices: Sequence[De
     compile_options.device_assignment = xla_client.DeviceAssignment.create(
         np.array([d.id for d in jax_devices]).reshape(replicas, partitions))
     in_avals, out_types, donated, token_ins, token_outs = signature(name, artifact)
-    loaded = _compile_and_load(artifact, compile_options, jax_devices, cache)
+    # XLA (jaxlib 0.10.2) crashes the process serializing a multi-host executable that takes
+    # a token: executables with tokens stay out of the compile cache
+    loaded = _compile_and_load(artifact, compile_options, jax_devices,
+                               None if token_ins or token_outs else cache)
 
     workers_by_rank = dict(zip(sorted({r for r, _ in devices}), workers))
     in_ops = _op_shardings(loaded.get_parameter_shardings(), len(in_avals))
