@@ -3,6 +3,7 @@ JAX_PLATFORMS=proxy in a subprocess, against a local cluster of two islands (2 h
 device, 1 host x 2 devices) and an IfrtServer in this process; plus its pure parts."""
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -94,6 +95,23 @@ def test_sharded_jit(server):
     x = np.arange(8, dtype=np.float32).reshape(4, 2)
     assert result["x"] == x.tolist() and result["y"] == (x * 3).tolist()
     assert result["total"] == float((x * 3).sum()) and result["shards"] == [[2, 2], [2, 2]]
+
+
+def test_an_executable_with_neither_parameters_nor_outputs_runs_nothing(server, caplog):
+    """JAX drops an unused parameter, so ``jit(lambda v: ())`` compiles to an executable of
+    no parameter and no output: its runs succeed, and the server's session asks the
+    controller for nothing (a program needs a value; asking would be refused)."""
+    caplog.set_level(logging.ERROR, logger="pathways")
+    result = run_jax(server.address, """
+        import json
+        import numpy as np
+        x = jax.device_put(np.arange(4, dtype=np.float32))
+        nothing = [jax.jit(lambda v: ())(x) for _ in range(2)]
+        print("RESULT", json.dumps({"nothing": nothing, "after": np.asarray(jax.jit(lambda v: v + 1)(x)).tolist()}))
+    """)
+    assert result == {"nothing": [[], []], "after": [1.0, 2.0, 3.0, 4.0]}
+    refused = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not refused, f"the controller refused the session's requests: {refused}"
 
 
 # ---- pure parts -------------------------------------------------------------------------------
