@@ -143,6 +143,8 @@ def types_and_trivial() -> Results:
             out[f"{name}_{where}_same"] = host(jax.jit(lambda v: v)(x))
             layout(f"{name}_{where}_double", double(x), out)
         out[f"{name}_dtype"] = np.array(str(x.dtype))
+        if name in ("int4", "uint2", "float8_e4m3fn", "float4_e2m1fn"):  # from island 0's hosts to island 1
+            layout(f"{name}_moved", jax.device_put(x, one), out)
     token = jax.lax.create_token()
     for where, sharding in (("one", one), ("rows", rows)):
         x = jax.device_put(np.arange(8, dtype=np.float32), sharding)
@@ -160,8 +162,13 @@ def types_and_trivial() -> Results:
         a, b, c = jax.jit(lambda v, u: (u, 1, v))(x, same * 2)
         layout(f"reordered_{where}", a, out)
         out[f"reordered_{where}_literal"], out[f"reordered_{where}_last"] = host(b), host(c)
-        x.delete()  # the identity's output is an array of its own
-        out[f"identity_{where}_after_delete"] = host(same)
+        first, second = jax.jit(lambda v: (v, v))(x)
+        out[f"twice_{where}"] = np.stack([host(first), host(second)])
+        x.delete()  # the identity's outputs are arrays of their own
+        out[f"identity_{where}_after_delete"] = np.stack([host(same), host(first)])
+        donor = jax.device_put(np.arange(8, dtype=np.int32), sharding)
+        layout(f"donated_identity_{where}", jax.jit(lambda v: v, donate_argnums=0)(donor), out)
+        out[f"donated_identity_{where}_deleted"] = np.array(donor.is_deleted())
     return out
 
 
