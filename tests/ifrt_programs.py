@@ -156,7 +156,8 @@ def types_and_trivial() -> Results:
         out[f"token_{where}_kinds"] = np.array([type(t).__name__ for t in (made, passed, echoed, captured)])
         out[f"token_{where}_ready"] = np.array(jax.block_until_ready(passed) is passed)
         layout(f"no_parameter_{where}", jax.jit(lambda: jnp.arange(8.0) * 2, out_shardings=sharding)(), out)
-        out[f"no_output_{where}"] = np.array(len(jax.jit(lambda v: ())(x)))
+        out[f"no_output_{where}"] = np.array([len(jax.jit(lambda v: ())(x)),  # the unused parameter dropped
+                                              len(jax.jit(lambda v: (), keep_unused=True)(x))])
         same = jax.jit(lambda v: v)(x)
         layout(f"identity_{where}", same, out)
         a, b, c = jax.jit(lambda v, u: (u, 1, v))(x, same * 2)

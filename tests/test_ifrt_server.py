@@ -97,19 +97,24 @@ def test_sharded_jit(server):
     assert result["total"] == float((x * 3).sum()) and result["shards"] == [[2, 2], [2, 2]]
 
 
-def test_an_executable_with_neither_parameters_nor_outputs_runs_nothing(server, caplog):
+def test_executables_without_outputs_run_and_ask_the_controller_for_nothing_it_refuses(server, caplog):
     """JAX drops an unused parameter, so ``jit(lambda v: ())`` compiles to an executable of
     no parameter and no output: its runs succeed, and the server's session asks the
-    controller for nothing (a program needs a value; asking would be refused)."""
+    controller for nothing (a program needs a value; asking would be refused). With the
+    parameter kept, the executable runs as a program of one value and no output."""
     caplog.set_level(logging.ERROR, logger="pathways")
     result = run_jax(server.address, """
         import json
         import numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
         x = jax.device_put(np.arange(4, dtype=np.float32))
+        rows = jax.device_put(np.arange(4, dtype=np.float32), NamedSharding(Mesh(jax.devices()[:2], ("x",)), P("x")))
         nothing = [jax.jit(lambda v: ())(x) for _ in range(2)]
-        print("RESULT", json.dumps({"nothing": nothing, "after": np.asarray(jax.jit(lambda v: v + 1)(x)).tolist()}))
+        kept = [jax.jit(lambda v: (), keep_unused=True)(a) for a in (x, rows, x)]
+        print("RESULT", json.dumps({"nothing": nothing, "kept": kept,
+                                    "after": np.asarray(jax.jit(lambda v: v + 1)(x)).tolist()}))
     """)
-    assert result == {"nothing": [[], []], "after": [1.0, 2.0, 3.0, 4.0]}
+    assert result == {"nothing": [[], []], "kept": [[], [], []], "after": [1.0, 2.0, 3.0, 4.0]}
     refused = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert not refused, f"the controller refused the session's requests: {refused}"
 

@@ -139,7 +139,8 @@ def compile_xla(name: str, artifact: bytes, options: bytes, devices: Sequence[De
 
     workers_by_rank = dict(zip(sorted({r for r, _ in devices}), workers))
     in_ops = _op_shardings(loaded.get_parameter_shardings(), len(in_avals))
-    out_ops = _op_shardings(loaded.get_output_shardings(), len(out_types))
+    # XLA gives one sharding, of its empty result tuple, for a multi-device executable with no output
+    out_ops = _op_shardings(loaded.get_output_shardings(), len(out_types)) if out_types else []
     if len(in_ops) != len(in_avals) or len(out_ops) != len(out_types):
         raise WireError(f"function {name!r}: the executable reports {len(in_ops)} parameter and {len(out_ops)} "
                         f"output shardings for a signature of {len(in_avals)} and {len(out_types)}")
