@@ -27,6 +27,11 @@ OpSharding = xla_data_pb2.OpSharding
 REPLICA_AXIS = "r"
 
 
+def row_major(ndim: int) -> tuple[int, ...]:
+    """The default layout of a rank-``ndim`` array, as minor_to_major dimensions."""
+    return tuple(range(ndim - 1, -1, -1))
+
+
 def replicated() -> bytes:
     """The serialized OpSharding of a value every device holds whole."""
     return OpSharding(type=OpSharding.REPLICATED).SerializeToString()

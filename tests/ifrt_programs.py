@@ -63,9 +63,10 @@ def layout(name: str, x: jax.Array, out: Results) -> None:
 
 
 def host(x: Any) -> np.ndarray:
-    """``x`` fetched; bfloat16 as its bits (numpy files cannot hold it)."""
+    """``x`` fetched; ml_dtypes' types (bfloat16, int4, float8, ...) as their bits, in
+    unsigned integers of their size (numpy files cannot hold them)."""
     a = np.asarray(x)
-    return a.view(np.uint16) if a.dtype == jnp.bfloat16 else a
+    return a.view(f"u{a.dtype.itemsize}") if a.dtype.isbuiltin == 2 else a  # 2: a type numpy does not define
 
 
 def data(seed: int, *shape: int, dtype: Any = np.float32) -> np.ndarray:
@@ -116,6 +117,61 @@ def device_put_all() -> Results:
     layout("tiled", jax.device_put(x, NamedSharding(mesh, P("a", "b"))), out)
     layout("half", jax.device_put(x, NamedSharding(mesh, P("a"))), out)
     layout("replicated", jax.device_put(x, NamedSharding(mesh, P())), out)
+    return out
+
+
+# every element type jax.numpy has
+DTYPES = ("bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64 complex64 complex128 "
+          "bfloat16 int2 uint2 int4 uint4 float4_e2m1fn float8_e3m4 float8_e4m3 float8_e4m3fn float8_e4m3b11fnuz "
+          "float8_e4m3fnuz float8_e5m2 float8_e5m2fnuz float8_e8m0fnu").split()
+
+
+def types_and_trivial() -> Results:
+    """Every element type put, read, passed through an executable and computed on, on one
+    device and across island 0's two hosts; tokens as parameters and outputs; executables
+    with no parameter, no output, or outputs that are their inputs."""
+    out: Results = {}
+    rows = NamedSharding(Mesh(island0(), ("x",)), P("x"))
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[3])
+    # the input as it came, and computed on (one executable each: compiles are most of the time)
+    same_and_double = jax.jit(lambda v: (v, (v.astype(jnp.float32) * 2).astype(v.dtype)))
+    for name in DTYPES:
+        dtype = jnp.dtype(name)
+        value = (np.arange(16).reshape(2, 8) % 5 - 2).astype(dtype)
+        for where, sharding in (("one", one), ("rows", rows)):
+            x = jax.device_put(value, sharding)
+            out[f"{name}_{where}_put"] = host(x)
+            same, doubled = same_and_double(x)
+            out[f"{name}_{where}_same"] = host(same)
+            layout(f"{name}_{where}_double", doubled, out)
+        out[f"{name}_dtype"] = np.array(str(x.dtype))
+        if name in ("int4", "uint2", "float8_e4m3fn", "float4_e2m1fn"):  # from island 0's hosts to island 1
+            layout(f"{name}_moved", jax.device_put(x, one), out)
+    token = jax.lax.create_token()
+    for where, sharding in (("one", one), ("rows", rows)):
+        x = jax.device_put(np.arange(8, dtype=np.float32), sharding)
+        y, made = jax.jit(lambda v: (v + 1, jax.lax.create_token()))(x)
+        passed, z = jax.jit(lambda t, v: (t, v * 3))(made, y)
+        w, echoed = jax.jit(lambda v, t: (v - 1, t))(z, token)
+        captured, _ = jax.jit(lambda v: (token, v))(w)
+        out[f"token_{where}"] = host(w)
+        out[f"token_{where}_kinds"] = np.array([type(t).__name__ for t in (made, passed, echoed, captured)])
+        out[f"token_{where}_ready"] = np.array(jax.block_until_ready(passed) is passed)
+        layout(f"no_parameter_{where}", jax.jit(lambda: jnp.arange(8.0) * 2, out_shardings=sharding)(), out)
+        out[f"no_output_{where}"] = np.array([len(jax.jit(lambda v: ())(x)),  # the unused parameter dropped
+                                              len(jax.jit(lambda v: (), keep_unused=True)(x))])
+        same = jax.jit(lambda v: v)(x)
+        layout(f"identity_{where}", same, out)
+        a, b, c = jax.jit(lambda v, u: (u, 1, v))(x, same * 2)
+        layout(f"reordered_{where}", a, out)
+        out[f"reordered_{where}_literal"], out[f"reordered_{where}_last"] = host(b), host(c)
+        first, second = jax.jit(lambda v: (v, v))(x)
+        out[f"twice_{where}"] = np.stack([host(first), host(second)])
+        x.delete()  # the identity's outputs are arrays of their own
+        out[f"identity_{where}_after_delete"] = np.stack([host(same), host(first)])
+        donor = jax.device_put(np.arange(8, dtype=np.int32), sharding)
+        layout(f"donated_identity_{where}", jax.jit(lambda v: v, donate_argnums=0)(donor), out)
+        out[f"donated_identity_{where}_deleted"] = np.array(donor.is_deleted())
     return out
 
 
@@ -515,9 +571,9 @@ def started(stop: str | Path) -> list[Path]:
 
 
 PROGRAMS: dict[str, Callable[[], Results]] = {
-    f.__name__: f for f in (devices, device_put, device_put_all, jit_elementwise, jit_matmul, jit_reductions,
-                            mlp_grad, vmap, loops, random, psum, compiled_analysis, move, donation, deletion, train_optax,
-                            flax_model, concurrent)}
+    f.__name__: f for f in (devices, device_put, device_put_all, types_and_trivial, jit_elementwise, jit_matmul,
+                            jit_reductions, mlp_grad, vmap, loops, random, psum, compiled_analysis, move, donation,
+                            deletion, train_optax, flax_model, concurrent)}
 
 
 def main(argv: list[str]) -> int:

@@ -3,6 +3,7 @@ JAX_PLATFORMS=proxy in a subprocess, against a local cluster of two islands (2 h
 device, 1 host x 2 devices) and an IfrtServer in this process; plus its pure parts."""
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -94,6 +95,28 @@ def test_sharded_jit(server):
     x = np.arange(8, dtype=np.float32).reshape(4, 2)
     assert result["x"] == x.tolist() and result["y"] == (x * 3).tolist()
     assert result["total"] == float((x * 3).sum()) and result["shards"] == [[2, 2], [2, 2]]
+
+
+def test_executables_without_outputs_run_and_ask_the_controller_for_nothing_it_refuses(server, caplog):
+    """JAX drops an unused parameter, so ``jit(lambda v: ())`` compiles to an executable of
+    no parameter and no output: its runs succeed, and the server's session asks the
+    controller for nothing (a program needs a value; asking would be refused). With the
+    parameter kept, the executable runs as a program of one value and no output."""
+    caplog.set_level(logging.ERROR, logger="pathways")
+    result = run_jax(server.address, """
+        import json
+        import numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        x = jax.device_put(np.arange(4, dtype=np.float32))
+        rows = jax.device_put(np.arange(4, dtype=np.float32), NamedSharding(Mesh(jax.devices()[:2], ("x",)), P("x")))
+        nothing = [jax.jit(lambda v: ())(x) for _ in range(2)]
+        kept = [jax.jit(lambda v: (), keep_unused=True)(a) for a in (x, rows, x)]
+        print("RESULT", json.dumps({"nothing": nothing, "kept": kept,
+                                    "after": np.asarray(jax.jit(lambda v: v + 1)(x)).tolist()}))
+    """)
+    assert result == {"nothing": [[], []], "kept": [[], [], []], "after": [1.0, 2.0, 3.0, 4.0]}
+    refused = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not refused, f"the controller refused the session's requests: {refused}"
 
 
 # ---- pure parts -------------------------------------------------------------------------------

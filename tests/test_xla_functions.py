@@ -44,11 +44,16 @@ def artifact(f, avals, n, donate=()):
     """What the IFRT client sends: the StableHLO of ``jax.jit(f)`` over ``n`` partitions
     (``avals``: ShapeDtypeStructs with shardings on an abstract mesh), and its options."""
     exported = jax.export.export(jax.jit(f, donate_argnums=donate))(*avals)
+    return exported.mlir_module_serialized, compile_options(n)
+
+
+def compile_options(n):
+    """The serialized CompileOptionsProto an IFRT client sends for ``n`` partitions."""
     options = compiler.get_compile_options(num_replicas=1, num_partitions=n,
                                            device_assignment=np.arange(n).reshape(1, n))
     options.executable_build_options.use_spmd_partitioning = True
     options.executable_build_options.use_shardy_partitioner = True
-    return exported.mlir_module_serialized, options.SerializeAsString()
+    return options.SerializeAsString()
 
 
 def run_xla(session, addresses, compiled, fn, inputs):
@@ -120,6 +125,33 @@ def test_a_sharded_matmul_on_two_devices_of_one_host_in_the_order_given(session)
     assert compiled.outs == (compiled.ins[0],) and compiled.out_types == (("float32", (8, 3)),)
     [y] = run_xla(session, addresses, compiled, fn, [a, b])
     np.testing.assert_allclose(y, a @ b, rtol=1e-6)
+
+
+def test_tokens_and_int4_across_both_hosts_of_an_island(session):
+    """A token parameter and token outputs are empty bool arrays, as JAX passes tokens, with
+    default layouts (XLA reports none); an int4 array computes as on local JAX. The
+    executable stays out of the compile cache these tests share: XLA crashes the hosts
+    serializing a multi-host executable that takes a token."""
+    reply, addresses, devices = slice_of(session, 2, 0)
+    rows = NamedSharding(AbstractMesh((2,), ("x",)), P("x"))
+    f = jax.jit(lambda t, a: (t, a * 3, jax.lax.create_token()), in_shardings=(None, rows),
+                out_shardings=(None, rows, None))
+    x = (np.arange(8) % 5 - 2).astype(jnp.int4)
+    # jax.export takes no token parameter: the lowered module's text, which workers compile too
+    lowered = f.trace(jax.lax.create_token(), jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows)).lower(
+        lowering_platforms=("cpu",))
+    fn, future = session.define_xla(reply.slice, "tokens", lowered.as_text().encode(), compile_options(2), devices)
+    compiled = future.result(WAIT)
+    assert compiled.out_types == (("bool", (0,)), ("int4", (8,)), ("bool", (0,)))
+    assert compiled.in_layouts == ((0,), (0,)) and compiled.out_layouts == ((0,), (0,), (0,))
+    assert compiled.outs[1].workers == tuple(reply.workers), "the int4 output lies on both hosts"
+    for k in range(2):  # the second run reuses the executable
+        v = (np.arange(8) % 5 - 2 + k).astype(jnp.int4)
+        passed, y, made = run_xla(session, addresses, compiled, fn, [np.zeros(0, bool), v])
+        assert y.dtype == jnp.int4
+        np.testing.assert_array_equal(y, np.asarray(jax.jit(lambda a: a * 3)(v)))
+        for token in (passed, made):
+            assert token.dtype == np.bool_ and token.shape == (0,), token
 
 
 def _psum_artifact():

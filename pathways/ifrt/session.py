@@ -804,6 +804,10 @@ class IfrtSession:
         if len(args) != len(c.ins):
             raise t.invalid(f"the executable takes {len(c.ins)} arguments, {len(args)} were given")
         types = tuple((a.dtype.name, a.shape) for a in args)
+        if not args and not c.outs:
+            # nothing in, nothing out (JAX drops unused parameters): nothing can be observed of a
+            # run, and a program needs at least one value
+            return self._executed([], body)
         if exe.program is None:
             n_in, n_out = len(args), len(c.outs)
             graph = ProgramGraph(n_in + n_out, tuple(range(n_in)),
@@ -826,6 +830,10 @@ class IfrtSession:
         for i in c.donated:
             if i not in keep and i < len(args):
                 self._delete(args[i])
+        return self._executed(outs, body)
+
+    def _executed(self, outs: list[_Array], body: Any) -> Any:
+        """The response to execute request ``body`` whose outputs are ``outs``."""
         resp = pb.LoadedExecutableExecuteResponse()
         handles = self._insert(list(body.result_array_handle), outs)
         if body.execute_options.fill_status:

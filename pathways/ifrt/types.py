@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from pathways.errors import DeadlineExceededError, WorkerLostError
+from pathways.hlo import row_major
 from pathways.ifrt.proto.xla import xla_data_pb2
 from pathways.ifrt.proto.xla.python.ifrt import dtype_pb2, serdes_pb2, sharding_pb2, sharding_serdes_pb2, shape_pb2
 from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2
@@ -72,7 +73,12 @@ _K = dtype_pb2.DTypeProto
 _NAME_OF_KIND = {_K.KIND_PRED: "bool", _K.KIND_S8: "int8", _K.KIND_S16: "int16", _K.KIND_S32: "int32",
                  _K.KIND_S64: "int64", _K.KIND_U8: "uint8", _K.KIND_U16: "uint16", _K.KIND_U32: "uint32",
                  _K.KIND_U64: "uint64", _K.KIND_F16: "float16", _K.KIND_F32: "float32", _K.KIND_F64: "float64",
-                 _K.KIND_BF16: "bfloat16", _K.KIND_C64: "complex64", _K.KIND_C128: "complex128"}
+                 _K.KIND_BF16: "bfloat16", _K.KIND_C64: "complex64", _K.KIND_C128: "complex128",
+                 _K.KIND_S2: "int2", _K.KIND_U2: "uint2", _K.KIND_S4: "int4", _K.KIND_U4: "uint4",
+                 _K.KIND_F4E2M1FN: "float4_e2m1fn", _K.KIND_F8E3M4: "float8_e3m4", _K.KIND_F8E4M3: "float8_e4m3",
+                 _K.KIND_F8E4M3FN: "float8_e4m3fn", _K.KIND_F8E4M3B11FNUZ: "float8_e4m3b11fnuz",
+                 _K.KIND_F8E4M3FNUZ: "float8_e4m3fnuz", _K.KIND_F8E5M2: "float8_e5m2",
+                 _K.KIND_F8E5M2FNUZ: "float8_e5m2fnuz", _K.KIND_F8E8M0FNU: "float8_e8m0fnu"}
 _KIND_OF_NAME = {v: k for k, v in _NAME_OF_KIND.items()}
 
 
@@ -106,7 +112,7 @@ def shape_proto(shape: Sequence[int]) -> shape_pb2.ShapeProto:
 
 def default_layout_text(ndim: int) -> bytes:
     """The default (row-major) layout in the text form the client parses, e.g. ``{1,0}``."""
-    return ("{" + ",".join(str(d) for d in range(ndim - 1, -1, -1)) + "}").encode()
+    return ("{" + ",".join(str(d) for d in row_major(ndim)) + "}").encode()
 
 
 # ---- shardings -----------------------------------------------------------------------------

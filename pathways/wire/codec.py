@@ -21,11 +21,14 @@ from pathways.errors import WireError
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # one gRPC payload
 CHUNK_BYTES = 4 * 1024 * 1024
 
-# dtypes that may cross the wire; anything else (object, void, ...) is refused.
-_WIRE_DTYPES = frozenset(
-    "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 "
-    "float16 float32 float64 complex64 complex128 bfloat16".split()
-)
+# ml_dtypes' types that jax.numpy names (numpy alone has none): one byte per element in
+# memory and on the wire, the sub-byte ones too (XLA packs them on the device)
+ML_DTYPES = ("bfloat16 int2 uint2 int4 uint4 float4_e2m1fn float8_e3m4 float8_e4m3 float8_e4m3fn "
+             "float8_e4m3b11fnuz float8_e4m3fnuz float8_e5m2 float8_e5m2fnuz float8_e8m0fnu").split()
+# dtypes that may cross the wire, in jax.numpy's names; anything else (object, void, ...) is refused.
+WIRE_DTYPES = ("bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64 "
+               "complex64 complex128").split() + ML_DTYPES
+_WIRE_DTYPES = frozenset(WIRE_DTYPES)
 
 
 def is_wire_dtype(dtype: np.dtype) -> bool:
@@ -216,10 +219,10 @@ def brief(value: Any) -> str:
 def _np_dtype(name: str) -> np.dtype:
     dtype = _DTYPES.get(name)
     if dtype is None:
-        if name == "bfloat16":
+        if name in ML_DTYPES:
             import ml_dtypes
 
-            dtype = np.dtype(ml_dtypes.bfloat16)
+            dtype = np.dtype(getattr(ml_dtypes, name))
         else:
             dtype = np.dtype(name)
         _DTYPES[name] = dtype  # at most one per wire dtype

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 import jax
 import numpy as np
@@ -20,15 +20,16 @@ from jax._src import xla_bridge
 from jax._src.interpreters import mlir
 from jax._src.lib import _jax, xla_client
 from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import hlo
 from jax._src.sharding_impls import GSPMDSharding
 
 from pathways.errors import WireError
-from pathways.hlo import layout_of_op_sharding, replicated
+from pathways.hlo import layout_of_op_sharding, replicated, row_major
 from pathways.ir import Device, Layout
 from pathways.protocol.messages import MEMORY_STATS, Analysis
 from pathways.timeline import function_label
 from pathways.worker.compile_cache import CompileCache, digest
-from pathways.wire.codec import is_wire_dtype_name
+from pathways.wire.codec import WIRE_DTYPES, _np_dtype
 
 _DONOR_ATTRS = ("tf.aliasing_output", "jax.buffer_donor")
 
@@ -62,11 +63,13 @@ class XlaExecutable:
     """A loaded executable as a function of global jax.Arrays (see the module's doc)."""
 
     def __init__(self, loaded: Any, in_avals: list, in_shardings: list, out_shardings: list,
-                 out_types: Sequence[tuple[str, tuple[int, ...]]], metadata: Metadata) -> None:
+                 out_types: Sequence[tuple[str, tuple[int, ...]]], metadata: Metadata,
+                 token_outs: Sequence[int] = ()) -> None:
         self._loaded = loaded
         self._in = in_shardings  # GSPMDShardings over the executable's devices, in its order
         self._out = out_shardings  # NamedShardings of the output layouts
         self._out_shapes = [shape for _, shape in out_types]
+        self._token_outs = frozenset(token_outs)
         self._equivalent: dict[tuple[int, Any], bool] = {}
         self.in_avals = in_avals  # (shape, dtype) per parameter
         self.metadata = metadata
@@ -80,8 +83,9 @@ class XlaExecutable:
         inputs = [self._as_expected(i, x) for i, x in enumerate(args)]
         results = self._loaded.execute_sharded(inputs)
         per_output = results.disassemble_into_single_device_arrays()
-        return [jax.make_array_from_single_device_arrays(shape, sharding, arrays)
-                for shape, sharding, arrays in zip(self._out_shapes, self._out, per_output)]
+        return [_token(sharding) if j in self._token_outs else
+                jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+                for j, (shape, sharding, arrays) in enumerate(zip(self._out_shapes, self._out, per_output))]
 
     def _as_expected(self, i: int, x: Any) -> Any:
         """Argument ``i`` with its buffers in the executable's device order: the same
@@ -127,12 +131,16 @@ def compile_xla(name: str, artifact: bytes, options: bytes, devices: Sequence[De
     # the client's device ids mean nothing here: logical device i is devices[i]
     compile_options.device_assignment = xla_client.DeviceAssignment.create(
         np.array([d.id for d in jax_devices]).reshape(replicas, partitions))
-    in_avals, out_types, donated = signature(name, artifact)
-    loaded = _compile_and_load(artifact, compile_options, jax_devices, cache)
+    in_avals, out_types, donated, token_ins, token_outs = signature(name, artifact)
+    # XLA (jaxlib 0.10.2) crashes the process serializing a multi-host executable that takes
+    # a token: executables with tokens stay out of the compile cache
+    loaded = _compile_and_load(artifact, compile_options, jax_devices,
+                               None if token_ins or token_outs else cache)
 
     workers_by_rank = dict(zip(sorted({r for r, _ in devices}), workers))
     in_ops = _op_shardings(loaded.get_parameter_shardings(), len(in_avals))
-    out_ops = _op_shardings(loaded.get_output_shardings(), len(out_types))
+    # XLA gives one sharding, of its empty result tuple, for a multi-device executable with no output
+    out_ops = _op_shardings(loaded.get_output_shardings(), len(out_types)) if out_types else []
     if len(in_ops) != len(in_avals) or len(out_ops) != len(out_types):
         raise WireError(f"function {name!r}: the executable reports {len(in_ops)} parameter and {len(out_ops)} "
                         f"output shardings for a signature of {len(in_avals)} and {len(out_types)}")
@@ -140,14 +148,19 @@ def compile_xla(name: str, artifact: bytes, options: bytes, devices: Sequence[De
                 for op, (shape, _) in zip(in_ops, in_avals))
     outs = tuple(layout_of_op_sharding(op, devices, workers_by_rank, len(shape))
                  for op, (_, shape) in zip(out_ops, out_types))
-    hlo = [xla_client.HloSharding.from_proto(_jax_op_sharding(op)) for op in in_ops]
-    metadata = Metadata(ins, outs, tuple(out_types), tuple(in_ops), tuple(out_ops),
-                        tuple(_minor_to_major(x) for x in loaded.get_parameter_layouts()),
-                        tuple(_minor_to_major(x) for x in loaded.get_output_layouts()),
+    in_hlo = [xla_client.HloSharding.from_proto(_jax_op_sharding(op)) for op in in_ops]
+    if token_ins or token_outs:
+        # XLA gives no layouts of a signature with tokens; its arrays have the default ones
+        in_layouts = tuple(row_major(len(shape)) for shape, _ in in_avals)
+        out_layouts = tuple(row_major(len(shape)) for _, shape in out_types)
+    else:
+        in_layouts = tuple(_minor_to_major(x) for x in loaded.get_parameter_layouts())
+        out_layouts = tuple(_minor_to_major(x) for x in loaded.get_output_layouts())
+    metadata = Metadata(ins, outs, tuple(out_types), tuple(in_ops), tuple(out_ops), in_layouts, out_layouts,
                         tuple(donated), fingerprint(artifact, options, devices, workers),
                         _module_name(loaded, name), analysis(loaded))
-    return XlaExecutable(loaded, in_avals, [GSPMDSharding(jax_devices, h) for h in hlo],
-                         [sharding_of(layout) for layout in outs], out_types, metadata)
+    return XlaExecutable(loaded, in_avals, [GSPMDSharding(jax_devices, h) for h in in_hlo],
+                         [sharding_of(layout) for layout in outs], out_types, metadata, token_outs)
 
 
 def analysis(loaded: Any) -> Analysis:
@@ -185,9 +198,19 @@ def _compile_and_load(artifact: bytes, compile_options: Any, jax_devices: tuple,
     return loaded
 
 
-def signature(name: str, artifact: bytes) -> tuple[list, list, list[int]]:
-    """The artifact's ``main``: (shape, dtype) per parameter, (dtype name, shape) per
-    output, and the donated parameters (``tf.aliasing_output`` or ``jax.buffer_donor``)."""
+class Signature(NamedTuple):
+    """An artifact's ``main``. A token parameter or output is an empty bool array
+    (TOKEN_AVAL) here, as JAX passes one."""
+
+    ins: list  # (shape, dtype) per parameter
+    out_types: list  # (dtype name, shape) per output
+    donated: list[int]  # parameters marked ``tf.aliasing_output`` or ``jax.buffer_donor``
+    token_ins: list[int]
+    token_outs: list[int]
+
+
+def signature(name: str, artifact: bytes) -> Signature:
+    """The signature of ``artifact``'s ``main``; WireError for types pathways cannot hold."""
     with mlir.make_ir_context():
         try:
             module = _jax.mlir.deserialize_portable_artifact(artifact)
@@ -203,21 +226,28 @@ def signature(name: str, artifact: bytes) -> tuple[list, list, list[int]]:
         kind = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
         ins = [_aval(name, t, f"parameter {i}") for i, t in enumerate(kind.inputs)]
         outs = [_aval(name, t, f"output {i}") for i, t in enumerate(kind.results)]
+        token_ins = [i for i, t in enumerate(kind.inputs) if hlo.TokenType.isinstance(t)]
+        token_outs = [i for i, t in enumerate(kind.results) if hlo.TokenType.isinstance(t)]
         donated = []
         if "arg_attrs" in main.attributes:
             for i, attrs in enumerate(ir.ArrayAttr(main.attributes["arg_attrs"])):
                 attrs = ir.DictAttr(attrs)
                 if any(a in attrs for a in _DONOR_ATTRS):
                     donated.append(i)
-    return ins, [(np.dtype(dtype).name, shape) for shape, dtype in outs], donated
+    return Signature(ins, [(np.dtype(dtype).name, shape) for shape, dtype in outs], donated, token_ins, token_outs)
+
+
+# a token as JAX passes one to an executable (core.get_token_aval()): no data
+TOKEN_AVAL = ((0,), np.dtype(np.bool_))
 
 
 def _aval(name: str, t: Any, what: str) -> tuple[tuple[int, ...], np.dtype]:
+    if hlo.TokenType.isinstance(t):
+        return TOKEN_AVAL
     try:
         tensor = ir.RankedTensorType(t)
     except ValueError:
-        raise WireError(f"function {name!r}: {what} is a {t}, not an array (tokens and effects are not "
-                        "supported)") from None
+        raise WireError(f"function {name!r}: {what} is a {t}, neither an array nor a token") from None
     if not tensor.has_static_shape:
         raise WireError(f"function {name!r}: {what} has the dynamic shape {t}; export it with static shapes")
     dtype = _DTYPES.get(str(tensor.element_type))
@@ -228,15 +258,9 @@ def _aval(name: str, t: Any, what: str) -> tuple[tuple[int, ...], np.dtype]:
 
 
 def _dtypes() -> dict[str, np.dtype]:
-    names = "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64 complex64 " \
-            "complex128 bfloat16".split()
-    out = {}
+    """Each wire dtype by the name of its MLIR element type (``i4``, ``f8E4M3FN``, ...)."""
     with mlir.make_ir_context():
-        for n in names:
-            if is_wire_dtype_name(n):
-                dtype = np.dtype(jax.numpy.dtype(n))
-                out[str(mlir.dtype_to_ir_type(dtype))] = dtype
-    return out
+        return {str(mlir.dtype_to_ir_type(_np_dtype(n))): _np_dtype(n) for n in WIRE_DTYPES}
 
 
 _DTYPES = _dtypes()
@@ -257,6 +281,13 @@ def _jax_op_sharding(op: bytes) -> Any:
 
 def _minor_to_major(layout: Any) -> tuple[int, ...]:
     return tuple(layout._xla_layout().minor_to_major())
+
+
+def _token(sharding: Any) -> Any:
+    """A token output as JAX passes tokens in: an empty bool array. XLA's own token buffer
+    cannot be read, moved or copied, and a token carries no data."""
+    shape, dtype = TOKEN_AVAL
+    return jax.make_array_from_callback(shape, sharding, lambda _: np.zeros(shape, dtype))
 
 
 def _module_name(loaded: Any, fallback: str) -> str:
