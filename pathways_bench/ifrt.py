@@ -93,9 +93,9 @@ host every step), data parallel over a `Mesh` of the 4 devices (the batch split 
 the parameters replicated), steps back to back and the last loss waited for, on local JAX
 and through the proxy on each island. Targets: pipelined calls through the proxy >=
 {TARGET_NATIVE:g}x PW-O's rate; 64 MiB `device_put` and `np.asarray` through the proxy >=
-{TARGET_GRPC:g}x the bare gRPC stream's rate; a training step through the proxy <=
-{TARGET_TRAIN['proxy 1x4']:g}x local JAX's time on 1 host x 4 devices, <= {TARGET_TRAIN['proxy 2x2']:g}x
-on 2 hosts x 2 devices.
+{TARGET_GRPC:g}x the bare gRPC stream's rate; a training step through the proxy on 1 host x
+4 devices <= {TARGET_TRAIN['proxy 1x4']:g}x local JAX's time, on 2 hosts x 2 devices <=
+{TARGET_TRAIN['proxy 2x2']:g}x.
 """
 
 
@@ -125,10 +125,10 @@ def measure(rounds: int, tiny: bool, progress: report.Progress) -> dict[str, Any
             stack.callback(h.close)
         # JAX's client stores host buffers in 1 MiB messages, and the server answers lookups
         # in LOOKUP_CHUNK ones: the gRPC baseline moves the same messages
-        grpc = {d: Pair(["grpc-receive", str(LOOKUP_CHUNK), LOOPBACK], ["grpc-send", call, str(LOOKUP_CHUNK)])
-                for d, call in GRPC_CALLS.items()}
-        for pair in grpc.values():
-            stack.callback(pair.close)
+        grpc = {}
+        for d, call in GRPC_CALLS.items():
+            grpc[d] = Pair(["grpc-receive", str(LOOKUP_CHUNK), LOOPBACK], ["grpc-send", call, str(LOOKUP_CHUNK)])
+            stack.callback(grpc[d].close)
         raw = Pair(["raw-receive", str(max(sizes)), LOOPBACK], ["raw-send", str(max(sizes))])
         stack.callback(raw.close)
         for name, h in helpers.items():  # the proxy on the second island only trains
@@ -348,9 +348,10 @@ def summary(data: dict) -> list[str]:
     lines.append(f"jit pipelined: the proxy makes {x:.2f}x the calls per second of pathways' native op-by-op path "
                  f"(target >= {TARGET_NATIVE:g}x): {verdict}; "
                  f"{report.ratio(jit['pipelined']['proxy'], jit['pipelined']['local']):.3f}x local JAX's")
-    lines.append(f"jit blocking: the proxy makes {report.ratio(jit['blocking']['proxy'], jit['blocking']['native']):.2f}x "
-                 f"pathways' native op-by-op path's calls per second, "
-                 f"{report.ratio(jit['blocking']['proxy'], jit['blocking']['local']):.3f}x local JAX's")
+    blocking = jit["blocking"]
+    lines.append(f"jit blocking: the proxy makes {report.ratio(blocking['proxy'], blocking['native']):.2f}x pathways' "
+                 f"native op-by-op path's calls per second, "
+                 f"{report.ratio(blocking['proxy'], blocking['local']):.3f}x local JAX's")
     smallest, largest = str(min(data["sizes"])), str(max(data["sizes"]))
     lines.append(f"fixed cost of a {_size(int(smallest))} transfer through the proxy: " + ", ".join(
         f"{d} {1e3 * int(smallest) / data['transfers'][d][smallest]['proxy']['median']:.2f} ms" for d in DIRECTIONS)
@@ -360,14 +361,14 @@ def summary(data: dict) -> list[str]:
         r = data["transfers"][d][largest]
         x = report.ratio(r["proxy"], r["grpc"])
         verdict = report.verdict(data, x >= TARGET_GRPC, f"**missed** by {TARGET_GRPC - x:.2f}x")
-        lines.append(f"{d} of {_size(int(largest))}: {x:.2f}x the bare gRPC stream's rate (target >= {TARGET_GRPC:g}x): "
-                     f"{verdict}; {report.ratio(r['proxy'], r['raw']):.2f}x raw TCP's, "
+        lines.append(f"{d} of {_size(int(largest))}: {x:.2f}x the bare gRPC stream's rate "
+                     f"(target >= {TARGET_GRPC:g}x): {verdict}; {report.ratio(r['proxy'], r['raw']):.2f}x raw TCP's, "
                      f"{report.ratio(r['proxy'], r['native']):.2f}x pathways' native client's")
     t, ls = data["train_seconds"], data["losses"]
     for who, target in TARGET_TRAIN.items():
         x = report.ratio(t[who], t["local"])
         verdict = report.verdict(data, x <= target, f"**missed** by {x - target:.2f}x")
-        lines.append(f"training through the proxy on {_where(who, data['islands']).removeprefix('proxy, ')}: a step "
+        lines.append(f"training through the proxy on {_island(who, data['islands'])}: a step "
                      f"takes {x:.2f}x local JAX's time on {DEVICES} devices (target <= {target:g}x): {verdict}; over "
                      f"{ls['steps']} steps (loss {ls['first']:.4f} to {ls['last']:.4f}) its losses differ from local "
                      f"JAX's by at most {ls['max_difference'][who]:.2g}")
@@ -409,10 +410,13 @@ def plot(data: dict, path: str) -> None:
 
 def _where(who: str, islands: dict[str, list[int]]) -> str:
     """Where a trainer (one of TRAINERS) runs, in words."""
-    if who == "local":
-        return f"local JAX, {DEVICES} CPU devices"
+    return f"local JAX, {DEVICES} CPU devices" if who == "local" else f"proxy, {_island(who, islands)}"
+
+
+def _island(who: str, islands: dict[str, list[int]]) -> str:
+    """The island of a trainer through the proxy, in words."""
     hosts, devices = islands[who.removeprefix("proxy ")]
-    return f"proxy, {hosts} host{'s' if hosts > 1 else ''} x {devices} devices"
+    return f"{hosts} host{'s' if hosts > 1 else ''} x {devices} devices"
 
 
 def _mb(rate: dict[str, float]) -> dict[str, float]:
