@@ -149,7 +149,9 @@ def measure(rounds: int, tiny: bool, progress: report.Progress) -> dict[str, Any
         jit = {(mode, who): [] for mode in MODES for who in CALLERS}
         moved = {(d, n, who): [] for d in DIRECTIONS for n in sizes for who in MOVERS}
         trained: dict[str, list[float]] = {name: [] for name in train_cases}
+        load = []  # the machine is shared: how busy it was says how far the figures carry
         for r in range(rounds):
+            load.append(os.getloadavg()[0])
             for mode in MODES:
                 progress.step(f"jit {mode} (round {r + 1}/{rounds})")
                 for who in CALLERS:
@@ -164,7 +166,7 @@ def measure(rounds: int, tiny: bool, progress: report.Progress) -> dict[str, Any
                 seconds, ls = case(steps)
                 trained[name].append(seconds)
                 losses[name] = losses[name] + ls
-    return _report(jit, moved, trained, losses, sizes, calls, steps)
+    return {**_report(jit, moved, trained, losses, sizes, calls, steps), "load": report.stats(load)}
 
 
 class _Helper:
@@ -342,7 +344,8 @@ def tables(data: dict) -> list[report.Table]:
 
 def summary(data: dict) -> list[str]:
     jit = data["jit"]
-    lines = report.unjudged(data)
+    lines = report.unjudged(data) + [
+        f"the machine's load average {data['load']['median']:.1f} (median of the rounds' starts)"]
     x = report.ratio(jit["pipelined"]["proxy"], jit["pipelined"]["native"])
     verdict = report.verdict(data, x >= TARGET_NATIVE, f"**missed** by {TARGET_NATIVE - x:.2f}x")
     lines.append(f"jit pipelined: the proxy makes {x:.2f}x the calls per second of pathways' native op-by-op path "
@@ -392,6 +395,31 @@ one gRPC hop costs, where the proxy makes that hop and the data plane's. On loca
 Python call, not of a transfer. A training step through the proxy is a `jit` call whose
 batch is put from the host first, split in four (one host buffer per device), and on two
 hosts one executable that runs on both. All of it shares the same 2 cores.
+
+Where the time goes (CPU time per process and per thread from /proc, `py-spy --gil` on the
+controller process, `perf` on the others, on this machine while busy). Pipelined calls, the
+largest miss: a call through the proxy costs 0.4-0.65 ms of CPU in the controller process,
+0.1-0.3 ms in the worker and 0.1-0.2 ms in the JAX client, where PW-O's costs 0.02-0.04 ms
+in each. PW-O's client queues its calls faster than its session sends them, so 1000 calls
+reach the controller in 2 batches of about 500; the front end hands each request to its
+native session as it arrives, so the same 1000 calls are 985 batches of 1 or 2 messages (the
+run, the release of its input), each paying the whole per-message path: a gRPC message from
+the front end to the controller's own server in the same process, a wakeup of its event
+loop, decoding, scheduling, a frame to the worker and one back. The controller process holds
+the GIL in nearly every sample: 49% of them handling the native session's messages, 21%
+reading the worker's frames, 15% in the dispatch loop, 17% in the front end's gRPC threads,
+of which answering the IFRT requests themselves is 1%. Training on 1 host x 4 devices costs
+per step 8-13 ms of CPU in the controller (the batch's two sharded puts are 8 host-buffer
+stores and native puts, then the run), 4-5 ms in the client and 11-14 ms in the worker, on
+2 cores where local JAX runs one process. On 2 hosts x 2 devices the controller's and the
+client's share is the same, but the two workers take 43-55 ms per step together; 61% of it
+is kernel time (context switches, epoll and TCP of gloo's cross-process all-reduce) and
+about 10% the step's compiled code. A 64 MiB `np.asarray` is two transfers in sequence
+(worker to front end, front end to client) where the bare stream is one, and the JAX client
+alone spends 140-260 ms of CPU receiving it; in all three processes memmove, socket copies
+and the zeroing of fresh pages (each read is a new host buffer and a new array) lead. A 64
+MiB `device_put` is two transfers in sequence too (client to front end, front end to
+worker), so 0.5x the bare stream is what two hops at its speed would give.
 """
 
 

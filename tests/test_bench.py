@@ -118,6 +118,7 @@ def check_ifrt(d):
     # proxy on either island and on local JAX
     assert d["losses"]["steps"] == 3 and set(d["losses"]["max_difference"]) == {"proxy 1x4", "proxy 2x2"}
     assert all(x <= 1e-5 for x in d["losses"]["max_difference"].values()), d["losses"]
+    assert d["load"]["n"] == 1 and d["load"]["median"] >= 0
 
 
 def check_elastic(d):
