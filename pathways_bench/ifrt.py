@@ -132,7 +132,9 @@ def measure(rounds: int, tiny: bool, progress: report.Progress) -> dict[str, Any
         raw = Pair(["raw-receive", str(max(sizes)), LOOPBACK], ["raw-send", str(max(sizes))])
         stack.callback(raw.close)
         for name, h in helpers.items():  # the proxy on the second island only trains
-            h.wait_ready(max(sizes) if name in ("local", "proxy 1x4") else 0)
+            devices = h.wait_ready(max(sizes) if name in ("local", "proxy 1x4") else 0)
+            if devices != DEVICES:
+                raise RuntimeError(f"{h.what} has {devices} JAX devices; the benchmark runs on {DEVICES}")
         movers = {"proxy": helpers["proxy 1x4"], "local": helpers["local"]}
         native = _native(pw)
         progress.step("warming up: compiling, one of every transfer")
@@ -187,8 +189,9 @@ class _Helper:
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "serve"], env=full,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
-    def wait_ready(self, capacity: int) -> None:
-        self.ask("setup", capacity)
+    def wait_ready(self, capacity: int) -> int:
+        """Its JAX devices, once it is set up (see :func:`_setup`)."""
+        return self.ask("setup", capacity)
 
     def ask(self, *command: Any) -> Any:
         self.proc.stdin.write(" ".join(map(str, command)) + "\n")
@@ -399,11 +402,11 @@ hosts one executable that runs on both. All of it shares the same 2 cores.
 Where the time goes (CPU time per process and per thread from /proc, `py-spy --gil` on the
 controller process, `perf` on the others, on this machine while busy). Pipelined calls, the
 largest miss: a call through the proxy costs 0.4-0.65 ms of CPU in the controller process,
-0.1-0.3 ms in the worker and 0.1-0.2 ms in the JAX client, where PW-O's costs 0.02-0.04 ms
+0.1-0.3 ms in the worker and 0.1-0.2 ms in the JAX client, where PW-O's costs 0.01-0.04 ms
 in each. PW-O's client queues its calls faster than its session sends them, so 1000 calls
 reach the controller in 2 batches of about 500; the front end hands each request to its
-native session as it arrives, so the same 1000 calls are 985 batches of 1 or 2 messages (the
-run, the release of its input), each paying the whole per-message path: a gRPC message from
+native session as it arrives, so the same 1000 calls are 985 batches of 1 to 3 messages,
+each paying the whole per-message path: a gRPC message from
 the front end to the controller's own server in the same process, a wakeup of its event
 loop, decoding, scheduling, a frame to the worker and one back. The controller process holds
 the GIL in nearly every sample: 49% of them handling the native session's messages, 21%
@@ -419,7 +422,7 @@ about 10% the step's compiled code. A 64 MiB `np.asarray` is two transfers in se
 alone spends 140-260 ms of CPU receiving it; in all three processes memmove, socket copies
 and the zeroing of fresh pages (each read is a new host buffer and a new array) lead. A 64
 MiB `device_put` is two transfers in sequence too (client to front end, front end to
-worker), so 0.5x the bare stream is what two hops at its speed would give.
+worker): two hops, each as fast as the bare stream, would make 0.5x of it.
 """
 
 
@@ -464,7 +467,7 @@ def _size(n: int) -> str:
 
 def _serve() -> None:
     """Plain JAX answering commands on stdin, one line of JSON each (``{"result": ...}`` or
-    ``{"error": ...}``): ``setup CAPACITY``, ``jit MODE CALLS`` (seconds), ``put SIZE RUNS``
+    ``{"error": ...}``): ``setup CAPACITY`` (its devices), ``jit MODE CALLS`` (seconds), ``put SIZE RUNS``
     and ``get SIZE RUNS`` (seconds per run), ``train STEPS`` (seconds per step and losses)."""
     if "proxy" in os.environ.get("JAX_PLATFORMS", "").split(","):
         from pathways.ifrt import plugin
@@ -485,17 +488,15 @@ def _serve() -> None:
             print(json.dumps(answer), flush=True)
 
 
-def _setup(state: dict, capacity: str) -> None:
+def _setup(state: dict, capacity: str) -> int:
     import jax
     import numpy as np
-
-    if len(jax.devices()) != DEVICES:
-        raise RuntimeError(f"JAX has {len(jax.devices())} devices here; the benchmark runs on {DEVICES}")
 
     state["buffer"] = np.ones(int(capacity) // 4, np.float32)  # written now: no page faults are timed
     state["step"] = jax.jit(lambda x: x + 1)
     state["step"](np.zeros(_VECTOR, np.int32)).block_until_ready()
     state["train"] = _make_train(jax, np)
+    return len(jax.devices())
 
 
 def _jit(state: dict, mode: str, calls: str) -> float:
