@@ -39,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from pathways_bench import netns, report
 
@@ -510,6 +510,78 @@ def _send(capacity: int, host: str, port: int) -> None:
         _serve(transfer)
 
 
+# The bare gRPC stream: one service of two methods on raw bytes (no serializer, no copy into
+# or out of a message class), the receiver keeping no byte, so that only gRPC's own framing
+# and copies are timed.
+# Put: client streaming, the chunks of one buffer, answered with their byte count (ASCII);
+# Get: server streaming, asked for SIZE (ASCII), answered with the chunks of SIZE bytes.
+_GRPC_SERVICE = "pathways_bench.Bytes"
+_GRPC_OPTIONS = [("grpc.max_send_message_length", 64 * MiB), ("grpc.max_receive_message_length", 64 * MiB)]
+
+
+def _chunks(data: bytes, nbytes: int) -> Iterator[bytes]:
+    """``nbytes`` bytes as messages of ``len(data)`` bytes: the same prebuilt message each
+    time, and a shorter last one."""
+    for start in range(0, nbytes, len(data)):
+        yield data if nbytes - start >= len(data) else data[:nbytes - start]
+
+
+def _grpc_receive(chunk: int, host: str) -> None:
+    """A gRPC server of ``Put`` and ``Get`` on ``host``, in messages of ``chunk`` bytes; prints
+    ``HOST PORT`` and serves until its stdin closes (or stays quiet for the idle timeout)."""
+    from concurrent import futures
+
+    import grpc
+
+    data = b"\x5a" * chunk
+
+    def put(requests: Iterator[bytes], context: Any) -> bytes:
+        return str(sum(len(r) for r in requests)).encode()
+
+    def get(request: bytes, context: Any) -> Iterator[bytes]:
+        return _chunks(data, int(request))
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=_GRPC_OPTIONS)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_GRPC_SERVICE, {
+        "Put": grpc.stream_unary_rpc_method_handler(put),
+        "Get": grpc.unary_stream_rpc_method_handler(get),
+    }),))
+    port = server.add_insecure_port(f"{host}:0")
+    server.start()
+    try:
+        print(host, port, flush=True)
+        with selectors.DefaultSelector() as sel:
+            sel.register(sys.stdin, selectors.EVENT_READ)
+            while sel.select(_IDLE_TIMEOUT) and sys.stdin.readline():
+                pass
+    finally:
+        server.stop(0)
+
+
+def _grpc_send(direction: str, chunk: int, host: str, port: int) -> None:
+    """Timed ``put``s (one ``Put`` call streaming SIZE bytes to the receiver) or ``get``s (one
+    ``Get`` call streaming SIZE bytes back), in messages of ``chunk`` bytes, on one channel."""
+    import grpc
+
+    data = b"\x5a" * chunk
+    with grpc.insecure_channel(f"{host}:{port}", options=_GRPC_OPTIONS) as channel:
+        grpc.channel_ready_future(channel).result(timeout=_TIMEOUT)
+        put = channel.stream_unary(f"/{_GRPC_SERVICE}/Put")
+        get = channel.unary_stream(f"/{_GRPC_SERVICE}/Get")
+
+        def transfer(nbytes: int) -> None:
+            if direction == "put":
+                got = int(put(_chunks(data, nbytes), timeout=_TIMEOUT))
+            else:
+                got = sum(len(m) for m in get(str(nbytes).encode(), timeout=_TIMEOUT))
+            if got != nbytes:
+                raise RuntimeError(f"a {nbytes}-byte gRPC {direction} moved {got} bytes")
+
+        if direction not in ("put", "get"):
+            raise ValueError(f"unknown gRPC direction {direction!r}; choose put or get")
+        _serve(transfer)
+
+
 def _data_plane_security(transport: str) -> dict[str, Any]:
     """The keyword arguments that select ``transport`` (``KIND:DIR``, KIND a value of
     DATA_PLANE, DIR the run's secrets) on tcp.Listener and tcp.connect."""
@@ -572,6 +644,8 @@ def _dp_send(transport: str, capacity: int, address: str, ack_host: str, ack_por
 _HELPERS: dict[str, Callable[..., None]] = {
     "raw-receive": lambda capacity, host: _receive(int(capacity), host),
     "raw-send": lambda capacity, host, port: _send(int(capacity), host, int(port)),
+    "grpc-receive": lambda chunk, host: _grpc_receive(int(chunk), host),
+    "grpc-send": lambda direction, chunk, host, port: _grpc_send(direction, int(chunk), host, int(port)),
     "dp-receive": _dp_receive,
     "dp-send": lambda transport, capacity, address, host, port: _dp_send(transport, int(capacity), address, host,
                                                                         int(port)),

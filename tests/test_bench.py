@@ -110,11 +110,15 @@ def check_ifrt(d):
     assert all(set(m) == {"proxy", "local", "native"} for m in d["jit"].values())
     for direction in ("device_put", "np.asarray"):
         assert set(d["transfers"][direction]) == {"1024", str(1 << 20)}
-        assert all(set(size) == {"proxy", "local", "native", "raw"} and all(rate_ok(s) for s in size.values())
+        assert all(set(size) == {"proxy", "local", "native", "grpc", "raw"} and all(rate_ok(s) for s in size.values())
                    for size in d["transfers"][direction].values())
+    assert set(d["train_seconds"]) == {"local", "proxy 1x4", "proxy 2x2"}
     assert all(rate_ok(s) for s in d["train_seconds"].values())
-    # the same model, parameters and batches through the proxy and on local JAX
-    assert d["losses"]["steps"] == 3 and d["losses"]["max_difference"] <= 1e-5, d["losses"]
+    # the same model, parameters and batches, data parallel on four devices, through the
+    # proxy on either island and on local JAX
+    assert d["losses"]["steps"] == 3 and set(d["losses"]["max_difference"]) == {"proxy 1x4", "proxy 2x2"}
+    assert all(x <= 1e-5 for x in d["losses"]["max_difference"].values()), d["losses"]
+    assert d["load"]["n"] == 1 and d["load"]["median"] >= 0
 
 
 def check_elastic(d):

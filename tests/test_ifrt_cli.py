@@ -423,9 +423,9 @@ def test_bench_ifrt_keeps_the_proxy_clients_warnings_off_the_terminal(ifrt_clust
     from pathways_bench import ifrt as bench_ifrt
 
     monkeypatch.delenv("PATHWAYS_LOG_LEVEL", raising=False)  # the default level, as a user has it
-    helper = bench_ifrt._Helper({"JAX_PLATFORMS": "proxy", "JAX_BACKEND_TARGET": ifrt_cluster.ifrt_address})
+    helper = bench_ifrt._Helper("proxy", {"JAX_PLATFORMS": "proxy", "JAX_BACKEND_TARGET": ifrt_cluster.ifrt_address})
     try:
-        helper.wait_ready(4096)
+        assert helper.wait_ready(4096) == 2  # the cluster's devices: the training's mesh is all of them
         assert helper.ask("jit", "blocking", 2) > 0
     finally:
         helper.close()
