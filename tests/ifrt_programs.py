@@ -441,6 +441,11 @@ def donation() -> Results:
         state = step(state, np.float32(k))
     out["loop_state"] = host(state)
     out["loop_olds_deleted"] = np.array([o.is_deleted() for o in olds])
+    # offered, but XLA finds no output of its shape to give its buffer: it stays usable
+    rows = jax.device_put(np.arange(16, dtype=np.float32).reshape(8, 2), NamedSharding(mesh, P("x")))
+    out["unusable_result"] = host(jax.jit(lambda v: v @ v.T, donate_argnums=0)(rows))
+    out["unusable_deleted"] = np.array(rows.is_deleted())
+    out["unusable_read"] = host(rows)
     return out
 
 
