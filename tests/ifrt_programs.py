@@ -415,6 +415,13 @@ def move() -> Results:
     layout("resharded_in_island0", jax.device_put(rows0, NamedSharding(mesh0, P(None, "x"))), out)
     layout("gathered_on_one", jax.device_put(rows0, jax.devices()[3]), out)
     out["source_intact"] = host(x)
+    # a mesh of the same devices in another order: the client regroups the shards (a remap)
+    for name, devices in (("one_host", island1()), ("two_hosts", island0())):
+        rows = jax.device_put(data(25, 8, 4), NamedSharding(Mesh(devices, ("x",)), P("x")))
+        backwards = Mesh(devices[::-1], ("x",))
+        layout(f"reordered_{name}", jax.device_put(rows, NamedSharding(backwards, P("x"))), out)
+        layout(f"reordered_resharded_{name}", jax.device_put(rows, NamedSharding(backwards, P(None, "x"))), out)
+        layout(f"reordered_source_{name}", rows, out)
     return out
 
 
