@@ -263,6 +263,18 @@ def _session_without_cluster(table):
     return session
 
 
+def test_the_result_handles_of_a_request_not_served_hold_its_error():
+    # else the client, which names the results itself and goes on, meets only "unknown
+    # array handle" when it uses them
+    session = _session_without_cluster(_table())
+    body = pb.BitcastArraysRequest(array_handles=[1], result_handles=[5])
+    with pytest.raises(t.IfrtError, match="bitcast_arrays_request is not implemented") as raised:
+        session.handle("bitcast_arrays_request", body)
+    session.fail_handles("bitcast_arrays_request", body, raised.value)
+    with pytest.raises(t.IfrtError, match="bitcast_arrays_request is not implemented"):
+        session._array(5)
+
+
 def _session_with_executable(compiled):
     """An IFRT session holding one executable (handle 7) compiled as ``compiled`` says, with
     no cluster: what its requests about the executable answer depends on that alone."""

@@ -192,7 +192,11 @@ class IfrtSession:
         """A request that names handles for its results failed: those handles now hold
         the error, so that whoever reads them learns why (as the reference server does)."""
         served = REQUESTS.get(kind)
-        field_name = served.result_handles if served is not None else None
+        if served is not None:
+            field_name = served.result_handles
+        else:  # a kind not served here: its result handles by the protocol's name for them
+            field_name = next((f for f in ("result_handles", "result_handle") if f in body.DESCRIPTOR.fields_by_name),
+                              None)
         if field_name is None:
             return
         value = getattr(body, field_name)
