@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src import compiler
+from jax._src import compiler, xla_bridge
+from jax._src.lib import xla_client
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 import pathways as pw
@@ -17,7 +18,7 @@ from pathways.hlo import replicated
 from pathways.ir import Layout, Node, ProgramGraph
 from pathways.protocol import messages as m
 from pathways.wire import codec
-from pathways.worker.xla import signature
+from pathways.worker.xla import aliased_parameters, signature
 from pathways.cluster import worker_stats
 from tests.conftest import running_cluster
 
@@ -242,6 +243,16 @@ def test_a_parameter_offered_for_donation_that_no_output_can_take_is_not_donated
     y, z = run_xla(session, addresses, compiled, fn, [a, b])
     np.testing.assert_array_equal(y, a @ a.T)
     np.testing.assert_array_equal(z, b + 1)
+
+
+def test_the_aliased_parameter_of_an_executable_taking_its_arguments_as_one_tuple():
+    # XLA names the tuple (parameter 0) and the element's index in it
+    avals = [jax.ShapeDtypeStruct((4,), np.float32), jax.ShapeDtypeStruct((3,), np.float32)]
+    blob, options = artifact(lambda a, b: (a @ a, b + 1), avals, 1, donate=(0, 1))
+    tupled = xla_client.CompileOptions.ParseFromString(options)
+    tupled.parameter_is_tupled_arguments = True
+    loaded = xla_bridge.get_backend().compile_and_load(blob, xla_client.DeviceList(tuple(jax.devices()[:1])), tupled)
+    assert aliased_parameters(loaded, tupled=True) == (1,)
 
 
 def test_compile_errors_reach_the_caller_and_runs_of_the_function_fail(session):
