@@ -415,6 +415,13 @@ def move() -> Results:
     layout("resharded_in_island0", jax.device_put(rows0, NamedSharding(mesh0, P(None, "x"))), out)
     layout("gathered_on_one", jax.device_put(rows0, jax.devices()[3]), out)
     out["source_intact"] = host(x)
+    # a mesh of the same devices in another order: the client regroups the shards (a remap)
+    for name, devices in (("one_host", island1()), ("two_hosts", island0())):
+        rows = jax.device_put(data(25, 8, 4), NamedSharding(Mesh(devices, ("x",)), P("x")))
+        backwards = Mesh(devices[::-1], ("x",))
+        layout(f"reordered_{name}", jax.device_put(rows, NamedSharding(backwards, P("x"))), out)
+        layout(f"reordered_resharded_{name}", jax.device_put(rows, NamedSharding(backwards, P(None, "x"))), out)
+        layout(f"reordered_source_{name}", rows, out)
     return out
 
 
@@ -441,6 +448,11 @@ def donation() -> Results:
         state = step(state, np.float32(k))
     out["loop_state"] = host(state)
     out["loop_olds_deleted"] = np.array([o.is_deleted() for o in olds])
+    # offered, but XLA finds no output of its shape to give its buffer: it stays usable
+    rows = jax.device_put(np.arange(16, dtype=np.float32).reshape(8, 2), NamedSharding(mesh, P("x")))
+    out["unusable_result"] = host(jax.jit(lambda v: v @ v.T, donate_argnums=0)(rows))
+    out["unusable_deleted"] = np.array(rows.is_deleted())
+    out["unusable_read"] = host(rows)
     return out
 
 

@@ -18,10 +18,12 @@ from pathways.cluster import Island, LocalCluster, status, stop_processes
 from pathways.ifrt import types as t
 from pathways.ifrt.devices import DeviceTable, SliceInfo
 from pathways.ifrt.proto.xla import xla_data_pb2
+from pathways.ifrt.proto.xla.python.ifrt import serdes_pb2, sharding_pb2, sharding_serdes_pb2
+from pathways.ifrt.proto.xla.python.ifrt_proxy.common import types_pb2
 from pathways.ifrt.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as gpb
 from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
 from pathways.ifrt.server import IfrtServer, _lookup_response
-from pathways.ifrt.session import IfrtSession, _Executable, parse_slice
+from pathways.ifrt.session import IfrtSession, _Array, _Executable, parse_slice
 from pathways.protocol import messages as m
 from tests.conftest import read_line, wait_until
 
@@ -182,11 +184,101 @@ def test_formats_the_client_parses():
     assert t.parse_sharding(proto, 1) == t.replicated((0,))
 
 
+def _even(devices, shape, shard_shape):
+    """A ConcreteEvenSharding proto, as the client sends for a remap's output."""
+    even = sharding_serdes_pb2.ConcreteEvenShardingProto(memory_kind="device", shape=t.shape_proto(shape),
+                                                         shard_shape=t.shape_proto(shard_shape))
+    even.devices.device_ids.extend(devices)
+    return sharding_pb2.ShardingProto(serialized_sharding=serdes_pb2.Serialized(
+        type_name=t.CONCRETE_EVEN_SHARDING, data=even.SerializeToString()))
+
+
+def test_relabelled_shardings_keep_each_devices_block():
+    # columns of a 2x2 tiling in iota form ({devices=[2,2]<=[2,2]T(1,0)}) on devices 4..7,
+    # relabelled onto the same devices listed backwards
+    iota = xla_data_pb2.OpSharding(type=xla_data_pb2.OpSharding.OTHER, tile_assignment_dimensions=[2, 2],
+                                   iota_reshape_dims=[2, 2], iota_transpose_perm=[1, 0])
+    sharding = t.Sharding((4, 5, 6, 7), iota.SerializeToString())
+    moved = t.relabelled(sharding, (7, 6, 5, 4), [3, 2, 1, 0])
+    assert dict(zip(moved.devices, t.shard_regions(moved, (4, 6)))) == \
+        dict(zip(sharding.devices, t.shard_regions(sharding, (4, 6))))
+    assert t.relabelled(t.replicated((0, 1)), (1, 0), [1, 0]) == t.replicated((1, 0))
+    with pytest.raises(t.IfrtError, match="not each of the array's 4 shards once"):
+        t.relabelled(sharding, (7, 6, 5, 4), [0, 0, 1, 2])
+    assert t.even_devices(_even((3, 2), (8,), (4,)), 4) == (3, 2)
+    assert t.even_devices(t.sharding_proto(sharding), 8) is None, "an HloSharding says its blocks itself"
+    with pytest.raises(t.IfrtError, match="distinct ids"):
+        t.even_devices(_even((3, 3), (8,), (4,)), 4)
+
+
+def test_a_remap_to_the_same_devices_in_another_order_relabels_the_array_without_a_copy():
+    # jax.device_put to a mesh of the same devices reversed: the client sends a remap whose
+    # output is a ConcreteEvenSharding, each device keeping its block
+    rows = xla_data_pb2.OpSharding(type=xla_data_pb2.OpSharding.OTHER, tile_assignment_dimensions=[4, 1],
+                                   tile_assignment_devices=[0, 1, 2, 3])
+    source = t.Sharding((0, 1, 2, 3), rows.SerializeToString())
+    session = _session_without_cluster(_table())
+    session._insert([1, 2], [_Array(np.dtype(np.float32), (8, 2), source, handle=41),
+                             _Array(np.dtype(np.float32), (8, 2), source, handle=42)])
+    body = pb.RemapArraysRequest(array_handles=[1], result_handles=[11],
+                                 copy_semantics=types_pb2.ARRAY_COPY_SEMANTICS_DONATE_INPUT)
+    for spec, sharding in ((body.plan.input_specs.add(), t.sharding_proto(source)),
+                           (body.plan.output_specs.add(), _even((3, 2, 1, 0), (8, 2), (2, 2)))):
+        spec.dtype.CopyFrom(t.dtype_proto(np.float32))
+        spec.shape.CopyFrom(t.shape_proto((8, 2)))
+        spec.sharding.CopyFrom(sharding)
+    body.plan.mappings.add(in_array=0, out_array=0, from_start=[0, 1, 2, 3], from_end=[1, 2, 3, 4],
+                           from_step=[1] * 4, to_start=[3, 2, 1, 0], to_end=[4, 3, 2, 1], to_step=[1] * 4)
+    assert list(session.handle("remap_arrays_request", body).array_handles) == [11]
+    out = session._arrays[11]
+    assert out.handle == 41 and out.sharding.devices == (3, 2, 1, 0), "the same pathways array, relabelled"
+    regions = dict(zip(out.sharding.devices, t.shard_regions(out.sharding, (8, 2))))
+    assert regions == dict(zip(source.devices, t.shard_regions(source, (8, 2)))), "each device keeps its block"
+    assert session._arrays[1].deleted and session._refs[41] == 1, "donated: the input is gone, its data is not"
+
+    # shards of two arrays gathered into one ConcreteEvenSharding: no block order to take
+    body.array_handles[:] = [2, 2]
+    body.plan.input_specs.add().CopyFrom(body.plan.input_specs[0])
+    del body.plan.mappings[:]
+    body.plan.mappings.add(in_array=0, out_array=0, from_start=[0], from_end=[2], from_step=[1],
+                           to_start=[0], to_end=[2], to_step=[1])
+    body.plan.mappings.add(in_array=1, out_array=0, from_start=[2], from_end=[4], from_step=[1],
+                           to_start=[2], to_end=[4], to_step=[1])
+    body.result_handles[:] = [12]
+    with pytest.raises(t.IfrtError, match="remaps the shards of one array into one of its shape"):
+        session.handle("remap_arrays_request", body)
+    body.plan.mappings[1].from_end[0] = 5
+    with pytest.raises(t.IfrtError, match=r"remap interval \[2, 5\) by 1 is not within the 4 shards"):
+        session.handle("remap_arrays_request", body)
+    del body.plan.mappings[1]
+    with pytest.raises(t.IfrtError, match=r"gives output 0 no shards \[2, 3\]"):
+        session.handle("remap_arrays_request", body)
+
+
+def _session_without_cluster(table):
+    """An IFRT session on ``table``'s devices with no cluster behind it (no native session):
+    for requests it answers from its own tables."""
+    session = IfrtSession(None, 1, {})
+    session.devices = table
+    return session
+
+
+def test_the_result_handles_of_a_request_not_served_hold_its_error():
+    # else the client, which names the results itself and goes on, meets only "unknown
+    # array handle" when it uses them
+    session = _session_without_cluster(_table())
+    body = pb.BitcastArraysRequest(array_handles=[1], result_handles=[5])
+    with pytest.raises(t.IfrtError, match="bitcast_arrays_request is not implemented") as raised:
+        session.handle("bitcast_arrays_request", body)
+    session.fail_handles("bitcast_arrays_request", body, raised.value)
+    with pytest.raises(t.IfrtError, match="bitcast_arrays_request is not implemented"):
+        session._array(5)
+
+
 def _session_with_executable(compiled):
     """An IFRT session holding one executable (handle 7) compiled as ``compiled`` says, with
     no cluster: what its requests about the executable answer depends on that alone."""
-    session = IfrtSession(None, 1, {})
-    session.devices = DeviceTable([])
+    session = _session_without_cluster(DeviceTable([]))
     session._executables[7] = _Executable(compiled.fn, compiled, (0,), None, "f")
     return session
 

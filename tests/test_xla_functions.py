@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src import compiler
+from jax._src import compiler, xla_bridge
+from jax._src.lib import xla_client
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 import pathways as pw
@@ -17,6 +18,7 @@ from pathways.hlo import replicated
 from pathways.ir import Layout, Node, ProgramGraph
 from pathways.protocol import messages as m
 from pathways.wire import codec
+from pathways.worker.xla import aliased_parameters, signature
 from pathways.cluster import worker_stats
 from tests.conftest import running_cluster
 
@@ -217,11 +219,40 @@ def test_donated_parameters_and_the_compile_cache(session):
     cached = worker_stats(worker)["executables"]
     again = session.define_xla(reply.slice, "donating", blob, options, devices[:1])[1].result(WAIT)
     assert again.fingerprint == first.fingerprint and worker_stats(worker)["executables"] == cached
+    assert again.donated == (0,), "an executable from the compile cache says what it aliases"
     elsewhere = session.define_xla(reply.slice, "donating", blob, options, devices[1:])[1].result(WAIT)
     assert elsewhere.fingerprint != first.fingerprint, "the devices are part of the fingerprint"
     y, z = run_xla(session, addresses, first, fn, [x, x * 3])
     np.testing.assert_array_equal(y, x * 4)
     np.testing.assert_array_equal(z, x * 6)
+
+
+def test_a_parameter_offered_for_donation_that_no_output_can_take_is_not_donated(session):
+    # both offered; XLA aliases b with b + 1 and finds no output of a's shape (the proxy
+    # client deletes what the executable reports donated: a must stay usable)
+    reply, addresses, devices = slice_of(session, 2, 1)
+    rows = NamedSharding(AbstractMesh((2,), ("x",)), P("x"))
+    avals = [jax.ShapeDtypeStruct((8, 2), np.float32, sharding=rows),
+             jax.ShapeDtypeStruct((8,), np.float32, sharding=rows)]
+    blob, options = artifact(lambda a, b: (a @ a.T, b + 1), avals, 2, donate=(0, 1))
+    assert signature("unusable", blob)[2] == [0, 1]
+    fn, future = session.define_xla(reply.slice, "unusable", blob, options, devices)
+    compiled = future.result(WAIT)
+    assert compiled.error == "" and compiled.donated == (1,)
+    a, b = np.arange(16, dtype=np.float32).reshape(8, 2), np.ones((8,), np.float32)
+    y, z = run_xla(session, addresses, compiled, fn, [a, b])
+    np.testing.assert_array_equal(y, a @ a.T)
+    np.testing.assert_array_equal(z, b + 1)
+
+
+def test_the_aliased_parameter_of_an_executable_taking_its_arguments_as_one_tuple():
+    # XLA names the tuple (parameter 0) and the element's index in it
+    avals = [jax.ShapeDtypeStruct((4,), np.float32), jax.ShapeDtypeStruct((3,), np.float32)]
+    blob, options = artifact(lambda a, b: (a @ a, b + 1), avals, 1, donate=(0, 1))
+    tupled = xla_client.CompileOptions.ParseFromString(options)
+    tupled.parameter_is_tupled_arguments = True
+    loaded = xla_bridge.get_backend().compile_and_load(blob, xla_client.DeviceList(tuple(jax.devices()[:1])), tupled)
+    assert aliased_parameters(loaded, tupled=True) == (1,)
 
 
 def test_compile_errors_reach_the_caller_and_runs_of_the_function_fail(session):

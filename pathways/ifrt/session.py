@@ -192,7 +192,11 @@ class IfrtSession:
         """A request that names handles for its results failed: those handles now hold
         the error, so that whoever reads them learns why (as the reference server does)."""
         served = REQUESTS.get(kind)
-        field_name = served.result_handles if served is not None else None
+        if served is not None:
+            field_name = served.result_handles
+        else:  # a kind not served here: its result handles by the protocol's name for them
+            field_name = next((f for f in ("result_handles", "result_handle") if f in body.DESCRIPTOR.fields_by_name),
+                              None)
         if field_name is None:
             return
         value = getattr(body, field_name)
@@ -568,29 +572,94 @@ class IfrtSession:
         shape = t.shape_of(body.shape.dims)
         sharding = t.parse_sharding(body.sharding, len(self._table))
         shards = [self._array(h) for h in body.single_device_array_handles]
+        dtype = t.dtype_of(body.dtype) if body.HasField("dtype") else None
+        result = self._assemble(shape, dtype, sharding, shards)
+        handles = self._insert([body.result_handle] if body.result_handle else [], [result])
+        return pb.AssembleArrayFromSingleDeviceArraysResponse(array_handle=handles[0])
+
+    def _assemble(self, shape: tuple[int, ...], dtype: Optional[np.dtype], sharding: Sharding,
+                  shards: Sequence[_Array]) -> _Array:
+        """The array of ``shape`` and ``dtype`` (None: the shards') laid out by ``sharding``
+        whose shard i is ``shards[i]`` (single-device arrays, in the sharding's device order)."""
         if len(shards) != len(sharding.devices):
             raise t.invalid(f"{len(shards)} shards for a sharding of {len(sharding.devices)} devices")
+        if dtype is None:  # a sharding has a device, so there is a shard
+            dtype = shards[0].dtype
         regions = t.shard_regions(sharding, shape)
         groups = {id(s.group) for s in shards}
         parent = shards[0].group.parent if shards[0].group is not None else None
-        if (parent is not None and len(groups) == 1 and parent.shape == shape
-                and parent.sharding.devices == sharding.devices and parent.error is None and not parent.deleted
-                and all(s.region == r for s, r in zip(shards, regions))):
-            # the views of one parent, reassembled as it was: a new IFRT array naming the
-            # parent's pathways arrays (its own object, so that deleting one handle leaves
-            # the other's reference to be dropped when it goes)
-            result = dataclasses.replace(parent)
-        else:
-            dtype = t.dtype_of(body.dtype) if body.HasField("dtype") else shards[0].dtype
-            if math.prod(shape) * dtype.itemsize > self.buffers.limit:
-                raise IfrtError(t.RESOURCE_EXHAUSTED, f"assembling a {dtype.name}{list(shape)} array from shards "
-                                                      f"held apart needs more than {self.buffers.limit} bytes here")
-            value = np.empty(shape, dtype)
-            for s, region in zip(shards, regions):
-                value[tuple(slice(a, b) for a, b in region)] = self._host_value(s)
-            result = self._put(value, sharding)
-        handles = self._insert([body.result_handle] if body.result_handle else [], [result])
-        return pb.AssembleArrayFromSingleDeviceArraysResponse(array_handle=handles[0])
+        if (parent is not None and len(groups) == 1 and parent.shape == shape and parent.error is None
+                and not parent.deleted and set(parent.sharding.devices) == set(sharding.devices)
+                and all(s.region == r and s.sharding.devices == (d,)
+                        for s, r, d in zip(shards, regions, sharding.devices))):
+            # the views of one parent on all its devices, each the block the sharding gives
+            # its device: every device holds what it held, so this is the parent's pathways
+            # array under the new sharding (a new IFRT array, so that deleting one handle
+            # leaves the other's reference to be dropped when it goes)
+            return dataclasses.replace(parent, sharding=sharding)
+        if math.prod(shape) * dtype.itemsize > self.buffers.limit:
+            raise IfrtError(t.RESOURCE_EXHAUSTED, f"assembling a {dtype.name}{list(shape)} array from shards "
+                                                  f"held apart needs more than {self.buffers.limit} bytes here")
+        value = np.empty(shape, dtype)
+        for s, region in zip(shards, regions):
+            value[tuple(slice(a, b) for a, b in region)] = self._host_value(s)
+        return self._put(value, sharding)
+
+    @_serves("result_handles")
+    def _remap_arrays_request(self, body: Any) -> Any:
+        """Shards of the input arrays regrouped into output arrays (``jax.device_put`` to a
+        mesh of the same devices in another order uses it): each output is assembled from
+        views of the inputs' shards, so one that keeps every device's block is the input's
+        pathways array under the new sharding, with no copy."""
+        plan = body.plan
+        arrays = [self._array(h) for h in body.array_handles]
+        if len(plan.input_specs) != len(arrays):
+            raise t.invalid(f"the remap plan describes {len(plan.input_specs)} inputs; {len(arrays)} arrays given")
+        for k, (arr, spec) in enumerate(zip(arrays, plan.input_specs)):
+            if t.dtype_of(spec.dtype) != arr.dtype or t.shape_of(spec.shape.dims) != arr.shape:
+                raise t.invalid(f"remap input {k} is a {arr.dtype.name}{list(arr.shape)} array, not the plan's "
+                                f"{t.dtype_of(spec.dtype).name}{list(t.shape_of(spec.shape.dims))}")
+        # an output's sharding; None for a ConcreteEvenSharding, whose blocks its shards give
+        outs = [(t.shape_of(s.shape.dims), t.dtype_of(s.dtype), t.even_devices(s.sharding, len(self._table)),
+                 s.sharding) for s in plan.output_specs]
+        shardings = [None if even else t.parse_sharding(proto, len(self._table)) for _, _, even, proto in outs]
+        counts = [len(even) if even else len(s.devices) for (_, _, even, _), s in zip(outs, shardings)]
+        taken: list[list[Optional[tuple[int, int]]]] = [[None] * n for n in counts]  # (input, its shard)
+        for mapping in plan.mappings:
+            a, o = mapping.in_array, mapping.out_array
+            if not (0 <= a < len(arrays) and 0 <= o < len(outs)):
+                raise t.invalid(f"a remap mapping names input {a} and output {o} of {len(arrays)} and {len(outs)}")
+            src = _shard_indices(mapping.from_start, mapping.from_end, mapping.from_step,
+                                 len(arrays[a].sharding.devices))
+            dst = _shard_indices(mapping.to_start, mapping.to_end, mapping.to_step, counts[o])
+            if len(src) != len(dst):
+                raise t.invalid(f"a remap mapping takes {len(src)} shards of input {a} to {len(dst)} of output {o}")
+            for i, j in zip(src, dst):
+                taken[o][j] = (a, i)
+        views: dict[int, list[_Array]] = {}  # input -> a view of each of its shards
+        result = []
+        for k, ((shape, dtype, even, _), sharding, given) in enumerate(zip(outs, shardings, taken)):
+            pairs = [p for p in given if p is not None]
+            if len(pairs) < len(given):
+                missing = [j for j, p in enumerate(given) if p is None]
+                raise t.invalid(f"the remap plan gives output {k} no shards {missing[:16]}")
+            sources = {a for a, _ in pairs}
+            for a in sources - set(views):
+                arr, group = arrays[a], _Group(arrays[a])
+                views[a] = [self._view(arr, i, r, group)
+                            for i, r in enumerate(t.shard_regions(arr.sharding, arr.shape))]
+            if sharding is None:
+                if len(sources) > 1 or arrays[pairs[0][0]].shape != shape:
+                    raise IfrtError(t.UNIMPLEMENTED, f"remap output {k} (a ConcreteEvenSharding) gathers shards of "
+                                                     f"inputs {sorted(sources)[:16]} into a {list(shape)} array; this "
+                                                     "server remaps the shards of one array into one of its shape")
+                sharding = t.relabelled(arrays[pairs[0][0]].sharding, even, [i for _, i in pairs])
+            result.append(self._assemble(shape, dtype, sharding, [views[a][i] for a, i in pairs]))
+        handles = self._insert(list(body.result_handles), result)
+        if body.copy_semantics == types_pb2.ARRAY_COPY_SEMANTICS_DONATE_INPUT:
+            for arr in arrays:  # after the outputs took their references to what they share
+                self._delete(arr)
+        return pb.RemapArraysResponse(array_handles=handles)
 
     # ---- copies between devices ------------------------------------------------------------------
 
@@ -916,6 +985,20 @@ class IfrtSession:
     def _table(self) -> DeviceTable:
         assert self.devices is not None
         return self.devices
+
+
+def _shard_indices(starts: Sequence[int], ends: Sequence[int], steps: Sequence[int], n: int) -> list[int]:
+    """The shard indices a remap mapping's intervals ([start, end) by step) name, each below ``n``."""
+    if not len(starts) == len(ends) == len(steps):
+        raise t.invalid("a remap interval lacks its start, end or step")
+    out: list[int] = []
+    for start, end, step in zip(starts, ends, steps):
+        if step < 1 or not (0 <= start and end <= n):
+            raise t.invalid(f"remap interval [{start}, {end}) by {step} is not within the {n} shards of its array")
+        out.extend(range(start, end, step))
+        if len(out) > n:
+            raise t.invalid(f"remap intervals name more than the {n} shards of their array")
+    return out
 
 
 def _attributes(proto: attribute_map_pb2.AttributeMapProto, values: dict[str, Any]) -> None:

@@ -182,12 +182,52 @@ def parse_sharding(proto: sharding_pb2.ShardingProto, ndevices_known: int) -> Sh
         raise
     except Exception as e:
         raise invalid(f"the {kind[:80]} sharding does not parse ({type(e).__name__})") from None
+    return Sharding(_checked_devices(devices, ndevices_known), op)
+
+
+def _checked_devices(devices: tuple[int, ...], ndevices_known: int) -> tuple[int, ...]:
     if not devices:
         raise invalid("a sharding needs at least one device")
     if len(set(devices)) != len(devices) or any(not 0 <= d < ndevices_known for d in devices):
         raise invalid(f"sharding devices {list(devices)[:16]} must be distinct ids of this session's "
                       f"{ndevices_known} devices (jax.devices())")
-    return Sharding(devices, op)
+    return devices
+
+
+def even_devices(proto: sharding_pb2.ShardingProto, ndevices_known: int) -> Optional[tuple[int, ...]]:
+    """The devices of ``proto`` when it is a ConcreteEvenSharding that is not fully
+    replicated, else None. Such a sharding says that each device holds an even block, not
+    which one; the client sends it for the arrays a remap makes (``jax.device_put`` to a
+    mesh of the same devices in another order), whose shards say which."""
+    serialized = proto.serialized_sharding
+    if serialized.type_name != CONCRETE_EVEN_SHARDING:
+        return None
+    try:
+        even = sharding_serdes_pb2.ConcreteEvenShardingProto.FromString(serialized.data)
+    except Exception as e:
+        raise invalid(f"the {CONCRETE_EVEN_SHARDING} sharding does not parse ({type(e).__name__})") from None
+    devices = tuple(even.devices.device_ids)
+    if even.is_fully_replicated or len(devices) == 1:
+        return None
+    return _checked_devices(devices, ndevices_known)
+
+
+def relabelled(sharding: Sharding, devices: Sequence[int], source: Sequence[int]) -> Sharding:
+    """``sharding``'s blocks on ``devices``: device j holds the block that the device at
+    position ``source[j]`` of ``sharding`` holds (``source``: a permutation of them)."""
+    n = len(sharding.devices)
+    if len(devices) != n or sorted(source) != list(range(n)):
+        raise invalid(f"the remapped shards {list(source)[:16]} are not each of the array's {n} shards once, "
+                      f"for {len(devices)} devices")
+    o = op_of(sharding.op)
+    if o.type != o.OTHER:  # replicated or on one device: the blocks are the whole array
+        return Sharding(tuple(devices), sharding.op)
+    position = {p: j for j, p in enumerate(source)}
+    out = xla_data_pb2.OpSharding()
+    out.CopyFrom(o)
+    del out.iota_reshape_dims[:], out.iota_transpose_perm[:]
+    out.tile_assignment_devices[:] = [position[p] for p in tile_devices(o, n)]
+    return Sharding(tuple(devices), out.SerializeToString())
 
 
 def sharding_proto(sharding: Sharding) -> sharding_pb2.ShardingProto:

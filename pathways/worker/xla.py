@@ -10,6 +10,7 @@ holds (jax.distributed joins the hosts' collectives).
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
@@ -96,7 +97,8 @@ class XlaExecutable:
         key = (i, x.sharding)
         same = self._equivalent.get(key)
         if same is None:
-            same = x.sharding.is_equivalent_to(expected, x.ndim)
+            # each device's block, whatever order the two list the devices in
+            same = x.sharding.devices_indices_map(x.shape) == expected.devices_indices_map(x.shape)
             if len(self._equivalent) < 1024:
                 self._equivalent[key] = same
         if not same:
@@ -131,11 +133,12 @@ def compile_xla(name: str, artifact: bytes, options: bytes, devices: Sequence[De
     # the client's device ids mean nothing here: logical device i is devices[i]
     compile_options.device_assignment = xla_client.DeviceAssignment.create(
         np.array([d.id for d in jax_devices]).reshape(replicas, partitions))
-    in_avals, out_types, donated, token_ins, token_outs = signature(name, artifact)
+    in_avals, out_types, donors, token_ins, token_outs = signature(name, artifact)
     # XLA (jaxlib 0.10.2) crashes the process serializing a multi-host executable that takes
     # a token: executables with tokens stay out of the compile cache
     loaded = _compile_and_load(artifact, compile_options, jax_devices,
                                None if token_ins or token_outs else cache)
+    donated = aliased_parameters(loaded, compile_options.parameter_is_tupled_arguments) if donors else ()
 
     workers_by_rank = dict(zip(sorted({r for r, _ in devices}), workers))
     in_ops = _op_shardings(loaded.get_parameter_shardings(), len(in_avals))
@@ -172,6 +175,43 @@ def analysis(loaded: Any) -> Analysis:
     return Analysis.kept(_given(loaded.cost_analysis), memory, _given(loaded.get_hlo_text))
 
 
+def aliased_parameters(loaded: Any, tupled: bool) -> tuple[int, ...]:
+    """The parameters whose buffers executable ``loaded`` reuses for outputs (its modules'
+    input/output aliases): those a run consumes, as PjRt donates them. A parameter the
+    program offers (``jax.buffer_donor``) that XLA found no output for stays the caller's,
+    as on local JAX. ``tupled``: the parameters travel as one tuple."""
+    message = _aliases_message()
+    found = set()
+    for module in loaded.hlo_modules():
+        for entry in message.FromString(module.as_serialized_hlo_module_proto()).input_output_alias.entries:
+            found.add(entry.parameter_shape_index[0] if tupled and entry.parameter_shape_index
+                      else entry.parameter_number)
+    return tuple(sorted(found))
+
+
+@functools.cache
+def _aliases_message() -> type:
+    """A message class that reads an ``xla.HloModuleProto`` (xla/service/hlo.proto) for its
+    ``input_output_alias`` (field 8) alone: the rest of the module is skipped unparsed."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    field = descriptor_pb2.FieldDescriptorProto
+    schema = descriptor_pb2.FileDescriptorProto(name="pathways/hlo_aliases.proto", package="pathways.hlo",
+                                                syntax="proto3")
+    entry = schema.message_type.add(name="AliasEntry")
+    entry.field.add(name="parameter_number", number=2, type=field.TYPE_INT64, label=field.LABEL_OPTIONAL)
+    entry.field.add(name="parameter_shape_index", number=3, type=field.TYPE_INT64, label=field.LABEL_REPEATED)
+    config = schema.message_type.add(name="Aliases")
+    config.field.add(name="entries", number=1, type=field.TYPE_MESSAGE, label=field.LABEL_REPEATED,
+                     type_name=".pathways.hlo.AliasEntry")
+    module = schema.message_type.add(name="Module")
+    module.field.add(name="input_output_alias", number=8, type=field.TYPE_MESSAGE, label=field.LABEL_OPTIONAL,
+                     type_name=".pathways.hlo.Aliases")
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(schema)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("pathways.hlo.Module"))
+
+
 def _given(query: Callable[[], Any]) -> Any:
     """What ``query`` of an executable answers; None where this backend gives none (an
     UNIMPLEMENTED error) or fails to: the figures are informative, and the executable runs
@@ -204,7 +244,9 @@ class Signature(NamedTuple):
 
     ins: list  # (shape, dtype) per parameter
     out_types: list  # (dtype name, shape) per output
-    donated: list[int]  # parameters marked ``tf.aliasing_output`` or ``jax.buffer_donor``
+    # parameters offered for donation (``tf.aliasing_output`` or ``jax.buffer_donor``);
+    # aliased_parameters says which the compiled executable takes
+    donors: list[int]
     token_ins: list[int]
     token_outs: list[int]
 
