@@ -8,6 +8,8 @@ import gc
 import threading
 import time
 
+import grpc
+
 from pathways.protocol import messages as m
 from pathways.wire import rpc
 
@@ -146,3 +148,74 @@ def test_a_stream_that_ends_under_its_writer_lets_a_waiting_reader_go_on():
         await asyncio.wait_for(outbox.room(), 1)
 
     asyncio.run(scenario())
+
+
+class _Loop:
+    """An asyncio loop in a thread of its own, as the controller serves on."""
+
+    def __enter__(self) -> asyncio.AbstractEventLoop:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        return self.loop
+
+    def __exit__(self, *exc) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+
+
+def _on(loop, coroutine, timeout=5.0):
+    return asyncio.run_coroutine_threadsafe(coroutine, loop).result(timeout)
+
+
+def test_a_local_stream_carries_requests_to_the_loop_and_replies_back_and_ends_either_way():
+    """The IFRT front end's sessions reach the controller in its own process: requests read on
+    the loop in order, replies iterated by the client, the client's cancel seen as the end of
+    the requests, the server's finish (with an error or not) as the end of the replies."""
+    with _Loop() as loop:
+        call = rpc.LocalStream(loop, iter([b"a", b"b"]))
+        assert [_on(loop, call.read()) for _ in range(2)] == [b"a", b"b"]
+        assert _on(loop, call.read()) is grpc.aio.EOF, "the requests ended"
+        for reply in (b"x", b"y"):
+            _on(loop, call.write(reply))
+        call.finish()
+        assert list(call) == [b"x", b"y"] and list(call) == [], "ended, and stays ended"
+
+        forever = rpc.LocalStream(loop, iter(lambda: b"r", None))
+        assert _on(loop, forever.read()) == b"r"
+        forever.cancel()  # the client closes its session: the server's reads end
+        while (got := _on(loop, forever.read())) == b"r":
+            pass
+        assert got is grpc.aio.EOF and list(forever) == []
+
+        failed = rpc.LocalStream(loop, iter([]))
+        failed.finish(ConnectionError("refused"))
+        try:
+            next(failed)
+        except ConnectionError as e:
+            assert str(e) == "refused"
+        else:
+            raise AssertionError("the server's error reaches the client")
+
+
+def test_a_local_stream_takes_at_most_its_bound_ahead_of_a_server_that_does_not_read():
+    """Like a gRPC stream's flow control: a server that stops reading (its outbox is full)
+    stops the client's sender after LOCAL_IN_FLIGHT payloads, and it goes on when read."""
+    taken = []
+
+    def requests():
+        for i in range(3 * rpc.LOCAL_IN_FLIGHT):
+            taken.append(i)
+            yield b"%d" % i
+
+    with _Loop() as loop:
+        call = rpc.LocalStream(loop, requests())
+        deadline = time.monotonic() + 5
+        while len(taken) <= rpc.LOCAL_IN_FLIGHT and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert len(taken) == rpc.LOCAL_IN_FLIGHT + 1, "the bound, and the one waiting for a slot"
+        assert [_on(loop, call.read()) for _ in range(3 * rpc.LOCAL_IN_FLIGHT)] == \
+            [b"%d" % i for i in range(3 * rpc.LOCAL_IN_FLIGHT)]
+        call.cancel()

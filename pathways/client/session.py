@@ -79,10 +79,13 @@ class Session:
     """``connect_timeout``: seconds to wait for the controller to answer and greet the
     session (``result_timeout`` is another: how long a put or a wait for an array may take
     by default). ``security``: the token and CA this session reaches the controller and the
-    workers with (none by default)."""
+    workers with (none by default). ``open_local``: for a session opened in the controller's
+    own process (the IFRT front end's), what opens its stream there without gRPC
+    (ControllerServer.open_local); the workers are reached over the network all the same."""
 
     def __init__(self, address: str, connect_timeout: float = 30.0, owned_cluster: Any = None, weight: float = 1.0,
-                 security: Security | None = None) -> None:
+                 security: Security | None = None,
+                 open_local: Optional[Callable[[Iterator[bytes]], Any]] = None) -> None:
         if not 0 < weight <= 1e6:
             raise ValueError(f"a session's weight must be in (0, 1e6], got {weight!r}")
         self.address = address
@@ -100,12 +103,14 @@ class Session:
         self.timeline_label = "client"  # this process's rows: its kind first (timeline_view groups by it)
         self.recordings = Recordings(self)
         self._process_recording = None  # PATHWAYS_TRACE's, once the controller has welcomed this session
-        self._channel = rpc.open_channel(address, self.security)
-        try:
-            rpc.wait_ready(self._channel, address, connect_timeout, advice=_CONNECT_ADVICE, security=self.security)
-        except BaseException:
-            self._channel.close()
-            raise
+        self._channel: Optional[grpc.Channel] = None
+        if open_local is None:
+            self._channel = rpc.open_channel(address, self.security)
+            try:
+                rpc.wait_ready(self._channel, address, connect_timeout, advice=_CONNECT_ADVICE, security=self.security)
+            except BaseException:
+                self._channel.close()
+                raise
         self._outbox = rpc.Outbox(releases=lambda handles: m.Delete(tuple(handles)))
         self._pending: dict[Any, Future] = {}
         self._req_ids = itertools.count(1)
@@ -125,7 +130,7 @@ class Session:
         self._closed = threading.Event()
         self._welcome: Future = Future()
         self._pending["welcome"] = self._welcome
-        stream = rpc.method(self._channel, rpc.CONTROLLER_SERVICE, "Session", "stream_stream")
+        stream = open_local or rpc.method(self._channel, rpc.CONTROLLER_SERVICE, "Session", "stream_stream")
         self._responses = stream(self._outbox.batches())
         threading.Thread(target=self._read, name="pathways-session", daemon=True).start()
         self._counter = itertools.count(1)
@@ -556,7 +561,8 @@ class Session:
         self._closed.set()
         self._outbox.close()
         self._responses.cancel()
-        self._channel.close()
+        if self._channel is not None:
+            self._channel.close()
         for stubs in self._workers.values():
             stubs.channel.close()
         if self._owned_cluster is not None:

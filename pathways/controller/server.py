@@ -36,7 +36,7 @@ import itertools
 import logging
 import signal
 import socket
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Optional
 
 import grpc
 
@@ -143,6 +143,7 @@ class ControllerServer:
         self._stopping = False  # the process is stopping: its streams end, but nothing was lost
         self._attach_server: Optional[asyncio.AbstractServer] = None
         self.worker_address = ""  # tcp://HOST:PORT once listen() ran
+        self._loop: Optional[asyncio.AbstractEventLoop] = None  # the loop it serves on, once listen() ran
         self.worker_port = 0
 
     async def _stream(self, read: Read, send: Callable[[bytes], Awaitable[None]], outbox: rpc.LoopOutbox,
@@ -193,6 +194,7 @@ class ControllerServer:
         on a free port of ``host``; returns the address, ``tcp://ADVERTISE:PORT`` (``host``
         by default), that AttachAddress names. Workers use only its port, with the host they
         reached the controller at."""
+        self._loop = asyncio.get_running_loop()
         sec.check_bind(host, self.security, "the controller's worker port")
         sec.check_worker_admission(host, self.security)
         tls = {"ssl": sec.server_context(self.security), "ssl_handshake_timeout": sec.HELLO_SECONDS} \
@@ -230,6 +232,21 @@ class ControllerServer:
         if streams:
             await asyncio.wait(streams, timeout=_STOP_SECONDS)
         await server.stop(grace=_STOP_GRACE_SECONDS)
+
+    def open_local(self, requests: Iterator[bytes]) -> rpc.LocalStream:
+        """A session stream opened from another thread of this process (the IFRT front end's
+        sessions), served as a gRPC one is, with no gRPC in between; callable once the
+        controller listens."""
+        assert self._loop is not None, "open_local before listen"
+        call = rpc.LocalStream(self._loop, requests)
+
+        async def serve() -> None:
+            try:
+                await self.session(None, call)
+            finally:
+                call.finish()
+        asyncio.run_coroutine_threadsafe(serve(), self._loop)
+        return call
 
     async def session(self, requests: Any, context: grpc.aio.ServicerContext) -> None:
         sid = next(self._session_ids)
@@ -450,7 +467,7 @@ async def _serve(policy: str, window: int, host: str, port: int, security: Secur
     ifrt = None
     if ifrt_bind is not None:
         try:
-            ifrt = await asyncio.to_thread(_start_ifrt, address, ifrt_bind, controller.security)
+            ifrt = await asyncio.to_thread(_start_ifrt, address, ifrt_bind, controller.security, controller.open_local)
         except BaseException:
             await controller.stop(server)
             raise
@@ -475,13 +492,15 @@ async def _serve(policy: str, window: int, host: str, port: int, security: Secur
         await controller.stop(server)
 
 
-def _start_ifrt(controller: str, bind: str, security: Security) -> "IfrtServer":
+def _start_ifrt(controller: str, bind: str, security: Security,
+                open_local: Callable[[Iterator[bytes]], rpc.LocalStream]) -> "IfrtServer":
     """An IFRT proxy server (pathways.ifrt.server.IfrtServer) serving on ``bind``, in front of
-    the controller at ``controller``; exits the process with a message where it cannot.
-    Runs off the event loop: the server's sessions talk to this controller."""
+    the controller at ``controller``, whose session streams ``open_local`` opens in this
+    process; exits the process with a message where it cannot. Runs off the event loop: the
+    server's sessions talk to this controller."""
     from pathways.ifrt.server import IfrtServer  # imports JAX: only controllers that serve IFRT pay for it
 
-    server = IfrtServer(controller, bind, front_end_security(security))
+    server = IfrtServer(controller, bind, front_end_security(security), open_local=open_local)
     try:
         server.start()
     except Exception as e:  # whatever stopped it from serving (a port in use, a bad address): say so and exit

@@ -26,7 +26,7 @@ import queue
 import secrets
 import threading
 from concurrent import futures
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import grpc
 import numpy as np
@@ -79,10 +79,14 @@ class IfrtServer:
     """Serves the IFRT proxy protocol on ``bind``, one native session to ``controller``
     (``HOST:PORT`` or ``grpc://HOST:PORT``) per IFRT session. ``security``: the cluster's
     token and TLS; beyond loopback a token is required, and every IFRT client must then
-    present it as initialization data ``pathways_token`` (PATHWAYS_TOKEN)."""
+    present it as initialization data ``pathways_token`` (PATHWAYS_TOKEN). ``open_local``:
+    where the server runs in the controller's process, how its native sessions reach that
+    controller without a network hop (ControllerServer.open_local); else over gRPC."""
 
-    def __init__(self, controller: str, bind: str = "127.0.0.1:0", security: Security | None = None) -> None:
+    def __init__(self, controller: str, bind: str = "127.0.0.1:0", security: Security | None = None,
+                 open_local: Optional[Callable[[Iterator[bytes]], Any]] = None) -> None:
         self.controller = controller if controller.startswith("grpc://") else f"grpc://{controller}"
+        self.open_local = open_local
         self.bind = bind
         self.security = security or Security()
         self._server: Optional[grpc.Server] = None
@@ -190,7 +194,7 @@ class IfrtServer:
     def _unplaceable(self, init_data: dict[str, str]) -> Optional[IfrtError]:
         """Why the slice ``init_data`` asks for cannot be placed now, or None."""
         try:
-            native = Session(self.controller, CONNECT_TIMEOUT, security=self.security)
+            native = Session(self.controller, CONNECT_TIMEOUT, security=self.security, open_local=self.open_local)
         except Exception as e:
             return IfrtError(t.UNAVAILABLE, f"the pathways controller at {self.controller} is not reachable "
                                             f"({type(e).__name__}: {e})")
@@ -238,7 +242,8 @@ class IfrtServer:
             return
         weight = session_weight(init_data.get(WEIGHT_KEY))
         try:
-            native = Session(self.controller, CONNECT_TIMEOUT, weight=weight, security=self.security)
+            native = Session(self.controller, CONNECT_TIMEOUT, weight=weight, security=self.security,
+                             open_local=self.open_local)
         except Exception as e:
             yield from self._refuse(requests, context, IfrtError(t.UNAVAILABLE, (
                 f"the pathways controller at {self.controller} is not reachable ({type(e).__name__}: {e})")))

@@ -27,6 +27,7 @@ from concurrent import futures
 from typing import Awaitable, Callable, Iterator, Optional
 
 import grpc
+import grpc.experimental  # not loaded by `import grpc`: open_channel's option names live there
 
 from pathways.errors import AuthenticationError, ConnectError
 from pathways.protocol.messages import MAX_BATCH_MESSAGES, MAX_MESSAGE_BYTES, Message, encode_item, join_items
@@ -574,3 +575,98 @@ class LoopOutbox:
             self._unsent -= sending
             self._unsent_bytes -= sending_bytes
             self._free()
+
+
+class LocalStream:
+    """One bidirectional stream between a client's threads and a server's asyncio loop in the
+    same process, with no gRPC in between: to the client it is what a grpc stream_stream call
+    returns (an iterator of reply payloads, ``cancel()``); to the server's handler it is what
+    grpc.aio's ServicerContext is (``read``, ``write``, ``abort``).
+
+    The requests iterator is drained by a thread of its own, as gRPC drains it, and handed to
+    the loop at most LOCAL_IN_FLIGHT payloads ahead of the handler's reads, so a server that
+    stops reading (its backpressure) stops the client's sends as a gRPC stream would; replies
+    queue at most LOCAL_IN_FLIGHT deep before the server's writes wait for the client."""
+
+    _END = object()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, requests: Iterator[bytes]) -> None:
+        self._loop = loop
+        self._incoming: asyncio.Queue = asyncio.Queue()  # used on the loop only
+        self._slots = threading.Semaphore(LOCAL_IN_FLIGHT)
+        self._replies: queue.Queue = queue.Queue()  # its writes wait while LOCAL_IN_FLIGHT are unread
+        self._cancelled = threading.Event()
+        self._requests = requests
+        threading.Thread(target=self._pump, name="pathways-local-stream", daemon=True).start()
+
+    # ---- the client's side ----------------------------------------------------------------
+
+    def _pump(self) -> None:
+        try:
+            for payload in self._requests:
+                while not self._slots.acquire(timeout=1.0):
+                    if self._cancelled.is_set():
+                        return
+                if self._cancelled.is_set():
+                    return
+                self._deliver(payload)
+        except Exception as e:  # the client's request generator failed: the stream ends
+            self._replies.put(e)
+        finally:
+            self._deliver(self._END)
+
+    def _deliver(self, item: object) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._incoming.put_nowait, item)
+        except RuntimeError:  # the loop closed: the server is gone
+            self._cancelled.set()
+
+    def __iter__(self) -> "LocalStream":
+        return self
+
+    def __next__(self) -> bytes:
+        item = self._replies.get()
+        if item is self._END:
+            self._replies.put(item)  # every later call ends too
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._replies.put(self._END)
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        """End the stream from the client's side: the server sees the requests end."""
+        if not self._cancelled.is_set():
+            self._cancelled.set()
+            self._deliver(self._END)
+        self._replies.put(self._END)
+
+    # ---- the server's side (on the loop) --------------------------------------------------
+
+    async def read(self) -> object:
+        """The next request payload, or grpc.aio.EOF once the client's requests ended."""
+        item = await self._incoming.get()
+        if item is self._END:
+            self._incoming.put_nowait(item)
+            return grpc.aio.EOF
+        self._slots.release()
+        return item
+
+    async def write(self, payload: bytes) -> None:
+        while self._replies.qsize() >= LOCAL_IN_FLIGHT and not self._cancelled.is_set():
+            await asyncio.sleep(0.001)  # the client's reader is behind: wait for it, not the loop
+        if not self._cancelled.is_set():
+            self._replies.put(payload)
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.finish(ConnectError(f"{code.name}: {details}"))
+        raise asyncio.CancelledError
+
+    def finish(self, error: Optional[BaseException] = None) -> None:
+        """The server's handler ended: the client's iterator ends (raising ``error`` if given)."""
+        if error is not None:
+            self._replies.put(error)
+        self._replies.put(self._END)
+
+
+LOCAL_IN_FLIGHT = 256  # payloads a LocalStream holds each way before its sender waits
