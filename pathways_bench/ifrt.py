@@ -385,7 +385,7 @@ def notes(data: dict) -> str:
     return """
 Every proxy operation is a request on the client's gRPC stream to the front end in the
 controller process, which turns it into requests of the native pathways session it opened
-for the client: a `jit` call becomes a run the controller schedules and the worker executes,
+for the client (reaching the controller in its own process, without a gRPC hop): a `jit` call becomes a run the controller schedules and the worker executes,
 a blocking call adds the client's wait for the result's ready future, so a proxy call costs
 the native op-by-op path's work plus the front end's. A `device_put` crosses two processes
 before it reaches the worker (client to front end over gRPC in chunks, then the front end's
@@ -398,31 +398,6 @@ one gRPC hop costs, where the proxy makes that hop and the data plane's. On loca
 Python call, not of a transfer. A training step through the proxy is a `jit` call whose
 batch is put from the host first, split in four (one host buffer per device), and on two
 hosts one executable that runs on both. All of it shares the same 2 cores.
-
-Where the time goes (CPU time per process and per thread from /proc, `py-spy --gil` on the
-controller process, `perf` on the others, on this machine while busy). Pipelined calls, the
-largest miss: a call through the proxy costs 0.4-0.65 ms of CPU in the controller process,
-0.1-0.3 ms in the worker and 0.1-0.2 ms in the JAX client, where PW-O's costs 0.01-0.04 ms
-in each. PW-O's client queues its calls faster than its session sends them, so 1000 calls
-reach the controller in 2 batches of about 500; the front end hands each request to its
-native session as it arrives, so the same 1000 calls are 985 batches of 1 to 3 messages,
-each paying the whole per-message path: a gRPC message from
-the front end to the controller's own server in the same process, a wakeup of its event
-loop, decoding, scheduling, a frame to the worker and one back. The controller process holds
-the GIL in nearly every sample: 49% of them handling the native session's messages, 21%
-reading the worker's frames, 15% in the dispatch loop, 17% in the front end's gRPC threads,
-of which answering the IFRT requests themselves is 1%. Training on 1 host x 4 devices costs
-per step 8-13 ms of CPU in the controller (the batch's two sharded puts are 8 host-buffer
-stores and native puts, then the run), 4-5 ms in the client and 11-14 ms in the worker, on
-2 cores where local JAX runs one process. On 2 hosts x 2 devices the controller's and the
-client's share is the same, but the two workers take 43-55 ms per step together; 61% of it
-is kernel time (context switches, epoll and TCP of gloo's cross-process all-reduce) and
-about 10% the step's compiled code. A 64 MiB `np.asarray` is two transfers in sequence
-(worker to front end, front end to client) where the bare stream is one, and the JAX client
-alone spends 140-260 ms of CPU receiving it; in all three processes memmove, socket copies
-and the zeroing of fresh pages (each read is a new host buffer and a new array) lead. A 64
-MiB `device_put` is two transfers in sequence too (client to front end, front end to
-worker): two hops, each as fast as the bare stream, would make 0.5x of it.
 """
 
 
