@@ -201,21 +201,40 @@ def test_a_local_stream_carries_requests_to_the_loop_and_replies_back_and_ends_e
 
 def test_a_local_stream_takes_at_most_its_bound_ahead_of_a_server_that_does_not_read():
     """Like a gRPC stream's flow control: a server that stops reading (its outbox is full)
-    stops the client's sender after LOCAL_IN_FLIGHT payloads, and it goes on when read."""
+    stops the client's sender after LOCAL_AHEAD payloads, and it goes on when read."""
     taken = []
+    n = 50
 
     def requests():
-        for i in range(3 * rpc.LOCAL_IN_FLIGHT):
+        for i in range(n):
             taken.append(i)
             yield b"%d" % i
 
     with _Loop() as loop:
         call = rpc.LocalStream(loop, requests())
         deadline = time.monotonic() + 5
-        while len(taken) <= rpc.LOCAL_IN_FLIGHT and time.monotonic() < deadline:
+        while len(taken) <= rpc.LOCAL_AHEAD and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.2)
-        assert len(taken) == rpc.LOCAL_IN_FLIGHT + 1, "the bound, and the one waiting for a slot"
-        assert [_on(loop, call.read()) for _ in range(3 * rpc.LOCAL_IN_FLIGHT)] == \
-            [b"%d" % i for i in range(3 * rpc.LOCAL_IN_FLIGHT)]
+        assert len(taken) == rpc.LOCAL_AHEAD + 1, "the bound, and the one waiting for a slot"
+        assert [_on(loop, call.read()) for _ in range(n)] == [b"%d" % i for i in range(n)]
+        call.cancel()
+
+
+def test_a_client_outbox_behind_a_local_stream_goes_out_in_batches_while_the_server_is_busy():
+    """Messages put one at a time while the server handles a payload wait in the Outbox
+    and reach the server as one batch, not as a payload each."""
+    outbox = rpc.Outbox()
+    with _Loop() as loop:
+        call = rpc.LocalStream(loop, outbox.batches())
+        outbox.put(m.ClusterRequest(1))
+        first = _on(loop, call.read())  # the server is now busy with it
+        for i in range(2, 12):
+            outbox.put(m.ClusterRequest(i))
+        got = [m.SESSION_UP.decode_batch(first)]
+        while sum(map(len, got)) < 11:
+            got.append(m.SESSION_UP.decode_batch(_on(loop, call.read())))
+        assert [x.req for batch in got for x in batch] == list(range(1, 12))
+        assert len(got) <= 3, [len(b) for b in got]  # the first, maybe one taken at once, then the rest together
+        outbox.close()
         call.cancel()

@@ -584,16 +584,19 @@ class LocalStream:
     grpc.aio's ServicerContext is (``read``, ``write``, ``abort``).
 
     The requests iterator is drained by a thread of its own, as gRPC drains it, and handed to
-    the loop at most LOCAL_IN_FLIGHT payloads ahead of the handler's reads, so a server that
-    stops reading (its backpressure) stops the client's sends as a gRPC stream would; replies
-    queue at most LOCAL_IN_FLIGHT deep before the server's writes wait for the client."""
+    the loop at most LOCAL_AHEAD payloads ahead of the handler's reads: a server that stops
+    reading (its backpressure) stops the client's sends as a gRPC stream would, and what the
+    client puts while the server is busy waits in its Outbox, to go out as one batch (a
+    client sending a message at a time, as the IFRT front end does, is served in batches
+    as long as the server is the slower). Replies queue at most LOCAL_IN_FLIGHT deep before
+    the server's writes wait for the client."""
 
     _END = object()
 
     def __init__(self, loop: asyncio.AbstractEventLoop, requests: Iterator[bytes]) -> None:
         self._loop = loop
         self._incoming: asyncio.Queue = asyncio.Queue()  # used on the loop only
-        self._slots = threading.Semaphore(LOCAL_IN_FLIGHT)
+        self._slots = threading.Semaphore(LOCAL_AHEAD)
         self._replies: queue.Queue = queue.Queue()  # its writes wait while LOCAL_IN_FLIGHT are unread
         self._cancelled = threading.Event()
         self._requests = requests
@@ -669,4 +672,5 @@ class LocalStream:
         self._replies.put(self._END)
 
 
-LOCAL_IN_FLIGHT = 256  # payloads a LocalStream holds each way before its sender waits
+LOCAL_AHEAD = 1  # request payloads a LocalStream hands its server before the server reads one
+LOCAL_IN_FLIGHT = 256  # reply payloads a LocalStream holds before the server's writes wait
