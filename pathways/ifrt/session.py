@@ -300,12 +300,18 @@ class IfrtSession:
             raise
         return _Array(value.dtype, shape, sharding, parts=tuple(parts))
 
-    def _fetch(self, arr: _Array, data: bool) -> Any:
-        """The array's value (``data``) or its readiness, from the workers; bounded."""
+    def _fetch(self, arr: _Array, data: bool, device: Optional[int] = None) -> Any:
+        """The array's value (``data``) or its readiness, from the workers; bounded. With
+        ``device`` (an IFRT id): the buffer of that device of the array alone."""
         assert arr.handle is not None and arr.place is not None
         addresses = arr.place.addresses[:1] if arr.sharding.replicated else arr.place.addresses
+        pair = None
+        if device is not None:
+            d = self._table.get(device)
+            pair = (d.rank, d.index)
+            addresses = (arr.place.addresses[arr.place.workers.index(arr.place.workers_by_rank[d.rank])],)
         try:
-            value = self.native.fetch(addresses, arr.handle, WAIT_SECONDS, data)
+            value = self.native.fetch(addresses, arr.handle, WAIT_SECONDS, data, pair)
         except errors.PathwaysError as e:
             raise t.runtime_failure(e) from None
         if value is None:
@@ -320,11 +326,19 @@ class IfrtSession:
         if arr.group is None:
             return self._fetch(arr, data=True)
         group = arr.group
+        assert arr.region is not None
+        parent = group.parent
+        if parent.layout is not None and parent.layout.unreduced:
+            # each device holds a partial value of its block, not a replica: a shard is
+            # read from its own device
+            device = arr.sharding.devices[0]
+            block = t.shard_regions(parent.sharding, parent.shape)[parent.sharding.devices.index(device)]
+            shard = self._fetch(parent, data=True, device=device)
+            return shard[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(arr.region, block))]
         with group.lock:  # the parent is fetched once for all its views
             if group.value is None:
                 group.value = self._host_value(group.parent)
             value = group.value
-        assert arr.region is not None
         return value[tuple(slice(a, b) for a, b in arr.region)]
 
     def _assembled(self, arr: _Array) -> np.ndarray:

@@ -243,18 +243,23 @@ Region = tuple[tuple[int, int], ...]
 
 
 def shard_regions(sharding: Sharding, shape: tuple[int, ...]) -> list[Region]:
-    """The block of the array each device of ``sharding`` holds, in device order.
-    IfrtError for shardings this server cannot cut (MANUAL, partial subgroups)."""
+    """The block of the array each device of ``sharding`` holds, in device order (an
+    unreduced array's devices hold partial values of their blocks). IfrtError for
+    shardings this server cannot cut (MANUAL, manual subgroups)."""
     n = len(sharding.devices)
     full = tuple((0, d) for d in shape)
-    if sharding.replicated:
-        return [full] * n
     o = op_of(sharding.op)
-    if o.type != o.OTHER or o.last_tile_dims:
+    if sharding.replicated or o.type == o.UNREDUCED:
+        return [full] * n
+    partial = {o.REPLICATED, o.UNREDUCED}
+    if o.type != o.OTHER or not set(o.last_tile_dims) <= partial:
         name = xla_data_pb2.OpSharding.Type.Name(o.type) if o.type in xla_data_pb2.OpSharding.Type.values() else "?"
-        raise IfrtError(UNIMPLEMENTED, f"an OpSharding of type {name} with subgroups cannot be cut into shards here")
+        raise IfrtError(UNIMPLEMENTED, f"an OpSharding of type {name} with subgroups "
+                                       f"{[xla_data_pb2.OpSharding.Type.Name(k) for k in o.last_tile_dims]} "
+                                       "cannot be cut into shards here; only replicated and unreduced ones can")
     dims = list(o.tile_assignment_dimensions)
-    tiled = dims[:-1] if o.replicate_on_last_tile_dim else dims
+    subgroups = len(o.last_tile_dims) or int(o.replicate_on_last_tile_dim)
+    tiled = dims[:len(dims) - subgroups]
     if len(tiled) != len(shape) or math.prod(dims) != n:
         raise invalid(f"OpSharding tile dims {dims} do not fit a rank-{len(shape)} array on {n} devices")
     order = tile_devices(o, n)

@@ -641,7 +641,10 @@ class WorkerCore:
             yield codec.pack({"state": "ready"})
             return
         try:
-            dtype, shape, pieces = local_pieces(value)
+            if req.device:
+                dtype, shape, pieces = device_piece(value, self.executables.device(req.device))
+            else:
+                dtype, shape, pieces = local_pieces(value)
         except Exception as e:
             poison = failure(f"the computation of array {req.handle:#x} on worker {self.worker_id}", e)
             yield codec.pack({"state": "error", "kind": poison.kind, "message": poison.message})
@@ -726,6 +729,18 @@ def local_pieces(value: Any) -> tuple[Any, tuple[int, ...], list]:
             seen.add(index)
             pieces.append((index, np.asarray(shard.data)))
     return value.dtype, shape, pieces
+
+
+def device_piece(value: Any, device: Any) -> tuple[Any, tuple[int, ...], list]:
+    """The one shard of ``value`` on jax device ``device``, as local_pieces gives pieces:
+    that device's own buffer, though another device may hold the same block (an unreduced
+    array's devices hold different partial values of it). WireError if it holds none."""
+    value.block_until_ready()
+    shape = tuple(value.shape)
+    for shard in value.addressable_shards:
+        if shard.device == device:
+            return value.dtype, shape, [(_region(shard.index, shape), np.asarray(shard.data))]
+    raise WireError(f"the array holds no shard on {device}; it is on {sorted(d.id for d in value.sharding.device_set)}")
 
 
 def _region(index: tuple, shape: tuple[int, ...]) -> tuple:
