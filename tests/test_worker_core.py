@@ -41,11 +41,11 @@ def put(core, handle, array):
     assert core.receive(put_header(handle, array), pieces=[(codec.full_index(array.shape), array)]) is None
 
 
-def fetch(core, handle, wait=10.0, data=True, still_wanted=lambda: True, credential=None):
+def fetch(core, handle, wait=10.0, data=True, still_wanted=lambda: True, credential=None, device=None):
     """A client's fetch, with the credential of the handle's session unless one is given."""
     if credential is None:
         credential = CREDENTIALS.get(session_of(handle), bytes(m.CREDENTIAL_BYTES))
-    frames = list(core.fetch(m.FetchRequest(handle, wait, data, credential), still_wanted))
+    frames = list(core.fetch(m.FetchRequest(handle, wait, data, credential, device), still_wanted))
     header = codec.unpack(frames[0]) if frames else None
     if header and header["state"] == "ready" and data:
         _, _, pieces = codec.read_pieces(header, iter(frames[1:]))
@@ -169,6 +169,17 @@ def test_fetch_of_a_pending_handle_answers_pending_at_its_bound(core):
     took = time.monotonic() - start
     assert header == {"state": "pending"}
     assert 0.3 <= took < 1.5, took
+
+
+def test_a_fetch_of_one_device_answers_its_own_shard_and_names_a_device_the_island_lacks(core):
+    handle = first_handle(SESSION) + 7
+    x = np.arange(3, dtype=np.float32)
+    put(core, handle, x)
+    header, shard = fetch(core, handle, device=(0, 0))
+    assert header["state"] == "ready"
+    np.testing.assert_array_equal(shard, x)
+    header, _ = fetch(core, handle, device=(0, 9))
+    assert header["state"] == "error" and "device (0, 9)" in header["message"], header
 
 
 def test_a_fetch_its_caller_abandoned_returns_at_once(core):

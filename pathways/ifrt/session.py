@@ -498,6 +498,7 @@ class IfrtSession:
             value: Optional[np.ndarray] = None
             owned = False  # whether value is a buffer of ours the shards are copied into
             covered = 0
+            blocks: list[tuple[t.Region, np.ndarray]] = []
             for indices, hb in zip(spec.addressable_shard_indices, spec.host_buffers):
                 if t.dtype_of(hb.dtype) != dtype:
                     raise t.invalid(f"a host buffer of dtype {t.dtype_of(hb.dtype)} for an array of {dtype}")
@@ -507,6 +508,7 @@ class IfrtSession:
                     if not 0 <= i < len(regions):
                         raise t.invalid(f"shard index {i} is not one of the sharding's {len(regions)} shards")
                     region = regions[i]
+                    blocks.append((region, shard))
                     if tuple(b - a for a, b in region) != shard.shape:
                         raise t.invalid(f"shard {i} has shape {list(shard.shape)}; the sharding gives it "
                                         f"{[b - a for a, b in region]}")
@@ -519,6 +521,7 @@ class IfrtSession:
                     covered += 1
             if value is None or covered == 0:
                 raise t.invalid("an array needs at least one host buffer shard")
+            _one_value_per_block(sharding, blocks)
             arrays.append(self._put(value, sharding))
         handles = self._insert(list(body.array_handles), arrays)
         return pb.MakeArraysFromHostBufferShardsResponse(array_handles=handles)
@@ -615,8 +618,10 @@ class IfrtSession:
             raise IfrtError(t.RESOURCE_EXHAUSTED, f"assembling a {dtype.name}{list(shape)} array from shards "
                                                   f"held apart needs more than {self.buffers.limit} bytes here")
         value = np.empty(shape, dtype)
-        for s, region in zip(shards, regions):
-            value[tuple(slice(a, b) for a, b in region)] = self._host_value(s)
+        blocks = [(region, self._host_value(s)) for s, region in zip(shards, regions)]
+        _one_value_per_block(sharding, blocks)
+        for region, block in blocks:
+            value[tuple(slice(a, b) for a, b in region)] = block
         return self._put(value, sharding)
 
     @_serves("result_handles")
@@ -1013,6 +1018,19 @@ def _shard_indices(starts: Sequence[int], ends: Sequence[int], steps: Sequence[i
         if len(out) > n:
             raise t.invalid(f"remap intervals name more than the {n} shards of their array")
     return out
+
+
+def _one_value_per_block(sharding: Sharding, blocks: Sequence[tuple[t.Region, np.ndarray]]) -> None:
+    """An array put from host shards is held as one value per block; an unreduced array's
+    devices may hold different partial values of one block, which that would drop: refused."""
+    if not t.is_unreduced(sharding.op):
+        return
+    first: dict[t.Region, np.ndarray] = {}
+    for region, block in blocks:
+        if not np.array_equal(first.setdefault(region, block), block):
+            raise IfrtError(t.UNIMPLEMENTED, "an unreduced array made from different partial values per device is "
+                                             "not supported; reduce it (jax.sharding.reshard to a sharding without "
+                                             "unreduced axes) before putting or assembling it")
 
 
 def _attributes(proto: attribute_map_pb2.AttributeMapProto, values: dict[str, Any]) -> None:

@@ -154,6 +154,12 @@ def is_replicated(op: bytes, ndevices: int) -> bool:
     return False
 
 
+def is_unreduced(op: bytes) -> bool:
+    """Whether devices of this OpSharding hold partial values to be summed (UNREDUCED)."""
+    o = op_of(op)
+    return o.type == o.UNREDUCED or o.UNREDUCED in o.last_tile_dims
+
+
 def parse_sharding(proto: sharding_pb2.ShardingProto, ndevices_known: int) -> Sharding:
     """The sharding a client sent; ``ndevices_known``: how many devices the session has
     (every id must be below it)."""
