@@ -62,7 +62,7 @@ def layout_of_op_sharding(op: bytes, devices: Sequence[Device], workers_by_rank:
         return _layout(devices, range(n), (n,), (axis,), (), workers_by_rank,
                        (axis,) if kind == OpSharding.UNREDUCED else ())
     if kind == OpSharding.MAXIMAL:
-        ids = _tile_assignment(sharding, (1,), n)
+        ids = tile_assignment(sharding, (1,), n)
         return _layout(devices, ids, (1,), (REPLICA_AXIS,), (), workers_by_rank)
     if kind != OpSharding.OTHER:
         raise WireError(f"a {OpSharding.Type.Name(kind)} sharding has no pathways layout; only replicated, "
@@ -86,7 +86,7 @@ def layout_of_op_sharding(op: bytes, devices: Sequence[Device], workers_by_rank:
                         f"of rank {ndim}" + (f" plus subgroups {_names(subgroups)}" if subgroups else ""))
     if any(d < 1 for d in dims):
         raise WireError(f"tile dimensions {list(dims)} must be positive")
-    ids = _tile_assignment(sharding, dims, n)
+    ids = tile_assignment(sharding, dims, n)
     axes = tuple(f"t{i}" for i in range(tiled)) + tuple(axes_of)
     spec = tuple(f"t{i}" if dims[i] > 1 else None for i in range(tiled))
     return _layout(devices, ids, dims, axes, spec, workers_by_rank, (UNREDUCED_AXIS,) * (UNREDUCED_AXIS in axes_of))
@@ -135,8 +135,10 @@ def op_sharding_of_layout(layout: Layout, devices: Sequence[Device], ndim: int |
                       last_tile_dims=last if partial else []).SerializeToString()
 
 
-def _tile_assignment(sharding: OpSharding, dims: tuple[int, ...], n: int) -> list[int]:
-    """The logical device of each tile, in row-major tile order (explicit or iota form)."""
+def tile_assignment(sharding: OpSharding, dims: Sequence[int], n: int) -> list[int]:
+    """The logical device of each tile, in row-major tile order (explicit or iota form,
+    any reshape and transpose), for tile dimensions ``dims`` over ``n`` devices; WireError
+    unless it names distinct devices among them."""
     count = math.prod(dims)
     if sharding.iota_reshape_dims:
         reshape = list(sharding.iota_reshape_dims)

@@ -13,8 +13,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from pathways.errors import DeadlineExceededError, WorkerLostError
-from pathways.hlo import row_major
+from pathways.errors import DeadlineExceededError, WireError, WorkerLostError
+from pathways.hlo import row_major, tile_assignment
 from pathways.ifrt.proto.xla import xla_data_pb2
 from pathways.ifrt.proto.xla.python.ifrt import dtype_pb2, serdes_pb2, sharding_pb2, sharding_serdes_pb2, shape_pb2
 from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2
@@ -278,9 +278,7 @@ def shard_regions(sharding: Sharding, shape: tuple[int, ...]) -> list[Region]:
             lo = min(int(coords[axis]) * step, size)
             block.append((lo, min(lo + step, size)))
         regions[device] = tuple(block)
-    if any(r is None for r in regions):
-        raise invalid("the OpSharding's tile assignment does not name every device once")
-    return regions  # type: ignore[return-value]
+    return regions  # type: ignore[return-value]  # every entry set: the tile order is a permutation
 
 
 def island_part(sharding: Sharding, shape: tuple[int, ...], positions: Sequence[int]) -> tuple[Region, Sharding]:
@@ -317,17 +315,14 @@ def island_part(sharding: Sharding, shape: tuple[int, ...], positions: Sequence[
 
 
 def tile_devices(o: xla_data_pb2.OpSharding, n: int) -> list[int]:
-    """The logical device of each tile, in row-major tile order."""
+    """The logical device of each tile, in row-major tile order: a permutation of 0..n-1."""
     dims = list(o.tile_assignment_dimensions)
-    if o.iota_reshape_dims:
-        perm = list(o.iota_transpose_perm) or list(range(len(o.iota_reshape_dims)))
-        order = np.arange(n).reshape(list(o.iota_reshape_dims)).transpose(perm).reshape(-1)
-        devices = [int(d) for d in order]
-    else:
-        devices = [int(d) for d in o.tile_assignment_devices]
-    if sorted(devices) != list(range(n)) or math.prod(dims) != n:
-        raise invalid(f"the OpSharding's tile assignment {devices[:16]} is not a permutation of 0..{n - 1}")
-    return devices
+    if math.prod(dims) != n:
+        raise invalid(f"the OpSharding's {math.prod(dims)} tiles {dims} are not one per device of {n}")
+    try:
+        return tile_assignment(o, dims, n)
+    except WireError as e:
+        raise invalid(str(e)) from None
 
 
 # ---- host buffers ---------------------------------------------------------------------------
