@@ -196,6 +196,8 @@ def test_the_remap_moves_layouts_functions_and_compiles_position_by_position():
     moved = remap.layout(layout)
     assert moved == Layout((9,), new.devices, (2, 2), ("a", "b"), ("a", None))
     assert remap.layout(Layout((5,), ((0, 0),), (1,), ("x",), ())) is None, "not on the session's slices"
+    partial = remap.layout(Layout((3, 4), old.devices, (2, 2), ("a", "u"), ("a",), ("u",)))
+    assert partial == Layout((9,), new.devices, (2, 2), ("a", "u"), ("a",), ("u",)), "unreduced axes stay"
     part = remap.layout(Layout((4,), ((1, 1),), (1,), ("x",), ()))
     assert part.workers == (9,) and part.devices == ((0, 7),)
     fn = remap.function(FnLayouts((3, 4), (layout,), (layout,)), 7)
