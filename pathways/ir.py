@@ -102,6 +102,20 @@ def device_regions(shape: tuple[int, ...], layout: Layout) -> list[Region]:
     return regions
 
 
+def stacked(layout: Layout) -> Layout:
+    """The layout of an unreduced array's partial values stacked along a new leading
+    dimension split over its unreduced axes: each device's block of the stack is its own
+    partial value of its block, so moving the stack, block by block as any array, keeps
+    every partial value. Its size is ``partials(layout)``."""
+    return Layout(layout.workers, layout.devices, layout.mesh_shape, layout.axis_names,
+                  (layout.unreduced, *layout.spec))
+
+
+def partials(layout: Layout) -> int:
+    """How many partial values of each block an array of ``layout`` holds (1 unless unreduced)."""
+    return math.prod(layout.mesh_shape[layout.axis_names.index(a)] for a in layout.unreduced)
+
+
 def host_regions(shape: tuple[int, ...], layout: Layout) -> dict[int, list[Region]]:
     """The distinct blocks each worker of ``layout`` holds, in device order."""
     out: dict[int, list[Region]] = {w: [] for w in layout.workers}

@@ -366,8 +366,8 @@ def psum() -> Results:
 
 def layouts() -> Results:
     """An unreduced output, whose devices hold different partial sums of one block, read
-    shard by shard, reduced, and computed on; on island 0's two hosts and on island 1's one
-    host."""
+    shard by shard, reduced, and computed on, and an unreduced array made of partial values
+    held apart; on island 0's two hosts and on island 1's one host."""
     out: Results = {}
     x = np.arange(8, dtype=np.float32).reshape(4, 2) - 3.0
     for name, devs in (("hosts", island0()), ("host", island1())):
@@ -380,6 +380,12 @@ def layouts() -> Results:
                 out[f"{name}_partial{k}"] = host(shard.data)
             out[f"{name}_reduced"] = host(jax.sharding.reshard(partial, P()))
             out[f"{name}_twice"] = host(jax.sharding.reshard(jax.jit(lambda p: p + p)(partial), P()))
+            # an unreduced array made of partial values held apart, one per device
+            parts = [jax.device_put(x * (i + 1), d) for i, d in enumerate(devs)]
+            made = jax.make_array_from_single_device_arrays(x.shape, NamedSharding(mesh, P(unreduced={"x"})), parts)
+            for k, shard in enumerate(sorted(made.addressable_shards, key=lambda s: s.device.id)):
+                out[f"{name}_made{k}"] = host(shard.data)
+            out[f"{name}_made_reduced"] = host(jax.sharding.reshard(made, P()))
     return out
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from pathways.errors import WireError
 from pathways.hlo import OpSharding, layout_of_op_sharding, op_sharding_of_layout, replicated
-from pathways.ir import Layout, device_regions
+from pathways.ir import Layout, device_regions, partials, stacked
 
 # logical device i of an 8-device executable: two hosts (ranks 3 and 5), devices interleaved
 DEVICES = tuple((3 if i % 2 == 0 else 5, i // 2) for i in range(8))
@@ -128,6 +128,12 @@ def test_unreduced_shardings_become_layouts_with_unreduced_axes():
         op = op_sharding_of_layout(layout, devices, ndim)
         assert layout_of_op_sharding(op, devices, WORKERS, ndim) == layout, "op -> layout -> op keeps it"
         assert Layout.from_wire(layout.to_wire()) == layout, "the wire keeps the unreduced axes"
+    # the stack of partial values: a leading dimension over the unreduced axes, each device its own
+    stack = stacked(rows)
+    assert partials(rows) == 2 and partials(both) == 2 and partials(Layout((30,), DEVICES[:1], (1,), ("r",), ())) == 1
+    assert dict(zip(stack.devices, device_regions((2, 4, 2), stack))) == {
+        DEVICES[0]: ((0, 1), (0, 2), (0, 2)), DEVICES[2]: ((1, 2), (0, 2), (0, 2)),
+        DEVICES[1]: ((0, 1), (2, 4), (0, 2)), DEVICES[3]: ((1, 2), (2, 4), (0, 2))}
     plain = Layout((30,), (DEVICES[0],), (1,), ("r",), ())
     assert plain.to_wire() == Layout.from_wire(plain.to_wire()).to_wire() and len(plain.to_wire()) == 5
 

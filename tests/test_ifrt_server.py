@@ -128,31 +128,31 @@ def _table():
                         SliceInfo(3, "cpu", 0, (1, 2), ("a:1", "a:2"), ((1, 0), (0, 0)))])
 
 
-def test_an_unreduced_array_of_different_partial_values_is_refused_and_of_its_own_shards_kept(server):
+def test_an_unreduced_array_made_of_partial_values_keeps_each_devices_own(server):
     result = run_jax(server.address, """
         import json
         import numpy as np
         import jax.numpy as jnp
         from jax.sharding import NamedSharding, PartitionSpec as P
-        devs = jax.devices()[2:4]
-        mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,), devices=devs)
-        unreduced = NamedSharding(mesh, P(unreduced={"x"}))
-        parts = [jax.device_put(np.full(4, i + 1.0, np.float32), d) for i, d in enumerate(devs)]
-        try:
-            made = jax.make_array_from_single_device_arrays((4,), unreduced, parts)
-            error = str(np.asarray(jax.sharding.reshard(made, NamedSharding(mesh, P()))))
-        except Exception as e:
-            error = str(e)
-        with jax.set_mesh(mesh):
-            x = jax.device_put(np.arange(4.0, dtype=np.float32), P("x"))
-            partial = jax.jit(lambda v: jnp.einsum("a,a->", v, v, out_sharding=P(unreduced={"x"})))(x)
-            shards = partial.addressable_shards
-            again = jax.make_array_from_single_device_arrays((), partial.sharding, [s.data for s in shards])
-            total = float(jax.sharding.reshard(again, P()))
-        print("RESULT", json.dumps({"error": error, "shards": [float(s.data) for s in shards], "total": total}))
+        out = {}
+        for name, devs in (("hosts", jax.devices()[:2]), ("host", jax.devices()[2:4])):
+            mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,), devices=devs)
+            unreduced = NamedSharding(mesh, P(None, unreduced={"x"}))
+            parts = [jax.device_put(np.full((2, 3), i + 1.0, np.float32), d) for i, d in enumerate(devs)]
+            made = jax.make_array_from_single_device_arrays((2, 3), unreduced, parts)
+            out[name] = {"shards": [np.asarray(s.data).tolist() for s in made.addressable_shards],
+                         "sum": np.asarray(jax.sharding.reshard(made, NamedSharding(mesh, P()))).tolist()}
+            with jax.set_mesh(mesh):
+                x = jax.device_put(np.arange(4.0, dtype=np.float32), P("x"))
+                partial = jax.jit(lambda v: jnp.einsum("a,a->", v, v, out_sharding=P(unreduced={"x"})))(x)
+                again = jax.make_array_from_single_device_arrays((), partial.sharding,
+                                                                 [s.data for s in partial.addressable_shards])
+                out[name]["dot"] = float(jax.sharding.reshard(again, P()))
+        print("RESULT", json.dumps(out))
     """)
-    assert "different partial values per device" in result["error"] and "reshard" in result["error"], result
-    assert result["shards"] == [1.0, 13.0] and result["total"] == 14.0, "a partial array's own shards reassemble"
+    for name in ("hosts", "host"):
+        assert result[name]["shards"] == [[[1.0] * 3] * 2, [[2.0] * 3] * 2], "each device's own partial value"
+        assert result[name]["sum"] == [[3.0] * 3] * 2 and result[name]["dot"] == 14.0, result[name]
 
 
 def test_device_numbering_is_island_then_host_then_index():

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from pathways.errors import AccessDeniedError
-from pathways.ir import Layout
+from pathways.ir import Layout, stacked
 from pathways.protocol import messages as m
 from pathways.protocol.handles import first_handle, session_of
 from pathways.protocol.ops import Op
@@ -180,6 +180,19 @@ def test_a_fetch_of_one_device_answers_its_own_shard_and_names_a_device_the_isla
     np.testing.assert_array_equal(shard, x)
     header, _ = fetch(core, handle, device=(0, 9))
     assert header["state"] == "error" and "device (0, 9)" in header["message"], header
+
+
+def test_a_put_of_stacked_partial_values_is_stored_unstacked_and_a_mismatched_one_refused(core):
+    partial = Layout((0,), ((0, 0),), (1,), ("u",), (), ("u",))
+    stack = np.arange(6, dtype=np.float32).reshape(1, 2, 3)
+    header = {**put_header(first_handle(SESSION) + 8, stack), "layout": stacked(partial).to_wire(),
+              "unstack": partial.to_wire()}
+    assert core.receive(header, pieces=[(codec.full_index(stack.shape), stack)]) is None
+    _, value = fetch(core, first_handle(SESSION) + 8)
+    np.testing.assert_array_equal(value, stack[0])
+    wrong = {**header, "handle": first_handle(SESSION) + 9, "layout": LAYOUT.to_wire()}
+    error = core.receive(wrong, pieces=[(codec.full_index(stack.shape), stack)])
+    assert "whose stacked layout is field 'layout'" in error, error
 
 
 def test_a_fetch_its_caller_abandoned_returns_at_once(core):

@@ -36,7 +36,7 @@ from pathways.client.array import Array, _Buffer
 from pathways.client.devices import NamedSharding
 from pathways.client.timeline import RecordingBlock, Recordings, process_recording
 from pathways.defaults import HEARTBEAT_TIMEOUT
-from pathways.ir import Device, Layout, evenly_divided, host_regions
+from pathways.ir import Device, Layout, evenly_divided, host_regions, partials, stacked
 from pathways.protocol import messages as m
 from pathways.protocol.errors import error_of, kind_of
 from pathways.protocol.handles import COUNTER_MASK, discard, first_handle
@@ -387,7 +387,8 @@ class Session:
         """Send ``array`` straight to the workers holding ``layout`` (not through the
         controller; ``addresses[i]`` is that of ``layout.workers[i]``), each only the
         blocks of its own devices. No waiting. ``moves``: how many SliceMoved this session
-        had applied when ``addresses`` were read (default: now)."""
+        had applied when ``addresses`` were read (default: now). For a layout with
+        unreduced axes, ``array`` is the stack of its partial values (``ir.stacked``)."""
         moves = self.moves if moves is None else moves
         self._check_alive()
         with self._puts_lock:
@@ -404,14 +405,20 @@ class Session:
                    moves: int) -> None:
         if self.traced:
             began = now()
+        sent, unstack = layout, {}
+        if layout.unreduced:  # the stack of partial values goes as an array of its own, unstacked there
+            sent, unstack = stacked(layout), {"unstack": layout.to_wire()}
+            if array.shape[:1] != (partials(layout),):
+                raise ValueError(f"an unreduced array's {partials(layout)} partial values come stacked along a "
+                                 f"leading dimension; got an array of shape {array.shape}")
         whole = [(codec.full_index(array.shape), array)]
-        parts = host_regions(array.shape, layout) if evenly_divided(array.shape, layout) else None
+        parts = host_regions(array.shape, sent) if evenly_divided(array.shape, sent) else None
         for worker, address in zip(layout.workers, addresses):
             # each host gets the blocks of its own devices, not the whole array
             pieces = whole if parts is None else [(r, array[tuple(slice(a, b) for a, b in r)]) for r in parts[worker]]
             stubs = self._stubs(address)
-            header = codec.pack({"t": "put", "handle": handle, "layout": layout.to_wire(), "of": 1,
-                                 "credential": stubs.credential,
+            header = codec.pack({"t": "put", "handle": handle, "layout": sent.to_wire(), "of": 1,
+                                 "credential": stubs.credential, **unstack,
                                  **codec.pieces_header(array.dtype, array.shape, pieces)})
             if sum(a.nbytes for _, a in pieces) <= _PUT_ONE_BYTES:
                 request = codec.pack([header, *codec.pieces_chunks(pieces)])
