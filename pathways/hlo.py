@@ -5,11 +5,13 @@ its logical devices 0..n-1; pathways says it with a ``Layout`` over (host rank, 
 index) pairs of an island. ``devices`` maps one to the other: logical device i is
 ``devices[i]``.
 
-A tiled OpSharding with tile dimensions (d0..dk-1), plus a last dimension r of replicas
-when ``replicate_on_last_tile_dim``, becomes a mesh of that shape with axes
-("t0".."t{k-1}"[, "r"]), dimension i of the array split over axis "t{i}" (when di > 1), and
-the mesh's devices in tile order: the tile assignment, explicit or iota. REPLICATED covers
-every device on a one-axis mesh ("r",); MAXIMAL is its one device. Pure: protobuf only.
+A tiled OpSharding with tile dimensions (d0..dk-1), plus a last dimension of replicas
+when ``replicate_on_last_tile_dim``, or one last dimension per subgroup (``last_tile_dims``:
+REPLICATED, UNREDUCED), becomes a mesh of that shape with axes ("t0".."t{k-1}", then "r"
+for replicas and "u" for unreduced partial values), dimension i of the array split over
+axis "t{i}" (when di > 1), and the mesh's devices in tile order: the tile assignment,
+explicit or iota (any reshape and transpose). REPLICATED covers every device on a one-axis
+mesh ("r",), UNREDUCED on ("u",); MAXIMAL is its one device. Pure: protobuf only.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from pathways.ir import Device, Layout
 
 OpSharding = xla_data_pb2.OpSharding
 REPLICA_AXIS = "r"
+UNREDUCED_AXIS = "u"
+# the mesh axis of each subgroup kind a layout holds
+_SUBGROUP_AXES = {OpSharding.REPLICATED: REPLICA_AXIS, OpSharding.UNREDUCED: UNREDUCED_AXIS}
 
 
 def row_major(ndim: int) -> tuple[int, ...]:
@@ -41,8 +46,8 @@ def layout_of_op_sharding(op: bytes, devices: Sequence[Device], workers_by_rank:
                           ndim: int) -> Layout:
     """The layout of an array of rank ``ndim`` sharded by serialized OpSharding ``op``
     over logical devices ``devices``; ``workers_by_rank`` names the worker of each host
-    rank. Raises WireError for what a layout cannot express (tuple, manual, unreduced or
-    unknown shardings, subgroups other than replication)."""
+    rank. Raises WireError for what a layout cannot express (tuple, manual or unknown
+    shardings, manual subgroups)."""
     sharding = OpSharding()
     try:
         sharding.ParseFromString(op)
@@ -52,35 +57,43 @@ def layout_of_op_sharding(op: bytes, devices: Sequence[Device], workers_by_rank:
     if not n:
         raise WireError("a sharding needs at least one device")
     kind = sharding.type
-    if kind == OpSharding.REPLICATED:
-        return _layout(devices, range(n), (n,), (REPLICA_AXIS,), (), workers_by_rank)
+    if kind in (OpSharding.REPLICATED, OpSharding.UNREDUCED):
+        axis = _SUBGROUP_AXES[kind]
+        return _layout(devices, range(n), (n,), (axis,), (), workers_by_rank,
+                       (axis,) if kind == OpSharding.UNREDUCED else ())
     if kind == OpSharding.MAXIMAL:
-        ids = _tile_assignment(sharding, (1,), n)
+        ids = tile_assignment(sharding, (1,), n)
         return _layout(devices, ids, (1,), (REPLICA_AXIS,), (), workers_by_rank)
     if kind != OpSharding.OTHER:
         raise WireError(f"a {OpSharding.Type.Name(kind)} sharding has no pathways layout; only replicated, "
-                        "maximal and tiled shardings do")
+                        "unreduced, maximal and tiled shardings do")
     if sharding.HasField("named_sharding"):
         raise WireError("a named (mesh-axis) OpSharding has no pathways layout here; send its tiled form")
     dims = tuple(sharding.tile_assignment_dimensions)
     subgroups = list(sharding.last_tile_dims)
-    replicas = sharding.replicate_on_last_tile_dim
-    if subgroups:
-        if replicas or subgroups != [OpSharding.REPLICATED]:
-            names = [OpSharding.Type.Name(t) if t in OpSharding.Type.values() else str(t) for t in subgroups]
-            raise WireError(f"a sharding with subgroups {names} has no pathways layout; only a last subgroup "
-                            "of replicas does")
-        replicas = True
-    tiled = len(dims) - (1 if replicas else 0)
+    if sharding.replicate_on_last_tile_dim:
+        if subgroups:
+            raise WireError("a sharding both replicated on its last tile dimension and with subgroups "
+                            f"{_names(subgroups)} is malformed; XLA gives one or the other")
+        subgroups = [OpSharding.REPLICATED]
+    axes_of = [_SUBGROUP_AXES.get(t) for t in subgroups]
+    if None in axes_of or len(set(axes_of)) != len(axes_of):
+        raise WireError(f"a sharding with subgroups {_names(subgroups)} has no pathways layout; only one "
+                        "subgroup each of replicas and unreduced partial values does")
+    tiled = len(dims) - len(subgroups)
     if tiled != ndim:
         raise WireError(f"a tiled sharding of {len(dims)} tile dimensions {list(dims)} does not fit an array "
-                        f"of rank {ndim}" + (" plus a replica dimension" if replicas else ""))
+                        f"of rank {ndim}" + (f" plus subgroups {_names(subgroups)}" if subgroups else ""))
     if any(d < 1 for d in dims):
         raise WireError(f"tile dimensions {list(dims)} must be positive")
-    ids = _tile_assignment(sharding, dims, n)
-    axes = tuple(f"t{i}" for i in range(tiled)) + ((REPLICA_AXIS,) if replicas else ())
+    ids = tile_assignment(sharding, dims, n)
+    axes = tuple(f"t{i}" for i in range(tiled)) + tuple(axes_of)
     spec = tuple(f"t{i}" if dims[i] > 1 else None for i in range(tiled))
-    return _layout(devices, ids, dims, axes, spec, workers_by_rank)
+    return _layout(devices, ids, dims, axes, spec, workers_by_rank, (UNREDUCED_AXIS,) * (UNREDUCED_AXIS in axes_of))
+
+
+def _names(subgroups: Sequence[int]) -> list[str]:
+    return [OpSharding.Type.Name(t) if t in OpSharding.Type.values() else str(t) for t in subgroups]
 
 
 def op_sharding_of_layout(layout: Layout, devices: Sequence[Device], ndim: int | None = None) -> bytes:
@@ -104,21 +117,28 @@ def op_sharding_of_layout(layout: Layout, devices: Sequence[Device], ndim: int |
     spec = list(layout.spec) + [None] * (rank - len(layout.spec))
     split = [(e,) if isinstance(e, str) else tuple(e or ()) for e in spec]
     used = [axis[name] for names in split for name in names]
-    rest = [i for i in range(len(layout.mesh_shape)) if i not in used]
+    partial = [axis[name] for name in layout.unreduced]
+    rest = [i for i in range(len(layout.mesh_shape)) if i not in used and i not in partial]
     dims = [math.prod(layout.mesh_shape[axis[name]] for name in names) for names in split]
+    parts = math.prod(layout.mesh_shape[i] for i in partial)
     replicas = math.prod(layout.mesh_shape[i] for i in rest)
-    if all(d == 1 for d in dims) and sorted(mesh.flat) == list(range(len(devices))):
+    if all(d == 1 for d in dims) and replicas == 1 and sorted(mesh.flat) == list(range(len(devices))):
+        return OpSharding(type=OpSharding.UNREDUCED).SerializeToString() if partial else replicated()
+    if all(d == 1 for d in dims) and parts == 1 and sorted(mesh.flat) == list(range(len(devices))):
         return replicated()
-    tiles = mesh.transpose(used + rest).reshape(dims + [replicas])
-    if replicas == 1:
-        tiles = tiles.reshape(dims)
+    subgroups = [(OpSharding.UNREDUCED, parts)] * bool(partial) + [(OpSharding.REPLICATED, replicas)] * (replicas > 1)
+    tiles = mesh.transpose(used + partial + rest).reshape(dims + [size for _, size in subgroups])
+    last = [kind for kind, _ in subgroups]
     return OpSharding(type=OpSharding.OTHER, tile_assignment_dimensions=list(tiles.shape),
                       tile_assignment_devices=[int(i) for i in tiles.flat],
-                      replicate_on_last_tile_dim=replicas > 1).SerializeToString()
+                      replicate_on_last_tile_dim=last == [OpSharding.REPLICATED],
+                      last_tile_dims=last if partial else []).SerializeToString()
 
 
-def _tile_assignment(sharding: OpSharding, dims: tuple[int, ...], n: int) -> list[int]:
-    """The logical device of each tile, in row-major tile order (explicit or iota form)."""
+def tile_assignment(sharding: OpSharding, dims: Sequence[int], n: int) -> list[int]:
+    """The logical device of each tile, in row-major tile order (explicit or iota form,
+    any reshape and transpose), for tile dimensions ``dims`` over ``n`` devices; WireError
+    unless it names distinct devices among them."""
     count = math.prod(dims)
     if sharding.iota_reshape_dims:
         reshape = list(sharding.iota_reshape_dims)
@@ -137,10 +157,10 @@ def _tile_assignment(sharding: OpSharding, dims: tuple[int, ...], n: int) -> lis
 
 
 def _layout(devices: Sequence[Device], ids: Sequence[int], mesh_shape: tuple[int, ...], axes: tuple[str, ...],
-            spec: tuple, workers_by_rank: Mapping[int, int]) -> Layout:
+            spec: tuple, workers_by_rank: Mapping[int, int], unreduced: tuple[str, ...] = ()) -> Layout:
     pairs = tuple(tuple(devices[i]) for i in ids)
     try:
         workers = tuple(workers_by_rank[r] for r in sorted({r for r, _ in pairs}))
     except KeyError as e:
         raise WireError(f"host rank {e.args[0]} of the sharding's devices has no worker") from None
-    return Layout(workers, pairs, tuple(mesh_shape), axes, spec)
+    return Layout(workers, pairs, tuple(mesh_shape), axes, spec, unreduced)

@@ -29,6 +29,10 @@ class Layout:
 
     ``workers`` are the worker ids of the hosts involved, ordered by island rank; a device
     is named by its host's island rank and its index among that host's devices.
+
+    ``unreduced`` names mesh axes (none of the spec's) along which devices hold partial
+    values whose sum is the array (XLA's UNREDUCED): each device's block is the one the
+    spec gives it, but its bytes are its own, not a replica of its neighbours'.
     """
 
     workers: tuple[int, ...]
@@ -36,20 +40,24 @@ class Layout:
     mesh_shape: tuple[int, ...]
     axis_names: tuple[str, ...]
     spec: tuple[SpecEntry, ...]
+    unreduced: tuple[str, ...] = ()
 
     @property
     def multi_host(self) -> bool:
         return len(self.workers) > 1
 
     def to_wire(self) -> list:
-        return [list(self.workers), [x for d in self.devices for x in d], list(self.mesh_shape),
-                list(self.axis_names), [list(e) if isinstance(e, tuple) else e for e in self.spec]]
+        raw = [list(self.workers), [x for d in self.devices for x in d], list(self.mesh_shape),
+               list(self.axis_names), [list(e) if isinstance(e, tuple) else e for e in self.spec]]
+        return raw + [list(self.unreduced)] if self.unreduced else raw
 
     @staticmethod
     def from_wire(raw: Any) -> "Layout":
-        if not isinstance(raw, list) or len(raw) != 5:
-            raise WireError("a layout must be a list [workers, devices, mesh_shape, axis_names, spec]")
-        workers, devices, mesh_shape, axis_names, spec = raw
+        if not isinstance(raw, list) or len(raw) not in (5, 6):
+            raise WireError("a layout must be a list [workers, devices, mesh_shape, axis_names, spec"
+                            "[, unreduced axes]]")
+        workers, devices, mesh_shape, axis_names, spec = raw[:5]
+        unreduced = raw[5] if len(raw) == 6 else []
         workers = int_list(workers, "layout workers")
         if not workers or len(set(workers)) != len(workers):
             raise WireError("layout workers must be a non-empty list of distinct worker ids")
@@ -64,8 +72,14 @@ class Layout:
             raise WireError("layout devices must be distinct")
         if len(mesh_shape) != len(axis_names) or math.prod(mesh_shape) != len(pairs):
             raise WireError(f"layout mesh {mesh_shape} x {axis_names} does not fit {len(pairs)} devices")
-        return Layout(tuple(workers), pairs, tuple(mesh_shape), tuple(axis_names),
-                      spec_from_wire(spec, axis_names))
+        entries = spec_from_wire(spec, axis_names)
+        named = {n for e in entries if e is not None for n in ((e,) if isinstance(e, str) else e)}
+        if (not isinstance(unreduced, list) or not all(isinstance(a, str) for a in unreduced)
+                or len(set(unreduced)) != len(unreduced)
+                or any(a not in axis_names or a in named for a in unreduced)):
+            raise WireError(f"layout unreduced axes {unreduced!r} must be distinct axes of mesh {axis_names} "
+                            "that the partition spec does not name")
+        return Layout(tuple(workers), pairs, tuple(mesh_shape), tuple(axis_names), entries, tuple(unreduced))
 
 
 def device_regions(shape: tuple[int, ...], layout: Layout) -> list[Region]:
@@ -86,6 +100,20 @@ def device_regions(shape: tuple[int, ...], layout: Layout) -> list[Region]:
             region.append((block * step, (block + 1) * step))
         regions.append(tuple(region))
     return regions
+
+
+def stacked(layout: Layout) -> Layout:
+    """The layout of an unreduced array's partial values stacked along a new leading
+    dimension split over its unreduced axes: each device's block of the stack is its own
+    partial value of its block, so moving the stack, block by block as any array, keeps
+    every partial value. Its size is ``partials(layout)``."""
+    return Layout(layout.workers, layout.devices, layout.mesh_shape, layout.axis_names,
+                  (layout.unreduced, *layout.spec))
+
+
+def partials(layout: Layout) -> int:
+    """How many partial values of each block an array of ``layout`` holds (1 unless unreduced)."""
+    return math.prod(layout.mesh_shape[layout.axis_names.index(a)] for a in layout.unreduced)
 
 
 def host_regions(shape: tuple[int, ...], layout: Layout) -> dict[int, list[Region]]:

@@ -364,6 +364,31 @@ def psum() -> Results:
     return out
 
 
+def layouts() -> Results:
+    """An unreduced output, whose devices hold different partial sums of one block, read
+    shard by shard, reduced, and computed on, and an unreduced array made of partial values
+    held apart; on island 0's two hosts and on island 1's one host."""
+    out: Results = {}
+    x = np.arange(8, dtype=np.float32).reshape(4, 2) - 3.0
+    for name, devs in (("hosts", island0()), ("host", island1())):
+        mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,), devices=devs)
+        with jax.set_mesh(mesh):
+            a, b = jax.device_put(x.T, P(None, "x")), jax.device_put(x, P("x", None))
+            partial = jax.jit(lambda a, b: jnp.einsum("ab,bc->ac", a, b, out_sharding=P(unreduced={"x"})))(a, b)
+            shards = sorted(partial.addressable_shards, key=lambda s: s.device.id)
+            for k, shard in enumerate(shards):
+                out[f"{name}_partial{k}"] = host(shard.data)
+            out[f"{name}_reduced"] = host(jax.sharding.reshard(partial, P()))
+            out[f"{name}_twice"] = host(jax.sharding.reshard(jax.jit(lambda p: p + p)(partial), P()))
+            # an unreduced array made of partial values held apart, one per device
+            parts = [jax.device_put(x * (i + 1), d) for i, d in enumerate(devs)]
+            made = jax.make_array_from_single_device_arrays(x.shape, NamedSharding(mesh, P(unreduced={"x"})), parts)
+            for k, shard in enumerate(sorted(made.addressable_shards, key=lambda s: s.device.id)):
+                out[f"{name}_made{k}"] = host(shard.data)
+            out[f"{name}_made_reduced"] = host(jax.sharding.reshard(made, P()))
+    return out
+
+
 def _hlo(text: str) -> str:
     """An executable's HLO text without what records where the program was traced (the tables
     of files, functions and stack frames after the module's first line, and references to
@@ -584,8 +609,8 @@ def started(stop: str | Path) -> list[Path]:
 
 PROGRAMS: dict[str, Callable[[], Results]] = {
     f.__name__: f for f in (devices, device_put, device_put_all, types_and_trivial, jit_elementwise, jit_matmul,
-                            jit_reductions, mlp_grad, vmap, loops, random, psum, compiled_analysis, move, donation,
-                            deletion, train_optax, flax_model, concurrent)}
+                            jit_reductions, mlp_grad, vmap, loops, random, psum, layouts, compiled_analysis, move,
+                            donation, deletion, train_optax, flax_model, concurrent)}
 
 
 def main(argv: list[str]) -> int:

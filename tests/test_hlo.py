@@ -10,7 +10,7 @@ import pytest
 
 from pathways.errors import WireError
 from pathways.hlo import OpSharding, layout_of_op_sharding, op_sharding_of_layout, replicated
-from pathways.ir import Layout, device_regions
+from pathways.ir import Layout, device_regions, partials, stacked
 
 # logical device i of an 8-device executable: two hosts (ranks 3 and 5), devices interleaved
 DEVICES = tuple((3 if i % 2 == 0 else 5, i // 2) for i in range(8))
@@ -104,6 +104,51 @@ def test_explicit_and_iota_tile_assignments_and_a_replica_dimension():
         Layout((30, 50), (DEVICES[1], DEVICES[0]), (2,), ("r",), ())
 
 
+def test_unreduced_shardings_become_layouts_with_unreduced_axes():
+    everywhere = layout_of_op_sharding(_op(type=OpSharding.UNREDUCED), DEVICES[:4], WORKERS, 2)
+    assert everywhere == Layout((30, 50), DEVICES[:4], (4,), ("u",), (), ("u",))
+    assert device_regions((2, 3), everywhere) == [((0, 2), (0, 3))] * 4, "every device holds a partial value of all"
+    # XLA's devices=[2,1,2]<=[2,2]T(1,0) last_tile_dims={unreduced}: rows over tiles, partial sums in pairs
+    rows = layout_of_op_sharding(_op(type=OpSharding.OTHER, tile_assignment_dimensions=[2, 1, 2],
+                                     iota_reshape_dims=[2, 2], iota_transpose_perm=[1, 0],
+                                     last_tile_dims=[OpSharding.UNREDUCED]), DEVICES[:4], WORKERS, 2)
+    assert rows == Layout((30, 50), tuple(DEVICES[i] for i in (0, 2, 1, 3)), (2, 1, 2), ("t0", "t1", "u"),
+                          ("t0", None), ("u",))
+    assert dict(zip(rows.devices, device_regions((4, 2), rows))) == {
+        DEVICES[0]: ((0, 2), (0, 2)), DEVICES[2]: ((0, 2), (0, 2)),
+        DEVICES[1]: ((2, 4), (0, 2)), DEVICES[3]: ((2, 4), (0, 2))}
+    both = layout_of_op_sharding(_op(type=OpSharding.OTHER, tile_assignment_dimensions=[2, 2, 2],
+                                     iota_reshape_dims=[8],
+                                     last_tile_dims=[OpSharding.UNREDUCED, OpSharding.REPLICATED]),
+                                 DEVICES, WORKERS, 1)
+    assert (both.mesh_shape, both.axis_names, both.spec, both.unreduced) == ((2, 2, 2), ("t0", "u", "r"), ("t0",),
+                                                                             ("u",))
+    for layout, ndim in [(everywhere, 2), (rows, 2), (both, 1)]:
+        devices = DEVICES[:len(layout.devices)] if len(layout.devices) < len(DEVICES) else DEVICES
+        op = op_sharding_of_layout(layout, devices, ndim)
+        assert layout_of_op_sharding(op, devices, WORKERS, ndim) == layout, "op -> layout -> op keeps it"
+        assert Layout.from_wire(layout.to_wire()) == layout, "the wire keeps the unreduced axes"
+    # the stack of partial values: a leading dimension over the unreduced axes, each device its own
+    stack = stacked(rows)
+    assert partials(rows) == 2 and partials(both) == 2 and partials(Layout((30,), DEVICES[:1], (1,), ("r",), ())) == 1
+    assert dict(zip(stack.devices, device_regions((2, 4, 2), stack))) == {
+        DEVICES[0]: ((0, 1), (0, 2), (0, 2)), DEVICES[2]: ((1, 2), (0, 2), (0, 2)),
+        DEVICES[1]: ((0, 1), (2, 4), (0, 2)), DEVICES[3]: ((1, 2), (2, 4), (0, 2))}
+    plain = Layout((30,), (DEVICES[0],), (1,), ("r",), ())
+    assert plain.to_wire() == Layout.from_wire(plain.to_wire()).to_wire() and len(plain.to_wire()) == 5
+
+
+@pytest.mark.parametrize("raw, needle", [
+    ([[30], [3, 0, 5, 0], [2], ["x"], ["x"], ["x"]], "the partition spec does not name"),
+    ([[30], [3, 0, 5, 0], [2], ["x"], [], ["y"]], "must be distinct axes of mesh"),
+    ([[30], [3, 0, 5, 0], [2], ["x"], [], [["x"]]], "must be distinct axes of mesh"),
+    ([[30], [3, 0, 5, 0], [2], ["x"], [], ["x", "x"]], "must be distinct axes of mesh"),
+])
+def test_malformed_unreduced_axes_are_refused_on_the_wire(raw, needle):
+    with pytest.raises(WireError, match=needle):
+        Layout.from_wire(raw)
+
+
 def test_canonical_layouts_round_trip_exactly():
     for layout, ndim in [
         (Layout((30, 50), DEVICES, (4, 2), ("t0", "t1"), ("t0", "t1")), 2),
@@ -133,6 +178,10 @@ def test_layouts_of_other_axis_names_and_specs_keep_their_blocks():
     (_op(type=OpSharding.UNKNOWN), 1, "UNKNOWN"),
     (_op(type=OpSharding.OTHER, tile_assignment_dimensions=[2, 2], tile_assignment_devices=[0, 1, 2, 3],
          last_tile_dims=[OpSharding.MANUAL]), 1, "subgroups \\['MANUAL'\\]"),
+    (_op(type=OpSharding.OTHER, tile_assignment_dimensions=[2, 2, 2], iota_reshape_dims=[8],
+         last_tile_dims=[OpSharding.UNREDUCED, OpSharding.UNREDUCED]), 1, "only one subgroup each"),
+    (_op(type=OpSharding.OTHER, tile_assignment_dimensions=[2, 2, 2], iota_reshape_dims=[8],
+         replicate_on_last_tile_dim=True, last_tile_dims=[OpSharding.UNREDUCED]), 1, "malformed"),
     (_op(type=OpSharding.OTHER, tile_assignment_dimensions=[2, 2], tile_assignment_devices=[0, 1, 2, 3]), 3,
      "does not fit an array of rank 3"),
     (_op(type=OpSharding.OTHER, tile_assignment_dimensions=[2], tile_assignment_devices=[0, 0]), 1, "distinct"),

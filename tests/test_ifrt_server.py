@@ -128,6 +128,33 @@ def _table():
                         SliceInfo(3, "cpu", 0, (1, 2), ("a:1", "a:2"), ((1, 0), (0, 0)))])
 
 
+def test_an_unreduced_array_made_of_partial_values_keeps_each_devices_own(server):
+    result = run_jax(server.address, """
+        import json
+        import numpy as np
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        out = {}
+        for name, devs in (("hosts", jax.devices()[:2]), ("host", jax.devices()[2:4])):
+            mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,), devices=devs)
+            unreduced = NamedSharding(mesh, P(None, unreduced={"x"}))
+            parts = [jax.device_put(np.full((2, 3), i + 1.0, np.float32), d) for i, d in enumerate(devs)]
+            made = jax.make_array_from_single_device_arrays((2, 3), unreduced, parts)
+            out[name] = {"shards": [np.asarray(s.data).tolist() for s in made.addressable_shards],
+                         "sum": np.asarray(jax.sharding.reshard(made, NamedSharding(mesh, P()))).tolist()}
+            with jax.set_mesh(mesh):
+                x = jax.device_put(np.arange(4.0, dtype=np.float32), P("x"))
+                partial = jax.jit(lambda v: jnp.einsum("a,a->", v, v, out_sharding=P(unreduced={"x"})))(x)
+                again = jax.make_array_from_single_device_arrays((), partial.sharding,
+                                                                 [s.data for s in partial.addressable_shards])
+                out[name]["dot"] = float(jax.sharding.reshard(again, P()))
+        print("RESULT", json.dumps(out))
+    """)
+    for name in ("hosts", "host"):
+        assert result[name]["shards"] == [[[1.0] * 3] * 2, [[2.0] * 3] * 2], "each device's own partial value"
+        assert result[name]["sum"] == [[3.0] * 3] * 2 and result[name]["dot"] == 14.0, result[name]
+
+
 def test_device_numbering_is_island_then_host_then_index():
     table = _table()
     assert [(d.island, d.rank, d.index, d.worker) for d in table.devices] == [
@@ -149,6 +176,22 @@ def test_shard_regions_of_tiled_and_replicated_shardings():
     manual = xla_data_pb2.OpSharding(type=xla_data_pb2.OpSharding.MANUAL).SerializeToString()
     with pytest.raises(t.IfrtError):
         t.shard_regions(t.Sharding((0, 1), manual), (2,))
+
+
+def test_shard_regions_of_unreduced_shardings_and_subgroups():
+    everywhere = t.Sharding((0, 1), xla_data_pb2.OpSharding(type=xla_data_pb2.OpSharding.UNREDUCED).SerializeToString())
+    assert t.shard_regions(everywhere, (2, 3)) == [((0, 2), (0, 3))] * 2 and t.is_unreduced(everywhere.op)
+    assert not everywhere.replicated, "partial values are no replicas"
+    # devices=[2,2]<=[2,2]T(1,0) last_tile_dims={unreduced}: rows by tile, a partial sum per device
+    rows = xla_data_pb2.OpSharding(type=xla_data_pb2.OpSharding.OTHER, tile_assignment_dimensions=[2, 2],
+                                   iota_reshape_dims=[2, 2], iota_transpose_perm=[1, 0],
+                                   last_tile_dims=[xla_data_pb2.OpSharding.UNREDUCED]).SerializeToString()
+    assert t.shard_regions(t.Sharding((4, 5, 6, 7), rows), (4,)) == [((0, 2),), ((2, 4),), ((0, 2),), ((2, 4),)]
+    assert t.is_unreduced(rows) and not t.is_unreduced(t.replicated((0,)).op)
+    manual = xla_data_pb2.OpSharding(type=xla_data_pb2.OpSharding.OTHER, tile_assignment_dimensions=[2, 2],
+                                     iota_reshape_dims=[4], last_tile_dims=[xla_data_pb2.OpSharding.MANUAL])
+    with pytest.raises(t.IfrtError, match="MANUAL"):
+        t.shard_regions(t.Sharding((0, 1, 2, 3), manual.SerializeToString()), (4,))
 
 
 def test_island_parts_of_a_sharding_across_islands():

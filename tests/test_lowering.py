@@ -137,3 +137,17 @@ def test_sequential_dispatch_gates_each_node_behind_its_predecessors():
     ops1 = [op for op in low.ops[1] if op[0] != Op.DROP]
     assert [op[0] for op in ops1] == [Op.AWAIT, Op.IN, Op.EXEC, Op.STEP, Op.AWAIT, Op.EXEC, Op.STEP, Op.OUT]
     assert lower(graph, {1: fn(0), 2: fn(1)}, {0: layout(0)}).gates is None
+
+
+def test_an_unreduced_value_is_not_moved_between_layouts():
+    # each device holds a partial value: a move would copy one device's as if it were all
+    partial = Layout((0,), ((0, 0), (0, 1)), (2,), ("u",), (), ("u",))
+    replicated = Layout((0,), ((0, 0), (0, 1)), (2,), ("u",), ())
+    graph = ProgramGraph(3, (0,), (Node(1, (0,), (1,)), Node(2, (1,), (2,))), (2,))
+    kept = lower(graph, {1: FnLayouts((0,), (partial,), (partial,)), 2: FnLayouts((0,), (partial,), (partial,))},
+                 {0: partial})
+    assert not any(op[0] in (Op.RESHARD, Op.SEND) for op in kept.ops[0]), "the same layout: used as it is"
+    for src, dst in ((partial, replicated), (replicated, partial)):
+        fns = {1: FnLayouts((0,), (src,), (src,)), 2: FnLayouts((0,), (dst,), (dst,))}
+        with pytest.raises(WireError, match="unreduced axes.*reduce it first"):
+            lower(graph, fns, {0: src})

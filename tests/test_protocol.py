@@ -149,8 +149,8 @@ CREDENTIAL = bytes(range(m.CREDENTIAL_BYTES))
 def test_waits_are_bounded_and_never_nan():
     for wait in (float("nan"), float("inf"), -1.0, m.MAX_WAIT_SECONDS * 2):
         with pytest.raises(WireError, match="'wait'"):
-            m.FETCH.decode(["fetch", 1, wait, True, CREDENTIAL])
-    assert m.FETCH.decode(["fetch", 1, 0, True, CREDENTIAL]).wait == 0.0
+            m.FETCH.decode(["fetch", 1, wait, True, CREDENTIAL, None])
+    assert m.FETCH.decode(["fetch", 1, 0, True, CREDENTIAL, None]).wait == 0.0
 
 
 @pytest.mark.parametrize("credential, needle", [
@@ -160,7 +160,7 @@ def test_waits_are_bounded_and_never_nan():
     (CREDENTIAL + b"x", f"at most {m.CREDENTIAL_BYTES} are allowed"),
 ])
 def test_a_session_credential_is_exactly_its_length_of_binary(credential, needle):
-    for table, raw in ((m.FETCH, ["fetch", 1, 0, True, credential]),
+    for table, raw in ((m.FETCH, ["fetch", 1, 0, True, credential, None]),
                        (m.SESSION_DOWN, ["welcome", 1, credential]),
                        (m.WORKER_DOWN, ["open_session", 1, credential])):
         with pytest.raises(WireError, match=f"'(credential|digest)'.*{needle}"):

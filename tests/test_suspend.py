@@ -196,6 +196,8 @@ def test_the_remap_moves_layouts_functions_and_compiles_position_by_position():
     moved = remap.layout(layout)
     assert moved == Layout((9,), new.devices, (2, 2), ("a", "b"), ("a", None))
     assert remap.layout(Layout((5,), ((0, 0),), (1,), ("x",), ())) is None, "not on the session's slices"
+    partial = remap.layout(Layout((3, 4), old.devices, (2, 2), ("a", "u"), ("a",), ("u",)))
+    assert partial == Layout((9,), new.devices, (2, 2), ("a", "u"), ("a",), ("u",)), "unreduced axes stay"
     part = remap.layout(Layout((4,), ((1, 1),), (1,), ("x",), ()))
     assert part.workers == (9,) and part.devices == ((0, 7),)
     fn = remap.function(FnLayouts((3, 4), (layout,), (layout,)), 7)
@@ -252,6 +254,27 @@ def test_a_host_lost_while_its_session_offloads_or_resumes_loses_its_arrays_and_
     core.on_worker_batch(w2, m.encode_batch([m.Adopted(1, 1, 0)]))
     assert [x.req for x in _of(client, m.Resumed)] == [4]
     assert {x["session"]: x["state"] for x in core.status()["sessions"]} == {1: "active", 2: "active"}
+
+
+def test_a_session_holding_an_unreduced_array_is_not_suspended():
+    """The controller's core alone: offloading would keep one of its devices' partial values."""
+    from pathways.controller.core import ControllerCore
+    from pathways.ir import Layout
+    from pathways.protocol import messages as m
+    from pathways.protocol.handles import first_handle
+    from tests.test_assembly import _register
+    from tests.test_controller import _of
+    from tests.test_controller import session as opened
+
+    core = ControllerCore()
+    w0 = _register(core, "a", 2, coordinator="a:1")
+    client = opened(core, 1)
+    core.on_session_batch(1, m.encode_batch([m.SliceRequest(1, "cpu", 2, None, 0, False)]))
+    partial = Layout((w0.worker,), ((0, 0), (0, 1)), (2,), ("u",), (), ("u",))
+    core.on_session_batch(1, m.encode_batch([m.PutNotice(first_handle(1) + 1, partial), m.Suspend(2)]))
+    [error] = [e for e in _of(client, m.Error) if e.req == 2]
+    assert error.kind == "SuspendedError" and "unreduced arrays" in error.message and "reshard" in error.message
+    assert not _of(w0.outbox, m.Offload) and core.status()["sessions"][0]["state"] == "active"
 
 
 def test_an_xla_function_still_compiling_when_its_session_moves_is_compiled_and_reported_on_the_new_host():

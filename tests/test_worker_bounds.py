@@ -42,7 +42,7 @@ def served():
 
 
 def fetch_request(handle, wait, data=True, credential=CREDENTIAL):
-    return codec.pack(["fetch", handle, wait, data, credential])
+    return codec.pack(["fetch", handle, wait, data, credential, None])
 
 
 def answered(fetch, handle, wait=0.01, timeout=3.0, credential=CREDENTIAL):

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from pathways.errors import AccessDeniedError
-from pathways.ir import Layout
+from pathways.ir import Layout, stacked
 from pathways.protocol import messages as m
 from pathways.protocol.handles import first_handle, session_of
 from pathways.protocol.ops import Op
@@ -41,11 +41,11 @@ def put(core, handle, array):
     assert core.receive(put_header(handle, array), pieces=[(codec.full_index(array.shape), array)]) is None
 
 
-def fetch(core, handle, wait=10.0, data=True, still_wanted=lambda: True, credential=None):
+def fetch(core, handle, wait=10.0, data=True, still_wanted=lambda: True, credential=None, device=None):
     """A client's fetch, with the credential of the handle's session unless one is given."""
     if credential is None:
         credential = CREDENTIALS.get(session_of(handle), bytes(m.CREDENTIAL_BYTES))
-    frames = list(core.fetch(m.FetchRequest(handle, wait, data, credential), still_wanted))
+    frames = list(core.fetch(m.FetchRequest(handle, wait, data, credential, device), still_wanted))
     header = codec.unpack(frames[0]) if frames else None
     if header and header["state"] == "ready" and data:
         _, _, pieces = codec.read_pieces(header, iter(frames[1:]))
@@ -169,6 +169,30 @@ def test_fetch_of_a_pending_handle_answers_pending_at_its_bound(core):
     took = time.monotonic() - start
     assert header == {"state": "pending"}
     assert 0.3 <= took < 1.5, took
+
+
+def test_a_fetch_of_one_device_answers_its_own_shard_and_names_a_device_the_island_lacks(core):
+    handle = first_handle(SESSION) + 7
+    x = np.arange(3, dtype=np.float32)
+    put(core, handle, x)
+    header, shard = fetch(core, handle, device=(0, 0))
+    assert header["state"] == "ready"
+    np.testing.assert_array_equal(shard, x)
+    header, _ = fetch(core, handle, device=(0, 9))
+    assert header["state"] == "error" and "device (0, 9)" in header["message"], header
+
+
+def test_a_put_of_stacked_partial_values_is_stored_unstacked_and_a_mismatched_one_refused(core):
+    partial = Layout((0,), ((0, 0),), (1,), ("u",), (), ("u",))
+    stack = np.arange(6, dtype=np.float32).reshape(1, 2, 3)
+    header = {**put_header(first_handle(SESSION) + 8, stack), "layout": stacked(partial).to_wire(),
+              "unstack": partial.to_wire()}
+    assert core.receive(header, pieces=[(codec.full_index(stack.shape), stack)]) is None
+    _, value = fetch(core, first_handle(SESSION) + 8)
+    np.testing.assert_array_equal(value, stack[0])
+    wrong = {**header, "handle": first_handle(SESSION) + 9, "layout": LAYOUT.to_wire()}
+    error = core.receive(wrong, pieces=[(codec.full_index(stack.shape), stack)])
+    assert "whose stacked layout is field 'layout'" in error, error
 
 
 def test_a_fetch_its_caller_abandoned_returns_at_once(core):

@@ -156,6 +156,34 @@ def test_tokens_and_int4_across_both_hosts_of_an_island(session):
             assert token.dtype == np.bool_ and token.shape == (0,), token
 
 
+# Two parameters tiled over the same devices in opposite orders: XLA's tile assignment lists
+# the first's devices as 1,0, so its layout's mesh is in another order than the executable's
+# devices (as an iota tile assignment with a transpose, devices=[2,2]<=[2,2]T(1,0), is).
+_OPPOSITE_ORDERS = """
+module @opposite attributes {mhlo.num_partitions = 2 : i32, mhlo.num_replicas = 1 : i32} {
+  func.func public @main(%a: tensor<4x2xf32> {mhlo.sharding = "{devices=[2,1]1,0}"},
+                         %b: tensor<4x2xf32> {mhlo.sharding = "{devices=[2,1]0,1}"})
+      -> (tensor<4x2xf32> {mhlo.sharding = "{devices=[2,1]1,0}"}) {
+    %0 = stablehlo.multiply %a, %a : tensor<4x2xf32>
+    %1 = stablehlo.add %0, %b : tensor<4x2xf32>
+    return %1 : tensor<4x2xf32>
+  }
+}
+"""
+
+
+@pytest.mark.parametrize("island", [0, 1], ids=["two hosts", "one host"])
+def test_parameters_laid_out_in_another_device_order_than_the_executables(session, island):
+    reply, addresses, devices = slice_of(session, 2, island)
+    fn, future = session.define_xla(reply.slice, "opposite", _OPPOSITE_ORDERS.encode(), compile_options(2), devices)
+    compiled = future.result(WAIT)
+    assert compiled.ins[0].devices == devices[::-1] and compiled.ins[1].devices == devices
+    a = np.arange(8, dtype=np.float32).reshape(4, 2)
+    b = np.linspace(-1, 1, 8, dtype=np.float32).reshape(4, 2)
+    [y] = run_xla(session, addresses, compiled, fn, [a, b])
+    np.testing.assert_array_equal(y, a * a + b)
+
+
 def _psum_artifact():
     mesh = AbstractMesh((2,), ("x",))
     rows = NamedSharding(mesh, P("x"))

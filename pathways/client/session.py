@@ -36,7 +36,7 @@ from pathways.client.array import Array, _Buffer
 from pathways.client.devices import NamedSharding
 from pathways.client.timeline import RecordingBlock, Recordings, process_recording
 from pathways.defaults import HEARTBEAT_TIMEOUT
-from pathways.ir import Layout, evenly_divided, host_regions
+from pathways.ir import Device, Layout, evenly_divided, host_regions, partials, stacked
 from pathways.protocol import messages as m
 from pathways.protocol.errors import error_of, kind_of
 from pathways.protocol.handles import COUNTER_MASK, discard, first_handle
@@ -387,7 +387,8 @@ class Session:
         """Send ``array`` straight to the workers holding ``layout`` (not through the
         controller; ``addresses[i]`` is that of ``layout.workers[i]``), each only the
         blocks of its own devices. No waiting. ``moves``: how many SliceMoved this session
-        had applied when ``addresses`` were read (default: now)."""
+        had applied when ``addresses`` were read (default: now). For a layout with
+        unreduced axes, ``array`` is the stack of its partial values (``ir.stacked``)."""
         moves = self.moves if moves is None else moves
         self._check_alive()
         with self._puts_lock:
@@ -404,14 +405,20 @@ class Session:
                    moves: int) -> None:
         if self.traced:
             began = now()
+        sent, unstack = layout, {}
+        if layout.unreduced:  # the stack of partial values goes as an array of its own, unstacked there
+            sent, unstack = stacked(layout), {"unstack": layout.to_wire()}
+            if array.shape[:1] != (partials(layout),):
+                raise ValueError(f"an unreduced array's {partials(layout)} partial values come stacked along a "
+                                 f"leading dimension; got an array of shape {array.shape}")
         whole = [(codec.full_index(array.shape), array)]
-        parts = host_regions(array.shape, layout) if evenly_divided(array.shape, layout) else None
+        parts = host_regions(array.shape, sent) if evenly_divided(array.shape, sent) else None
         for worker, address in zip(layout.workers, addresses):
             # each host gets the blocks of its own devices, not the whole array
             pieces = whole if parts is None else [(r, array[tuple(slice(a, b) for a, b in r)]) for r in parts[worker]]
             stubs = self._stubs(address)
-            header = codec.pack({"t": "put", "handle": handle, "layout": layout.to_wire(), "of": 1,
-                                 "credential": stubs.credential,
+            header = codec.pack({"t": "put", "handle": handle, "layout": sent.to_wire(), "of": 1,
+                                 "credential": stubs.credential, **unstack,
                                  **codec.pieces_header(array.dtype, array.shape, pieces)})
             if sum(a.nbytes for _, a in pieces) <= _PUT_ONE_BYTES:
                 request = codec.pack([header, *codec.pieces_chunks(pieces)])
@@ -445,20 +452,23 @@ class Session:
                 self.poisoned[handle] = (errors.RemoteError, f"sending the array to {address} failed: "
                                          f"{e.code().name}")
 
-    def fetch(self, addresses: tuple[str, ...], handle: int, wait: float, data: bool) -> Optional[np.ndarray | bool]:
+    def fetch(self, addresses: tuple[str, ...], handle: int, wait: float, data: bool,
+              device: Optional[Device] = None) -> Optional[np.ndarray | bool]:
         """Ask the workers holding ``handle`` for it: None while pending after ``wait``
         seconds, True when ready (``data`` false) or the assembled array; raises the
-        error that poisoned it (RemoteError, WorkerLostError)."""
+        error that poisoned it (RemoteError, WorkerLostError). With ``device`` (host rank,
+        device index; ``addresses`` then that of its host): that device's own shard only."""
         self._refuse_if_suspended("read an array")
         if self.traced:
             began = now()
             try:
-                return self._fetch(addresses, handle, wait, data)
+                return self._fetch(addresses, handle, wait, data, device)
             finally:
                 self.recorder.span("fetch", began, 0, f"array {handle:#x}" + ("" if data else ", ready?"))
-        return self._fetch(addresses, handle, wait, data)
+        return self._fetch(addresses, handle, wait, data, device)
 
-    def _fetch(self, addresses: tuple[str, ...], handle: int, wait: float, data: bool) -> Optional[np.ndarray | bool]:
+    def _fetch(self, addresses: tuple[str, ...], handle: int, wait: float, data: bool,
+               device: Optional[Device]) -> Optional[np.ndarray | bool]:
         deadline = time.monotonic() + wait
         assembly = None
         for address in addresses:
@@ -467,7 +477,7 @@ class Session:
                 self._raise_if_poisoned(handle)
                 asked = time.monotonic()
                 left = max(deadline - asked, 0.0)
-                reply = self._fetch_one(address, handle, min(left, _POLL_SECONDS), data)
+                reply = self._fetch_one(address, handle, min(left, _POLL_SECONDS), data, device)
                 if reply is not None:
                     break
                 answered = time.monotonic()
@@ -477,6 +487,9 @@ class Session:
                     # answered at once: the worker's fetch waits are taken (worker/sessions.py)
                     time.sleep(min(pause, deadline - answered))
                     pause = min(2 * pause, _BUSY_PAUSE_MAX)
+            if data and device is not None:
+                (_, shard), = reply[2]  # the device's one shard, whole
+                return shard
             if data:
                 dtype, shape, pieces = reply
                 if assembly is None:
@@ -489,10 +502,10 @@ class Session:
             error, message = self.poisoned[handle]
             raise error(message)
 
-    def _fetch_one(self, address: str, handle: int, wait: float, data: bool) -> Any:
+    def _fetch_one(self, address: str, handle: int, wait: float, data: bool, device: Optional[Device] = None) -> Any:
         self._check_alive()
         stubs = self._stubs(address)
-        request = m.pack(m.FetchRequest(handle, wait, data, stubs.credential).encode())
+        request = m.pack(m.FetchRequest(handle, wait, data, stubs.credential, device).encode())
         call = None
         try:
             call = stubs.fetch(request, timeout=wait + 30.0)

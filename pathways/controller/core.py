@@ -729,6 +729,13 @@ class ControllerCore:
         if s.suspension is not None:
             raise SuspendedError(f"the session is already {s.suspension.state}; call resume() before suspending "
                                  "it again")
+        partial = sorted(h for h, layout in s.handles.live.items() if layout.unreduced)
+        if partial:
+            # offloading keeps one copy of each block, and an unreduced array's devices hold
+            # different partial values of theirs
+            raise SuspendedError(f"the session holds unreduced arrays {[hex(h) for h in partial[:8]]}, whose devices "
+                                 "hold partial values that suspending would not keep; reduce them "
+                                 "(jax.sharding.reshard) or delete them, then suspend")
         s.suspension = Suspension(msg.req, msg.path)
         s.tail = None
         self._draining.add(sid)

@@ -98,6 +98,13 @@ def lower(graph: ProgramGraph, fns: Mapping[int, FnLayouts], input_layouts: Mapp
         if (v, want) in copy_of:
             return copy_of[(v, want)]
         src_layout = home[v]
+        if src_layout.unreduced or want.unreduced:
+            # a move copies a block from any device holding it, which is right for
+            # replicas only: partial values would be dropped or counted again
+            raise WireError(f"value {v} would move from a layout with unreduced axes {list(src_layout.unreduced)} "
+                            f"to one with {list(want.unreduced)}, which would lose or repeat its partial values; "
+                            "reduce it first (jax.sharding.reshard to a sharding without unreduced axes), or "
+                            "use it on the devices and sharding that hold it")
         src = copy_of[(v, src_layout)]
         dst = next_copy
         next_copy += 1

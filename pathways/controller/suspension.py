@@ -14,6 +14,8 @@ gives it no share: its weight counts again from the first run after it resumes.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional
 
@@ -77,7 +79,7 @@ class Remap:
         moved = self.devices(layout.workers, layout.devices)
         if moved is None:
             return None
-        return Layout(moved[0], moved[1], layout.mesh_shape, layout.axis_names, layout.spec)
+        return dataclasses.replace(layout, workers=moved[0], devices=moved[1])
 
     def _layouts(self, layouts: tuple[Layout, ...]) -> tuple[Layout, ...]:
         out = tuple(self.layout(x) for x in layouts)

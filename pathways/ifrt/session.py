@@ -43,7 +43,7 @@ from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as
 from pathways.ifrt.proto.xla.python.ifrt_proxy.common import types_pb2
 from pathways.ifrt.proto.xla.python.pjrt_ifrt import xla_compiler_pb2
 from pathways.ifrt.types import IfrtError, Sharding
-from pathways.ir import Layout, Node, ProgramGraph
+from pathways.ir import Layout, Node, ProgramGraph, device_regions, evenly_divided, partials, stacked
 from pathways.platforms import export_platforms
 from pathways.protocol import messages as m
 from pathways.protocol.handles import HeldReleases
@@ -281,10 +281,50 @@ class IfrtSession:
         if len(islands) > 1:
             return self._put_parts(value, sharding, islands)
         place, layout = self.devices.layout(sharding, value.ndim)
+        if layout.unreduced:
+            raise IfrtError(t.UNIMPLEMENTED, "an unreduced array is made of its devices' partial values "
+                                             "(jax.make_array_from_single_device_arrays), not of one host value")
+        return self._put_on(place, layout, value, tuple(value.shape), sharding)
+
+    def _put_on(self, place: SliceDevices, layout: Layout, value: np.ndarray, shape: tuple[int, ...],
+                sharding: Sharding) -> _Array:
+        """An array of ``shape`` put on ``place`` laid out by ``layout``: ``value``, or for an
+        unreduced layout the stack of its partial values."""
         handle = self.native.allocate(1)
         moves = self.native.moves  # before the addresses: a move in between makes the controller drop the put
         self.native.put(place.addresses, handle, layout, value, moves)
-        return _Array(value.dtype, tuple(value.shape), sharding, handle, layout, place)
+        return _Array(value.dtype, shape, sharding, handle, layout, place)
+
+    def _put_partials(self, dtype: np.dtype, shape: tuple[int, ...], sharding: Sharding,
+                      own: dict[int, np.ndarray]) -> _Array:
+        """An unreduced array from ``own``: the partial value of its block each device holds
+        (by position in ``sharding.devices``), put as their stack (ir.stacked), which keeps
+        every device's own."""
+        missing = [i for i in range(len(sharding.devices)) if i not in own]
+        if missing:
+            raise t.invalid(f"an unreduced array needs every device's partial value; shard(s) {missing[:16]} "
+                            "have none")
+        if len(self._table.islands(sharding.devices)) > 1:
+            raise IfrtError(t.UNIMPLEMENTED, "an unreduced array laid out across islands is not supported; lay it "
+                                             "out on one island's devices")
+        place, layout = self._table.layout(sharding, len(shape))
+        if not evenly_divided(shape, layout):
+            raise IfrtError(t.UNIMPLEMENTED, f"an unreduced array of shape {list(shape)} must split evenly over "
+                                             "its sharding's tiles")
+        stack = np.empty((partials(layout), *shape), dtype)
+        if math.prod(stack.shape) * dtype.itemsize > self.buffers.limit:
+            raise IfrtError(t.RESOURCE_EXHAUSTED, f"the {stack.shape[0]} partial values of a {dtype.name}{list(shape)} "
+                                                  f"array need more than {self.buffers.limit} bytes here")
+        blocks = device_regions(stack.shape, stacked(layout))  # in the layout's device order
+        position = {pair: j for j, pair in enumerate(layout.devices)}
+        for i, block in own.items():
+            d = self._table.get(sharding.devices[i])
+            region = blocks[position[(d.rank, d.index)]]
+            if tuple(b - a for a, b in region[1:]) != block.shape:
+                raise t.invalid(f"shard {i} has shape {list(block.shape)}; the sharding gives it "
+                                f"{[b - a for a, b in region[1:]]}")
+            stack[tuple(slice(a, b) for a, b in region)] = block
+        return self._put_on(place, layout, stack, shape, sharding)
 
     def _put_parts(self, value: np.ndarray, sharding: Sharding, islands: list[list[int]]) -> _Array:
         """``value`` laid out across islands: each island's box of it put on that island."""
@@ -300,12 +340,18 @@ class IfrtSession:
             raise
         return _Array(value.dtype, shape, sharding, parts=tuple(parts))
 
-    def _fetch(self, arr: _Array, data: bool) -> Any:
-        """The array's value (``data``) or its readiness, from the workers; bounded."""
+    def _fetch(self, arr: _Array, data: bool, device: Optional[int] = None) -> Any:
+        """The array's value (``data``) or its readiness, from the workers; bounded. With
+        ``device`` (an IFRT id): the buffer of that device of the array alone."""
         assert arr.handle is not None and arr.place is not None
         addresses = arr.place.addresses[:1] if arr.sharding.replicated else arr.place.addresses
+        pair = None
+        if device is not None:
+            d = self._table.get(device)
+            pair = (d.rank, d.index)
+            addresses = (arr.place.addresses[arr.place.workers.index(arr.place.workers_by_rank[d.rank])],)
         try:
-            value = self.native.fetch(addresses, arr.handle, WAIT_SECONDS, data)
+            value = self.native.fetch(addresses, arr.handle, WAIT_SECONDS, data, pair)
         except errors.PathwaysError as e:
             raise t.runtime_failure(e) from None
         if value is None:
@@ -320,11 +366,19 @@ class IfrtSession:
         if arr.group is None:
             return self._fetch(arr, data=True)
         group = arr.group
+        assert arr.region is not None
+        parent = group.parent
+        if parent.layout is not None and parent.layout.unreduced:
+            # each device holds a partial value of its block, not a replica: a shard is
+            # read from its own device
+            device = arr.sharding.devices[0]
+            block = t.shard_regions(parent.sharding, parent.shape)[parent.sharding.devices.index(device)]
+            shard = self._fetch(parent, data=True, device=device)
+            return shard[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(arr.region, block))]
         with group.lock:  # the parent is fetched once for all its views
             if group.value is None:
                 group.value = self._host_value(group.parent)
             value = group.value
-        assert arr.region is not None
         return value[tuple(slice(a, b) for a, b in arr.region)]
 
     def _assembled(self, arr: _Array) -> np.ndarray:
@@ -484,6 +538,8 @@ class IfrtSession:
             value: Optional[np.ndarray] = None
             owned = False  # whether value is a buffer of ours the shards are copied into
             covered = 0
+            partial = t.is_unreduced(sharding.op)
+            own: dict[int, np.ndarray] = {}  # an unreduced array's: each device's partial value
             for indices, hb in zip(spec.addressable_shard_indices, spec.host_buffers):
                 if t.dtype_of(hb.dtype) != dtype:
                     raise t.invalid(f"a host buffer of dtype {t.dtype_of(hb.dtype)} for an array of {dtype}")
@@ -496,13 +552,18 @@ class IfrtSession:
                     if tuple(b - a for a, b in region) != shard.shape:
                         raise t.invalid(f"shard {i} has shape {list(shard.shape)}; the sharding gives it "
                                         f"{[b - a for a, b in region]}")
-                    if region == tuple((0, d) for d in shape):
+                    if partial:
+                        own[i] = shard
+                    elif region == tuple((0, d) for d in shape):
                         value = shard  # a replica of the whole array: no copy
                     else:
                         if not owned:
                             value, owned = np.empty(shape, dtype), True
                         value[tuple(slice(a, b) for a, b in region)] = shard
                     covered += 1
+            if partial:
+                arrays.append(self._put_partials(dtype, shape, sharding, own))
+                continue
             if value is None or covered == 0:
                 raise t.invalid("an array needs at least one host buffer shard")
             arrays.append(self._put(value, sharding))
@@ -590,16 +651,20 @@ class IfrtSession:
         parent = shards[0].group.parent if shards[0].group is not None else None
         if (parent is not None and len(groups) == 1 and parent.shape == shape and parent.error is None
                 and not parent.deleted and set(parent.sharding.devices) == set(sharding.devices)
+                and t.is_unreduced(parent.sharding.op) == t.is_unreduced(sharding.op)
                 and all(s.region == r and s.sharding.devices == (d,)
                         for s, r, d in zip(shards, regions, sharding.devices))):
             # the views of one parent on all its devices, each the block the sharding gives
             # its device: every device holds what it held, so this is the parent's pathways
             # array under the new sharding (a new IFRT array, so that deleting one handle
-            # leaves the other's reference to be dropped when it goes)
+            # leaves the other's reference to be dropped when it goes). Not across unreduced
+            # and not: the layout says whether the devices' values are partial or replicas.
             return dataclasses.replace(parent, sharding=sharding)
         if math.prod(shape) * dtype.itemsize > self.buffers.limit:
             raise IfrtError(t.RESOURCE_EXHAUSTED, f"assembling a {dtype.name}{list(shape)} array from shards "
                                                   f"held apart needs more than {self.buffers.limit} bytes here")
+        if t.is_unreduced(sharding.op):
+            return self._put_partials(dtype, shape, sharding, {i: self._host_value(s) for i, s in enumerate(shards)})
         value = np.empty(shape, dtype)
         for s, region in zip(shards, regions):
             value[tuple(slice(a, b) for a, b in region)] = self._host_value(s)

@@ -13,8 +13,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from pathways.errors import DeadlineExceededError, WorkerLostError
-from pathways.hlo import row_major
+from pathways.errors import DeadlineExceededError, WireError, WorkerLostError
+from pathways.hlo import row_major, tile_assignment
 from pathways.ifrt.proto.xla import xla_data_pb2
 from pathways.ifrt.proto.xla.python.ifrt import dtype_pb2, serdes_pb2, sharding_pb2, sharding_serdes_pb2, shape_pb2
 from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2
@@ -154,6 +154,12 @@ def is_replicated(op: bytes, ndevices: int) -> bool:
     return False
 
 
+def is_unreduced(op: bytes) -> bool:
+    """Whether devices of this OpSharding hold partial values to be summed (UNREDUCED)."""
+    o = op_of(op)
+    return o.type == o.UNREDUCED or o.UNREDUCED in o.last_tile_dims
+
+
 def parse_sharding(proto: sharding_pb2.ShardingProto, ndevices_known: int) -> Sharding:
     """The sharding a client sent; ``ndevices_known``: how many devices the session has
     (every id must be below it)."""
@@ -243,18 +249,23 @@ Region = tuple[tuple[int, int], ...]
 
 
 def shard_regions(sharding: Sharding, shape: tuple[int, ...]) -> list[Region]:
-    """The block of the array each device of ``sharding`` holds, in device order.
-    IfrtError for shardings this server cannot cut (MANUAL, partial subgroups)."""
+    """The block of the array each device of ``sharding`` holds, in device order (an
+    unreduced array's devices hold partial values of their blocks). IfrtError for
+    shardings this server cannot cut (MANUAL, manual subgroups)."""
     n = len(sharding.devices)
     full = tuple((0, d) for d in shape)
-    if sharding.replicated:
-        return [full] * n
     o = op_of(sharding.op)
-    if o.type != o.OTHER or o.last_tile_dims:
+    if sharding.replicated or o.type == o.UNREDUCED:
+        return [full] * n
+    partial = {o.REPLICATED, o.UNREDUCED}
+    if o.type != o.OTHER or not set(o.last_tile_dims) <= partial:
         name = xla_data_pb2.OpSharding.Type.Name(o.type) if o.type in xla_data_pb2.OpSharding.Type.values() else "?"
-        raise IfrtError(UNIMPLEMENTED, f"an OpSharding of type {name} with subgroups cannot be cut into shards here")
+        raise IfrtError(UNIMPLEMENTED, f"an OpSharding of type {name} with subgroups "
+                                       f"{[xla_data_pb2.OpSharding.Type.Name(k) for k in o.last_tile_dims]} "
+                                       "cannot be cut into shards here; only replicated and unreduced ones can")
     dims = list(o.tile_assignment_dimensions)
-    tiled = dims[:-1] if o.replicate_on_last_tile_dim else dims
+    subgroups = len(o.last_tile_dims) or int(o.replicate_on_last_tile_dim)
+    tiled = dims[:len(dims) - subgroups]
     if len(tiled) != len(shape) or math.prod(dims) != n:
         raise invalid(f"OpSharding tile dims {dims} do not fit a rank-{len(shape)} array on {n} devices")
     order = tile_devices(o, n)
@@ -267,9 +278,7 @@ def shard_regions(sharding: Sharding, shape: tuple[int, ...]) -> list[Region]:
             lo = min(int(coords[axis]) * step, size)
             block.append((lo, min(lo + step, size)))
         regions[device] = tuple(block)
-    if any(r is None for r in regions):
-        raise invalid("the OpSharding's tile assignment does not name every device once")
-    return regions  # type: ignore[return-value]
+    return regions  # type: ignore[return-value]  # every entry set: the tile order is a permutation
 
 
 def island_part(sharding: Sharding, shape: tuple[int, ...], positions: Sequence[int]) -> tuple[Region, Sharding]:
@@ -306,17 +315,14 @@ def island_part(sharding: Sharding, shape: tuple[int, ...], positions: Sequence[
 
 
 def tile_devices(o: xla_data_pb2.OpSharding, n: int) -> list[int]:
-    """The logical device of each tile, in row-major tile order."""
+    """The logical device of each tile, in row-major tile order: a permutation of 0..n-1."""
     dims = list(o.tile_assignment_dimensions)
-    if o.iota_reshape_dims:
-        perm = list(o.iota_transpose_perm) or list(range(len(o.iota_reshape_dims)))
-        order = np.arange(n).reshape(list(o.iota_reshape_dims)).transpose(perm).reshape(-1)
-        devices = [int(d) for d in order]
-    else:
-        devices = [int(d) for d in o.tile_assignment_devices]
-    if sorted(devices) != list(range(n)) or math.prod(dims) != n:
-        raise invalid(f"the OpSharding's tile assignment {devices[:16]} is not a permutation of 0..{n - 1}")
-    return devices
+    if math.prod(dims) != n:
+        raise invalid(f"the OpSharding's {math.prod(dims)} tiles {dims} are not one per device of {n}")
+    try:
+        return tile_assignment(o, dims, n)
+    except WireError as e:
+        raise invalid(str(e)) from None
 
 
 # ---- host buffers ---------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from pathways.timeline import MAX_DETAIL, MAX_EVENTS
 from pathways.timeline import MAX_NAME as MAX_SPAN_NAME
 from pathways.wire.codec import MAX_MESSAGE_BYTES, is_wire_dtype_name, list_header, pack, pack_each, unpack
 
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 # How a function's blob is to be compiled: a jax.export artifact (its layouts given by the
 # client), or a StableHLO portable artifact with xla CompileOptions (layouts reported back
 # by the worker that compiles it, in ``Compiled``).
@@ -912,12 +912,16 @@ class RetireRequest(Message):
 @message("fetch")
 class FetchRequest(Message):
     """Ask a worker for an array: wait up to ``wait`` seconds for it, send its bytes if
-    ``data``, else only say it is ready. ``credential`` is that of the handle's session."""
+    ``data``, else only say it is ready. ``credential`` is that of the handle's session.
+    ``device`` (host rank, device index), if given, asks for that one device's buffer
+    only (its own bytes even where the layout says another device holds the same block:
+    an unreduced array's partial values); else the distinct blocks the host holds."""
 
     handle: int = wire(HANDLE)
     wait: float = wire(Float(0.0, MAX_WAIT_SECONDS))
     data: bool = wire(Bool())
     credential: bytes = wire(CREDENTIAL)
+    device: tuple[int, int] | None = wire(Optional(Fixed(Int(0, MAX_RANK), Int(0, MAX_DEVICES_PER_HOST))), None)
 
 
 # ---- timelines (timeline.py): a client collects the spans of its traced runs -----------------

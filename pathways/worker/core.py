@@ -44,6 +44,7 @@ from jax._src.interpreters import pxla  # batched_device_put: where jax.make_arr
 
 from pathways.defaults import CONTROLLER_STOPPED
 from pathways.errors import AccessDeniedError, ConnectError, WireError
+from pathways.ir import partials, stacked
 from pathways.protocol.check import MAX_TEXT, Int, Str
 from pathways.protocol.errors import POISON_KINDS, REMOTE
 from pathways.protocol.handles import MAX_HANDLE, session_of
@@ -567,8 +568,27 @@ class WorkerCore:
                        f"what this worker holds of it")
             self.store.put(handle, Poison(message), replace=False)
             return message
-        self.store.put(handle, shareable(self._device_arrays.make(sharding, shape, dtype, assembly)))
+        value = self._device_arrays.make(sharding, shape, dtype, assembly)
+        if "unstack" in header:
+            value = self._unstacked(header, value)
+        self.store.put(handle, shareable(value))
         return None
+
+    def _unstacked(self, header: dict, value: Any) -> Any:
+        """The unreduced array whose partial values ``value`` stacks (``ir.stacked``): each
+        device's block of the stack, its own partial value, stays on its device."""
+        layout = LAYOUT.check(header["unstack"], "put header field 'unstack'")
+        if not layout.unreduced or stacked(layout) != LAYOUT.check(header["layout"], "put header field 'layout'"):
+            raise WireError("put header field 'unstack' must be a layout with unreduced axes whose stacked layout "
+                            "is field 'layout'")
+        if value.shape[:1] != (partials(layout),):
+            raise WireError(f"the stack of an unreduced array's {partials(layout)} partial values has shape "
+                            f"{list(value.shape)}")
+        shape = tuple(value.shape[1:])
+        sharding = self.executables.sharding(layout)
+        mine = {s.device: s.data for s in value.addressable_shards}
+        return jax.make_array_from_single_device_arrays(
+            shape, sharding, [mine[d].reshape(sharding.shard_shape(shape)) for d in sharding.addressable_devices])
 
     def _poisoned(self, handle: int, poison: Poison) -> None:
         """``handle`` will never hold a value (unless it holds one already): the pieces
@@ -641,7 +661,10 @@ class WorkerCore:
             yield codec.pack({"state": "ready"})
             return
         try:
-            dtype, shape, pieces = local_pieces(value)
+            if req.device:
+                dtype, shape, pieces = device_piece(value, self.executables.device(req.device))
+            else:
+                dtype, shape, pieces = local_pieces(value)
         except Exception as e:
             poison = failure(f"the computation of array {req.handle:#x} on worker {self.worker_id}", e)
             yield codec.pack({"state": "error", "kind": poison.kind, "message": poison.message})
@@ -726,6 +749,18 @@ def local_pieces(value: Any) -> tuple[Any, tuple[int, ...], list]:
             seen.add(index)
             pieces.append((index, np.asarray(shard.data)))
     return value.dtype, shape, pieces
+
+
+def device_piece(value: Any, device: Any) -> tuple[Any, tuple[int, ...], list]:
+    """The one shard of ``value`` on jax device ``device``, as local_pieces gives pieces:
+    that device's own buffer, though another device may hold the same block (an unreduced
+    array's devices hold different partial values of it). WireError if it holds none."""
+    value.block_until_ready()
+    shape = tuple(value.shape)
+    for shard in value.addressable_shards:
+        if shard.device == device:
+            return value.dtype, shape, [(_region(shard.index, shape), np.asarray(shard.data))]
+    raise WireError(f"the array holds no shard on {device}; it is on {sorted(d.id for d in value.sharding.device_set)}")
 
 
 def _region(index: tuple, shape: tuple[int, ...]) -> tuple:

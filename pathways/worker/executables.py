@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pathways.errors import WireError
-from pathways.ir import Layout
+from pathways.ir import Device, Layout
 from pathways.protocol.check import MAX_NAME, clip_text
 from pathways.protocol.handles import session_of
 from pathways.protocol.messages import Compiled
@@ -150,6 +150,14 @@ class Executables:
             zeros = np.zeros(aval.shape, aval.dtype)
             out.append(jax.make_array_from_callback(aval.shape, self.sharding(layout), lambda index: zeros[index]))
         return out
+
+    def device(self, pair: Device) -> Any:
+        """The jax device of (host rank, device index) ``pair``; WireError if the island has none."""
+        device = self._devices.get(tuple(pair))
+        if device is None:
+            raise WireError(f"device {tuple(pair)} (host rank, index) is not one of this worker's island's "
+                            f"{sorted(self._devices)}")
+        return device
 
     def sharding(self, layout: Layout) -> NamedSharding:
         sharding = self._shardings.get(layout)

@@ -63,11 +63,12 @@ def fingerprint(artifact: bytes, options: bytes, devices: Sequence[Device], work
 class XlaExecutable:
     """A loaded executable as a function of global jax.Arrays (see the module's doc)."""
 
-    def __init__(self, loaded: Any, in_avals: list, in_shardings: list, out_shardings: list,
+    def __init__(self, loaded: Any, in_avals: list, in_shardings: list, in_named: list, out_shardings: list,
                  out_types: Sequence[tuple[str, tuple[int, ...]]], metadata: Metadata,
                  token_outs: Sequence[int] = ()) -> None:
         self._loaded = loaded
         self._in = in_shardings  # GSPMDShardings over the executable's devices, in its order
+        self._in_named = in_named  # NamedShardings of the parameter layouts: the same blocks on the same devices
         self._out = out_shardings  # NamedShardings of the output layouts
         self._out_shapes = [shape for _, shape in out_types]
         self._token_outs = frozenset(token_outs)
@@ -90,19 +91,21 @@ class XlaExecutable:
 
     def _as_expected(self, i: int, x: Any) -> Any:
         """Argument ``i`` with its buffers in the executable's device order: the same
-        shards relabelled when its sharding places data as the parameter's does (the
-        controller moved it there), else moved. A buffer on the wrong device is an error
-        in XLA, and data in the wrong place would be a wrong result."""
+        shards relabelled when its sharding gives each device the block the parameter's
+        does (the controller moved it there), else moved. A buffer on the wrong device is
+        an error in XLA, and data in the wrong place would be a wrong result. Blocks, not
+        JAX's sharding equivalence, decide: a mesh in tile order and XLA's iota tile
+        assignment (``<=[2,2]T(1,0)``) place the same blocks but list devices differently."""
         expected = self._in[i]
         key = (i, x.sharding)
         same = self._equivalent.get(key)
         if same is None:
-            # each device's block, whatever order the two list the devices in
-            same = x.sharding.devices_indices_map(x.shape) == expected.devices_indices_map(x.shape)
+            # the layout's sharding, not XLA's: JAX maps no blocks for an unreduced GSPMDSharding
+            same = x.sharding.devices_indices_map(x.shape) == self._in_named[i].devices_indices_map(x.shape)
             if len(self._equivalent) < 1024:
                 self._equivalent[key] = same
         if not same:
-            return jax.device_put(x, expected)
+            x = jax.device_put(x, self._in_named[i])  # JAX moves arrays between NamedShardings only
         return jax.make_array_from_single_device_arrays(x.shape, expected, [s.data for s in x.addressable_shards])
 
 
@@ -163,7 +166,8 @@ def compile_xla(name: str, artifact: bytes, options: bytes, devices: Sequence[De
                         tuple(donated), fingerprint(artifact, options, devices, workers),
                         _module_name(loaded, name), analysis(loaded))
     return XlaExecutable(loaded, in_avals, [GSPMDSharding(jax_devices, h) for h in in_hlo],
-                         [sharding_of(layout) for layout in outs], out_types, metadata, token_outs)
+                         [sharding_of(layout) for layout in ins], [sharding_of(layout) for layout in outs],
+                         out_types, metadata, token_outs)
 
 
 def analysis(loaded: Any) -> Analysis:
