@@ -468,7 +468,7 @@ class Session:
         return self._fetch(addresses, handle, wait, data, device)
 
     def _fetch(self, addresses: tuple[str, ...], handle: int, wait: float, data: bool,
-               device: Optional[Device]) -> Optional[np.ndarray | bool]:
+               device: Optional[Device] = None) -> Optional[np.ndarray | bool]:
         deadline = time.monotonic() + wait
         assembly = None
         for address in addresses:
