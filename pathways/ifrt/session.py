@@ -48,6 +48,7 @@ from pathways.platforms import export_platforms
 from pathways.protocol import messages as m
 from pathways.protocol.handles import HeldReleases
 from pathways.timeline import function_label, now
+from pathways.wire.codec import dtype_of_name
 
 log = logging.getLogger("pathways.ifrt")
 
@@ -958,7 +959,7 @@ class IfrtSession:
         for j, layout in enumerate(c.outs):
             dtype, shape = c.out_types[j]
             place = self._table.at(exe.place.slice, layout.devices, layout.workers)
-            outs.append(_Array(t._np_dtype(dtype), tuple(shape), Sharding(exe.devices, c.out_shardings[j]),
+            outs.append(_Array(dtype_of_name(dtype), tuple(shape), Sharding(exe.devices, c.out_shardings[j]),
                                base + len(args) + j, layout, place))
         keep = set(body.execute_options.non_donatable_input_indices)
         for i in c.donated:

@@ -20,7 +20,7 @@ from pathways.ifrt.proto.xla.python.ifrt import dtype_pb2, serdes_pb2, sharding_
 from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2
 from pathways.ifrt.proto.xla.python.pjrt_ifrt import xla_sharding_pb2
 from pathways.ifrt.proto.xla.tsl.protobuf import error_codes_pb2
-from pathways.wire.codec import _np_dtype, is_wire_dtype
+from pathways.wire.codec import dtype_of_name, is_wire_dtype
 
 # Status codes (tensorflow.error.Code) the server answers with.
 INVALID_ARGUMENT = error_codes_pb2.INVALID_ARGUMENT
@@ -88,12 +88,12 @@ def dtype_of(proto: dtype_pb2.DTypeProto) -> np.dtype:
         kind = _K.Kind.Name(proto.kind) if proto.kind in _K.Kind.values() else str(proto.kind)
         raise IfrtError(UNIMPLEMENTED, f"arrays of dtype {kind} are not supported by this server; use one of "
                                        f"{sorted(_KIND_OF_NAME)}")
-    return _np_dtype(name)
+    return dtype_of_name(name)
 
 
 def dtype_proto(dtype: np.dtype | str) -> dtype_pb2.DTypeProto:
     name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
-    if name not in _KIND_OF_NAME or not is_wire_dtype(_np_dtype(name)):
+    if name not in _KIND_OF_NAME or not is_wire_dtype(dtype_of_name(name)):
         raise IfrtError(UNIMPLEMENTED, f"dtype {name} has no IFRT form here")
     return dtype_pb2.DTypeProto(kind=_KIND_OF_NAME[name], version_number=0)
 

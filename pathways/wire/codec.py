@@ -199,7 +199,7 @@ def check_array_header(header: Any) -> tuple[np.dtype, tuple[int, ...], int]:
     shape = int_list(shape, "array shape")
     if any(d < 0 for d in shape):
         raise WireError(f"array shape {shape} has a negative size")
-    np_dtype = _np_dtype(dtype)
+    np_dtype = dtype_of_name(dtype)
     expect = math.prod(shape) * np_dtype.itemsize
     if nbytes != expect or isinstance(nbytes, bool):
         raise WireError(f"array header says {brief(nbytes)} bytes but {dtype}{shape} needs {expect}")
@@ -216,7 +216,8 @@ def brief(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _np_dtype(name: str) -> np.dtype:
+def dtype_of_name(name: str) -> np.dtype:
+    """The numpy dtype a wire dtype name stands for (ml_dtypes' types among them), remembered."""
     dtype = _DTYPES.get(name)
     if dtype is None:
         if name in ML_DTYPES:

@@ -30,7 +30,7 @@ from pathways.ir import Device, Layout
 from pathways.protocol.messages import MEMORY_STATS, Analysis
 from pathways.timeline import function_label
 from pathways.worker.compile_cache import CompileCache, digest
-from pathways.wire.codec import WIRE_DTYPES, _np_dtype
+from pathways.wire.codec import WIRE_DTYPES, dtype_of_name
 
 _DONOR_ATTRS = ("tf.aliasing_output", "jax.buffer_donor")
 
@@ -306,7 +306,7 @@ def _aval(name: str, t: Any, what: str) -> tuple[tuple[int, ...], np.dtype]:
 def _dtypes() -> dict[str, np.dtype]:
     """Each wire dtype by the name of its MLIR element type (``i4``, ``f8E4M3FN``, ...)."""
     with mlir.make_ir_context():
-        return {str(mlir.dtype_to_ir_type(_np_dtype(n))): _np_dtype(n) for n in WIRE_DTYPES}
+        return {str(mlir.dtype_to_ir_type(dtype_of_name(n))): dtype_of_name(n) for n in WIRE_DTYPES}
 
 
 _DTYPES = _dtypes()
