@@ -11,11 +11,32 @@ from pathways.wire import rpc
 from pathways.wire.security import Security
 
 
-class InProcessController:
-    def __init__(self, security: Security | None = None, heartbeat_timeout: float = HEARTBEAT_TIMEOUT) -> None:
+class LoopThread:
+    """An asyncio event loop running on a thread of its own, as the controller serves on."""
+
+    def __init__(self, name: str = "loop") -> None:
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="controller", daemon=True)
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self.thread.start()
+
+    def run(self, coro, timeout: float = 10.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10.0)
+        self.loop.close()
+
+    def __enter__(self) -> "LoopThread":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class InProcessController(LoopThread):
+    def __init__(self, security: Security | None = None, heartbeat_timeout: float = HEARTBEAT_TIMEOUT) -> None:
+        super().__init__("controller")
         self.controller = controller_server.ControllerServer("fair", DEFAULT_WINDOW, security,
                                                              heartbeat_timeout=heartbeat_timeout)
         self.lost: list = []
@@ -31,9 +52,6 @@ class InProcessController:
                                                         security=security))
         self.address = f"grpc://127.0.0.1:{port}"
 
-    def run(self, coro, timeout: float = 10.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
     def workers(self) -> list[int]:
         async def ids():
             return sorted(self.controller.core.workers)
@@ -43,6 +61,4 @@ class InProcessController:
         try:
             self.run(self.controller.stop(self.grpc), 20.0)
         finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10.0)
-            self.loop.close()
+            self.stop()

@@ -12,6 +12,7 @@ import grpc
 
 from pathways.protocol import messages as m
 from pathways.wire import rpc
+from tests.inprocess import LoopThread
 
 
 def test_joined_items_are_the_bytes_of_an_encoded_batch():
@@ -150,46 +151,27 @@ def test_a_stream_that_ends_under_its_writer_lets_a_waiting_reader_go_on():
     asyncio.run(scenario())
 
 
-class _Loop:
-    """An asyncio loop in a thread of its own, as the controller serves on."""
-
-    def __enter__(self) -> asyncio.AbstractEventLoop:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        return self.loop
-
-    def __exit__(self, *exc) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        self.loop.close()
-
-
-def _on(loop, coroutine, timeout=5.0):
-    return asyncio.run_coroutine_threadsafe(coroutine, loop).result(timeout)
-
-
 def test_a_local_stream_carries_requests_to_the_loop_and_replies_back_and_ends_either_way():
     """The IFRT front end's sessions reach the controller in its own process: requests read on
     the loop in order, replies iterated by the client, the client's cancel seen as the end of
     the requests, the server's finish (with an error or not) as the end of the replies."""
-    with _Loop() as loop:
-        call = rpc.LocalStream(loop, iter([b"a", b"b"]))
-        assert [_on(loop, call.read()) for _ in range(2)] == [b"a", b"b"]
-        assert _on(loop, call.read()) is grpc.aio.EOF, "the requests ended"
+    with LoopThread() as loop:
+        call = rpc.LocalStream(loop.loop, iter([b"a", b"b"]))
+        assert [loop.run(call.read(), 5.0) for _ in range(2)] == [b"a", b"b"]
+        assert loop.run(call.read(), 5.0) is grpc.aio.EOF, "the requests ended"
         for reply in (b"x", b"y"):
-            _on(loop, call.write(reply))
+            loop.run(call.write(reply), 5.0)
         call.finish()
         assert list(call) == [b"x", b"y"] and list(call) == [], "ended, and stays ended"
 
-        forever = rpc.LocalStream(loop, iter(lambda: b"r", None))
-        assert _on(loop, forever.read()) == b"r"
+        forever = rpc.LocalStream(loop.loop, iter(lambda: b"r", None))
+        assert loop.run(forever.read(), 5.0) == b"r"
         forever.cancel()  # the client closes its session: the server's reads end
-        while (got := _on(loop, forever.read())) == b"r":
+        while (got := loop.run(forever.read(), 5.0)) == b"r":
             pass
         assert got is grpc.aio.EOF and list(forever) == []
 
-        failed = rpc.LocalStream(loop, iter([]))
+        failed = rpc.LocalStream(loop.loop, iter([]))
         failed.finish(ConnectionError("refused"))
         try:
             next(failed)
@@ -210,14 +192,14 @@ def test_a_local_stream_takes_at_most_its_bound_ahead_of_a_server_that_does_not_
             taken.append(i)
             yield b"%d" % i
 
-    with _Loop() as loop:
-        call = rpc.LocalStream(loop, requests())
+    with LoopThread() as loop:
+        call = rpc.LocalStream(loop.loop, requests())
         deadline = time.monotonic() + 5
         while len(taken) <= rpc.LOCAL_AHEAD and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.2)
         assert len(taken) == rpc.LOCAL_AHEAD + 1, "the bound, and the one waiting for a slot"
-        assert [_on(loop, call.read()) for _ in range(n)] == [b"%d" % i for i in range(n)]
+        assert [loop.run(call.read(), 5.0) for _ in range(n)] == [b"%d" % i for i in range(n)]
         call.cancel()
 
 
@@ -225,15 +207,15 @@ def test_a_client_outbox_behind_a_local_stream_goes_out_in_batches_while_the_ser
     """Messages put one at a time while the server handles a payload wait in the Outbox
     and reach the server as one batch, not as a payload each."""
     outbox = rpc.Outbox()
-    with _Loop() as loop:
-        call = rpc.LocalStream(loop, outbox.batches())
+    with LoopThread() as loop:
+        call = rpc.LocalStream(loop.loop, outbox.batches())
         outbox.put(m.ClusterRequest(1))
-        first = _on(loop, call.read())  # the server is now busy with it
+        first = loop.run(call.read(), 5.0)  # the server is now busy with it
         for i in range(2, 12):
             outbox.put(m.ClusterRequest(i))
         got = [m.SESSION_UP.decode_batch(first)]
         while sum(map(len, got)) < 11:
-            got.append(m.SESSION_UP.decode_batch(_on(loop, call.read())))
+            got.append(m.SESSION_UP.decode_batch(loop.run(call.read(), 5.0)))
         assert [x.req for batch in got for x in batch] == list(range(1, 12))
         assert len(got) <= 3, [len(b) for b in got]  # the first, maybe one taken at once, then the rest together
         outbox.close()
