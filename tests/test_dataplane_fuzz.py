@@ -34,7 +34,7 @@ class Fuzzer:
 
     def valid(self):
         rng = self.rng
-        dtype = codec._np_dtype(rng.choice(_DTYPES))
+        dtype = codec.dtype_of_name(rng.choice(_DTYPES))
         shape = tuple(rng.randint(0, 5) for _ in range(rng.randint(0, 3)))
         full = np.frombuffer(rng.randbytes(int(np.prod(shape)) * dtype.itemsize), np.uint8).view(dtype).reshape(shape)
         if shape and shape[0] > 1 and rng.random() < 0.5:  # two pieces along the first axis
