@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from typing import Iterator, Optional
 
 from pathways.cluster import stop_processes
@@ -84,3 +85,70 @@ def silent_streams(address: str, count: int, reopen_after: Optional[float] = Non
         channel.close()
         for t in threads:
             t.join(timeout=10)
+
+
+class RawStream:
+    """One IfrtSession stream spoken by hand: requests from a queue, responses collected by op_id."""
+
+    def __init__(self, channel, metadata):
+        import queue
+
+        from pathways.ifrt import server as ifrt_server
+
+        self.requests: queue.Queue = queue.Queue()
+        self.answered: dict = {}
+        self.ended = threading.Event()
+        self.error = None
+        call = channel.stream_stream(f"/{ifrt_server.SERVICE}/IfrtSession")
+        self.call = call(iter(self.requests.get, None), metadata=metadata, timeout=600)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        import grpc
+
+        from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
+
+        try:
+            for raw in self.call:
+                response = pb.IfrtResponse.FromString(raw)
+                self.answered[response.response_metadata.op_id] = response
+        except grpc.RpcError as e:
+            self.error = e
+        finally:
+            self.ended.set()
+
+    def init(self) -> int:
+        """Open the session (op_id 1); its session id."""
+        from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
+
+        init = pb.IfrtRequest()
+        init.request_metadata.op_id = 1
+        init.init_request.SetInParent()
+        self.send(init.SerializeToString())
+        self.wait([1])
+        assert 1 in self.answered and self.answered[1].HasField("init_response"), self.error
+        return self.answered[1].init_response.session_id
+
+    def send(self, raw: bytes):
+        self.requests.put(raw)
+
+    def wait(self, op_ids, timeout=120.0):
+        deadline = time.monotonic() + timeout
+        while not self.ended.is_set() and not all(o in self.answered for o in op_ids):
+            assert time.monotonic() < deadline, f"{sum(o not in self.answered for o in op_ids)} requests unanswered"
+            time.sleep(0.02)
+
+    def close(self):
+        self.requests.put(None)
+        self.ended.wait(30)
+        self.call.cancel()
+
+
+def session_metadata(version=25):
+    """The metadata of an IfrtSession stream speaking protocol ``version``."""
+    from pathways.ifrt import server as ifrt_server
+    from pathways.ifrt.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as gpb
+
+    meta = gpb.GrpcIfrtSessionMetadata()
+    meta.version.protocol_version = version
+    return ((ifrt_server.SESSION_METADATA, meta.SerializeToString()),)

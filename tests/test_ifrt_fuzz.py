@@ -3,16 +3,13 @@ gRPC session streams, garbage bytes and bad metadata. The server answers every r
 that parses with a response carrying its op_id (a status at worst) or closes the session,
 never dies, and a normal JAX client works afterwards."""
 
-import queue
 import random
-import threading
-import time
 
 import grpc
 import numpy as np
 import pytest
 
-from ifrt_helpers import run_jax
+from ifrt_helpers import RawStream, run_jax, session_metadata
 from pathways.cluster import Island, LocalCluster
 from pathways.ifrt import server as ifrt_server
 from pathways.ifrt import session as ifrt_session
@@ -24,49 +21,6 @@ from pathways.ifrt.server import IfrtServer
 REQUESTS = 2000
 PER_SESSION = 500
 _HANDLES = [0, 1, 2, 3, 4, 7, 1 << 48, (1 << 48) + 1, (1 << 64) - 1]
-
-
-class _Stream:
-    """One IfrtSession stream: requests from a queue, responses collected by op_id."""
-
-    def __init__(self, channel, metadata):
-        self.requests: queue.Queue = queue.Queue()
-        self.answered: dict[int, pb.IfrtResponse] = {}
-        self.ended = threading.Event()
-        self.error = None
-        call = channel.stream_stream(f"/{ifrt_server.SERVICE}/IfrtSession")
-        self.call = call(iter(self.requests.get, None), metadata=metadata, timeout=600)
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        try:
-            for raw in self.call:
-                response = pb.IfrtResponse.FromString(raw)
-                self.answered[response.response_metadata.op_id] = response
-        except grpc.RpcError as e:
-            self.error = e
-        finally:
-            self.ended.set()
-
-    def send(self, raw: bytes):
-        self.requests.put(raw)
-
-    def wait(self, op_ids, timeout=120.0):
-        deadline = time.monotonic() + timeout
-        while not self.ended.is_set() and not all(o in self.answered for o in op_ids):
-            assert time.monotonic() < deadline, f"{sum(o not in self.answered for o in op_ids)} requests unanswered"
-            time.sleep(0.02)
-
-    def close(self):
-        self.requests.put(None)
-        self.ended.wait(30)
-        self.call.cancel()
-
-
-def _metadata(version=25):
-    meta = gpb.GrpcIfrtSessionMetadata()
-    meta.version.protocol_version = version
-    return ((ifrt_server.SESSION_METADATA, meta.SerializeToString()),)
 
 
 def _fill(msg, rng, depth=0):
@@ -190,14 +144,8 @@ def server():
 
 
 def _open(channel, rng):
-    stream = _Stream(channel, _metadata())
-    init = pb.IfrtRequest()
-    init.request_metadata.op_id = 1
-    init.init_request.SetInParent()
-    stream.send(init.SerializeToString())
-    stream.wait([1])
-    assert 1 in stream.answered and stream.answered[1].HasField("init_response"), stream.error
-    session_id = stream.answered[1].init_response.session_id
+    stream = RawStream(channel, session_metadata())
+    session_id = stream.init()
     # a host buffer the seeds' make_array request uses (5), stored through the side channel
     store = channel.stream_unary(f"/{ifrt_server.SERVICE}/HostBufferStore")
     meta = gpb.GrpcHostBufferStoreMetadata(session_id=session_id, handle=5, buffer_size=8)
@@ -247,8 +195,8 @@ def test_fuzzed_requests_get_answers_and_the_server_survives(server, monkeypatch
                     assert response.response_metadata.status.code or response.WhichOneof("response")
             stream.close()
         # bad session metadata: the stream is refused with a status, the server goes on
-        for metadata in ((), ((ifrt_server.SESSION_METADATA, b"\xff\xfe garbage"),), _metadata(version=3)):
-            stream = _Stream(channel, metadata)
+        for metadata in ((), ((ifrt_server.SESSION_METADATA, b"\xff\xfe garbage"),), session_metadata(version=3)):
+            stream = RawStream(channel, metadata)
             stream.send(b"")
             assert stream.ended.wait(30) and stream.error is not None
             assert stream.error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)

@@ -10,10 +10,11 @@ import subprocess
 import sys
 import textwrap
 
+import grpc
 import numpy as np
 import pytest
 
-from ifrt_helpers import PRELUDE, run_jax, silent_streams
+from ifrt_helpers import PRELUDE, RawStream, run_jax, session_metadata, silent_streams
 from pathways.cluster import Island, LocalCluster, status, stop_processes
 from pathways.ifrt import types as t
 from pathways.ifrt.devices import DeviceTable, SliceInfo
@@ -22,8 +23,9 @@ from pathways.ifrt.proto.xla.python.ifrt import serdes_pb2, sharding_pb2, shardi
 from pathways.ifrt.proto.xla.python.ifrt_proxy.common import types_pb2
 from pathways.ifrt.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as gpb
 from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
-from pathways.ifrt.server import IfrtServer, _lookup_response
-from pathways.ifrt.session import IfrtSession, _Array, _Executable, parse_slice
+from pathways.ifrt import server as ifrt_server
+from pathways.ifrt.server import IfrtServer, _lookup_response, _store_data
+from pathways.ifrt.session import STREAMED_PUT_BYTES, IfrtSession, _Array, _Executable, parse_slice
 from pathways.protocol import messages as m
 from tests.conftest import read_line, wait_until
 
@@ -153,6 +155,78 @@ def test_an_unreduced_array_made_of_partial_values_keeps_each_devices_own(server
     for name in ("hosts", "host"):
         assert result[name]["shards"] == [[[1.0] * 3] * 2, [[2.0] * 3] * 2], "each device's own partial value"
         assert result[name]["sum"] == [[3.0] * 3] * 2 and result[name]["dot"] == 14.0, result[name]
+
+
+def test_large_arrays_stream_through_the_front_end_and_round_trip(server):
+    """Arrays beyond STREAMED_PUT_BYTES go to a worker that holds them whole as their host
+    buffer arrives, and reads come back as the worker sends them; arrays spread over
+    hosts go whole. Every way round trips exactly, and computes."""
+    result = run_jax(server.address, """
+        import json
+        import numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+        devices = jax.devices()
+        x = np.random.default_rng(0).standard_normal((768, 1024)).astype(np.float32)  # 3 MiB
+        one_host = Mesh(np.array(devices[2:4]), ("d",))  # island 1: one host, 2 devices
+        two_hosts = Mesh(np.array(devices[:2]), ("d",))  # island 0: a device on each of 2 hosts
+        placed = {
+            "device": jax.device_put(x, devices[2]),
+            "split on one host": jax.device_put(x, NamedSharding(one_host, PartitionSpec("d"))),
+            "replicated on one host": jax.device_put(x, NamedSharding(one_host, PartitionSpec())),
+            "split over hosts": jax.device_put(x, NamedSharding(two_hosts, PartitionSpec("d"))),
+            "replicated over hosts": jax.device_put(x, NamedSharding(two_hosts, PartitionSpec())),
+        }
+        same = {name: bool(np.array_equal(np.asarray(a), x)) for name, a in placed.items()}
+        doubled = {name: bool(np.array_equal(np.asarray(jax.jit(lambda v: v * 2)(a)), x * 2))
+                   for name, a in placed.items()}
+        print("RESULT", json.dumps({"same": same, "doubled": doubled}))
+    """)
+    assert all(result["same"].values()), result["same"]
+    assert all(result["doubled"].values()), result["doubled"]
+
+
+def test_a_host_buffer_that_ends_short_fails_its_streamed_array_and_the_session_goes_on(server):
+    """A store that brings fewer bytes than the array needs: the array put from it as it
+    arrived fails, saying how many bytes came and how many were needed; the session's
+    next array is made as usual."""
+    channel = grpc.insecure_channel(server.address)
+    stream = RawStream(channel, session_metadata())
+    try:
+        session_id = stream.init()
+        n = (STREAMED_PUT_BYTES // 4) * 2  # float32: twice the streaming threshold
+        store = channel.stream_unary(f"/{ifrt_server.SERVICE}/HostBufferStore")
+
+        def put(op_id, buffer_handle, array_handle, data):
+            stream.send(_make_array(op_id, buffer_handle, array_handle, n, device=2))
+            meta = gpb.GrpcHostBufferStoreMetadata(session_id=session_id, handle=buffer_handle, buffer_size=0)
+            store(iter([gpb.GrpcHostBufferStoreRequest(data=data).SerializeToString()]),
+                  metadata=((ifrt_server.STORE_METADATA, meta.SerializeToString()),), timeout=30)
+            ready = pb.IfrtRequest()
+            ready.request_metadata.op_id = op_id + 1
+            ready.check_value_ready_request.value_handles.append(array_handle)
+            stream.send(ready.SerializeToString())
+            stream.wait([op_id, op_id + 1])
+            return stream.answered[op_id + 1].response_metadata.status
+
+        status = put(10, 7, 8, b"\0" * (n * 2))  # half of the bytes, in a store announcing no size
+        assert status.code != 0
+        assert f"has {n * 2} bytes; a float32[{n}] array needs {n * 4}" in status.message, status.message
+        assert put(20, 17, 18, np.ones(n, np.float32).tobytes()).code == 0
+    finally:
+        stream.close()
+        channel.close()
+
+
+def _make_array(op_id, buffer_handle, array_handle, n, device):
+    r = pb.IfrtRequest()
+    r.request_metadata.op_id = op_id
+    body = r.make_array_from_host_buffer_request
+    body.dtype.CopyFrom(t.dtype_proto(np.float32))
+    body.shape.CopyFrom(t.shape_proto((n,)))
+    body.sharding.CopyFrom(t.sharding_proto(t.replicated((device,))))
+    body.host_buffer_handle = buffer_handle
+    body.array_handle = array_handle
+    return r.SerializeToString()
 
 
 def test_device_numbering_is_island_then_host_then_index():
@@ -392,10 +466,20 @@ def test_copy_between_islands_donation_and_deletion(server):
 @pytest.mark.parametrize("size", [0, 1, 127, 128, 300, 16383, 16384, 1 << 20])
 def test_hand_encoded_lookup_responses_parse_as_the_message(size):
     data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
-    raw = _lookup_response(data)
+    raw = _lookup_response(memoryview(data))
     if size:  # (protobuf omits an empty field; the server sends an empty buffer as the empty message)
         assert raw == gpb.GrpcHostBufferLookupResponse(data=data.tobytes()).SerializeToString()
     assert gpb.GrpcHostBufferLookupResponse.FromString(raw).data == data.tobytes()
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 16384, 1 << 20])
+def test_store_chunks_are_read_from_the_message_without_parsing_it(size):
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    raw = gpb.GrpcHostBufferStoreRequest(data=data).SerializeToString()
+    assert bytes(_store_data(raw, None)) == data
+    # another field beside the data: parsed as the message
+    tagged = raw + b"\x10\x01"
+    assert bytes(_store_data(tagged, None)) == data
 
 
 def test_a_controller_out_of_reach_is_named_in_the_clients_error():

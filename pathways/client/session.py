@@ -18,6 +18,7 @@ blocked at a frozen worker anyway.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -26,7 +27,7 @@ import time
 import warnings
 import weakref
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator, NamedTuple, Optional
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequence
 
 import grpc
 import numpy as np
@@ -63,6 +64,11 @@ _GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 # The library's advice; `pathways demo`, whose user writes no pw.connect() call, words it its own way.
 EMBEDDED_ADVICE = "or call pw.connect() with no address (and PATHWAYS_ADDRESS unset) to start an embedded one"
 _CONNECT_ADVICE = f"{rpc.START_ADVICE}, {EMBEDDED_ADVICE}"
+
+
+# Where a fetch's reply goes as it arrives (Session.fetch): the header of one worker's
+# pieces and the iterator of their chunks, which the sink reads to the end.
+Sink = Callable[[dict, Iterator[bytes]], None]
 
 
 class WorkerStubs(NamedTuple):
@@ -389,13 +395,46 @@ class Session:
         blocks of its own devices. No waiting. ``moves``: how many SliceMoved this session
         had applied when ``addresses`` were read (default: now). For a layout with
         unreduced axes, ``array`` is the stack of its partial values (``ir.stacked``)."""
-        moves = self.moves if moves is None else moves
+        with self._starting_put():
+            self._start_put(addresses, handle, layout, array, self.moves if moves is None else moves)
+
+    def put_chunks(self, address: str, handle: int, layout: Layout, dtype: np.dtype, shape: tuple[int, ...],
+                   chunks: Iterable[bytes | memoryview], moves: int) -> None:
+        """``put`` of an array that the one worker of ``layout`` (at ``address``) holds
+        whole, whose bytes in C order come as ``chunks`` (of any sizes): each is sent on as
+        it comes, nothing is kept, nothing waits. A source that raises, or ends short,
+        poisons the array with why."""
+        if len(layout.workers) != 1 or layout.unreduced:
+            raise ValueError("put_chunks sends an array to the one worker that holds it whole; use put")
+        with self._starting_put():
+            stubs = self._stubs(address)
+            header = codec.pack({"t": "put", "handle": handle, "layout": layout.to_wire(), "of": 1,
+                                 "credential": stubs.credential, **codec.whole_array_header(dtype, shape)})
+            failed: list[str] = []
+
+            def sent() -> Iterator[bytes]:
+                yield header
+                try:
+                    for chunk in chunks:
+                        yield chunk if type(chunk) is bytes else bytes(chunk)
+                except Exception as e:  # the worker then refuses the short array; the put says why
+                    failed.append(f"the array's bytes did not all arrive: {e}")
+
+            future = stubs.put.future(sent(), timeout=self.result_timeout)
+            with self._puts_lock:
+                self._puts.add(future)
+            future.add_done_callback(lambda f: self._put_done(f, address, handle, failed))
+            self.send(m.PutNotice(handle, layout, moves))
+
+    @contextlib.contextmanager
+    def _starting_put(self) -> Iterator[None]:
+        """Around starting a put: refused while suspended, and suspending waits for it."""
         self._check_alive()
         with self._puts_lock:
             self._refuse_if_suspended("put an array")
             self._starting_puts += 1
         try:
-            self._start_put(addresses, handle, layout, array, moves)
+            yield
         finally:
             with self._puts_lock:
                 self._starting_puts -= 1
@@ -432,9 +471,14 @@ class Session:
         if self.traced:
             self.recorder.span("put", began, 0, f"array {handle:#x}, {array.nbytes} bytes")
 
-    def _put_done(self, f: grpc.Future, address: str, handle: int) -> None:
+    def _put_done(self, f: grpc.Future, address: str, handle: int, failed: Sequence[str] = ()) -> None:
+        """A put ended: its array is poisoned unless the worker took it; ``failed``: why the
+        put's source gave out, if it did."""
         with self._puts_lock:
             self._puts.discard(f)
+        if failed:
+            self.poisoned[handle] = (errors.RemoteError, failed[0])
+            return
         try:
             reply = codec.unpack(f.result())
             if "error" in reply:
@@ -453,22 +497,24 @@ class Session:
                                          f"{e.code().name}")
 
     def fetch(self, addresses: tuple[str, ...], handle: int, wait: float, data: bool,
-              device: Optional[Device] = None) -> Optional[np.ndarray | bool]:
+              device: Optional[Device] = None, sink: Optional[Sink] = None) -> Optional[np.ndarray | bool]:
         """Ask the workers holding ``handle`` for it: None while pending after ``wait``
         seconds, True when ready (``data`` false) or the assembled array; raises the
         error that poisoned it (RemoteError, WorkerLostError). With ``device`` (host rank,
-        device index; ``addresses`` then that of its host): that device's own shard only."""
+        device index; ``addresses`` then that of its host): that device's own shard only.
+        With ``sink`` (and ``data``): each worker's reply goes to it as it arrives (its
+        pieces' header and their chunks, which it reads to the end), and True is returned."""
         self._refuse_if_suspended("read an array")
         if self.traced:
             began = now()
             try:
-                return self._fetch(addresses, handle, wait, data, device)
+                return self._fetch(addresses, handle, wait, data, device, sink)
             finally:
                 self.recorder.span("fetch", began, 0, f"array {handle:#x}" + ("" if data else ", ready?"))
-        return self._fetch(addresses, handle, wait, data, device)
+        return self._fetch(addresses, handle, wait, data, device, sink)
 
     def _fetch(self, addresses: tuple[str, ...], handle: int, wait: float, data: bool,
-               device: Optional[Device] = None) -> Optional[np.ndarray | bool]:
+               device: Optional[Device] = None, sink: Optional[Sink] = None) -> Optional[np.ndarray | bool]:
         deadline = time.monotonic() + wait
         assembly = None
         for address in addresses:
@@ -477,7 +523,7 @@ class Session:
                 self._raise_if_poisoned(handle)
                 asked = time.monotonic()
                 left = max(deadline - asked, 0.0)
-                reply = self._fetch_one(address, handle, min(left, _POLL_SECONDS), data, device)
+                reply = self._fetch_one(address, handle, min(left, _POLL_SECONDS), data, device, sink)
                 if reply is not None:
                     break
                 answered = time.monotonic()
@@ -487,6 +533,8 @@ class Session:
                     # answered at once: the worker's fetch waits are taken (worker/sessions.py)
                     time.sleep(min(pause, deadline - answered))
                     pause = min(2 * pause, _BUSY_PAUSE_MAX)
+            if sink is not None:
+                continue
             if data and device is not None:
                 (_, shard), = reply[2]  # the device's one shard, whole
                 return shard
@@ -495,14 +543,15 @@ class Session:
                 if assembly is None:
                     assembly = codec.Assembly(dtype, shape)
                 assembly.add(pieces)
-        return assembly.result() if data else True
+        return assembly.result() if data and sink is None else True
 
     def _raise_if_poisoned(self, handle: int) -> None:
         if handle in self.poisoned:
             error, message = self.poisoned[handle]
             raise error(message)
 
-    def _fetch_one(self, address: str, handle: int, wait: float, data: bool, device: Optional[Device] = None) -> Any:
+    def _fetch_one(self, address: str, handle: int, wait: float, data: bool, device: Optional[Device] = None,
+                   sink: Optional[Sink] = None) -> Any:
         self._check_alive()
         stubs = self._stubs(address)
         request = m.pack(m.FetchRequest(handle, wait, data, stubs.credential, device).encode())
@@ -521,6 +570,10 @@ class Session:
             if state == "error":
                 raise error_of(header.get("kind"), str(header.get("message")), errors.RemoteError)
             if not data:
+                return True
+            if sink is not None:
+                sink(header, replies)
+                codec.expect_end(replies)
                 return True
             result = codec.read_pieces(header, replies)
             codec.expect_end(replies)
@@ -544,6 +597,10 @@ class Session:
             raise errors.ConnectError(
                 f"fetching from worker {address} failed ({e.code().name}); check "
                 "`python -m pathways status`") from None
+        except BaseException:
+            if call is not None:
+                call.cancel()  # whatever is left of the reply is not wanted
+            raise
         finally:
             if call is not None:
                 with self._fetches_lock:

@@ -29,7 +29,6 @@ from concurrent import futures
 from typing import Any, Callable, Iterator, Optional
 
 import grpc
-import numpy as np
 
 from pathways.client.session import Session
 from pathways.ifrt.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as gpb
@@ -37,7 +36,7 @@ from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as
 from pathways.ifrt import types as t
 from pathways.errors import WireError
 from pathways.ifrt.plugin import ADMISSION_METHOD, ADMISSION_SERVICE
-from pathways.ifrt.session import HOST_BUFFER_WAIT, SLICE_KEY, Deferred, IfrtSession
+from pathways.ifrt.session import HOST_BUFFER_WAIT, SLICE_KEY, WAIT_SECONDS, Deferred, IfrtSession
 from pathways.ifrt.types import IfrtError
 from pathways.wire import codec
 from pathways.wire import security as sec
@@ -290,51 +289,40 @@ class IfrtServer:
         meta = _metadata(context, STORE_METADATA, gpb.GrpcHostBufferStoreMetadata)
         session = self._find(meta.session_id, context)
         try:
-            buffer = session.buffers.allocate(meta.handle, meta.buffer_size)
+            buffer = session.buffers.open(meta.handle, meta.buffer_size or None)
         except IfrtError as e:
             context.abort(_grpc_code(e.code), e.message)
-        pos, extra = 0, []  # extra: bytes beyond an unannounced size (buffer_size 0)
         try:
             for raw in requests:
-                data = _parse(gpb.GrpcHostBufferStoreRequest, raw, context).data
-                if pos + len(data) > buffer.nbytes:
-                    if meta.buffer_size:
-                        context.abort(grpc.StatusCode.INVALID_ARGUMENT, (
-                            f"host buffer {meta.handle} got more than the {meta.buffer_size} bytes announced"))
-                    if pos + len(data) > session.buffers.limit:
-                        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, (
-                            f"host buffer {meta.handle} exceeds the session's {session.buffers.limit} bytes"))
-                    extra.append(data)
-                else:
-                    buffer[pos:pos + len(data)] = memoryview(data)
-                pos += len(data)
-            if pos != buffer.nbytes and meta.buffer_size:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, (
-                    f"host buffer {meta.handle} got {pos} bytes of the {meta.buffer_size} announced"))
-        except BaseException:
-            session.buffers.release(buffer.nbytes)
-            raise
-        try:
-            if extra:
-                session.buffers.release(buffer.nbytes)
-                session.buffers.store(meta.handle, np.frombuffer(b"".join(extra), np.uint8))
-            else:
-                session.buffers.commit(meta.handle, buffer)
+                session.buffers.add(buffer, _store_data(raw, context))
+            session.buffers.finish(buffer)
         except IfrtError as e:
+            session.buffers.fail(buffer, e)
             context.abort(_grpc_code(e.code), e.message)
+        except BaseException:
+            session.buffers.fail(buffer, IfrtError(t.UNAVAILABLE, (
+                f"the client's store of host buffer {meta.handle} ended before its last byte")))
+            raise
         return gpb.GrpcHostBufferStoreResponse().SerializeToString()
 
     def _lookup(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """The buffer's bytes in messages of LOOKUP_CHUNK bytes at most, each sent as soon as
+        its bytes are here (a read from the workers still arriving is forwarded as it comes)."""
         request = _parse(gpb.GrpcHostBufferLookupRequest, raw, context)
         session = self._find(request.session_id, context)
+        sent = False
         try:
-            buffer = session.buffers.get(request.handle, HOST_BUFFER_WAIT)
+            # a read from the workers may wait that long for its array to be computed
+            for chunk in session.buffers.chunks(request.handle, WAIT_SECONDS + HOST_BUFFER_WAIT,
+                                                open_timeout=HOST_BUFFER_WAIT):
+                view = memoryview(chunk)
+                for start in range(0, view.nbytes, LOOKUP_CHUNK):
+                    yield _lookup_response(view[start:start + LOOKUP_CHUNK])
+                    sent = True
         except IfrtError as e:
             context.abort(_grpc_code(e.code), e.message)
-        if buffer.nbytes == 0:
+        if not sent:
             yield gpb.GrpcHostBufferLookupResponse().SerializeToString()
-        for start in range(0, buffer.nbytes, LOOKUP_CHUNK):
-            yield _lookup_response(buffer[start:start + LOOKUP_CHUNK])
 
     def _delete(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         request = _parse(gpb.GrpcHostBufferDeleteRequest, raw, context)
@@ -348,17 +336,37 @@ class IfrtServer:
                                                      "IFRT server; store host buffers with HostBufferStore")
 
 
-def _lookup_response(chunk: np.ndarray) -> bytes:
+def _lookup_response(chunk: memoryview) -> bytes:
     """A serialized ``GrpcHostBufferLookupResponse{data: chunk}``, encoded by hand: field 1,
     length-delimited, then the bytes. One copy of the chunk instead of three (to bytes, into
     the message, out of it); tests check it parses as the message."""
-    n, size = chunk.nbytes, bytearray()
+    return b"".join((b"\x0a", _varint(chunk.nbytes), chunk))
+
+
+def _store_data(raw: bytes, context: grpc.ServicerContext) -> memoryview:
+    """The bytes of a serialized ``GrpcHostBufferStoreRequest{data}``, not copied: the
+    message is field 1 alone, so its bytes are the rest of it after the field's tag and
+    length. Anything else is parsed as the message."""
+    if raw[:1] == b"\x0a":
+        n, shift, pos = 0, 0, 1
+        while pos < len(raw) and pos < 11:
+            byte = raw[pos]
+            n |= (byte & 0x7F) << shift
+            pos, shift = pos + 1, shift + 7
+            if not byte & 0x80:
+                if pos + n == len(raw):
+                    return memoryview(raw)[pos:]
+                break
+    return memoryview(_parse(gpb.GrpcHostBufferStoreRequest, raw, context).data)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
     while True:
         byte, n = n & 0x7F, n >> 7
-        size.append(byte | (0x80 if n else 0))
+        out.append(byte | (0x80 if n else 0))
         if not n:
-            break
-    return b"".join((b"\x0a", bytes(size), chunk))
+            return bytes(out)
 
 
 class _Stream:
@@ -413,6 +421,8 @@ class _Stream:
                 self.out.put(_error(op_id, IfrtError(t.RESOURCE_EXHAUSTED, (
                     f"this session has {MAX_WAITING} requests waiting already; wait for some before sending more"))))
                 return
+            if result.answer is not None:
+                self.out.put(_ok(op_id, kind, result.answer))
             try:
                 self.pool.submit(self._finish, op_id, kind, result)
             except RuntimeError:  # the pool shut down: the session is ending
@@ -421,6 +431,14 @@ class _Stream:
         self.out.put(_ok(op_id, kind, result))
 
     def _finish(self, op_id: int, kind: str, deferred: Deferred) -> None:
+        if deferred.answer is not None:  # answered already; the work reports its own failures
+            try:
+                deferred.run()
+            except Exception:
+                log.exception("%s failed after its answer", kind)
+            finally:
+                self.waiting.release()
+            return
         try:
             response = _ok(op_id, kind, deferred.run())
         except Exception as e:

@@ -24,18 +24,17 @@ import itertools
 import logging
 import math
 import threading
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
 from pathways import errors
 from pathways.client.compiled import register_program, value_types
-from pathways.client.session import Session
+from pathways.client.session import Session, Sink
 from pathways.ifrt import types as t
 from pathways.ifrt.devices import DeviceTable, SliceDevices, SliceInfo
-from pathways.ifrt.host_buffers import HostBuffers
+from pathways.ifrt.host_buffers import HostBuffer, HostBuffers
 from pathways.ifrt.proto.xla import xla_data_pb2
 from pathways.ifrt.proto.xla.pjrt.proto import executable_metadata_pb2
 from pathways.ifrt.proto.xla.python.ifrt import attribute_map_pb2
@@ -48,12 +47,16 @@ from pathways.platforms import export_platforms
 from pathways.protocol import messages as m
 from pathways.protocol.handles import HeldReleases
 from pathways.timeline import function_label, now
+from pathways.wire import codec
 from pathways.wire.codec import dtype_of_name
 
 log = logging.getLogger("pathways.ifrt")
 
 WAIT_SECONDS = 600.0  # the longest any request waits: a fetch, a compile, a ready check
-HOST_BUFFER_WAIT = 60.0  # for a host buffer whose HostBufferStore call has not arrived yet
+HOST_BUFFER_WAIT = 60.0  # for a host buffer whose HostBufferStore call has not arrived yet, or its next bytes
+# Host buffers larger than this go to their worker chunk by chunk as they arrive (when one
+# worker holds the array whole); smaller ones in one message once whole.
+STREAMED_PUT_BYTES = 1 << 20
 MAX_ARRAYS = 1 << 20  # live IFRT handles per session
 XLA_PROGRAM = "xla::ifrt::XlaProgram"
 XLA_COMPILE_OPTIONS = "xla::ifrt::XlaCompileOptions"
@@ -87,10 +90,13 @@ def _serves(result_handles: Optional[str] = None) -> Callable[[_Handler], _Handl
 
 
 class Deferred:
-    """Work that waits: run on the server's pool, its result (a response body) sent when done."""
+    """Work that waits: run on the server's pool, its result (a response body) sent when
+    done. With ``answer``: that response body is sent at once and the work runs after it
+    (its result is not sent: the work reports its own failures)."""
 
-    def __init__(self, run: Callable[[], Any]) -> None:
+    def __init__(self, run: Callable[[], Any], answer: Any = None) -> None:
         self.run = run
+        self.answer = answer
 
 
 class Lazy:
@@ -341,18 +347,24 @@ class IfrtSession:
             raise
         return _Array(value.dtype, shape, sharding, parts=tuple(parts))
 
-    def _fetch(self, arr: _Array, data: bool, device: Optional[int] = None) -> Any:
+    def _addresses(self, arr: _Array) -> tuple[str, ...]:
+        """The workers a read of ``arr`` asks."""
+        assert arr.place is not None
+        return arr.place.addresses[:1] if arr.sharding.replicated else arr.place.addresses
+
+    def _fetch(self, arr: _Array, data: bool, device: Optional[int] = None, sink: Optional[Sink] = None) -> Any:
         """The array's value (``data``) or its readiness, from the workers; bounded. With
-        ``device`` (an IFRT id): the buffer of that device of the array alone."""
+        ``device`` (an IFRT id): the buffer of that device of the array alone. With ``sink``:
+        each worker's reply goes there as it arrives (Session.fetch)."""
         assert arr.handle is not None and arr.place is not None
-        addresses = arr.place.addresses[:1] if arr.sharding.replicated else arr.place.addresses
+        addresses = self._addresses(arr)
         pair = None
         if device is not None:
             d = self._table.get(device)
             pair = (d.rank, d.index)
             addresses = (arr.place.addresses[arr.place.workers.index(arr.place.workers_by_rank[d.rank])],)
         try:
-            value = self.native.fetch(addresses, arr.handle, WAIT_SECONDS, data, pair)
+            value = self.native.fetch(addresses, arr.handle, WAIT_SECONDS, data, pair, sink)
         except errors.PathwaysError as e:
             raise t.runtime_failure(e) from None
         if value is None:
@@ -513,16 +525,17 @@ class IfrtSession:
     # ---- arrays from and to the host -----------------------------------------------------------
 
     def _host_array(self, handle: int, dtype: np.dtype, shape: tuple[int, ...], strides: Optional[list[int]]) -> np.ndarray:
-        buffer = self.buffers.get(handle, HOST_BUFFER_WAIT)
-        self.buffers.delete(handle)  # the put below keeps the bytes alive as long as it needs them
-        return t.host_view(buffer, dtype, shape, strides)
+        # taken: the put keeps the bytes alive as long as it needs them
+        return t.host_view(self.buffers.get(handle, HOST_BUFFER_WAIT, take=True), dtype, shape, strides)
 
     @_serves("array_handle")
     def _make_array_from_host_buffer_request(self, body: pb.MakeArrayFromHostBufferRequest) -> Any:
         dtype, shape = t.dtype_of(body.dtype), t.shape_of(body.shape.dims)
         sharding = t.parse_sharding(body.sharding, len(self._table))
-        value = self._host_array(body.host_buffer_handle, dtype, shape, t.byte_strides_of(body, "byte_strides"))
-        arr = self._put(value, sharding)
+        strides = t.byte_strides_of(body, "byte_strides")
+        arr = self._streamed_put(body.host_buffer_handle, dtype, shape, strides, sharding)
+        if arr is None:
+            arr = self._put(self._host_array(body.host_buffer_handle, dtype, shape, strides), sharding)
         handles = self._insert([body.array_handle] if body.HasField("array_handle") else [], [arr])
         return pb.MakeArrayFromHostBufferResponse(array_handle=handles[0])
 
@@ -578,21 +591,69 @@ class IfrtSession:
                          t.parse_sharding(s.sharding, len(self._table)), error=error) for s in body.array_specs]
         return pb.MakeErrorArraysResponse(array_handles=self._insert(list(body.array_handles), arrays))
 
+    def _streamed_put(self, handle: int, dtype: np.dtype, shape: tuple[int, ...], strides: Optional[list[int]],
+                      sharding: Sharding) -> Optional[_Array]:
+        """The array of host buffer ``handle`` put on its worker chunk by chunk as the
+        buffer arrives, without waiting for it; None where it goes whole (small, strided,
+        unreduced, or not held whole by one worker)."""
+        assert self.devices is not None
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes <= STREAMED_PUT_BYTES or not t.c_contiguous(dtype, shape, strides):
+            return None
+        if len(self.devices.islands(sharding.devices)) > 1:
+            return None
+        place, layout = self.devices.layout(sharding, len(shape))
+        if len(layout.workers) != 1 or layout.unreduced:
+            return None
+        pw_handle = self.native.allocate(1)
+        moves = self.native.moves  # before the address: a move in between makes the controller drop the put
+        chunks = _exactly(nbytes, f"a {dtype.name}{list(shape)} array", self.buffers.chunks(handle, HOST_BUFFER_WAIT,
+                                                                                           take=True))
+        self.native.put_chunks(place.addresses[0], pw_handle, layout, dtype, shape, chunks, moves)
+        return _Array(dtype, shape, sharding, pw_handle, layout, place)
+
     @_serves()
     def _copy_to_host_buffer_request(self, body: pb.CopyToHostBufferRequest) -> Deferred:
+        """Answered at once: the client's lookup of the buffer then gets its bytes as
+        they arrive from the worker (or the error that stopped them)."""
         arr = self._array(body.array_handle)
         strides = t.byte_strides_of(body, "byte_strides")
         target = arr.group.parent if arr.group is not None else arr
         done = self._reads(target.handles)
+        try:
+            buffer = self.buffers.open(body.host_buffer_handle, None)
+        except BaseException:
+            done()
+            raise
 
-        def run() -> pb.CopyToHostBufferResponse:
+        def run() -> None:
             try:
-                value = self._host_value(arr)
+                if (arr.group is None and not arr.parts and t.c_contiguous(arr.dtype, arr.shape, strides)
+                        and len(self._addresses(arr)) == 1):
+                    self._fetch(arr, data=True, sink=lambda header, chunks: self._receive(buffer, arr, header, chunks))
+                else:
+                    self.buffers.add(buffer, memoryview(t.strided_bytes(self._host_value(arr), strides)))
+                self.buffers.finish(buffer)
+            except Exception as e:
+                self.buffers.fail(buffer, e if isinstance(e, IfrtError) else t.runtime_failure(e))
             finally:
                 done()
-            self.buffers.store(body.host_buffer_handle, t.strided_bytes(value, strides))
-            return pb.CopyToHostBufferResponse()
-        return Deferred(run)
+        return Deferred(run, answer=pb.CopyToHostBufferResponse())
+
+    def _receive(self, buffer: HostBuffer, arr: _Array, header: dict, chunks: Iterator[bytes]) -> None:
+        """A worker's reply holding ``arr`` into ``buffer``: its chunks as they come when
+        they are the whole array in C order, else the pieces assembled first."""
+        dtype, shape, specs = codec.piece_specs(header)
+        if (dtype, shape) != (arr.dtype, arr.shape):
+            raise IfrtError(t.INTERNAL, f"the worker sent a {dtype.name}{list(shape)} array for a "
+                                        f"{arr.dtype.name}{list(arr.shape)} one")
+        if [index for index, _ in specs] == [codec.full_index(shape)]:
+            for chunk in codec.exact_chunks(math.prod(shape) * dtype.itemsize, chunks):
+                self.buffers.add(buffer, chunk)
+            return
+        assembly = codec.Assembly(dtype, shape)
+        assembly.add(codec.read_pieces(header, chunks)[2])
+        self.buffers.add(buffer, memoryview(t.strided_bytes(assembly.result(), None)))
 
     # ---- shards and views ------------------------------------------------------------------------
 
@@ -1116,3 +1177,16 @@ def executable_devices(options: Any, ndevices: int) -> list[int]:
                         f"{ndevices}")
     return ids
 
+
+
+def _exactly(nbytes: int, what: str, chunks: Iterable[Any]) -> Iterator[Any]:
+    """``chunks``, checked to hold ``nbytes`` bytes in all: IfrtError naming ``what`` for
+    fewer or more."""
+    got = 0
+    for chunk in chunks:
+        got += memoryview(chunk).nbytes
+        if got > nbytes:
+            raise t.invalid(f"the host buffer has more bytes than {what} needs ({nbytes})")
+        yield chunk
+    if got != nbytes:
+        raise t.invalid(f"the host buffer has {got} bytes; {what} needs {nbytes}")

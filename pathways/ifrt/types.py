@@ -347,6 +347,17 @@ def host_view(buffer: memoryview | bytes, dtype: np.dtype, shape: tuple[int, ...
     return np.ndarray(shape, dtype, buffer=buffer, offset=0, strides=strides)
 
 
+def c_contiguous(dtype: np.dtype, shape: tuple[int, ...], byte_strides: Optional[Sequence[int]]) -> bool:
+    """Whether a host buffer of ``byte_strides`` (None: C order) holds its array in C order."""
+    if byte_strides is None:
+        return True
+    expected, step = [], dtype.itemsize
+    for d in reversed(shape):
+        expected.append(step)
+        step *= d
+    return [int(s) for s in byte_strides] == expected[::-1]
+
+
 def strided_bytes(array: np.ndarray, byte_strides: Optional[Sequence[int]]) -> np.ndarray:
     """``array`` laid out in a buffer with ``byte_strides`` (C order when None): a flat
     uint8 array, the buffer the client reads."""

@@ -182,7 +182,7 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 
 def array_header(arr: np.ndarray) -> dict:
-    return {"dtype": dtype_name(arr.dtype), "shape": list(arr.shape), "nbytes": arr.nbytes}
+    return _spec(arr.dtype, arr.shape)
 
 
 def check_array_header(header: Any) -> tuple[np.dtype, tuple[int, ...], int]:
@@ -246,9 +246,19 @@ def assemble_array(header: Any, chunks: Iterable[bytes]) -> np.ndarray:
     The array is aligned for XLA, and its memory is committed only as chunks arrive: a
     header announcing gigabytes followed by a few bytes costs a few pages, not gigabytes."""
     dtype, shape, nbytes = check_array_header(header)
-    chunks = iter(chunks)
     array = aligned_empty(shape, dtype)
     flat = array.reshape(-1).view(np.uint8)
+    pos = 0
+    for chunk in exact_chunks(nbytes, chunks):
+        flat[pos:pos + len(chunk)] = np.frombuffer(chunk, np.uint8)
+        pos += len(chunk)
+    return array
+
+
+def exact_chunks(nbytes: int, chunks: Iterable[bytes]) -> Iterator[bytes]:
+    """The next raw chunks of ``chunks`` holding exactly ``nbytes`` bytes, checked:
+    WireError for fewer, for more, or for a chunk that is not binary."""
+    chunks = iter(chunks)
     pos = 0
     while pos < nbytes:
         chunk = next(chunks, None)
@@ -258,9 +268,8 @@ def assemble_array(header: Any, chunks: Iterable[bytes]) -> np.ndarray:
             raise WireError("array chunk must be binary")
         if pos + len(chunk) > nbytes:
             raise WireError(f"array data exceeds the {nbytes} bytes its header announced")
-        flat[pos:pos + len(chunk)] = np.frombuffer(chunk, np.uint8)
         pos += len(chunk)
-    return array
+        yield chunk
 
 
 def expect_end(chunks: Iterable[bytes]) -> None:
@@ -280,9 +289,18 @@ def full_index(shape: tuple[int, ...]) -> Index:
 
 def pieces_header(dtype: np.dtype, shape: tuple[int, ...], pieces: list[Piece]) -> dict:
     """Header fields describing ``pieces`` of an array of ``dtype`` and ``shape``."""
-    return {"array": {"dtype": dtype_name(dtype), "shape": list(shape),
-                      "nbytes": math.prod(shape) * np.dtype(dtype).itemsize},
+    return {"array": _spec(dtype, shape),
             "pieces": [{"index": [list(i) for i in index], "array": array_header(a)} for index, a in pieces]}
+
+
+def whole_array_header(dtype: np.dtype, shape: tuple[int, ...]) -> dict:
+    """Header fields of an array of ``dtype`` and ``shape`` sent as one piece, the whole of it."""
+    spec = _spec(dtype, shape)
+    return {"array": spec, "pieces": [{"index": [list(i) for i in full_index(shape)], "array": spec}]}
+
+
+def _spec(dtype: np.dtype, shape: tuple[int, ...]) -> dict:
+    return {"dtype": dtype_name(dtype), "shape": list(shape), "nbytes": math.prod(shape) * np.dtype(dtype).itemsize}
 
 
 def pieces_chunks(pieces: list[Piece]) -> Iterator[bytes]:

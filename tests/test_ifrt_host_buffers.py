@@ -1,0 +1,119 @@
+"""A session's host buffers: chunks read while they arrive, whole buffers, the byte limit,
+and failures reaching whoever reads (pure: threads, no processes)."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from pathways.ifrt.host_buffers import HostBuffers
+from pathways.ifrt.types import INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE, IfrtError
+
+
+def test_a_reader_gets_each_chunk_as_it_arrives_and_ends_with_the_last():
+    buffers = HostBuffers()
+    got, arrived = [], threading.Event()
+    buffer = buffers.open(1, 6)
+
+    def read():
+        for chunk in buffers.chunks(1, timeout=10):
+            got.append(bytes(chunk))
+            arrived.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    buffers.add(buffer, b"abc")
+    assert arrived.wait(10) and got == [b"abc"], "the first chunk is read before the rest arrives"
+    buffers.add(buffer, memoryview(b"def"))
+    buffers.finish(buffer)
+    reader.join(10)
+    assert got == [b"abc", b"def"]
+    assert bytes(buffers.get(1, timeout=1)) == b"abcdef", "a lookup does not consume the buffer"
+
+
+def test_a_taken_buffer_is_gone_and_its_bytes_are_freed_as_they_are_read():
+    buffers = HostBuffers(limit=100)
+    buffer = buffers.open(2, 10)
+    assert buffers.used == 10
+    chunks = buffers.chunks(2, timeout=1, take=True)
+    buffers.add(buffer, b"0123456789")
+    buffers.finish(buffer)
+    assert [bytes(c) for c in chunks] == [b"0123456789"]
+    assert buffers.used == 0 and not buffers.delete(2)
+    buffers.open(2, 4)  # the handle can be stored again
+
+
+def test_a_reader_of_a_buffer_not_stored_yet_waits_for_it_bounded():
+    buffers = HostBuffers()
+    threading.Timer(0.05, lambda: buffers.store(3, np.arange(4, dtype=np.int32))).start()
+    assert buffers.get(3, timeout=10).view(np.int32).tolist() == [0, 1, 2, 3]
+    with pytest.raises(IfrtError) as e:
+        list(buffers.chunks(4, timeout=0.05))
+    assert e.value.code == NOT_FOUND and "not stored within" in e.value.message
+
+
+def test_a_buffer_whose_bytes_stop_coming_fails_its_reader_after_the_wait():
+    buffers = HostBuffers()
+    buffer = buffers.open(5, 8)
+    buffers.add(buffer, b"1234")
+    with pytest.raises(IfrtError) as e:
+        list(buffers.chunks(5, timeout=0.05))
+    assert e.value.code == UNAVAILABLE and "4 arrived" in e.value.message
+
+
+def test_a_failed_buffer_gives_its_error_to_readers_and_frees_its_bytes():
+    buffers = HostBuffers()
+    buffer = buffers.open(6, 8)
+    buffers.add(buffer, b"1234")
+    buffers.fail(buffer, IfrtError(UNAVAILABLE, "the store ended early"))
+    assert buffers.used == 0
+    for read in (lambda: list(buffers.chunks(6, timeout=1)), lambda: buffers.get(6, timeout=1)):
+        with pytest.raises(IfrtError, match="the store ended early"):
+            read()
+    buffers.add(buffer, b"5678")  # what still comes is dropped
+    assert buffers.used == 0
+
+
+def test_the_bytes_announced_are_enforced():
+    buffers = HostBuffers()
+    buffer = buffers.open(7, 4)
+    with pytest.raises(IfrtError) as e:
+        buffers.add(buffer, b"12345")
+    assert e.value.code == INVALID_ARGUMENT and "more than the 4 bytes announced" in e.value.message
+    buffers.add(buffer, b"12")
+    with pytest.raises(IfrtError, match="got 2 bytes of the 4 announced"):
+        buffers.finish(buffer)
+    with pytest.raises(IfrtError, match="already stored"):
+        buffers.open(7, 4)
+
+
+def test_the_session_limit_counts_announced_and_unannounced_bytes():
+    buffers = HostBuffers(limit=10)
+    buffers.open(8, 6)
+    with pytest.raises(IfrtError) as e:
+        buffers.open(9, 6)
+    assert e.value.code == RESOURCE_EXHAUSTED and "10 bytes of host buffers" in e.value.message
+    unannounced = buffers.open(10, None)
+    buffers.add(unannounced, b"1234")
+    with pytest.raises(IfrtError):
+        buffers.add(unannounced, b"1")
+    assert buffers.used == 10
+    assert buffers.delete(8) and buffers.delete(10) and buffers.used == 0
+
+
+def test_closing_wakes_every_reader_with_the_reason():
+    buffers = HostBuffers()
+    buffers.open(11, 8)
+    errors = []
+
+    def read():
+        try:
+            list(buffers.chunks(11, timeout=30))
+        except IfrtError as e:
+            errors.append(e.message)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    buffers.close("the IFRT session ended")
+    reader.join(10)
+    assert not reader.is_alive() and errors == ["the IFRT session ended"]
