@@ -142,3 +142,28 @@ def test_missing_or_misplaced_pieces_are_errors():
     header = codec.pieces_header(full.dtype, full.shape, [(((0, 3),), full[:2])])
     with pytest.raises(WireError, match="does not match its index"):
         codec.read_pieces(header, iter(codec.pieces_chunks([(((0, 3),), full[:2])])))
+
+
+def test_a_large_receive_buffer_is_used_again_only_once_nothing_uses_it():
+    recycler = codec._Recycler()
+
+    def take(n):
+        return recycler.take(n, lambda raw: raw[:n - 64].view(np.float32), "a test array")
+
+    n = 2 << 20
+    first = take(n)
+    address = first.ctypes.data
+    assert take(n).ctypes.data != address, "a buffer in use is not handed out again"
+    held = [first[5:9], memoryview(first), first.reshape(2, -1).T]
+    del first
+    while held:
+        assert take(n).ctypes.data != address, "a view or an export of the buffer still uses it"
+        held.pop()
+    again = take(n)
+    assert again.ctypes.data == address, "a buffer nothing uses any more is used again"
+    assert take(n + 4096).ctypes.data != address, "only for the same size"
+    small = take(codec._Recycler.MIN_BYTES - 128)
+    big = take(codec._Recycler.MAX_BYTES + 4096)
+    del small, big
+    assert len(recycler._buffers) <= codec._Recycler.KEEP
+    assert all(codec._Recycler.MIN_BYTES <= b.nbytes <= codec._Recycler.MAX_BYTES for b in recycler._buffers)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 import threading
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import msgpack
 import numpy as np
@@ -167,18 +168,69 @@ def host_memory_bytes() -> int:
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An uninitialised array, aligned for XLA unless it is small. np.empty maps large
     buffers without touching them, so memory is committed page by page as data is written
-    into it, never up front."""
+    into it, never up front; a large buffer that an earlier array of the same size no
+    longer uses is used again (``_Recycler``)."""
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < _ALIGN_FROM:  # copying it costs XLA less than aligning it costs here
         return np.empty(shape, dtype)
-    try:
-        raw = np.empty(nbytes + _ALIGN, np.uint8)
-    except (MemoryError, ValueError) as e:
-        raise WireError(f"cannot allocate {nbytes} bytes for an incoming {dtype}{list(shape)} array "
-                        f"({type(e).__name__}); send it in smaller pieces or free memory on this host") from None
+    return _RECYCLER.take(nbytes + _ALIGN, lambda raw: _aligned_view(raw, nbytes, dtype, shape),
+                          f"an incoming {dtype}{list(shape)} array")
+
+
+def _aligned_view(raw: np.ndarray, nbytes: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
     start = -raw.ctypes.data % _ALIGN
     return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+class _Recycler:
+    """The last few large receive buffers, each used again once no array uses it.
+
+    A fresh buffer costs the kernel's zeroing of every page on first write, about as much
+    as the copy into it; transfers of one size tend to repeat (a batch each training step,
+    the same array read again), and the arrays of the last one are often gone by then.
+    A buffer is free when nothing but this list refers to it: every view of it (an
+    array, a device buffer that adopted it) holds a reference to it. At most ``KEEP``
+    buffers of ``MIN_BYTES`` to ``MAX_BYTES`` are remembered, so at most KEEP * MAX_BYTES
+    stay allocated for reuse after their arrays are gone."""
+
+    MIN_BYTES = 1 << 20
+    MAX_BYTES = 128 << 20
+    KEEP = 4
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._buffers: list[np.ndarray] = []  # oldest first
+        self._idle = self._references([np.empty(0, np.uint8)])[0]
+
+    @staticmethod
+    def _references(buffers: list[np.ndarray]) -> list[int]:
+        """The reference counts of ``buffers`` seen from here: a buffer nothing else uses
+        has as many as the probe in ``__init__`` (this list's, the loop's, the call's)."""
+        return [sys.getrefcount(raw) for raw in buffers]
+
+    def take(self, size: int, view: Callable[[np.ndarray], np.ndarray], what: str) -> np.ndarray:
+        """``view`` of a free remembered buffer of ``size`` bytes, or of a new one."""
+        recycle = self.MIN_BYTES <= size <= self.MAX_BYTES
+        if recycle:
+            with self._lock:  # the view is made inside: another taker then sees the buffer in use
+                for raw, refs in zip(self._buffers, self._references(self._buffers)):
+                    if raw.nbytes == size and refs == self._idle:
+                        return view(raw)
+        try:
+            raw = np.empty(size, np.uint8)
+        except (MemoryError, ValueError) as e:
+            raise WireError(f"cannot allocate {size} bytes for {what} ({type(e).__name__}); send it in smaller "
+                            "pieces or free memory on this host") from None
+        result = view(raw)
+        if recycle:
+            with self._lock:
+                self._buffers.append(raw)
+                del self._buffers[:-self.KEEP]
+        return result
+
+
+_RECYCLER = _Recycler()
 
 
 def array_header(arr: np.ndarray) -> dict:
