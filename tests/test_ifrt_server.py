@@ -23,6 +23,7 @@ from pathways.ifrt.proto.xla.python.ifrt import serdes_pb2, sharding_pb2, shardi
 from pathways.ifrt.proto.xla.python.ifrt_proxy.common import types_pb2
 from pathways.ifrt.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as gpb
 from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
+from pathways.ifrt import plugin
 from pathways.ifrt import server as ifrt_server
 from pathways.ifrt.server import IfrtServer, _lookup_response, _store_data
 from pathways.ifrt.session import STREAMED_PUT_BYTES, IfrtSession, _Array, _Executable, parse_slice
@@ -183,6 +184,36 @@ def test_large_arrays_stream_through_the_front_end_and_round_trip(server):
     """)
     assert all(result["same"].values()), result["same"]
     assert all(result["doubled"].values()), result["doubled"]
+
+
+def test_a_loop_that_queues_hundreds_of_sharded_steps_runs_them_all(server):
+    """JAX's client opens a host-buffer store per shard it sends, all at once: 600 queued
+    steps, each putting two host arrays split over 2 devices, are 2,400 stores in flight,
+    more than gRPC queues by default before it cancels calls (and the client then drops its
+    session). Every step runs, with the client's stores unbounded and with the bound the pathways
+    plugin sets."""
+    body = """
+        import json, os
+        import numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+        mesh = Mesh(np.array(jax.devices()[2:4]), ("d",))
+        split, whole = NamedSharding(mesh, PartitionSpec("d")), NamedSharding(mesh, PartitionSpec())
+        step = jax.jit(lambda w, x, y: w + (x * y).sum(), in_shardings=(whole, split, split), out_shardings=whole)
+        w = jax.device_put(np.float32(0), whole)
+        x = np.ones((8, 4), np.float32)
+        for i in range(600):
+            w = step(w, x, x * i)
+        print("RESULT", json.dumps({"w": float(w), "stores": os.environ.get(
+            "IFRT_PROXY_GRPC_MAX_ONGOING_HOST_BUFFER_STORES")}))
+    """
+    stores = "IFRT_PROXY_GRPC_MAX_ONGOING_HOST_BUFFER_STORES"
+    for extra, expected in (({stores: "0"}, "0"), ({}, plugin.TRANSFER_LIMITS[stores])):  # 0: no bound
+        out = subprocess.run([sys.executable, "-c", PLUGIN + textwrap.dedent(body)], capture_output=True, text=True,
+                             env=_proxy_env(server.address, **extra), timeout=240)
+        lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+        assert out.returncode == 0 and lines, out.stderr[-3000:]
+        result = json.loads(lines[-1][len("RESULT "):])
+        assert result == {"w": 32 * sum(range(600)), "stores": expected}
 
 
 def test_a_host_buffer_that_ends_short_fails_its_streamed_array_and_the_session_goes_on(server):

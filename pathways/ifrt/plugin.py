@@ -20,6 +20,8 @@ The factory, when JAX calls it:
   slice the cluster places) and ``PATHWAYS_WEIGHT`` (the session's fair-share weight) as the
   session's initialization data, keys ``pathways_token``, ``pathways_slice`` and
   ``pathways_weight``;
+- bounds the client's host-buffer transfers in flight at once (``TRANSFER_LIMITS``, unless
+  the environment sets them);
 - waits ``PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS`` seconds for the server where set (as
   pathwaysutils does), else the client's own bound (2 minutes);
 - first asks a ``grpc://`` server whether it would admit the session (``admission``: the
@@ -54,6 +56,13 @@ TOKEN_KEY = "pathways_token"
 SLICE_KEY = "pathways_slice"
 WEIGHT_KEY = "pathways_weight"
 PLAIN_GRPC = "grpc://"
+# The client otherwise opens a host-buffer store or lookup (a gRPC call and a thread of its
+# own) for every array it sends or reads, all at once: a training loop that queues hundreds
+# of steps, each putting a batch split over the devices, opens thousands, beyond what a
+# server queues before it starts cancelling calls (the client then drops its session). An
+# explicit setting wins.
+TRANSFER_LIMITS = {"IFRT_PROXY_GRPC_MAX_ONGOING_HOST_BUFFER_STORES": "64",
+                   "IFRT_PROXY_GRPC_MAX_ONGOING_HOST_BUFFER_LOOKUPS": "64"}
 # pathwaysutils registers with this priority; JAX orders backends by JAX_PLATFORMS anyway
 # when it is set, which is the only time this module registers.
 _PRIORITY = -1
@@ -126,6 +135,8 @@ def make_client() -> Any:
     if target.startswith(PLAIN_GRPC):
         # read by the client when it connects, in this process; an explicit setting wins
         os.environ.setdefault(INSECURE_ENV, "true")
+    for name, value in TRANSFER_LIMITS.items():  # read once, when the first client is made
+        os.environ.setdefault(name, value)
     options = ifrt_proxy.ClientConnectionOptions()
     timeout = connection_timeout(os.environ)
     if timeout is not None:

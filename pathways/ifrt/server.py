@@ -69,9 +69,15 @@ CONNECT_TIMEOUT = 30.0
 # runs still finishing there), and the controller stops once the server has.
 CLOSING_SECONDS = 8.0
 
+# Calls gRPC queues before a handler thread takes them, beyond which it cancels new ones:
+# JAX's client opens a host-buffer store per array it sends, all at once, and a training
+# loop that queues a few hundred steps of sharded batches opens thousands (the pathways
+# plugin bounds its client's, plugin.TRANSFER_LIMITS; a bare client does not).
+MAX_PENDING_CALLS = 16384
 _OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE),
             ("grpc.so_reuseport", 0), ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.max_ping_strikes", 0)]
+            ("grpc.http2.max_ping_strikes", 0), ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+            ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS)]
 
 
 class IfrtServer:
