@@ -388,12 +388,14 @@ controller process, which turns it into requests of the native pathways session 
 for the client (reaching the controller in its own process, without a gRPC hop): a `jit` call becomes a run the controller schedules and the worker executes,
 a blocking call adds the client's wait for the result's ready future, so a proxy call costs
 the native op-by-op path's work plus the front end's. A `device_put` crosses two processes
-before it reaches the worker (client to front end over gRPC in chunks, then the front end's
-native put to the worker); an `np.asarray` is the front end's native fetch from the worker
-into the controller process, kept as a host buffer, then streamed to the client by
-`HostBufferLookup` in 1 MiB chunks (each chunk a copy into a protobuf message). The bare
-gRPC stream moves the same messages between two processes and nothing else: it is what
-one gRPC hop costs, where the proxy makes that hop and the data plane's. On local CPU JAX,
+before it reaches the worker: the client's host-buffer store reaches the front end in 1 MiB
+messages, and each is sent on to the worker as it arrives (arrays over 1 MiB that one worker
+holds whole; smaller ones go in one message once whole). An `np.asarray` is answered at once,
+and the worker's reply is forwarded to the client's `HostBufferLookup` as it arrives, in
+1 MiB messages (each a copy into the message). The bare gRPC stream moves the same messages
+between two processes and nothing else: it is what one gRPC hop costs, where the proxy makes
+that hop and the data plane's, and the receiver keeps no byte, where the proxy's receivers
+write every byte into an array. On local CPU JAX,
 `np.asarray` returns a view of the device buffer without copying, so its rate is that of a
 Python call, not of a transfer. A training step through the proxy is a `jit` call whose
 batch is put from the host first, split in four (one host buffer per device), and on two
