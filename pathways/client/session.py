@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import math
 import threading
 import time
 import warnings
@@ -407,6 +408,8 @@ class Session:
         if len(layout.workers) != 1 or layout.unreduced:
             raise ValueError("put_chunks sends an array to the one worker that holds it whole; use put")
         with self._starting_put():
+            if self.traced:
+                began = now()
             stubs = self._stubs(address)
             header = codec.pack({"t": "put", "handle": handle, "layout": layout.to_wire(), "of": 1,
                                  "credential": stubs.credential, **codec.whole_array_header(dtype, shape)})
@@ -425,6 +428,9 @@ class Session:
                 self._puts.add(future)
             future.add_done_callback(lambda f: self._put_done(f, address, handle, failed))
             self.send(m.PutNotice(handle, layout, moves))
+            if self.traced:
+                nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+                self.recorder.span("put", began, 0, f"array {handle:#x}, {nbytes} bytes, sent as they arrive")
 
     @contextlib.contextmanager
     def _starting_put(self) -> Iterator[None]:

@@ -1178,7 +1178,6 @@ def executable_devices(options: Any, ndevices: int) -> list[int]:
     return ids
 
 
-
 def _exactly(nbytes: int, what: str, chunks: Iterable[Any]) -> Iterator[Any]:
     """``chunks``, checked to hold ``nbytes`` bytes in all: IfrtError naming ``what`` for
     fewer or more."""
