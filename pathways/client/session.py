@@ -18,6 +18,7 @@ blocked at a frozen worker anyway.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -169,6 +170,24 @@ class Session:
         self._check_alive()
         self._outbox.put(msg)
 
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Within the block, the messages this session sends (from any thread) and the
+        handles it releases are kept, to go to the controller as one batch when the block
+        ends: the controller and the workers handle a batch of runs for about the cost of
+        one. Whoever waits on the controller or a worker meanwhile (``request``, ``fetch``)
+        sends what is kept first, so that nothing waits on a kept message."""
+        self._outbox.hold()
+        try:
+            yield
+        finally:
+            self._outbox.unhold()
+
+    def send_held(self) -> None:
+        """Send what ``holding`` kept so far now, the block going on: for whoever is about to
+        wait on something that may need it."""
+        self._outbox.send_held()
+
     def submit(self, program: int, base: int, args: dict[int, int], what: str) -> None:
         """Send a run of ``program`` whose values start at handle ``base``, with ``args``
         (graph value -> handle) bound. While a recording is open the run is traced and its
@@ -269,6 +288,7 @@ class Session:
         self._pending[req] = future
         msg = make(req)
         self.send(msg)
+        self._outbox.send_held()
         try:
             return self._result(future, timeout, f"answer a {msg.TAG!r} request")
         finally:
@@ -459,6 +479,7 @@ class Session:
         error that poisoned it (RemoteError, WorkerLostError). With ``device`` (host rank,
         device index; ``addresses`` then that of its host): that device's own shard only."""
         self._refuse_if_suspended("read an array")
+        self._outbox.send_held()  # the run computing the array may be among them
         if self.traced:
             began = now()
             try:

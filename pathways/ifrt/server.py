@@ -64,6 +64,9 @@ MAX_REFUSED_STREAMS = 8
 MAX_MESSAGE = 1 << 30  # a compile request carries the whole program
 MAX_WAITING = 256  # requests of one session waiting on the pool at once
 POOL_THREADS = 8  # per session
+INBOX = 1024  # requests of one session received and not yet handled; the client's sends wait beyond
+BURST = 256  # requests handled before the native messages they caused are sent, at most
+_INBOX_POLL = 1.0  # how often a thread waiting on the inbox (for room, for a request) checks the stream is open
 CONNECT_TIMEOUT = 30.0
 # How long stopping waits for sessions that ended just before to finish closing: a traced
 # one collects its timeline from the controller and the workers (which waits up to 2 s for
@@ -255,7 +258,8 @@ class IfrtServer:
             self._sessions[session_id] = session
         out: queue.Queue = queue.Queue()
         stream = _Stream(session, out)
-        threading.Thread(target=stream.read, args=(requests,), name="pathways-ifrt-session", daemon=True).start()
+        threading.Thread(target=stream.receive, args=(requests,), name="pathways-ifrt-receive", daemon=True).start()
+        threading.Thread(target=stream.handle, name="pathways-ifrt-session", daemon=True).start()
         try:
             while True:
                 item = out.get()
@@ -362,34 +366,88 @@ def _lookup_response(chunk: np.ndarray) -> bytes:
 
 
 class _Stream:
-    """One session stream's request loop: handlers in order on the reading thread,
-    Deferred ones on a bounded pool; every response goes to ``out``."""
+    """One session stream's request loop: one thread receives the client's requests into
+    ``inbox``, another handles them in order, Deferred ones on a bounded pool; every response
+    goes to ``out``.
+
+    Receiving apart from handling is what lets a burst of requests (a pipelined loop of
+    jit calls) reach the controller in few batches: gRPC hands over one message per
+    receive, so a thread doing both would hand each request's messages to the native session
+    alone, and the controller and the worker would each pay their per-batch cost once per
+    request. The handler instead takes every request already received before the native
+    session sends what they caused (``Session.holding``)."""
 
     def __init__(self, session: IfrtSession, out: queue.Queue) -> None:
         self.session = session
         self.out = out
+        self.inbox: queue.Queue = queue.Queue(INBOX)
         self.pool = futures.ThreadPoolExecutor(max_workers=POOL_THREADS, thread_name_prefix="pathways-ifrt-wait")
         self.waiting = threading.BoundedSemaphore(MAX_WAITING)
         self.closed = threading.Event()
 
-    def read(self, requests: Iterator[bytes]) -> None:
+    def receive(self, requests: Iterator[bytes]) -> None:
+        """Put the client's request payloads into ``inbox``, then None once they end."""
         try:
             for raw in requests:
-                if self.closed.is_set():
-                    break
-                try:
-                    request = pb.IfrtRequest.FromString(raw)
-                except Exception as e:
-                    self.out.put((grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"an IfrtRequest did not parse ({type(e).__name__}); closing the session"))
+                if not self._offer(raw):
                     return
-                self.serve(request)
         except grpc.RpcError:
             pass  # the client went away
         except Exception:
             log.exception("IFRT session stream failed")
         finally:
+            self._offer(None)
+
+    def _offer(self, item: Optional[bytes]) -> bool:
+        """Put ``item`` into the inbox once it has room; False if the stream closed first
+        (the handler stopped taking them)."""
+        while not self.closed.is_set():
+            try:
+                self.inbox.put(item, timeout=_INBOX_POLL)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def handle(self) -> None:
+        """Serve the inbox's requests in order until the requests end or one does not parse;
+        the native messages of those received together (up to BURST) go out as one batch."""
+        try:
+            raw = self._take()
+            while raw is not None:
+                with self.session.native.holding():
+                    for _ in range(BURST):
+                        try:
+                            request = pb.IfrtRequest.FromString(raw)
+                        except Exception as e:
+                            self.out.put((grpc.StatusCode.INVALID_ARGUMENT,
+                                          f"an IfrtRequest did not parse ({type(e).__name__}); closing the session"))
+                            return
+                        self.serve(request)
+                        try:
+                            raw = self.inbox.get_nowait()
+                        except queue.Empty:
+                            raw = None
+                            break
+                        if raw is None or self.closed.is_set():
+                            return
+                    else:
+                        continue  # a long burst: what it caused so far goes out, then the rest
+                raw = self._take()
+        except Exception:
+            log.exception("IFRT session stream failed")
+        finally:
             self.out.put(None)
+
+    def _take(self) -> Optional[bytes]:
+        """The next request payload received, waiting for it; None once the requests ended
+        or the stream closed."""
+        while not self.closed.is_set():
+            try:
+                return self.inbox.get(timeout=_INBOX_POLL)
+            except queue.Empty:
+                pass
+        return None
 
     def serve(self, request: pb.IfrtRequest) -> None:
         op_id = request.request_metadata.op_id

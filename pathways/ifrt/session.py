@@ -513,7 +513,11 @@ class IfrtSession:
     # ---- arrays from and to the host -----------------------------------------------------------
 
     def _host_array(self, handle: int, dtype: np.dtype, shape: tuple[int, ...], strides: Optional[list[int]]) -> np.ndarray:
-        buffer = self.buffers.get(handle, HOST_BUFFER_WAIT)
+        try:
+            buffer = self.buffers.get(handle, 0.0)
+        except IfrtError:  # not stored yet: what the server holds back (runs) must not wait for it
+            self.native.send_held()
+            buffer = self.buffers.get(handle, HOST_BUFFER_WAIT)
         self.buffers.delete(handle)  # the put below keeps the bytes alive as long as it needs them
         return t.host_view(buffer, dtype, shape, strides)
 

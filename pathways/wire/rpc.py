@@ -405,17 +405,59 @@ class Outbox:
         self._flushing = False  # a flush is queued and its batch not yet begun
         self._flush_lock = threading.Lock()
         self._closed = False
+        # ``hold``: while held, what is put and released waits here, in order, for ``send_held``
+        # (reentrant: a release may come from a __del__ run by a thread that holds the lock)
+        self._holds = 0
+        self._held: list[Message] = []
+        self._held_releases: list[int] = []
+        self._hold_lock = threading.RLock()
         if releases is not None:
             _RELEASE_FLUSHER.watch(self)
 
     def put(self, message: Message) -> None:
+        if self._holds:
+            with self._hold_lock:
+                if self._holds:
+                    self._held.append(message)
+                    return
         self._queue.put(message)
 
     def release(self, handle: int) -> None:
         """Note ``handle`` for ``releases`` (none once closed); safe from ``__del__`` in any thread."""
         assert self._releases is not None, "this outbox was made without releases"
-        if not self._closed:
-            self._released.append(handle)
+        if self._closed:
+            return
+        if self._holds:
+            with self._hold_lock:
+                if self._holds:  # after the messages held before it, which may name the handle
+                    self._held_releases.append(handle)
+                    return
+        self._released.append(handle)
+
+    def hold(self) -> None:
+        """Keep what is put and released from now on (from any thread) until ``unhold``, to
+        go out then as one batch; holds nest."""
+        with self._hold_lock:
+            self._holds += 1
+
+    def unhold(self) -> None:
+        """End a ``hold``; the last one's end sends what was held."""
+        with self._hold_lock:
+            self._holds -= 1
+            if not self._holds:
+                self.send_held()
+
+    def send_held(self) -> None:
+        """Queue what is held now, a hold going on (for whoever is about to wait on an answer
+        to it), and the releases held after it."""
+        with self._hold_lock:
+            held, self._held = self._held, []
+            released, self._held_releases = self._held_releases, []
+            if held:
+                self._queue.put(held)
+            # after the messages: a batch takes the releases noted before it starts, so these
+            # go out in the messages' batch or a later one, never ahead of them
+            self._released.extend(released)
 
     def flush(self) -> None:
         """Have the stream send the releases noted so far, if any (one flush queued at a
@@ -444,7 +486,9 @@ class Outbox:
                 if item is self._CLOSE:
                     closing = True
                     break
-                if item is not self._FLUSH:
+                if type(item) is list:  # what a hold kept (send_held)
+                    batch.extend(map(encode_item, item))
+                elif item is not self._FLUSH:
                     batch.append(encode_item(item))
                 try:
                     item = self._queue.get_nowait()
