@@ -86,7 +86,7 @@ class Session:
 
     def __init__(self, address: str, connect_timeout: float = 30.0, owned_cluster: Any = None, weight: float = 1.0,
                  security: Security | None = None,
-                 open_local: Optional[Callable[[Iterator[bytes]], Any]] = None) -> None:
+                 open_local: Optional[Callable[[rpc.Outbox], Any]] = None) -> None:
         if not 0 < weight <= 1e6:
             raise ValueError(f"a session's weight must be in (0, 1e6], got {weight!r}")
         self.address = address
@@ -131,8 +131,11 @@ class Session:
         self._closed = threading.Event()
         self._welcome: Future = Future()
         self._pending["welcome"] = self._welcome
-        stream = open_local or rpc.method(self._channel, rpc.CONTROLLER_SERVICE, "Session", "stream_stream")
-        self._responses = stream(self._outbox.batches())
+        if open_local is not None:  # the controller's loop takes the outbox's batches itself
+            self._responses = open_local(self._outbox)
+        else:
+            stream = rpc.method(self._channel, rpc.CONTROLLER_SERVICE, "Session", "stream_stream")
+            self._responses = stream(self._outbox.batches())
         threading.Thread(target=self._read, name="pathways-session", daemon=True).start()
         self._counter = itertools.count(1)
         self._counter_lock = threading.Lock()

@@ -39,7 +39,7 @@ from pathways.errors import WireError
 from pathways.ifrt.plugin import ADMISSION_METHOD, ADMISSION_SERVICE
 from pathways.ifrt.session import HOST_BUFFER_WAIT, SLICE_KEY, Deferred, IfrtSession
 from pathways.ifrt.types import IfrtError
-from pathways.wire import codec
+from pathways.wire import codec, rpc
 from pathways.wire import security as sec
 from pathways.wire.addresses import join_host_port, split_host_port
 from pathways.wire.security import Security
@@ -87,7 +87,7 @@ class IfrtServer:
     controller without a network hop (ControllerServer.open_local); else over gRPC."""
 
     def __init__(self, controller: str, bind: str = "127.0.0.1:0", security: Security | None = None,
-                 open_local: Optional[Callable[[Iterator[bytes]], Any]] = None) -> None:
+                 open_local: Optional[Callable[[rpc.Outbox], Any]] = None) -> None:
         self.controller = controller if controller.startswith("grpc://") else f"grpc://{controller}"
         self.open_local = open_local
         self.bind = bind
