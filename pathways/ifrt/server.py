@@ -25,6 +25,7 @@ import logging
 import queue
 import secrets
 import threading
+import time
 from concurrent import futures
 from typing import Any, Callable, Iterator, Optional
 
@@ -65,8 +66,9 @@ MAX_MESSAGE = 1 << 30  # a compile request carries the whole program
 MAX_WAITING = 256  # requests of one session waiting on the pool at once
 POOL_THREADS = 8  # per session
 INBOX = 1024  # requests of one session received and not yet handled; the client's sends wait beyond
-BURST = 256  # requests handled before the native messages they caused are sent, at most
-_INBOX_POLL = 1.0  # how often a thread waiting on the inbox (for room, for a request) checks the stream is open
+BURST_SECONDS = 0.001  # how long requests are handled before the native messages they caused are sent, at most
+_INBOX_POLL = 1.0  # how often the handler waiting for a request checks that the stream is open
+_INBOX_FULL_PAUSE = 0.002  # how often a receiver waiting for room in a full inbox looks again
 CONNECT_TIMEOUT = 30.0
 # How long stopping waits for sessions that ended just before to finish closing: a traced
 # one collects its timeline from the controller and the workers (which waits up to 2 s for
@@ -256,7 +258,7 @@ class IfrtServer:
         session = IfrtSession(native, session_id, init_data)
         with self._lock:
             self._sessions[session_id] = session
-        out: queue.Queue = queue.Queue()
+        out: queue.SimpleQueue = queue.SimpleQueue()  # not queue.Queue: its Python-level locking costs each response
         stream = _Stream(session, out)
         threading.Thread(target=stream.receive, args=(requests,), name="pathways-ifrt-receive", daemon=True).start()
         threading.Thread(target=stream.handle, name="pathways-ifrt-session", daemon=True).start()
@@ -377,10 +379,10 @@ class _Stream:
     request. The handler instead takes every request already received before the native
     session sends what they caused (``Session.holding``)."""
 
-    def __init__(self, session: IfrtSession, out: queue.Queue) -> None:
+    def __init__(self, session: IfrtSession, out: queue.SimpleQueue) -> None:
         self.session = session
         self.out = out
-        self.inbox: queue.Queue = queue.Queue(INBOX)
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # at most INBOX deep (``_offer``)
         self.pool = futures.ThreadPoolExecutor(max_workers=POOL_THREADS, thread_name_prefix="pathways-ifrt-wait")
         self.waiting = threading.BoundedSemaphore(MAX_WAITING)
         self.closed = threading.Event()
@@ -400,23 +402,26 @@ class _Stream:
 
     def _offer(self, item: Optional[bytes]) -> bool:
         """Put ``item`` into the inbox once it has room; False if the stream closed first
-        (the handler stopped taking them)."""
-        while not self.closed.is_set():
-            try:
-                self.inbox.put(item, timeout=_INBOX_POLL)
-                return True
-            except queue.Full:
-                pass
-        return False
+        (the handler stopped taking them). A full inbox is polled: it is full only while the
+        handler is far behind, and a queue with a bound costs every request its locking."""
+        while self.inbox.qsize() >= INBOX:
+            if self.closed.wait(_INBOX_FULL_PAUSE):
+                return False
+        if self.closed.is_set():
+            return False
+        self.inbox.put(item)
+        return True
 
     def handle(self) -> None:
         """Serve the inbox's requests in order until the requests end or one does not parse;
-        the native messages of those received together (up to BURST) go out as one batch."""
+        the native messages of those received together go out as one batch, at least every
+        BURST_SECONDS (a run held longer would keep its workers idle while the rest is handled)."""
         try:
             raw = self._take()
             while raw is not None:
                 with self.session.native.holding():
-                    for _ in range(BURST):
+                    ends = time.monotonic() + BURST_SECONDS
+                    while True:
                         try:
                             request = pb.IfrtRequest.FromString(raw)
                         except Exception as e:
@@ -431,9 +436,10 @@ class _Stream:
                             break
                         if raw is None or self.closed.is_set():
                             return
-                    else:
-                        continue  # a long burst: what it caused so far goes out, then the rest
-                raw = self._take()
+                        if time.monotonic() >= ends:
+                            break  # what the burst caused so far goes out, then the rest
+                if raw is None:
+                    raw = self._take()
         except Exception:
             log.exception("IFRT session stream failed")
         finally:
