@@ -385,7 +385,8 @@ def payloads(items: list[bytes]) -> Iterator[bytes]:
 
 
 class Outbox:
-    """A thread-safe queue of messages drained as batches by a gRPC stream generator.
+    """A thread-safe queue of messages drained as batches by a gRPC stream generator
+    (``batches``), or by a LocalStream's reads on the server's loop (``take``).
 
     Whatever has queued up while the stream was busy goes out as one payload (or several:
     ``payloads``). ``release(handle)`` notes a handle the peer may forget: the handles
@@ -393,7 +394,8 @@ class Outbox:
     (after every message put before them, which may still name them). Releases ride along
     with the next batch; those of a stream with nothing else to send are flushed within
     RELEASE_SECONDS by one thread of the process: a release costs no message of its own,
-    and an idle stream no wake-ups.
+    and an idle stream no wake-ups. ``hold`` keeps what is put until it ends, to go out as
+    one batch.
     """
 
     _CLOSE, _FLUSH = object(), object()
