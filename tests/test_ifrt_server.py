@@ -9,6 +9,9 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+from contextlib import contextmanager
 
 import grpc
 import numpy as np
@@ -897,3 +900,72 @@ def test_a_session_the_server_would_refuse_fails_at_once_naming_why(server):
         assert failed["seconds"] < 5.0
     finally:
         guarded.stop()
+
+
+class _SlowNative:
+    """A native session that counts its holds (each a burst of requests sent as one batch)."""
+
+    def __init__(self) -> None:
+        self.holds = 0
+
+    @contextmanager
+    def holding(self):
+        self.holds += 1
+        yield
+
+
+class _SlowSession:
+    """What a session stream needs of an IFRT session: requests answered in order, each
+    only once ``go`` is set."""
+
+    def __init__(self) -> None:
+        self.native = _SlowNative()
+        self.go = threading.Event()
+        self.served: list[int] = []
+
+    def handle(self, kind, body):
+        assert self.go.wait(30)
+        self.served.append(body.dtype.kind)
+        return pb.GetDefaultLayoutResponse()
+
+
+@pytest.mark.parametrize("burst_seconds", [60.0, 0.0])
+def test_a_session_stream_receives_a_bounded_inbox_ahead_and_serves_a_burst_in_one_hold(monkeypatch, burst_seconds):
+    monkeypatch.setattr(ifrt_server, "INBOX", 8)
+    monkeypatch.setattr(ifrt_server, "BURST_SECONDS", burst_seconds)
+    session, out = _SlowSession(), ifrt_server.queue.SimpleQueue()
+    stream = ifrt_server._Stream(session, out)
+    received = []
+
+    def requests():
+        for i in range(30):
+            received.append(i)
+            request = pb.IfrtRequest(get_default_layout_request=pb.GetDefaultLayoutRequest())
+            request.request_metadata.op_id = i + 1
+            request.get_default_layout_request.dtype.kind = i + 1
+            yield request.SerializeToString()
+
+    receiver = threading.Thread(target=stream.receive, args=(requests(),))
+    handler = threading.Thread(target=stream.handle)
+    receiver.start()
+    handler.start()
+    try:
+        wait_until(lambda: len(received) >= 10, 10)
+        time.sleep(0.3)
+        # one taken by the handler (waiting for go), INBOX queued, one waiting for room
+        assert len(received) == 1 + 8 + 1, received
+        session.go.set()
+        receiver.join(10)
+        handler.join(10)
+        assert not receiver.is_alive() and not handler.is_alive()
+        answered = []
+        while (item := out.get(timeout=5)) is not None:
+            answered.append(pb.IfrtResponse.FromString(item).response_metadata.op_id)
+        assert answered == list(range(1, 31)) and session.served == list(range(1, 31))
+        if burst_seconds:  # what queued while the first request waited was served in bursts, not a hold each
+            assert session.native.holds < 30
+        else:  # each burst is cut short: a run it holds would wait for the rest
+            assert session.native.holds == 30
+    finally:
+        session.go.set()
+        stream.closed.set()

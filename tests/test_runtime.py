@@ -162,6 +162,22 @@ def test_op_by_op_calls_pipeline(session):
     np.testing.assert_allclose(final, np.asarray(first) + 50, rtol=1e-5)
 
 
+def test_what_a_session_holds_goes_out_at_the_end_and_waits_inside_the_hold_send_it_first(session):
+    s = new_slice(1)
+    inc = pw.jit(lambda x: x + 1.0, mesh=s.mesh("d"))
+    x = pw.device_put(np.zeros(4, np.float32), s.devices)
+    inc(x).block_until_ready()  # compiled
+    with session.holding():
+        y = inc(inc(x))
+        assert session._outbox._queue.qsize() == 0  # the runs are held
+        # a request and a read wait on the controller and the worker: what is held goes
+        # first, else they would wait for it until their timeouts
+        assert session.cluster()["workers"]
+        np.testing.assert_array_equal(y.to_numpy(timeout=30), np.full(4, 2.0))
+        z = inc(y)
+    np.testing.assert_array_equal(np.asarray(z), np.full(4, 3.0))
+
+
 def test_futures_fetch_and_device_get(session):
     s = new_slice(2)
     f = pw.jit(lambda x: [x, x * 2], mesh=s.mesh("x"), in_shardings=pw.P("x"), out_shardings=pw.P("x"))

@@ -92,7 +92,7 @@ class Session:
 
     def __init__(self, address: str, connect_timeout: float = 30.0, owned_cluster: Any = None, weight: float = 1.0,
                  security: Security | None = None,
-                 open_local: Optional[Callable[[Iterator[bytes]], Any]] = None) -> None:
+                 open_local: Optional[Callable[[rpc.Outbox], Any]] = None) -> None:
         if not 0 < weight <= 1e6:
             raise ValueError(f"a session's weight must be in (0, 1e6], got {weight!r}")
         self.address = address
@@ -137,8 +137,11 @@ class Session:
         self._closed = threading.Event()
         self._welcome: Future = Future()
         self._pending["welcome"] = self._welcome
-        stream = open_local or rpc.method(self._channel, rpc.CONTROLLER_SERVICE, "Session", "stream_stream")
-        self._responses = stream(self._outbox.batches())
+        if open_local is not None:  # the controller's loop takes the outbox's batches itself
+            self._responses = open_local(self._outbox)
+        else:
+            stream = rpc.method(self._channel, rpc.CONTROLLER_SERVICE, "Session", "stream_stream")
+            self._responses = stream(self._outbox.batches())
         threading.Thread(target=self._read, name="pathways-session", daemon=True).start()
         self._counter = itertools.count(1)
         self._counter_lock = threading.Lock()
@@ -175,6 +178,24 @@ class Session:
     def send(self, msg: m.Message) -> None:
         self._check_alive()
         self._outbox.put(msg)
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Within the block, the messages this session sends (from any thread) and the
+        handles it releases are kept, to go to the controller as one batch when the block
+        ends: the controller and the workers handle a batch of runs for about the cost of
+        one. Whoever waits on the controller or a worker meanwhile (``request``, ``fetch``)
+        sends what is kept first, so that nothing waits on a kept message."""
+        self._outbox.hold()
+        try:
+            yield
+        finally:
+            self._outbox.unhold()
+
+    def send_held(self) -> None:
+        """Send what ``holding`` kept so far now, the block going on: for whoever is about to
+        wait on something that may need it."""
+        self._outbox.send_held()
 
     def submit(self, program: int, base: int, args: dict[int, int], what: str) -> None:
         """Send a run of ``program`` whose values start at handle ``base``, with ``args``
@@ -276,6 +297,7 @@ class Session:
         self._pending[req] = future
         msg = make(req)
         self.send(msg)
+        self._outbox.send_held()
         try:
             return self._result(future, timeout, f"answer a {msg.TAG!r} request")
         finally:
@@ -511,6 +533,7 @@ class Session:
         With ``sink`` (and ``data``): each worker's reply goes to it as it arrives (its
         pieces' header and their chunks, which it reads to the end), and True is returned."""
         self._refuse_if_suspended("read an array")
+        self._outbox.send_held()  # the run computing the array may be among them
         if self.traced:
             began = now()
             try:

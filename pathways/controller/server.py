@@ -36,7 +36,7 @@ import itertools
 import logging
 import signal
 import socket
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 
 import grpc
 
@@ -233,10 +233,10 @@ class ControllerServer:
             await asyncio.wait(streams, timeout=_STOP_SECONDS)
         await server.stop(grace=_STOP_GRACE_SECONDS)
 
-    def open_local(self, requests: Iterator[bytes]) -> rpc.LocalStream:
+    def open_local(self, requests: rpc.Outbox) -> rpc.LocalStream:
         """A session stream opened from another thread of this process (the IFRT front end's
-        sessions), served as a gRPC one is, with no gRPC in between; callable once the
-        controller listens."""
+        sessions), whose requests are what the client puts in ``requests``, served as a gRPC
+        one is, with no gRPC in between; callable once the controller listens."""
         assert self._loop is not None, "open_local before listen"
         call = rpc.LocalStream(self._loop, requests)
 
@@ -493,7 +493,7 @@ async def _serve(policy: str, window: int, host: str, port: int, security: Secur
 
 
 def _start_ifrt(controller: str, bind: str, security: Security,
-                open_local: Callable[[Iterator[bytes]], rpc.LocalStream]) -> "IfrtServer":
+                open_local: Callable[[rpc.Outbox], rpc.LocalStream]) -> "IfrtServer":
     """An IFRT proxy server (pathways.ifrt.server.IfrtServer) serving on ``bind``, in front of
     the controller at ``controller``, whose session streams ``open_local`` opens in this
     process; exits the process with a message where it cannot. Runs off the event loop: the

@@ -25,6 +25,7 @@ import logging
 import queue
 import secrets
 import threading
+import time
 from concurrent import futures
 from typing import Any, Callable, Iterator, Optional
 
@@ -38,7 +39,7 @@ from pathways.errors import WireError
 from pathways.ifrt.plugin import ADMISSION_METHOD, ADMISSION_SERVICE
 from pathways.ifrt.session import HOST_BUFFER_WAIT, SLICE_KEY, WAIT_SECONDS, Deferred, IfrtSession
 from pathways.ifrt.types import IfrtError
-from pathways.wire import codec
+from pathways.wire import codec, rpc
 from pathways.wire import security as sec
 from pathways.wire.addresses import join_host_port, split_host_port
 from pathways.wire.security import Security
@@ -63,6 +64,10 @@ MAX_REFUSED_STREAMS = 8
 MAX_MESSAGE = 1 << 30  # a compile request carries the whole program
 MAX_WAITING = 256  # requests of one session waiting on the pool at once
 POOL_THREADS = 8  # per session
+INBOX = 1024  # requests of one session received and not yet handled; the client's sends wait beyond
+BURST_SECONDS = 0.001  # how long requests are handled before the native messages they caused are sent, at most
+_INBOX_POLL = 1.0  # how often the handler waiting for a request checks that the stream is open
+_INBOX_FULL_PAUSE = 0.002  # how often a receiver waiting for room in a full inbox looks again
 CONNECT_TIMEOUT = 30.0
 # How long stopping waits for sessions that ended just before to finish closing: a traced
 # one collects its timeline from the controller and the workers (which waits up to 2 s for
@@ -89,7 +94,7 @@ class IfrtServer:
     controller without a network hop (ControllerServer.open_local); else over gRPC."""
 
     def __init__(self, controller: str, bind: str = "127.0.0.1:0", security: Security | None = None,
-                 open_local: Optional[Callable[[Iterator[bytes]], Any]] = None) -> None:
+                 open_local: Optional[Callable[[rpc.Outbox], Any]] = None) -> None:
         self.controller = controller if controller.startswith("grpc://") else f"grpc://{controller}"
         self.open_local = open_local
         self.bind = bind
@@ -258,9 +263,10 @@ class IfrtServer:
         session = IfrtSession(native, session_id, init_data)
         with self._lock:
             self._sessions[session_id] = session
-        out: queue.Queue = queue.Queue()
+        out: queue.SimpleQueue = queue.SimpleQueue()  # not queue.Queue: its Python-level locking costs each response
         stream = _Stream(session, out)
-        threading.Thread(target=stream.read, args=(requests,), name="pathways-ifrt-session", daemon=True).start()
+        threading.Thread(target=stream.receive, args=(requests,), name="pathways-ifrt-receive", daemon=True).start()
+        threading.Thread(target=stream.handle, name="pathways-ifrt-session", daemon=True).start()
         try:
             while True:
                 item = out.get()
@@ -376,34 +382,92 @@ def _varint(n: int) -> bytes:
 
 
 class _Stream:
-    """One session stream's request loop: handlers in order on the reading thread,
-    Deferred ones on a bounded pool; every response goes to ``out``."""
+    """One session stream's request loop: one thread receives the client's requests into
+    ``inbox``, another handles them in order, Deferred ones on a bounded pool; every response
+    goes to ``out``.
 
-    def __init__(self, session: IfrtSession, out: queue.Queue) -> None:
+    Receiving apart from handling is what lets a burst of requests (a pipelined loop of
+    jit calls) reach the controller in few batches: gRPC hands over one message per
+    receive, so a thread doing both would hand each request's messages to the native session
+    alone, and the controller and the worker would each pay their per-batch cost once per
+    request. The handler instead takes every request already received before the native
+    session sends what they caused (``Session.holding``)."""
+
+    def __init__(self, session: IfrtSession, out: queue.SimpleQueue) -> None:
         self.session = session
         self.out = out
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # at most INBOX deep (``_offer``)
         self.pool = futures.ThreadPoolExecutor(max_workers=POOL_THREADS, thread_name_prefix="pathways-ifrt-wait")
         self.waiting = threading.BoundedSemaphore(MAX_WAITING)
         self.closed = threading.Event()
 
-    def read(self, requests: Iterator[bytes]) -> None:
+    def receive(self, requests: Iterator[bytes]) -> None:
+        """Put the client's request payloads into ``inbox``, then None once they end."""
         try:
             for raw in requests:
-                if self.closed.is_set():
-                    break
-                try:
-                    request = pb.IfrtRequest.FromString(raw)
-                except Exception as e:
-                    self.out.put((grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"an IfrtRequest did not parse ({type(e).__name__}); closing the session"))
+                if not self._offer(raw):
                     return
-                self.serve(request)
         except grpc.RpcError:
             pass  # the client went away
         except Exception:
             log.exception("IFRT session stream failed")
         finally:
+            self._offer(None)
+
+    def _offer(self, item: Optional[bytes]) -> bool:
+        """Put ``item`` into the inbox once it has room; False if the stream closed first
+        (the handler stopped taking them). A full inbox is polled: it is full only while the
+        handler is far behind, and a queue with a bound costs every request its locking."""
+        while self.inbox.qsize() >= INBOX:
+            if self.closed.wait(_INBOX_FULL_PAUSE):
+                return False
+        if self.closed.is_set():
+            return False
+        self.inbox.put(item)
+        return True
+
+    def handle(self) -> None:
+        """Serve the inbox's requests in order until the requests end or one does not parse;
+        the native messages of those received together go out as one batch, at least every
+        BURST_SECONDS (a run held longer would keep its workers idle while the rest is handled)."""
+        try:
+            raw = self._take()
+            while raw is not None:
+                with self.session.native.holding():
+                    ends = time.monotonic() + BURST_SECONDS
+                    while True:
+                        try:
+                            request = pb.IfrtRequest.FromString(raw)
+                        except Exception as e:
+                            self.out.put((grpc.StatusCode.INVALID_ARGUMENT,
+                                          f"an IfrtRequest did not parse ({type(e).__name__}); closing the session"))
+                            return
+                        self.serve(request)
+                        try:
+                            raw = self.inbox.get_nowait()
+                        except queue.Empty:
+                            raw = None
+                            break
+                        if raw is None or self.closed.is_set():
+                            return
+                        if time.monotonic() >= ends:
+                            break  # what the burst caused so far goes out, then the rest
+                if raw is None:
+                    raw = self._take()
+        except Exception:
+            log.exception("IFRT session stream failed")
+        finally:
             self.out.put(None)
+
+    def _take(self) -> Optional[bytes]:
+        """The next request payload received, waiting for it; None once the requests ended
+        or the stream closed."""
+        while not self.closed.is_set():
+            try:
+                return self.inbox.get(timeout=_INBOX_POLL)
+            except queue.Empty:
+                pass
+        return None
 
     def serve(self, request: pb.IfrtRequest) -> None:
         op_id = request.request_metadata.op_id

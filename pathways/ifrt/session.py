@@ -162,7 +162,9 @@ class _Executable:
     place: SliceDevices
     label: str  # what the timeline names its runs by (timeline.function_label)
     program: Optional[int] = None
-    in_types: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    in_types: tuple[tuple[np.dtype, tuple[int, ...]], ...] = ()  # its program's arguments
+    # each output's dtype, shape, sharding, layout and place, the same for every run
+    outputs: tuple[tuple[np.dtype, tuple[int, ...], Sharding, Layout, SliceDevices], ...] = ()
 
 
 class IfrtSession:
@@ -526,7 +528,12 @@ class IfrtSession:
 
     def _host_array(self, handle: int, dtype: np.dtype, shape: tuple[int, ...], strides: Optional[list[int]]) -> np.ndarray:
         # taken: the put keeps the bytes alive as long as it needs them
-        return t.host_view(self.buffers.get(handle, HOST_BUFFER_WAIT, take=True), dtype, shape, strides)
+        try:
+            buffer = self.buffers.get(handle, 0.0, take=True)
+        except IfrtError:  # not stored yet: what the server holds back (runs) must not wait for it
+            self.native.send_held()
+            buffer = self.buffers.get(handle, HOST_BUFFER_WAIT, take=True)
+        return t.host_view(buffer, dtype, shape, strides)
 
     @_serves("array_handle")
     def _make_array_from_host_buffer_request(self, body: pb.MakeArrayFromHostBufferRequest) -> Any:
@@ -999,7 +1006,7 @@ class IfrtSession:
                             "(jax.device_put with a sharding on that island)")
         if len(args) != len(c.ins):
             raise t.invalid(f"the executable takes {len(c.ins)} arguments, {len(args)} were given")
-        types = tuple((a.dtype.name, a.shape) for a in args)
+        types = tuple((a.dtype, a.shape) for a in args)
         if not args and not c.outs:
             # nothing in, nothing out (JAX drops unused parameters): nothing can be observed of a
             # run, and a program needs at least one value
@@ -1009,23 +1016,25 @@ class IfrtSession:
             graph = ProgramGraph(n_in + n_out, tuple(range(n_in)),
                                  (Node(exe.fn, tuple(range(n_in)), tuple(range(n_in, n_in + n_out))),),
                                  tuple(range(n_in, n_in + n_out)),
-                                 types + tuple((d, tuple(s)) for d, s in c.out_types))
+                                 tuple((d.name, s) for d, s in types) + tuple((d, tuple(s)) for d, s in c.out_types))
             exe.program, exe.in_types = register_program(self.native, graph, {}, {}).program_id, types
+            exe.outputs = tuple((dtype_of_name(d), tuple(s), Sharding(exe.devices, c.out_shardings[j]), layout,
+                                 self._table.at(exe.place.slice, layout.devices, layout.workers))
+                                for j, (layout, (d, s)) in enumerate(zip(c.outs, c.out_types)))
         elif types != exe.in_types:
-            raise t.invalid(f"arguments {types} do not match the executable's {exe.in_types}")
+            raise t.invalid(f"arguments {[(d.name, s) for d, s in types]} do not match the executable's "
+                            f"{[(d.name, s) for d, s in exe.in_types]}")
         args = [self._real(a) for a in args]
         base = self.native.allocate(len(args) + len(c.outs))
         self.native.submit(exe.program, base, {i: a.handle for i, a in enumerate(args)}, exe.label)
-        outs = []
-        for j, layout in enumerate(c.outs):
-            dtype, shape = c.out_types[j]
-            place = self._table.at(exe.place.slice, layout.devices, layout.workers)
-            outs.append(_Array(dtype_of_name(dtype), tuple(shape), Sharding(exe.devices, c.out_shardings[j]),
-                               base + len(args) + j, layout, place))
-        keep = set(body.execute_options.non_donatable_input_indices)
-        for i in c.donated:
-            if i not in keep and i < len(args):
-                self._delete(args[i])
+        first = base + len(args)
+        outs = [_Array(dtype, shape, sharding, first + j, layout, place)
+                for j, (dtype, shape, sharding, layout, place) in enumerate(exe.outputs)]
+        if c.donated:
+            keep = set(body.execute_options.non_donatable_input_indices)
+            for i in c.donated:
+                if i not in keep and i < len(args):
+                    self._delete(args[i])
         return self._executed(outs, body)
 
     def _executed(self, outs: list[_Array], body: Any) -> Any:

@@ -385,7 +385,8 @@ def payloads(items: list[bytes]) -> Iterator[bytes]:
 
 
 class Outbox:
-    """A thread-safe queue of messages drained as batches by a gRPC stream generator.
+    """A thread-safe queue of messages drained as batches by a gRPC stream generator
+    (``batches``), or by a LocalStream's reads on the server's loop (``take``).
 
     Whatever has queued up while the stream was busy goes out as one payload (or several:
     ``payloads``). ``release(handle)`` notes a handle the peer may forget: the handles
@@ -393,7 +394,8 @@ class Outbox:
     (after every message put before them, which may still name them). Releases ride along
     with the next batch; those of a stream with nothing else to send are flushed within
     RELEASE_SECONDS by one thread of the process: a release costs no message of its own,
-    and an idle stream no wake-ups.
+    and an idle stream no wake-ups. ``hold`` keeps what is put until it ends, to go out as
+    one batch.
     """
 
     _CLOSE, _FLUSH = object(), object()
@@ -405,17 +407,63 @@ class Outbox:
         self._flushing = False  # a flush is queued and its batch not yet begun
         self._flush_lock = threading.Lock()
         self._closed = False
+        # ``hold``: while held, what is put and released waits here, in order, for ``send_held``
+        # (reentrant: a release may come from a __del__ run by a thread that holds the lock)
+        self._holds = 0
+        self._held: list[Message] = []
+        self._held_releases: list[int] = []
+        self._hold_lock = threading.RLock()
+        # ``take``'s reader: how to wake it, whether it waits, whether it has taken the close
+        self._wake: Optional[Callable[[], None]] = None
+        self._waiting = False
+        self._taken_all = False
         if releases is not None:
             _RELEASE_FLUSHER.watch(self)
 
     def put(self, message: Message) -> None:
-        self._queue.put(message)
+        if self._holds:
+            with self._hold_lock:
+                if self._holds:
+                    self._held.append(message)
+                    return
+        self._queued(message)
 
     def release(self, handle: int) -> None:
         """Note ``handle`` for ``releases`` (none once closed); safe from ``__del__`` in any thread."""
         assert self._releases is not None, "this outbox was made without releases"
-        if not self._closed:
-            self._released.append(handle)
+        if self._closed:
+            return
+        if self._holds:
+            with self._hold_lock:
+                if self._holds:  # after the messages held before it, which may name the handle
+                    self._held_releases.append(handle)
+                    return
+        self._released.append(handle)
+
+    def hold(self) -> None:
+        """Keep what is put and released from now on (from any thread) until ``unhold``, to
+        go out then as one batch; holds nest."""
+        with self._hold_lock:
+            self._holds += 1
+
+    def unhold(self) -> None:
+        """End a ``hold``; the last one's end sends what was held."""
+        with self._hold_lock:
+            self._holds -= 1
+            if not self._holds:
+                self.send_held()
+
+    def send_held(self) -> None:
+        """Queue what is held now, a hold going on (for whoever is about to wait on an answer
+        to it), and the releases held after it."""
+        with self._hold_lock:
+            held, self._held = self._held, []
+            released, self._held_releases = self._held_releases, []
+            if held:
+                self._queued(held)
+            # after the messages: a batch takes the releases noted before it starts, so these
+            # go out in the messages' batch or a later one, never ahead of them
+            self._released.extend(released)
 
     def flush(self) -> None:
         """Have the stream send the releases noted so far, if any (one flush queued at a
@@ -423,38 +471,73 @@ class Outbox:
         with self._flush_lock:
             if self._released and not self._flushing and not self._closed:
                 self._flushing = True
-                self._queue.put(self._FLUSH)
+                self._queued(self._FLUSH)
 
     def close(self) -> None:
         """End the stream after whatever was put before."""
         self._closed = True
-        self._queue.put(self._CLOSE)
+        self._queued(self._CLOSE)
+
+    def _queued(self, item: object) -> None:
+        self._queue.put(item)
+        if self._waiting:  # a reader on a loop waits for it (``take``)
+            self._waiting = False
+            assert self._wake is not None
+            self._wake()
 
     def batches(self) -> Iterator[bytes]:
         """Yield packed batches until closed (everything put before the close goes out)."""
         closing = False
         while not closing:
-            item = self._queue.get()
-            self._flushing = False
-            # Taken before the queue is drained: a message that names a released handle was
-            # put before the release, so it is in this batch, ahead of the releases.
-            released = [self._released.popleft() for _ in range(len(self._released))]
-            batch = []
-            while True:
-                if item is self._CLOSE:
-                    closing = True
-                    break
-                if item is not self._FLUSH:
-                    batch.append(encode_item(item))
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-            if released:
-                assert self._releases is not None
-                batch.append(encode_item(self._releases(released)))
+            batch, closing = self._drain(self._queue.get())
             if batch:
                 yield from payloads(batch)
+
+    def take(self, wake: Callable[[], None]) -> Optional[list[bytes]]:
+        """For a reader on an event loop (LocalStream), instead of ``batches``: the payloads
+        of what is queued now, or [] when nothing is (``wake`` is then called, from any
+        thread, once something is: the reader waits for that, then takes again); None
+        once the outbox closed and everything before the close was taken."""
+        if self._taken_all:
+            return None
+        self._wake = wake
+        try:
+            item = self._queue.get_nowait()
+        except queue.Empty:
+            self._waiting = True
+            try:  # what came in before the reader was seen waiting would wake no one
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return []
+            self._waiting = False
+        batch, self._taken_all = self._drain(item)
+        return list(payloads(batch))
+
+    def _drain(self, item: object) -> tuple[list[bytes], bool]:
+        """The encoded messages of ``item`` and of everything queued after it, then the
+        releases noted before; and whether the close was among them."""
+        self._flushing = False
+        # Taken before the queue is drained: a message that names a released handle was
+        # put before the release, so it is in this batch, ahead of the releases.
+        released = [self._released.popleft() for _ in range(len(self._released))]
+        batch: list[bytes] = []
+        closing = False
+        while True:
+            if item is self._CLOSE:
+                closing = True
+                break
+            if type(item) is list:  # what a hold kept (send_held)
+                batch.extend(map(encode_item, item))
+            elif item is not self._FLUSH:
+                batch.append(encode_item(item))
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+        if released:
+            assert self._releases is not None
+            batch.append(encode_item(self._releases(released)))
+        return batch, closing
 
 
 RELEASE_SECONDS = 0.05  # how long a release waits for a batch to ride along with
@@ -583,46 +666,37 @@ class LocalStream:
     returns (an iterator of reply payloads, ``cancel()``); to the server's handler it is what
     grpc.aio's ServicerContext is (``read``, ``write``, ``abort``).
 
-    The requests iterator is drained by a thread of its own, as gRPC drains it, and handed to
-    the loop at most LOCAL_AHEAD payloads ahead of the handler's reads: a server that stops
-    reading (its backpressure) stops the client's sends as a gRPC stream would, and what the
-    client puts while the server is busy waits in its Outbox, to go out as one batch (a
-    client sending a message at a time, as the IFRT front end does, is served in batches
-    as long as the server is the slower). Replies queue at most LOCAL_IN_FLIGHT deep before
-    the server's writes wait for the client."""
+    The server's reads take the client's Outbox directly (``Outbox.take``), on the loop:
+    each read is everything the client queued since the last one, as one batch, and a
+    server that stops reading (its backpressure) leaves the client's messages queued, as a
+    gRPC stream's flow control would. A read that finds nothing waits for the client's next
+    put to wake it; no thread stands in between. Replies queue at most LOCAL_IN_FLIGHT deep
+    before the server's writes wait for the client."""
 
     _END = object()
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, requests: Iterator[bytes]) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, outbox: Outbox) -> None:
         self._loop = loop
-        self._incoming: asyncio.Queue = asyncio.Queue()  # used on the loop only
-        self._slots = threading.Semaphore(LOCAL_AHEAD)
+        self._outbox = outbox
+        self._taken: collections.deque[bytes] = collections.deque()  # payloads taken, not yet read
+        self._ended = False  # the requests ended: the outbox closed, or the client cancelled
+        self._put: Optional[asyncio.Future] = None  # what a read that found nothing waits on
         self._replies: queue.Queue = queue.Queue()  # its writes wait while LOCAL_IN_FLIGHT are unread
         self._cancelled = threading.Event()
-        self._requests = requests
-        threading.Thread(target=self._pump, name="pathways-local-stream", daemon=True).start()
 
     # ---- the client's side ----------------------------------------------------------------
 
-    def _pump(self) -> None:
+    def _wake(self) -> None:
+        """Something was put (or the stream cancelled): a read waiting for it goes on. From
+        any thread."""
         try:
-            for payload in self._requests:
-                while not self._slots.acquire(timeout=1.0):
-                    if self._cancelled.is_set():
-                        return
-                if self._cancelled.is_set():
-                    return
-                self._deliver(payload)
-        except Exception as e:  # the client's request generator failed: the stream ends
-            self._replies.put(e)
-        finally:
-            self._deliver(self._END)
-
-    def _deliver(self, item: object) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._incoming.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._woken)
         except RuntimeError:  # the loop closed: the server is gone
             self._cancelled.set()
+
+    def _woken(self) -> None:
+        if self._put is not None and not self._put.done():
+            self._put.set_result(None)
 
     def __iter__(self) -> "LocalStream":
         return self
@@ -641,19 +715,32 @@ class LocalStream:
         """End the stream from the client's side: the server sees the requests end."""
         if not self._cancelled.is_set():
             self._cancelled.set()
-            self._deliver(self._END)
+            self._wake()
         self._replies.put(self._END)
 
     # ---- the server's side (on the loop) --------------------------------------------------
 
     async def read(self) -> object:
         """The next request payload, or grpc.aio.EOF once the client's requests ended."""
-        item = await self._incoming.get()
-        if item is self._END:
-            self._incoming.put_nowait(item)
-            return grpc.aio.EOF
-        self._slots.release()
-        return item
+        while not self._taken:
+            if self._ended or self._cancelled.is_set():
+                return grpc.aio.EOF
+            try:
+                taken = self._outbox.take(self._wake)
+            except Exception as e:  # a message the client put does not encode: the stream ends
+                self._replies.put(e)
+                self._ended = True
+                continue
+            if taken is None:
+                self._ended = True
+            elif taken:
+                self._taken.extend(taken)
+            else:
+                self._put = self._loop.create_future()
+                if not self._cancelled.is_set():
+                    await self._put
+                self._put = None
+        return self._taken.popleft()
 
     async def write(self, payload: bytes) -> None:
         while self._replies.qsize() >= LOCAL_IN_FLIGHT and not self._cancelled.is_set():
@@ -672,5 +759,4 @@ class LocalStream:
         self._replies.put(self._END)
 
 
-LOCAL_AHEAD = 1  # request payloads a LocalStream hands its server before the server reads one
 LOCAL_IN_FLIGHT = 256  # reply payloads a LocalStream holds before the server's writes wait

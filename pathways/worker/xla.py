@@ -33,6 +33,8 @@ from pathways.worker.compile_cache import CompileCache, digest
 from pathways.wire.codec import WIRE_DTYPES, dtype_of_name
 
 _DONOR_ATTRS = ("tf.aliasing_output", "jax.buffer_donor")
+# how an argument reaches an executable's parameter (XlaExecutable._as_expected)
+_AS_IS, _RELABEL, _MOVE = "as is", "relabelled", "moved"
 
 log = logging.getLogger("pathways.worker")
 
@@ -72,7 +74,7 @@ class XlaExecutable:
         self._out = out_shardings  # NamedShardings of the output layouts
         self._out_shapes = [shape for _, shape in out_types]
         self._token_outs = frozenset(token_outs)
-        self._equivalent: dict[tuple[int, Any], bool] = {}
+        self._equivalent: dict[tuple[int, Any], str] = {}  # (parameter, sharding) -> _AS_IS, _RELABEL or _MOVE
         self.in_avals = in_avals  # (shape, dtype) per parameter
         self.metadata = metadata
         # what a timeline names its runs by: the function the client compiled (its definition
@@ -98,13 +100,23 @@ class XlaExecutable:
         assignment (``<=[2,2]T(1,0)``) place the same blocks but list devices differently."""
         expected = self._in[i]
         key = (i, x.sharding)
-        same = self._equivalent.get(key)
-        if same is None:
+        how = self._equivalent.get(key)
+        if how is None:
             # the layout's sharding, not XLA's: JAX maps no blocks for an unreduced GSPMDSharding
-            same = x.sharding.devices_indices_map(x.shape) == self._in_named[i].devices_indices_map(x.shape)
+            if x.sharding.devices_indices_map(x.shape) != self._in_named[i].devices_indices_map(x.shape):
+                how = _MOVE
+            elif tuple(x.sharding._device_assignment) == tuple(expected._device_assignment):
+                # its buffers are already in the executable's device order: XLA reads the
+                # buffers alone, so the array goes as it is (relabelling it costs more than the run
+                # of a small program)
+                how = _AS_IS
+            else:
+                how = _RELABEL
             if len(self._equivalent) < 1024:
-                self._equivalent[key] = same
-        if not same:
+                self._equivalent[key] = how
+        if how is _AS_IS:
+            return x
+        if how is _MOVE:
             x = jax.device_put(x, self._in_named[i])  # JAX moves arrays between NamedShardings only
         return jax.make_array_from_single_device_arrays(x.shape, expected, [s.data for s in x.addressable_shards])
 
