@@ -414,6 +414,44 @@ def _session_without_cluster(table):
     return session
 
 
+class _Releases:
+    """Stands in for the native session where only its releases matter."""
+
+    def __init__(self):
+        self.released = []
+
+    def release(self, handle):
+        self.released.append(handle)
+
+
+def test_an_arrays_data_stays_while_any_of_its_shards_lives():
+    # x.addressable_shards, then x dropped: the shards still read the data x's pathways array
+    # holds, so it is released with the last of them, not with x
+    rows = xla_data_pb2.OpSharding(type=xla_data_pb2.OpSharding.OTHER, tile_assignment_dimensions=[2, 1],
+                                   tile_assignment_devices=[0, 1])
+    session = _session_without_cluster(_table())
+    session.native = _Releases()
+    session._insert([1], [_Array(np.dtype(np.float32), (4, 2), t.Sharding((0, 1), rows.SerializeToString()),
+                                 handle=41)])
+    session.handle("disassemble_into_single_device_arrays_request",
+                   pb.DisassembleIntoSingleDeviceArraysRequest(array_handle=1, result_handles=[11, 12]))
+    for destructed, released in (([1], []), ([11], []), ([12], [41])):
+        session.handle("destruct_array_request", pb.DestructArrayRequest(array_handle=destructed))
+        assert session.native.released == released, destructed
+
+    # x.delete() frees its data at once, as JAX's own arrays do: its shards then refuse reads
+    session._insert([2], [_Array(np.dtype(np.float32), (4, 2), t.Sharding((0, 1), rows.SerializeToString()),
+                                 handle=42)])
+    session.handle("disassemble_into_single_device_arrays_request",
+                   pb.DisassembleIntoSingleDeviceArraysRequest(array_handle=2, result_handles=[21, 22]))
+    session.handle("delete_array_request", pb.DeleteArrayRequest(array_handle=[2]))
+    assert session.native.released == [41, 42]
+    with pytest.raises(t.IfrtError, match="the array this shard is of was deleted"):
+        session._wait_ready([session._arrays[21]])
+    session.handle("destruct_array_request", pb.DestructArrayRequest(array_handle=[21, 22]))
+    assert session.native.released == [41, 42] and not session._views and not session._orphans
+
+
 def test_the_result_handles_of_a_request_not_served_hold_its_error():
     # else the client, which names the results itself and goes on, meets only "unknown
     # array handle" when it uses them

@@ -181,6 +181,11 @@ class IfrtSession:
         self._executables: dict[int, _Executable] = {}
         self._futures: dict[int, Lazy] = {}
         self._refs: dict[int, int] = {}  # pathways handle -> IFRT arrays naming it
+        # An array's views (its shards, which read its data): id of the array -> how many
+        # the client holds, and the ids of arrays it dropped while views of them lived
+        # (their data goes with the last view). A deleted array's data goes at once.
+        self._views: dict[int, int] = {}
+        self._orphans: set[int] = set()
         self._reading: HeldReleases[None] = HeldReleases()  # reads in flight: a handle's release waits for them
         self._lock = threading.Lock()
         self._server_handles = itertools.count(t.SERVER_HANDLE_BASE)
@@ -252,13 +257,33 @@ class IfrtSession:
 
     def _retain(self, arr: _Array) -> None:
         with self._lock:
+            if arr.group is not None:
+                parent = id(arr.group.parent)
+                self._views[parent] = self._views.get(parent, 0) + 1
+                return
             for handle in arr.handles:
                 self._refs[handle] = self._refs.get(handle, 0) + 1
 
-    def _drop(self, arr: _Array) -> None:
-        """An IFRT array stops naming its pathways handles; the last one frees each."""
+    def _drop(self, arr: _Array, deleted: bool = False) -> None:
+        """An IFRT array stops naming its pathways handles; the last one frees each. An
+        array dropped while views of it live keeps them until the last view goes, unless
+        it was ``deleted`` (then its views can no longer be read)."""
         doomed = []
         with self._lock:
+            if arr.group is not None:
+                parent = id(arr.group.parent)
+                left = self._views.get(parent, 1) - 1
+                if left > 0:
+                    self._views[parent] = left
+                    return
+                self._views.pop(parent, None)
+                if parent not in self._orphans:
+                    return
+                self._orphans.discard(parent)
+                arr = arr.group.parent  # dropped before its last view: its data goes now
+            elif not deleted and self._views.get(id(arr)):
+                self._orphans.add(id(arr))
+                return
             for handle in arr.handles:
                 left = self._refs.get(handle, 1) - 1
                 if left > 0:
@@ -383,6 +408,8 @@ class IfrtSession:
         group = arr.group
         assert arr.region is not None
         parent = group.parent
+        if parent.deleted and group.value is None:
+            raise _shard_of_deleted()
         if parent.layout is not None and parent.layout.unreduced:
             # each device holds a partial value of its block, not a replica: a shard is
             # read from its own device
@@ -416,6 +443,7 @@ class IfrtSession:
         if arr.group is None:
             return arr
         real = self._put(np.ascontiguousarray(self._host_value(arr)), arr.sharding)
+        self._drop(arr)  # no longer a view
         arr.handle, arr.layout, arr.place, arr.group, arr.region = real.handle, real.layout, real.place, None, None
         self._retain(arr)
         return arr
@@ -427,6 +455,8 @@ class IfrtSession:
             target = arr.group.parent if arr.group is not None else arr
             if target.error is not None:
                 raise target.error
+            if target.deleted and target is not arr:
+                raise _shard_of_deleted()
             for part in [p for _, p in target.parts] or [target]:
                 self._fetch(part, data=False)
 
@@ -889,7 +919,7 @@ class IfrtSession:
     def _delete(self, arr: _Array) -> None:
         if not arr.deleted:
             arr.deleted = True
-            self._drop(arr)
+            self._drop(arr, deleted=True)
 
     @_serves()
     def _delete_array_request(self, body: Any) -> Any:
@@ -1185,6 +1215,11 @@ def executable_devices(options: Any, ndevices: int) -> list[int]:
         raise t.invalid(f"the device assignment {ids[:16]} must name distinct devices among this session's "
                         f"{ndevices}")
     return ids
+
+
+def _shard_of_deleted() -> IfrtError:
+    return IfrtError(t.FAILED_PRECONDITION, "the array this shard is of was deleted (Array.delete()), and its data "
+                                            "with it; read shards before deleting their array")
 
 
 def _exactly(nbytes: int, what: str, chunks: Iterable[Any]) -> Iterator[Any]:
