@@ -433,8 +433,7 @@ class Session:
             if self.traced:
                 began = now()
             stubs = self._stubs(address)
-            header = codec.pack({"t": "put", "handle": handle, "layout": layout.to_wire(), "of": 1,
-                                 "credential": stubs.credential, **codec.whole_array_header(dtype, shape)})
+            header = _put_header(stubs, handle, layout, codec.whole_array_header(dtype, shape))
             failed: list[str] = []
 
             def sent() -> Iterator[bytes]:
@@ -445,10 +444,7 @@ class Session:
                 except Exception as e:  # the worker then refuses the short array; the put says why
                     failed.append(f"the array's bytes did not all arrive: {e}")
 
-            future = stubs.put.future(sent(), timeout=self.result_timeout)
-            with self._puts_lock:
-                self._puts.add(future)
-            future.add_done_callback(lambda f: self._put_done(f, address, handle, failed))
+            self._watch_put(stubs.put.future(sent(), timeout=self.result_timeout), address, handle, failed)
             self.send(m.PutNotice(handle, layout, moves))
             if self.traced:
                 nbytes = math.prod(shape) * np.dtype(dtype).itemsize
@@ -484,20 +480,23 @@ class Session:
             # each host gets the blocks of its own devices, not the whole array
             pieces = whole if parts is None else [(r, array[tuple(slice(a, b) for a, b in r)]) for r in parts[worker]]
             stubs = self._stubs(address)
-            header = codec.pack({"t": "put", "handle": handle, "layout": sent.to_wire(), "of": 1,
-                                 "credential": stubs.credential, **unstack,
-                                 **codec.pieces_header(array.dtype, array.shape, pieces)})
+            header = _put_header(stubs, handle, sent, {**unstack, **codec.pieces_header(array.dtype, array.shape,
+                                                                                         pieces)})
             if sum(a.nbytes for _, a in pieces) <= _PUT_ONE_BYTES:
                 request = codec.pack([header, *codec.pieces_chunks(pieces)])
                 future = stubs.put_one.future(request, timeout=self.result_timeout)
             else:
                 future = stubs.put.future(_chunks(header, pieces), timeout=self.result_timeout)
-            with self._puts_lock:
-                self._puts.add(future)
-            future.add_done_callback(lambda f, address=address: self._put_done(f, address, handle))
+            self._watch_put(future, address, handle)
         self.send(m.PutNotice(handle, layout, moves))
         if self.traced:
             self.recorder.span("put", began, 0, f"array {handle:#x}, {array.nbytes} bytes")
+
+    def _watch_put(self, future: grpc.Future, address: str, handle: int, failed: Sequence[str] = ()) -> None:
+        """Count ``future`` among the puts in flight (suspending waits for them) until it ends."""
+        with self._puts_lock:
+            self._puts.add(future)
+        future.add_done_callback(lambda f: self._put_done(f, address, handle, failed))
 
     def _put_done(self, f: grpc.Future, address: str, handle: int, failed: Sequence[str] = ()) -> None:
         """A put ended: its array is poisoned unless the worker took it; ``failed``: why the
@@ -676,6 +675,13 @@ def _broken(e: grpc.RpcError) -> str:
         seconds = (rpc.KEEPALIVE_TIME_MS + rpc.KEEPALIVE_TIMEOUT_MS) / 1000
         return f"stopped answering (no reply to keepalive pings within about {seconds:g} s: frozen or unreachable)"
     return f"broke the connection ({code}: {details})" if details else f"broke the connection ({code})"
+
+
+def _put_header(stubs: WorkerStubs, handle: int, layout: Layout, pieces: dict) -> bytes:
+    """A Put's first message: the array's handle and layout, this session's credential at
+    the worker, and ``pieces`` (the header fields of what follows)."""
+    return codec.pack({"t": "put", "handle": handle, "layout": layout.to_wire(), "of": 1,
+                       "credential": stubs.credential, **pieces})
 
 
 def _chunks(header: bytes, pieces: list[codec.Piece]) -> Iterator[bytes]:
