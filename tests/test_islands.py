@@ -63,6 +63,35 @@ def test_programs_move_arrays_between_a_multi_host_slice_and_another_island(clie
         np.testing.assert_array_equal(np.asarray(there_and_back(a)), (a * 2 + 1) * 2)
 
 
+def test_thousands_of_queued_collectives_on_one_host_of_two_devices_all_run(client):
+    """XLA's CPU runtime deadlocks (and aborts the worker 40 s later) once a few dozen
+    computations with collectives between one host's devices are queued; the worker keeps
+    fewer than that running, so a client may queue as many as it likes."""
+    s = pw.make_virtual_device_set().add_slice(cpu_devices=2, island=1)
+    assert len(s.workers) == 1
+
+    def mix(x):  # six collectives, exact in int32
+        for _ in range(6):
+            x = (x + jax.lax.psum(x, "i")) % 1009
+        return x
+
+    def mix_here(x):
+        for _ in range(6):
+            x = (x + x.sum(axis=0)) % 1009
+        return x
+
+    step = pw.pmap(mix, devices=s.devices)
+    x = np.arange(2 * 16 * 16, dtype=np.int32).reshape(2, 16, 16)
+    want = x
+    step(x).block_until_ready(timeout=60)  # compiled: the calls below queue at once
+    y = x
+    for _ in range(2000):
+        y = step(y)
+    for _ in range(2000):
+        want = mix_here(want)
+    np.testing.assert_array_equal(y.to_numpy(timeout=60), want)
+
+
 CLIENT = textwrap.dedent("""
     import json, sys
     import jax, numpy as np

@@ -92,9 +92,11 @@ class WorkerCore:
     ``on_heartbeat(timeout)`` when its heartbeat says how long it tolerates silence, and
     ``on_reset`` (default: ``on_shutdown``) when it says to restart and rejoin the island.
     ``peer_timeout`` (default ``wait_timeout``) bounds how long a data-plane peer may stall
-    a connection or a send before it is given up."""
+    a connection or a send before it is given up. ``collectives_in_flight``: how many
+    multi-device computations may run while the next is launched (0: any; the server sets it
+    by ``executor.collectives_bound``)."""
 
-    def __init__(self, up: Callable[[Message], None], wait_timeout: float, sync_collectives: bool = False,
+    def __init__(self, up: Callable[[Message], None], wait_timeout: float, collectives_in_flight: int = 0,
                  unsafe_local_order: bool = False, on_shutdown: Callable[[], None] = lambda: None,
                  security: Security | None = None, peer_timeout: float | None = None,
                  on_heartbeat: Callable[[float], None] = lambda timeout: None,
@@ -113,7 +115,7 @@ class WorkerCore:
         self.tickets = tickets or PeerTickets()
         self.links = tcp.Links(wait_timeout if peer_timeout is None else peer_timeout, security, self.tickets.ticket)
         self.measurer = Measurer(jax, up, security=security, tickets=self.tickets.ticket)
-        self.executor = Executor(self.store, self.executables, self, wait_timeout, sync_collectives,
+        self.executor = Executor(self.store, self.executables, self, wait_timeout, collectives_in_flight,
                                  unsafe_local_order)
         self._on_shutdown = on_shutdown
         self._on_reset = on_reset or on_shutdown

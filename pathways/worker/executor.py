@@ -19,6 +19,11 @@ first poisoned register of a run on, the run takes the careful loop, which waits
 compiles and carries poison downstream. A traced run (``pw.trace``) takes the careful loop
 too: its probes record each step on the timeline, and the lean loop stays free of them.
 
+``collectives_in_flight`` bounds how many multi-device computations the executor leaves
+running while it launches the next (0: no bound; see ``collectives_bound``): XLA's CPU runtime
+deadlocks once a few dozen computations with collectives between one process's devices are
+queued, so a CPU host with several devices waits for the oldest before launching past it.
+
 ``unsafe_local_order`` is a debugging switch that removes the gang order: the worker then
 interleaves the runs of different client sessions in an order of its own (random), as a
 runtime without a central sequencer would. Collectives spanning hosts then meet their
@@ -53,7 +58,7 @@ _IN, _EXEC, _OUT, _SEND, _RESHARD, _DROP, _AWAIT, _STEP = (Op.IN, Op.EXEC, Op.OU
                                                           Op.AWAIT, Op.STEP)
 
 # The lean loop's resolved exec ops (not wire ops): a call with one input and one output, and
-# any other call: (_CALL1, executable, in, out, name) and (_CALL, executable, ins, outs, name, sync).
+# any other call: (_CALL1, executable, in, out, name) and (_CALL, executable, ins, outs, name, held).
 _CALL1, _CALL = object(), object()
 
 # What the executor runs in order: runs, deletes, and the forgetting of a closed session's
@@ -63,6 +68,24 @@ Work = Union[RunProgram, Delete, DropSession]
 
 REPORT_BATCH = 8  # done reports held back at most while more work is queued
 REPORT_HOLD_SECONDS = 0.002  # how long the first of them may wait for the others
+
+# Multi-device computations left running on a CPU host of several devices. XLA's CPU runtime
+# runs each device's share on a shared thread pool, and a share waiting in a collective for
+# its peers holds its thread: with a few dozen computations queued (32 back to back on 2, 4 or
+# 8 devices of a 2-core host), every thread waits in one and the shares they wait for never
+# start; XLA aborts the process 40 s later. 16 never hung there; 8 keeps a margin and cost
+# no throughput measured.
+CPU_COLLECTIVES_IN_FLIGHT = 8
+
+
+def collectives_bound(kind: str, devices: int, hosts: int) -> int:
+    """How many multi-device computations a worker with ``devices`` devices of ``kind``, on
+    an island of ``hosts`` hosts, leaves running while it launches the next (0: no bound).
+    Under jax.distributed a CPU host with several devices hangs even sooner (after a few
+    dozen computations spanning hosts), so there each waits for the one before."""
+    if kind != "cpu" or devices < 2:
+        return 0
+    return 1 if hosts > 1 else CPU_COLLECTIVES_IN_FLIGHT
 
 
 class Controls(Protocol):
@@ -79,12 +102,13 @@ class Controls(Protocol):
 
 class Executor:
     def __init__(self, store: ObjectStore, executables: Executables, controls: Controls,
-                 wait_timeout: float, sync_collectives: bool = False, unsafe_local_order: bool = False) -> None:
+                 wait_timeout: float, collectives_in_flight: int = 0, unsafe_local_order: bool = False) -> None:
         self._store = store
         self._executables = executables
         self._controls = controls
         self._wait_timeout = wait_timeout
-        self._sync_collectives = sync_collectives
+        self._collectives_in_flight = collectives_in_flight
+        self._running: deque = deque()  # an output of each multi-device computation maybe still running
         self._unsafe_local_order = unsafe_local_order
         self._programs: dict[int, _Program] = {}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -248,7 +272,7 @@ class Executor:
             self._finished.put((msg.id, time.perf_counter(), []))  # free its window slot
             return
         if program.lean is None:
-            program.lean = _resolve(program.ops, self._sync_collectives)
+            program.lean = _resolve(program.ops, self._collectives_in_flight > 0)
         regs: list[Any] = [None] * program.nregs
         # started: when the first computation starts (waits for compiles and inputs are not
         # device time); last: the latest computation's results (ready: the run's work is done).
@@ -281,13 +305,13 @@ class Executor:
                     return i, started, last
                 regs[op[3]] = last[0]
             elif code is _CALL:
-                _, executable, ins, outs, name, sync = op
+                _, executable, ins, outs, name, bounded = op
                 if not started:
                     started = time.perf_counter()
                 try:
                     results = executable(*[regs[r] for r in ins])
-                    if sync:
-                        jax.block_until_ready(results)
+                    if bounded:
+                        self._hold_back(results)
                 except Exception as e:
                     bad = failure(f"{name} on worker {self.worker_id}", e)
                     for o in outs:
@@ -324,8 +348,8 @@ class Executor:
                     if traced:
                         began = now()
                     results = executable(*inputs)
-                    if multi_device and self._sync_collectives:
-                        jax.block_until_ready(results)
+                    if multi_device and self._collectives_in_flight:
+                        self._hold_back(results)
                     if traced:
                         RECORDER.span("execute", began, msg.base,
                                       executable.label if type(executable) is XlaExecutable else name)
@@ -339,6 +363,22 @@ class Executor:
             for o in outs:
                 regs[o] = bad
         return started, last
+
+    def _hold_back(self, results: Any) -> None:
+        """After launching a multi-device computation (``results``, its outputs): wait until
+        fewer than ``collectives_in_flight`` are running. All outputs of one computation are
+        ready together, so one of them stands for it; those found ready are let go at once,
+        so that no array is kept past its use."""
+        running = self._running
+        while running and running[0].is_ready():
+            running.popleft()
+        if results:
+            running.append(results[0])
+        while len(running) >= self._collectives_in_flight:
+            try:
+                running.popleft().block_until_ready()
+            except Exception:  # the failure reaches readers through the outputs themselves
+                pass
 
     def _effect(self, op: tuple, regs: list, msg: RunProgram, nvalues: int) -> None:
         """Run ``op``, any op but an exec."""
@@ -410,9 +450,10 @@ class _Program:
         self.lean: list[tuple] | None = None
 
 
-def _resolve(ops: list[tuple], sync_collectives: bool) -> list[tuple] | None:
+def _resolve(ops: list[tuple], bounded: bool) -> list[tuple] | None:
     """``ops`` for the lean loop, every exec a direct call of its compiled executable; None
-    while any is still compiling, or if one failed (the careful loop then reports it)."""
+    while any is still compiling, or if one failed (the careful loop then reports it).
+    ``bounded``: multi-device calls go through ``Executor._hold_back``."""
     lean = []
     for op in ops:
         if op[0] is not _EXEC:
@@ -422,11 +463,11 @@ def _resolve(ops: list[tuple], sync_collectives: bool) -> list[tuple] | None:
         if not future.done() or future.cancelled() or future.exception() is not None:
             return None
         executable = future.result()
-        sync = multi_device and sync_collectives
-        if len(ins) == 1 and len(outs) == 1 and not sync:
+        held = multi_device and bounded
+        if len(ins) == 1 and len(outs) == 1 and not held:
             lean.append((_CALL1, executable, ins[0], outs[0], name))
         else:
-            lean.append((_CALL, executable, ins, outs, name, sync))
+            lean.append((_CALL, executable, ins, outs, name, held))
     return lean
 
 

@@ -615,17 +615,15 @@ async def _start_core(devices: Devices, island: IslandMembership, wait_timeout: 
                       tickets: PeerTickets, compile_cache: Optional[str]) -> Optional["WorkerCore"]:
     """The worker's core (JAX's devices exist now); None if the stream ended first."""
     from pathways.worker.core import WorkerCore
+    from pathways.worker.executor import collectives_bound
 
-    # Under jax.distributed, a process with several CPU devices hangs after a few dozen
-    # multi-device computations dispatched back to back (even ones local to the process);
-    # waiting for each before the next is safe (one device per process did not hang).
-    sync = island.hosts > 1 and devices.kind == "cpu" and devices.count > 1
+    in_flight = collectives_bound(devices.kind, devices.count, island.hosts)
     made: list["WorkerCore"] = []
     done = trio.Event()
 
     async def build() -> None:
         made.append(await trio.to_thread.run_sync(
-            lambda: WorkerCore(outbox.put, wait_timeout, sync, unsafe_local_order, on_shutdown, security,
+            lambda: WorkerCore(outbox.put, wait_timeout, in_flight, unsafe_local_order, on_shutdown, security,
                                peer_timeout=heartbeat_timeout, on_heartbeat=on_heartbeat, on_reset=on_reset,
                                suspend_dir=suspend_dir, tickets=tickets, compile_cache=compile_cache),
             abandon_on_cancel=True))
