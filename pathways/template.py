@@ -204,14 +204,18 @@ class ForkedChild:
                 return None
             if pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
-                os.close(self._pidfd)
         return self.returncode
 
     def wait(self, timeout: Optional[float] = None) -> int:
+        # The pidfd is closed here only, never in poll: the keeper's signal handler polls, and
+        # may run between the check below and the select, which must still find it open.
         if self.returncode is None:
             select.select([self._pidfd], [], [], timeout)
         if self.poll() is None:
             raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
         return self.returncode  # type: ignore[return-value]
 
     def send_signal(self, signum: int) -> None:

@@ -219,6 +219,41 @@ def test_a_loop_that_queues_hundreds_of_sharded_steps_runs_them_all(server):
         assert result == {"w": 32 * sum(range(600)), "stores": expected}
 
 
+def test_thousands_of_queued_donating_steps_with_collectives_on_one_host_all_run(server):
+    """XLA's CPU runtime deadlocks once a few dozen computations with collectives between
+    one process's devices are queued; the worker keeps fewer running, and tells when one is
+    done by XLA's token of the run, since each step's output is donated to the next (and
+    deleted) before anyone waits for it."""
+    body = """
+        import json
+        import numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+        mesh = Mesh(np.array(jax.devices()[2:4]), ("d",))  # the island of one host with two devices
+        split = NamedSharding(mesh, PartitionSpec("d"))
+
+        def mix(x):  # six all-gathers and all-reduces; whole numbers, exact in float32
+            for _ in range(6):
+                x = (x + ((x @ x.T) % 7).sum()) % 7
+            return x
+
+        step = jax.jit(mix, in_shardings=split, out_shardings=split, donate_argnums=0)
+        start = np.arange(128 * 64, dtype=np.float32).reshape(128, 64) % 7
+        step(jax.device_put(start, split)).block_until_ready()  # compiled: the steps below queue at once
+        x = jax.device_put(start, split)
+        for i in range(2000):
+            x = step(x)
+        print("RESULT", json.dumps(np.asarray(x).tolist()))
+    """
+    out = subprocess.run([sys.executable, "-c", PLUGIN + textwrap.dedent(body)], capture_output=True, text=True,
+                         env=_proxy_env(server.address), timeout=240)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stderr[-3000:]
+    want = np.arange(128 * 64, dtype=np.float64).reshape(128, 64) % 7
+    for _ in range(2000 * 6):
+        want = (want + ((want @ want.T) % 7).sum()) % 7
+    assert json.loads(lines[-1][len("RESULT "):]) == want.tolist()
+
+
 def test_a_host_buffer_that_ends_short_fails_its_streamed_array_and_the_session_goes_on(server):
     """A store that brings fewer bytes than the array needs: the array put from it as it
     arrived fails, saying how many bytes came and how many were needed; the session's

@@ -133,3 +133,29 @@ def test_a_stop_signal_handled_while_the_keeper_reaps_its_worker_does_not_fail(m
     assert child.wait(timeout=10) == 7
     assert handled and child.poll() == 7
     child.send_signal(signal.SIGTERM)  # once it has exited, a signal for it is dropped
+
+
+def test_a_stop_signal_handled_just_before_the_keeper_waits_on_its_worker_does_not_fail(monkeypatch):
+    # The handler may run just before the keeper's wait selects on the worker's pidfd, after
+    # the worker exited: its poll reaps the worker. The wait's select then must still find
+    # a pidfd to wait on (a closed one fails with EBADF, and its number may by then be another
+    # descriptor's).
+    from pathways import template
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(7)
+    child = template.ForkedChild(pid, ["worker"])
+    os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # it has exited; not reaped yet
+    select = template.select.select
+    handled = []
+
+    def handle_a_signal_then_select(readable, writable, errors, timeout):
+        if not handled:
+            handled.append(True)
+            child.send_signal(signal.SIGTERM)  # what keeper.main's stop handler does: it polls first
+        return select(readable, writable, errors, timeout)
+
+    monkeypatch.setattr(template.select, "select", handle_a_signal_then_select)
+    assert child.wait(timeout=10) == 7
+    assert handled and child.poll() == 7

@@ -38,7 +38,7 @@ import random
 import threading
 import time
 from collections import deque
-from typing import Any, Iterator, Protocol, Union
+from typing import Any, Callable, Iterator, Protocol, Union
 
 import jax
 
@@ -58,7 +58,8 @@ _IN, _EXEC, _OUT, _SEND, _RESHARD, _DROP, _AWAIT, _STEP = (Op.IN, Op.EXEC, Op.OU
                                                           Op.AWAIT, Op.STEP)
 
 # The lean loop's resolved exec ops (not wire ops): a call with one input and one output, and
-# any other call: (_CALL1, executable, in, out, name) and (_CALL, executable, ins, outs, name, held).
+# any other call: (_CALL1, executable, in, out, name) and (_CALL, executable or its _launcher when held, ins, outs,
+# name, held).
 _CALL1, _CALL = object(), object()
 
 # What the executor runs in order: runs, deletes, and the forgetting of a closed session's
@@ -108,7 +109,7 @@ class Executor:
         self._controls = controls
         self._wait_timeout = wait_timeout
         self._collectives_in_flight = collectives_in_flight
-        self._running: deque = deque()  # an output of each multi-device computation maybe still running
+        self._running: deque = deque()  # what stands for each multi-device computation maybe still running
         self._unsafe_local_order = unsafe_local_order
         self._programs: dict[int, _Program] = {}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -305,13 +306,15 @@ class Executor:
                     return i, started, last
                 regs[op[3]] = last[0]
             elif code is _CALL:
-                _, executable, ins, outs, name, bounded = op
+                _, executable, ins, outs, name, held = op
                 if not started:
                     started = time.perf_counter()
                 try:
-                    results = executable(*[regs[r] for r in ins])
-                    if bounded:
-                        self._hold_back(results)
+                    if held:  # executable is a _launcher
+                        results, done = executable(*[regs[r] for r in ins])
+                        self._hold_back(done)
+                    else:
+                        results = executable(*[regs[r] for r in ins])
                 except Exception as e:
                     bad = failure(f"{name} on worker {self.worker_id}", e)
                     for o in outs:
@@ -347,9 +350,11 @@ class Executor:
                     started = started or time.perf_counter()
                     if traced:
                         began = now()
-                    results = executable(*inputs)
                     if multi_device and self._collectives_in_flight:
-                        self._hold_back(results)
+                        results, done = _launcher(executable)(*inputs)
+                        self._hold_back(done)
+                    else:
+                        results = executable(*inputs)
                     if traced:
                         RECORDER.span("execute", began, msg.base,
                                       executable.label if type(executable) is XlaExecutable else name)
@@ -364,16 +369,15 @@ class Executor:
                 regs[o] = bad
         return started, last
 
-    def _hold_back(self, results: Any) -> None:
-        """After launching a multi-device computation (``results``, its outputs): wait until
-        fewer than ``collectives_in_flight`` are running. All outputs of one computation are
-        ready together, so one of them stands for it; those found ready are let go at once,
-        so that no array is kept past its use."""
+    def _hold_back(self, done: Any) -> None:
+        """After launching a multi-device computation (``done``: what stands for it, see
+        ``_launcher``): wait until fewer than ``collectives_in_flight`` are running. Outputs
+        found ready are let go at once, so that no array is kept past its use."""
         running = self._running
-        while running and running[0].is_ready():
+        while running and _finished(running[0]):
             running.popleft()
-        if results:
-            running.append(results[0])
+        if done is not None:
+            running.append(done)
         while len(running) >= self._collectives_in_flight:
             try:
                 running.popleft().block_until_ready()
@@ -450,10 +454,30 @@ class _Program:
         self.lean: list[tuple] | None = None
 
 
+def _launcher(executable: Any) -> Callable[..., tuple[list, Any]]:
+    """``executable`` as a call that returns its outputs and what stands for its run in
+    ``Executor._hold_back``: XLA's token of the run for an "xla" function (a later run may
+    take its outputs as donations, which deletes them), else its first output (a function
+    compiled from a jax.export artifact donates nothing)."""
+    if type(executable) is XlaExecutable:
+        return executable.launch
+
+    def launch(*args: Any) -> tuple[list, Any]:
+        results = executable(*args)
+        return results, (results[0] if results else None)
+    return launch
+
+
+def _finished(done: Any) -> bool:
+    """Whether the run ``done`` stands for is known to be over without waiting (a token
+    cannot say; waiting on one whose run is over returns at once)."""
+    return isinstance(done, jax.Array) and (done.is_deleted() or done.is_ready())
+
+
 def _resolve(ops: list[tuple], bounded: bool) -> list[tuple] | None:
     """``ops`` for the lean loop, every exec a direct call of its compiled executable; None
     while any is still compiling, or if one failed (the careful loop then reports it).
-    ``bounded``: multi-device calls go through ``Executor._hold_back``."""
+    ``bounded``: multi-device calls are ``_launcher``s, held back by ``Executor._hold_back``."""
     lean = []
     for op in ops:
         if op[0] is not _EXEC:
@@ -467,7 +491,7 @@ def _resolve(ops: list[tuple], bounded: bool) -> list[tuple] | None:
         if len(ins) == 1 and len(outs) == 1 and not held:
             lean.append((_CALL1, executable, ins[0], outs[0], name))
         else:
-            lean.append((_CALL, executable, ins, outs, name, held))
+            lean.append((_CALL, _launcher(executable) if held else executable, ins, outs, name, held))
     return lean
 
 

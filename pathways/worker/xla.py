@@ -82,14 +82,24 @@ class XlaExecutable:
         self.label = function_label(metadata.name)
 
     def __call__(self, *args: Any) -> list:
+        return self._execute(args, False)[0]
+
+    def launch(self, *args: Any) -> tuple[list, Any]:
+        """The outputs, as ``__call__``, and XLA's token of the run, whose
+        ``block_until_ready()`` returns once the run is done (its outputs may be donated to a
+        later run and deleted before anyone waits for them)."""
+        return self._execute(args, True)
+
+    def _execute(self, args: tuple, with_token: bool) -> tuple[list, Any]:
         if len(args) != len(self._in):
             raise ValueError(f"the executable takes {len(self._in)} arguments, got {len(args)}")
         inputs = [self._as_expected(i, x) for i, x in enumerate(args)]
-        results = self._loaded.execute_sharded(inputs)
+        results = self._loaded.execute_sharded(inputs, with_tokens=with_token)
+        token = results.consume_token() if with_token else None
         per_output = results.disassemble_into_single_device_arrays()
         return [_token(sharding) if j in self._token_outs else
                 jax.make_array_from_single_device_arrays(shape, sharding, arrays)
-                for j, (shape, sharding, arrays) in enumerate(zip(self._out_shapes, self._out, per_output))]
+                for j, (shape, sharding, arrays) in enumerate(zip(self._out_shapes, self._out, per_output))], token
 
     def _as_expected(self, i: int, x: Any) -> Any:
         """Argument ``i`` with its buffers in the executable's device order: the same
