@@ -11,6 +11,7 @@ asyncio (``read_frame``); a worker reads and writes from threads (``FrameReader`
 from __future__ import annotations
 
 import asyncio
+import io
 import socket
 import struct
 import time
@@ -49,8 +50,9 @@ class FrameReader:
     """Reads frames from a blocking socket through a buffer, so that one ``recv`` may
     bring several small frames."""
 
-    def __init__(self, sock: socket.socket) -> None:
-        self._file = sock.makefile("rb")
+    def __init__(self, source: socket.socket | io.RawIOBase) -> None:
+        """``source``: a blocking socket, or a raw stream (a ``tls_socket.SharedTlsSocket``)."""
+        self._file = source.makefile("rb") if isinstance(source, socket.socket) else io.BufferedReader(source)
 
     def read(self, limit: int) -> bytes | None:
         """The next frame's payload; None at a clean end (the peer closed between frames).

@@ -40,6 +40,7 @@ import math
 import os
 import signal
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -57,6 +58,7 @@ from pathways.wire import codec, frames, rpc, tcp
 from pathways.wire.addresses import PortReservation, join_host_port, split_host_port
 from pathways.wire.liveness import Heartbeats, check_timeout
 from pathways.wire.security import Security, SecurityConfigError
+from pathways.wire.tls_socket import SharedTlsSocket
 from pathways import keeper
 from pathways.worker import native_stdout
 from pathways.worker.island import IslandMembership, configure_jax, worker_hosts
@@ -410,6 +412,7 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
     server: Optional[grpc.Server] = None
     reservation: Optional[PortReservation] = None
     sock: Optional[socket.socket] = None
+    close_stream: Callable[[], None] = lambda: None  # called before sock is shut down
     core: Optional["WorkerCore"] = None
     try:
         try:
@@ -436,7 +439,7 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
         # Every recv and send on the stream waits at most this long: the controller sends
         # something at least every fifth of it, so a longer silence means it is gone.
         sock.settimeout(heartbeat_timeout)
-        _start_stream(sock, outbox, joining.on_batch, end, beats, controller, settled)
+        close_stream = _start_stream(sock, outbox, joining.on_batch, end, beats, controller, settled)
 
         told: list[str] = []  # what the controller told the running core: "shutdown" or "reset"
 
@@ -489,6 +492,7 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
     finally:
         settled.set()
         outbox.close()
+        close_stream()
         if sock is not None:
             with contextlib.suppress(OSError):  # the controller may have closed it already
                 sock.shutdown(socket.SHUT_RDWR)  # wakes the reader thread
@@ -514,18 +518,23 @@ async def _beat(beats: Heartbeats, outbox: rpc.Outbox, timeout: float) -> None:
 
 
 def _start_stream(sock: socket.socket, outbox: rpc.Outbox, on_batch: Callable[[bytes], None],
-                  end: Callable[[], None], beats: Heartbeats, controller: str, settled: threading.Event) -> None:
+                  end: Callable[[], None], beats: Heartbeats, controller: str,
+                  settled: threading.Event) -> Callable[[], None]:
     """Threads that send ``outbox``'s batches on ``sock`` and hand what arrives to
     ``on_batch``; ``end`` is called when the stream ends either way, including when the
     controller sends nothing for the heartbeat timeout (the socket's timeout). Once
     ``settled`` is set (the worker was told to stop or restart, or is closing), the
-    stream's end is expected."""
-    reader = frames.FrameReader(sock)
+    stream's end is expected. Over TLS, the two threads take turns on the socket
+    (``SharedTlsSocket``): OpenSSL's connection must not be used by both at once. Returns
+    what to call before shutting ``sock`` down."""
+    shared = SharedTlsSocket(sock, sock.gettimeout()) if isinstance(sock, ssl.SSLSocket) else None
+    reader = frames.FrameReader(sock if shared is None else shared)
+    sendall = sock.sendall if shared is None else shared.sendall
 
     def send() -> None:
         try:
             for payload in outbox.batches():
-                sock.sendall(frames.frame(payload))
+                sendall(frames.frame(payload))
                 beats.sent()
         except OSError as e:  # a timeout included: the controller stopped reading
             # at info: a send also fails when the controller ends the stream on purpose, before
@@ -553,6 +562,7 @@ def _start_stream(sock: socket.socket, outbox: rpc.Outbox, on_batch: Callable[[b
 
     threading.Thread(target=send, name="pathways-attach-send", daemon=True).start()
     threading.Thread(target=read, name="pathways-attach", daemon=True).start()
+    return (lambda: None) if shared is None else shared.close
 
 
 def _stopped(joining: Joining, island: IslandMembership) -> str:
