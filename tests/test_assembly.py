@@ -5,6 +5,7 @@ rest runs a controller and worker processes started as a user would, on loopback
 loopback aliases, 127.0.0.2 and 127.0.0.3, which Linux routes like 127.0.0.1).
 """
 
+import os
 import socket
 import subprocess
 import sys
@@ -298,12 +299,37 @@ def _listening(host, port):
         return False
 
 
+def _listens_on(pid, host, port):
+    """Whether process ``pid`` has a TCP socket listening on ``host``:``port`` (bound to it
+    or to every address). Not a connection attempt: tests running beside this one listen
+    on ports of 127.0.0.1 of their own, and one may have the same number."""
+    sockets = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            sockets.add(target[len("socket:["):-1])
+    # /proc/net/tcp{,6}: the local address in 32-bit words of host byte order, in hex, and the
+    # port; an IPv6 socket holds an IPv4 address as ::ffff:a.b.c.d, and :: takes IPv4 too
+    word = socket.inet_aton(host)[::-1].hex().upper()
+    wanted = {f"{a}:{port:04X}" for a in (word, "00000000", "0000000000000000FFFF0000" + word, "0" * 32)}
+    rows = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            rows += [line.split() for line in f.readlines()[1:]]
+    return any(r[1] in wanted and r[3] == "0A" and r[9] in sockets for r in rows)  # 0A: LISTEN
+
+
 def test_servers_bind_and_advertise_the_hosts_they_are_given():
     controller, address = _controller("--bind", "127.0.0.2:0")
     procs = [controller]
     try:
         assert address.startswith("grpc://127.0.0.2:")
-        assert not _listening("127.0.0.1", int(address.rsplit(":", 1)[1])), "the controller binds 127.0.0.2 only"
+        port = int(address.rsplit(":", 1)[1])
+        assert _listens_on(controller.pid, "127.0.0.2", port), "the controller binds 127.0.0.2"
+        assert not _listens_on(controller.pid, "127.0.0.1", port), "the controller binds 127.0.0.2 only"
         procs.append(_worker(address, "--advertise", "127.0.0.3", "--devices", "2"))
         procs.append(_worker(address, "--island", "plain"))
         workers = wait_until(lambda: len(status(address)["workers"]) == 2 and status(address)["workers"],
@@ -312,7 +338,9 @@ def test_servers_bind_and_advertise_the_hosts_they_are_given():
         aliased, plain = by_pid[child_of(procs[1].pid)], by_pid[child_of(procs[2].pid)]
         assert aliased["address"].startswith("grpc://127.0.0.3:") and aliased["data_address"].startswith("tcp://127.0.0.3:")
         port = int(aliased["address"].rsplit(":", 1)[1])
-        assert _listening("127.0.0.3", port) and not _listening("127.0.0.1", port), "it binds what it advertises"
+        worker = child_of(procs[1].pid)
+        assert _listening("127.0.0.3", port) and _listens_on(worker, "127.0.0.3", port), "it binds what it advertises"
+        assert not _listens_on(worker, "127.0.0.1", port), "it binds what it advertises only"
         # with neither flag: the address this host uses to reach 127.0.0.2, which is 127.0.0.1
         assert plain["address"].startswith("grpc://127.0.0.1:")
         demo = subprocess.run([sys.executable, "-m", "pathways", "demo", "--address", address],
