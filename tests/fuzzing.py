@@ -94,7 +94,7 @@ def valid(cls: type[m.Message], rng: random.Random) -> list:
         n = rng.randrange(0, 3)
         return ["compiled", rng.randrange(1, 1 << 40), "", [LAYOUT] * n, [LAYOUT], [["float32", [2]]],
                 [b"\x08\x01"] * n, [b""], [[0]] * n, [[0]], list(range(n)), "ab12", "jit_f", "",
-                [[["flops", 8.0]], [["temp_size_in_bytes", 64]], "HloModule jit_f"]]
+                [[["flops", 8.0]], [["temp_size_in_bytes", 64]], "HloModule jit_f"], rng.choice([[], [0]])]
     if cls in (m.Restore, m.Adopt):  # session handles of its own session, controller copies
         session = rng.randrange(1, 100)
         handle, copy = first_handle(session) + rng.randrange(1, 1000), first_handle(0) + rng.randrange(1, 1000)

@@ -126,6 +126,16 @@ DTYPES = ("bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float3
           "float8_e4m3fnuz float8_e5m2 float8_e5m2fnuz float8_e8m0fnu").split()
 
 
+def _unreadable(token: Any) -> bool:
+    """Whether reading ``token``'s buffer fails as JAX's runtime says it does: a token has
+    no data."""
+    try:
+        token._buf._value
+    except RuntimeError as e:
+        return "Cannot convert a token-shape buffer to a numpy array." in str(e)
+    return False
+
+
 def types_and_trivial() -> Results:
     """Every element type put, read, passed through an executable and computed on, on one
     device and across island 0's two hosts; tokens as parameters and outputs; executables
@@ -157,6 +167,7 @@ def types_and_trivial() -> Results:
         out[f"token_{where}"] = host(w)
         out[f"token_{where}_kinds"] = np.array([type(t).__name__ for t in (made, passed, echoed, captured)])
         out[f"token_{where}_ready"] = np.array(jax.block_until_ready(passed) is passed)
+        out[f"token_{where}_unreadable"] = np.array([_unreadable(t) for t in (token, made, passed, echoed, captured)])
         layout(f"no_parameter_{where}", jax.jit(lambda: jnp.arange(8.0) * 2, out_shardings=sharding)(), out)
         out[f"no_output_{where}"] = np.array([len(jax.jit(lambda v: ())(x)),  # the unused parameter dropped
                                               len(jax.jit(lambda v: (), keep_unused=True)(x))])

@@ -82,11 +82,14 @@ def test_compiled_round_trips_and_its_lists_must_agree():
                     (b"",), ((0,),), ((1, 0),), (0,), "ab" * 32, "jit_f")
     for table in (m.WORKER_UP, m.SESSION_DOWN):
         assert table.decode_batch(m.encode_batch([ok])) == [ok]
+        tokened = dataclasses.replace(ok, token_outs=(0,))
+        assert table.decode_batch(m.encode_batch([tokened])) == [tokened]
     assert m.WORKER_UP.decode(m.Compiled(5, "no such op").encode()) == m.Compiled(5, "no such op")
     for broken, needle in [
         (dataclasses.replace(ok, in_shardings=()), "lists of other lengths"),
         (dataclasses.replace(ok, out_types=()), "lists of other lengths"),
         (dataclasses.replace(ok, donated=(1,)), "donates a parameter it does not have"),
+        (dataclasses.replace(ok, token_outs=(1,)), "names a token output it does not have"),
         (dataclasses.replace(ok, out_types=(("object", (1,)),)), "not a dtype"),
         (dataclasses.replace(ok, out_types=(("float32", (-1,)),)), "must be in"),
         (dataclasses.replace(ok, in_layouts=((64,),)), "must be in"),

@@ -142,6 +142,7 @@ class _Array:
     region: Optional[t.Region] = None
     error: Optional[IfrtError] = None
     deleted: bool = False
+    token: bool = False  # an executable's token output: it has no data to read
     # set for an array laid out across islands: each island's box of it and the array on
     # that island holding the box (handle, layout and place stay None)
     parts: tuple[tuple[t.Region, "_Array"], ...] = ()
@@ -163,8 +164,9 @@ class _Executable:
     label: str  # what the timeline names its runs by (timeline.function_label)
     program: Optional[int] = None
     in_types: tuple[tuple[np.dtype, tuple[int, ...]], ...] = ()  # its program's arguments
-    # each output's dtype, shape, sharding, layout and place, the same for every run
-    outputs: tuple[tuple[np.dtype, tuple[int, ...], Sharding, Layout, SliceDevices], ...] = ()
+    # each output's dtype, shape, sharding, layout, place and whether it is a token, the same
+    # for every run
+    outputs: tuple[tuple[np.dtype, tuple[int, ...], Sharding, Layout, SliceDevices, bool], ...] = ()
 
 
 class IfrtSession:
@@ -656,6 +658,8 @@ class IfrtSession:
         arr = self._array(body.array_handle)
         strides = t.byte_strides_of(body, "byte_strides")
         target = arr.group.parent if arr.group is not None else arr
+        if target.token:  # as JAX's own runtime says it
+            raise IfrtError(t.INVALID_ARGUMENT, "Cannot convert a token-shape buffer to a numpy array.")
         done = self._reads(target.handles)
         try:
             buffer = self.buffers.open(body.host_buffer_handle, None)
@@ -1049,7 +1053,7 @@ class IfrtSession:
                                  tuple((d.name, s) for d, s in types) + tuple((d, tuple(s)) for d, s in c.out_types))
             exe.program, exe.in_types = register_program(self.native, graph, {}, {}).program_id, types
             exe.outputs = tuple((dtype_of_name(d), tuple(s), Sharding(exe.devices, c.out_shardings[j]), layout,
-                                 self._table.at(exe.place.slice, layout.devices, layout.workers))
+                                 self._table.at(exe.place.slice, layout.devices, layout.workers), j in c.token_outs)
                                 for j, (layout, (d, s)) in enumerate(zip(c.outs, c.out_types)))
         elif types != exe.in_types:
             raise t.invalid(f"arguments {[(d.name, s) for d, s in types]} do not match the executable's "
@@ -1058,8 +1062,8 @@ class IfrtSession:
         base = self.native.allocate(len(args) + len(c.outs))
         self.native.submit(exe.program, base, {i: a.handle for i, a in enumerate(args)}, exe.label)
         first = base + len(args)
-        outs = [_Array(dtype, shape, sharding, first + j, layout, place)
-                for j, (dtype, shape, sharding, layout, place) in enumerate(exe.outputs)]
+        outs = [_Array(dtype, shape, sharding, first + j, layout, place, token=token)
+                for j, (dtype, shape, sharding, layout, place, token) in enumerate(exe.outputs)]
         if c.donated:
             keep = set(body.execute_options.non_donatable_input_indices)
             for i in c.donated:

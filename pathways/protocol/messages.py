@@ -687,7 +687,8 @@ class Compiled(Message):
     executable's parameters and outputs as it reports them: where each lives (``ins``,
     ``outs``), each output's (dtype name, global shape), serialized xla OpShardings,
     minor_to_major layouts, the indices of donated parameters, and what XLA says of it
-    (``analysis``: its cost, memory figures and program text). ``kind``: the error's
+    (``analysis``: its cost, memory figures and program text). ``token_outs``: the outputs
+    that are tokens, which carry no data (held as empty bool arrays). ``kind``: the error's
     kind where the controller refused or cut the compile (a lost host: WorkerLostError),
     "" for a worker's compile error."""
 
@@ -705,6 +706,7 @@ class Compiled(Message):
     name: str = wire(NAME, "")
     kind: str = wire(Str(32, frozenset({"", *KINDS})), "")
     analysis: Analysis | None = wire(Optional(Nested(Analysis)), None)
+    token_outs: tuple[int, ...] = wire(Seq(Int(0, (1 << 16) - 1), max_len=1 << 16), ())
 
     def checked(self) -> "Compiled":
         if self.error:
@@ -716,6 +718,8 @@ class Compiled(Message):
                             "with lists of other lengths")
         if any(d >= n_in for d in self.donated):
             raise WireError(f"compiled function {self.fn:#x} donates a parameter it does not have")
+        if any(j >= n_out for j in self.token_outs):
+            raise WireError(f"compiled function {self.fn:#x} names a token output it does not have")
         return self
 
 

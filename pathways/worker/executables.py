@@ -212,7 +212,7 @@ def _compiled(key: int, name: str, future: Future) -> Compiled:
     meta = future.result().metadata
     return Compiled(key, "", meta.ins, meta.outs, meta.out_types, meta.in_shardings, meta.out_shardings,
                     meta.in_layouts, meta.out_layouts, meta.donated, meta.fingerprint, meta.name[:MAX_NAME],
-                    analysis=meta.analysis)
+                    analysis=meta.analysis, token_outs=meta.token_outs)
 
 
 _LOCATION_LINE = re.compile(r"^#loc\d*\s*=.*$", re.MULTILINE)

@@ -54,6 +54,7 @@ class Metadata:
     fingerprint: str
     name: str
     analysis: Analysis
+    token_outs: tuple[int, ...] = ()  # the outputs that are tokens (passed as empty bool arrays)
 
 
 def fingerprint(artifact: bytes, options: bytes, devices: Sequence[Device], workers: Sequence[int]) -> str:
@@ -66,14 +67,13 @@ class XlaExecutable:
     """A loaded executable as a function of global jax.Arrays (see the module's doc)."""
 
     def __init__(self, loaded: Any, in_avals: list, in_shardings: list, in_named: list, out_shardings: list,
-                 out_types: Sequence[tuple[str, tuple[int, ...]]], metadata: Metadata,
-                 token_outs: Sequence[int] = ()) -> None:
+                 out_types: Sequence[tuple[str, tuple[int, ...]]], metadata: Metadata) -> None:
         self._loaded = loaded
         self._in = in_shardings  # GSPMDShardings over the executable's devices, in its order
         self._in_named = in_named  # NamedShardings of the parameter layouts: the same blocks on the same devices
         self._out = out_shardings  # NamedShardings of the output layouts
         self._out_shapes = [shape for _, shape in out_types]
-        self._token_outs = frozenset(token_outs)
+        self._token_outs = frozenset(metadata.token_outs)
         self._equivalent: dict[tuple[int, Any], str] = {}  # (parameter, sharding) -> _AS_IS, _RELABEL or _MOVE
         self.in_avals = in_avals  # (shape, dtype) per parameter
         self.metadata = metadata
@@ -186,10 +186,10 @@ def compile_xla(name: str, artifact: bytes, options: bytes, devices: Sequence[De
         out_layouts = tuple(_minor_to_major(x) for x in loaded.get_output_layouts())
     metadata = Metadata(ins, outs, tuple(out_types), tuple(in_ops), tuple(out_ops), in_layouts, out_layouts,
                         tuple(donated), fingerprint(artifact, options, devices, workers),
-                        _module_name(loaded, name), analysis(loaded))
+                        _module_name(loaded, name), analysis(loaded), tuple(token_outs))
     return XlaExecutable(loaded, in_avals, [GSPMDSharding(jax_devices, h) for h in in_hlo],
                          [sharding_of(layout) for layout in ins], [sharding_of(layout) for layout in outs],
-                         out_types, metadata, token_outs)
+                         out_types, metadata)
 
 
 def analysis(loaded: Any) -> Analysis:
