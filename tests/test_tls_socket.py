@@ -32,9 +32,9 @@ def _payload(i: int) -> bytes:
     return bytes([i % 251]) * ((i * 7919) % 3000 + 1)
 
 
-def _serve_tls(context, seconds, on_listening, errors, received):
+def _serve_tls(context, done, on_listening, errors, received):
     """An asyncio TLS server, as the controller is: it writes frames as fast as it can
-    and checks every frame it reads, for ``seconds``."""
+    and checks every frame it reads, until ``done`` is set."""
     async def handle(reader, writer):
         async def read():
             n = 0
@@ -70,7 +70,7 @@ def _serve_tls(context, seconds, on_listening, errors, received):
     async def main():
         server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=context)
         on_listening(server.sockets[0].getsockname()[1])
-        await asyncio.sleep(seconds + 5)
+        await asyncio.to_thread(done.wait, 60)
         server.close()
 
     asyncio.run(main())
@@ -79,49 +79,53 @@ def _serve_tls(context, seconds, on_listening, errors, received):
 def test_a_reader_and_a_writer_thread_keep_the_stream_whole_both_ways(contexts):
     server_context, client_context = contexts
     seconds, errors, received, port = 3.0, [], [0], []
-    listening = threading.Event()
-    server = threading.Thread(target=_serve_tls, args=(server_context, seconds, lambda p: (port.append(p),
-                                                                                          listening.set()),
+    listening, done = threading.Event(), threading.Event()
+    server = threading.Thread(target=_serve_tls, args=(server_context, done, lambda p: (port.append(p),
+                                                                                       listening.set()),
                                                         errors, received), daemon=True)
     server.start()
-    assert listening.wait(10)
-    sock = client_context.wrap_socket(socket.create_connection(("127.0.0.1", port[0])), server_hostname="127.0.0.1")
-    shared = SharedTlsSocket(sock, 10.0)
-    reader = FrameReader(shared)
-    stop = time.monotonic() + seconds
-    counts = {"read": 0, "written": 0}
+    try:
+        assert listening.wait(10)
+        sock = client_context.wrap_socket(socket.create_connection(("127.0.0.1", port[0])), server_hostname="127.0.0.1")
+        shared = SharedTlsSocket(sock, 10.0)
+        reader = FrameReader(shared)
+        stop = time.monotonic() + seconds
+        counts = {"read": 0, "written": 0}
 
-    def read():
-        try:
-            while time.monotonic() < stop:
-                payload = reader.read(1 << 20)
-                if payload != _payload(counts["read"]):
-                    errors.append(f"the client read {'the end' if payload is None else 'a wrong frame'} "
-                                  f"after {counts['read']} frames")
-                    return
-                counts["read"] += 1
-        except Exception as e:  # noqa: BLE001 - the test reports it
-            errors.append(f"the client's read failed: {type(e).__name__}: {e}")
+        def read():
+            try:
+                while time.monotonic() < stop:
+                    payload = reader.read(1 << 20)
+                    if payload != _payload(counts["read"]):
+                        errors.append(f"the client read {'the end' if payload is None else 'a wrong frame'} "
+                                      f"after {counts['read']} frames")
+                        return
+                    counts["read"] += 1
+            except Exception as e:  # noqa: BLE001 - the test reports it
+                errors.append(f"the client's read failed: {type(e).__name__}: {e}")
 
-    def write():
-        try:
-            while time.monotonic() < stop:
-                shared.sendall(frame(_payload(counts["written"])))
-                counts["written"] += 1
-        except Exception as e:  # noqa: BLE001 - the test reports it
-            errors.append(f"the client's write failed: {type(e).__name__}: {e}")
+        def write():
+            try:
+                while time.monotonic() < stop:
+                    shared.sendall(frame(_payload(counts["written"])))
+                    counts["written"] += 1
+            except Exception as e:  # noqa: BLE001 - the test reports it
+                errors.append(f"the client's write failed: {type(e).__name__}: {e}")
 
-    threads = [threading.Thread(target=read), threading.Thread(target=write)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(seconds + 15)
-    assert errors == []
-    assert counts["read"] > 1000 and counts["written"] > 1000, counts
-    deadline = time.monotonic() + 10
-    while received[0] < counts["written"] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    sock.close()
+        threads = [threading.Thread(target=read), threading.Thread(target=write)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(seconds + 15)
+        assert errors == []
+        assert counts["read"] > 1000 and counts["written"] > 1000, counts
+        deadline = time.monotonic() + 10
+        while received[0] < counts["written"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        sock.close()
+    finally:
+        done.set()
+        server.join(10)
     assert received[0] == counts["written"] and errors == []
 
 
