@@ -83,6 +83,30 @@ def worker_pids(address):
     return [w["pid"] for w in status(address)["workers"]]
 
 
+def tcp_sockets(pid):
+    """The TCP sockets process ``pid`` holds, from /proc/PID/net/tcp and tcp6, each as
+    (local address, remote address, state) as those tables write them: addresses in 32-bit
+    words of host byte order, in hex, then the port; state 0A is LISTEN, 01 ESTABLISHED."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    rows = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            rows += [line.split() for line in f.readlines()[1:]]
+    return [(r[1], r[2], r[3]) for r in rows if r[9] in inodes]
+
+
+def connected_to(pid, port):
+    """Whether process ``pid`` holds an established TCP connection to ``port`` (on any host)."""
+    return any(remote.endswith(f":{port:04X}") and state == "01" for _, remote, state in tcp_sockets(pid))
+
+
 def wait_until(predicate, timeout=20.0, what="condition"):
     """``predicate()``'s first true value, asked again and again, less often the longer the
     wait (most predicates are calls to a server: CPU the suite's other processes need)."""

@@ -5,7 +5,6 @@ rest runs a controller and worker processes started as a user would, on loopback
 loopback aliases, 127.0.0.2 and 127.0.0.3, which Linux routes like 127.0.0.1).
 """
 
-import os
 import socket
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from pathways.protocol import messages as m
 from pathways.protocol.handles import first_handle
 from pathways.wire import addresses
 from pathways.worker.island import worker_hosts
-from tests.conftest import child_of, read_line, wait_until
+from tests.conftest import child_of, read_line, tcp_sockets, wait_until
 from tests.test_controller import Box, _of
 
 START_SECONDS = 120.0
@@ -303,23 +302,10 @@ def _listens_on(pid, host, port):
     """Whether process ``pid`` has a TCP socket listening on ``host``:``port`` (bound to it
     or to every address). Not a connection attempt: tests running beside this one listen
     on ports of 127.0.0.1 of their own, and one may have the same number."""
-    sockets = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:  # closed meanwhile
-            continue
-        if target.startswith("socket:["):
-            sockets.add(target[len("socket:["):-1])
-    # /proc/net/tcp{,6}: the local address in 32-bit words of host byte order, in hex, and the
-    # port; an IPv6 socket holds an IPv4 address as ::ffff:a.b.c.d, and :: takes IPv4 too
+    # an IPv6 socket holds an IPv4 address as ::ffff:a.b.c.d, and :: takes IPv4 too
     word = socket.inet_aton(host)[::-1].hex().upper()
     wanted = {f"{a}:{port:04X}" for a in (word, "00000000", "0000000000000000FFFF0000" + word, "0" * 32)}
-    rows = []
-    for table in ("tcp", "tcp6"):
-        with open(f"/proc/{pid}/net/{table}") as f:
-            rows += [line.split() for line in f.readlines()[1:]]
-    return any(r[1] in wanted and r[3] == "0A" and r[9] in sockets for r in rows)  # 0A: LISTEN
+    return any(local in wanted and state == "0A" for local, _, state in tcp_sockets(pid))
 
 
 def test_servers_bind_and_advertise_the_hosts_they_are_given():

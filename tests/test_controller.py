@@ -113,7 +113,7 @@ def test_a_worker_claiming_more_devices_than_a_host_can_have_is_refused():
     """A register claiming 10^8 devices grew the controller by 760 MB and broke status."""
     core = ControllerCore()
     conn = WorkerConn(Box())
-    core.on_worker_batch(conn, m.pack([["register", "grpc://h:1", "tcp://h:2", "cpu", 10 ** 8, "0", 1, None, "", 1, "h", 1 << 30]]))
+    core.on_worker_batch(conn, m.pack([["register", "grpc://h:1", "tcp://h:2", "cpu", 10 ** 8, "0", 1, None, "", 1, "h", 1 << 30, False]]))
     assert conn.worker == -1 and not core.workers
     notices = _of(conn.outbox, m.Notice)
     assert len(notices) == 1 and "devices" in notices[0].message and str(m.MAX_DEVICES_PER_HOST) in notices[0].message

@@ -522,7 +522,7 @@ def test_malformed_worker_and_attach_messages_get_error_replies(cluster, session
         raw.send(codec.pack([["register", "x"]]))
         messages = raw.finish()
         assert [type(x) for x in messages] == [m.Notice, m.Notice]
-        assert "msgpack" in messages[0].message and "it takes 11" in messages[1].message
+        assert "msgpack" in messages[0].message and "it takes 12" in messages[1].message
     finally:
         raw.close()
     assert len(status(cluster.address)["workers"]) == 2

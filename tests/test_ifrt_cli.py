@@ -32,7 +32,7 @@ from pathways.defaults import ADDRESS_LINE, IFRT_LINE
 from pathways.ifrt import launch, plugin
 from pathways.ifrt.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as grpc_pb
 from pathways.wire.addresses import split_host_port
-from tests.conftest import pids_alive, read_line, wait_until
+from tests.conftest import connected_to, pids_alive, read_line, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 START = 240  # seconds: a cluster starting on a busy machine
@@ -449,12 +449,13 @@ TOKEN = "ifrt-test-token"
 
 @pytest.fixture(scope="module")
 def guarded_cluster(tmp_path_factory):
-    """One host of two devices, with a token and TLS, its controller serving the IFRT proxy."""
+    """One host of two devices, with a token and TLS (its data plane too), its controller
+    serving the IFRT proxy."""
     from pathways.wire.certs import make_certificates
     from pathways.wire.security import Security
 
     tls = make_certificates(str(tmp_path_factory.mktemp("tls")))
-    security = Security(token=TOKEN, tls_cert=tls.cert, tls_key=tls.key, tls_ca=tls.ca)
+    security = Security(token=TOKEN, tls_cert=tls.cert, tls_key=tls.key, tls_ca=tls.ca, data_plane_tls=True)
     cluster = LocalCluster([Island(1, 2)], security=security, ifrt_port=0).start()
     try:
         yield cluster
@@ -473,6 +474,22 @@ def test_with_token_and_tls_the_proxy_port_is_plain_grpc_and_takes_the_token(gua
                                     PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS="5"))
     assert out.returncode != 0 and "Unable to initialize backend 'proxy'" in out.stderr
     assert "requires the cluster's shared token" in out.stderr and "PATHWAYS_TOKEN" in out.stderr, out.stderr
+
+
+def test_with_a_tls_data_plane_large_arrays_reach_their_worker_and_round_trip(guarded_cluster, entry_point):
+    # the front end streams an array one worker holds whole to that worker's data listener,
+    # here over TLS, greeted with the token and the controller's ticket
+    script = """
+        import jax, numpy as np
+        x = np.random.default_rng(0).standard_normal((768, 1024)).astype(np.float32)  # 3 MiB
+        print(all(np.array_equal(np.asarray(jax.device_put(x + i, d)), x + i) for i, d in enumerate(jax.devices())))
+    """
+    out = run_script(script, proxy_env(guarded_cluster.ifrt_address, entry_point, PATHWAYS_TOKEN=TOKEN))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[0] == "True"
+    data_port = int(status(guarded_cluster.address, security=guarded_cluster.security)["workers"][0][
+        "data_address"].rsplit(":", 1)[1])
+    assert connected_to(guarded_cluster.pids[0], data_port), "the front end put on the worker's data listener"
 
 
 # A JAX program that waits for a line on stdin before it first reaches the server

@@ -31,7 +31,7 @@ from pathways.ifrt import server as ifrt_server
 from pathways.ifrt.server import IfrtServer, _lookup_response, _store_data
 from pathways.ifrt.session import STREAMED_PUT_BYTES, IfrtSession, _Array, _Executable, parse_slice
 from pathways.protocol import messages as m
-from tests.conftest import read_line, wait_until
+from tests.conftest import connected_to, read_line, wait_until
 
 @pytest.fixture(scope="module")
 def server():
@@ -263,27 +263,96 @@ def test_a_host_buffer_that_ends_short_fails_its_streamed_array_and_the_session_
     try:
         session_id = stream.init()
         n = (STREAMED_PUT_BYTES // 4) * 2  # float32: twice the streaming threshold
-        store = channel.stream_unary(f"/{ifrt_server.SERVICE}/HostBufferStore")
-
-        def put(op_id, buffer_handle, array_handle, data):
-            stream.send(_make_array(op_id, buffer_handle, array_handle, n, device=2))
-            meta = gpb.GrpcHostBufferStoreMetadata(session_id=session_id, handle=buffer_handle, buffer_size=0)
-            store(iter([gpb.GrpcHostBufferStoreRequest(data=data).SerializeToString()]),
-                  metadata=((ifrt_server.STORE_METADATA, meta.SerializeToString()),), timeout=30)
-            ready = pb.IfrtRequest()
-            ready.request_metadata.op_id = op_id + 1
-            ready.check_value_ready_request.value_handles.append(array_handle)
-            stream.send(ready.SerializeToString())
-            stream.wait([op_id, op_id + 1])
-            return stream.answered[op_id + 1].response_metadata.status
-
-        status = put(10, 7, 8, b"\0" * (n * 2))  # half of the bytes, in a store announcing no size
-        assert status.code != 0
-        assert f"has {n * 2} bytes; a float32[{n}] array needs {n * 4}" in status.message, status.message
-        assert put(20, 17, 18, np.ones(n, np.float32).tobytes()).code == 0
+        # half of the bytes
+        assert _put_raw(stream, channel, session_id, 10, 7, 8, n, b"\0" * (n * 2), device=2) != 0
+        message = stream.answered[11].response_metadata.status.message
+        assert f"has {n * 2} bytes; a float32[{n}] array needs {n * 4}" in message, message
+        assert _put_raw(stream, channel, session_id, 20, 17, 18, n, np.ones(n, np.float32).tobytes(), device=2) == 0
     finally:
         stream.close()
         channel.close()
+
+
+@pytest.fixture(scope="module")
+def in_controller():
+    """A local cluster of one host with 2 devices whose controller serves IFRT itself, in its
+    own process (as `pathways up --ifrt-port` does): its front end puts large arrays on the
+    workers' data listeners."""
+    cluster = LocalCluster([Island(1, 2)], ifrt_port=0).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def test_the_controllers_front_end_streams_large_arrays_on_the_data_plane_and_they_round_trip(in_controller):
+    """In the controller's process, the front end sends an array a worker holds whole on
+    that worker's data listener as its host buffer arrives (not with a second gRPC hop):
+    every placement round trips exactly and computes, and the controller then holds a
+    connection to the worker's data port."""
+    data_port = int(status(in_controller.address)["workers"][0]["data_address"].rsplit(":", 1)[1])
+    controller_pid = in_controller.pids[0]
+    assert not connected_to(controller_pid, data_port)
+    result = run_jax(in_controller.ifrt_address.removeprefix("grpc://"), """
+        import json
+        import numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+        devices = jax.devices()
+        x = np.random.default_rng(0).standard_normal((768, 1024)).astype(np.float32)  # 3 MiB
+        mesh = Mesh(np.array(devices), ("d",))
+        placed = {
+            "device 0": jax.device_put(x, devices[0]),
+            "device 1": jax.device_put(x, devices[1]),
+            "split": jax.device_put(x, NamedSharding(mesh, PartitionSpec("d"))),
+            "replicated": jax.device_put(x, NamedSharding(mesh, PartitionSpec())),
+        }
+        same = {name: bool(np.array_equal(np.asarray(a), x)) for name, a in placed.items()}
+        doubled = {name: bool(np.array_equal(np.asarray(jax.jit(lambda v: v * 2)(a)), x * 2))
+                   for name, a in placed.items()}
+        many = [jax.device_put(x + i, devices[i % 2]) for i in range(8)]  # in flight at once
+        many_same = [bool(np.array_equal(np.asarray(a), x + i)) for i, a in enumerate(many)]
+        print("RESULT", json.dumps({"same": same, "doubled": doubled, "many": many_same}))
+    """)
+    assert all(result["same"].values()), result["same"]
+    assert all(result["doubled"].values()), result["doubled"]
+    assert result["many"] == [True] * 8
+    assert connected_to(controller_pid, data_port), "the front end kept its data-plane connection to the worker"
+
+
+def test_a_host_buffer_that_ends_short_fails_its_array_on_the_data_plane_too(in_controller):
+    """The controller's front end streams a store's chunks to the worker's data listener;
+    one that ends short fails its array with the byte counts, and the next array of the
+    session is stored as usual."""
+    address = in_controller.ifrt_address.removeprefix("grpc://")
+    channel = grpc.insecure_channel(address)
+    stream = RawStream(channel, session_metadata())
+    try:
+        session_id = stream.init()
+        n = (STREAMED_PUT_BYTES // 4) * 2  # float32: twice the streaming threshold
+        assert _put_raw(stream, channel, session_id, 10, 7, 8, n, b"\0" * (n * 2), device=1) != 0
+        message = stream.answered[11].response_metadata.status.message
+        assert f"has {n * 2} bytes; a float32[{n}] array needs {n * 4}" in message, message
+        assert _put_raw(stream, channel, session_id, 20, 17, 18, n, np.ones(n, np.float32).tobytes(), device=1) == 0
+    finally:
+        stream.close()
+        channel.close()
+
+
+def _put_raw(stream, channel, session_id, op_id, buffer_handle, array_handle, n, data, device):
+    """Make array ``array_handle`` of float32[n] on ``device`` from a host buffer stored
+    with ``data`` (in a store announcing no size), and wait until it is ready: the status
+    code of the readiness check (its answer is ``stream.answered[op_id + 1]``)."""
+    store = channel.stream_unary(f"/{ifrt_server.SERVICE}/HostBufferStore")
+    stream.send(_make_array(op_id, buffer_handle, array_handle, n, device=device))
+    meta = gpb.GrpcHostBufferStoreMetadata(session_id=session_id, handle=buffer_handle, buffer_size=0)
+    store(iter([gpb.GrpcHostBufferStoreRequest(data=data).SerializeToString()]),
+          metadata=((ifrt_server.STORE_METADATA, meta.SerializeToString()),), timeout=30)
+    ready = pb.IfrtRequest()
+    ready.request_metadata.op_id = op_id + 1
+    ready.check_value_ready_request.value_handles.append(array_handle)
+    stream.send(ready.SerializeToString())
+    stream.wait([op_id, op_id + 1])
+    return stream.answered[op_id + 1].response_metadata.status.code
 
 
 def _make_array(op_id, buffer_handle, array_handle, n, device):

@@ -374,13 +374,22 @@ def test_a_closed_session_or_one_closed_before_this_worker_heard_of_it_is_refuse
         assert time.monotonic() - start < 1.0
 
 
-def test_a_data_plane_frame_carries_only_the_controllers_transfer_copies(core):
+def test_a_data_plane_frame_carries_a_sessions_array_only_with_that_sessions_credential(core):
+    """Peers send the controller's transfer copies; a client session's array (the
+    controller's IFRT front end puts them on the data plane) is stored only with the
+    credential of its session, as a client's Put is."""
     array = np.arange(3, dtype=np.float32)
     pieces = [(codec.full_index(array.shape), array)]
     client_array = first_handle(SESSION) + 1
     error = core.receive_frame(put_header(client_array, array), pieces)
-    assert error is not None and "clients put arrays with the Put method" in error
-    assert core.store.get(client_array) is None
+    assert error is not None and "without the session's credential" in error
+    for handle, credential in ((client_array, CREDENTIALS[SESSION + 1]), (first_handle(SESSION + 1) + 1,
+                                                                           CREDENTIALS[SESSION])):
+        error = core.receive_frame(put_header(handle, array, credential=credential), pieces)
+        assert error is not None and f"refused a put of array {handle:#x}" in error, error
+        assert core.store.get(handle) is None
+    assert core.receive_frame(put_header(client_array, array, credential=CREDENTIALS[SESSION]), pieces) is None
+    np.testing.assert_array_equal(fetch(core, client_array)[1], array)
     copy = first_handle(0) + 1
     assert core.receive_frame(put_header(copy, array), pieces) is None
     assert core.store.get(copy) is not None

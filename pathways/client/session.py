@@ -43,7 +43,7 @@ from pathways.protocol import messages as m
 from pathways.protocol.errors import error_of, kind_of
 from pathways.protocol.handles import COUNTER_MASK, discard, first_handle
 from pathways.timeline import Recorder, now
-from pathways.wire import codec, rpc
+from pathways.wire import codec, rpc, tcp
 from pathways.wire.security import Security
 
 log = logging.getLogger("pathways.client")
@@ -62,6 +62,7 @@ _UNREACHABLE_VERDICT_SECONDS = HEARTBEAT_TIMEOUT
 # What a call to a worker ends with when the worker died, or stopped its server to restart
 # (its island lost a host): this client cancels its own calls only once it knows why.
 _GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+_SHORT = "the array's bytes did not all arrive"  # a put whose source gave out
 # The library's advice; `pathways demo`, whose user writes no pw.connect() call, words it its own way.
 EMBEDDED_ADVICE = "or call pw.connect() with no address (and PATHWAYS_ADDRESS unset) to start an embedded one"
 _CONNECT_ADVICE = f"{rpc.START_ADVICE}, {EMBEDDED_ADVICE}"
@@ -88,16 +89,20 @@ class Session:
     by default). ``security``: the token and CA this session reaches the controller and the
     workers with (none by default). ``open_local``: for a session opened in the controller's
     own process (the IFRT front end's), what opens its stream there without gRPC
-    (ControllerServer.open_local); the workers are reached over the network all the same."""
+    (ControllerServer.open_local); the workers are reached over the network all the same.
+    ``data_plane``: there too, the connections to the workers' data listeners that
+    ``put_chunks`` sends arrays on (a client process has none: it puts with gRPC)."""
 
     def __init__(self, address: str, connect_timeout: float = 30.0, owned_cluster: Any = None, weight: float = 1.0,
                  security: Security | None = None,
-                 open_local: Optional[Callable[[rpc.Outbox], Any]] = None) -> None:
+                 open_local: Optional[Callable[[rpc.Outbox], Any]] = None,
+                 data_plane: Optional[tcp.Pool] = None) -> None:
         if not 0 < weight <= 1e6:
             raise ValueError(f"a session's weight must be in (0, 1e6], got {weight!r}")
         self.address = address
         self.result_timeout = DEFAULT_TIMEOUT  # how long a put, or a wait for an array, may take by default
         self.security = security or Security()
+        self._data_plane = data_plane
         self.poisoned: dict[int, tuple[type[errors.PathwaysError], str]] = {}
         self._owned_cluster = owned_cluster
         # a local cluster this process started (the embedded one, or pw.local_cluster's):
@@ -130,7 +135,7 @@ class Session:
         self._fetches: dict[int, set] = {}  # handle -> its fetch calls in flight, cancelled on bad news
         self._fetches_lock = threading.Lock()
         # puts on their way to the workers, and puts still starting theirs: suspend waits for both
-        self._puts: set[grpc.Future] = set()
+        self._puts: set[grpc.Future | Future] = set()
         self._starting_puts = 0
         self._puts_lock = threading.Condition()
         self.suspended = False  # from suspend() until resume() returns
@@ -426,7 +431,8 @@ class Session:
         """``put`` of an array that the one worker of ``layout`` (at ``address``) holds
         whole, whose bytes in C order come as ``chunks`` (of any sizes): each is sent on as
         it comes, nothing is kept, nothing waits. A source that raises, or ends short,
-        poisons the array with why."""
+        poisons the array with why. With a data plane (the IFRT front end's sessions), the
+        bytes go on the worker's data listener, else with gRPC."""
         if len(layout.workers) != 1 or layout.unreduced:
             raise ValueError("put_chunks sends an array to the one worker that holds it whole; use put")
         with self._starting_put():
@@ -434,21 +440,68 @@ class Session:
                 began = now()
             stubs = self._stubs(address)
             header = _put_header(stubs, handle, layout, codec.whole_array_header(dtype, shape))
-            failed: list[str] = []
+            connection = self._data_connection(address)
+            if connection is not None:
+                self._stream_put(connection, address, handle, header, chunks)
+            else:
+                failed: list[str] = []
 
-            def sent() -> Iterator[bytes]:
-                yield header
-                try:
-                    for chunk in chunks:
-                        yield chunk if type(chunk) is bytes else bytes(chunk)
-                except Exception as e:  # the worker then refuses the short array; the put says why
-                    failed.append(f"the array's bytes did not all arrive: {e}")
+                def sent() -> Iterator[bytes]:
+                    yield codec.pack(header)
+                    try:
+                        for chunk in chunks:
+                            yield chunk if type(chunk) is bytes else bytes(chunk)
+                    except Exception as e:  # the worker then refuses the short array; the put says why
+                        failed.append(f"{_SHORT}: {e}")
 
-            self._watch_put(stubs.put.future(sent(), timeout=self.result_timeout), address, handle, failed)
+                self._watch_put(stubs.put.future(sent(), timeout=self.result_timeout),
+                                lambda f: self._put_done(f, address, handle, failed))
             self.send(m.PutNotice(handle, layout, moves))
             if self.traced:
                 nbytes = math.prod(shape) * np.dtype(dtype).itemsize
                 self.recorder.span("put", began, 0, f"array {handle:#x}, {nbytes} bytes, sent as they arrive")
+
+    def _data_connection(self, address: str) -> Optional[tuple[Any, tcp.Route]]:
+        """A connection to the data listener of the worker at ``address``, or None (no data
+        plane, or the listener is not reachable from this process: put with gRPC)."""
+        if self._data_plane is None:
+            return None
+        try:
+            return self._data_plane.take(address)
+        except (OSError, errors.ConnectError) as e:
+            log.warning("putting through gRPC: the data listener of the worker at %s refused or did not answer "
+                        "this process (%s: %s)", address, type(e).__name__, e)
+            return None
+
+    def _stream_put(self, connection: tuple[Any, tcp.Route], address: str, handle: int, header: dict,
+                    chunks: Iterable[bytes | memoryview]) -> None:
+        """Send the array on ``connection`` from a thread of its own, chunk by chunk as they
+        come, and poison it if the worker does not store it."""
+        assert self._data_plane is not None
+        outcome: Future = Future()
+        pool = self._data_plane
+
+        def stream() -> None:
+            try:
+                outcome.set_result(pool.request(connection, header, chunks))
+            except BaseException as e:
+                outcome.set_exception(e)
+
+        self._watch_put(outcome, lambda f: self._streamed(f, address, handle))
+        threading.Thread(target=stream, name="pathways-put", daemon=True).start()
+
+    def _streamed(self, outcome: Future, address: str, handle: int) -> None:
+        """A put on the data plane ended: its array is poisoned unless the worker stored it."""
+        error = outcome.exception()
+        if isinstance(error, OSError):
+            self.poisoned[handle] = (errors.WorkerLostError, f"sending the array to the worker at {address} failed "
+                                     f"({error}), so it never reached it: it was lost. `python -m pathways status` "
+                                     "shows which islands are healthy")
+        elif error is not None:
+            self.poisoned[handle] = (errors.RemoteError, f"{_SHORT}: {error}")
+        elif outcome.result() is not None:
+            self.poisoned[handle] = (errors.RemoteError,
+                                     f"the worker at {address} refused the array: {outcome.result()}")
 
     @contextlib.contextmanager
     def _starting_put(self) -> Iterator[None]:
@@ -483,26 +536,30 @@ class Session:
             header = _put_header(stubs, handle, sent, {**unstack, **codec.pieces_header(array.dtype, array.shape,
                                                                                          pieces)})
             if sum(a.nbytes for _, a in pieces) <= _PUT_ONE_BYTES:
-                request = codec.pack([header, *codec.pieces_chunks(pieces)])
+                request = codec.pack([codec.pack(header), *codec.pieces_chunks(pieces)])
                 future = stubs.put_one.future(request, timeout=self.result_timeout)
             else:
-                future = stubs.put.future(_chunks(header, pieces), timeout=self.result_timeout)
-            self._watch_put(future, address, handle)
+                future = stubs.put.future(_chunks(codec.pack(header), pieces), timeout=self.result_timeout)
+            self._watch_put(future, lambda f: self._put_done(f, address, handle))
         self.send(m.PutNotice(handle, layout, moves))
         if self.traced:
             self.recorder.span("put", began, 0, f"array {handle:#x}, {array.nbytes} bytes")
 
-    def _watch_put(self, future: grpc.Future, address: str, handle: int, failed: Sequence[str] = ()) -> None:
-        """Count ``future`` among the puts in flight (suspending waits for them) until it ends."""
+    def _watch_put(self, future: grpc.Future | Future, done: Callable[[Any], None]) -> None:
+        """Count ``future`` among the puts in flight (suspending waits for them) until it
+        ends, then call ``done`` with it."""
         with self._puts_lock:
             self._puts.add(future)
-        future.add_done_callback(lambda f: self._put_done(f, address, handle, failed))
+
+        def ended(f: Any) -> None:
+            with self._puts_lock:
+                self._puts.discard(f)
+            done(f)
+        future.add_done_callback(ended)
 
     def _put_done(self, f: grpc.Future, address: str, handle: int, failed: Sequence[str] = ()) -> None:
-        """A put ended: its array is poisoned unless the worker took it; ``failed``: why the
-        put's source gave out, if it did."""
-        with self._puts_lock:
-            self._puts.discard(f)
+        """A gRPC put ended: its array is poisoned unless the worker took it; ``failed``: why
+        the put's source gave out, if it did."""
         if failed:
             self.poisoned[handle] = (errors.RemoteError, failed[0])
             return
@@ -677,11 +734,11 @@ def _broken(e: grpc.RpcError) -> str:
     return f"broke the connection ({code}: {details})" if details else f"broke the connection ({code})"
 
 
-def _put_header(stubs: WorkerStubs, handle: int, layout: Layout, pieces: dict) -> bytes:
-    """A Put's first message: the array's handle and layout, this session's credential at
-    the worker, and ``pieces`` (the header fields of what follows)."""
-    return codec.pack({"t": "put", "handle": handle, "layout": layout.to_wire(), "of": 1,
-                       "credential": stubs.credential, **pieces})
+def _put_header(stubs: WorkerStubs, handle: int, layout: Layout, pieces: dict) -> dict:
+    """A put's header (a Put's first message, packed): the array's handle and layout, this
+    session's credential at the worker, and ``pieces`` (the header fields of what follows)."""
+    return {"t": "put", "handle": handle, "layout": layout.to_wire(), "of": 1, "credential": stubs.credential,
+            **pieces}
 
 
 def _chunks(header: bytes, pieces: list[codec.Piece]) -> Iterator[bytes]:

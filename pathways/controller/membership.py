@@ -25,6 +25,7 @@ from typing import Callable, Iterable, Protocol
 from pathways.controller.islands import Refused
 from pathways.controller.placement import ResourceManager
 from pathways.protocol import messages as m
+from pathways.wire import tcp
 
 log = logging.getLogger("pathways.controller")
 
@@ -73,6 +74,11 @@ class Measurement:
     done: Callable[[], None]
 
 
+def _own_ticket(data_key: bytes) -> tuple[int, bytes]:
+    """What this controller shows the data listener of the worker whose key is ``data_key``."""
+    return m.CONTROLLER_SENDER, m.data_ticket(data_key, m.CONTROLLER_SENDER)
+
+
 class Membership:
     def __init__(self, rm: ResourceManager) -> None:
         self.rm = rm
@@ -82,6 +88,10 @@ class Membership:
         self._measurements: dict[int, Measurement] = {}
         self._measurement_ids = itertools.count(1)
         self._next_worker = 0
+        # worker gRPC address -> how this process reaches its data listener (the IFRT front
+        # end's puts, from its own threads: they only get entries, and setting or deleting
+        # one is atomic)
+        self.data_routes: dict[str, tcp.Route] = {}
 
     def register(self, conn: WorkerConn, msg: m.Register, copies: int = 0) -> bool:
         """Admit a worker to its island (see islands.py), or refuse it with a Shutdown that
@@ -107,6 +117,7 @@ class Membership:
         conn.worker, conn.info, conn.island, conn.rank = worker, msg, island.id, rank
         conn.data_key = secrets.token_bytes(m.DATA_KEY_BYTES)
         self.workers[worker] = conn
+        self.data_routes[msg.address] = tcp.Route(msg.data_address, msg.data_tls, _own_ticket(conn.data_key))
         self.rm.add_host(worker, island.id, msg.kind, msg.devices, msg.memory_bytes, rank)
         for w, r in welcome:
             self.workers[w].outbox.put(m.WorkerWelcome(w, island.id, r, island.coordinator, copies))
@@ -135,6 +146,9 @@ class Membership:
         if conn is None:
             return None
         conn.retired = True
+        route = self.data_routes.get(conn.address)
+        if route is not None and route.ticket == _own_ticket(conn.data_key):  # not a successor's at that address
+            del self.data_routes[conn.address]
         self.links = {pair: figures for pair, figures in self.links.items() if worker not in pair}
         for mid in list(self._measurements):
             self._measured_by(mid, worker)

@@ -47,7 +47,7 @@ from pathways.errors import ConnectError, DeadlineExceededError, PathwaysError, 
 from pathways.protocol import messages as m
 from pathways.protocol.errors import kind_of
 from pathways.protocol.handles import MAX_SESSION
-from pathways.wire import codec, frames, rpc
+from pathways.wire import codec, frames, rpc, tcp
 from pathways.wire import security as sec
 from pathways.wire.addresses import family_of, join_host_port, reachable_host, split_host_port, strip_brackets
 from pathways.wire.codec import MAX_MESSAGE_BYTES
@@ -467,7 +467,7 @@ async def _serve(policy: str, window: int, host: str, port: int, security: Secur
     ifrt = None
     if ifrt_bind is not None:
         try:
-            ifrt = await asyncio.to_thread(_start_ifrt, address, ifrt_bind, controller.security, controller.open_local)
+            ifrt = await asyncio.to_thread(_start_ifrt, address, ifrt_bind, controller)
         except BaseException:
             await controller.stop(server)
             raise
@@ -492,15 +492,17 @@ async def _serve(policy: str, window: int, host: str, port: int, security: Secur
         await controller.stop(server)
 
 
-def _start_ifrt(controller: str, bind: str, security: Security,
-                open_local: Callable[[rpc.Outbox], rpc.LocalStream]) -> "IfrtServer":
+def _start_ifrt(address: str, bind: str, controller: ControllerServer) -> "IfrtServer":
     """An IFRT proxy server (pathways.ifrt.server.IfrtServer) serving on ``bind``, in front of
-    the controller at ``controller``, whose session streams ``open_local`` opens in this
-    process; exits the process with a message where it cannot. Runs off the event loop: the
-    server's sessions talk to this controller."""
+    ``controller`` (at ``address``), in this process: its session streams open without gRPC
+    (ControllerServer.open_local) and it puts arrays on the workers' data listeners
+    (Membership.data_routes). Exits the process with a message where it cannot. Runs off the
+    event loop: the server's sessions talk to this controller."""
     from pathways.ifrt.server import IfrtServer  # imports JAX: only controllers that serve IFRT pay for it
 
-    server = IfrtServer(controller, bind, front_end_security(security), open_local=open_local)
+    security = front_end_security(controller.security)
+    data_plane = tcp.Pool(controller.core.membership.data_routes.get, controller.heartbeat_timeout, security)
+    server = IfrtServer(address, bind, security, open_local=controller.open_local, data_plane=data_plane)
     try:
         server.start()
     except Exception as e:  # whatever stopped it from serving (a port in use, a bad address): say so and exit

@@ -39,7 +39,7 @@ from pathways.errors import WireError
 from pathways.ifrt.plugin import ADMISSION_METHOD, ADMISSION_SERVICE
 from pathways.ifrt.session import HOST_BUFFER_WAIT, SLICE_KEY, WAIT_SECONDS, Deferred, IfrtSession
 from pathways.ifrt.types import IfrtError
-from pathways.wire import codec, rpc
+from pathways.wire import codec, rpc, tcp
 from pathways.wire import security as sec
 from pathways.wire.addresses import join_host_port, split_host_port
 from pathways.wire.security import Security
@@ -91,12 +91,16 @@ class IfrtServer:
     token and TLS; beyond loopback a token is required, and every IFRT client must then
     present it as initialization data ``pathways_token`` (PATHWAYS_TOKEN). ``open_local``:
     where the server runs in the controller's process, how its native sessions reach that
-    controller without a network hop (ControllerServer.open_local); else over gRPC."""
+    controller without a network hop (ControllerServer.open_local); else over gRPC.
+    ``data_plane``: there too, the connections its sessions put arrays on (Session); the
+    server closes it when it stops."""
 
     def __init__(self, controller: str, bind: str = "127.0.0.1:0", security: Security | None = None,
-                 open_local: Optional[Callable[[rpc.Outbox], Any]] = None) -> None:
+                 open_local: Optional[Callable[[rpc.Outbox], Any]] = None,
+                 data_plane: Optional[tcp.Pool] = None) -> None:
         self.controller = controller if controller.startswith("grpc://") else f"grpc://{controller}"
         self.open_local = open_local
+        self.data_plane = data_plane
         self.bind = bind
         self.security = security or Security()
         self._server: Optional[grpc.Server] = None
@@ -149,6 +153,8 @@ class IfrtServer:
             if not self._closed.wait_for(lambda: not self._closing, CLOSING_SECONDS):
                 log.warning("%d IFRT session(s) still closing after %g s; stopping anyway", self._closing,
                             CLOSING_SECONDS)
+        if self.data_plane is not None:
+            self.data_plane.close()
 
     # ---- version ---------------------------------------------------------------------------
 
@@ -253,7 +259,7 @@ class IfrtServer:
         weight = session_weight(init_data.get(WEIGHT_KEY))
         try:
             native = Session(self.controller, CONNECT_TIMEOUT, weight=weight, security=self.security,
-                             open_local=self.open_local)
+                             open_local=self.open_local, data_plane=self.data_plane)
         except Exception as e:
             yield from self._refuse(requests, context, IfrtError(t.UNAVAILABLE, (
                 f"the pathways controller at {self.controller} is not reachable ({type(e).__name__}: {e})")))

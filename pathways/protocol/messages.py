@@ -70,11 +70,17 @@ def digest(credential: bytes) -> bytes:
     return hashlib.sha256(credential).digest()
 
 
+# The sender id the controller shows a worker's data listener: its IFRT front end puts the
+# arrays of its clients there, each with the session's credential (as a client's Put does).
+CONTROLLER_SENDER = -1
+
+
 def data_ticket(key: bytes, sender: int) -> bytes:
-    """What worker ``sender`` shows, in its hello, the worker whose DataKey is ``key``: only
-    the controller (which draws every worker's key when it registers) and that worker can
-    make it, so a data-plane connection that shows it comes from worker ``sender``, and
-    none from a client, whatever token it holds."""
+    """What worker ``sender`` (or the controller, CONTROLLER_SENDER) shows, in its hello, the
+    worker whose DataKey is ``key``: only the controller (which draws every worker's key when
+    it registers) and that worker can make it, so a data-plane connection that shows it comes
+    from worker ``sender`` or the controller, and none from a client, whatever token it
+    holds."""
     return hmac.digest(key, b"pathways data-plane sender %d" % sender, "sha256")
 
 
@@ -509,6 +515,7 @@ class Register(Message):
     pid: int = wire(Int(0, 1 << 32))
     host: str = wire(NAME)
     memory_bytes: int = wire(Int(0, 1 << 60))
+    data_tls: bool = wire(Bool(), False)  # its data listener speaks TLS (--data-plane-tls)
 
 
 @message("done")

@@ -13,6 +13,12 @@ plus handle, layout and sender count), then the raw bytes of each piece in order
 are fire and forget: a receiver that refuses one logs why. A malformed frame closes its
 connection (the stream cannot be resynchronized); the sender reconnects for the next one.
 
+A put frame whose header has ``"answer": true`` is answered too, once its receiver has
+taken it: a frame of header ``{"t": "answer", "error": e}`` (e None when the array was
+stored, else why not; a frame refused for want of memory is answered before its connection
+closes). ``Pool`` sends such frames, from a source of chunks that may still be arriving,
+and waits for the answer: the controller's IFRT front end puts a client's array this way.
+
 A probe frame (header ``{"t": "probe", "bytes": n}`` followed by n bytes, n at most
 MAX_PROBE_BYTES) is the one frame that is answered: the listener reads the bytes and
 replies on the same connection with a frame of header ``{"t": "probe", "bytes": n}`` and no
@@ -38,11 +44,13 @@ from __future__ import annotations
 import errno
 import logging
 import math
+import select
 import socket
 import statistics
 import threading
 import time
-from typing import Any, Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
@@ -72,6 +80,8 @@ _PROBE_CHUNK = 1 << 20  # probe payloads are read into a scratch buffer this lar
 # a whole sendall): a large array on a slow link is progress, a stalled peer is not.
 _SEND_PIECE = 4 << 20
 _KEEPALIVE_PROBES = 5
+_ANSWER_CHARS = 4096  # of an answer's error message
+_MAX_ANSWER_BYTES = 64 * 1024
 # Connections that have not greeted yet (each held by a thread for HELLO_SECONDS at most) a
 # listener that requires a greeting serves at once; more are closed as they arrive, so that
 # strangers hold a few threads at most however many connections they open.
@@ -292,11 +302,17 @@ class Listener:
                 n = _probe_bytes(header)
                 held += self._reserve(min(n, _PROBE_CHUNK), held, "a probe")
                 return self._answer_probe(reader, n, deadline + n / _MIN_FRAME_RATE)
+            answered = header.get("answer") is True
             pieces = []
             if "poison" not in header:
                 dtype, _, specs = codec.piece_specs(header)
                 sizes = [dtype.itemsize * math.prod(shape) for _, shape in specs]
-                held += self._reserve(sum(sizes), held, (len(specs), dtype))
+                try:
+                    held += self._reserve(sum(sizes), held, (len(specs), dtype))
+                except WireError as e:  # the sender waits for an answer: give it this one, then close
+                    if answered:
+                        reader.conn.sendall(_answer(str(e), closing=True))
+                    raise
                 deadline += sum(sizes) / _MIN_FRAME_RATE
                 for (index, shape), size in zip(specs, sizes):
                     array = codec.aligned_empty(shape, dtype)
@@ -304,7 +320,9 @@ class Listener:
                         return None
                     pieces.append((index, array))
             error = self._receive(header, pieces)
-            if error:
+            if answered:
+                reader.conn.sendall(_answer(error))
+            elif error:
                 log.error("refused an array from a peer: %s", error)
             return True
         finally:
@@ -581,6 +599,115 @@ class Links:
             for sock, _ in self._links.values():
                 sock.close()
             self._links.clear()
+
+
+def _answer(error: Optional[str], closing: bool = False) -> bytes:
+    """The answer to a put frame; ``closing``: the listener closes the connection after it."""
+    answer = {"t": "answer", "error": None if error is None else error[:_ANSWER_CHARS]}
+    return frame(codec.pack({**answer, "closing": True} if closing else answer))
+
+
+@dataclass(frozen=True)
+class Route:
+    """How to reach one listener: its address (``tcp://HOST:PORT``), whether it speaks TLS,
+    and what to show it (a sender id and its ticket there)."""
+
+    address: str
+    tls: bool
+    ticket: tuple[int, bytes]
+
+
+class Pool:
+    """Connections to the listeners ``routes`` names (by a key of the caller's: the
+    controller's is a worker's gRPC address), for answered put frames, each used by one
+    sender at a time: ``take`` gives an idle connection or opens one, ``request`` sends a
+    frame on it and waits for its answer, then keeps the connection for the next (at most
+    IDLE_PER_ADDRESS idle ones per address). A connection that failed is closed. Every
+    blocking call is bounded by ``timeout`` seconds; the answer too, counted from the last
+    byte sent."""
+
+    IDLE_PER_ADDRESS = 4
+
+    def __init__(self, routes: Callable[[str], Optional[Route]], timeout: float,
+                 security: Security | None = None) -> None:
+        self._routes = routes
+        self._timeout = timeout
+        self._security = security or Security()
+        self._idle: dict[str, list[socket.socket]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def take(self, key: str) -> Optional[tuple[socket.socket, Route]]:
+        """A connection to the listener of ``key`` for one ``request``, and its route; None
+        where ``routes`` knows none. OSError naming the address if it cannot be reached,
+        ConnectError (AuthenticationError) if the listener refuses it."""
+        route = self._routes(key)
+        if route is None:
+            return None
+        while True:
+            with self._lock:
+                idle = self._idle.get(route.address)
+                sock = idle.pop() if idle else None
+            if sock is None:
+                break
+            if not select.select([sock], [], [], 0)[0]:
+                return sock, route
+            sock.close()  # an idle connection that reads as ready was closed by its listener
+        return connect(route.address, self._timeout, self._security, tls=route.tls, ticket=route.ticket), route
+
+    def request(self, connection: tuple[socket.socket, Route], header: dict,
+                chunks: Iterable[bytes | memoryview]) -> Optional[str]:
+        """Send on ``connection`` (from ``take``) a put frame of ``header`` whose pieces'
+        bytes are ``chunks``, each written as it comes, and return the listener's answer:
+        None once the array is stored, else why it was not. The connection is kept for the
+        next request or closed. Raises OSError naming the address if the connection fails,
+        and whatever ``chunks`` raises (the listener then drops the frame, which never
+        ends)."""
+        sock, route = connection
+        try:
+            send_all(sock, frame(codec.pack({**header, "answer": True})))
+            for chunk in chunks:
+                send_all(sock, chunk)
+            error, closing = _read_answer(sock, time.monotonic() + self._timeout)
+        except BaseException as e:
+            sock.close()
+            if isinstance(e, OSError):
+                raise peer_error(route.address, self._timeout, e) from None
+            raise
+        with self._lock:
+            idle = self._idle.setdefault(route.address, [])
+            if self._closed or closing or len(idle) >= self.IDLE_PER_ADDRESS:
+                sock.close()
+            else:
+                idle.append(sock)
+        return error
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            for idle in self._idle.values():
+                for sock in idle:
+                    sock.close()
+            self._idle.clear()
+
+
+def _read_answer(sock: socket.socket, deadline: float) -> tuple[Optional[str], bool]:
+    """The listener's answer to a put frame: its error (or None), and whether the listener
+    closes the connection. ConnectionError if the connection ends first, WireError if the
+    answer is not one."""
+    head = bytearray(LENGTH.size)
+    if recv_exactly(sock, memoryview(head), deadline):
+        (n,) = LENGTH.unpack(head)
+        if n > _MAX_ANSWER_BYTES:
+            raise WireError(f"a put's answer of {n} bytes exceeds {_MAX_ANSWER_BYTES}")
+        body = bytearray(n)
+        if recv_exactly(sock, memoryview(body), deadline):
+            answer = codec.unpack(bytes(body))
+            error = answer.get("error") if isinstance(answer, dict) and answer.get("t") == "answer" else 0
+            if error is None or isinstance(error, str):
+                return error, answer.get("closing") is True
+            raise WireError(f"a put was answered with {codec.brief(answer)}, not an answer")
+    raise ConnectionError("the listener closed the connection before answering the put (its log says why)")
 
 
 def _probe_frame(nbytes: int) -> bytes:

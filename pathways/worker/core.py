@@ -464,15 +464,25 @@ class WorkerCore:
     # ---- data plane: receiving ----------------------------------------------------------
 
     def receive_frame(self, header: dict, pieces: list) -> Optional[str]:
-        """A peer's data frame (tcp.Listener's receiver). Peers send only transfer copies,
-        which are the controller's handles: a client's array arrives by ``client_put``."""
+        """A data frame (tcp.Listener's receiver) from a peer or the controller. Peers send
+        transfer copies, which are the controller's handles; an array of a client session
+        (the controller's IFRT front end puts them here) must carry the session's
+        credential, checked as ``client_put`` checks it."""
 
         def peer_put() -> Optional[str]:
             put = self._put_header(header)
             if session_of(put.handle) != 0:
-                raise WireError(f"a data-plane frame carried array {put.handle:#x} of client session "
-                                f"{session_of(put.handle)}; workers send each other only the controller's "
-                                "transfer copies, and clients put arrays with the Put method")
+                if "credential" not in header:
+                    raise WireError(f"a data-plane frame carried array {put.handle:#x} of client session "
+                                    f"{session_of(put.handle)} without the session's credential; workers send "
+                                    "each other only the controller's transfer copies, and clients put arrays "
+                                    "with the Put method")
+                try:
+                    self.sessions.admit(put.handle, CREDENTIAL.check(header["credential"],
+                                                                     "put header field 'credential'"), "put")
+                except AccessDeniedError as e:
+                    return str(e)
+                return self._store(put, None, pieces)
             run = header.get("run")
             if run is None:
                 return self._store(put, None, pieces)

@@ -5,7 +5,9 @@ peer's data address, its ticket for that peer (Peers): ``messages.data_ticket`` 
 peer's key and this worker's id. A data connection opens with a hello that carries the
 sender's id and ticket; the listener admits it only if the ticket is the one this worker's
 key makes for that id. So only workers the controller admitted send each other transfer
-copies: a client, whatever token it holds, cannot make one a session reads.
+copies: a client, whatever token it holds, cannot make one a session reads. The controller,
+which draws every key, may connect too (as ``messages.CONTROLLER_SENDER``): its IFRT front
+end puts its clients' arrays this way, each with the session's credential.
 
 Peers may connect before this worker has its key (they learn of it as it registers, on
 other connections), so a hello waits for the key a bounded time.
@@ -18,7 +20,7 @@ import threading
 from typing import Optional
 
 from pathways.errors import ConnectError
-from pathways.protocol.messages import DataKey, Peers, data_ticket
+from pathways.protocol.messages import CONTROLLER_SENDER, DataKey, Peers, data_ticket
 from pathways.wire.security import HELLO_SECONDS
 
 REFUSED = ("this worker takes data-plane connections only from the workers its controller admitted, each "
@@ -54,11 +56,11 @@ class PeerTickets:
             return self._worker, ticket
 
     def admit(self, hello: dict) -> Optional[str]:
-        """None if ``hello`` carries a peer's id and the ticket this worker's key makes for
-        it, else the refusal to answer (waiting up to ``key_wait`` seconds for the key)."""
+        """None if ``hello`` carries a peer's id (or the controller's) and the ticket this
+        worker's key makes for it, else the refusal to answer (waiting up to ``key_wait`` seconds for the key)."""
         sender, shown = hello.get("from"), hello.get("ticket")
         refusal: Optional[str] = REFUSED
-        if type(sender) is int and sender >= 0 and isinstance(shown, bytes):
+        if type(sender) is int and sender >= CONTROLLER_SENDER and isinstance(shown, bytes):
             with self._cond:
                 if not self._cond.wait_for(lambda: self._key is not None, self._key_wait):
                     refusal = REFUSED + " (this worker has not registered yet)"

@@ -434,7 +434,7 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
         outbox.put(Register(f"grpc://{join_host_port(advertise, port)}",
                             f"tcp://{join_host_port(advertise, listener.port)}", devices.kind, devices.count, island.name,
                             island.hosts, island.rank, coordinator, os.getpid(), socket.gethostname(),
-                            codec.host_memory_bytes()))
+                            codec.host_memory_bytes(), security.data_plane_tls))
         outbox.put(Heartbeat(heartbeat_timeout))  # at once: the controller paces its heartbeats to it
         # Every recv and send on the stream waits at most this long: the controller sends
         # something at least every fifth of it, so a longer silence means it is gone.

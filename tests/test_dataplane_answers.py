@@ -1,0 +1,163 @@
+"""Answered put frames on the data plane (tcp.Pool): the controller's IFRT front end streams
+a client's array to the worker's listener as its bytes arrive and learns whether the
+worker stored it. Real listeners and sockets in this process."""
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from pathways.wire import codec, frames, tcp
+from pathways.wire import security as sec
+from tests.conftest import wait_until
+
+FAST = 5.0
+
+
+def header(handle, array):
+    return {"t": "put", "handle": handle, **codec.pieces_header(array.dtype, array.shape,
+                                                                 [(codec.full_index(array.shape), array)])}
+
+
+def chunks_of(array, sizes):
+    """``array``'s bytes as memoryviews of the given sizes, then the rest."""
+    view, start = memoryview(array.reshape(-1).view(np.uint8)), 0
+    for size in sizes:
+        yield view[start:start + size]
+        start += size
+    yield view[start:]
+
+
+@pytest.fixture
+def listener():
+    received = []
+
+    def receive(head, pieces):
+        received.append((head, pieces))
+        return None if head["handle"] % 2 else f"array {head['handle']} is not wanted here"
+
+    lst = tcp.Listener(receive, timeout=FAST)
+    lst.received = received
+    yield lst
+    lst.close()
+
+
+def pool_for(listener, **routes):
+    route = tcp.Route(listener.address, False, (0, b""))
+    return tcp.Pool({"worker": route, **routes}.get, FAST)
+
+
+def test_a_frame_streamed_in_chunks_is_stored_and_answered_on_a_connection_used_again(listener):
+    pool = pool_for(listener)
+    try:
+        array = np.random.default_rng(0).standard_normal((300, 500)).astype(np.float32)
+        connection = pool.take("worker")
+        assert pool.request(connection, header(1, array), chunks_of(array, [1, 4095, 100_000])) is None
+        (head, pieces), = listener.received
+        assert head["handle"] == 1 and head["answer"] is True
+        np.testing.assert_array_equal(pieces[0][1], array)
+        again = pool.take("worker")
+        assert again[0] is connection[0], "the connection is kept for the next request"
+        assert pool.request(again, header(2, array), chunks_of(array, [])) == "array 2 is not wanted here"
+        assert pool.take("nowhere") is None, "no route: the caller puts another way"
+    finally:
+        pool.close()
+
+
+def test_a_source_that_fails_midway_drops_the_frame_and_the_listener_serves_the_next(listener):
+    pool = pool_for(listener)
+    try:
+        array = np.arange(1 << 18, dtype=np.float32)
+
+        def failing():
+            yield memoryview(array.view(np.uint8))[:1000]
+            raise ValueError("the client's store ended early")
+
+        broken = pool.take("worker")
+        with pytest.raises(ValueError, match="ended early"):
+            pool.request(broken, header(1, array), failing())
+        assert broken[0].fileno() == -1, "a connection left mid-frame is closed"
+        fresh = pool.take("worker")
+        assert fresh[0] is not broken[0]
+        assert pool.request(fresh, header(3, array), chunks_of(array, [12345])) is None
+        assert [head["handle"] for head, _ in listener.received] == [3], "the cut frame was never taken"
+    finally:
+        pool.close()
+
+
+def test_a_frame_refused_for_want_of_memory_is_answered_and_its_connection_not_used_again():
+    received = []
+    listener = tcp.Listener(lambda head, pieces: received.append(head), timeout=FAST, connection_bytes=1 << 16)
+    pool = pool_for(listener)
+    try:
+        big, small = np.zeros(1 << 15, np.float32), np.ones(16, np.float32)
+        connection = pool.take("worker")
+        answer = pool.request(connection, header(1, big), chunks_of(big, []))
+        assert answer is not None and "more than the 65536 bytes one connection may hold" in answer
+        # the listener said it closes that connection after answering: the pool opens another
+        assert connection[0].fileno() == -1
+        replacement = pool.take("worker")
+        assert replacement[0] is not connection[0]
+        assert pool.request(replacement, header(5, small), chunks_of(small, [])) is None
+        assert [head["handle"] for head in received] == [5]
+    finally:
+        pool.close()
+        listener.close()
+
+
+def test_a_receiver_that_never_answers_fails_the_request_within_the_timeout():
+    release = threading.Event()
+    listener = tcp.Listener(lambda head, pieces: release.wait(FAST) and None, timeout=FAST)
+    pool = tcp.Pool({"worker": tcp.Route(listener.address, False, (0, b""))}.get, 0.5)
+    try:
+        array = np.ones(4, np.float32)
+        connection = pool.take("worker")
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=listener.address):
+            pool.request(connection, header(1, array), chunks_of(array, []))
+        assert time.monotonic() - start < 2.0
+        assert connection[0].fileno() == -1
+    finally:
+        release.set()
+        pool.close()
+        listener.close()
+
+
+def test_an_idle_connection_its_listener_closed_is_not_used_again():
+    """A listener that answers one put on each connection and closes it: the pool's next
+    request opens a new connection instead of failing on the closed one."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(FAST)
+    connections = []
+
+    def serve_one_put_per_connection():
+        for _ in range(2):
+            conn, _ = server.accept()
+            connections.append(conn)
+            conn.settimeout(FAST)
+            for answer in (sec.answer(None), tcp._answer(None)):  # the hello, then the put
+                (n,) = frames.LENGTH.unpack(conn.recv(4, socket.MSG_WAITALL))
+                head = codec.unpack(conn.recv(n, socket.MSG_WAITALL))
+                if head.get("t") == "put":
+                    conn.recv(head["array"]["nbytes"], socket.MSG_WAITALL)
+                conn.sendall(answer)
+            conn.close()
+
+    thread = threading.Thread(target=serve_one_put_per_connection, daemon=True)
+    thread.start()
+    pool = tcp.Pool({"worker": tcp.Route(f"tcp://127.0.0.1:{server.getsockname()[1]}", False, (0, b""))}.get, FAST)
+    try:
+        array = np.ones(16, np.float32)
+        first = pool.take("worker")
+        assert pool.request(first, header(1, array), chunks_of(array, [])) is None
+        wait_until(lambda: tcp.select.select([first[0]], [], [], 0)[0], timeout=FAST, what="the listener's close")
+        second = pool.take("worker")
+        assert second[0] is not first[0] and first[0].fileno() == -1
+        assert pool.request(second, header(3, array), chunks_of(array, [])) is None
+        thread.join(FAST)
+        assert len(connections) == 2
+    finally:
+        pool.close()
+        server.close()
