@@ -47,7 +47,7 @@ from pathways.errors import ConnectError, DeadlineExceededError, PathwaysError, 
 from pathways.protocol import messages as m
 from pathways.protocol.errors import kind_of
 from pathways.protocol.handles import MAX_SESSION
-from pathways.wire import codec, frames, rpc, tcp
+from pathways.wire import allocator, codec, frames, rpc, tcp
 from pathways.wire import security as sec
 from pathways.wire.addresses import family_of, join_host_port, reachable_host, split_host_port, strip_brackets
 from pathways.wire.codec import MAX_MESSAGE_BYTES
@@ -500,6 +500,7 @@ def _start_ifrt(address: str, bind: str, controller: ControllerServer) -> "IfrtS
     event loop: the server's sessions talk to this controller."""
     from pathways.ifrt.server import IfrtServer  # imports JAX: only controllers that serve IFRT pay for it
 
+    allocator.keep_message_memory()  # the front end receives array bytes as 1 MiB messages
     security = front_end_security(controller.security)
     data_plane = tcp.Pool(controller.core.membership.data_routes.get, controller.heartbeat_timeout, security)
     server = IfrtServer(address, bind, security, open_local=controller.open_local, data_plane=data_plane)
