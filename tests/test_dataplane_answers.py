@@ -161,3 +161,18 @@ def test_an_idle_connection_its_listener_closed_is_not_used_again():
     finally:
         pool.close()
         server.close()
+
+
+def test_a_listener_that_cannot_be_reached_is_not_tried_again_for_a_while():
+    spare = socket.create_server(("127.0.0.1", 0))
+    address = f"tcp://127.0.0.1:{spare.getsockname()[1]}"
+    spare.close()  # nothing listens there now
+    pool = tcp.Pool({"worker": tcp.Route(address, False, (0, b""))}.get, FAST)
+    try:
+        with pytest.raises(OSError, match=address):
+            pool.take("worker")
+        start = time.monotonic()
+        assert pool.take("worker") is None, "the caller puts another way meanwhile"
+        assert time.monotonic() - start < 0.1
+    finally:
+        pool.close()

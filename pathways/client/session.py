@@ -469,8 +469,8 @@ class Session:
         try:
             return self._data_plane.take(address)
         except (OSError, errors.ConnectError) as e:
-            log.warning("putting through gRPC: the data listener of the worker at %s refused or did not answer "
-                        "this process (%s: %s)", address, type(e).__name__, e)
+            log.warning("putting through gRPC for %g s: the data listener of the worker at %s refused or did not "
+                        "answer this process (%s: %s)", tcp.Pool.UNREACHABLE_SECONDS, address, type(e).__name__, e)
             return None
 
     def _stream_put(self, connection: tuple[Any, tcp.Route], address: str, handle: int, header: dict,

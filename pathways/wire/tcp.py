@@ -622,11 +622,14 @@ class Pool:
     controller's is a worker's gRPC address), for answered put frames, each used by one
     sender at a time: ``take`` gives an idle connection or opens one, ``request`` sends a
     frame on it and waits for its answer, then keeps the connection for the next (at most
-    IDLE_PER_ADDRESS idle ones per address). A connection that failed is closed. Every
-    blocking call is bounded by ``timeout`` seconds; the answer too, counted from the last
-    byte sent."""
+    IDLE_PER_ADDRESS idle ones per address). A connection that failed is closed; a listener
+    that could not be reached is not tried again for UNREACHABLE_SECONDS (``take`` answers
+    None for it meanwhile), so that a caller with another way does not wait on it each time.
+    Every blocking call is bounded by ``timeout`` seconds; the answer too, counted from the
+    last byte sent."""
 
     IDLE_PER_ADDRESS = 4
+    UNREACHABLE_SECONDS = 60.0
 
     def __init__(self, routes: Callable[[str], Optional[Route]], timeout: float,
                  security: Security | None = None) -> None:
@@ -634,18 +637,22 @@ class Pool:
         self._timeout = timeout
         self._security = security or Security()
         self._idle: dict[str, list[socket.socket]] = {}
+        self._unreachable: dict[str, float] = {}  # address -> time.monotonic() until which it is not tried
         self._lock = threading.Lock()
         self._closed = False
 
     def take(self, key: str) -> Optional[tuple[socket.socket, Route]]:
         """A connection to the listener of ``key`` for one ``request``, and its route; None
-        where ``routes`` knows none. OSError naming the address if it cannot be reached,
+        where ``routes`` knows none, or its listener was unreachable within the last
+        UNREACHABLE_SECONDS. OSError naming the address if it cannot be reached,
         ConnectError (AuthenticationError) if the listener refuses it."""
         route = self._routes(key)
         if route is None:
             return None
         while True:
             with self._lock:
+                if self._unreachable.get(route.address, 0.0) > time.monotonic():
+                    return None
                 idle = self._idle.get(route.address)
                 sock = idle.pop() if idle else None
             if sock is None:
@@ -653,7 +660,12 @@ class Pool:
             if not select.select([sock], [], [], 0)[0]:
                 return sock, route
             sock.close()  # an idle connection that reads as ready was closed by its listener
-        return connect(route.address, self._timeout, self._security, tls=route.tls, ticket=route.ticket), route
+        try:
+            return connect(route.address, self._timeout, self._security, tls=route.tls, ticket=route.ticket), route
+        except BaseException:
+            with self._lock:
+                self._unreachable[route.address] = time.monotonic() + self.UNREACHABLE_SECONDS
+            raise
 
     def request(self, connection: tuple[socket.socket, Route], header: dict,
                 chunks: Iterable[bytes | memoryview]) -> Optional[str]:
