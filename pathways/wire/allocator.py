@@ -5,10 +5,10 @@ glibc serves an allocation of 128 KiB or more with a fresh mmap until frees teac
 higher threshold, and gives memory at the top of its heap back to the system beyond a
 threshold of its own, so a stream of 1 MiB messages keeps mapping and unmapping pages: each
 one faulted in and zeroed by the kernel, then dropped. Measured on the development machine
-(BENCHMARKS.md, "Unmodified JAX"), 64 MiB put through the controller's IFRT front end cost
-its process 34-49 ms of CPU with glibc's defaults and 15-22 ms with both thresholds fixed
-as ``keep_message_memory`` fixes them (either one alone did not help). The process keeps up
-to TRIM_BYTES of freed memory for the next messages instead of returning it at once.
+(BENCHMARKS.md, "Unmodified JAX"), a 64 MiB put through the controller's IFRT front end
+cost its process 40-53 ms of CPU with glibc's defaults and 16-26 ms with both thresholds
+fixed as ``keep_message_memory`` fixes them (either one alone did not help). The process
+keeps up to TRIM_BYTES of freed memory for the next messages instead of returning it.
 """
 
 from __future__ import annotations
