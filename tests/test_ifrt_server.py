@@ -254,25 +254,6 @@ def test_thousands_of_queued_donating_steps_with_collectives_on_one_host_all_run
     assert json.loads(lines[-1][len("RESULT "):]) == want.tolist()
 
 
-def test_a_host_buffer_that_ends_short_fails_its_streamed_array_and_the_session_goes_on(server):
-    """A store that brings fewer bytes than the array needs: the array put from it as it
-    arrived fails, saying how many bytes came and how many were needed; the session's
-    next array is made as usual."""
-    channel = grpc.insecure_channel(server.address)
-    stream = RawStream(channel, session_metadata())
-    try:
-        session_id = stream.init()
-        n = (STREAMED_PUT_BYTES // 4) * 2  # float32: twice the streaming threshold
-        # half of the bytes
-        assert _put_raw(stream, channel, session_id, 10, 7, 8, n, b"\0" * (n * 2), device=2) != 0
-        message = stream.answered[11].response_metadata.status.message
-        assert f"has {n * 2} bytes; a float32[{n}] array needs {n * 4}" in message, message
-        assert _put_raw(stream, channel, session_id, 20, 17, 18, n, np.ones(n, np.float32).tobytes(), device=2) == 0
-    finally:
-        stream.close()
-        channel.close()
-
-
 @pytest.fixture(scope="module")
 def in_controller():
     """A local cluster of one host with 2 devices whose controller serves IFRT itself, in its
@@ -319,20 +300,25 @@ def test_the_controllers_front_end_streams_large_arrays_on_the_data_plane_and_th
     assert connected_to(controller_pid, data_port), "the front end kept its data-plane connection to the worker"
 
 
-def test_a_host_buffer_that_ends_short_fails_its_array_on_the_data_plane_too(in_controller):
-    """The controller's front end streams a store's chunks to the worker's data listener;
-    one that ends short fails its array with the byte counts, and the next array of the
-    session is stored as usual."""
-    address = in_controller.ifrt_address.removeprefix("grpc://")
+@pytest.mark.parametrize("where", ["server", "in_controller"])
+def test_a_host_buffer_that_ends_short_fails_its_streamed_array_and_the_session_goes_on(request, where):
+    """A store that brings fewer bytes than the array needs: the array put from it as it
+    arrived (with gRPC from a server of its own, on the worker's data listener from the
+    controller's front end) fails, saying how many bytes came and how many were needed; the
+    session's next array is made as usual."""
+    front_end = request.getfixturevalue(where)
+    address = front_end.address if where == "server" else front_end.ifrt_address.removeprefix("grpc://")
+    device = 2 if where == "server" else 1  # a device of an island of one host
     channel = grpc.insecure_channel(address)
     stream = RawStream(channel, session_metadata())
     try:
         session_id = stream.init()
         n = (STREAMED_PUT_BYTES // 4) * 2  # float32: twice the streaming threshold
-        assert _put_raw(stream, channel, session_id, 10, 7, 8, n, b"\0" * (n * 2), device=1) != 0
+        # half of the bytes
+        assert _put_raw(stream, channel, session_id, 10, 7, 8, n, b"\0" * (n * 2), device) != 0
         message = stream.answered[11].response_metadata.status.message
         assert f"has {n * 2} bytes; a float32[{n}] array needs {n * 4}" in message, message
-        assert _put_raw(stream, channel, session_id, 20, 17, 18, n, np.ones(n, np.float32).tobytes(), device=1) == 0
+        assert _put_raw(stream, channel, session_id, 20, 17, 18, n, np.ones(n, np.float32).tobytes(), device) == 0
     finally:
         stream.close()
         channel.close()
