@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+import pathways as pw
 from pathways.wire import codec, frames, tcp
 from pathways.wire import security as sec
 from tests.conftest import wait_until
@@ -176,3 +177,30 @@ def test_a_listener_that_cannot_be_reached_is_not_tried_again_for_a_while():
         assert time.monotonic() - start < 0.1
     finally:
         pool.close()
+
+
+def test_a_frame_whose_bytes_stop_coming_is_dropped_and_the_sender_told_why():
+    """The listener gives a frame's bytes its timeout per read; a source that pauses longer
+    gets the frame dropped, and the sender hears why rather than a bare broken connection."""
+    received = []
+    listener = tcp.Listener(lambda head, pieces: received.append(head), timeout=0.3)
+    pool = tcp.Pool({"worker": tcp.Route(listener.address, False, (0, b""))}.get, FAST)
+    try:
+        array = np.ones(1 << 20, np.float32)  # 4 MiB: more than the sockets' buffers take
+
+        def pausing():
+            view = memoryview(array.view(np.uint8))
+            yield view[:1000]
+            time.sleep(1.0)
+            yield view[1000:]
+
+        try:  # raised if the send broke first; the answer if the kernel took all the bytes first
+            answer = pool.request(pool.take("worker"), header(1, array), pausing())
+        except pw.WireError as e:
+            answer = str(e)
+        assert answer is not None and "its bytes stopped coming" in answer, answer
+        assert received == []
+        assert pool.request(pool.take("worker"), header(3, array), chunks_of(array, [])) is None
+    finally:
+        pool.close()
+        listener.close()

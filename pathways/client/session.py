@@ -497,6 +497,8 @@ class Session:
             self.poisoned[handle] = (errors.WorkerLostError, f"sending the array to the worker at {address} failed "
                                      f"({error}), so it never reached it: it was lost. `python -m pathways status` "
                                      "shows which islands are healthy")
+        elif isinstance(error, errors.WireError):
+            self.poisoned[handle] = (errors.RemoteError, f"the worker at {address} refused the array: {error}")
         elif error is not None:
             self.poisoned[handle] = (errors.RemoteError, f"{_SHORT}: {error}")
         elif outcome.result() is not None:

@@ -41,6 +41,7 @@ connection to a host that vanished (a cut cable) even between frames. Errors nam
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import math
@@ -81,6 +82,7 @@ _PROBE_CHUNK = 1 << 20  # probe payloads are read into a scratch buffer this lar
 _SEND_PIECE = 4 << 20
 _KEEPALIVE_PROBES = 5
 _ANSWER_CHARS = 4096  # of an answer's error message
+_ANSWER_GRACE_SECONDS = 0.5  # a sender whose frame was cut waits this long for the listener's reason
 _MAX_ANSWER_BYTES = 64 * 1024
 # Connections that have not greeted yet (each held by a thread for HELLO_SECONDS at most) a
 # listener that requires a greeting serves at once; more are closed as they arrive, so that
@@ -314,11 +316,18 @@ class Listener:
                         reader.conn.sendall(_answer(str(e), closing=True))
                     raise
                 deadline += sum(sizes) / _MIN_FRAME_RATE
-                for (index, shape), size in zip(specs, sizes):
-                    array = codec.aligned_empty(shape, dtype)
-                    if size and not reader.read_into(memoryview(array.reshape(-1).view(np.uint8)), deadline):
-                        return None
-                    pieces.append((index, array))
+                try:
+                    for (index, shape), size in zip(specs, sizes):
+                        array = codec.aligned_empty(shape, dtype)
+                        if size and not reader.read_into(memoryview(array.reshape(-1).view(np.uint8)), deadline):
+                            return None
+                        pieces.append((index, array))
+                except (OSError, WireError) as e:  # too slow: say so to a sender that reads answers, then close
+                    if answered:
+                        with contextlib.suppress(OSError):
+                            reader.conn.sendall(_answer(f"its bytes stopped coming ({type(e).__name__}: {e})",
+                                                        closing=True))
+                    raise
             error = self._receive(header, pieces)
             if answered:
                 reader.conn.sendall(_answer(error))
@@ -672,19 +681,24 @@ class Pool:
         """Send on ``connection`` (from ``take``) a put frame of ``header`` whose pieces'
         bytes are ``chunks``, each written as it comes, and return the listener's answer:
         None once the array is stored, else why it was not. The connection is kept for the
-        next request or closed. Raises OSError naming the address if the connection fails,
-        and whatever ``chunks`` raises (the listener then drops the frame, which never
-        ends)."""
+        next request or closed. Raises WireError if the listener dropped the frame and said
+        why (its bytes came too slowly), OSError naming the address if the connection failed
+        otherwise, and whatever ``chunks`` raises (the listener then drops the frame, which
+        never ends)."""
         sock, route = connection
         try:
-            send_all(sock, frame(codec.pack({**header, "answer": True})))
-            for chunk in chunks:
-                send_all(sock, chunk)
-            error, closing = _read_answer(sock, time.monotonic() + self._timeout)
-        except BaseException as e:
-            sock.close()
-            if isinstance(e, OSError):
+            try:
+                send_all(sock, frame(codec.pack({**header, "answer": True})))
+                for chunk in chunks:
+                    send_all(sock, chunk)
+            except OSError as e:  # the listener may have said why it dropped the frame
+                raise _dropped(sock) or peer_error(route.address, self._timeout, e) from None
+            try:
+                error, closing = _read_answer(sock, time.monotonic() + self._timeout)
+            except OSError as e:
                 raise peer_error(route.address, self._timeout, e) from None
+        except BaseException:
+            sock.close()
             raise
         with self._lock:
             idle = self._idle.setdefault(route.address, [])
@@ -701,6 +715,16 @@ class Pool:
                 for sock in idle:
                     sock.close()
             self._idle.clear()
+
+
+def _dropped(sock: socket.socket) -> Optional[WireError]:
+    """Why the listener dropped the frame being sent on ``sock`` (a WireError), if it
+    answered before closing the connection (it waits ANSWER_GRACE_SECONDS for it)."""
+    try:
+        error, _ = _read_answer(sock, time.monotonic() + _ANSWER_GRACE_SECONDS)
+    except (OSError, WireError):
+        return None
+    return WireError(f"the data listener dropped the array: {error}") if error else None
 
 
 def _read_answer(sock: socket.socket, deadline: float) -> tuple[Optional[str], bool]:
