@@ -13,14 +13,15 @@ plus handle, layout and sender count), then the raw bytes of each piece in order
 are fire and forget: a receiver that refuses one logs why. A malformed frame closes its
 connection (the stream cannot be resynchronized); the sender reconnects for the next one.
 
-A put frame whose header has ``"answer": true`` is answered too, once its receiver has
-taken it: a frame of header ``{"t": "answer", "error": e}`` (e None when the array was
-stored, else why not; a frame refused for want of memory is answered before its connection
-closes). ``Pool`` sends such frames, from a source of chunks that may still be arriving,
-and waits for the answer: the controller's IFRT front end puts a client's array this way.
+A put frame whose header has ``"answer": true`` is answered, once its receiver has taken
+it: a frame of header ``{"t": "answer", "error": e}`` (e None when the array was stored,
+else why not). A frame refused for want of memory, or whose bytes stop coming, is answered
+too, with ``"closing": true``, before its connection closes. ``Pool`` sends such frames,
+from a source of chunks that may still be arriving, and waits for the answer: the
+controller's IFRT front end puts a client's array this way.
 
 A probe frame (header ``{"t": "probe", "bytes": n}`` followed by n bytes, n at most
-MAX_PROBE_BYTES) is the one frame that is answered: the listener reads the bytes and
+MAX_PROBE_BYTES) is answered too: the listener reads the bytes and
 replies on the same connection with a frame of header ``{"t": "probe", "bytes": n}`` and no
 payload. ``probe`` uses it to measure a link's latency and bandwidth on its own connection,
 so that it never shares a socket with array traffic.
@@ -313,7 +314,8 @@ class Listener:
                     held += self._reserve(sum(sizes), held, (len(specs), dtype))
                 except WireError as e:  # the sender waits for an answer: give it this one, then close
                     if answered:
-                        reader.conn.sendall(_answer(str(e), closing=True))
+                        with contextlib.suppress(OSError):
+                            reader.conn.sendall(_answer(str(e), closing=True))
                     raise
                 deadline += sum(sizes) / _MIN_FRAME_RATE
                 try:
@@ -719,8 +721,10 @@ class Pool:
 
 def _dropped(sock: socket.socket) -> Optional[WireError]:
     """Why the listener dropped the frame being sent on ``sock`` (a WireError), if it
-    answered before closing the connection (it waits ANSWER_GRACE_SECONDS for it)."""
+    answered before closing the connection (waited for ANSWER_GRACE_SECONDS at most; the
+    connection is not used again)."""
     try:
+        sock.settimeout(_ANSWER_GRACE_SECONDS)
         error, _ = _read_answer(sock, time.monotonic() + _ANSWER_GRACE_SECONDS)
     except (OSError, WireError):
         return None

@@ -57,7 +57,8 @@ class PeerTickets:
 
     def admit(self, hello: dict) -> Optional[str]:
         """None if ``hello`` carries a peer's id (or the controller's) and the ticket this
-        worker's key makes for it, else the refusal to answer (waiting up to ``key_wait`` seconds for the key)."""
+        worker's key makes for it, else the refusal to answer (waiting up to ``key_wait``
+        seconds for the key)."""
         sender, shown = hello.get("from"), hello.get("ticket")
         refusal: Optional[str] = REFUSED
         if type(sender) is int and sender >= CONTROLLER_SENDER and isinstance(shown, bytes):
