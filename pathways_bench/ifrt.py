@@ -391,7 +391,7 @@ the native op-by-op path's work plus the front end's. A `device_put` crosses two
 before it reaches the worker: the client's host-buffer store reaches the front end in 1 MiB
 messages, and each is sent on to the worker as it arrives, on the worker's data listener
 (raw TCP, as workers send each other arrays; arrays over 1 MiB that one worker holds whole);
-smaller ones go in one gRPC message once whole. An `np.asarray` is answered at once,
+smaller ones go there too, once whole. An `np.asarray` is answered at once,
 and the worker's reply is forwarded to the client's `HostBufferLookup` as it arrives, in
 1 MiB messages (each a copy into the message). The bare gRPC stream moves the same messages
 between two processes and nothing else: it is what one gRPC hop costs, where the proxy makes

@@ -204,3 +204,26 @@ def test_a_frame_whose_bytes_stop_coming_is_dropped_and_the_sender_told_why():
     finally:
         pool.close()
         listener.close()
+
+
+def test_a_burst_of_puts_uses_a_bounded_number_of_connections(listener, monkeypatch):
+    monkeypatch.setattr(tcp.Pool, "OPEN_PER_ADDRESS", 3)
+    pool = pool_for(listener)
+    try:
+        array = np.ones(16, np.float32)
+        taken = [pool.take("worker") for _ in range(3)]
+        assert pool.take("worker") is None, "at the bound: the caller puts another way"
+        assert pool.request(taken[0], header(1, array), chunks_of(array, [])) is None  # given back, idle
+        again = pool.take("worker")
+        assert again[0] is taken[0][0]
+        with pytest.raises(ValueError):
+            pool.request(taken[1], header(3, array), _failing())  # closed: its place is free again
+        assert pool.take("worker") is not None
+        assert pool.take("worker") is None
+    finally:
+        pool.close()
+
+
+def _failing():
+    raise ValueError("the source gave out")
+    yield

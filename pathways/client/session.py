@@ -420,9 +420,10 @@ class Session:
             moves: Optional[int] = None) -> None:
         """Send ``array`` straight to the workers holding ``layout`` (not through the
         controller; ``addresses[i]`` is that of ``layout.workers[i]``), each only the
-        blocks of its own devices. No waiting. ``moves``: how many SliceMoved this session
-        had applied when ``addresses`` were read (default: now). For a layout with
-        unreduced axes, ``array`` is the stack of its partial values (``ir.stacked``)."""
+        blocks of its own devices, with gRPC or, given a data plane, on each worker's data
+        listener. No waiting. ``moves``: how many SliceMoved this session had applied when
+        ``addresses`` were read (default: now). For a layout with unreduced axes, ``array``
+        is the stack of its partial values (``ir.stacked``)."""
         with self._starting_put():
             self._start_put(addresses, handle, layout, array, self.moves if moves is None else moves)
 
@@ -432,7 +433,8 @@ class Session:
         whole, whose bytes in C order come as ``chunks`` (of any sizes): each is sent on as
         it comes, nothing is kept, nothing waits. A source that raises, or ends short,
         poisons the array with why. With a data plane (the IFRT front end's sessions), the
-        bytes go on the worker's data listener, else with gRPC."""
+        bytes go on the worker's data listener (with gRPC where the pool has no connection
+        for it), else with gRPC."""
         if len(layout.workers) != 1 or layout.unreduced:
             raise ValueError("put_chunks sends an array to the one worker that holds it whole; use put")
         with self._starting_put():
@@ -537,12 +539,16 @@ class Session:
             stubs = self._stubs(address)
             header = _put_header(stubs, handle, sent, {**unstack, **codec.pieces_header(array.dtype, array.shape,
                                                                                          pieces)})
+            connection = self._data_connection(address)
+            if connection is not None:
+                self._stream_put(connection, address, handle, header, codec.pieces_chunks(pieces))
+                continue
             if sum(a.nbytes for _, a in pieces) <= _PUT_ONE_BYTES:
                 request = codec.pack([codec.pack(header), *codec.pieces_chunks(pieces)])
                 future = stubs.put_one.future(request, timeout=self.result_timeout)
             else:
                 future = stubs.put.future(_chunks(codec.pack(header), pieces), timeout=self.result_timeout)
-            self._watch_put(future, lambda f: self._put_done(f, address, handle))
+            self._watch_put(future, lambda f, address=address: self._put_done(f, address, handle))
         self.send(m.PutNotice(handle, layout, moves))
         if self.traced:
             self.recorder.span("put", began, 0, f"array {handle:#x}, {array.nbytes} bytes")

@@ -633,13 +633,15 @@ class Pool:
     controller's is a worker's gRPC address), for answered put frames, each used by one
     sender at a time: ``take`` gives an idle connection or opens one, ``request`` sends a
     frame on it and waits for its answer, then keeps the connection for the next (at most
-    IDLE_PER_ADDRESS idle ones per address). A connection that failed is closed; a listener
-    that could not be reached is not tried again for UNREACHABLE_SECONDS (``take`` answers
-    None for it meanwhile), so that a caller with another way does not wait on it each time.
-    Every blocking call is bounded by ``timeout`` seconds; the answer too, counted from the
-    last byte sent."""
+    IDLE_PER_ADDRESS idle ones per address). A connection that failed is closed. ``take``
+    answers None, so that the caller puts another way, while OPEN_PER_ADDRESS connections to
+    the address are in use (a burst of puts costs no more connections and threads on either
+    side) and for UNREACHABLE_SECONDS after its listener could not be reached (so that the
+    caller does not wait on it each time). Every blocking call is bounded by ``timeout``
+    seconds; the answer too, counted from the last byte sent."""
 
     IDLE_PER_ADDRESS = 4
+    OPEN_PER_ADDRESS = 16
     UNREACHABLE_SECONDS = 60.0
 
     def __init__(self, routes: Callable[[str], Optional[Route]], timeout: float,
@@ -648,35 +650,47 @@ class Pool:
         self._timeout = timeout
         self._security = security or Security()
         self._idle: dict[str, list[socket.socket]] = {}
+        self._open: dict[str, int] = {}  # address -> its connections, idle or in use
         self._unreachable: dict[str, float] = {}  # address -> time.monotonic() until which it is not tried
         self._lock = threading.Lock()
         self._closed = False
 
     def take(self, key: str) -> Optional[tuple[socket.socket, Route]]:
         """A connection to the listener of ``key`` for one ``request``, and its route; None
-        where ``routes`` knows none, or its listener was unreachable within the last
-        UNREACHABLE_SECONDS. OSError naming the address if it cannot be reached,
-        ConnectError (AuthenticationError) if the listener refuses it."""
+        where ``routes`` knows none, OPEN_PER_ADDRESS connections to it are in use, or its
+        listener was unreachable within the last UNREACHABLE_SECONDS. OSError naming the
+        address if it cannot be reached, ConnectError (AuthenticationError) if the listener
+        refuses it."""
         route = self._routes(key)
         if route is None:
             return None
+        address = route.address
         while True:
             with self._lock:
-                if self._unreachable.get(route.address, 0.0) > time.monotonic():
+                if self._unreachable.get(address, 0.0) > time.monotonic():
                     return None
-                idle = self._idle.get(route.address)
+                idle = self._idle.get(address)
                 sock = idle.pop() if idle else None
-            if sock is None:
-                break
+                if sock is None:
+                    if self._open.get(address, 0) >= self.OPEN_PER_ADDRESS:
+                        return None
+                    self._open[address] = self._open.get(address, 0) + 1  # the one opened below
+                    break
             if not select.select([sock], [], [], 0)[0]:
                 return sock, route
-            sock.close()  # an idle connection that reads as ready was closed by its listener
+            self._drop(address, sock)  # an idle connection that reads as ready was closed by its listener
         try:
-            return connect(route.address, self._timeout, self._security, tls=route.tls, ticket=route.ticket), route
+            return connect(address, self._timeout, self._security, tls=route.tls, ticket=route.ticket), route
         except BaseException:
             with self._lock:
-                self._unreachable[route.address] = time.monotonic() + self.UNREACHABLE_SECONDS
+                self._open[address] -= 1
+                self._unreachable[address] = time.monotonic() + self.UNREACHABLE_SECONDS
             raise
+
+    def _drop(self, address: str, sock: socket.socket) -> None:
+        sock.close()
+        with self._lock:
+            self._open[address] -= 1
 
     def request(self, connection: tuple[socket.socket, Route], header: dict,
                 chunks: Iterable[bytes | memoryview]) -> Optional[str]:
@@ -700,22 +714,24 @@ class Pool:
             except OSError as e:
                 raise peer_error(route.address, self._timeout, e) from None
         except BaseException:
-            sock.close()
+            self._drop(route.address, sock)
             raise
         with self._lock:
             idle = self._idle.setdefault(route.address, [])
-            if self._closed or closing or len(idle) >= self.IDLE_PER_ADDRESS:
-                sock.close()
-            else:
+            keep = not (self._closed or closing or len(idle) >= self.IDLE_PER_ADDRESS)
+            if keep:
                 idle.append(sock)
+        if not keep:
+            self._drop(route.address, sock)
         return error
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            for idle in self._idle.values():
+            for address, idle in self._idle.items():
                 for sock in idle:
                     sock.close()
+                self._open[address] -= len(idle)
             self._idle.clear()
 
 
