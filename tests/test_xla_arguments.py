@@ -24,10 +24,9 @@ SCRIPT = textwrap.dedent("""
     whole = NamedSharding(mesh, PartitionSpec())
     compiled = jax.jit(lambda a: a * 2, in_shardings=whole, out_shardings=whole).lower(
         jax.ShapeDtypeStruct((8,), np.float32)).compile()
-    metadata = Metadata((), (), (), (), (), (), (), (), "", "double", Analysis())
+    metadata = Metadata((), (), (("float32", (8,)),), (), (), (), (), (), "", "double", Analysis())
     exe = XlaExecutable(compiled._executable.xla_executable, [((8,), np.float32)],
-                        [GSPMDSharding(tuple(devices), whole._to_xla_hlo_sharding(1))], [whole], [whole],
-                        [("float32", (8,))], metadata)
+                        [GSPMDSharding(tuple(devices), whole._to_xla_hlo_sharding(1))], [whole], [whole], metadata)
     value = np.arange(8, dtype=np.float32)
     out = {}
     for name, sharding in [("same order", whole), ("other order", NamedSharding(backwards, PartitionSpec())),

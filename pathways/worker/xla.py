@@ -67,12 +67,12 @@ class XlaExecutable:
     """A loaded executable as a function of global jax.Arrays (see the module's doc)."""
 
     def __init__(self, loaded: Any, in_avals: list, in_shardings: list, in_named: list, out_shardings: list,
-                 out_types: Sequence[tuple[str, tuple[int, ...]]], metadata: Metadata) -> None:
+                 metadata: Metadata) -> None:
         self._loaded = loaded
         self._in = in_shardings  # GSPMDShardings over the executable's devices, in its order
         self._in_named = in_named  # NamedShardings of the parameter layouts: the same blocks on the same devices
         self._out = out_shardings  # NamedShardings of the output layouts
-        self._out_shapes = [shape for _, shape in out_types]
+        self._out_shapes = [shape for _, shape in metadata.out_types]
         self._token_outs = frozenset(metadata.token_outs)
         self._equivalent: dict[tuple[int, Any], str] = {}  # (parameter, sharding) -> _AS_IS, _RELABEL or _MOVE
         self.in_avals = in_avals  # (shape, dtype) per parameter
@@ -189,7 +189,7 @@ def compile_xla(name: str, artifact: bytes, options: bytes, devices: Sequence[De
                         _module_name(loaded, name), analysis(loaded), tuple(token_outs))
     return XlaExecutable(loaded, in_avals, [GSPMDSharding(jax_devices, h) for h in in_hlo],
                          [sharding_of(layout) for layout in ins], [sharding_of(layout) for layout in outs],
-                         out_types, metadata)
+                         metadata)
 
 
 def analysis(loaded: Any) -> Analysis:
