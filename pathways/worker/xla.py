@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 import jax
 import numpy as np
-from jax._src import xla_bridge
+from jax._src import core, xla_bridge
 from jax._src.interpreters import mlir
 from jax._src.lib import _jax, xla_client
 from jax._src.lib.mlir import ir
@@ -71,9 +71,13 @@ class XlaExecutable:
         self._loaded = loaded
         self._in = in_shardings  # GSPMDShardings over the executable's devices, in its order
         self._in_named = in_named  # NamedShardings of the parameter layouts: the same blocks on the same devices
-        self._out = out_shardings  # NamedShardings of the output layouts
-        self._out_shapes = [shape for _, shape in metadata.out_types]
-        self._token_outs = frozenset(metadata.token_outs)
+        # what makes each output's global jax.Array of its buffers: JAX's own result handler (a
+        # tenth of make_array_from_single_device_arrays' cost, which checks what XLA guarantees)
+        self._out_handlers = [
+            functools.partial(_token, sharding) if j in metadata.token_outs else
+            xla_client.array_result_handler(core.ShapedArray(shape, dtype_of_name(dtype)), sharding, committed=True,
+                                            _skip_checks=True)
+            for j, ((dtype, shape), sharding) in enumerate(zip(metadata.out_types, out_shardings))]
         self._equivalent: dict[tuple[int, Any], str] = {}  # (parameter, sharding) -> _AS_IS, _RELABEL or _MOVE
         self.in_avals = in_avals  # (shape, dtype) per parameter
         self.metadata = metadata
@@ -96,10 +100,7 @@ class XlaExecutable:
         inputs = [self._as_expected(i, x) for i, x in enumerate(args)]
         results = self._loaded.execute_sharded(inputs, with_tokens=with_token)
         token = results.consume_token() if with_token else None
-        per_output = results.disassemble_into_single_device_arrays()
-        return [_token(sharding) if j in self._token_outs else
-                jax.make_array_from_single_device_arrays(shape, sharding, arrays)
-                for j, (shape, sharding, arrays) in enumerate(zip(self._out_shapes, self._out, per_output))], token
+        return results.consume_with_handlers(self._out_handlers), token
 
     def _as_expected(self, i: int, x: Any) -> Any:
         """Argument ``i`` with its buffers in the executable's device order: the same
@@ -351,9 +352,10 @@ def _minor_to_major(layout: Any) -> tuple[int, ...]:
     return tuple(layout._xla_layout().minor_to_major())
 
 
-def _token(sharding: Any) -> Any:
-    """A token output as JAX passes tokens in: an empty bool array. XLA's own token buffer
-    cannot be read, moved or copied, and a token carries no data."""
+def _token(sharding: Any, buffers: list) -> Any:
+    """A token output (of XLA's token ``buffers``) as JAX passes tokens in: an empty bool
+    array. XLA's own token buffer cannot be read, moved or copied, and a token carries no
+    data."""
     shape, dtype = TOKEN_AVAL
     return jax.make_array_from_callback(shape, sharding, lambda _: np.zeros(shape, dtype))
 
