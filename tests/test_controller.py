@@ -140,3 +140,38 @@ def test_a_session_weight_outside_its_bounds_is_refused(weight):
     core.on_session_batch(1, m.pack([["hello", m.PROTOCOL_VERSION, weight]]))
     assert not _of(client, m.SessionWelcome)
     assert "weight" in _of(client, m.Error)[0].message
+
+
+def test_a_timeline_request_counts_the_traced_runs_whose_done_reports_are_still_due():
+    """The controller records a run's last span when its workers report it done, which may
+    come after the client's timeline request: the reply says how many traced runs are still
+    unfinished, so that the client asks again rather than leave their spans to its next
+    recording."""
+    core = ControllerCore()
+    [worker] = register(core, 1)
+    sid = 1
+    client = session(core, sid)
+    core.on_session_batch(sid, m.encode_batch([m.SliceRequest(1, "cpu", 1, None, 0, False)]))
+    [reply] = _of(client, m.SliceReply)
+    layout = Layout(reply.workers, ((0, 0),), (1,), ("x",), ())
+    ids = iter(range(first_handle(sid) + 1, first_handle(sid) + 1000))
+    fn, program, data, base, later = next(ids), next(ids), next(ids), next(ids) + 16, next(ids) + 32
+    graph = m.GRAPH.check({"nvalues": 2, "inputs": [0], "nodes": [[fn, [0], [1]]], "outputs": [1],
+                           "types": [["float32", [2]]] * 2}, "graph")
+    core.on_session_batch(sid, m.encode_batch(
+        [m.DefineFunction(fn, reply.slice, m.FunctionBody("f", b"artifact", (layout,), (layout,))),
+         m.DefineProgram(program, graph, "parallel"), m.PutNotice(data, layout),
+         m.Run(program, base, {0: data}, traced=True), m.Run(program, later, {0: data})]))
+    assert not _of(client, m.Error), client
+
+    def collect(req):
+        core.on_session_batch(sid, m.encode_batch([m.CollectTimeline(req, 1000)]))
+        [timeline] = [x for x in _of(client, m.Timeline) if x.req == req]
+        return timeline
+
+    assert collect(100).unfinished == 1, "the traced run is in flight; the untraced one is not counted"
+    for run in _of(worker.outbox, m.RunProgram):
+        core.on_worker_batch(worker, m.encode_batch([m.Done(((run.id, 0.001),))]))
+    timeline = collect(101)
+    assert timeline.unfinished == 0
+    assert [(e[0], e[4]) for e in timeline.events if e[0] == "done"] == [("done", base)]

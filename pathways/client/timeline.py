@@ -33,6 +33,8 @@ ENV = "PATHWAYS_TRACE"
 _PINGS = 3  # clock exchanges per process; the shortest round trip wins
 _REQUEST_SECONDS = 30.0  # one collect request (a worker may first wait a moment for its runs to finish)
 _RESULTS_SECONDS = 60.0  # how long closing waits, in all, for traced runs' results
+_SETTLE_SECONDS = 2.0  # how long closing waits, at most, for the controller to record its traced runs' ends
+_SETTLE_POLL_SECONDS = 0.01
 _MAX_WATCHED = 4096  # outputs of traced runs waited for on close (the newest)
 
 
@@ -134,10 +136,20 @@ def collect(session: "Session") -> list[Process]:
             processes.append(_worker(session, address, names.get(address, f"worker at {address}")))
         except errors.PathwaysError as e:  # one lost worker must not cost the rest of the timeline
             log.warning("no timeline from the worker at %s: %s", address, e)
-    sent = now()
-    reply = session.request(lambda req: m.CollectTimeline(req, MAX_EVENTS), _REQUEST_SECONDS)
-    clock.sample(sent, reply.clock, now())
-    processes.insert(1, Process(f"controller (pid {reply.pid})", reply.pid, list(reply.events), clock, reply.dropped))
+    events: list = []
+    settled = time.monotonic() + _SETTLE_SECONDS
+    while True:
+        sent = now()
+        reply = session.request(lambda req: m.CollectTimeline(req, MAX_EVENTS), _REQUEST_SECONDS)
+        clock.sample(sent, reply.clock, now())
+        events.extend(reply.events)
+        # the controller records a run's last step when its workers' done reports arrive,
+        # which may be after this request: taken by the next recording, it would show
+        # there a run that recording never traced
+        if not reply.unfinished or time.monotonic() >= settled:
+            break
+        time.sleep(_SETTLE_POLL_SECONDS)
+    processes.insert(1, Process(f"controller (pid {reply.pid})", reply.pid, events, clock, reply.dropped))
     return processes
 
 

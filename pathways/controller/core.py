@@ -716,7 +716,10 @@ class ControllerCore:
     def _timeline(self, sid: int, s: SessionState, msg: m.CollectTimeline) -> None:
         events, dropped = RECORDER.take(sid, msg.max_events)
         addresses = tuple(self.workers[w].address for w in sorted(s.traced_workers) if w in self.workers)
-        s.outbox.put(m.Timeline(msg.req, now(), os.getpid(), dropped, tuple(events), addresses))
+        # the traced runs whose steps here are not all recorded yet: their workers' done
+        # reports may reach the controller after the client's request
+        unfinished = sum(1 for run in self.scheduler.runs_of(sid) if any(p.traced for p in run.payload.parts))
+        s.outbox.put(m.Timeline(msg.req, now(), os.getpid(), dropped, tuple(events), addresses, unfinished))
 
     # ---- suspend and resume (suspension.py) ---------------------------------------------
 

@@ -174,6 +174,19 @@ class Scheduler:
         """The expected device seconds of ``run`` with the runs it took on."""
         return self.cost(run.program) + sum(self.cost(p) for p in run.joined)
 
+    def runs_of(self, session: int) -> Iterator[ScheduledRun]:
+        """The session's runs queued or in flight (a run queued for several islands once)."""
+        s = self._sessions.get(session)
+        seen: set[int] = set()
+        for queue in s.queues.values() if s is not None else ():
+            for run in queue:
+                if id(run) not in seen:
+                    seen.add(id(run))
+                    yield run
+        for run in self._inflight.values():
+            if run.session == session:
+                yield run
+
     def running(self, run_id: int) -> ScheduledRun | None:
         """The dispatched, unfinished run ``run_id``, if any."""
         return self._inflight.get(run_id)

@@ -964,7 +964,9 @@ class TimelineFetch(Message):
 class Timeline(Message):
     """Spans of one process (``pid``) and its clock (``perf_counter_ns``) when it answered;
     ``dropped``: spans it lost to a full buffer. From the controller, ``workers`` are the
-    gRPC addresses of the workers that ran this session's traced runs (a worker sends ())."""
+    gRPC addresses of the workers that ran this session's traced runs (a worker sends ()),
+    and ``unfinished`` how many of those runs are still queued or running there, whose
+    remaining spans a later request takes."""
 
     req: int = wire(Int(0, MAX_HANDLE))
     clock: int = wire(Int(0))
@@ -972,6 +974,7 @@ class Timeline(Message):
     dropped: int = wire(Int(0))
     events: tuple = wire(Seq(SPAN, max_len=MAX_EVENTS))
     workers: tuple[str, ...] = wire(Seq(NAME, max_len=1 << 16), ())
+    unfinished: int = wire(Int(0), 0)
 
 
 SESSION_UP = Table("session (client to controller)", Hello, SliceRequest, ClusterRequest, DefineFunction,
