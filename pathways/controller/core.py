@@ -438,7 +438,7 @@ class ControllerCore:
         """A client connected as session ``sid`` (ids increase): draw its credential and
         tell every worker its digest before the client learns it in the welcome, so that
         its puts seldom wait for it (they travel on other connections, so they still may)."""
-        s = self.sessions[sid] = SessionState(outbox, secrets.token_bytes(m.CREDENTIAL_BYTES))
+        self.sessions[sid] = SessionState(outbox, secrets.token_bytes(m.CREDENTIAL_BYTES))
         self.scheduler.add_session(sid)
         for w in self.workers.values():
             w.outbox.put(self._session_open(sid, w))
