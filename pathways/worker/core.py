@@ -59,10 +59,11 @@ from pathways.wire import codec, tcp
 from pathways.wire.security import Security
 from pathways.worker.compile_cache import CompileCache
 from pathways.worker.executables import Executables
-from pathways.worker.executor import Executor, shareable
+from pathways.worker.executor import Executor
 from pathways.worker.measure import Measurer
 from pathways.worker.peers import PeerTickets
 from pathways.worker.sessions import FetchWaits, Sessions
+from pathways.worker.shared_arrays import shareable
 from pathways.worker.store import ObjectStore, OffloadedArray, Poison, failure
 
 log = logging.getLogger("pathways.worker")
@@ -583,7 +584,7 @@ class WorkerCore:
         value = self._device_arrays.make(sharding, shape, dtype, assembly)
         if "unstack" in header:
             value = self._unstacked(header, value)
-        self.store.put(handle, shareable(value))
+        self.store.put(handle, value)
         return None
 
     def _unstacked(self, header: dict, value: Any) -> Any:
@@ -750,7 +751,7 @@ def local_pieces(value: Any) -> tuple[Any, tuple[int, ...], list]:
     """The distinct shards of ``value`` this host holds, as (index, numpy array). Raises the
     error of a computation that failed after it was dispatched (reading such an array's
     buffer would abort the process)."""
-    value.block_until_ready()
+    shareable(value).block_until_ready()
     shape = tuple(value.shape)
     if value.is_fully_addressable and len(value.sharding.device_set) == 1:
         return value.dtype, shape, [(codec.full_index(shape), np.asarray(value))]
@@ -767,7 +768,7 @@ def device_piece(value: Any, device: Any) -> tuple[Any, tuple[int, ...], list]:
     """The one shard of ``value`` on jax device ``device``, as local_pieces gives pieces:
     that device's own buffer, though another device may hold the same block (an unreduced
     array's devices hold different partial values of it). WireError if it holds none."""
-    value.block_until_ready()
+    shareable(value).block_until_ready()
     shape = tuple(value.shape)
     for shard in value.addressable_shards:
         if shard.device == device:

@@ -48,6 +48,7 @@ from pathways.protocol.messages import Define, Delete, DropSession, RunProgram
 from pathways.protocol.ops import Op
 from pathways.timeline import RECORDER, now
 from pathways.worker.executables import Executables
+from pathways.worker.shared_arrays import shareable
 from pathways.worker.store import ObjectStore, Poison, failure
 from pathways.worker.xla import XlaExecutable
 
@@ -400,7 +401,9 @@ class Executor:
                                f"{self._wait_timeout:.0f} s: it was deleted, or its sender failed")
             regs[op[1]] = value
         elif code is _OUT:
-            self._store.put(value_handle(op[1], msg.base, msg.tbase, nvalues, msg.args), shareable(regs[op[1]]))
+            # not made shareable here: most outputs are only run again, and a reader in another
+            # thread makes it shareable itself (shared_arrays.py)
+            self._store.put(value_handle(op[1], msg.base, msg.tbase, nvalues, msg.args), regs[op[1]])
         elif code is _DROP:
             for v in op[1]:
                 regs[v] = None
@@ -425,22 +428,10 @@ class Executor:
             value = regs[op[1]]
             if type(value) is not Poison:
                 try:
-                    value = jax.device_put(value, op[3])
+                    value = jax.device_put(shareable(value), op[3])
                 except Exception as e:
                     value = Poison(f"moving an array on worker {self.worker_id} failed: {e}")
             regs[op[2]] = value
-
-
-def shareable(value: Any) -> Any:
-    """``value``, ready to be read by other threads: those the store hands it to, and the
-    sender of a SEND. A jax.Array builds its list of per-device buffers on first use;
-    arrays first used in two threads at once (the executor resharding an array while a
-    fetch reads it) were seen listing every buffer twice, which every later read of the
-    array fails on ("safe_zip() argument 1 has length 2 but argument 0 has length 4"). The
-    thread that made the array builds the list first."""
-    if isinstance(value, jax.Array):
-        getattr(value, "_arrays", None)
-    return value
 
 
 class _Program:

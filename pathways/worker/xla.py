@@ -30,6 +30,7 @@ from pathways.ir import Device, Layout
 from pathways.protocol.messages import MEMORY_STATS, Analysis
 from pathways.timeline import function_label
 from pathways.worker.compile_cache import CompileCache, digest
+from pathways.worker.shared_arrays import shareable
 from pathways.wire.codec import WIRE_DTYPES, dtype_of_name
 
 _DONOR_ATTRS = ("tf.aliasing_output", "jax.buffer_donor")
@@ -127,6 +128,7 @@ class XlaExecutable:
                 self._equivalent[key] = how
         if how is _AS_IS:
             return x
+        shareable(x)  # both read its per-device buffers
         if how is _MOVE:
             x = jax.device_put(x, self._in_named[i])  # JAX moves arrays between NamedShardings only
         return jax.make_array_from_single_device_arrays(x.shape, expected, [s.data for s in x.addressable_shards])
