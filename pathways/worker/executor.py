@@ -401,14 +401,14 @@ class Executor:
                                f"{self._wait_timeout:.0f} s: it was deleted, or its sender failed")
             regs[op[1]] = value
         elif code is _OUT:
-            # not made shareable here: most outputs are only run again, and a reader in another
-            # thread makes it shareable itself (shared_arrays.py)
+            # not made shareable here: most outputs are only run again, and whoever reads one,
+            # in any thread, makes it shareable first (shared_arrays.py)
             self._store.put(value_handle(op[1], msg.base, msg.tbase, nvalues, msg.args), regs[op[1]])
         elif code is _DROP:
             for v in op[1]:
                 regs[v] = None
         elif code is _SEND:
-            self._controls.send(value_handle(op[2], msg.base, msg.tbase, nvalues, msg.args), shareable(regs[op[1]]),
+            self._controls.send(value_handle(op[2], msg.base, msg.tbase, nvalues, msg.args), regs[op[1]],
                                 op[3], op[4], msg.base if traced else 0)
         elif code is _AWAIT:
             if traced:
