@@ -73,7 +73,7 @@ class XlaExecutable:
         self._in = in_shardings  # GSPMDShardings over the executable's devices, in its order
         self._in_named = in_named  # NamedShardings of the parameter layouts: the same blocks on the same devices
         # what makes each output's global jax.Array of its buffers: JAX's own result handler (a
-        # tenth of make_array_from_single_device_arrays' cost, which checks what XLA guarantees)
+        # fifth of make_array_from_single_device_arrays' cost, which checks what XLA guarantees)
         self._out_handlers = [
             functools.partial(_token, sharding) if j in metadata.token_outs else
             xla_client.array_result_handler(core.ShapedArray(shape, dtype_of_name(dtype)), sharding, committed=True,
