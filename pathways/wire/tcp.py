@@ -314,8 +314,7 @@ class Listener:
                     held += self._reserve(sum(sizes), held, (len(specs), dtype))
                 except WireError as e:  # the sender waits for an answer: give it this one, then close
                     if answered:
-                        with contextlib.suppress(OSError):
-                            reader.conn.sendall(_answer(str(e), closing=True))
+                        _answer_closing(reader.conn, str(e))
                     raise
                 deadline += sum(sizes) / _MIN_FRAME_RATE
                 try:
@@ -326,9 +325,7 @@ class Listener:
                         pieces.append((index, array))
                 except (OSError, WireError) as e:  # too slow: say so to a sender that reads answers, then close
                     if answered:
-                        with contextlib.suppress(OSError):
-                            reader.conn.sendall(_answer(f"its bytes stopped coming ({type(e).__name__}: {e})",
-                                                        closing=True))
+                        _answer_closing(reader.conn, f"its bytes stopped coming ({type(e).__name__}: {e})")
                     raise
             error = self._receive(header, pieces)
             if answered:
@@ -616,6 +613,13 @@ def _answer(error: Optional[str], closing: bool = False) -> bytes:
     """The answer to a put frame; ``closing``: the listener closes the connection after it."""
     answer = {"t": "answer", "error": None if error is None else error[:_ANSWER_CHARS]}
     return frame(codec.pack({**answer, "closing": True} if closing else answer))
+
+
+def _answer_closing(conn: socket.socket, error: str) -> None:
+    """Tell the sender on ``conn`` why its frame is dropped, before the connection closes
+    (a sender already gone hears nothing)."""
+    with contextlib.suppress(OSError):
+        conn.sendall(_answer(error, closing=True))
 
 
 @dataclass(frozen=True)

@@ -473,14 +473,11 @@ class WorkerCore:
         def peer_put() -> Optional[str]:
             put = self._put_header(header)
             if session_of(put.handle) != 0:
-                if "credential" not in header:
-                    raise WireError(f"a data-plane frame carried array {put.handle:#x} of client session "
-                                    f"{session_of(put.handle)} without the session's credential; workers send "
-                                    "each other only the controller's transfer copies, and clients put arrays "
-                                    "with the Put method")
                 try:
-                    self.sessions.admit(put.handle, CREDENTIAL.check(header["credential"],
-                                                                     "put header field 'credential'"), "put")
+                    self._admit_put(put, header, f"a data-plane frame carried array {put.handle:#x} of client "
+                                    f"session {session_of(put.handle)} without the session's credential; workers "
+                                    "send each other only the controller's transfer copies, and clients put arrays "
+                                    "with the Put method")
                 except AccessDeniedError as e:
                     return str(e)
                 return self._store(put, None, pieces)
@@ -513,13 +510,17 @@ class WorkerCore:
 
         def admitted() -> Optional[str]:
             put = self._put_header(header)
-            if "credential" not in header:
-                raise WireError("put header lacks field 'credential' (the session's, from its welcome)")
-            self.sessions.admit(put.handle, CREDENTIAL.check(header["credential"], "put header field 'credential'"),
-                                "put")
+            self._admit_put(put, header, "put header lacks field 'credential' (the session's, from its welcome)")
             return self._store(put, chunks, None)
 
         return self._guarded(admitted)
+
+    def _admit_put(self, put: _Put, header: dict, missing: str) -> None:
+        """Admit ``put`` to the session whose credential ``header`` carries: AccessDeniedError
+        when refused, WireError ``missing`` when it carries none."""
+        if "credential" not in header:
+            raise WireError(missing)
+        self.sessions.admit(put.handle, CREDENTIAL.check(header["credential"], "put header field 'credential'"), "put")
 
     def _guarded(self, put: Callable[[], Optional[str]]) -> Optional[str]:
         try:
