@@ -81,7 +81,10 @@ def main(argv: list[str], start: Callable[[list[str], dict[str, str]], Any] | No
     (default: a new process; a process template forks it instead, template.py)."""
     reconnect_timeout, command = float(argv[0]), argv[1:]
     start = start or (lambda command, env: subprocess.Popen(command, env=env))
-    exit_with_parent()
+    # The keeper watches its parent in its own wait loop, not on a thread (exit_with_parent):
+    # a template's keeper forks its worker, and a fork must come from a single-threaded process.
+    parent = os.environ.get(PARENT_PID_ENV, "")
+    orphaned = (lambda: os.getppid() != int(parent)) if parent.isdigit() else (lambda: False)
     env = {**os.environ, KEPT_ENV: "1", PARENT_PID_ENV: str(os.getpid()),
            CPP_LOG_LEVEL_ENV: cpp_log_level(os.environ.get(LOG_LEVEL_ENV, ""))}
     env.pop(RECONNECT_UNTIL_ENV, None)
@@ -106,6 +109,8 @@ def main(argv: list[str], start: Callable[[list[str], dict[str, str]], Any] | No
                 code = child.wait(timeout=_POLL_SECONDS)
                 break
             except subprocess.TimeoutExpired:
+                if orphaned():  # as exit_with_parent: the worker follows (its parent is this keeper)
+                    os._exit(1)
                 if stopping:  # the worker was passed the signal; JAX may ignore SIGTERM
                     kill_at = kill_at or time.monotonic() + _STOP_GRACE_SECONDS
                     if time.monotonic() > kill_at:

@@ -169,11 +169,12 @@ def _hand_step(name: str, sharding: Sharding, mesh: Any) -> Callable:
     """``jax.grad(loss)`` with the activations constrained as ``sharding`` says, compiled by
     ``pw.jit`` over ``mesh``."""
     import jax
-    from jax.sharding import AbstractMesh, NamedSharding
+    from jax.sharding import NamedSharding
 
     import pathways as pw
+    from pathways.client.compiled import abstract_mesh
 
-    abstract = AbstractMesh(mesh.shape, mesh.axis_names)
+    abstract = abstract_mesh(mesh.shape, mesh.axis_names)
 
     def place(site: str, value: Any) -> Any:
         spec = sharding.sites.get(site)

@@ -109,15 +109,19 @@ def test_a_template_imports_its_owners_package_whatever_the_working_directory_ho
     assert code == 0 and json.loads(printed)["cwd"] == str(tmp_path)
 
 
+def _exits_with_7() -> int:
+    """A child of this process that exits with status 7 (spawned: a fork of the test process,
+    which runs JAX's threads, is unsafe)."""
+    return os.posix_spawn("/bin/sh", ["/bin/sh", "-c", "exit 7"], os.environ)
+
+
 def test_a_stop_signal_handled_while_the_keeper_reaps_its_worker_does_not_fail(monkeypatch):
     # The keeper's SIGTERM handler polls and signals its worker. Python runs a handler between
     # bytecodes: possibly just after a poll's waitpid reaped the worker, before that poll
     # records the exit status. The handler's own poll then finds no child to wait for.
     from pathways import template
 
-    pid = os.fork()
-    if pid == 0:
-        os._exit(7)
+    pid = _exits_with_7()
     child = template.ForkedChild(pid, ["worker"])
     reap = os.waitpid
     handled = []
@@ -142,9 +146,7 @@ def test_a_stop_signal_handled_just_before_the_keeper_waits_on_its_worker_does_n
     # descriptor's).
     from pathways import template
 
-    pid = os.fork()
-    if pid == 0:
-        os._exit(7)
+    pid = _exits_with_7()
     child = template.ForkedChild(pid, ["worker"])
     os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # it has exited; not reaped yet
     select = template.select.select

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from jax._src import compiler, xla_bridge
 from jax._src.lib import xla_client
-from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pathways as pw
 from pathways import errors
+from pathways.client.compiled import abstract_mesh
 from pathways.hlo import replicated
 from pathways.ir import Layout, Node, ProgramGraph
 from pathways.protocol import messages as m
@@ -112,7 +113,7 @@ def assert_analysis_is_local_jaxs(analysis, f, *args):
 def test_a_sharded_matmul_on_two_devices_of_one_host_in_the_order_given(session):
     reply, addresses, devices = slice_of(session, 2, 1)
     order = (devices[1], devices[0])  # logical device 0 is the host's second device
-    mesh = AbstractMesh((2,), ("x",))
+    mesh = abstract_mesh((2,), ("x",))
     rows, whole = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
     a = np.arange(32, dtype=np.float32).reshape(8, 4)
     b = np.linspace(-1, 1, 12, dtype=np.float32).reshape(4, 3)
@@ -135,7 +136,7 @@ def test_tokens_and_int4_across_both_hosts_of_an_island(session):
     executable stays out of the compile cache these tests share: XLA crashes the hosts
     serializing a multi-host executable that takes a token."""
     reply, addresses, devices = slice_of(session, 2, 0)
-    rows = NamedSharding(AbstractMesh((2,), ("x",)), P("x"))
+    rows = NamedSharding(abstract_mesh((2,), ("x",)), P("x"))
     f = jax.jit(lambda t, a: (t, a * 3, jax.lax.create_token()), in_shardings=(None, rows),
                 out_shardings=(None, rows, None))
     x = (np.arange(8) % 5 - 2).astype(jnp.int4)
@@ -185,7 +186,7 @@ def test_parameters_laid_out_in_another_device_order_than_the_executables(sessio
 
 
 def _psum_artifact():
-    mesh = AbstractMesh((2,), ("x",))
+    mesh = abstract_mesh((2,), ("x",))
     rows = NamedSharding(mesh, P("x"))
 
     def total(x):
@@ -259,7 +260,7 @@ def test_a_parameter_offered_for_donation_that_no_output_can_take_is_not_donated
     # both offered; XLA aliases b with b + 1 and finds no output of a's shape (the proxy
     # client deletes what the executable reports donated: a must stay usable)
     reply, addresses, devices = slice_of(session, 2, 1)
-    rows = NamedSharding(AbstractMesh((2,), ("x",)), P("x"))
+    rows = NamedSharding(abstract_mesh((2,), ("x",)), P("x"))
     avals = [jax.ShapeDtypeStruct((8, 2), np.float32, sharding=rows),
              jax.ShapeDtypeStruct((8,), np.float32, sharding=rows)]
     blob, options = artifact(lambda a, b: (a @ a.T, b + 1), avals, 2, donate=(0, 1))

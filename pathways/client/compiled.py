@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, PartitionSpec
 from jax.sharding import NamedSharding as JaxNamedSharding
 
 from pathways.client.array import Array, _Buffer
@@ -93,7 +93,7 @@ class CompiledFunction:
 
     def _lower(self, treedef: Any, avals: list[Aval], paths: list[str]) -> Specialization:
         mesh = self.mesh
-        abstract = AbstractMesh(mesh.shape, mesh.axis_names)
+        abstract = abstract_mesh(mesh.shape, mesh.axis_names)
         if self._pmap_axis is not None:
             in_specs = [PartitionSpec(self._pmap_axis)] * len(avals)
             for (shape, _), path in zip(avals, paths):
@@ -150,7 +150,7 @@ class CompiledFunction:
                           [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in avals], avals)
         out_leaves, out_tree = jax.tree.flatten(out)
         out_avals = [(tuple(o.shape), np.dtype(o.dtype)) for o in out_leaves]
-        abstract = AbstractMesh(mesh.shape, mesh.axis_names)
+        abstract = abstract_mesh(mesh.shape, mesh.axis_names)
 
         def block(*blocks: Any) -> list:
             result = per_shard(*[b[0] for b in blocks])
@@ -172,6 +172,13 @@ class CompiledFunction:
                           [jax.ShapeDtypeStruct(s, d) for s, d in avals], avals)
         out_leaves, out_tree = jax.tree.flatten(out)
         return flat, out_tree, [(tuple(o.shape), np.dtype(o.dtype)) for o in out_leaves]
+
+
+def abstract_mesh(shape: Sequence[int], axis_names: Sequence[str]) -> AbstractMesh:
+    """The abstract mesh a function is exported for. Its axes are Auto, as a worker's concrete
+    ``jax.sharding.Mesh`` is: jax 0.12 made AbstractMesh's default Explicit, which refuses
+    ``with_sharding_constraint`` on its axes and would not match the worker's mesh."""
+    return AbstractMesh(tuple(shape), tuple(axis_names), axis_types=(AxisType.Auto,) * len(shape))
 
 
 def arg_paths(tree: Any) -> list[str]:

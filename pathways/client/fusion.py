@@ -12,11 +12,10 @@ import itertools
 from typing import Any, Mapping
 
 import jax
-from jax.sharding import AbstractMesh
 from jax.sharding import NamedSharding as JaxNamedSharding
 
 from pathways import fusion
-from pathways.client.compiled import Aval, Specialization
+from pathways.client.compiled import Aval, Specialization, abstract_mesh
 from pathways.errors import ProgramTraceError
 from pathways.ir import ProgramGraph
 from pathways.platforms import export_platforms
@@ -72,7 +71,7 @@ def _define(session: Any, graph: ProgramGraph, group: fusion.Group, specs: Mappi
     # The error a worker reports for this executable carries its name: it lists the original nodes.
     names = describe([specs[node.fn].name for node in members])
     name = f"fused({names}) in program {program[:256]}"
-    abstract = AbstractMesh(first.mesh.shape, first.mesh.axis_names)
+    abstract = abstract_mesh(first.mesh.shape, first.mesh.axis_names)
     in_sh = [JaxNamedSharding(abstract, in_shardings[v].spec) for v in group.ins]
     out_sh = [JaxNamedSharding(abstract, out_shardings[v].spec) for v in group.outs]
     args = [jax.ShapeDtypeStruct(avals[v][0], avals[v][1], sharding=s) for v, s in zip(group.ins, in_sh)]

@@ -424,10 +424,10 @@ def _ring(ring_attention: Callable, op: Any, c: Candidate, mesh: Any, order: tup
 
 
 def _on_slice(s: Any, plan: Plan, wrap: Callable, out_specs: Optional[list]) -> Callable:
-    from pathways.client.compiled import jit
+    from pathways.client.compiled import abstract_mesh, jit
     from pathways.client.devices import VirtualMesh
 
-    abstract = AbstractMesh(plan.mesh.shape, plan.mesh.axes)
+    abstract = abstract_mesh(plan.mesh.shape, plan.mesh.axes)
     body = wrap(plan.jax_fun(abstract))
     in_specs = jax.tree.unflatten(plan.in_tree, plan.in_specs)
     outs = jax.tree.unflatten(plan.out_tree, out_specs) if out_specs is not None else None

@@ -900,9 +900,11 @@ class IfrtSession:
         if program is not None:
             return program
         import jax  # the export needs JAX; only copies do
-        from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+        from jax.sharding import NamedSharding, PartitionSpec
 
-        s = NamedSharding(AbstractMesh(layout.mesh_shape, layout.axis_names), PartitionSpec(*layout.spec))
+        from pathways.client.compiled import abstract_mesh
+
+        s = NamedSharding(abstract_mesh(layout.mesh_shape, layout.axis_names), PartitionSpec(*layout.spec))
         # as every pathways function: positional arguments in, a list of outputs out
         try:
             exported = jax.export.export(jax.jit(lambda x: [x], in_shardings=[s], out_shardings=[s]),

@@ -40,7 +40,6 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import jax
 import numpy as np
-from jax._src.interpreters import pxla  # batched_device_put: where jax.make_array_from_callback ends
 
 from pathways.defaults import CONTROLLER_STOPPED
 from pathways.errors import AccessDeniedError, ConnectError, WireError
@@ -60,6 +59,7 @@ from pathways.wire.security import Security
 from pathways.worker.compile_cache import CompileCache
 from pathways.worker.executables import Executables
 from pathways.worker.executor import Executor
+from pathways.worker.jax_private import pxla  # batched_device_put: where jax.make_array_from_callback ends
 from pathways.worker.measure import Measurer
 from pathways.worker.peers import PeerTickets
 from pathways.worker.sessions import FetchWaits, Sessions

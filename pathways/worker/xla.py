@@ -17,12 +17,6 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 import jax
 import numpy as np
-from jax._src import core, xla_bridge
-from jax._src.interpreters import mlir
-from jax._src.lib import _jax, xla_client
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import hlo
-from jax._src.sharding_impls import GSPMDSharding
 
 from pathways.errors import WireError
 from pathways.hlo import layout_of_op_sharding, replicated, row_major
@@ -30,6 +24,8 @@ from pathways.ir import Device, Layout
 from pathways.protocol.messages import MEMORY_STATS, Analysis
 from pathways.timeline import function_label
 from pathways.worker.compile_cache import CompileCache, digest
+from pathways.worker.jax_private import (GSPMDSharding, _jax, array_result_handler, core, hlo, ir, mlir, xla_bridge,
+                                         xla_client)
 from pathways.worker.shared_arrays import shareable
 from pathways.wire.codec import WIRE_DTYPES, dtype_of_name
 
@@ -76,8 +72,7 @@ class XlaExecutable:
         # fifth of make_array_from_single_device_arrays' cost, which checks what XLA guarantees)
         self._out_handlers = [
             functools.partial(_token, sharding) if j in metadata.token_outs else
-            xla_client.array_result_handler(core.ShapedArray(shape, dtype_of_name(dtype)), sharding, committed=True,
-                                            _skip_checks=True)
+            array_result_handler(core.ShapedArray(shape, dtype_of_name(dtype)), sharding)
             for j, ((dtype, shape), sharding) in enumerate(zip(metadata.out_types, out_shardings))]
         self._equivalent: dict[tuple[int, Any], str] = {}  # (parameter, sharding) -> _AS_IS, _RELABEL or _MOVE
         self.in_avals = in_avals  # (shape, dtype) per parameter

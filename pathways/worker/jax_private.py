@@ -1,0 +1,69 @@
+"""Every private JAX name a worker uses, in one module that adapts to each supported release.
+
+A worker compiles StableHLO an IFRT proxy client sends, runs the loaded executable itself and
+turns its buffers into ``jax.Array``s, and replaces the CPU backend's factory so that gloo
+listens on the worker's own address: JAX has no public API for any of these. The names behind
+them move between releases, so they are imported here only, and where a signature changed the
+function here takes the form each release wants. ``check_version`` names the releases this
+module was checked against; outside them a worker refuses to start, saying which to install,
+instead of failing later inside a compile.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax._src import core, distributed, xla_bridge
+from jax._src.interpreters import mlir, pxla
+from jax._src.lib import _jax, xla_client
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import hlo
+from jax._src.sharding_impls import GSPMDSharding
+
+from pathways.errors import ConnectError
+
+# the jax releases (lowest included, highest excluded) whose private names match this module
+SUPPORTED = ((0, 9), (0, 13))
+
+__all__ = ["GSPMDSharding", "core", "distributed", "hlo", "ir", "mlir", "pxla", "xla_bridge", "xla_client", "_jax",
+           "SUPPORTED", "check_version", "array_result_handler", "gloo_cpu_client"]
+
+
+def _release(version: str) -> tuple[int, ...]:
+    parts = []
+    for part in version.split(".")[:2]:
+        digits = "".join(c for c in part if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def check_version(version: str = jax.__version__) -> None:
+    """Raise ``ConnectError`` naming the supported range when ``version`` is outside it."""
+    low, high = SUPPORTED
+    if not low <= _release(version) < high:
+        raise ConnectError(
+            f"jax {version} is not supported by this pathways worker: it uses JAX internals checked against "
+            f"jax >= {'.'.join(map(str, low))} and < {'.'.join(map(str, high))}; install a jax and jaxlib in "
+            "that range (pip install 'jax<" + ".".join(map(str, high)) + "')")
+
+
+# jaxlib up to 0.10 has ``array_result_handler(aval, sharding, committed, _skip_checks=False)``;
+# 0.12 dropped the keyword. A nanobind function carries its signature in its doc.
+_SKIP_CHECKS = "_skip_checks" in (xla_client.array_result_handler.__doc__ or "")
+
+
+def array_result_handler(aval: Any, sharding: Any) -> Any:
+    """JAX's own maker of a committed global ``jax.Array`` from an executable's per-device
+    buffers of one output, without checks XLA already guarantees where the release offers it."""
+    if _SKIP_CHECKS:
+        return xla_client.array_result_handler(aval, sharding, committed=True, _skip_checks=True)
+    return xla_client.array_result_handler(aval, sharding, True)
+
+
+def gloo_cpu_client(hostname: str) -> Any:
+    """A CPU client whose gloo collectives listen on ``hostname`` and tell peers that address;
+    call it once ``jax.distributed`` is initialized."""
+    collectives = _jax.make_gloo_tcp_collectives(distributed_client=distributed.global_state.client,
+                                                 hostname=hostname)
+    return xla_bridge.make_cpu_client(collectives)
