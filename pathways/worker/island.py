@@ -58,6 +58,13 @@ def configure_jax(devices: Devices, hosts: int, welcome: Optional[WorkerWelcome]
     ``timeout`` seconds for the other hosts."""
     import jax
 
+    from pathways.worker.jax_private import check_version
+
+    check_version()
+    # A worker holds, moves and computes every dtype its clients send, bit for bit: whether
+    # 64-bit types exist is each client's setting (its arrays and programs arrive typed), so
+    # the worker's JAX must never narrow them.
+    jax.config.update("jax_enable_x64", True)
     jax.config.update("jax_platforms", devices.platform)
     if devices.kind == "cpu":
         jax.config.update("jax_num_cpu_devices", devices.count)
@@ -105,13 +112,10 @@ def _gloo_on(host: str) -> None:
     gloo resolves the machine's host name, which on many machines (and in network
     namespaces) names an address peers cannot reach, e.g. 127.0.1.1. jax offers no
     setting for it, so the CPU backend's factory is replaced by one that passes it (jax
-    internals: checked against jax 0.10)."""
-    from jax._src import distributed, xla_bridge
-    from jax._src.lib import _jax
+    internals: jax_private.py)."""
+    from pathways.worker.jax_private import gloo_cpu_client, xla_bridge
 
     def make_cpu_client():  # called once, when JAX first needs its CPU backend
-        collectives = _jax.make_gloo_tcp_collectives(distributed_client=distributed.global_state.client,
-                                                     hostname=strip_brackets(host))
-        return xla_bridge.make_cpu_client(collectives)
+        return gloo_cpu_client(strip_brackets(host))
 
     xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)
