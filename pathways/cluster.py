@@ -153,10 +153,12 @@ class LocalCluster:
     it (PATHWAYS_WORKER_TOKEN).
     ``ifrt_port``: the controller also serves the IFRT proxy protocol on this loopback port
     (0: any free one), at ``.ifrt_address`` (``grpc://127.0.0.1:PORT``); None: it does not.
-    ``restart_workers``: a worker that fails while the cluster runs is started again, after a
-    back-off (RESTART_FIRST_PAUSE, doubled for each restart of a process that ran less than
-    RESTART_STABLE_SECONDS, at most RESTART_MAX_PAUSE), and its island heals; one that exits
-    with code 0 was told to (``pathways retire``, or a controller stopped on purpose) and is not.
+    ``restart_workers`` (default): a worker that fails while the cluster runs (an error code, a
+    signal, a crash) is started again, after a back-off (RESTART_FIRST_PAUSE, doubled for each
+    restart of a process that ran less than RESTART_STABLE_SECONDS, at most RESTART_MAX_PAUSE),
+    and its island heals; one that exits with code 0 was told to (``pathways retire``, or a
+    controller stopped on purpose) and is not. False: a lost worker stays lost (the controller
+    says so: ``--host-recovery none``).
     ``run_timeout``: seconds an island may have runs in flight and finish none before the
     controller resets it (``pathways controller --run-timeout``); None: never.
     ``restart_controller``: so is the controller, on the same address; the workers attach to
@@ -165,7 +167,7 @@ class LocalCluster:
     def __init__(self, islands: Sequence[Island], start_timeout: float = 120.0, policy: str = "fair",
                  window: int = DEFAULT_WINDOW, unsafe_local_order: bool = False,
                  security: Security | None = None, heartbeat_timeout: Optional[float] = None,
-                 ifrt_port: Optional[int] = None, restart_workers: bool = False,
+                 ifrt_port: Optional[int] = None, restart_workers: bool = True,
                  restart_controller: bool = False, suspend_dir: Optional[str] = None,
                  run_timeout: Optional[float] = None) -> None:
         if not islands or any(i.hosts < 1 or i.devices_per_host < 1 for i in islands):
@@ -218,6 +220,19 @@ class LocalCluster:
         child the worker is."""
         return [w["pid"] for w in status(self.address, security=self.security)["workers"]]
 
+    def worker_command(self, island_id: int, worker_token_file: str, token_file: Optional[str] = None) -> list[str]:
+        """The command that adds a host to island ``island_id`` of this running cluster, or
+        replaces one it lost: the worker the cluster would start, attaching with the worker
+        token held in ``worker_token_file`` (and the clients' token in ``token_file`` where
+        the cluster has one; without it the command takes PATHWAYS_TOKEN)."""
+        island = self.islands[island_id]
+        tokens = ["--worker-token-file", worker_token_file] + (["--token-file", token_file] if token_file else [])
+        beats = [] if self.heartbeat_timeout is None else ["--heartbeat-timeout", repr(self.heartbeat_timeout)]
+        return _python_cmd("worker", "--controller", str(self.address), "--platform", "cpu",
+                           "--devices", str(island.devices_per_host), "--launcher", "none",
+                           "--island", str(island_id), "--island-hosts", str(island.hosts),
+                           *sec.child_flags(self.security), *tokens, *beats)
+
     @property
     def num_workers(self) -> int:
         return sum(i.hosts for i in self.islands)
@@ -266,8 +281,10 @@ class LocalCluster:
                     ifrt = ([] if self.ifrt_port is None
                             else ["--ifrt-bind", f"{rpc.LOOPBACK}:{self.ifrt_port}"])
                     stuck = [] if self.run_timeout is None else ["--run-timeout", repr(self.run_timeout)]
+                    recovery = ["--host-recovery", "restart" if self.restart_workers else "none"]
                     controller_cmd = _python_cmd("controller", "--policy", self.policy, "--window", str(self.window),
-                                                 *sec.child_flags(self.security, data_plane=False), *beats, *stuck)
+                                                 *sec.child_flags(self.security, data_plane=False), *beats, *stuck,
+                                                 *recovery)
                     controller = await _start([*controller_cmd, *ifrt], env, None)
                     procs.append(controller)
                     address, ifrt_address = await _read_address(controller.stdout, bool(ifrt))

@@ -16,7 +16,7 @@ import pytest
 import pathways as pw
 from pathways.cluster import status, stop_processes
 from pathways.controller.core import ControllerCore
-from pathways.controller.islands import Health, Islands, Refused
+from pathways.controller.islands import Health, Islands, Recovery, Refused
 from pathways.controller.membership import WorkerConn
 from pathways.defaults import ADDRESS_LINE
 from pathways.errors import PlacementError
@@ -105,6 +105,31 @@ def test_a_lost_island_heals_under_its_id_and_its_ranks_keep_their_worker_ids():
     assert islands.healthy(island.id) and island.lost_by is None
     with pytest.raises(Refused, match="already has all its 3 host"):
         islands.join(23, "rack", 3, None, "h3:2")
+
+
+@pytest.mark.parametrize("recovery, says", [
+    (Recovery.RESTART, ["restarting (attempt 1): 2 of its 2 host(s) to join", "restarting (attempt 1): 1 of its 2",
+                        "restarting (attempt 2): 2 of its 2 host(s) to join"]),
+    (Recovery.ELSEWHERE, ["waiting for 2 host(s) started elsewhere to join (`pathways worker --island rack "
+                          "--island-hosts 2", "waiting for 1 host(s) started elsewhere", "waiting for 2 host(s)"]),
+    (Recovery.NONE, ["lost, not restarted: 2 of its 2 host(s) gone", "lost, not restarted: 1 of its 2",
+                     "lost, not restarted: 2 of its 2"]),
+])
+def test_a_lost_islands_recovery_says_who_brings_its_hosts_back_and_counts_the_attempts(recovery, says):
+    islands = Islands(recovery)
+    island, _, _, _ = islands.join(10, "rack", 2, None, "h0:1")
+    islands.join(11, "rack", 2, None, "h1:1")
+    islands.lose(island.id, "worker 11 was lost")
+    assert islands.recovery(island).startswith(says[0]), islands.recovery(island)
+    islands.join(20, "rack", 2, None, "h0:2")
+    assert islands.recovery(island).startswith(says[1]), islands.recovery(island)
+    islands.lose(island.id, "worker 10 was lost")  # lost again before it healed: the next attempt
+    assert islands.recovery(island).startswith(says[2]), islands.recovery(island)
+    islands.join(21, "rack", 2, None, "h0:3")
+    islands.join(22, "rack", 2, None, "h1:3")
+    islands.healed(island.id)
+    islands.lose(island.id, "worker 10 was lost")  # a new loss after healing counts from 1 again
+    assert islands.recovery(island).startswith(says[0]), islands.recovery(island)
 
 
 def test_a_multi_host_worker_must_bring_a_coordinator_port():

@@ -5,7 +5,7 @@ import pytest
 from pathways.controller import membership as ms
 from pathways.controller.core import ControllerCore, WorkerConn
 from pathways.controller.handles import HandleTable
-from pathways.controller.islands import Islands
+from pathways.controller.islands import Islands, Recovery
 from pathways.controller.placement import ResourceManager
 from pathways.controller.programs import RunFailure, SessionPrograms
 from pathways.controller.lowering import FnLayouts
@@ -285,6 +285,32 @@ def test_an_xla_function_off_its_slice_or_on_a_lost_host_fails_its_compile():
     assert _of(client, m.Compiled)[-1].fn == base + 3 and "was lost" in _of(client, m.Compiled)[-1].error
 
 
+@pytest.mark.parametrize("fmt", ["xla", "export"])
+@pytest.mark.parametrize("recovery", list(Recovery))  # a host may be started by hand where nothing restarts it
+def test_a_function_defined_on_a_healing_island_compiles_once_it_has_healed(fmt, recovery):
+    # what an elastic loop's health check does while a host is being replaced: it compiles
+    core = ControllerCore(recovery=recovery)
+    w0, w1 = _island_of_two(core)
+    client = session(core)
+    core.on_session_batch(1, m.encode_batch([m.SliceRequest(1, "cpu", 4, None, None, False)]))
+    reply, = _of(client, m.SliceReply)
+    core.worker_lost(w1)
+    base = first_handle(1)
+    everywhere = Layout((w0.worker, w1.worker), ((0, 0), (0, 1), (1, 0), (1, 1)), (4,), ("x",), ("x",))
+    body = (m.FunctionBody("f", b"mlir", (), (), "xla", b"", reply.devices) if fmt == "xla"
+            else m.FunctionBody("f", b"x", (everywhere,), (everywhere,)))
+    core.on_session_batch(1, m.encode_batch([m.DefineFunction(base + 1, reply.slice, body)]))
+    assert not _of(client, m.Compiled) and not _of(client, m.Error), "no failure: the island heals"
+    new = [WorkerConn(Box()) for _ in range(2)]
+    for rank, conn in enumerate(new):
+        assert not _of(conn.outbox, m.Compile), "nothing compiles before the island has healed"
+        core.on_worker_batch(conn, m.encode_batch([m.Register(
+            f"grpc://n:{rank}", f"tcp://n:{rank}", "cpu", 2, "isl", 2, rank, f"n:{9 + rank}", 1, "n", 1 << 30)]))
+    assert core.islands.healthy(reply.island)
+    for conn in new:
+        assert [c.fn for c in _of(conn.outbox, m.Compile)] == [base + 1]
+
+
 def test_a_jax_export_function_may_use_some_devices_of_its_slice():
     core = ControllerCore()
     w0, w1 = _island_of_two(core)
@@ -331,7 +357,7 @@ def test_a_put_or_run_on_a_healing_island_says_which_island_lost_what_and_that_c
     [put] = [x for x in _of(client, m.Poisoned) if data in x.handles]
     assert put.kind == "WorkerLostError"
     for says in ("island 'a' (id 0) is healing", "worker 1 on host host1", "connection reset",
-                 "0 of its 2 host(s) have joined it again", "The array is lost", "calling again, works"):
+                 "waiting for 2 host(s) started elsewhere to join", "The array is lost", "calling again, works"):
         assert says in put.message, (says, put.message)
 
     _join(core, "a", 2, 0)  # one host is back; the island is not whole yet
@@ -340,6 +366,6 @@ def test_a_put_or_run_on_a_healing_island_says_which_island_lost_what_and_that_c
                                                                          ("x",), ()))]))
     core.on_session_batch(sid, m.encode_batch([m.Run(program, base, {0: other})]))
     [run] = [x for x in _of(client, m.Poisoned) if base + 1 in x.handles]
-    for says in ("island 'a' (id 0) is healing", "connection reset", "1 of its 2 host(s) have joined it again",
+    for says in ("island 'a' (id 0) is healing", "connection reset", "waiting for 1 host(s) started elsewhere to join",
                  "call it again once"):
         assert says in run.message, (says, run.message)

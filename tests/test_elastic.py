@@ -38,7 +38,7 @@ def _kill(address, island, rank):
 
 @pytest.mark.parametrize("killed", [1, 0])  # rank 0 runs the island's coordination service
 def test_a_killed_host_replaced_by_hand_heals_its_island_for_the_same_client_objects(killed):
-    with pw.local_cluster(islands=[pw.Island(hosts=2)]) as c:
+    with pw.local_cluster(islands=[pw.Island(hosts=2)], restart_workers=False) as c:
         s = pw.make_virtual_device_set().add_slice(cpu_devices=2, island=0)
         total = pw.pmap(lambda x: jax_psum(x) + 1.0, devices=s.devices, axis_name="i")
         np.testing.assert_array_equal(np.asarray(total(np.array([1.0, 2.0], np.float32))), [4.0, 4.0])

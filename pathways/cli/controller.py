@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pathways.cli.common import run_timeout_flag, scheduling_flags
+from pathways.controller.islands import Recovery
 from pathways.defaults import HEARTBEAT_TIMEOUT
 from pathways.wire import security
 
@@ -32,6 +33,10 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help="seconds a worker may send nothing (not even a heartbeat) before it is lost "
                              "and its island marked unhealthy")
     run_timeout_flag(parser)
+    parser.add_argument("--host-recovery", choices=[r.value for r in Recovery], default=Recovery.ELSEWHERE.value,
+                        help="who brings a lost host back, as errors and `pathways status` say it: hosts started "
+                             "elsewhere, by hand or a scheduler (elsewhere, the default); the local cluster that "
+                             "started this controller, which restarts its workers (restart); nothing (none)")
     return parser
 
 
@@ -41,5 +46,5 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     exit_with_parent()
     main(args.policy, args.window, args.bind, security.from_args(args), args.heartbeat_timeout, args.ifrt_bind,
-         args.run_timeout)
+         args.run_timeout, Recovery(args.host_recovery))
     return 0

@@ -20,6 +20,8 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--token-file", metavar="PATH",
                         help="file holding a token the cluster requires of every connection (default: "
                              "$PATHWAYS_TOKEN; none); the script is given it as PATHWAYS_TOKEN")
+    parser.add_argument("--no-restart-workers", dest="restart_workers", action="store_false",
+                        help="leave a worker that dies down (by default it is started again and its island heals)")
     parser.add_argument("script", help="the Python script, run as `python SCRIPT ARGS...`")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     return parser
@@ -35,6 +37,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     # proxy client speaks plain gRPC or ALTS only).
     token = security.read_token_file(args.token_file) if args.token_file else security.env_token()
     try:
-        return run_script(found, args.script, args.args, security.Security(token=token), args.timeout)
+        return run_script(found, args.script, args.args, security.Security(token=token), args.timeout,
+                          restart_workers=args.restart_workers)
     except FileNotFoundError as e:
         parser.error(str(e))

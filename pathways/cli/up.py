@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import signal
 import sys
+import tempfile
 import time
+from typing import TYPE_CHECKING, Optional
 
 from pathways.cli.common import island_flags, islands, run_timeout_flag, scheduling_flags
 from pathways.defaults import HEARTBEAT_TIMEOUT
 from pathways.wire import security
+
+if TYPE_CHECKING:
+    from pathways.cluster import LocalCluster
 
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -21,8 +28,9 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help=f"seconds of silence after which controller and workers give each other up "
                              f"(default {HEARTBEAT_TIMEOUT:g})")
     run_timeout_flag(parser)
-    parser.add_argument("--restart-workers", action="store_true",
-                        help="start a worker that dies again (with a back-off): its island heals")
+    parser.add_argument("--restart-workers", action=argparse.BooleanOptionalAction, default=True,
+                        help="start a worker that dies (killed, crashed, an error) again, with a back-off: its "
+                             "island heals (default); --no-restart-workers leaves it down")
     parser.add_argument("--ifrt-port", type=int, default=None, metavar="PORT",
                         help="also serve unmodified JAX programs over the IFRT proxy protocol on this loopback "
                              "port (0: any free one): JAX_PLATFORMS=proxy JAX_BACKEND_TARGET=grpc://127.0.0.1:PORT")
@@ -42,7 +50,22 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                                restart_controller=True, suspend_dir=args.suspend_dir, run_timeout=args.run_timeout)
     except ValueError as e:
         parser.error(str(e))
-    cluster.start()
+    with tempfile.TemporaryDirectory(prefix="pathways-up-") as private:  # mode 0700: this user's alone
+        worker_token_file = args.worker_token_file or _keep_worker_token(cluster.security.worker_token, private)
+        cluster.start()
+        return _serve(cluster, args, worker_token_file)
+
+
+def _keep_worker_token(token: Optional[str], directory: str) -> str:
+    """Write the worker token the cluster drew into a file only this user can read."""
+    path = os.path.join(directory, "worker-token")
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as f:
+        f.write(f"{token}\n")
+    return path
+
+
+def _serve(cluster: "LocalCluster", args: argparse.Namespace, worker_token_file: str) -> int:
     lines = [f"pathways cluster up at {cluster.address}; export PATHWAYS_ADDRESS={cluster.address}"]
     if cluster.ifrt_address:
         # jaxlib reads its log level only when it loads: the script's environment alone can hide
@@ -50,6 +73,11 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         lines.append(f"IFRT proxy at {cluster.ifrt_address}; run unmodified JAX programs with "
                      f"JAX_PLATFORMS=proxy JAX_BACKEND_TARGET={cluster.ifrt_address} TF_CPP_MIN_LOG_LEVEL=2 "
                      "(the last hides the proxy client's harmless warnings)")
+    token_note = ("" if args.token_file or cluster.security.token is None
+                  else " (with PATHWAYS_TOKEN set to the cluster's)")
+    for island_id in range(len(cluster.islands)):
+        command = shlex.join(cluster.worker_command(island_id, worker_token_file, args.token_file))
+        lines.append(f"add or replace a host of island {island_id}{token_note}: {command}")
     print("\n".join(lines), flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the cluster on SIGTERM too
     try:

@@ -137,7 +137,7 @@ def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[S
                   start_timeout: float = 120.0, policy: str = "fair", window: int = DEFAULT_WINDOW,
                   unsafe_local_order: bool = False, security: Optional[Security] = None,
                   heartbeat_timeout: Optional[float] = None, ifrt: bool = False,
-                  restart_workers: bool = False, suspend_dir: Optional[str] = None,
+                  restart_workers: bool = True, suspend_dir: Optional[str] = None,
                   run_timeout: Optional[float] = None) -> ConnectedCluster:
     """A context manager running a controller and workers on this machine.
 
@@ -163,9 +163,10 @@ def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[S
     at ``.ifrt_address`` (``grpc://127.0.0.1:PORT``), so that unmodified JAX programs run
     on the cluster with ``JAX_PLATFORMS=proxy JAX_BACKEND_TARGET=<.ifrt_address>``.
 
-    ``restart_workers``: a worker process that dies is started again (with a back-off), and
-    its island heals: slices and compiled functions there work again, from the same client
-    objects; arrays that lived there are lost (``WorkerLostError``).
+    ``restart_workers`` (default True): a worker process that dies, however (killed, crashed,
+    an error), is started again (with a back-off), and its island heals: slices and compiled
+    functions there work again, from the same client objects; arrays that lived there are lost
+    (``WorkerLostError``). False: a lost worker stays lost, and errors say so.
 
     ``suspend_dir``: the directory under which ``pw.suspend(path=...)`` may have the workers
     write a session's arrays (``path`` must lie under it); none by default, and a suspend

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Union
 
 from pathways.controller.dispatch import Dispatch, Dispatcher, coalesce
 from pathways.controller.handles import HandleTable
-from pathways.controller.islands import Health, IslandRecord, Islands
+from pathways.controller.islands import Health, IslandRecord, Islands, Recovery
 from pathways.controller.lowering import FnLayouts
 from pathways.controller.membership import MAX_WORKERS, Membership, MessageSink, WorkerConn
 from pathways.controller.placement import ResourceManager, SlicePlacement
@@ -86,8 +86,8 @@ class ControllerCore:
     before ``check_stuck_runs`` resets it (None: never); ``clock`` times it."""
 
     def __init__(self, policy: str = "fair", window: int = DEFAULT_WINDOW, run_timeout: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.islands = Islands()  # the one owner of island health
+                 clock: Callable[[], float] = time.monotonic, recovery: Recovery = Recovery.ELSEWHERE) -> None:
+        self.islands = Islands(recovery)  # the one owner of island health
         self.rm = ResourceManager(self.islands)
         self.scheduler = Scheduler(policy, window)
         self.membership = Membership(self.rm)
@@ -544,8 +544,7 @@ class ControllerCore:
         workers = tuple(w for w in placement.workers if rank_of[w] in ranks) or placement.workers
         s.programs.fns[fn] = FnLayouts(workers, body.ins, body.outs)
         compile_msg = s.programs.compiles[fn] = m.Compile(fn, body, workers)
-        for w in workers:
-            self.workers[w].outbox.put(compile_msg)
+        self._send_compile(placement, compile_msg)
 
     def _xla_fn(self, fn: int, s: SessionState, msg: m.DefineFunction) -> None:
         """Have the hosts of an "xla" function's devices compile it; the host of its first
@@ -563,8 +562,14 @@ class ControllerCore:
         reporter = next(w for w in workers if rank_of[w] == devices[0][0])
         s.programs.compiling[fn] = XlaCompile(body.name, workers, reporter, devices)
         compile_msg = s.programs.compiles[fn] = m.Compile(fn, body, workers)
-        for w in workers:
-            self.workers[w].outbox.put(compile_msg)
+        self._send_compile(placement, compile_msg)
+
+    def _send_compile(self, placement: SlicePlacement, compile_msg: m.Compile) -> None:
+        """Have the hosts compile a function now, or, on an island that is healing, once it
+        has healed (``_healed`` sends every session's compiles to the island's new hosts)."""
+        if self.islands.healthy(placement.island):
+            for w in compile_msg.workers:
+                self.workers[w].outbox.put(compile_msg)
 
     def _placement(self, s: SessionState, msg: m.DefineFunction) -> SlicePlacement:
         placement = self.rm.slices.get(msg.slice)
@@ -573,15 +578,25 @@ class ControllerCore:
         if placement is None or msg.slice not in s.slices:
             raise WireError(f"slice {msg.slice} is not one of this session's slices")
         gone = self.membership.gone(placement.workers)
-        if gone:
+        if gone and not self._heals(placement.island):
             raise WorkerLostError(f"slice {msg.slice} lost its worker(s) {gone}: {self.membership.healing(gone)}. "
                                   "Define the function again once `python -m pathways status` shows the island "
                                   "healthy, or ask for a slice on a healthy island")
         return placement
 
+    def _heals(self, island_id: int) -> bool:
+        """Whether the island lost hosts and may get them back (restarted, or started by
+        hand even where nothing restarts them): a function defined there meanwhile compiles
+        once it has healed, and only its runs fail until then (what an elastic loop's health
+        check needs: its compile waits for the island instead of failing at once)."""
+        island = self.islands.by_id.get(island_id)
+        return island is not None and island.health in (Health.LOST, Health.HEALING)
+
     def _ranks(self, placement: SlicePlacement) -> dict[int, int]:
-        """Each worker of the slice's island rank."""
-        return {w: self.rm.hosts[w].rank for w in placement.workers}
+        """Each worker of the slice's island rank (a lost host's: the rank it held)."""
+        island = self.islands.by_id[placement.island]
+        held = {w: r for r, w in (*island.former.items(), *island.members.items())}
+        return {w: self.rm.hosts[w].rank if w in self.rm.hosts else held[w] for w in placement.workers}
 
     def _compiled(self, conn: WorkerConn, msg: m.Compiled) -> None:
         """An "xla" function compiled (or not): record where it runs, tell its session."""

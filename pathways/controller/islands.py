@@ -30,6 +30,11 @@ operator is retiring it (``retiring``): placement, status and the core read
 ``healed`` change its health, and only ``set_retiring`` its retirement. Only a *healthy*
 island runs anything, and only a healthy one that is not being retired takes slices
 (``takes_slices``).
+
+What brings a lost host back is the deployment's to say (``Recovery``): a local cluster that
+restarts its workers, hosts started elsewhere (by hand, a scheduler), or nothing. The registry
+counts the losses since an island was last healthy, and ``recovery`` says in words what is
+happening to a lost or healing island, for errors and status alike.
 """
 
 from __future__ import annotations
@@ -44,6 +49,14 @@ from pathways.protocol.messages import MAX_ISLAND
 
 class Refused(Exception):
     """A registration the controller refuses; the message says what to fix."""
+
+
+class Recovery(enum.Enum):
+    """Who brings a lost host back (``pathways controller --host-recovery``)."""
+
+    RESTART = "restart"  # the local cluster that started the controller restarts its workers
+    ELSEWHERE = "elsewhere"  # hosts are started by hand or by a scheduler (Slurm, Kubernetes)
+    NONE = "none"  # nothing: a local cluster told not to restart its workers
 
 
 class Health(enum.Enum):
@@ -67,6 +80,7 @@ class IslandRecord:
     lost_by: Optional[str] = None  # which host was lost and how: from a loss until the island heals
     retiring: bool = False  # an operator's `pathways retire` drains it: it takes no new slices
     lost_seq: int = 0  # orders losses, so that the oldest lost islands are forgotten first
+    losses: int = 0  # losses since it was last healthy: the attempt at healing under way
 
     @property
     def assembled(self) -> bool:
@@ -87,7 +101,8 @@ class IslandRecord:
 
 
 class Islands:
-    def __init__(self) -> None:
+    def __init__(self, recovery: Recovery = Recovery.ELSEWHERE) -> None:
+        self.recovery_mode = recovery
         self.by_id: dict[int, IslandRecord] = {}
         self._named: dict[str, int] = {}  # name -> id of the island the name stands for now
         self._losses = itertools.count(1)
@@ -144,6 +159,7 @@ class Islands:
         island = self.by_id.get(island_id)
         if island is not None and island.health is not Health.LOST:
             island.health = Health.LOST
+            island.losses += 1
             island.lost_by = island.lost_by or why
             island.lost_seq = next(self._losses)
             island.former.update(island.members)
@@ -154,7 +170,20 @@ class Islands:
         """Every host of a healing island joined again and the core made its slices follow
         them: the island is healthy."""
         island = self.by_id[island_id]
-        island.health, island.lost_by = Health.HEALTHY, None
+        island.health, island.lost_by, island.losses = Health.HEALTHY, None, 0
+
+    def recovery(self, island: IslandRecord) -> str:
+        """What is happening to a lost or healing island, in words: its hosts restarting
+        (which attempt), waiting for hosts started elsewhere, or lost for good."""
+        missing = island.hosts - len(island.members)
+        if self.recovery_mode is Recovery.RESTART:
+            return f"restarting (attempt {max(1, island.losses)}): {missing} of its {island.hosts} host(s) to join"
+        if self.recovery_mode is Recovery.ELSEWHERE:
+            return (f"waiting for {missing} host(s) started elsewhere to join (`pathways worker --island "
+                    f"{island.name} --island-hosts {island.hosts} ...`)")
+        return (f"lost, not restarted: {missing} of its {island.hosts} host(s) gone and this cluster restarts no "
+                "workers; start a replacement by hand (`pathways up` prints the command) or run the cluster with "
+                "worker restarts on (the default)")
 
     def set_retiring(self, island_id: int, retiring: bool) -> None:
         """The operator began retiring the island (it drains, then is forgotten), or gave

@@ -168,7 +168,7 @@ class Membership:
         each island by name, which host it lost and why, and how many hosts joined again."""
         wanted = set(workers)
         notes = [f"island {island.describe()} is healing ({island.lost_by or 'it lost a host'}; "
-                 f"{len(island.members)} of its {island.hosts} host(s) have joined it again)"
+                 f"{self.islands.recovery(island)})"
                  for island in self.islands.by_id.values()
                  if not island.healthy and wanted & {*island.former.values(), *island.members.values()}]
         return "; ".join(notes) or "their island was lost"

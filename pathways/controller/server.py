@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 import grpc
 
 from pathways.controller.core import ControllerCore, WorkerConn
+from pathways.controller.islands import Recovery
 from pathways.controller.scheduler import DEFAULT_WINDOW
 from pathways.defaults import ADDRESS_LINE, CONTROLLER_STOPPED, HEARTBEAT_TIMEOUT, IFRT_LINE
 from pathways.errors import ConnectError, DeadlineExceededError, PathwaysError, WireError
@@ -128,13 +129,14 @@ _STUCK_CHECKS = 10  # how often, per run timeout, the controller looks for stuck
 class ControllerServer:
     """``run_timeout``: seconds an island may have runs in flight and finish none before it
     is reset (ControllerCore.check_stuck_runs, asked every ``_STUCK_CHECKS``-th of it);
-    None: never."""
+    None: never. ``recovery``: who brings a lost host back (islands.Recovery)."""
 
     def __init__(self, policy: str, window: int, security: Security | None = None,
-                 heartbeat_timeout: float = HEARTBEAT_TIMEOUT, run_timeout: float | None = None) -> None:
+                 heartbeat_timeout: float = HEARTBEAT_TIMEOUT, run_timeout: float | None = None,
+                 recovery: Recovery = Recovery.ELSEWHERE) -> None:
         self.security = security or Security()
         self._attach_security = self.security.for_attach()  # what workers' streams must greet with
-        self.core = ControllerCore(policy, window, run_timeout)
+        self.core = ControllerCore(policy, window, run_timeout, recovery=recovery)
         self._stuck_checks: Optional[asyncio.Task] = None
         self._refused_attaches = sec.Refusals()  # worker connections refused at (or for want of) their greeting
         self.heartbeat_timeout = check_timeout(heartbeat_timeout)
@@ -421,11 +423,12 @@ def _header(payload: bytes) -> object:
 
 def main(policy: str = "fair", window: int = DEFAULT_WINDOW, bind: str = f"{rpc.LOOPBACK}:0",
          security: Security | None = None, heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
-         ifrt_bind: str | None = None, run_timeout: float | None = None) -> None:
+         ifrt_bind: str | None = None, run_timeout: float | None = None,
+         recovery: Recovery = Recovery.ELSEWHERE) -> None:
     """Serve on ``bind`` (``HOST:PORT``) until SIGINT or SIGTERM; a bind that fails exits
     with a message that says why. ``ifrt_bind`` (``HOST:PORT``): also serve the IFRT proxy
     protocol there (pathways.ifrt.server), in this process, stopped with it.
-    ``run_timeout``: see ControllerServer."""
+    ``run_timeout`` and ``recovery``: see ControllerServer."""
     try:
         host, port = split_host_port(bind)
     except ValueError as e:
@@ -449,12 +452,13 @@ def main(policy: str = "fair", window: int = DEFAULT_WINDOW, bind: str = f"{rpc.
         if security is not None and security.serves_tls and not security.uses_tls:
             raise SystemExit("error: --ifrt-bind with --tls-cert needs --tls-ca too: the IFRT proxy server's "
                              "sessions connect to this controller and its workers over TLS and verify them with it")
-    asyncio.run(_serve(policy, window, host, port, security, heartbeat_timeout, ifrt_bind, run_timeout))
+    asyncio.run(_serve(policy, window, host, port, security, heartbeat_timeout, ifrt_bind, run_timeout, recovery))
 
 
 async def _serve(policy: str, window: int, host: str, port: int, security: Security | None,
-                 heartbeat_timeout: float, ifrt_bind: str | None, run_timeout: float | None) -> None:
-    controller = ControllerServer(policy, window, security, heartbeat_timeout, run_timeout)
+                 heartbeat_timeout: float, ifrt_bind: str | None, run_timeout: float | None,
+                 recovery: Recovery) -> None:
+    controller = ControllerServer(policy, window, security, heartbeat_timeout, run_timeout, recovery)
     advertise = reachable_host(host)
     try:
         await controller.listen(host, advertise)  # before the gRPC server: AttachAddress must know it

@@ -25,6 +25,9 @@ def status(core: Any) -> dict[str, Any]:
                      "lost": isl.lost_by, "healing": isl.health is Health.HEALING,
                      "assembling": isl.assembling, "hosts": len(isl.members), "expected_hosts": isl.hosts,
                      "retiring": isl.retiring,
+                     # what brings it back, in words (islands.Islands.recovery); None while healthy
+                     "recovery": core.islands.recovery(isl) if isl.health in (Health.LOST, Health.HEALING)
+                     else None,
                      "devices": sum(w.info.devices for w in workers.values() if w.island == i),
                      "queued": scheduler.queued(i), "inflight": scheduler.inflight(i)}
                     for i, isl in sorted(islands.items())],
