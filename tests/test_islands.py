@@ -221,8 +221,9 @@ SLOW = 300  # matmul steps of a run on the island that loses a host: a few secon
 
 
 def test_a_killed_worker_fails_its_islands_futures_quickly_and_the_rest_keeps_serving():
+    # no restarts: the island stays healing, with its survivor alone, for the status checked below
     with pw.local_cluster(islands=[pw.Island(hosts=2, devices_per_host=1),
-                                   pw.Island(hosts=1, devices_per_host=1)]) as c:
+                                   pw.Island(hosts=1, devices_per_host=1)], restart_workers=False) as c:
         vds = pw.make_virtual_device_set()
         doomed = vds.add_slice(cpu_devices=2, island=0)
         safe = vds.add_slice(cpu_devices=1, island=1)

@@ -37,7 +37,8 @@ def test_a_stopped_one_host_island_is_retired_with_the_token_and_the_other_keeps
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     security = Security(token=TOKEN)
-    with pw.local_cluster(islands=[pw.Island(1, 1), pw.Island(1, 1)], security=security) as c:
+    with pw.local_cluster(islands=[pw.Island(1, 1), pw.Island(1, 1)], security=security,
+                          restart_workers=False) as c:  # a stopped host that stays stopped
         keeper = c.pids[2]  # island 1's host: its keeper, whose child is the worker
         worker = child_of(keeper)
         address = next(w["address"] for w in cluster.status(c.address, security=security)["workers"]

@@ -542,7 +542,8 @@ def _aval(x: Any, i: int) -> tuple[tuple[int, ...], np.dtype]:
     from pathways.client.compiled import host_array
 
     if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return tuple(x.shape), np.dtype(x.dtype)
+        # as jit types it: a float64 array is float32 unless the caller enabled 64-bit types
+        return tuple(x.shape), np.dtype(jax.dtypes.canonicalize_dtype(x.dtype))
     try:
         a = host_array(x)
     except TypeError as e:
