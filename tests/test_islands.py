@@ -271,6 +271,7 @@ def test_a_killed_worker_fails_its_islands_futures_quickly_and_the_rest_keeps_se
                              capture_output=True, text=True, timeout=60)
         assert "island 0: HEALING (1 of 2 hosts joined again" in cli.stdout, cli.stdout
         assert "was lost" in cli.stdout and "island 1: healthy" in cli.stdout, cli.stdout
+        assert "lost, not restarted: 1 of its 2 host(s) gone" in cli.stdout, cli.stdout
 
         fresh = pw.make_virtual_device_set().add_slice(cpu_devices=1)
         assert fresh.island == 1, "new slices go to healthy islands"

@@ -49,13 +49,14 @@ def _print(address: str, st: dict) -> None:
           f"window {st['window']} run(s) per island")
     for i in st["islands"]:
         name = i["name"] if i["name"] == str(i["island"]) else f"{i['name']} (id {i['island']})"
+        recovery = f"; {i['recovery']}" if i.get("recovery") else ""  # who brings the lost host back
         if i.get("healing"):
             state = (f"HEALING ({i['hosts']} of {i['expected_hosts']} hosts joined again; "
-                     f"{i.get('lost') or 'a host was lost'})")
+                     f"{i.get('lost') or 'a host was lost'}{recovery})")
         elif i["assembling"]:
             state = f"assembling ({i['hosts']} of {i['expected_hosts']} hosts joined; it takes slices once all have)"
         elif not i["healthy"]:
-            state = f"UNHEALTHY ({i.get('lost') or 'a host was lost'})"
+            state = f"UNHEALTHY ({i.get('lost') or 'a host was lost'}{recovery})"
         elif i.get("retiring"):
             state = "RETIRING (an operator retires it: it takes no new slices, its runs drain, then its hosts exit)"
         else:
