@@ -101,6 +101,18 @@ def test_the_session_limit_counts_announced_and_unannounced_bytes():
     assert buffers.delete(8) and buffers.delete(10) and buffers.used == 0
 
 
+def test_an_array_its_buffers_hold_in_part_is_admitted_by_its_full_size_beside_the_bytes_stored():
+    buffers = HostBuffers(limit=100)
+    buffers.open(12, 40)
+    buffers.admit(60, "a float32[15] array")
+    with pytest.raises(IfrtError) as e:
+        buffers.admit(61, "a float32[61] array made from a strided host buffer")
+    assert e.value.code == RESOURCE_EXHAUSTED
+    assert "float32[61] array made from a strided host buffer is 61 bytes" in e.value.message
+    assert "bound of 100 bytes" in e.value.message and "40 in use" in e.value.message
+    assert buffers.used == 40, "admitting holds nothing"
+
+
 def test_closing_wakes_every_reader_with_the_reason():
     buffers = HostBuffers()
     buffers.open(11, 8)

@@ -427,6 +427,18 @@ class Session:
         with self._starting_put():
             self._start_put(addresses, handle, layout, array, self.moves if moves is None else moves)
 
+    def put_pieces(self, addresses: tuple[str, ...], handle: int, layout: Layout, dtype: np.dtype,
+                   shape: tuple[int, ...], pieces: dict[int, list[codec.Piece]], moves: int) -> None:
+        """``put`` of an array of ``dtype`` and ``shape`` given as the blocks each worker of
+        ``layout`` holds (``pieces[worker]``: that worker's ``host_regions``, each with its
+        value, which may be a strided view: its bytes are laid out chunk by chunk as they
+        are sent), for a caller that has the blocks and not the whole array. Not for
+        unreduced layouts. No waiting."""
+        if layout.unreduced:
+            raise ValueError("put_pieces sends the blocks of an array that is not unreduced; use put")
+        with self._starting_put():
+            self._send_pieces(addresses, handle, layout, {}, dtype, shape, pieces, moves)
+
     def put_chunks(self, address: str, handle: int, layout: Layout, dtype: np.dtype, shape: tuple[int, ...],
                    chunks: Iterable[bytes | memoryview], moves: int) -> None:
         """``put`` of an array that the one worker of ``layout`` (at ``address``) holds
@@ -523,8 +535,6 @@ class Session:
 
     def _start_put(self, addresses: tuple[str, ...], handle: int, layout: Layout, array: np.ndarray,
                    moves: int) -> None:
-        if self.traced:
-            began = now()
         sent, unstack = layout, {}
         if layout.unreduced:  # the stack of partial values goes as an array of its own, unstacked there
             sent, unstack = stacked(layout), {"unstack": layout.to_wire()}
@@ -533,12 +543,24 @@ class Session:
                                  f"leading dimension; got an array of shape {array.shape}")
         whole = [(codec.full_index(array.shape), array)]
         parts = host_regions(array.shape, sent) if evenly_divided(array.shape, sent) else None
+        # each host gets the blocks of its own devices, not the whole array
+        pieces = {worker: whole if parts is None else [(r, array[tuple(slice(a, b) for a, b in r)])
+                                                       for r in parts[worker]] for worker in layout.workers}
+        self._send_pieces(addresses, handle, layout, unstack, array.dtype, array.shape, pieces, moves)
+
+    def _send_pieces(self, addresses: tuple[str, ...], handle: int, layout: Layout, unstack: dict,
+                     dtype: np.dtype, shape: tuple[int, ...], pieces_of: dict[int, list[codec.Piece]],
+                     moves: int) -> None:
+        """Send each worker of ``layout`` its ``pieces_of`` an array of ``dtype`` and
+        ``shape`` (for an unreduced layout, ``unstack`` names it: the pieces are of the stack
+        of its partial values), then tell the controller."""
+        if self.traced:
+            began = now()
+        sent = stacked(layout) if layout.unreduced else layout
         for worker, address in zip(layout.workers, addresses):
-            # each host gets the blocks of its own devices, not the whole array
-            pieces = whole if parts is None else [(r, array[tuple(slice(a, b) for a, b in r)]) for r in parts[worker]]
+            pieces = pieces_of[worker]
             stubs = self._stubs(address)
-            header = _put_header(stubs, handle, sent, {**unstack, **codec.pieces_header(array.dtype, array.shape,
-                                                                                         pieces)})
+            header = _put_header(stubs, handle, sent, {**unstack, **codec.pieces_header(dtype, shape, pieces)})
             connection = self._data_connection(address)
             if connection is not None:
                 self._stream_put(connection, address, handle, header, codec.pieces_chunks(pieces))
@@ -551,7 +573,7 @@ class Session:
             self._watch_put(future, lambda f, address=address: self._put_done(f, address, handle))
         self.send(m.PutNotice(handle, layout, moves))
         if self.traced:
-            self.recorder.span("put", began, 0, f"array {handle:#x}, {array.nbytes} bytes")
+            self.recorder.span("put", began, 0, f"array {handle:#x}, {math.prod(shape) * dtype.itemsize} bytes")
 
     def _watch_put(self, future: grpc.Future | Future, done: Callable[[Any], None]) -> None:
         """Count ``future`` among the puts in flight (suspending waits for them) until it

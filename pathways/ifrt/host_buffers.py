@@ -9,7 +9,9 @@ a lookup to the client, each chunk as it comes), or wait for all of them as one
 contiguous array (``get``).
 
 Bounded: at most ``limit`` bytes per session at once (a store or read beyond it is
-refused with RESOURCE_EXHAUSTED, naming the limit). Every wait is bounded: for a
+refused with RESOURCE_EXHAUSTED, naming the limit); an array that its buffers hold only in
+part (strided: a buffer of 4 bytes with byte strides 0 may stand for gigabytes) counts at
+its full size (``admit``). Every wait is bounded: for a
 buffer not opened yet (the client's ``HostBufferStore`` call and the request that uses
 it travel on different streams) and for its next chunk.
 """
@@ -115,6 +117,20 @@ class HostBuffers:
         buffer = self.open(handle, value.nbytes)
         self.add(buffer, memoryview(np.ascontiguousarray(value).reshape(-1).view(np.uint8)))
         self.finish(buffer)
+
+    def admit(self, size: int, what: str) -> None:
+        """Refuse (RESOURCE_EXHAUSTED, naming ``size`` and the limit) to make ``what``, an
+        array of ``size`` bytes that the session's own host buffers hold only in part (a
+        strided buffer laid out in C order as it is sent, shards assembled here), where a
+        contiguous host buffer of it would not fit beside the bytes stored now: a request
+        of a few bytes is bounded by the bytes it stands for."""
+        with self._cond:
+            self._check_open()
+            if self._reserved + size > self.limit:
+                raise IfrtError(RESOURCE_EXHAUSTED, (
+                    f"{what} is {size} bytes, more than this session's bound of {self.limit} bytes of host "
+                    f"buffers ({self._reserved} in use) allows; send a smaller array, or split it into arrays "
+                    "put one after another"))
 
     def _take(self, buffer: HostBuffer, size: int) -> None:
         if self._reserved + size > self.limit:

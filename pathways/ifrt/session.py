@@ -42,7 +42,7 @@ from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as
 from pathways.ifrt.proto.xla.python.ifrt_proxy.common import types_pb2
 from pathways.ifrt.proto.xla.python.pjrt_ifrt import xla_compiler_pb2
 from pathways.ifrt.types import IfrtError, Sharding
-from pathways.ir import Layout, Node, ProgramGraph, device_regions, evenly_divided, partials, stacked
+from pathways.ir import Layout, Node, ProgramGraph, device_regions, evenly_divided, host_regions, partials, stacked
 from pathways.platforms import export_platforms
 from pathways.protocol import messages as m
 from pathways.protocol.handles import HeldReleases
@@ -574,6 +574,12 @@ class IfrtSession:
         strides = t.byte_strides_of(body, "byte_strides")
         arr = self._streamed_put(body.host_buffer_handle, dtype, shape, strides, sharding)
         if arr is None:
+            if not t.c_contiguous(dtype, shape, strides):
+                # the put lays the view out in C order a chunk at a time as it sends it
+                # (codec.array_chunks), never whole here: still, a few bytes of buffer may
+                # stand for gigabytes, so the array counts at its full size
+                self.buffers.admit(math.prod(shape) * dtype.itemsize,
+                                   f"a {dtype.name}{list(shape)} array made from a strided host buffer")
             arr = self._put(self._host_array(body.host_buffer_handle, dtype, shape, strides), sharding)
         handles = self._insert([body.array_handle] if body.HasField("array_handle") else [], [arr])
         return pb.MakeArrayFromHostBufferResponse(array_handle=handles[0])
@@ -588,9 +594,7 @@ class IfrtSession:
                 raise t.invalid(f"{len(spec.addressable_shard_indices)} shard index lists for "
                                 f"{len(spec.host_buffers)} host buffers")
             regions = t.shard_regions(sharding, shape)
-            value: Optional[np.ndarray] = None
-            owned = False  # whether value is a buffer of ours the shards are copied into
-            covered = 0
+            blocks: dict[t.Region, np.ndarray] = {}  # each block of the array a host buffer holds
             partial = t.is_unreduced(sharding.op)
             own: dict[int, np.ndarray] = {}  # an unreduced array's: each device's partial value
             for indices, hb in zip(spec.addressable_shard_indices, spec.host_buffers):
@@ -607,19 +611,14 @@ class IfrtSession:
                                         f"{[b - a for a, b in region]}")
                     if partial:
                         own[i] = shard
-                    elif region == tuple((0, d) for d in shape):
-                        value = shard  # a replica of the whole array: no copy
                     else:
-                        if not owned:
-                            value, owned = np.empty(shape, dtype), True
-                        value[tuple(slice(a, b) for a, b in region)] = shard
-                    covered += 1
+                        blocks[region] = shard
             if partial:
                 arrays.append(self._put_partials(dtype, shape, sharding, own))
                 continue
-            if value is None or covered == 0:
+            if not blocks:
                 raise t.invalid("an array needs at least one host buffer shard")
-            arrays.append(self._put(value, sharding))
+            arrays.append(self._put_blocks(dtype, shape, sharding, blocks))
         handles = self._insert(list(body.array_handles), arrays)
         return pb.MakeArraysFromHostBufferShardsResponse(array_handles=handles)
 
@@ -629,6 +628,56 @@ class IfrtSession:
         arrays = [_Array(t.dtype_of(s.dtype), t.shape_of(s.shape.dims),
                          t.parse_sharding(s.sharding, len(self._table)), error=error) for s in body.array_specs]
         return pb.MakeErrorArraysResponse(array_handles=self._insert(list(body.array_handles), arrays))
+
+    def _put_blocks(self, dtype: np.dtype, shape: tuple[int, ...], sharding: Sharding,
+                    blocks: dict[t.Region, np.ndarray]) -> _Array:
+        """The array of ``dtype`` and ``shape`` whose blocks the client's host buffers hold
+        (``blocks``: region -> its value, maybe a strided view), put without a copy of it
+        here where each block a worker holds lies within one of them (one host buffer per
+        shard: the usual case) or one of them is the whole array; else assembled first."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        whole = blocks.get(tuple((0, d) for d in shape))
+        pieces = None if whole is not None else self._worker_pieces(shape, sharding, blocks)
+        strided = any(not b.flags.c_contiguous for b in blocks.values())
+        if strided or (whole is None and pieces is None):
+            # a strided block is laid out as it is sent, an assembly is a copy here: either
+            # way the bytes the request stands for are the whole array's, not its buffers'
+            self.buffers.admit(nbytes, f"a {dtype.name}{list(shape)} array made from "
+                                       f"{'strided host buffers' if strided else 'shards assembled here'}")
+        if whole is not None:
+            return self._put(whole, sharding)
+        if pieces is not None:
+            place, layout, of_worker = pieces
+            handle = self.native.allocate(1)
+            moves = self.native.moves  # before the addresses: a move in between makes the controller drop the put
+            self.native.put_pieces(place.addresses, handle, layout, dtype, shape, of_worker, moves)
+            return _Array(dtype, shape, sharding, handle, layout, place)
+        value = np.empty(shape, dtype)
+        for region, block in blocks.items():
+            value[tuple(slice(a, b) for a, b in region)] = block
+        return self._put(value, sharding)
+
+    def _worker_pieces(self, shape: tuple[int, ...], sharding: Sharding, blocks: dict[t.Region, np.ndarray]
+                       ) -> Optional[tuple[SliceDevices, Layout, dict[int, list[codec.Piece]]]]:
+        """Where and how an array laid out by ``sharding`` goes, and each worker's blocks of
+        it cut from ``blocks`` (views, no copy); None where a worker's block lies within no
+        one of them, or the array is not laid out in even blocks on one island."""
+        if len(self._table.islands(sharding.devices)) > 1:
+            return None
+        place, layout = self._table.layout(sharding, len(shape))
+        if layout.unreduced or not evenly_divided(shape, layout):
+            return None
+        of_worker: dict[int, list[codec.Piece]] = {}
+        for worker, regions in host_regions(shape, layout).items():
+            mine = of_worker[worker] = []
+            for region in regions:
+                home = region if region in blocks else next(
+                    (r for r in blocks if all(a0 <= a and b <= b0 for (a, b), (a0, b0) in zip(region, r))), None)
+                if home is None:
+                    return None
+                mine.append((region, blocks[home][tuple(slice(a - a0, b - a0)
+                                                        for (a, b), (a0, _) in zip(region, home))]))
+        return place, layout, of_worker
 
     def _streamed_put(self, handle: int, dtype: np.dtype, shape: tuple[int, ...], strides: Optional[list[int]],
                       sharding: Sharding) -> Optional[_Array]:

@@ -286,10 +286,33 @@ _DTYPES: dict[str, np.dtype] = {}
 
 
 def array_chunks(arr: np.ndarray) -> Iterator[bytes]:
-    """The raw bytes of ``arr`` in chunks of at most CHUNK_BYTES, zero-copy."""
-    flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
-    for start in range(0, flat.size, CHUNK_BYTES):
-        yield flat[start:start + CHUNK_BYTES].tobytes()
+    """The raw bytes of ``arr`` in C order, in chunks of at most CHUNK_BYTES (of at least
+    one element). A strided view (a transpose, a broadcast with stride 0) is laid out in C
+    order one chunk at a time, never whole: a view of a few bytes may stand for gigabytes."""
+    if arr.flags.c_contiguous:
+        flat = arr.reshape(-1).view(np.uint8)
+        for start in range(0, flat.size, CHUNK_BYTES):
+            yield flat[start:start + CHUNK_BYTES].tobytes()
+        return
+    yield from _strided_chunks(arr)
+
+
+def _strided_chunks(arr: np.ndarray) -> Iterator[bytes]:
+    """``array_chunks`` of an array that is not C-contiguous: as many whole rows (blocks
+    of the first dimension) as fit in a chunk, each gathered by ``tobytes`` (one copy of
+    the chunk's bytes); a row larger than a chunk is cut the same way, one dimension down."""
+    if arr.ndim == 0 or arr.size == 0:
+        if arr.size:
+            yield arr.tobytes()
+        return
+    row = arr.nbytes // arr.shape[0]
+    if row > CHUNK_BYTES:
+        for i in range(arr.shape[0]):
+            yield from _strided_chunks(arr[i])
+        return
+    rows = CHUNK_BYTES // row
+    for start in range(0, arr.shape[0], rows):
+        yield arr[start:start + rows].tobytes()
 
 
 def assemble_array(header: Any, chunks: Iterable[bytes]) -> np.ndarray:
