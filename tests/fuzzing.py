@@ -21,7 +21,7 @@ from pathways.protocol.ops import Op
 
 LAYOUT = [[0], [0, 0], [1], ["x"], [None]]
 GRAPH = {"nvalues": 2, "inputs": [0], "nodes": [[1, [0], [1]]], "outputs": [1], "types": [["float32", [2]]] * 2}
-OPS = [[int(Op.IN), 0, True], [int(Op.EXEC), 1, [0], [1]], [int(Op.OUT), 1], [int(Op.DROP), [0, 1]],
+OPS = [[int(Op.IN), 0, []], [int(Op.EXEC), 1, [0], [1]], [int(Op.OUT), 1], [int(Op.DROP), [0, 1]],
        [int(Op.SEND), 1, 2, LAYOUT, [[1, 1, [[0, 2]]]]], [int(Op.RESHARD), 1, 2, LAYOUT], [int(Op.AWAIT), 0],
        [int(Op.STEP), 0, [1]]]
 
@@ -99,7 +99,7 @@ def valid(cls: type[m.Message], rng: random.Random) -> list:
         session = rng.randrange(1, 100)
         handle, copy = first_handle(session) + rng.randrange(1, 1000), first_handle(0) + rng.randrange(1, 1000)
         if cls is m.Adopt:
-            return ["adopt", session, [[copy, handle]]]
+            return ["adopt", session, [[copy, handle, [1]]]]
         return ["restore", session, [[handle, copy, LAYOUT, [[1, 1, [[0, 2]]]]]]]
     if cls is m.Compiled:  # a failure: only the error, and its kind where the controller cut the compile
         return m.Compiled(rng.randrange(1, 1 << 40), "compile failed", kind=rng.choice(["", "WorkerLostError"])).encode()

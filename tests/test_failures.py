@@ -13,22 +13,25 @@ import sys
 import textwrap
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec
 
 import pathways as pw
 from pathways import cluster as clusters
 from pathways.client.devices import VirtualDeviceSet
 from pathways.client.session import Session
 from pathways.cluster import status
+from pathways.defaults import HEARTBEAT_TIMEOUT
 from pathways.errors import WireError
 from pathways.protocol import messages as m
 from pathways.protocol.handles import MAX_SESSION, first_handle
-from pathways.wire import codec, rpc
+from pathways.wire import codec, rpc, tcp
 from pathways.wire.security import HELLO_SECONDS
 from pathways.wire.tcp import MAX_UNGREETED
 from tests.conftest import check_a_transfer_between_the_hosts, pids_alive, read_line, session_handles, wait_until
@@ -729,6 +732,86 @@ def test_stray_copies_from_a_stranger_are_dropped_and_the_worker_keeps_its_memor
     assert now["handles"] <= stats["handles"], "no stray copy is kept"
     assert now["refused_peers"] >= stats["refused_peers"] + copies // 2, "every forged greeting is counted"
     check_a_transfer_between_the_hosts(into=target["worker"])
+
+
+def test_copies_forged_by_an_admitted_worker_are_refused_and_every_run_reads_its_senders_values(cluster, session):
+    """A process holding a real worker's ticket (it attached with the cluster's worker token,
+    the one host of an island of its own, and holds none of the victim's data) pushes at a
+    worker a forged copy, values of the right shape and layout or a poison, for each of the
+    next 400 transfer copy numbers the controller gives and for 10 it gave already, each on
+    a connection of its own, before a client runs 24 runs of a program that moves an array
+    between the two hosts 16 times a run. A copy is taken only from the worker the run's
+    receive op names: every run gives the right values, every forged copy is refused before
+    its bytes are read and counted (those no run of the worker expects once the peer
+    timeout has passed), and once the runs' results are deleted the worker holds no more
+    arrays than before. A later transfer into it works."""
+    hops, runs = 8, 24
+    a, b = new_slice(4), new_slice(4)
+    assert a.workers != b.workers, "the two slices should take one host each"
+    fa, fb = pw.jit(lambda v: v + 1, mesh=a.mesh("d")), pw.jit(lambda v: v * 2, mesh=b.mesh("d"))
+
+    @pw.program
+    def hop(x):
+        for _ in range(hops):
+            x = fb(fa(x))
+        return x
+
+    x = pw.device_put(np.arange(4.0, dtype=np.float32), a.devices)
+    want = np.arange(4.0, dtype=np.float32)
+    for _ in range(hops):
+        want = (want + 1) * 2
+    np.testing.assert_array_equal(np.asarray(hop(x)), want)  # compiled, and its copies numbered before the forger came
+    target = next(w for w in status(cluster.address)["workers"] if w["worker"] == b.workers[0])
+    stats = clusters.worker_stats(target["address"])
+    forger = RawWorker(cluster.address, security=cluster.security)
+    try:
+        forger.send_messages(m.Register("grpc://127.0.0.1:1", "tcp://127.0.0.1:1", "cpu", 1, "forger", 1, None, "", 1,
+                                        "forger", 1 << 30))
+        told = forger.until(lambda msg: type(msg) is m.Peers)
+        welcome = next(msg for msg in told if type(msg) is m.WorkerWelcome)
+        ticket = (welcome.worker, next(t for w, _, t in told[-1].peers if w == target["worker"]))
+        forger.keep_alive()
+        threading.Thread(target=forger.drain, daemon=True).start()
+        layout = b.layout((4,), ("d",), PartitionSpec()).to_wire()
+        forged = [_forged_copy(h, layout, poison=h % 4 == 0)
+                  for h in range(welcome.copies - 10, welcome.copies + runs * 2 * hops + 16)]
+
+        def push(frame):
+            with tcp.connect(target["data_address"], 10.0, cluster.security, ticket=ticket) as sock:
+                sock.sendall(frame)
+
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(push, forged))
+        results = [hop(x) for _ in range(runs)]
+        wrong = 0
+        for result in results:
+            try:
+                wrong += not np.array_equal(np.asarray(result), want)
+            except pw.PathwaysError:
+                wrong += 1
+        assert wrong == 0, f"{wrong} of {runs} runs read a forged copy"
+        refused = lambda: clusters.worker_stats(target["address"])["refused_copies"] - stats["refused_copies"]
+        wait_until(lambda: refused() >= len(forged), timeout=HEARTBEAT_TIMEOUT + 30,
+                   what="every forged copy to be refused")
+        assert refused() == len(forged)
+        for result in results:
+            result.delete()
+        wait_until(lambda: clusters.worker_stats(target["address"])["handles"] <= stats["handles"],
+                   what="the worker to hold no more arrays than before: no forged copy is kept")
+    finally:
+        forger.close()
+    check_a_transfer_between_the_hosts(into=target["worker"])
+
+
+def _forged_copy(handle, layout, poison=False):
+    """The frame of a transfer copy ``handle`` of four float32 laid out as ``layout`` (a
+    poison instead, if ``poison``), of no run's making."""
+    header = {"t": "put", "handle": handle, "layout": layout, "of": 1}
+    if poison:
+        return _frame({**header, "poison": "forged", "kind": "RemoteError"})
+    values = np.full(4, 666.0, np.float32)
+    return _frame({**header, **codec.pieces_header(values.dtype, values.shape,
+                                                   [(codec.full_index(values.shape), values)])}) + values.tobytes()
 
 
 def _frame(header):

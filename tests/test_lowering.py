@@ -31,7 +31,7 @@ def test_a_chain_on_one_worker_is_loads_execs_and_one_output():
     assert low.ncopies == 0 and list(low.ops) == [0]
     kinds = [op[0] for op in low.ops[0]]
     assert kinds == [Op.IN, Op.EXEC, Op.DROP, Op.EXEC, Op.DROP, Op.EXEC, Op.DROP, Op.OUT, Op.DROP]
-    assert low.ops[0][0] == [Op.IN, 0, True]
+    assert low.ops[0][0] == [Op.IN, 0, []]  # an input: kept in the store, from no sender
     assert low.output_layouts == {3: layout(0)}
 
 
@@ -43,7 +43,7 @@ def test_values_crossing_workers_are_sent_once_per_destination_layout():
     assert sends == [[Op.SEND, 1, 4, layout(1).to_wire(), [[1, 1, [[0, 4]]]]]]
     assert low.transfers == ((0, 1, 4),)
     assert low.ncopies == 1
-    assert [Op.IN, 4, False] in low.ops[1]  # the copy is removed from the store once loaded
+    assert [Op.IN, 4, [0]] in low.ops[1]  # the copy is taken from its one sender, then removed from the store
     assert low.output_layouts == {2: layout(1), 3: layout(1)}
 
 
@@ -59,7 +59,7 @@ def test_same_worker_other_layout_is_a_local_reshard():
 def test_inputs_living_elsewhere_are_moved_and_kept():
     graph = ProgramGraph(2, (0,), (Node(1, (0,), (1,)),), (1,))
     low = lower(graph, {1: fn(1)}, {0: layout(0)})
-    assert low.ops[0] == [[Op.IN, 0, True], [Op.SEND, 0, 2, layout(1).to_wire(), [[1, 1, [[0, 4]]]]], [Op.DROP, [0]]]
+    assert low.ops[0] == [[Op.IN, 0, []], [Op.SEND, 0, 2, layout(1).to_wire(), [[1, 1, [[0, 4]]]]], [Op.DROP, [0]]]
 
 
 def test_registers_are_dropped_after_their_last_read():
@@ -97,7 +97,7 @@ def test_gathering_a_multi_host_array_onto_one_host_sends_each_part():
     # each host sends the half it holds; the receiver waits for both senders
     assert [Op.SEND, 1, 3, layout(0).to_wire(), [[0, 2, [[0, 2]]]]] in low.ops[5]
     assert [Op.SEND, 1, 3, layout(0).to_wire(), [[0, 2, [[2, 4]]]]] in low.ops[6]
-    assert [Op.IN, 3, False] in low.ops[0]
+    assert [Op.IN, 3, [5, 6]] in low.ops[0]
     assert sorted(low.transfers) == [(5, 0, 3), (6, 0, 3)]
 
 
@@ -106,7 +106,7 @@ def test_scattering_onto_a_sharded_multi_host_slice_sends_each_host_only_its_blo
     back = lower(ProgramGraph(2, (0,), (Node(1, (0,), (1,)),), (1,)),
                  {1: FnLayouts(mh.workers, (mh,), (mh,))}, {0: layout(0)})
     assert back.ops[0][1] == [Op.SEND, 0, 2, mh.to_wire(), [[5, 1, [[0, 2]]], [6, 1, [[2, 4]]]]]
-    assert all([Op.IN, 2, False] in back.ops[h] for h in (5, 6))
+    assert all([Op.IN, 2, [0]] in back.ops[h] for h in (5, 6))
 
 
 def test_a_replicated_source_shares_the_sending_and_keeps_local_blocks_local():
@@ -116,11 +116,13 @@ def test_a_replicated_source_shares_the_sending_and_keeps_local_blocks_local():
     # both hosts hold everything: each keeps its own block, nothing crosses the network
     assert low.transfers == ((5, 5, 2), (6, 6, 2))
     assert [Op.SEND, 0, 2, sharded.to_wire(), [[5, 1, [[0, 2]]]]] in low.ops[5]
+    assert [Op.IN, 2, [5]] in low.ops[5] and [Op.IN, 2, [6]] in low.ops[6], "each host takes its block from itself"
     to_one = lower(ProgramGraph(2, (0,), (Node(1, (0,), (1,)),), (1,), shape=(8,)),
                    {1: FnLayouts((0,), (layout(0, (0, 1), ("d",)),), (layout(0, (0, 1), ("d",)),))},
                    {0: replicated})
     # two replicas feed one host's two blocks: one block each, not the whole array twice
     assert sorted(to_one.transfers) == [(5, 0, 2), (6, 0, 2)]
+    assert [Op.IN, 2, [5, 6]] in to_one.ops[0]
     assert to_one.ops[5][1][4] == [[0, 2, [[0, 4]]]] and to_one.ops[6][1][4] == [[0, 2, [[4, 8]]]]
 
 

@@ -187,9 +187,11 @@ def test_ops_decode_only_within_their_register_file():
     send = [int(Op.SEND), 1, 2, layout, [[1, 1, [[0, 2]]]]]
     op = decode_op(send, nregs=3)
     assert op[0] is Op.SEND and op[4] == ((1, 1, (((0, 2),),)),)
-    assert encode_op(decode_op([int(Op.IN), 0, True], 1)) == [0, 0, True]
-    for raw, needle in [([int(Op.IN), 5, True], "register 5 outside 0..2"), ([99, 0], "op code"),
-                        (["in", 0, True], "op code"), ([int(Op.EXEC), 1, [0]], "takes 3"),
+    assert encode_op(decode_op([int(Op.IN), 0, []], 1)) == [0, 0, []]
+    assert decode_op([int(Op.IN), 2, [4, 7]], 3) == (Op.IN, 2, (4, 7))  # a copy, and the workers it comes from
+    for raw, needle in [([int(Op.IN), 5, []], "register 5 outside 0..2"), ([99, 0], "op code"),
+                        (["in", 0, []], "op code"), ([int(Op.EXEC), 1, [0]], "takes 3"),
+                        ([int(Op.IN), 0, True], "must be a list"), ([int(Op.IN), 0, [-1]], "entry"),
                         ([int(Op.SEND), 1, 2, layout, [[1, 1, [[0]]]]], "start, stop")]:
         with pytest.raises(WireError, match=needle):
             decode_op(raw, nregs=3)

@@ -387,6 +387,48 @@ def test_a_listener_with_peer_tickets_takes_frames_only_from_the_sender_a_ticket
         listener.close()
 
 
+def test_a_listener_screens_each_frame_by_the_sender_its_hello_proved_and_reads_past_those_it_refuses():
+    """A worker's listener asks its screen about each frame, with the sender the
+    connection's ticket proved, before reading the frame's bytes: a refused frame's 4 MiB
+    are read past (none kept), answered with the refusal where the sender asked for an
+    answer, and the connection goes on to the next frame."""
+    key = secrets.token_bytes(m.DATA_KEY_BYTES)
+    tickets = PeerTickets(key_wait=FAST)
+    tickets.learn(m.DataKey(1, key))
+    screened, received = [], []
+    refusal = "no run here expects copy 13 from that worker"
+
+    def screen(sender, header):
+        screened.append((sender, header["handle"]))
+        return refusal if header["handle"] == 13 else None
+
+    with pytest.raises(ValueError, match="needs admit"):
+        tcp.Listener(lambda header, pieces: None, timeout=FAST, screen=screen)
+    listener = tcp.Listener(lambda header, pieces: received.append((header["handle"], pieces)), timeout=FAST,
+                            admit=tickets.admit, screen=screen)
+
+    def put(handle, array, **fields):
+        pieces = [(codec.full_index(array.shape), array)]
+        return {"t": "put", "handle": handle, "layout": [], "of": 1,
+                **codec.pieces_header(array.dtype, array.shape, pieces), **fields}, pieces
+
+    big, small = np.ones(1 << 20, np.float32), np.arange(3, dtype=np.float32)
+    try:
+        with tcp.connect(listener.address, FAST, ticket=(0, m.data_ticket(key, 0))) as sock:
+            tcp.send_frame(sock, *put(13, big))
+            tcp.send_frame(sock, *put(14, small))
+            tcp.send_frame(sock, *put(13, big, answer=True))
+            assert tcp._read_answer(sock, time.monotonic() + FAST) == (refusal, False)
+            tcp.send_frame(sock, *put(15, small, answer=True))
+            assert tcp._read_answer(sock, time.monotonic() + FAST) == (None, False)
+        assert screened == [(0, 13), (0, 14), (0, 13), (0, 15)]
+        assert [h for h, _ in received] == [14, 15]
+        np.testing.assert_array_equal(received[0][1][0][1], small)
+        wait_until(lambda: listener.budget.used == 0, FAST, "the listener to release every reservation")
+    finally:
+        listener.close()
+
+
 def test_refused_data_connections_are_counted_and_logged_once_per_thousand(caplog):
     listener = tcp.Listener(lambda header, pieces: None, timeout=FAST, security=Security(token=TOKEN))
     try:

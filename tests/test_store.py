@@ -115,3 +115,40 @@ def test_a_transfer_copy_waited_for_in_vain_is_dropped_when_it_arrives_after_all
     assert not store.put(copy, np.ones(2)) and len(store) == 0, "its reader gave up: nobody would take it"
     assert store.wait(owned, 0.05) is None
     assert store.put(owned, np.ones(2)), "a session's array may still arrive for a later fetch"
+
+
+def test_a_transfer_copy_is_screened_in_only_from_its_expected_senders_once_each():
+    store = ObjectStore()
+    copy, stranger = first_handle(0) + 8, first_handle(0) + 9
+    store.expect(0, [(copy, frozenset({1, 2}))])
+    assert not store.screen(3, copy, 5.0), "a worker the run does not expect it from"
+    assert store.screen(1, copy, 5.0) and not store.screen(1, copy, 5.0), "each sender's part once"
+    assert store.screen(2, copy, 5.0)
+    start = time.monotonic()
+    assert not store.screen(1, stranger, 0.2) and time.monotonic() - start >= 0.2, "no run expects it: refused " \
+                                                                                    "once the wait for its run ends"
+    store.put(copy, np.ones(2))
+    assert store.wait(copy, 1.0, take=True) is not None
+    start = time.monotonic()
+    assert not store.screen(1, copy, 5.0) and time.monotonic() - start < 1.0, "taken: refused at once"
+    assert store._expected == {}, "a copy taken leaves no expectation behind"
+
+
+def test_a_copy_pushed_before_its_run_is_known_is_screened_in_once_the_run_expects_it():
+    store = ObjectStore()
+    copy, forged = first_handle(0) + 10, first_handle(0) + 11
+    results = {}
+    threads = [threading.Thread(target=lambda h=h, s=s: results.setdefault((s, h), store.screen(s, h, 30.0)))
+               for s, h in ((1, copy), (4, forged))]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 10
+    while len(store._screens) < 2:
+        assert time.monotonic() < deadline, "the screens never waited"
+        time.sleep(0.005)
+    start = time.monotonic()
+    store.expect(copy, [(0, frozenset({1})), (forged - copy, frozenset({2}))])
+    for thread in threads:
+        thread.join(10)
+    assert time.monotonic() - start < 5.0, "both screens woke when their copies were expected"
+    assert results == {(1, copy): True, (4, forged): False} and store._screens == {}

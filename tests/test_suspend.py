@@ -245,8 +245,8 @@ def test_a_host_lost_while_its_session_offloads_or_resumes_loses_its_arrays_and_
     assert [x.workers for x in _of(client, m.SliceMoved)] == [(w2.worker,), (w2.worker,)]
     [restore] = _of(w1.outbox, m.Restore)
     [adopt] = _of(w2.outbox, m.Adopt)
-    [(copy, handle)] = adopt.pairs
-    assert handle == on_b and restore.moves[0][:2] == (on_b, copy)
+    [(copy, handle, senders)] = adopt.arrivals
+    assert handle == on_b and restore.moves[0][:2] == (on_b, copy) and senders == (w1.worker,)
     core.worker_lost(w1)
     assert [x.handles for x in _of(w2.outbox, m.Poisoned)] == [(copy,)], "its receiver stops waiting for it"
     assert [x.kind for x in _of(client, m.Poisoned) if on_b in x.handles] == ["WorkerLostError"]

@@ -93,7 +93,7 @@ def define_double(core):
     """Compile ``2 * x`` as FN and define program KEY: input register 0, output 1."""
     core.on_batch(m.encode_batch([
         compile_on_layout(FN, "double", lambda x: 2 * x),
-        m.Define(KEY, SESSION, 2, 0, ([int(Op.IN), 0, True], [int(Op.EXEC), FN, [0], [1]], [int(Op.OUT), 1])),
+        m.Define(KEY, SESSION, 2, 0, ([int(Op.IN), 0, []], [int(Op.EXEC), FN, [0], [1]], [int(Op.OUT), 1])),
     ]))
 
 
@@ -122,11 +122,11 @@ def test_a_malformed_message_gets_a_notice_and_the_rest_of_the_batch_runs(core, 
     x = first_handle(SESSION) + 100
     put(core, x, np.ones(3, np.float32))
     good = [compile_on_layout(FN, "double", lambda x: 2 * x).encode(),
-            m.Define(KEY, SESSION, 2, 0, ([int(Op.IN), 0, True], [int(Op.EXEC), FN, [0], [1]],
+            m.Define(KEY, SESSION, 2, 0, ([int(Op.IN), 0, []], [int(Op.EXEC), FN, [0], [1]],
                                           [int(Op.OUT), 1])).encode()]
     bad = [
         ["run", 1, KEY, [1], 0, []],  # a list where a handle belongs
-        ["define", KEY + 1, SESSION, 2, 0, [[int(Op.IN), 5, True]]],  # register outside the file
+        ["define", KEY + 1, SESSION, 2, 0, [[int(Op.IN), 5, []]]],  # register outside the file
         ["define", KEY + 2, SESSION, 2, 0, [[int(Op.EXEC), FN + 99, [0], [1]]]],  # a function never compiled
         ["fetch", 1, 1.0, True],  # a kind this stream does not carry
         ["delete", [math.nan]],
@@ -395,6 +395,43 @@ def test_a_data_plane_frame_carries_a_sessions_array_only_with_that_sessions_cre
     assert core.store.get(copy) is not None
 
 
+def test_a_peers_copy_is_read_only_from_the_worker_the_run_takes_it_from(up):
+    """A run reads transfer copy ``tbase`` from worker 3 (its receive op names it): the
+    copy's frame from worker 4 is refused before its bytes are read, and counted; worker
+    3's is read, once, whether it comes before the run is known here (within the peer
+    timeout) or after; one that no run expects is refused once the peer timeout has passed.
+    The run gives worker 3's value, and no copy or expectation is left behind."""
+    core = WorkerCore(up.append, wait_timeout=5.0, peer_timeout=0.5)
+    try:
+        core.on_batch(m.encode_batch([m.WorkerWelcome(0, 0, 0, ""),
+                                      m.SessionOpen(SESSION, m.digest(CREDENTIALS[SESSION])),
+                                      compile_on_layout(FN, "double", lambda x: 2 * x),
+                                      m.Define(KEY, SESSION, 2, 1, ([int(Op.IN), 2, [3]], [int(Op.EXEC), FN, [2], [1]],
+                                                                    [int(Op.OUT), 1]))]))
+        array, forged = np.arange(3, dtype=np.float32), np.full(3, 666, np.float32)
+        tbase, base = first_handle(0) + 40, first_handle(SESSION) + 300
+        early = []
+        screening = threading.Thread(target=lambda: early.append(core.screen_frame(3, put_header(tbase, array))))
+        screening.start()  # worker 3 pushes before this worker heard of the run
+        time.sleep(0.1)
+        core.on_batch(m.encode_batch([m.RunProgram(9, KEY, base, tbase, {})]))
+        screening.join(10)
+        assert early == [None], "the run's own sender is read once the run is known"
+        refusal = core.screen_frame(4, put_header(tbase, forged))
+        assert refusal is not None and "from worker 4" in refusal
+        assert core.screen_frame(3, put_header(tbase, forged)) is not None, "a second copy from the same sender"
+        assert core.screen_frame(4, put_header(tbase + 1, forged)) is not None, "a copy no run expects"
+        assert core.receive_frame(put_header(tbase, array), [(codec.full_index(array.shape), array)]) is None
+        np.testing.assert_array_equal(fetch(core, base + 1)[1], 2 * array)
+        assert core.screen_frame(3, put_header(tbase, array)) is not None, "taken: refused"
+        assert core.screen_frame(4, put_header(first_handle(SESSION) + 1, array)) is None, \
+            "a session's array is left to receive_frame, which asks for its credential"
+        assert core.stats()["refused_copies"] == 4
+        assert core.stats()["handles"] == 1 and core.store._expected == {}, "only the run's output is kept"
+    finally:
+        core.close()
+
+
 def test_arrays_received_again_with_a_known_layout_equal_the_first_and_keep_jaxs_dtype(core):
     """The first array of a layout is made by jax.make_array_from_callback, later ones from
     what it remembered of it: both give the same array; a dtype JAX narrows (float64
@@ -423,7 +460,7 @@ def test_a_run_on_the_lean_path_switches_to_the_careful_one_at_a_poisoned_input_
         compile_on_layout(FN, "double", lambda x: 2 * x),
         compile_on_layout(g, "plus_one", lambda x: x + 1),
         # out = 2 * x + 1
-        m.Define(KEY, SESSION, 3, 0, ([int(Op.IN), 0, True], [int(Op.EXEC), FN, [0], [1]],
+        m.Define(KEY, SESSION, 3, 0, ([int(Op.IN), 0, []], [int(Op.EXEC), FN, [0], [1]],
                                       [int(Op.EXEC), g, [1], [2]], [int(Op.OUT), 2])),
     ]))
     x = first_handle(SESSION) + 100

@@ -903,7 +903,8 @@ class ControllerCore:
             for sender, sends in by_sender.items():
                 restores.setdefault(sender, []).append((handle, copy, new, tuple(sends)))
             for receiver in senders:
-                adopts.setdefault(receiver, []).append((copy, handle))
+                adopts.setdefault(receiver, []).append(
+                    (copy, handle, tuple(route.sender for route in routes if route.receiver == receiver)))
             sus.moving[handle] = (copy, tuple(by_sender), tuple(senders))
         if lost:
             self._poison(sid, lost, REMOTE, "the array was not on its workers when the session was suspended (its "
@@ -913,8 +914,8 @@ class ControllerCore:
         for w, moves in restores.items():
             self.workers[w].outbox.put(m.Restore(sid, tuple(moves)))
         sus.waiting = set(adopts)
-        for w, pairs in adopts.items():
-            self.workers[w].outbox.put(m.Adopt(sid, tuple(pairs)))
+        for w, arrivals in adopts.items():
+            self.workers[w].outbox.put(m.Adopt(sid, tuple(arrivals)))
         self._resume_step(sid, s)
 
     def _adopted(self, conn: WorkerConn, msg: m.Adopted) -> None:

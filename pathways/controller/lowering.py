@@ -68,6 +68,7 @@ def lower(graph: ProgramGraph, fns: Mapping[int, FnLayouts], input_layouts: Mapp
     loaded: set[tuple[int, int]] = set()
     outputs = set(graph.outputs)
     transfers: list[tuple[int, int, int]] = []
+    senders_to: dict[tuple[int, int], list[int]] = {}  # (copy, receiver) -> the workers pushing it there
     next_copy = graph.nvalues
     producer: dict[int, int] = {}  # value -> index of the node computing it
     preds: dict[int, tuple[int, ...]] = {}
@@ -90,7 +91,8 @@ def lower(graph: ProgramGraph, fns: Mapping[int, FnLayouts], input_layouts: Mapp
 
     def load(worker: int, v: int) -> None:
         if v in in_store and (worker, v) not in loaded:
-            emit(worker, [Op.IN, v, v < graph.nvalues])
+            # a copy names its senders: its receiver takes it from them only (an input: none)
+            emit(worker, [Op.IN, v, senders_to.get((v, worker), [])])
             loaded.add((worker, v))
 
     def materialize(v: int, want: Layout) -> int:
@@ -122,6 +124,7 @@ def lower(graph: ProgramGraph, fns: Mapping[int, FnLayouts], input_layouts: Mapp
                     [route.receiver, senders_of[route.receiver],
                      [[x for bounds in region for x in bounds] for region in route.regions]])
                 transfers.append((route.sender, route.receiver, dst))
+                senders_to.setdefault((dst, route.receiver), []).append(route.sender)
             for sender, sends in by_sender.items():
                 load(sender, src)
                 emit(sender, [Op.SEND, src, dst, want.to_wire(), sends])

@@ -24,7 +24,7 @@ from pathways.protocol.check import (I64, MAX_ITEMS, MAX_NAME, MAX_TEXT, Anythin
                                      Fixed, Float, Int, Optional, Seq, Str)
 from pathways.protocol.errors import KINDS, POISON_KINDS
 from pathways.protocol.handles import MAX_HANDLE, MAX_SESSION, session_of
-from pathways.protocol.ops import LAYOUT, MAX_NODES, MAX_REGISTERS, ROUTE, decode_op, encode_op
+from pathways.protocol.ops import LAYOUT, MAX_NODES, MAX_REGISTERS, MAX_SENDERS, ROUTE, decode_op, encode_op
 from pathways.timeline import MAX_DETAIL, MAX_EVENTS
 from pathways.timeline import MAX_NAME as MAX_SPAN_NAME
 from pathways.wire.codec import MAX_MESSAGE_BYTES, is_wire_dtype_name, list_header, pack, pack_each, unpack
@@ -816,15 +816,17 @@ class Restore(Message):
 
 @message("adopt")
 class Adopt(Message):
-    """Arrays of a resumed session arrive as transfer copies: store each ``(copy, handle)``
-    as the session's handle once it has arrived, and answer Adopted once all have (or,
-    after the worker's wait timeout, with the late ones poisoned)."""
+    """Arrays of a resumed session arrive as transfer copies: store each ``(copy, handle,
+    senders)`` of ``arrivals`` as the session's handle once it has arrived, its parts taken
+    from the workers ``senders`` only, and answer Adopted once all have (or, after the
+    worker's wait timeout, with the late ones poisoned)."""
 
     session: int = wire(Int(1, MAX_SESSION))
-    pairs: tuple[tuple[int, int], ...] = wire(Seq(Fixed(HANDLE, HANDLE)))
+    arrivals: tuple[tuple[int, int, tuple[int, ...]], ...] = wire(
+        Seq(Fixed(HANDLE, HANDLE, Seq(WORKER, min_len=1, max_len=MAX_SENDERS))))
 
     def checked(self) -> "Adopt":
-        if any(session_of(c) != 0 or session_of(h) != self.session for c, h in self.pairs):
+        if any(session_of(c) != 0 or session_of(h) != self.session for c, h, _ in self.arrivals):
             raise WireError("adopt takes controller transfer copies as arrays of its own session")
         return self
 

@@ -5,8 +5,10 @@ An op stream is a list of ops; each op is a tuple whose first entry is an ``Op``
 wire an op is a list ``[code, field, ...]``. Register numbers index the run's register
 file: program values ``0 .. nvalues-1``, then the transfer copies the lowering created.
 
-- ``(IN, v, keep)``: wait for handle(v) in the object store, load it into register v; with
-  keep false the store entry is removed (a transfer copy for this run only).
+- ``(IN, v, senders)``: wait for handle(v) in the object store, load it into register v.
+  With no ``senders`` it is a value the run's caller holds, kept in the store; else it is
+  a transfer copy for this run only, removed from the store, and ``senders`` are the
+  workers that push it here: the only ones it is taken from (worker/store.py ``screen``).
 - ``(EXEC, fn, ins, outs)``: run compiled function ``fn`` on registers ``ins``.
 - ``(OUT, v)``: publish register v to the object store as handle(v).
 - ``(SEND, v, dst, layout, routes)``: push regions of register v to other hosts, where they
@@ -26,7 +28,7 @@ from typing import Any
 
 from pathways.errors import WireError
 from pathways.ir import Layout
-from pathways.protocol.check import MAX_ITEMS, Bool, Custom, Fixed, Int, Seq
+from pathways.protocol.check import MAX_ITEMS, Custom, Fixed, Int, Seq
 from pathways.protocol.handles import MAX_HANDLE
 
 MAX_REGISTERS = 1 << 22
@@ -66,7 +68,7 @@ def _write_route(route: tuple) -> list:
 # what a sender pushes to one receiver (a SEND op's routes, a Restore's moves).
 ROUTE = Custom(_read_route, _write_route)
 _FIELDS: dict[Op, tuple] = {
-    Op.IN: (Int(0, MAX_REGISTERS), Bool()),
+    Op.IN: (Int(0, MAX_REGISTERS), Seq(Int(0, MAX_ITEMS), max_len=MAX_SENDERS)),
     Op.EXEC: (Int(0, MAX_HANDLE), Seq(Int(0, MAX_REGISTERS)), Seq(Int(0, MAX_REGISTERS))),
     Op.OUT: (Int(0, MAX_REGISTERS),),
     Op.SEND: (Int(0, MAX_REGISTERS), Int(0, MAX_REGISTERS), LAYOUT, Seq(_ROUTE, min_len=1)),

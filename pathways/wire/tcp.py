@@ -77,7 +77,7 @@ _COALESCE_BYTES = 64 * 1024  # pieces up to this size are copied into the frame'
 # coalesced pieces, sent in one write) then arrives in one recv.
 _READ_BUFFER = 128 * 1024
 MAX_PROBE_BYTES = 8 * 1024 * 1024
-_PROBE_CHUNK = 1 << 20  # probe payloads are read into a scratch buffer this large, and discarded
+_SCRATCH_BYTES = 1 << 20  # probe payloads and refused frames' bytes are read into a buffer this large, and dropped
 # A send is written in pieces this large, each within the timeout (a socket's timeout bounds
 # a whole sendall): a large array on a slow link is progress, a stalled peer is not.
 _SEND_PIECE = 4 << 20
@@ -97,6 +97,9 @@ Receive = Callable[[dict, list], Optional[str]]
 # admit(hello) checks a connection's hello beyond the token (a worker's: its peer's ticket);
 # returns the refusal to answer, or None
 Admit = Callable[[dict], Optional[str]]
+# screen(sender, header) says, before a frame's bytes are read, whether to read the frame that
+# the sender ``admit`` let in (its hello's "from") sent: None to read it, else the refusal
+Screen = Callable[[int, Any], Optional[str]]
 
 
 class Budget:
@@ -149,6 +152,10 @@ class Listener:
     MAX_UNGREETED connections that have not greeted yet are served at once (each for
     HELLO_SECONDS at most); more are closed as they arrive (counted in ``turned_away``).
     Refused greetings are counted in ``refused``, and logged sparsely (``security.Refusals``).
+    ``screen`` (with ``admit``): a check of each frame's header, by the sender its
+    connection's hello named, before the frame's bytes are read; a frame it refuses is read
+    past into a scratch buffer (none of it kept, the connection kept) and answered with the
+    refusal if it asked for an answer. The screen counts and logs its own refusals.
 
     Memory is bounded: a frame (its header and its pieces) may hold at most
     ``connection_bytes`` (by default a quarter of this host's memory), and all frames being
@@ -159,9 +166,12 @@ class Listener:
 
     def __init__(self, receive: Receive, timeout: float, host: str = "127.0.0.1", security: Security | None = None,
                  budget_bytes: int | None = None, connection_bytes: int | None = None,
-                 admit: Admit | None = None) -> None:
+                 admit: Admit | None = None, screen: Screen | None = None) -> None:
+        if screen is not None and admit is None:
+            raise ValueError("a data listener screens frames by the sender a hello proved: screen needs admit")
         self._security = security or Security()
         self._admit = admit
+        self._screen = screen
         sec.check_bind(host, self._security, "the worker's data listener")
         self._tls = sec.server_context(self._security) if self._security.data_plane_tls else None
         self._receive = receive
@@ -297,26 +307,40 @@ class Listener:
                 refused = self._admit(header) if self._admit is not None else None
                 if refused is not None:
                     raise _Refused(refused, refused)
+                reader.sender = header.get("from")
                 reader.conn.sendall(sec.answer(None))
                 return True
             if not isinstance(header, dict):
                 raise WireError("a data frame header must be a map")
             if header.get("t") == "probe":
                 n = _probe_bytes(header)
-                held += self._reserve(min(n, _PROBE_CHUNK), held, "a probe")
+                held += self._reserve(min(n, _SCRATCH_BYTES), held, "a probe")
                 return self._answer_probe(reader, n, deadline + n / _MIN_FRAME_RATE)
             answered = header.get("answer") is True
-            pieces = []
-            if "poison" not in header:
+            poison = "poison" in header  # a poison stands for the array: it carries no pieces
+            if not poison:
                 dtype, _, specs = codec.piece_specs(header)
                 sizes = [dtype.itemsize * math.prod(shape) for _, shape in specs]
+            nbytes = 0 if poison else sum(sizes)
+            if self._screen is not None:
+                refusal = self._screen(reader.sender, header)
+                deadline = time.monotonic() + self._timeout  # the screen may have waited: the bytes' time starts now
+                if refusal is not None:  # its bytes are read past, none kept; the next frame may be welcome
+                    held += self._reserve(min(nbytes, _SCRATCH_BYTES), held, "a refused frame")
+                    if not _read_past(reader, nbytes, deadline + nbytes / _MIN_FRAME_RATE):
+                        return None
+                    if answered:
+                        reader.conn.sendall(_answer(refusal))
+                    return True
+            pieces = []
+            if not poison:
                 try:
-                    held += self._reserve(sum(sizes), held, (len(specs), dtype))
+                    held += self._reserve(nbytes, held, (len(specs), dtype))
                 except WireError as e:  # the sender waits for an answer: give it this one, then close
                     if answered:
                         _answer_closing(reader.conn, str(e))
                     raise
-                deadline += sum(sizes) / _MIN_FRAME_RATE
+                deadline += nbytes / _MIN_FRAME_RATE
                 try:
                     for (index, shape), size in zip(specs, sizes):
                         array = codec.aligned_empty(shape, dtype)
@@ -351,13 +375,8 @@ class Listener:
         return nbytes
 
     def _answer_probe(self, reader: "_Reader", n: int, deadline: float) -> bool | None:
-        scratch = memoryview(bytearray(min(n, _PROBE_CHUNK)))
-        left = n
-        while left:
-            step = min(left, len(scratch))
-            if not reader.read_into(scratch[:step], deadline):
-                return None
-            left -= step
+        if not _read_past(reader, n, deadline):
+            return None
         reader.conn.sendall(_probe_frame(n))
         return True
 
@@ -388,6 +407,7 @@ class _Reader:
         self._view = memoryview(self._buffer)
         self._start = self._end = 0  # the unread bytes are _buffer[_start:_end]
         self._waits: Optional[float] = -1.0  # the timeout given to the socket (None: it blocks); none yet
+        self.sender: Optional[int] = None  # who its hello proved the peer is (a listener's ``admit``)
 
     def _wait(self, timeout: Optional[float]) -> None:
         if self.until is not None:
@@ -447,6 +467,19 @@ class _Reader:
         """The next ``n`` bytes, in a buffer of their own; None if the connection ended."""
         out = bytearray(n)
         return out if self.read_into(memoryview(out), deadline) else None
+
+
+def _read_past(reader: _Reader, n: int, deadline: float) -> bool:
+    """Read the next ``n`` bytes and drop them, through a scratch buffer of at most
+    _SCRATCH_BYTES; False if the connection ended first. Past ``deadline`` raises WireError."""
+    scratch = memoryview(bytearray(min(n, _SCRATCH_BYTES)))
+    left = n
+    while left:
+        step = min(left, len(scratch))
+        if not reader.read_into(scratch[:step], deadline):
+            return False
+        left -= step
+    return True
 
 
 def _check_deadline(deadline: Optional[float], missing: int) -> None:

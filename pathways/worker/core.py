@@ -15,7 +15,9 @@ controller's handles.
 
 Clients' puts (``client_put``) and fetches are served only for handles of the session whose
 credential they carry (sessions.py), checked before any of a put's array is read; peers'
-frames may only carry the controller's transfer copies.
+frames may only carry the controller's transfer copies, and each copy only from the peers
+the controller named as its senders (the receive op of the run that reads it, or the
+Adopt of a resume), checked before any of its bytes are read (``screen_frame``).
 
 Arrays cross the data plane as pieces: each sender sends the blocks the receiver's devices
 hold (the controller's transfer plan), and a receiver assembles them once every sending
@@ -46,7 +48,7 @@ from pathways.errors import AccessDeniedError, ConnectError, WireError
 from pathways.ir import partials, stacked
 from pathways.protocol.check import MAX_TEXT, Int, Str
 from pathways.protocol.errors import POISON_KINDS, REMOTE
-from pathways.protocol.handles import MAX_HANDLE, session_of
+from pathways.protocol.handles import COUNTER_MASK, MAX_HANDLE, session_of
 from pathways.protocol.messages import (CREDENTIAL, Adopt, Adopted, Compile, DataKey, Define, Delete, Done, DropSession,
                                         FetchRequest, Go, Heartbeat, Malformed, Measure, Message, Notice, Offload,
                                         Offloaded, Peers, Poisoned, Restore, RunProgram, Reset, SessionOpen,
@@ -55,7 +57,7 @@ from pathways.protocol.messages import (CREDENTIAL, Adopt, Adopted, Compile, Dat
 from pathways.protocol.ops import LAYOUT, MAX_SENDERS
 from pathways.timeline import RECORDER, now
 from pathways.wire import codec, tcp
-from pathways.wire.security import Security
+from pathways.wire.security import Refusals, Security
 from pathways.worker.compile_cache import CompileCache
 from pathways.worker.executables import Executables
 from pathways.worker.executor import Executor
@@ -114,7 +116,9 @@ class WorkerCore:
         self.peers: dict[int, str] = {}
         # the data plane, greeted with the cluster's token and this worker's ticket for each peer
         self.tickets = tickets or PeerTickets()
-        self.links = tcp.Links(wait_timeout if peer_timeout is None else peer_timeout, security, self.tickets.ticket)
+        self.peer_timeout = wait_timeout if peer_timeout is None else peer_timeout
+        self.links = tcp.Links(self.peer_timeout, security, self.tickets.ticket)
+        self.refused_copies = Refusals()  # peers' transfer copies that no run here expected from them
         self.measurer = Measurer(jax, up, security=security, tickets=self.tickets.ticket)
         self.executor = Executor(self.store, self.executables, self, wait_timeout, collectives_in_flight,
                                  unsafe_local_order)
@@ -181,6 +185,9 @@ class WorkerCore:
         worker cannot carry out (a function it cannot compile, a device it lacks)."""
         kind = type(msg)
         if kind is RunProgram or kind is Delete:
+            # Expected before the run is queued: its copies may already be arriving.
+            if kind is RunProgram and (copies := self.executor.copies_from_peers(msg.key)):
+                self.store.expect(msg.tbase, copies)
             if kind is RunProgram and msg.traced:
                 began = now()
                 self.executor.submit(msg)
@@ -432,7 +439,8 @@ class WorkerCore:
     def _adopt(self, msg: Adopt) -> None:
         """Store each arriving copy as its session handle; answer Adopted once all have
         arrived, or after ``wait_timeout`` with the missing ones poisoned."""
-        pairs = msg.pairs
+        pairs = [(copy, handle) for copy, handle, _ in msg.arrivals]
+        self.store.expect(0, [(copy, frozenset(senders) - {self.worker_id}) for copy, _, senders in msg.arrivals])
         state = {"left": len(pairs), "late": 0, "expired": False}
         lock = threading.Lock()
 
@@ -463,6 +471,26 @@ class WorkerCore:
             self.store.adopt(copy, handle, stored)
 
     # ---- data plane: receiving ----------------------------------------------------------
+
+    def screen_frame(self, sender: int, header: Any) -> Optional[str]:
+        """Whether to read a data frame that worker ``sender`` (as its connection's hello
+        proved) pushes here: tcp.Listener's screen, called before any of the frame's bytes
+        past its header. None to read it, else why not: its bytes are then read past, none
+        kept. A transfer copy is read only from a peer that a run of this worker (or an
+        Adopt) expects it from, once (ObjectStore.screen); any other (a guess at a copy's
+        number, a copy taken already) is refused and counted in ``refused_copies``. Arrays
+        of client sessions are left to receive_frame, which admits them by their credential."""
+        handle = header.get("handle") if type(header) is dict else None
+        if type(handle) is not int or not 0 <= handle <= COUNTER_MASK:  # not a transfer copy (session 0's)
+            return None
+        if self.store.screen(sender, handle, self.peer_timeout):
+            return None
+        refusal = (f"worker {self.worker_id} takes no part of transfer copy {handle:#x} from worker {sender}: a "
+                   "copy is taken only from the workers its run names as its senders, once from each, until the run "
+                   "reads it")
+        if refused := self.refused_copies.add():
+            log.warning("refused a transfer copy: %s (%d refused so far)", refusal, refused)
+        return refusal
 
     def receive_frame(self, header: dict, pieces: list) -> Optional[str]:
         """A data frame (tcp.Listener's receiver) from a peer or the controller. Peers send
@@ -704,11 +732,13 @@ class WorkerCore:
 
     def stats(self) -> dict:
         """Counts for the Stats RPC (and tests): arrays, per session, executables, programs,
-        and data-plane connections refused for want of a peer's ticket."""
+        data-plane connections refused for want of a peer's ticket, and peers' transfer
+        copies refused for want of a run expecting them from that peer."""
         return {"worker": self.worker_id, "handles": len(self.store), "sessions": self.store.session_counts(),
                 "executables": len(self.executables), "compiled": self.executables.compiled(),
                 "compile_cache": self.executables.cache_counts(),
-                "programs": self.executor.programs, "refused_peers": self.tickets.refused}
+                "programs": self.executor.programs, "refused_peers": self.tickets.refused,
+                "refused_copies": self.refused_copies.count}
 
     def close(self) -> None:
         self.measurer.stop()

@@ -139,8 +139,17 @@ class Executor:
         """Prepare a decoded op stream (ops.decode_op checked it): resolve each function to
         its executable and each layout to what the loop uses. Raises WireError for a
         function or device this worker does not have."""
+        # each transfer copy a run takes, by its number from the run's tbase, and the peers it comes from
+        copies = tuple((op[1] - msg.nvalues, frozenset(op[2]) - {self.worker_id})
+                       for op in msg.ops if op[0] is _IN and op[2])
         self._programs[msg.key] = _Program([self._prepare(op) for op in msg.ops], msg.nvalues,
-                                           msg.nvalues + msg.ncopies)
+                                           msg.nvalues + msg.ncopies, copies)
+
+    def copies_from_peers(self, key: int) -> tuple[tuple[int, frozenset[int]], ...]:
+        """The transfer copies a run of program ``key`` takes: (its number from the run's
+        tbase, the peers that push it here), none for a program never defined here."""
+        program = self._programs.get(key)
+        return program.copies if program is not None else ()
 
     def _prepare(self, op: tuple) -> tuple:
         code = op[0]
@@ -156,6 +165,9 @@ class Executor:
         if code is _RESHARD:
             _, v, dst, layout = op
             return (_RESHARD, v, dst, self._executables.sharding(layout))
+        if code is _IN:  # whether it is taken out of the store: a transfer copy (it has senders)
+            _, v, senders = op
+            return (_IN, v, bool(senders))
         return op
 
     def _loop(self) -> None:
@@ -393,7 +405,7 @@ class Executor:
             h = value_handle(op[1], msg.base, msg.tbase, nvalues, msg.args)
             if traced:
                 began = now()
-            value = self._store.wait(h, self._wait_timeout, take=not op[2])
+            value = self._store.wait(h, self._wait_timeout, take=op[2])
             if traced:
                 RECORDER.span("wait for inputs", began, msg.base, f"array {h:#x}")
             if value is None:
@@ -435,13 +447,15 @@ class Executor:
 
 
 class _Program:
-    """A defined op stream: ``ops`` as prepared at define (executables still futures), and
-    ``lean``, the same with every executable resolved (None until all have compiled)."""
+    """A defined op stream: ``ops`` as prepared at define (executables still futures),
+    ``lean``, the same with every executable resolved (None until all have compiled), and
+    ``copies``, what ``Executor.copies_from_peers`` gives."""
 
-    __slots__ = ("ops", "nvalues", "nregs", "lean")
+    __slots__ = ("ops", "nvalues", "nregs", "lean", "copies")
 
-    def __init__(self, ops: list[tuple], nvalues: int, nregs: int) -> None:
-        self.ops, self.nvalues, self.nregs = ops, nvalues, nregs
+    def __init__(self, ops: list[tuple], nvalues: int, nregs: int,
+                 copies: tuple[tuple[int, frozenset[int]], ...]) -> None:
+        self.ops, self.nvalues, self.nregs, self.copies = ops, nvalues, nregs, copies
         self.lean: list[tuple] | None = None
 
 

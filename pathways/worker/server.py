@@ -406,6 +406,10 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
         core = service.core()
         return core.receive_frame(header, pieces) if core is not None else _NOT_READY
 
+    def screen_frame(sender: int, header: dict) -> Optional[str]:
+        core = service.core()
+        return core.screen_frame(sender, header) if core is not None else _NOT_READY
+
     outbox = rpc.Outbox()
     channel = rpc.open_channel(controller, security)
     listener: Optional[tcp.Listener] = None
@@ -419,7 +423,7 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
             # Data-plane peers get the heartbeat timeout too: a frozen peer must not hold a send or
             # a half-received frame for longer than the controller takes to declare it lost.
             listener = tcp.Listener(receive_frame, heartbeat_timeout, host=bind, security=security,
-                                    admit=tickets.admit)
+                                    admit=tickets.admit, screen=screen_frame)
             server, port = rpc.make_server(rpc.WORKER_SERVICE, service.handlers(), host=bind, security=security,
                                            max_workers=GRPC_THREADS)
             reservation = PortReservation(bind) if island.hosts > 1 else None

@@ -2,10 +2,13 @@
 
 Values arrive from the executor, from clients' puts and from peers' pushes; readers wait
 with a deadline. A delete that overtakes its value's arrival leaves a tombstone so the
-late value is dropped instead of leaking; so does a transfer copy, once taken. A suspended
-session's arrays stay in the store off the devices (``OffloadedArray``), and a resumed
-session's arrays arrive as transfer copies that the store renames to the session's
-handles as they come (``adopt``).
+late value is dropped instead of leaking; so does a transfer copy, once taken. A peer's
+part of a transfer copy is taken only where a run (or a resume) of this worker expects it
+from that peer (``expect``, ``screen``), so that no other worker, admitted to the data
+plane or not, can have a run read bytes of its making, or leave arrays nobody reads. A
+suspended session's arrays stay in the store off the devices (``OffloadedArray``), and a
+resumed session's arrays arrive as transfer copies that the store renames to the
+session's handles as they come (``adopt``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any, Callable, Iterable, Optional
 from pathways.protocol.handles import discard, session_of
 
 _MAX_TOMBSTONES = 100_000
+_NO_SENDERS: frozenset[int] = frozenset()  # a copy whose every sender's part has been screened in
 # A waiter that may be abandoned (a fetch whose caller hung up) looks again at least this
 # often, in case nobody woke it: a bound on how long an abandoned request keeps its thread.
 _RECHECK_SECONDS = 0.5
@@ -74,6 +78,12 @@ class ObjectStore:
         self._dropped_sessions: set[int] = set()
         self._copy_floor = 0  # transfer copies below it are stale (runs of before this worker joined)
         self._adopt: dict[int, tuple[int, Callable[[], None]]] = {}  # copy -> (handle, called once stored)
+        # transfer copy -> the peers whose parts of it have not been screened in yet (``expect``);
+        # forgotten with its tombstone, once the copy is taken
+        self._expected: dict[int, frozenset[int]] = {}
+        # copy not expected yet -> [what the screens waiting for it wait on, how many they are]: one
+        # per copy, so that expecting a copy wakes its own screens only, however many others wait
+        self._screens: dict[int, list] = {}
 
     def put(self, handle: int, value: Any, replace: bool = True) -> bool:
         """Store ``value``; False if the handle was deleted before it arrived (or, with
@@ -133,7 +143,45 @@ class ObjectStore:
             _release(waiters)
         stored()
 
+    def expect(self, base: int, copies: Iterable[tuple[int, frozenset[int]]]) -> None:
+        """Each ``(n, senders)`` of ``copies``: transfer copy ``base + n`` is coming for a
+        run of this worker, each part of it from one of ``senders`` (peers' worker ids; this
+        host's own part is handed over in memory, unscreened). Wakes the screens waiting for
+        it."""
+        with self._lock:
+            expected, screens = self._expected, self._screens
+            for n, senders in copies:
+                expected[base + n] = senders
+                if screens and base + n in screens:
+                    screens[base + n][0].notify_all()
+
+    def screen(self, sender: int, copy: int, timeout: float) -> bool:
+        """Whether to take the part of transfer copy ``copy`` that peer ``sender`` pushes:
+        only where ``expect`` named ``sender`` for it, and once. A peer may push a copy
+        before this worker hears of the run that expects it (the controller sends a run to
+        all of its workers at once, on their own streams), so a copy not expected yet is
+        waited for, up to ``timeout`` seconds; one taken already (or stale) is not."""
+        with self._lock:
+            senders = self._expected.get(copy)
+            if senders is None and not self._refused_locked(copy):
+                waiting = self._screens.get(copy)
+                if waiting is None:
+                    waiting = self._screens[copy] = [threading.Condition(self._lock), 0]
+                waiting[1] += 1
+                try:
+                    waiting[0].wait_for(lambda: copy in self._expected, timeout)
+                finally:
+                    waiting[1] -= 1
+                    if not waiting[1]:
+                        del self._screens[copy]
+                senders = self._expected.get(copy)
+            if senders is None or sender not in senders:
+                return False
+            self._expected[copy] = _NO_SENDERS if len(senders) == 1 else senders - {sender}
+            return True
+
     def _tombstone(self, handle: int) -> None:
+        self._expected.pop(handle, None)  # a copy taken: whatever comes for it from now on is refused
         self._tombstones[handle] = None
         if len(self._tombstones) > _MAX_TOMBSTONES:
             self._tombstones.popitem(last=False)
