@@ -31,21 +31,25 @@ class Up:
         self.proc = subprocess.Popen([sys.executable, "-m", "pathways", "--log-level", "warning", "up",
                                       "--islands", islands, *flags],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-        first = read_line(self.proc, timeout=90)
-        assert "pathways cluster up at grpc://" in first, first + self.proc.stderr.read()
-        self.address = first.split()[4].rstrip(";")
-        self.ifrt_address = None
-        if "--ifrt-port" in flags:  # printed with the first line, in one write
-            self.ifrt_address = self.proc.stdout.readline().split()[3].rstrip(";")
-        self.replacements = []
-        for island in range(len(islands.split(","))):
-            replace = self.proc.stdout.readline()
-            prefix = f"add or replace a host of island {island}: "
-            assert replace.startswith(prefix), replace
-            self.replacements.append(shlex.split(replace[len(prefix):]))
-        self.replacement = self.replacements[0]
         self.others: list[subprocess.Popen] = []
         self.stderr = ""
+        try:
+            first = read_line(self.proc, timeout=90)
+            assert "pathways cluster up at grpc://" in first, first
+            self.address = first.split()[4].rstrip(";")
+            self.ifrt_address = None
+            if "--ifrt-port" in flags:  # printed with the first line, in one write
+                self.ifrt_address = self.proc.stdout.readline().split()[3].rstrip(";")
+            self.replacements = []
+            for island in range(len(islands.split(","))):
+                replace = self.proc.stdout.readline()
+                prefix = f"add or replace a host of island {island}: "
+                assert replace.startswith(prefix), replace
+                self.replacements.append(shlex.split(replace[len(prefix):]))
+            self.replacement = self.replacements[0]
+        except BaseException:
+            self.stop()  # nothing is left running, whatever failed
+            raise
 
     def stop(self) -> None:
         for proc in [*self.others, self.proc]:

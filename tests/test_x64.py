@@ -51,7 +51,9 @@ devices = jax.devices()
 for name, pair in (("one host", devices[:2]), ("two hosts", devices[2:4])):
     rows = NamedSharding(Mesh(np.array(pair), ("x",)), P("x"))
     placed = [jax.device_put(v, rows) for v in VALUES]
-    out[name] = report(placed) + report(jax.jit(compute)(*placed))
+    # an array on the default device resharded by jit: the front end copies it over
+    copied = [jax.jit(lambda a: a, in_shardings=rows)(jax.numpy.asarray(v)) for v in VALUES]
+    out[name] = report(placed) + report(jax.jit(compute)(*placed)) + report(copied)
 single = [jax.device_put(v, devices[0]) for v in VALUES]
 out["one device"] = report(single) + report(jax.jit(compute)(*single))
 print("RESULT", json.dumps(out))

@@ -954,11 +954,14 @@ class IfrtSession:
         from pathways.client.compiled import abstract_mesh
 
         s = NamedSharding(abstract_mesh(layout.mesh_shape, layout.axis_names), PartitionSpec(*layout.spec))
-        # as every pathways function: positional arguments in, a list of outputs out
+        # as every pathways function: positional arguments in, a list of outputs out; with
+        # 64-bit types on, so that a client's int64 or float64 array is copied as it is (the
+        # client typed it; this process's JAX must not narrow it)
         try:
-            exported = jax.export.export(jax.jit(lambda x: [x], in_shardings=[s], out_shardings=[s]),
-                                         platforms=export_platforms(place.slice.kind))(
-                jax.ShapeDtypeStruct(shape, dtype, sharding=s))
+            with jax.enable_x64(True):
+                exported = jax.export.export(jax.jit(lambda x: [x], in_shardings=[s], out_shardings=[s]),
+                                             platforms=export_platforms(place.slice.kind))(
+                    jax.ShapeDtypeStruct(shape, dtype, sharding=s))
         except Exception as e:
             raise IfrtError(t.INTERNAL, f"no copy function for a {dtype.name}{list(shape)} array: {e}") from None
         fn = self.native.allocate(1)
