@@ -57,22 +57,32 @@ def command(reconnect_timeout: float, worker: list[str]) -> list[str]:
 
 def exit_with_parent() -> None:
     """In a child of a local cluster (or of a keeper): exit as soon as the parent process
-    named by PARENT_PID_ENV is gone. Here, in the standard-library-only module, so that the
-    keeper can run it too; every child of the package's processes uses it (cluster.py).
+    named by PARENT_PID_ENV is gone (``parent_gone``, which the keeper checks in its own wait
+    loop instead: it forks its worker, so it must not start a thread). Here, in the
+    standard-library-only module; every child of the package's processes uses it (cluster.py).
 
     A parent-death signal would not do: it follows the thread that forked, and trio
     forks from short-lived worker threads.
     """
-    parent = os.environ.get(PARENT_PID_ENV)
-    if not parent or not parent.isdigit():
+    orphaned = parent_gone()
+    if orphaned is None:
         return
 
     def watch() -> None:
-        while os.getppid() == int(parent):
+        while not orphaned():
             time.sleep(0.25)
         os._exit(1)
 
     threading.Thread(target=watch, name="pathways-parent-watch", daemon=True).start()
+
+
+def parent_gone() -> Callable[[], bool] | None:
+    """Whether the parent process named by PARENT_PID_ENV is gone, as a check to call again
+    and again; None where no parent is named."""
+    parent = os.environ.get(PARENT_PID_ENV, "")
+    if not parent.isdigit():
+        return None
+    return lambda: os.getppid() != int(parent)
 
 
 def main(argv: list[str], start: Callable[[list[str], dict[str, str]], Any] | None = None) -> int:
@@ -83,8 +93,7 @@ def main(argv: list[str], start: Callable[[list[str], dict[str, str]], Any] | No
     start = start or (lambda command, env: subprocess.Popen(command, env=env))
     # The keeper watches its parent in its own wait loop, not on a thread (exit_with_parent):
     # a template's keeper forks its worker, and a fork must come from a single-threaded process.
-    parent = os.environ.get(PARENT_PID_ENV, "")
-    orphaned = (lambda: os.getppid() != int(parent)) if parent.isdigit() else (lambda: False)
+    orphaned = parent_gone() or (lambda: False)
     env = {**os.environ, KEPT_ENV: "1", PARENT_PID_ENV: str(os.getpid()),
            CPP_LOG_LEVEL_ENV: cpp_log_level(os.environ.get(LOG_LEVEL_ENV, ""))}
     env.pop(RECONNECT_UNTIL_ENV, None)

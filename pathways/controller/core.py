@@ -590,7 +590,7 @@ class ControllerCore:
         once it has healed, and only its runs fail until then (what an elastic loop's health
         check needs: its compile waits for the island instead of failing at once)."""
         island = self.islands.by_id.get(island_id)
-        return island is not None and island.health in (Health.LOST, Health.HEALING)
+        return island is not None and island.recovering
 
     def _ranks(self, placement: SlicePlacement) -> dict[int, int]:
         """Each worker of the slice's island rank (a lost host's: the rank it held)."""

@@ -96,6 +96,11 @@ class IslandRecord:
     def healthy(self) -> bool:
         return self.health is Health.HEALTHY
 
+    @property
+    def recovering(self) -> bool:
+        """It lost a host and has not healed yet (lost, or healing)."""
+        return self.health in (Health.LOST, Health.HEALING)
+
     def describe(self) -> str:
         return repr(self.name) if self.name == str(self.id) else f"{self.name!r} (id {self.id})"
 

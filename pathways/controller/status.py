@@ -26,8 +26,7 @@ def status(core: Any) -> dict[str, Any]:
                      "assembling": isl.assembling, "hosts": len(isl.members), "expected_hosts": isl.hosts,
                      "retiring": isl.retiring,
                      # what brings it back, in words (islands.Islands.recovery); None while healthy
-                     "recovery": core.islands.recovery(isl) if isl.health in (Health.LOST, Health.HEALING)
-                     else None,
+                     "recovery": core.islands.recovery(isl) if isl.recovering else None,
                      "devices": sum(w.info.devices for w in workers.values() if w.island == i),
                      "queued": scheduler.queued(i), "inflight": scheduler.inflight(i)}
                     for i, isl in sorted(islands.items())],
