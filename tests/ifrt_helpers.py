@@ -1,8 +1,10 @@
 """Running unmodified JAX scripts under JAX_PLATFORMS=proxy against an IfrtServer."""
 
 import contextlib
+import itertools
 import json
 import os
+import queue
 import subprocess
 import sys
 import textwrap
@@ -10,7 +12,15 @@ import threading
 import time
 from typing import Iterator, Optional
 
+import grpc
+import numpy as np
+
 from pathways.cluster import stop_processes
+from pathways.ifrt import server as ifrt_server
+from pathways.ifrt import types as t
+from pathways.ifrt.proto.xla import xla_data_pb2
+from pathways.ifrt.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as gpb
+from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
 
 # The backend registration pathwaysutils.initialize() does (an installed pathways does it
 # through its jax_plugins entry point; these tests run the package uninstalled); what
@@ -53,11 +63,6 @@ def silent_streams(address: str, count: int, reopen_after: Optional[float] = Non
     and the list of the status codes of the streams that ended, in order. ``reopen_after``:
     seconds after which a stream that ended is opened again, so that ``count`` keep coming
     all along; None: each is opened once."""
-    import grpc
-
-    from pathways.ifrt import server as ifrt_server
-    from pathways.ifrt.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as gpb
-
     meta = gpb.GrpcIfrtSessionMetadata()
     meta.version.protocol_version = ifrt_server.PROTOCOL_MAX
     metadata = ((ifrt_server.SESSION_METADATA, meta.SerializeToString()),)
@@ -76,25 +81,21 @@ def silent_streams(address: str, count: int, reopen_after: Optional[float] = Non
                 return
 
     threads = [threading.Thread(target=stream, daemon=True) for _ in range(count)]
-    for t in threads:
-        t.start()
+    for thread in threads:
+        thread.start()
     try:
         yield channel, ended
     finally:
         done.set()
         channel.close()
-        for t in threads:
-            t.join(timeout=10)
+        for thread in threads:
+            thread.join(timeout=10)
 
 
 class RawStream:
     """One IfrtSession stream spoken by hand: requests from a queue, responses collected by op_id."""
 
     def __init__(self, channel, metadata):
-        import queue
-
-        from pathways.ifrt import server as ifrt_server
-
         self.requests: queue.Queue = queue.Queue()
         self.answered: dict = {}
         self.ended = threading.Event()
@@ -104,10 +105,6 @@ class RawStream:
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self):
-        import grpc
-
-        from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
-
         try:
             for raw in self.call:
                 response = pb.IfrtResponse.FromString(raw)
@@ -119,8 +116,6 @@ class RawStream:
 
     def init(self) -> int:
         """Open the session (op_id 1); its session id."""
-        from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
-
         init = pb.IfrtRequest()
         init.request_metadata.op_id = 1
         init.init_request.SetInParent()
@@ -146,9 +141,106 @@ class RawStream:
 
 def session_metadata(version=25):
     """The metadata of an IfrtSession stream speaking protocol ``version``."""
-    from pathways.ifrt import server as ifrt_server
-    from pathways.ifrt.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as gpb
-
     meta = gpb.GrpcIfrtSessionMetadata()
     meta.version.protocol_version = version
     return ((ifrt_server.SESSION_METADATA, meta.SerializeToString()),)
+
+
+def tiled(devices, tiles):
+    """A sharding over ``devices`` splitting dimension k of an array into ``tiles[k]`` blocks."""
+    op = xla_data_pb2.OpSharding(type=xla_data_pb2.OpSharding.OTHER, tile_assignment_dimensions=list(tiles),
+                                 tile_assignment_devices=list(range(len(devices))))
+    return t.Sharding(tuple(devices), op.SerializeToString())
+
+
+class Proxy:
+    """One IFRT session spoken by hand: host buffers stored, arrays made of them, read back."""
+
+    def __init__(self, address):
+        self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 * (1 << 20))])
+        self.stream = RawStream(self.channel, session_metadata())
+        self.session_id = self.stream.init()
+        self.ops = itertools.count(2)
+        self.handles = itertools.count(100)
+
+    def close(self):
+        self.stream.close()
+        self.channel.close()
+
+    def request(self, fill):
+        """Send the request ``fill`` writes into an IfrtRequest; its response, waited for."""
+        r = pb.IfrtRequest()
+        r.request_metadata.op_id = op = next(self.ops)
+        fill(r)
+        self.stream.send(r.SerializeToString())
+        self.stream.wait([op], timeout=180)
+        assert op in self.stream.answered, f"no answer to op {op}: {self.stream.error}"
+        return self.stream.answered[op]
+
+    def store(self, data):
+        """A new host buffer holding ``data``; its handle."""
+        handle = next(self.handles)
+        meta = gpb.GrpcHostBufferStoreMetadata(session_id=self.session_id, handle=handle, buffer_size=len(data))
+        store = self.channel.stream_unary(f"/{ifrt_server.SERVICE}/HostBufferStore")
+        store(iter([gpb.GrpcHostBufferStoreRequest(data=bytes(data)).SerializeToString()]),
+              metadata=((ifrt_server.STORE_METADATA, meta.SerializeToString()),), timeout=60)
+        return handle
+
+    def make(self, data, strides, dtype, shape, sharding):
+        """An array of ``shape`` made from a host buffer of ``data`` with ``strides`` (None:
+        C order), laid out by ``sharding``, and ready: its handle; the status of the first
+        request that failed instead."""
+        buffer, array = self.store(data), next(self.handles)
+
+        def fill(r):
+            body = r.make_array_from_host_buffer_request
+            body.dtype.CopyFrom(t.dtype_proto(np.dtype(dtype)))
+            body.shape.CopyFrom(t.shape_proto(shape))
+            body.sharding.CopyFrom(t.sharding_proto(sharding))
+            if strides is not None:
+                body.byte_strides.strides.extend(strides)
+            body.host_buffer_handle, body.array_handle = buffer, array
+        return self._ready(self.request(fill), array)
+
+    def make_from_shards(self, shards, dtype, shape, sharding):
+        """An array of ``shape`` made from one host buffer per shard: ``shards[i]`` is shard
+        i's (data, its strides, its shape); ready: its handle, or the failed status."""
+        buffers, array = [self.store(data) for data, _, _ in shards], next(self.handles)
+
+        def fill(r):
+            spec = r.make_arrays_from_host_buffer_shards_request.specs.add()
+            spec.array_spec.dtype.CopyFrom(t.dtype_proto(np.dtype(dtype)))
+            spec.array_spec.shape.CopyFrom(t.shape_proto(shape))
+            spec.array_spec.sharding.CopyFrom(t.sharding_proto(sharding))
+            for i, (buffer, (_, strides, shard_shape)) in enumerate(zip(buffers, shards)):
+                spec.addressable_shard_indices.add(indices=[i])
+                hb = spec.host_buffers.add(host_buffer_handle=buffer)
+                hb.dtype.CopyFrom(t.dtype_proto(np.dtype(dtype)))
+                hb.shape.CopyFrom(t.shape_proto(shard_shape))
+                if strides is not None:
+                    hb.byte_strides.strides.extend(strides)
+            r.make_arrays_from_host_buffer_shards_request.array_handles.append(array)
+        return self._ready(self.request(fill), array)
+
+    def _ready(self, answer, array):
+        if answer.response_metadata.status.code:
+            return answer.response_metadata.status
+        ready = self.request(lambda r: r.check_value_ready_request.value_handles.append(array))
+        return ready.response_metadata.status if ready.response_metadata.status.code else array
+
+    def chunks(self, array):
+        """The array's bytes in C order, as the lookup of its host buffer brings them."""
+        buffer = next(self.handles)
+
+        def fill(r):
+            r.copy_to_host_buffer_request.array_handle = array
+            r.copy_to_host_buffer_request.host_buffer_handle = buffer
+        status = self.request(fill).response_metadata.status
+        assert status.code == 0, status.message
+        lookup = self.channel.unary_stream(f"/{ifrt_server.SERVICE}/HostBufferLookup")
+        request = gpb.GrpcHostBufferLookupRequest(session_id=self.session_id, handle=buffer)
+        for raw in lookup(request.SerializeToString(), timeout=180):
+            yield gpb.GrpcHostBufferLookupResponse.FromString(raw).data
+
+    def read(self, array, dtype, shape):
+        return np.frombuffer(b"".join(self.chunks(array)), dtype).reshape(shape)

@@ -2,6 +2,7 @@
 a client's array to the worker's listener as its bytes arrive and learns whether the
 worker stored it. Real listeners and sockets in this process."""
 
+import contextlib
 import socket
 import threading
 import time
@@ -227,3 +228,78 @@ def test_a_burst_of_puts_uses_a_bounded_number_of_connections(listener, monkeypa
 def _failing():
     raise ValueError("the source gave out")
     yield
+
+
+def test_a_frame_refused_for_the_budget_is_read_past_and_answered_naming_the_budget():
+    """Another connection's frame holds most of the listener's budget: a put that cannot
+    reserve its bytes within the timeout is answered with why (the budget, not a broken
+    connection), its bytes read past, and its connection kept for the next put."""
+    received = []
+    listener = tcp.Listener(lambda head, pieces: received.append(head["handle"]), timeout=1.0,
+                            budget_bytes=64 << 20, connection_bytes=48 << 20)
+    pool = pool_for(listener)
+    holder = socket.create_connection(("127.0.0.1", listener.port))
+    done = threading.Event()
+
+    def hold():  # a byte at a time, each within the listener's timeout
+        while not done.wait(0.2):
+            holder.sendall(b"x")
+
+    try:
+        held = np.zeros(40 << 20, np.uint8)
+        holder.sendall(frames.frame(codec.pack(header(1, held))))
+        threading.Thread(target=hold, daemon=True).start()
+        wait_until(lambda: listener.budget.used >= 40 << 20, timeout=FAST, what="the first frame's reservation")
+        big = np.ones(30 << 20, np.uint8)
+        connection = pool.take("worker")
+        answer = pool.request(connection, header(3, big), chunks_of(big, []))
+        assert answer is not None and "frames on other connections hold" in answer, answer
+        assert "of this listener's budget of 67108864 bytes" in answer and "retry when they are done" in answer
+        assert connection[0].fileno() != -1, "the refused frame's connection is kept"
+        small = np.arange(16, dtype=np.float32)
+        assert pool.request(pool.take("worker"), header(5, small), chunks_of(small, [])) is None
+        assert received == [5]
+    finally:
+        done.set()
+        holder.close()
+        pool.close()
+        listener.close()
+
+
+def test_a_giant_frame_trickled_a_byte_at_a_time_is_dropped_within_a_pace_window():
+    """A 1 GiB frame whose sender sends a byte every 2 s (each read within the timeout) is
+    dropped at the end of its first 20 s window, not after the ~17 minutes an average rate
+    would allow; a sender that asked for an answer is told why, and the receiver of one
+    that did not gets a poison in the array's place, so whoever waits for it learns why."""
+    received = []
+    listener = tcp.Listener(lambda head, pieces: received.append(head), timeout=FAST)
+    giant = {"t": "put", "handle": 9, **codec.whole_array_header(np.dtype(np.uint8), (1 << 30,))}
+    pool = pool_for(listener)
+    try:
+        def trickle():
+            for _ in range(60):
+                yield b"\0"
+                time.sleep(2.0)
+
+        def unanswered():
+            with socket.create_connection(("127.0.0.1", listener.port)) as sock:
+                sock.sendall(frames.frame(codec.pack(giant)))
+                while not received and time.monotonic() - start < 60:
+                    with contextlib.suppress(OSError):
+                        sock.sendall(b"\0")
+                    time.sleep(2.0)
+
+        start = time.monotonic()
+        other = threading.Thread(target=unanswered)
+        other.start()
+        with pytest.raises(pw.WireError, match="came too slowly"):
+            pool.request(pool.take("worker"), {**giant, "handle": 11}, trickle())
+        answered = time.monotonic() - start
+        assert answered < 20 + 2 * FAST, f"the trickled frame was dropped after {answered:.0f} s"
+        other.join(60)
+        assert received and "came too slowly" in received[0].get("poison", ""), received
+        assert received[0]["handle"] == 9 and time.monotonic() - start < 20 + 2 * FAST
+        assert listener.budget.used == 0
+    finally:
+        pool.close()
+        listener.close()

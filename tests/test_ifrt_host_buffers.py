@@ -2,6 +2,7 @@
 and failures reaching whoever reads (pure: threads, no processes)."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -129,3 +130,49 @@ def test_closing_wakes_every_reader_with_the_reason():
     buffers.close("the IFRT session ended")
     reader.join(10)
     assert not reader.is_alive() and errors == ["the IFRT session ended"]
+
+
+def test_a_client_trickling_a_buffer_is_failed_by_the_reader_and_its_store_ended(monkeypatch):
+    """A client's buffer (one whose store can be ended) must keep the minimum pace: its
+    reader, finding a window that brought too few bytes, fails it with DEADLINE_EXCEEDED and
+    ends the store; the store's next chunk gets the same error. A buffer the server fills
+    from a worker (no store to end) may wait as long as the worker computes."""
+    import functools
+
+    from pathways.ifrt import host_buffers
+    from pathways.ifrt.types import DEADLINE_EXCEEDED
+
+    monkeypatch.setattr(host_buffers, "Pace", functools.partial(host_buffers.Pace, rate=1000, window=0.2))
+    buffers = HostBuffers()
+    cancelled = threading.Event()
+    buffer = buffers.open(7, 10_000, cancel=cancelled.set)
+    buffers.add(buffer, b"x")
+    with pytest.raises(IfrtError) as e:
+        list(buffers.chunks(7, timeout=10))
+    assert e.value.code == DEADLINE_EXCEEDED and "came too slowly" in e.value.message
+    assert cancelled.is_set() and buffers.used == 0
+    with pytest.raises(IfrtError) as again:
+        buffers.add(buffer, b"y")
+    assert again.value.code == DEADLINE_EXCEEDED
+
+    served = buffers.open(8, None)  # the server's, from a worker: no pace
+    threading.Timer(0.5, lambda: (buffers.add(served, b"late"), buffers.finish(served))).start()
+    assert [bytes(c) for c in buffers.chunks(8, timeout=10)] == [b"late"]
+
+
+def test_a_store_that_sends_too_slowly_fails_on_its_next_chunk(monkeypatch):
+    import functools
+
+    from pathways.ifrt import host_buffers
+    from pathways.ifrt.types import DEADLINE_EXCEEDED
+
+    monkeypatch.setattr(host_buffers, "Pace", functools.partial(host_buffers.Pace, rate=10_000, window=0.1))
+    buffers = HostBuffers()
+    cancelled = threading.Event()
+    buffer = buffers.open(9, 10_000, cancel=cancelled.set)
+    buffers.add(buffer, b"x" * 100)
+    time.sleep(0.15)
+    with pytest.raises(IfrtError) as e:
+        buffers.add(buffer, b"x")
+    assert e.value.code == DEADLINE_EXCEEDED and "101 bytes in the last 0.1 s" in e.value.message
+    assert not cancelled.is_set(), "the store itself gets the error: nothing to end from outside"

@@ -13,7 +13,11 @@ refused with RESOURCE_EXHAUSTED, naming the limit); an array that its buffers ho
 part (strided: a buffer of 4 bytes with byte strides 0 may stand for gigabytes) counts at
 its full size (``admit``). Every wait is bounded: for a
 buffer not opened yet (the client's ``HostBufferStore`` call and the request that uses
-it travel on different streams) and for its next chunk.
+it travel on different streams) and for its next chunk. A buffer's bytes must keep the
+minimum pace (wire/pace.py): a client that trickles them, holding the workers' receive
+budget and this session's bytes while a put forwards them, has its buffer failed with
+DEADLINE_EXCEEDED within a pace window, by the next chunk it sends or by the reader
+waiting for that chunk, and its ``HostBufferStore`` call ended (``cancel``).
 """
 
 from __future__ import annotations
@@ -24,20 +28,26 @@ from typing import Callable, Iterator, Optional, Union
 
 import numpy as np
 
-from pathways.ifrt.types import IfrtError, INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE
+from pathways.ifrt.types import (DEADLINE_EXCEEDED, INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE,
+                                 IfrtError)
+from pathways.wire.pace import Pace, TooSlow
 
 DEFAULT_LIMIT = 8 << 30
+_PACE_SLACK = 0.05  # seconds a reader waits past a pace window's end, so that the window has ended when it looks
 
 Chunk = Union[bytes, memoryview]
 
 
 class HostBuffer:
     """The chunks of one host buffer so far; ``size``: the bytes announced (None: not
-    known until the last chunk)."""
+    known until the last chunk); ``pace``: the minimum pace of a client's bytes (None for
+    bytes the server reads from workers, which may compute a long while first);
+    ``cancel``: ends the call that stores it, if its bytes fall behind."""
 
-    __slots__ = ("handle", "size", "chunks", "received", "reserved", "done", "error")
+    __slots__ = ("handle", "size", "chunks", "received", "reserved", "done", "error", "pace", "cancel")
 
-    def __init__(self, handle: int, size: Optional[int]) -> None:
+    def __init__(self, handle: int, size: Optional[int], pace: Optional[Pace] = None,
+                 cancel: Optional[Callable[[], None]] = None) -> None:
         self.handle = handle
         self.size = size
         self.chunks: list[Chunk] = []
@@ -45,6 +55,8 @@ class HostBuffer:
         self.reserved = 0  # bytes of the session's limit this buffer holds
         self.done = False
         self.error: Optional[IfrtError] = None
+        self.pace = pace
+        self.cancel = cancel
 
 
 class HostBuffers:
@@ -61,12 +73,14 @@ class HostBuffers:
 
     # ---- filling a buffer ------------------------------------------------------------
 
-    def open(self, handle: int, size: Optional[int]) -> HostBuffer:
+    def open(self, handle: int, size: Optional[int], cancel: Optional[Callable[[], None]] = None) -> HostBuffer:
         """A new buffer ``handle`` of ``size`` bytes (None: unannounced), empty; its bytes
-        come by ``add``, then ``finish`` (or ``fail``)."""
+        come by ``add``, then ``finish`` (or ``fail``). With ``cancel`` (a client's
+        ``HostBufferStore``: it ends that call) its bytes must keep the minimum pace."""
         if size is not None and size < 0:
             raise IfrtError(INVALID_ARGUMENT, f"host buffer size {size} is negative")
-        buffer = HostBuffer(handle, size)
+        pace = None if cancel is None else Pace(f"host buffer {handle}", size)
+        buffer = HostBuffer(handle, size, pace, cancel)
         with self._cond:
             self._check_open()
             if handle in self._buffers:
@@ -79,15 +93,19 @@ class HostBuffers:
 
     def add(self, buffer: HostBuffer, chunk: Chunk) -> None:
         """The next chunk of ``buffer`` (kept as it is: the caller does not change it);
-        dropped when the buffer failed or its reader gave it up."""
+        dropped when the buffer failed or its reader gave it up. DEADLINE_EXCEEDED when
+        the buffer's bytes came too slowly."""
         n = memoryview(chunk).nbytes
         with self._cond:
             self._check_open()
             if buffer.error is not None:
+                if buffer.error.code == DEADLINE_EXCEEDED:
+                    raise buffer.error
                 return
             if buffer.size is not None and buffer.received + n > buffer.size:
                 raise IfrtError(INVALID_ARGUMENT, (
                     f"host buffer {buffer.handle} got more than the {buffer.size} bytes announced"))
+            self._keep_pace(buffer, n, by_reader=False)
             if buffer.size is None:
                 self._take(buffer, n)
             buffer.chunks.append(chunk)
@@ -107,10 +125,29 @@ class HostBuffers:
     def fail(self, buffer: HostBuffer, error: IfrtError) -> None:
         """``buffer`` will not be whole: whoever reads it gets ``error``; its bytes are freed."""
         with self._cond:
+            self._fail_locked(buffer, error)
+
+    def _fail_locked(self, buffer: HostBuffer, error: IfrtError) -> None:
+        if buffer.error is None:  # the first cause is the one its readers hear
             buffer.error = error
-            buffer.chunks = []
-            self._give_back(buffer)
-            self._cond.notify_all()
+        buffer.chunks = []
+        self._give_back(buffer)
+        self._cond.notify_all()
+
+    def _keep_pace(self, buffer: HostBuffer, n: int, by_reader: bool) -> None:
+        """Count ``n`` bytes of ``buffer`` in (none: just look at the clock); a buffer that
+        fell behind the minimum pace fails. Its reader, which found it so while the client
+        sent nothing, ends the call storing it, which waits for the client's next message;
+        that call itself, on a message, ends with the error raised here."""
+        if buffer.pace is None:
+            return
+        try:
+            buffer.pace.arrived(n)
+        except TooSlow as e:
+            self._fail_locked(buffer, IfrtError(DEADLINE_EXCEEDED, str(e)))
+            if by_reader and buffer.cancel is not None:
+                buffer.cancel()
+            raise buffer.error from None
 
     def store(self, handle: int, value: np.ndarray) -> None:
         """Keep ``value`` (its bytes, not copied when contiguous) as the whole of buffer ``handle``."""
@@ -164,7 +201,12 @@ class HostBuffers:
                         if left <= 0:
                             raise IfrtError(UNAVAILABLE, f"host buffer {handle} got no more bytes within {timeout:g} "
                                                          f"s ({buffer.received} arrived)")
-                        self._cond.wait(left)
+                        if buffer.pace is None:
+                            self._cond.wait(left)
+                        else:
+                            self._cond.wait(min(left, buffer.pace.seconds_left() + _PACE_SLACK))
+                            if buffer.error is None and not buffer.done:
+                                self._keep_pace(buffer, 0, by_reader=True)
                     if buffer.error is not None:
                         raise buffer.error
                     if i == len(buffer.chunks):

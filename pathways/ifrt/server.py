@@ -307,7 +307,7 @@ class IfrtServer:
         meta = _metadata(context, STORE_METADATA, gpb.GrpcHostBufferStoreMetadata)
         session = self._find(meta.session_id, context)
         try:
-            buffer = session.buffers.open(meta.handle, meta.buffer_size or None)
+            buffer = session.buffers.open(meta.handle, meta.buffer_size or None, cancel=context.cancel)
         except IfrtError as e:
             context.abort(_grpc_code(e.code), e.message)
         try:

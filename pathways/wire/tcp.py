@@ -52,7 +52,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Hashable, Iterable, Optional
 
 import numpy as np
 
@@ -61,6 +61,7 @@ from pathways.wire import codec
 from pathways.wire import security as sec
 from pathways.wire.addresses import family_of, join_host_port, split_host_port, strip_brackets
 from pathways.wire.frames import LENGTH, frame, recv_exactly
+from pathways.wire.pace import Pace, TooSlow
 from pathways.wire.security import Security
 
 log = logging.getLogger("pathways.wire")
@@ -69,15 +70,16 @@ _MAX_HEADER_BYTES = 1 << 20  # a put header names a few pieces and a layout: kil
 # A header byte can unpack into a 64-byte Python object (an empty list or map), so while a
 # frame's header lives, the frame is charged this many bytes per header byte.
 _HEADER_EXPANSION = 64
-# Beyond the per-read timeout, a frame must arrive at this average rate at least, so that
-# a peer trickling a byte per timeout cannot hold its reservation for ever.
-_MIN_FRAME_RATE = 1 << 20  # bytes per second
+# The share of a listener's budget that one party (a sending worker, a client session) may
+# hold at once: a party that trickles its frames leaves the rest to the others.
+PARTY_SHARE = 0.5
 _COALESCE_BYTES = 64 * 1024  # pieces up to this size are copied into the frame's one write
 # Each connection reads through a buffer this large: a small frame (its length, header and
 # coalesced pieces, sent in one write) then arrives in one recv.
 _READ_BUFFER = 128 * 1024
 MAX_PROBE_BYTES = 8 * 1024 * 1024
 _SCRATCH_BYTES = 1 << 20  # probe payloads and refused frames' bytes are read into a buffer this large, and dropped
+_SMALL_SCRATCH_BYTES = 64 * 1024  # ... or this large, uncharged, where the budget is spent
 # A send is written in pieces this large, each within the timeout (a socket's timeout bounds
 # a whole sendall): a large array on a slow link is progress, a stalled peer is not.
 _SEND_PIECE = 4 << 20
@@ -100,38 +102,85 @@ Admit = Callable[[dict], Optional[str]]
 # screen(sender, header) says, before a frame's bytes are read, whether to read the frame that
 # the sender ``admit`` let in (its hello's "from") sent: None to read it, else the refusal
 Screen = Callable[[int, Any], Optional[str]]
+# parties(sender, header) names whom a frame's bytes are charged to besides the listener's
+# budget (``Budget``): the sender its hello proved (None without ``admit``), a session, ...
+Parties = Callable[[Optional[int], dict], tuple[Hashable, ...]]
 
 
 class Budget:
     """The bytes that frames being received may hold, across all connections of a listener.
     A frame reserves its buffers here before allocating them and releases them once its
     receiver has taken them, so many peers announcing large frames and trickling their
-    bytes cannot together hold more than ``capacity``."""
+    bytes cannot together hold more than ``capacity``. A frame is charged to its parties
+    too (a sender, a client session: the listener's ``parties`` names them), each of which
+    may hold at most ``share`` of the capacity at once, so that no one sender or session
+    holds all of it while others' transfers wait."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, share: float = PARTY_SHARE) -> None:
         self.capacity = capacity
+        self.share = int(capacity * share)
         self._used = 0
+        self._held: dict[Hashable, int] = {}  # party -> bytes its frames hold
         self._changed = threading.Condition()
 
     @property
     def used(self) -> int:
         return self._used
 
-    def reserve(self, nbytes: int, timeout: float) -> bool:
-        """Take ``nbytes``, waiting up to ``timeout`` seconds for other frames to finish;
-        False if they did not."""
-        if nbytes > self.capacity:
-            return False
-        with self._changed:
-            if not self._changed.wait_for(lambda: self._used + nbytes <= self.capacity, timeout):
-                return False
-            self._used += nbytes
-            return True
+    def held(self, party: Hashable) -> int:
+        return self._held.get(party, 0)
 
-    def release(self, nbytes: int) -> None:
+    def reserve(self, nbytes: int, timeout: float, parties: tuple[Hashable, ...] = ()) -> Optional[str]:
+        """Take ``nbytes`` for a frame of ``parties``, waiting up to ``timeout`` seconds for
+        other frames to finish; None once taken, else why not (the budget or a party's
+        share stayed short)."""
+        if nbytes > self.capacity:
+            return f"more than this listener's whole budget of {self.capacity} bytes"
+        if parties and nbytes > self.share:
+            return f"more than the {self.share} bytes that one {_party(parties[0])} may hold here"
+
+        def fits() -> bool:
+            return (self._used + nbytes <= self.capacity
+                    and all(self._held.get(p, 0) + nbytes <= self.share for p in parties))
+
+        with self._changed:
+            if not self._changed.wait_for(fits, timeout):
+                full = next((p for p in parties if self._held.get(p, 0) + nbytes > self.share), None)
+                if full is not None:
+                    return (f"other frames of {_party(full)} hold {self._held.get(full, 0)} of the {self.share} bytes "
+                            f"it may hold here for longer than {timeout:g} s")
+                return (f"frames on other connections hold {self._used} of this listener's budget of "
+                        f"{self.capacity} bytes for longer than {timeout:g} s")
+            self._used += nbytes
+            for p in parties:
+                self._held[p] = self._held.get(p, 0) + nbytes
+            return None
+
+    def release(self, nbytes: int, parties: tuple[Hashable, ...] = ()) -> None:
         with self._changed:
             self._used -= nbytes
+            for p in parties:
+                left = self._held[p] - nbytes
+                if left:
+                    self._held[p] = left
+                else:
+                    del self._held[p]
             self._changed.notify_all()
+
+
+def _party(party: Hashable) -> str:
+    """A party's name in an error: ("worker", 3) -> "worker 3"."""
+    return " ".join(map(str, party)) if isinstance(party, tuple) else str(party)
+
+
+class _OverBudget(WireError):
+    """A frame refused because the listener's budget, or its party's share of it, stayed
+    short: its bytes are read past and the connection kept."""
+
+
+def _sender_party(sender: Optional[int], header: dict) -> tuple[Hashable, ...]:
+    """The parties a frame is charged to where the listener's owner names none: its sender."""
+    return () if sender is None else (("sender", sender),)
 
 
 class _Refused(WireError):
@@ -159,19 +208,26 @@ class Listener:
 
     Memory is bounded: a frame (its header and its pieces) may hold at most
     ``connection_bytes`` (by default a quarter of this host's memory), and all frames being
-    received at once at most ``budget_bytes`` (by default half of it). A frame that cannot reserve its
-    bytes within ``timeout`` seconds is refused and its connection closed: waiting a while
-    lets a burst of legitimate transfers through one after another, and refusing after it
-    keeps a peer that never finishes from stalling every other one."""
+    received at once at most ``budget_bytes`` (by default half of it), of which one party
+    (``parties``: by default the sender a hello proved) at most PARTY_SHARE. A frame that
+    cannot reserve its bytes within ``timeout`` seconds is refused: waiting a while lets a
+    burst of legitimate transfers through one after another, and refusing after it keeps a
+    peer that never finishes from stalling every other one. A refused frame's bytes are read
+    past (none kept, the connection kept) and the refusal answered, or, for a frame that
+    asked for no answer, handed to the receiver in the array's place as a poison (the run
+    that reads the array fails, naming the budget). A frame's bytes must keep the minimum
+    pace (pace.py) as they come, or the frame is dropped and its connection closed.
+    """
 
     def __init__(self, receive: Receive, timeout: float, host: str = "127.0.0.1", security: Security | None = None,
                  budget_bytes: int | None = None, connection_bytes: int | None = None,
-                 admit: Admit | None = None, screen: Screen | None = None) -> None:
+                 admit: Admit | None = None, screen: Screen | None = None, parties: Parties | None = None) -> None:
         if screen is not None and admit is None:
             raise ValueError("a data listener screens frames by the sender a hello proved: screen needs admit")
         self._security = security or Security()
         self._admit = admit
         self._screen = screen
+        self._parties = parties or _sender_party
         sec.check_bind(host, self._security, "the worker's data listener")
         self._tls = sec.server_context(self._security) if self._security.data_plane_tls else None
         self._receive = receive
@@ -187,6 +243,7 @@ class Listener:
         self._ungreeted = 0  # connections served that have not greeted yet
         self.turned_away = sec.Refusals()  # connections closed on arrival: MAX_UNGREETED others had not greeted
         self.refused = sec.Refusals()  # connections refused at their greeting
+        self.over_budget = sec.Refusals()  # frames refused: the budget, or their party's share, stayed short
         self._lock = threading.Lock()
         threading.Thread(target=self._accept, name="pathways-data-accept", daemon=True).start()
 
@@ -283,7 +340,7 @@ class Listener:
         # a frame each read waits at most the timeout.
         if not reader.wait_for_frame(None if greeted else sec.HELLO_SECONDS):
             return None
-        length = reader.take(LENGTH.size, None)
+        length = reader.take(LENGTH.size)
         if length is None:
             return None
         (n,) = LENGTH.unpack(length)
@@ -291,11 +348,11 @@ class Listener:
             raise _Refused(sec.refusal("worker"), f"its first frame ({n} bytes) is too long to be a hello")
         if n > _MAX_HEADER_BYTES:
             raise WireError(f"a data frame header of {n} bytes exceeds {_MAX_HEADER_BYTES}")
-        held = 0
+        held: list[tuple[int, tuple[Hashable, ...]]] = []  # what the frame reserved, and for whom
+        reader.start_pace("a data frame", n)
         try:
-            held = self._reserve(n * _HEADER_EXPANSION, 0, "its header")
-            deadline = time.monotonic() + self._timeout + n / _MIN_FRAME_RATE
-            raw = reader.take(n, deadline) if n <= _READ_BUFFER else reader.read(n, deadline)
+            self._reserve(held, n * _HEADER_EXPANSION, (), "its header")
+            raw = reader.take(n) if n <= _READ_BUFFER else reader.read(n)
             if raw is None:
                 return None
             header = codec.unpack(raw)
@@ -314,40 +371,45 @@ class Listener:
                 raise WireError("a data frame header must be a map")
             if header.get("t") == "probe":
                 n = _probe_bytes(header)
-                held += self._reserve(min(n, _SCRATCH_BYTES), held, "a probe")
-                return self._answer_probe(reader, n, deadline + n / _MIN_FRAME_RATE)
+                reader.pace.expect(n)
+                self._reserve(held, min(n, _SCRATCH_BYTES), (), "a probe")
+                return self._answer_probe(reader, n)
             answered = header.get("answer") is True
             poison = "poison" in header  # a poison stands for the array: it carries no pieces
             if not poison:
                 dtype, _, specs = codec.piece_specs(header)
                 sizes = [dtype.itemsize * math.prod(shape) for _, shape in specs]
             nbytes = 0 if poison else sum(sizes)
+            reader.pace.expect(nbytes)
             if self._screen is not None:
                 refusal = self._screen(reader.sender, header)
-                deadline = time.monotonic() + self._timeout  # the screen may have waited: the bytes' time starts now
                 if refusal is not None:  # its bytes are read past, none kept; the next frame may be welcome
-                    held += self._reserve(min(nbytes, _SCRATCH_BYTES), held, "a refused frame")
-                    if not _read_past(reader, nbytes, deadline + nbytes / _MIN_FRAME_RATE):
-                        return None
-                    if answered:
-                        reader.conn.sendall(_answer(refusal))
-                    return True
+                    return self._read_past(reader, held, header, nbytes, refusal, answered, poison=False)
+                reader.start_pace("a data frame", nbytes)  # the screen may have waited: the bytes' time starts now
             pieces = []
             if not poison:
+                parties = self._parties(reader.sender, header)
                 try:
-                    held += self._reserve(nbytes, held, (len(specs), dtype))
+                    self._reserve(held, nbytes, parties, (len(specs), dtype))
+                except _OverBudget as e:  # wait for nothing more: read the bytes past and say why
+                    if over := self.over_budget.add():
+                        log.error("refused a data frame of %s: %s (%d refused so far)",
+                                  ", ".join(map(_party, parties)) or "a peer", e, over)
+                    return self._read_past(reader, held, header, nbytes, str(e), answered, poison=True)
                 except WireError as e:  # the sender waits for an answer: give it this one, then close
                     if answered:
                         _answer_closing(reader.conn, str(e))
                     raise
-                deadline += nbytes / _MIN_FRAME_RATE
                 try:
                     for (index, shape), size in zip(specs, sizes):
                         array = codec.aligned_empty(shape, dtype)
-                        if size and not reader.read_into(memoryview(array.reshape(-1).view(np.uint8)), deadline):
+                        if size and not reader.read_into(memoryview(array.reshape(-1).view(np.uint8))):
                             return None
                         pieces.append((index, array))
-                except (OSError, WireError) as e:  # too slow: say so to a sender that reads answers, then close
+                except TooSlow as e:  # a trickle: the sender is told, or the array's reader
+                    self._dropped(reader, header, answered, str(e))
+                    raise
+                except (OSError, WireError) as e:  # they stopped: say so to a sender that reads answers, then close
                     if answered:
                         _answer_closing(reader.conn, f"its bytes stopped coming ({type(e).__name__}: {e})")
                     raise
@@ -358,24 +420,72 @@ class Listener:
                 log.error("refused an array from a peer: %s", error)
             return True
         finally:
-            self.budget.release(held)
+            reader.pace = None
+            for nbytes, parties in held:
+                self.budget.release(nbytes, parties)
 
-    def _reserve(self, nbytes: int, held: int, what: str | tuple[int, np.dtype]) -> int:
-        """Reserve ``nbytes`` more for a frame already holding ``held``; WireError if the
-        frame would exceed its connection's cap, or the listener's budget stays short.
-        ``what`` says what for: words, or the count and dtype of an array's pieces (worded
-        only for an error: formatting a dtype costs more than the reservation)."""
-        if held + nbytes > self._connection_bytes:
-            raise WireError(f"a data frame needs {held + nbytes} bytes for {_worded(what)}, more than the "
+    def _reserve(self, held: list[tuple[int, tuple[Hashable, ...]]], nbytes: int, parties: tuple[Hashable, ...],
+                 what: str | tuple[int, np.dtype]) -> None:
+        """Reserve ``nbytes`` more, for ``parties``, for a frame that holds ``held`` (to
+        which the reservation is added); WireError if the frame would exceed its
+        connection's cap, _OverBudget if the listener's budget or a party's share stays
+        short. ``what`` says what for: words, or the count and dtype of an array's pieces
+        (worded only for an error: formatting a dtype costs more than the reservation)."""
+        total = sum(n for n, _ in held) + nbytes
+        if total > self._connection_bytes:
+            raise WireError(f"a data frame needs {total} bytes for {_worded(what)}, more than the "
                             f"{self._connection_bytes} bytes one connection may hold; send smaller pieces")
-        if not self.budget.reserve(nbytes, self._timeout):
-            raise WireError(f"a data frame needs {nbytes} bytes for {_worded(what)} but frames on other connections "
-                            f"hold {self.budget.used} of this listener's {self.budget.capacity} for longer "
-                            f"than {self._timeout} s; retry when they are done, or send smaller pieces")
-        return nbytes
+        short = self.budget.reserve(nbytes, self._timeout, parties)
+        if short is not None:
+            raise _OverBudget(f"a data frame needs {nbytes} bytes for {_worded(what)}, {short}; retry when they "
+                              "are done, or send smaller pieces")
+        held.append((nbytes, parties))
 
-    def _answer_probe(self, reader: "_Reader", n: int, deadline: float) -> bool | None:
-        if not _read_past(reader, n, deadline):
+    def _read_past(self, reader: "_Reader", held: list[tuple[int, tuple[Hashable, ...]]], header: dict,
+                   nbytes: int, refusal: str, answered: bool, poison: bool) -> bool | None:
+        """Refuse a frame whose header has been read: read its ``nbytes`` past (none kept),
+        then answer the sender with ``refusal``, or, where it asked for no answer and
+        ``poison`` says the array is awaited, hand the receiver a poison in its place."""
+        try:
+            if not _read_past(reader, nbytes, self._reserve_scratch(held, min(nbytes, _SCRATCH_BYTES))):
+                return None
+        except TooSlow as e:  # a refused trickle: told why it ends, if it listens; no poison for it
+            if answered:
+                _answer_closing(reader.conn, str(e))
+            raise
+        if answered:
+            reader.conn.sendall(_answer(refusal))
+        elif poison:
+            self._poisoned(header, refusal)
+        return True
+
+    def _reserve_scratch(self, held: list[tuple[int, tuple[Hashable, ...]]], nbytes: int) -> int:
+        """The size of the scratch buffer a refused frame's bytes are read into: ``nbytes``,
+        charged to the budget, where it has them now (a refusal is not queued behind the
+        frames it was refused for), else a small one."""
+        if self.budget.reserve(nbytes, 0.0) is None:
+            held.append((nbytes, ()))
+            return nbytes
+        return min(nbytes, _SMALL_SCRATCH_BYTES)
+
+    def _dropped(self, reader: "_Reader", header: dict, answered: bool, why: str) -> None:
+        """A frame whose bytes came too slowly is dropped: its sender is told, if it reads
+        answers, else its receiver gets a poison in the array's place (a sender that died
+        mid-frame gets none: its island's loss is what the array's reader learns)."""
+        if answered:
+            _answer_closing(reader.conn, why)
+        else:
+            self._poisoned(header, f"the data listener dropped the array: {why}")
+
+    def _poisoned(self, header: dict, why: str) -> None:
+        """Hand the receiver the array of ``header`` as a poison saying ``why``: whoever
+        waits for it learns why it will not come."""
+        error = self._receive({**header, "poison": why, "kind": "RemoteError"}, [])
+        if error:
+            log.error("a refused array could not be poisoned: %s", error)
+
+    def _answer_probe(self, reader: "_Reader", n: int) -> bool | None:
+        if not _read_past(reader, n, min(n, _SCRATCH_BYTES)):
             return None
         reader.conn.sendall(_probe_frame(n))
         return True
@@ -394,7 +504,8 @@ class _Reader:
     """A connection's bytes, read through a buffer, so that a small frame costs one recv
     and no change of the socket's timeout: the socket blocks while it waits for a frame to
     begin, and gets the per-read timeout only when a frame is still incomplete after its
-    first read. Large pieces go from the socket straight into their arrays."""
+    first read. Large pieces go from the socket straight into their arrays. Within a frame
+    (``start_pace``), every byte read counts towards its pace, which ends a trickle."""
 
     def __init__(self, conn: socket.socket, timeout: float, until: Optional[float] = None) -> None:
         self.conn = conn
@@ -408,6 +519,13 @@ class _Reader:
         self._start = self._end = 0  # the unread bytes are _buffer[_start:_end]
         self._waits: Optional[float] = -1.0  # the timeout given to the socket (None: it blocks); none yet
         self.sender: Optional[int] = None  # who its hello proved the peer is (a listener's ``admit``)
+        self.pace: Optional[Pace] = None  # of the frame being read
+
+    def start_pace(self, what: str, nbytes: int) -> None:
+        """The frame's next ``nbytes`` (some of them read into the buffer already) must keep
+        the minimum pace from now on."""
+        self.pace = Pace(what, nbytes, grace=self._timeout)
+        self.pace.arrived(min(nbytes, self._end - self._start))
 
     def _wait(self, timeout: Optional[float]) -> None:
         if self.until is not None:
@@ -419,9 +537,15 @@ class _Reader:
             self.conn.settimeout(timeout)
             self._waits = timeout
 
+    def _recv_into(self, view: memoryview) -> int:
+        n = self.conn.recv_into(view)
+        if n and self.pace is not None:
+            self.pace.arrived(n)
+        return n
+
     def _fill(self) -> bool:
         """Append what the socket has to the buffer (at least a byte); False at its end."""
-        n = self.conn.recv_into(self._view[self._end:])
+        n = self._recv_into(self._view[self._end:])
         self._end += n
         return n > 0
 
@@ -434,10 +558,9 @@ class _Reader:
         self._wait(idle)
         return self._fill()
 
-    def take(self, n: int, deadline: Optional[float]) -> Optional[memoryview]:
+    def take(self, n: int) -> Optional[memoryview]:
         """The next ``n`` bytes (at most the buffer's size) as a view of the buffer, valid
-        until the next read; None if the connection ended first. Past ``deadline``
-        (time.monotonic()) raises WireError."""
+        until the next read; None if the connection ended first."""
         if self._end - self._start < n:
             if len(self._buffer) - self._start < n:  # move the unread bytes to the front
                 unread = self._end - self._start
@@ -447,44 +570,43 @@ class _Reader:
                 self._wait(self._timeout)
                 if not self._fill():
                     return None
-                _check_deadline(deadline, n - (self._end - self._start))
         view = self._view[self._start:self._start + n]
         self._start += n
         return view
 
-    def read_into(self, view: memoryview, deadline: float) -> bool:
+    def read_into(self, view: memoryview) -> bool:
         """Fill ``view``: from the buffer first, then straight from the socket; False if
-        the connection ended first. Past ``deadline`` raises WireError."""
+        the connection ended first."""
         k = min(len(view), self._end - self._start)
         view[:k] = self._view[self._start:self._start + k]
         self._start += k
-        if k == len(view):
-            return True
-        self._wait(self._timeout)
-        return recv_exactly(self.conn, view[k:], deadline)
+        view = view[k:]
+        if view:
+            self._wait(self._timeout)
+        while view:
+            n = self._recv_into(view)
+            if n == 0:
+                return False
+            view = view[n:]
+        return True
 
-    def read(self, n: int, deadline: float) -> Optional[bytearray]:
+    def read(self, n: int) -> Optional[bytearray]:
         """The next ``n`` bytes, in a buffer of their own; None if the connection ended."""
         out = bytearray(n)
-        return out if self.read_into(memoryview(out), deadline) else None
+        return out if self.read_into(memoryview(out)) else None
 
 
-def _read_past(reader: _Reader, n: int, deadline: float) -> bool:
-    """Read the next ``n`` bytes and drop them, through a scratch buffer of at most
-    _SCRATCH_BYTES; False if the connection ended first. Past ``deadline`` raises WireError."""
-    scratch = memoryview(bytearray(min(n, _SCRATCH_BYTES)))
+def _read_past(reader: _Reader, n: int, scratch_bytes: int) -> bool:
+    """Read the next ``n`` bytes and drop them, through a scratch buffer of
+    ``scratch_bytes``; False if the connection ended first."""
+    scratch = memoryview(bytearray(max(1, min(n, scratch_bytes))))
     left = n
     while left:
         step = min(left, len(scratch))
-        if not reader.read_into(scratch[:step], deadline):
+        if not reader.read_into(scratch[:step]):
             return False
         left -= step
     return True
-
-
-def _check_deadline(deadline: Optional[float], missing: int) -> None:
-    if deadline is not None and missing > 0 and time.monotonic() > deadline:
-        raise WireError(f"a frame did not arrive before its deadline ({missing} bytes were still missing)")
 
 
 def _worded(what: str | tuple[int, np.dtype]) -> str:
@@ -650,9 +772,23 @@ def _answer(error: Optional[str], closing: bool = False) -> bytes:
 
 def _answer_closing(conn: socket.socket, error: str) -> None:
     """Tell the sender on ``conn`` why its frame is dropped, before the connection closes
-    (a sender already gone hears nothing)."""
+    (a sender already gone hears nothing). The sender may still be writing: closing with
+    its bytes unread would reset the connection, and a reset can discard the answer before
+    the sender reads it, so the listener stops writing and reads past what still comes for
+    a moment (_ANSWER_GRACE_SECONDS) first."""
     with contextlib.suppress(OSError):
         conn.sendall(_answer(error, closing=True))
+        conn.shutdown(socket.SHUT_WR)
+        _drain(conn, time.monotonic() + _ANSWER_GRACE_SECONDS)
+
+
+def _drain(conn: socket.socket, until: float) -> None:
+    """Read and drop what ``conn`` brings until the peer closes it or ``until``."""
+    scratch = bytearray(_SMALL_SCRATCH_BYTES)
+    while (left := until - time.monotonic()) > 0:
+        conn.settimeout(left)
+        if conn.recv_into(scratch) == 0:
+            return
 
 
 @dataclass(frozen=True)

@@ -11,15 +11,19 @@ end puts its clients' arrays this way, each with the session's credential.
 
 Peers may connect before this worker has its key (they learn of it as it registers, on
 other connections), so a hello waits for the key a bounded time.
+
+The listener's receive budget is shared by parties (``frame_parties``): each peer worker,
+and each client session whose arrays the controller puts, may hold half of it at most.
 """
 
 from __future__ import annotations
 
 import hmac
 import threading
-from typing import Optional
+from typing import Any, Hashable, Optional
 
 from pathways.errors import ConnectError
+from pathways.protocol.handles import MAX_HANDLE, session_of
 from pathways.protocol.messages import CONTROLLER_SENDER, DataKey, Peers, data_ticket
 from pathways.wire.security import HELLO_SECONDS
 
@@ -70,3 +74,18 @@ class PeerTickets:
         with self._cond:
             self.refused += 1
         return refusal
+
+
+def frame_parties(sender: Optional[int], header: Any) -> tuple[Hashable, ...]:
+    """Whom a data frame's bytes are charged to on this worker's listener (tcp.Budget): a
+    peer's frames to that worker; the controller's, which carry its IFRT clients' arrays,
+    to the client session of the array, so that one session's trickled puts leave the
+    rest of the budget to the other sessions and to the peers."""
+    if sender is None:
+        return ()
+    if sender != CONTROLLER_SENDER:
+        return (("worker", sender),)
+    handle = header.get("handle") if type(header) is dict else None
+    if type(handle) is int and 0 <= handle <= MAX_HANDLE:
+        return (("session", session_of(handle)),)
+    return (("controller", sender),)

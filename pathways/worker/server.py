@@ -62,7 +62,7 @@ from pathways.wire.tls_socket import SharedTlsSocket
 from pathways import keeper
 from pathways.worker import native_stdout
 from pathways.worker.island import IslandMembership, configure_jax, worker_hosts
-from pathways.worker.peers import PeerTickets
+from pathways.worker.peers import PeerTickets, frame_parties
 from pathways.worker.sessions import GRPC_THREADS
 
 if TYPE_CHECKING:  # imported when needed: the core takes JAX's devices, which exist after configure_jax
@@ -423,7 +423,7 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
             # Data-plane peers get the heartbeat timeout too: a frozen peer must not hold a send or
             # a half-received frame for longer than the controller takes to declare it lost.
             listener = tcp.Listener(receive_frame, heartbeat_timeout, host=bind, security=security,
-                                    admit=tickets.admit, screen=screen_frame)
+                                    admit=tickets.admit, screen=screen_frame, parties=frame_parties)
             server, port = rpc.make_server(rpc.WORKER_SERVICE, service.handlers(), host=bind, security=security,
                                            max_workers=GRPC_THREADS)
             reservation = PortReservation(bind) if island.hosts > 1 else None

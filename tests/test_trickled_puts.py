@@ -1,0 +1,105 @@
+"""Trickled giant puts through the IFRT front end, at full size: a client-token holder
+stores host buffers of gigabytes at a byte every 8 s and makes arrays of them. The front
+end forwards each to the worker's data listener as its bytes come; the worker reserves the
+array's bytes from its receive budget, charged to the put's session, which may hold half
+of it. Each trickled put ends within a minute (the minimum pace, on both the front end and
+the worker), naming the pace; meanwhile another session's puts go through and read back
+exactly. Real processes, real gRPC, real sockets."""
+
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from ifrt_helpers import Proxy
+from pathways.cluster import Island, LocalCluster
+from pathways.ifrt import server as ifrt_server
+from pathways.ifrt import types as t
+from pathways.ifrt.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as gpb
+from pathways.wire.codec import host_memory_bytes
+
+# Two such puts exceed one session's share of a worker's receive budget (half of half of
+# the host's memory), and both fit in the session's 8 GiB of host buffers on a host of 24 GiB.
+GIANT = host_memory_bytes() // 7 // 4 * 4
+TRICKLE_SECONDS = 8.0
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """One host of 2 devices whose controller serves IFRT, as `pathways up --ifrt-port` does."""
+    c = LocalCluster([Island(1, 2)], ifrt_port=0).start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def trickled_put(proxy: Proxy, stop: threading.Event, outcome: dict) -> None:
+    """Store a GIANT host buffer a byte every TRICKLE_SECONDS and make a float32 array of it
+    on device 0; ``outcome``: the seconds until the array's readiness failed, its status,
+    and how the store call ended."""
+    buffer, array = next(proxy.handles), next(proxy.handles)
+    meta = gpb.GrpcHostBufferStoreMetadata(session_id=proxy.session_id, handle=buffer, buffer_size=GIANT)
+    store = proxy.channel.stream_unary(f"/{ifrt_server.SERVICE}/HostBufferStore")
+
+    def trickle():
+        yield gpb.GrpcHostBufferStoreRequest(data=b"\0").SerializeToString()
+        while not stop.wait(TRICKLE_SECONDS):
+            yield gpb.GrpcHostBufferStoreRequest(data=b"\0").SerializeToString()
+
+    def stored():
+        try:
+            store(trickle(), metadata=((ifrt_server.STORE_METADATA, meta.SerializeToString()),), timeout=300)
+            outcome["store"] = "finished"
+        except grpc.RpcError as e:
+            outcome["store"] = e.code()
+
+    storing = threading.Thread(target=stored, daemon=True)
+    start = time.monotonic()
+    storing.start()
+
+    def fill(r):
+        body = r.make_array_from_host_buffer_request
+        body.dtype.CopyFrom(t.dtype_proto(np.dtype(np.float32)))
+        body.shape.CopyFrom(t.shape_proto((GIANT // 4,)))
+        body.sharding.CopyFrom(t.sharding_proto(t.replicated((0,))))
+        body.host_buffer_handle, body.array_handle = buffer, array
+    outcome["status"] = proxy._ready(proxy.request(fill), array)
+    outcome["seconds"] = time.monotonic() - start
+    storing.join(60)
+
+
+def test_trickled_giant_puts_end_within_a_minute_while_another_sessions_puts_go_through(cluster):
+    address = cluster.ifrt_address.removeprefix("grpc://")
+    attacker, honest = Proxy(address), Proxy(address)
+    stop = threading.Event()
+    outcomes = [{}, {}]
+    threads = [threading.Thread(target=trickled_put, args=(attacker, stop, o), daemon=True) for o in outcomes]
+    try:
+        for thread in threads:
+            thread.start()
+        time.sleep(3.0)  # the trickled puts hold their reservations now
+        began = time.monotonic()
+        rng = np.random.default_rng(0)
+        for device in (0, 1, 0, 1):
+            value = rng.standard_normal(16 << 20, dtype=np.float32)  # 64 MiB
+            array = honest.make(value.tobytes(), None, np.float32, value.shape, t.replicated((device,)))
+            assert isinstance(array, int), f"an honest put failed: {array}"
+            np.testing.assert_array_equal(honest.read(array, np.float32, value.shape), value)
+        honest_seconds = time.monotonic() - began
+        assert all("seconds" not in o for o in outcomes), "the honest puts went through while the trickles held"
+        for thread in threads:
+            thread.join(90)
+    finally:
+        stop.set()
+        attacker.close()
+        honest.close()
+    for outcome in outcomes:
+        status = outcome["status"]
+        assert not isinstance(status, int), "a trickled put of gigabytes cannot have succeeded"
+        assert "came too slowly" in status.message and "minimum pace" in status.message, status.message
+        assert outcome["seconds"] < 60, f"a trickled put ended after {outcome['seconds']:.0f} s"
+        assert outcome["store"] != "finished", "the trickling store call was ended"
+    assert honest_seconds < 30, f"the honest puts took {honest_seconds:.0f} s"
