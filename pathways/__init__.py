@@ -15,7 +15,7 @@ from typing import Any
 
 from pathways.errors import (AccessDeniedError, ArrayDeletedError, AuthenticationError, ConnectError,
                              ControllerLostError, DeadlineExceededError, PathwaysError, PlacementError,
-                             ProgramTraceError, RemoteError, SignatureError, SpmdError,
+                             ProgramTraceError, RemoteError, ResourceExhaustedError, SignatureError, SpmdError,
                              SuspendedError, WireError, WorkerLostError)
 
 __version__ = "0.1.0"
@@ -24,7 +24,7 @@ __all__ = [
     "AccessDeniedError", "Array", "ArrayDeletedError", "AuthenticationError", "ConnectError", "ControllerLostError",
     "DeadlineExceededError", "Island", "NamedSharding",
     "P", "PartitionSpec", "PathwaysError", "PlacementError", "ProgramTraceError", "RemoteError",
-    "SignatureError", "Slice", "SpmdError", "SuspendedError", "VirtualDeviceSet", "VirtualMesh", "WireError", "WorkerLostError", "conduct",
+    "ResourceExhaustedError", "SignatureError", "Slice", "SpmdError", "SuspendedError", "VirtualDeviceSet", "VirtualMesh", "WireError", "WorkerLostError", "conduct",
     "connect", "default_session", "device_get", "device_put", "disconnect", "jit", "local_cluster",
     "make_virtual_device_set", "pipeline", "pmap", "program", "resume", "spmd", "suspend", "trace",
 ]

@@ -169,11 +169,13 @@ class LocalCluster:
                  security: Security | None = None, heartbeat_timeout: Optional[float] = None,
                  ifrt_port: Optional[int] = None, restart_workers: bool = True,
                  restart_controller: bool = False, suspend_dir: Optional[str] = None,
-                 run_timeout: Optional[float] = None) -> None:
+                 run_timeout: Optional[float] = None, session_memory: Optional[int] = None) -> None:
         if not islands or any(i.hosts < 1 or i.devices_per_host < 1 for i in islands):
             raise ValueError("a local cluster needs at least one island of hosts >= 1 and devices_per_host >= 1")
         if policy not in ("fair", "fifo") or window < 1:
             raise ValueError(f"policy must be 'fair' or 'fifo' and window >= 1, got {policy!r} and {window}")
+        if session_memory is not None and session_memory < 0:
+            raise ValueError(f"session_memory must be a number of bytes, 0 or more (0: no limit), got {session_memory}")
         if ifrt_port is not None and not 0 <= ifrt_port < 65536:
             raise ValueError(f"ifrt_port must be a port number, 0 to 65535 (0: any free port), got {ifrt_port}")
         self.islands = list(islands)
@@ -191,6 +193,8 @@ class LocalCluster:
                                                                                         "heartbeat_timeout")
         self.ifrt_port = ifrt_port
         self.suspend_dir = suspend_dir  # where the workers may write suspended sessions' files
+        # bytes of arrays a session may hold on each worker (0: no limit); None: the workers' default
+        self.session_memory = session_memory
         # seconds an island may go without finishing a run in flight before it is reset; None: never
         self.run_timeout = None if run_timeout is None else check_timeout(run_timeout, "run_timeout")
         self.restart_workers = restart_workers
@@ -231,7 +235,10 @@ class LocalCluster:
         return _python_cmd("worker", "--controller", str(self.address), "--platform", "cpu",
                            "--devices", str(island.devices_per_host), "--launcher", "none",
                            "--island", str(island_id), "--island-hosts", str(island.hosts),
-                           *sec.child_flags(self.security), *tokens, *beats)
+                           *sec.child_flags(self.security), *tokens, *beats, *self._quota_flags())
+
+    def _quota_flags(self) -> list[str]:
+        return [] if self.session_memory is None else ["--session-memory", str(self.session_memory)]
 
     @property
     def num_workers(self) -> int:
@@ -295,6 +302,7 @@ class LocalCluster:
                     options = ["--unsafe-local-order"] if self.unsafe_local_order else []
                     if self.suspend_dir:
                         options += ["--suspend-dir", self.suspend_dir]
+                    options += self._quota_flags()
                     for island_id, island in enumerate(self.islands):
                         # island i is named "i" (so its id is i) and ranks follow start order,
                         # so that a cluster's layout is the same every time; CPU devices whatever

@@ -63,5 +63,12 @@ class SuspendedError(PathwaysError):
     its slices released, so it runs nothing until ``resume()``."""
 
 
+class ResourceExhaustedError(PathwaysError):
+    """A worker refused to hold more for a session: a put or a run's output would take the
+    session past its memory quota on that worker (``pathways worker --session-memory``).
+    The message names the quota, the session's usage and the request's size. Delete arrays
+    the session no longer needs, and go on; other sessions are not affected."""
+
+
 class SpmdError(PathwaysError):
     """A process of a multi-controller (``pw.spmd``) group failed, died or could not start."""

@@ -23,6 +23,22 @@ def scheduling_flags(parser: argparse.ArgumentParser) -> None:
                              f"client alone may run further ahead); default {DEFAULT_WINDOW}")
 
 
+def session_memory_flag(parser: argparse.ArgumentParser, where: str = "on each of its workers") -> None:
+    from pathways.worker.quota import DEFAULT_FRACTION, parse_bytes
+
+    def size(text: str) -> int:
+        try:
+            return parse_bytes(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parser.add_argument("--session-memory", type=size, default=None, metavar="BYTES",
+                        help=f"the most memory one client session's arrays may take {where} (e.g. 8G, "
+                             f"512M; none: no limit; default {DEFAULT_FRACTION * 100:.0f}%% of the host's memory): a put or "
+                             "a run's output past it fails with ResourceExhaustedError (RESOURCE_EXHAUSTED through "
+                             "the IFRT proxy), and the worker goes on serving the other sessions")
+
+
 def run_timeout_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-timeout", type=float, default=None, metavar="S",
                         help="reset an island that has had runs in flight and finished none of them for S "

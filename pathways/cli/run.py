@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pathways.cli.common import island_flags, islands
+from pathways.cli.common import island_flags, islands, session_memory_flag
 from pathways.wire import security
 
 
@@ -22,6 +22,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                              "$PATHWAYS_TOKEN; none); the script is given it as PATHWAYS_TOKEN")
     parser.add_argument("--no-restart-workers", dest="restart_workers", action="store_false",
                         help="leave a worker that dies down (by default it is started again and its island heals)")
+    session_memory_flag(parser)
     parser.add_argument("script", help="the Python script, run as `python SCRIPT ARGS...`")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     return parser
@@ -38,6 +39,6 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     token = security.read_token_file(args.token_file) if args.token_file else security.env_token()
     try:
         return run_script(found, args.script, args.args, security.Security(token=token), args.timeout,
-                          restart_workers=args.restart_workers)
+                          restart_workers=args.restart_workers, session_memory=args.session_memory)
     except FileNotFoundError as e:
         parser.error(str(e))

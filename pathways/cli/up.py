@@ -11,7 +11,7 @@ import tempfile
 import time
 from typing import TYPE_CHECKING, Optional
 
-from pathways.cli.common import island_flags, islands, run_timeout_flag, scheduling_flags
+from pathways.cli.common import island_flags, islands, run_timeout_flag, scheduling_flags, session_memory_flag
 from pathways.defaults import HEARTBEAT_TIMEOUT
 from pathways.wire import security
 
@@ -28,6 +28,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help=f"seconds of silence after which controller and workers give each other up "
                              f"(default {HEARTBEAT_TIMEOUT:g})")
     run_timeout_flag(parser)
+    session_memory_flag(parser)
     parser.add_argument("--restart-workers", action=argparse.BooleanOptionalAction, default=True,
                         help="start a worker that dies (killed, crashed, an error) again, with a back-off: its "
                              "island heals (default); --no-restart-workers leaves it down")
@@ -47,7 +48,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         cluster = LocalCluster(islands(parser, args), policy=args.policy, window=args.window,
                                security=security.from_args(args), heartbeat_timeout=args.heartbeat_timeout,
                                ifrt_port=args.ifrt_port, restart_workers=args.restart_workers,
-                               restart_controller=True, suspend_dir=args.suspend_dir, run_timeout=args.run_timeout)
+                               restart_controller=True, suspend_dir=args.suspend_dir, run_timeout=args.run_timeout,
+                               session_memory=args.session_memory)
     except ValueError as e:
         parser.error(str(e))
     with tempfile.TemporaryDirectory(prefix="pathways-up-") as private:  # mode 0700: this user's alone

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from pathways.cli.common import session_memory_flag
 from pathways.defaults import HEARTBEAT_TIMEOUT
 from pathways.keeper import RECONNECT_TIMEOUT
 from pathways.platforms import PLATFORMS
@@ -68,6 +69,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                              f"workers of this machine, load them instead of compiling again (default: "
                              f"${compile_cache.ENV}, else ${compile_cache.JAX_ENV}; none: compile in each process). "
                              "DIR must be writable by the operator alone: loading an executable runs its code")
+    session_memory_flag(parser, "on this worker")
     security.add_flags(parser, server=True)
     return parser
 
@@ -93,5 +95,5 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     main(args.controller, devices, IslandMembership(island, launch.hosts, launch.rank), args.wait_timeout,
          args.connect_timeout, args.join_timeout, args.bind, args.advertise, args.unsafe_local_order,
          security.from_args(args), args.heartbeat_timeout, args.reconnect_timeout, args.suspend_dir,
-         compile_cache.directory_from(args.compile_cache))
+         compile_cache.directory_from(args.compile_cache), args.session_memory)
     return 0

@@ -138,7 +138,7 @@ def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[S
                   unsafe_local_order: bool = False, security: Optional[Security] = None,
                   heartbeat_timeout: Optional[float] = None, ifrt: bool = False,
                   restart_workers: bool = True, suspend_dir: Optional[str] = None,
-                  run_timeout: Optional[float] = None) -> ConnectedCluster:
+                  run_timeout: Optional[float] = None, session_memory: Optional[int] = None) -> ConnectedCluster:
     """A context manager running a controller and workers on this machine.
 
     One island of ``hosts`` worker processes with ``devices_per_host`` CPU devices each, or
@@ -178,11 +178,18 @@ def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[S
     write their threads' stacks to their logs, everything else on the island raises
     ``WorkerLostError``, and the island's hosts restart and serve again. None (default):
     a stuck run waits for ever.
+
+    ``session_memory``: the bytes of arrays one session may hold on each worker (0: no
+    limit; None, the default: three quarters of the host's memory). A put or a run's output
+    past it raises ``pw.ResourceExhaustedError`` where it is read, naming the quota and the
+    session's usage; the session goes on once it deletes arrays, and other sessions never
+    notice. A session's arrays and functions go when it closes, and the workers hand the
+    memory back to the system.
     """
     return ConnectedCluster(list(islands) if islands else [Island(hosts, devices_per_host)], start_timeout,
                             policy, window, unsafe_local_order, security, heartbeat_timeout,
                             ifrt_port=0 if ifrt else None, restart_workers=restart_workers, suspend_dir=suspend_dir,
-                            run_timeout=run_timeout)
+                            run_timeout=run_timeout, session_memory=session_memory)
 
 
 def trace(path: str) -> RecordingBlock:

@@ -72,16 +72,17 @@ def _package_root() -> str:
 
 def run_script(islands: Sequence[Island], script: str, args: Sequence[str] = (),
                security: Optional[Security] = None, timeout: Optional[float] = None,
-               restart_workers: bool = True) -> int:
+               restart_workers: bool = True, session_memory: Optional[int] = None) -> int:
     """Start a local cluster with the IFRT proxy front end, run ``script`` with ``args``
     under it, stop the cluster, and return the script's exit code (128 + N when signal N
     ended it or this process; 124 after ``timeout`` seconds; 1 when the cluster's controller
-    died under it). ``restart_workers``: as LocalCluster's. Raises FileNotFoundError when
+    died under it). ``restart_workers`` and ``session_memory``: as LocalCluster's. Raises FileNotFoundError when
     ``script`` is not a file."""
     if not os.path.isfile(script):
         raise FileNotFoundError(f"no such script: {script!r}")
     security = security or Security()
-    cluster = LocalCluster(islands, security=security, ifrt_port=0, restart_workers=restart_workers)
+    cluster = LocalCluster(islands, security=security, ifrt_port=0, restart_workers=restart_workers,
+                           session_memory=session_memory)
     # SIGTERM (a job scheduler, `kill`) stops the script and the cluster as Ctrl-C does
     previous = signal.signal(signal.SIGTERM, _terminate)
     child: Optional[subprocess.Popen] = None

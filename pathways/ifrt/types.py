@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from pathways.errors import DeadlineExceededError, WireError, WorkerLostError
+from pathways.errors import DeadlineExceededError, ResourceExhaustedError, WireError, WorkerLostError
 from pathways.hlo import row_major, tile_assignment
 from pathways.ifrt.proto.xla import xla_data_pb2
 from pathways.ifrt.proto.xla.python.ifrt import dtype_pb2, serdes_pb2, sharding_pb2, sharding_serdes_pb2, shape_pb2
@@ -61,9 +61,11 @@ def runtime_failure(e: Exception, what: str = "") -> IfrtError:
     """The IfrtError for the error ``e`` of a request: DATA_LOSS where a host was lost with
     what it held (JAX tooling, pathwaysutils' elastic manager among it, takes DATA_LOSS for
     a slice that went down), DEADLINE_EXCEEDED where a run outlasted the run timeout and
-    its island was reset, INTERNAL otherwise."""
+    its island was reset, RESOURCE_EXHAUSTED where a worker would not hold more for the
+    session (its memory quota), INTERNAL otherwise."""
     code = (DATA_LOSS if isinstance(e, WorkerLostError) else
-            DEADLINE_EXCEEDED if isinstance(e, DeadlineExceededError) else INTERNAL)
+            DEADLINE_EXCEEDED if isinstance(e, DeadlineExceededError) else
+            RESOURCE_EXHAUSTED if isinstance(e, ResourceExhaustedError) else INTERNAL)
     return IfrtError(code, f"{what}{type(e).__name__}: {e}")
 
 

@@ -15,15 +15,20 @@ KINDS: dict[str, type[errors.PathwaysError]] = {cls.__name__: cls for cls in (
     errors.RemoteError, errors.WorkerLostError, errors.DeadlineExceededError, errors.ConnectError,
     errors.AccessDeniedError,
     errors.AuthenticationError,
-    errors.ControllerLostError, errors.SuspendedError,
+    errors.ControllerLostError, errors.SuspendedError, errors.ResourceExhaustedError,
 )}
 # what a poisoned handle may report: a failed computation, a lost host, a run refused
 # because it named another session's array, one submitted while its session was suspended,
-# or one that outlasted the controller's run timeout
+# or one that outlasted the controller's run timeout, or an array a worker would not hold
+# past its session's memory quota
 POISON_KINDS = frozenset({"RemoteError", "WorkerLostError", "AccessDeniedError", "SuspendedError",
-                          "DeadlineExceededError"})
-REMOTE, LOST, DENIED, SUSPENDED, STUCK = ("RemoteError", "WorkerLostError", "AccessDeniedError", "SuspendedError",
-                                          "DeadlineExceededError")
+                          "DeadlineExceededError", "ResourceExhaustedError"})
+REMOTE, LOST, DENIED, SUSPENDED, STUCK, EXHAUSTED = ("RemoteError", "WorkerLostError", "AccessDeniedError",
+                                                     "SuspendedError", "DeadlineExceededError",
+                                                     "ResourceExhaustedError")
+# A data-plane answer is a message alone; a quota's refusal begins with this, so that the
+# sender raises ResourceExhaustedError for it (``answer_kind``).
+EXHAUSTED_TAG = "RESOURCE_EXHAUSTED:"
 
 
 def kind_of(error: BaseException) -> str:
@@ -33,6 +38,12 @@ def kind_of(error: BaseException) -> str:
         if cls.__name__ in KINDS and KINDS[cls.__name__] is cls:
             return cls.__name__
     return "PathwaysError"
+
+
+def answer_kind(message: str) -> str:
+    """The kind of error a data-plane answer's ``message`` reports: a quota's refusal, or
+    else a refused put (RemoteError)."""
+    return EXHAUSTED if message.startswith(EXHAUSTED_TAG) else REMOTE
 
 
 def error_of(kind: str | None, message: str,

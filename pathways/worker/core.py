@@ -44,10 +44,10 @@ import jax
 import numpy as np
 
 from pathways.defaults import CONTROLLER_STOPPED
-from pathways.errors import AccessDeniedError, ConnectError, WireError
+from pathways.errors import AccessDeniedError, ConnectError, ResourceExhaustedError, WireError
 from pathways.ir import partials, stacked
 from pathways.protocol.check import MAX_TEXT, Int, Str
-from pathways.protocol.errors import POISON_KINDS, REMOTE
+from pathways.protocol.errors import EXHAUSTED, POISON_KINDS, REMOTE
 from pathways.protocol.handles import COUNTER_MASK, MAX_HANDLE, session_of
 from pathways.protocol.messages import (CREDENTIAL, Adopt, Adopted, Compile, DataKey, Define, Delete, Done, DropSession,
                                         FetchRequest, Go, Heartbeat, Malformed, Measure, Message, Notice, Offload,
@@ -64,6 +64,7 @@ from pathways.worker.executor import Executor
 from pathways.worker.jax_private import pxla  # batched_device_put: where jax.make_array_from_callback ends
 from pathways.worker.measure import Measurer
 from pathways.worker.peers import PeerTickets
+from pathways.worker.quota import SessionQuota, default_limit, layout_bytes, release_memory, size_text
 from pathways.worker.sessions import FetchWaits, Sessions
 from pathways.worker.shared_arrays import shareable
 from pathways.worker.store import ObjectStore, OffloadedArray, Poison, failure
@@ -71,6 +72,10 @@ from pathways.worker.store import ObjectStore, OffloadedArray, Poison, failure
 log = logging.getLogger("pathways.worker")
 
 INLINE_SEND_BYTES = 1 << 20  # computed arrays up to this size are sent by the executor itself
+# A closed session that held at least this much here (or any function) has the worker hand
+# free memory back to the system: collecting and trimming costs milliseconds, not worth it
+# for the many small sessions (a status call, a short script) that come and go.
+RELEASE_BYTES = 1 << 20
 MAX_CACHED_LAYOUTS = 4096
 _READY_POLL_MAX = 0.02  # longest pause between looks at whether a fetched array is computed
 
@@ -97,19 +102,23 @@ class WorkerCore:
     ``peer_timeout`` (default ``wait_timeout``) bounds how long a data-plane peer may stall
     a connection or a send before it is given up. ``collectives_in_flight``: how many
     multi-device computations may run while the next is launched (0: any; the server sets it
-    by ``executor.collectives_bound``)."""
+    by ``executor.collectives_bound``). ``session_memory``: the bytes of arrays each client
+    session may hold here (quota.py; 0: no limit; None: three quarters of the host's memory)."""
 
     def __init__(self, up: Callable[[Message], None], wait_timeout: float, collectives_in_flight: int = 0,
                  unsafe_local_order: bool = False, on_shutdown: Callable[[], None] = lambda: None,
                  security: Security | None = None, peer_timeout: float | None = None,
                  on_heartbeat: Callable[[float], None] = lambda timeout: None,
                  on_reset: Optional[Callable[[], None]] = None, suspend_dir: Optional[str] = None,
-                 tickets: Optional[PeerTickets] = None, compile_cache: Optional[str] = None) -> None:
+                 tickets: Optional[PeerTickets] = None, compile_cache: Optional[str] = None,
+                 session_memory: Optional[int] = None) -> None:
         if not (math.isfinite(wait_timeout) and wait_timeout > 0):
             raise ValueError(f"wait_timeout must be a finite number of seconds above 0, got {wait_timeout!r}")
         self.up = up
         self.wait_timeout = wait_timeout
-        self.store = ObjectStore()
+        self.store = ObjectStore(SessionQuota(
+            default_limit(codec.host_memory_bytes()) if session_memory is None else session_memory))
+        self._closed_bytes: dict[int, int] = {}  # closed session -> bytes it held here, until its functions go too
         self.fetch_waits = FetchWaits()
         self.sessions = Sessions(self.fetch_waits)
         self.executables = Executables(CompileCache(compile_cache) if compile_cache else None)
@@ -151,6 +160,17 @@ class WorkerCore:
 
     def step(self, run: int, node: int) -> None:
         self.up(Step(run, node))
+
+    def session_dropped(self, session: int, functions: int) -> None:
+        """The executor forgot a closed session's ``functions`` (its arrays went when the
+        session closed): hand the memory they took back to the system, where it was worth
+        something, so that the worker's resident memory falls to what the open sessions hold."""
+        nbytes = self._closed_bytes.pop(session, 0)
+        if functions or nbytes >= RELEASE_BYTES:
+            began = time.perf_counter()
+            release_memory()
+            log.info("session %d closed: released %s of arrays and %d function(s) in %.1f ms", session,
+                     size_text(nbytes), functions, (time.perf_counter() - began) * 1e3)
 
     def released(self, run: int, node: int, timeout: float) -> bool:
         """Wait until the controller releases ``node`` of ``run`` (sequential dispatch)."""
@@ -222,7 +242,7 @@ class WorkerCore:
             # the runs queued before the drop still run (on poison), as on the island's
             # other hosts, whose collectives they meet.
             self.sessions.close(msg.session)
-            self.store.drop_session(msg.session)
+            self._closed_bytes[msg.session] = self.store.drop_session(msg.session)[1]
             self._forget_offloaded(msg.session)
             self.executor.submit(msg)
         elif kind is Offload:
@@ -508,7 +528,10 @@ class WorkerCore:
                                     "with the Put method")
                 except AccessDeniedError as e:
                     return str(e)
-                return self._store(put, None, pieces)
+                try:
+                    return self._store(put, None, pieces)
+                except ResourceExhaustedError as e:  # its message begins with EXHAUSTED_TAG, which the sender reads
+                    return str(e)
             run = header.get("run")
             if run is None:
                 return self._store(put, None, pieces)
@@ -555,7 +578,7 @@ class WorkerCore:
             return put()
         except WireError as e:
             return str(e)
-        except AccessDeniedError:
+        except (AccessDeniedError, ResourceExhaustedError):
             raise
         except Exception as e:  # JAX refusing a hostile layout for this array, say: refuse the put
             log.warning("refused a put: %s: %s", type(e).__name__, e)
@@ -581,6 +604,13 @@ class WorkerCore:
             # an unknown kind (a newer peer's) reads as a failed computation
             self._poisoned(handle, Poison(message, kind if kind in POISON_KINDS else REMOTE))
             return None
+        if session_of(handle):  # a client's array: refused past its session's quota before its bytes are read
+            dtype, shape, _ = codec.check_array_header(header.get("array"))
+            refusal = self.store.refusal(handle, layout_bytes(sharding, shape, dtype),
+                                         f"a put of {dtype.name}{list(shape)} array {handle:#x}")
+            if refusal is not None:
+                self._poisoned(handle, Poison(refusal, EXHAUSTED))
+                raise ResourceExhaustedError(refusal)
         if chunks is not None:
             dtype, shape, pieces = codec.read_pieces(header, chunks)
             codec.expect_end(chunks)
@@ -613,7 +643,9 @@ class WorkerCore:
         value = self._device_arrays.make(sharding, shape, dtype, assembly)
         if "unstack" in header:
             value = self._unstacked(header, value)
-        self.store.put(handle, value)
+        refusal = self.store.put_charged(handle, value)
+        if refusal is not None:  # another put of the session took its last bytes meanwhile
+            raise ResourceExhaustedError(refusal)
         return None
 
     def _unstacked(self, header: dict, value: Any) -> Any:
@@ -735,6 +767,7 @@ class WorkerCore:
         data-plane connections refused for want of a peer's ticket, and peers' transfer
         copies refused for want of a run expecting them from that peer."""
         return {"worker": self.worker_id, "handles": len(self.store), "sessions": self.store.session_counts(),
+                "session_bytes": self.store.quota.usage(), "session_memory": self.store.quota.limit,
                 "executables": len(self.executables), "compiled": self.executables.compiled(),
                 "compile_cache": self.executables.cache_counts(),
                 "programs": self.executor.programs, "refused_peers": self.tickets.refused,

@@ -101,6 +101,8 @@ class Controls(Protocol):
 
     def step(self, run: int, node: int) -> None: ...
 
+    def session_dropped(self, session: int, functions: int) -> None: ...
+
 
 class Executor:
     def __init__(self, store: ObjectStore, executables: Executables, controls: Controls,
@@ -186,7 +188,7 @@ class Executor:
     def _drop_session(self, msg: DropSession) -> None:
         for key in msg.programs:
             self._programs.pop(key, None)
-        self._executables.drop_session(msg.session)
+        self._controls.session_dropped(msg.session, self._executables.drop_session(msg.session))
 
     def _messages(self) -> Iterator[Work]:
         """Messages in arrival order (the gang order), or, with the unsafe switch, each

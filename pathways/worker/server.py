@@ -50,7 +50,7 @@ import grpc
 import trio
 
 from pathways.defaults import CONTROLLER_STOPPED, HEARTBEAT_TIMEOUT
-from pathways.errors import AccessDeniedError, ConnectError, WireError
+from pathways.errors import AccessDeniedError, ConnectError, ResourceExhaustedError, WireError
 from pathways.platforms import Devices
 from pathways.protocol.messages import (FETCH, MAX_MESSAGE_BYTES, TIMELINE, WORKER_DOWN, DataKey, Heartbeat, Peers,
                                         Register, Reset, Shutdown, WorkerWelcome)
@@ -97,7 +97,8 @@ class WorkerService:
 
     def put(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
         """A client's array: ``{"ok": true}``, or ``{"error": ...}`` (with ``"kind":
-        "AccessDeniedError"`` when the put was refused for its credential)."""
+        "AccessDeniedError"`` when the put was refused for its credential, and
+        ``"ResourceExhaustedError"`` when it would take its session past its quota)."""
         chunks = iter(request_iterator)
         return self._put(next(chunks, b""), chunks)
 
@@ -122,8 +123,8 @@ class WorkerService:
             error = core.client_put(codec.unpack(header), chunks)
         except WireError as e:
             return codec.pack({"error": str(e)})
-        except AccessDeniedError as e:
-            return codec.pack({"error": str(e), "kind": AccessDeniedError.__name__})
+        except (AccessDeniedError, ResourceExhaustedError) as e:
+            return codec.pack({"error": str(e), "kind": type(e).__name__})
         return codec.pack({"error": error} if error else {"ok": True})
 
     def fetch(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
@@ -235,7 +236,7 @@ def main(controller: str, devices: Devices, island: IslandMembership, wait_timeo
          unsafe_local_order: bool = False, security: Security | None = None,
          heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
          reconnect_timeout: float = keeper.RECONNECT_TIMEOUT, suspend_dir: Optional[str] = None,
-         compile_cache: Optional[str] = None) -> None:
+         compile_cache: Optional[str] = None, session_memory: Optional[int] = None) -> None:
     """Serve until the controller stops it: attach to ``controller``, join ``island``
     (JAX serves ``devices``, and joins the island's jax.distributed group when it
     has several hosts, waiting up to ``join_timeout`` seconds for the other hosts). Servers
@@ -252,7 +253,9 @@ def main(controller: str, devices: Devices, island: IslandMembership, wait_timeo
     because a controller that restarted knows nothing of the old state. ``suspend_dir``:
     the directory under which a suspended session's files may be written (none: in host
     memory only). ``compile_cache``: the directory executables are kept in across processes
-    (worker/compile_cache.py; none: each process compiles its own)."""
+    (worker/compile_cache.py; none: each process compiles its own). ``session_memory``: the
+    bytes of arrays each client session may hold on this worker (worker/quota.py; 0: no
+    limit; None: three quarters of the host's memory)."""
     native_stdout.filter_stdout(log)
     security = security or Security()
     if security.serves_tls != security.uses_tls:
@@ -284,7 +287,7 @@ def main(controller: str, devices: Devices, island: IslandMembership, wait_timeo
             raise SystemExit(f"error: {error}")
     error, again = trio.run(_serve, controller, devices, island, bind_host, advertise_host, wait_timeout,
                             connect_timeout, join_timeout, unsafe_local_order, security, heartbeat_timeout,
-                            suspend_dir, compile_cache)
+                            suspend_dir, compile_cache, session_memory)
     kept = os.environ.get(keeper.KEPT_ENV) == "1"
     code = 1 if error else 0
     if again == RECONNECT and reconnect_timeout > 0 and kept:
@@ -380,7 +383,8 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
                  wait_timeout: float, connect_timeout: float, join_timeout: float,
                  unsafe_local_order: bool, security: Security,
                  heartbeat_timeout: float, suspend_dir: Optional[str],
-                 compile_cache: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+                 compile_cache: Optional[str],
+                 session_memory: Optional[int] = None) -> tuple[Optional[str], Optional[str]]:
     """Run the worker until its controller or a signal stops it; returns why it could not
     run (or None), and whether to restart: RESTART (the controller said so: the island
     lost a host), RECONNECT (the controller went away), or None (stop)."""
@@ -461,7 +465,7 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
                 return error
             core = await _start_core(devices, island, wait_timeout, unsafe_local_order, outbox, told_to("shutdown"),
                                      told_to("reset"), ended, security, heartbeat_timeout, beats.learn,
-                                     suspend_dir, tickets, compile_cache)
+                                     suspend_dir, tickets, compile_cache, session_memory)
             if core is None:
                 return _stopped(joining, island)
             joining.hand_to(core)  # the welcome first: it says which peers' copies are stale
@@ -626,7 +630,8 @@ async def _start_core(devices: Devices, island: IslandMembership, wait_timeout: 
                       outbox: rpc.Outbox, on_shutdown: Callable[[], None], on_reset: Callable[[], None],
                       ended: trio.Event, security: Security, heartbeat_timeout: float,
                       on_heartbeat: Callable[[float], None], suspend_dir: Optional[str],
-                      tickets: PeerTickets, compile_cache: Optional[str]) -> Optional["WorkerCore"]:
+                      tickets: PeerTickets, compile_cache: Optional[str],
+                      session_memory: Optional[int] = None) -> Optional["WorkerCore"]:
     """The worker's core (JAX's devices exist now); None if the stream ended first."""
     from pathways.worker.core import WorkerCore
     from pathways.worker.executor import collectives_bound
@@ -639,7 +644,8 @@ async def _start_core(devices: Devices, island: IslandMembership, wait_timeout: 
         made.append(await trio.to_thread.run_sync(
             lambda: WorkerCore(outbox.put, wait_timeout, in_flight, unsafe_local_order, on_shutdown, security,
                                peer_timeout=heartbeat_timeout, on_heartbeat=on_heartbeat, on_reset=on_reset,
-                               suspend_dir=suspend_dir, tickets=tickets, compile_cache=compile_cache),
+                               suspend_dir=suspend_dir, tickets=tickets, compile_cache=compile_cache,
+                               session_memory=session_memory),
             abandon_on_cancel=True))
         done.set()
 

@@ -9,6 +9,12 @@ plane or not, can have a run read bytes of its making, or leave arrays nobody re
 suspended session's arrays stay in the store off the devices (``OffloadedArray``), and a
 resumed session's arrays arrive as transfer copies that the store renames to the
 session's handles as they come (``adopt``).
+
+The store charges each client session's arrays to its quota (quota.py) as they are stored
+and releases the charge as they leave, under the same lock, so that the bytes a session
+holds here are known exactly and two puts racing for its last bytes cannot both get them.
+An array that would take its session past the quota is stored as a ``ResourceExhaustedError``
+poison instead (its reader gets that error), and ``put_charged`` tells a put's caller so.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ import time
 from collections import OrderedDict
 from typing import Any, Callable, Iterable, Optional
 
+from pathways.protocol.errors import EXHAUSTED
 from pathways.protocol.handles import discard, session_of
+from pathways.worker.quota import SessionQuota, held_bytes
 
 _MAX_TOMBSTONES = 100_000
 _NO_SENDERS: frozenset[int] = frozenset()  # a copy whose every sender's part has been screened in
@@ -70,8 +78,10 @@ class ObjectStore:
     that storing a value wakes only the threads waiting for that handle (the executor
     waiting for a transfer does not also wake the fetches waiting for its outputs)."""
 
-    def __init__(self) -> None:
+    def __init__(self, quota: Optional[SessionQuota] = None) -> None:
         self._entries: dict[int, Any] = {}
+        self.quota = quota or SessionQuota()  # read its usage under no lock: a snapshot
+        self._charged: dict[int, int] = {}  # handle of a client session -> bytes charged to the session for it
         self._lock = threading.Lock()
         self._waiters: dict[int, set[Any]] = {}  # handle -> locks of the threads waiting for it
         self._tombstones: OrderedDict[int, None] = OrderedDict()
@@ -86,8 +96,28 @@ class ObjectStore:
         self._screens: dict[int, list] = {}
 
     def put(self, handle: int, value: Any, replace: bool = True) -> bool:
-        """Store ``value``; False if the handle was deleted before it arrived (or, with
-        ``replace`` false, already holds a value)."""
+        """Store ``value`` (or, past its session's quota, the poison saying so); False if
+        the handle was deleted before it arrived (or, with ``replace`` false, already holds
+        a value)."""
+        return self._put(handle, value, replace)[0]
+
+    def put_charged(self, handle: int, value: Any) -> Optional[str]:
+        """Store ``value`` as ``put`` does; the refusal's message where it would have taken
+        its session past the quota (the handle then holds the poison saying so), else None."""
+        stored = self._put(handle, value, True)[1]
+        return stored.message if type(stored) is Poison and stored is not value else None
+
+    def refusal(self, handle: int, nbytes: int, what: str) -> Optional[str]:
+        """Why storing ``nbytes`` more for ``handle`` would take its session past its quota
+        (``what``: the request, for the message), or None. A check before reading an array,
+        so that a put refused is refused before its bytes are read; ``put`` checks again."""
+        session = session_of(handle)
+        if not session:
+            return None
+        with self._lock:
+            return self.quota.refusal(session, nbytes - self._charged.get(handle, 0), what)
+
+    def _put(self, handle: int, value: Any, replace: bool) -> tuple[bool, Any]:
         adopted = None
         with self._lock:
             if handle in self._adopt:
@@ -95,22 +125,43 @@ class ObjectStore:
                 handle, adopted = self._adopt.pop(copy)
                 self._tombstone(copy)  # a late poison for the copy must not linger
             elif not replace and handle in self._entries:
-                return False
-            stored = self._store_locked(handle, value)
-            waiters = self._waiters.pop(handle, None) if stored else None
+                return False, None
+            stored = self._store_locked(handle, value, "the resumed" if adopted is not None else "a run's output")
+            waiters = self._waiters.pop(handle, None) if stored is not None else None
         if waiters:
             _release(waiters)
         if adopted is not None:
             adopted()
-        return stored
+        return stored is not None, stored
 
-    def _store_locked(self, handle: int, value: Any) -> bool:
+    def _store_locked(self, handle: int, value: Any, what: str = "a run's output") -> Any:
+        """Store ``value`` (or the quota's poison in its place), charged to its session;
+        what was stored, or None where the handle refuses it."""
         if self._refused_locked(handle):
             if session_of(handle) != 0:  # a session handle's one late value; a copy's may be several
                 self._tombstones.pop(handle, None)
-            return False
+            return None
+        session = session_of(handle)
+        if session:
+            self.quota.release(session, self._charged.pop(handle, 0))  # the value it replaces, if any
+            if type(value) is not Poison:
+                nbytes = held_bytes(value)
+                refusal = self.quota.refusal(session, nbytes, f"{what} array {handle:#x}")
+                if refusal is None:
+                    self.quota.charge(session, nbytes)
+                    self._charged[handle] = nbytes
+                else:
+                    value = Poison(refusal, EXHAUSTED)
         self._entries[handle] = value
-        return True
+        return value
+
+    def _remove_locked(self, handle: int) -> Any:
+        """Take ``handle``'s value out (None if it holds none), releasing its charge."""
+        value = self._entries.pop(handle, None)
+        nbytes = self._charged.pop(handle, 0)
+        if nbytes:
+            self.quota.release(session_of(handle), nbytes)
+        return value
 
     def _refused_locked(self, handle: int) -> bool:
         return (handle in self._tombstones or session_of(handle) in self._dropped_sessions
@@ -132,12 +183,12 @@ class ObjectStore:
         """Store transfer copy ``copy`` as ``handle`` once it arrives (at once if it has),
         then call ``stored()`` (also when ``handle`` was deleted meanwhile)."""
         with self._lock:
-            value = self._entries.pop(copy, None)
+            value = self._remove_locked(copy)
             if value is None:
                 self._adopt[copy] = (handle, stored)
                 return
             self._tombstone(copy)
-            self._store_locked(handle, value)
+            self._store_locked(handle, value, "the resumed")
             waiters = self._waiters.pop(handle, None)
         if waiters:
             _release(waiters)
@@ -196,7 +247,7 @@ class ObjectStore:
         with self._lock:
             if self._entries.get(handle) is not value:
                 return False
-            del self._entries[handle]
+            self._remove_locked(handle)
             return True
 
     def get(self, handle: int) -> Optional[Any]:
@@ -212,7 +263,7 @@ class ObjectStore:
         if value is not None:
             if take:
                 with self._lock:
-                    self._entries.pop(handle, None)
+                    self._remove_locked(handle)
                     self._taken_locked(handle)
             return value
         deadline = time.monotonic() + timeout
@@ -221,7 +272,7 @@ class ObjectStore:
         try:
             while True:
                 with self._lock:
-                    value = self._entries.pop(handle, None) if take else self._entries.get(handle)
+                    value = self._remove_locked(handle) if take else self._entries.get(handle)
                     if value is not None:
                         if take:
                             self._taken_locked(handle)
@@ -233,7 +284,7 @@ class ObjectStore:
                 if left <= 0:
                     if take:  # its reader gives up on it: a copy arriving from now on is read by nobody
                         with self._lock:
-                            value = self._entries.pop(handle, None)  # unless it arrived just now
+                            value = self._remove_locked(handle)  # unless it arrived just now
                             self._taken_locked(handle)
                         return value
                     return None
@@ -267,23 +318,26 @@ class ObjectStore:
 
     def pop(self, handle: int) -> None:
         with self._lock:
-            self._entries.pop(handle, None)
+            self._remove_locked(handle)
 
     def delete(self, handles: Iterable[int]) -> None:
         with self._lock:
             for h in handles:
-                if self._entries.pop(h, None) is None:
+                if self._remove_locked(h) is None:
                     self._tombstone(h)
 
-    def drop_session(self, session: int) -> int:
-        """Delete every buffer of ``session`` and refuse its late arrivals; returns the count."""
+    def drop_session(self, session: int) -> tuple[int, int]:
+        """Delete every buffer of ``session`` and refuse its late arrivals; returns how many
+        arrays went and the bytes charged to the session for them."""
         with self._lock:
             self._dropped_sessions.add(session)
             doomed = [h for h in self._entries if session_of(h) == session]
             for h in doomed:
                 del self._entries[h]
+                self._charged.pop(h, None)
+            nbytes = self.quota.drop(session)
         self.wake()  # waiters for the session's arrays give up now
-        return len(doomed)
+        return len(doomed), nbytes
 
     def __len__(self) -> int:
         return len(self._entries)
