@@ -40,7 +40,7 @@ from pathways.client.timeline import RecordingBlock, Recordings, process_recordi
 from pathways.defaults import HEARTBEAT_TIMEOUT
 from pathways.ir import Device, Layout, evenly_divided, host_regions, partials, stacked
 from pathways.protocol import messages as m
-from pathways.protocol.errors import answer_kind, error_of, kind_of
+from pathways.protocol.errors import answer_error, error_of, kind_of
 from pathways.protocol.handles import COUNTER_MASK, discard, first_handle
 from pathways.timeline import Recorder, now
 from pathways.wire import codec, rpc, tcp
@@ -516,8 +516,8 @@ class Session:
         elif error is not None:
             self.poisoned[handle] = (errors.RemoteError, f"{_SHORT}: {error}")
         elif outcome.result() is not None:
-            refusal = outcome.result()
-            self.poisoned[handle] = (type(error_of(answer_kind(refusal), "", errors.RemoteError)),
+            kind, refusal = answer_error(outcome.result())
+            self.poisoned[handle] = (type(error_of(kind, "", errors.RemoteError)),
                                      f"the worker at {address} refused the array: {refusal}")
 
     @contextlib.contextmanager

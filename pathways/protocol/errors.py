@@ -26,9 +26,9 @@ POISON_KINDS = frozenset({"RemoteError", "WorkerLostError", "AccessDeniedError",
 REMOTE, LOST, DENIED, SUSPENDED, STUCK, EXHAUSTED = ("RemoteError", "WorkerLostError", "AccessDeniedError",
                                                      "SuspendedError", "DeadlineExceededError",
                                                      "ResourceExhaustedError")
-# A data-plane answer is a message alone; a quota's refusal begins with this, so that the
-# sender raises ResourceExhaustedError for it (``answer_kind``).
-EXHAUSTED_TAG = "RESOURCE_EXHAUSTED:"
+# A data-plane answer is a message alone: a worker puts this before a quota's refusal, so
+# that the sender raises ResourceExhaustedError for it (``answer_error``).
+EXHAUSTED_TAG = "RESOURCE_EXHAUSTED: "
 
 
 def kind_of(error: BaseException) -> str:
@@ -40,10 +40,12 @@ def kind_of(error: BaseException) -> str:
     return "PathwaysError"
 
 
-def answer_kind(message: str) -> str:
-    """The kind of error a data-plane answer's ``message`` reports: a quota's refusal, or
-    else a refused put (RemoteError)."""
-    return EXHAUSTED if message.startswith(EXHAUSTED_TAG) else REMOTE
+def answer_error(message: str) -> tuple[str, str]:
+    """The kind of error a data-plane answer's ``message`` reports (a quota's refusal, or
+    else a refused put: RemoteError), and its text without the tag."""
+    if message.startswith(EXHAUSTED_TAG):
+        return EXHAUSTED, message[len(EXHAUSTED_TAG):]
+    return REMOTE, message
 
 
 def error_of(kind: str | None, message: str,

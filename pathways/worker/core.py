@@ -47,7 +47,7 @@ from pathways.defaults import CONTROLLER_STOPPED
 from pathways.errors import AccessDeniedError, ConnectError, ResourceExhaustedError, WireError
 from pathways.ir import partials, stacked
 from pathways.protocol.check import MAX_TEXT, Int, Str
-from pathways.protocol.errors import EXHAUSTED, POISON_KINDS, REMOTE
+from pathways.protocol.errors import EXHAUSTED, EXHAUSTED_TAG, POISON_KINDS, REMOTE
 from pathways.protocol.handles import COUNTER_MASK, MAX_HANDLE, session_of
 from pathways.protocol.messages import (CREDENTIAL, Adopt, Adopted, Compile, DataKey, Define, Delete, Done, DropSession,
                                         FetchRequest, Go, Heartbeat, Malformed, Measure, Message, Notice, Offload,
@@ -530,8 +530,8 @@ class WorkerCore:
                     return str(e)
                 try:
                     return self._store(put, None, pieces)
-                except ResourceExhaustedError as e:  # its message begins with EXHAUSTED_TAG, which the sender reads
-                    return str(e)
+                except ResourceExhaustedError as e:  # tagged, so that the sender raises the same error
+                    return f"{EXHAUSTED_TAG}{e}"
             run = header.get("run")
             if run is None:
                 return self._store(put, None, pieces)

@@ -27,7 +27,6 @@ import math
 import re
 from typing import Any, Optional
 
-from pathways.protocol.errors import EXHAUSTED_TAG
 
 DEFAULT_FRACTION = 0.75  # of the host's memory a session may hold on a worker by default
 
@@ -79,7 +78,7 @@ class SessionQuota:
         used = self._used.get(session, 0)
         if not self.limit or used + nbytes <= self.limit:
             return None
-        return (f"{EXHAUSTED_TAG} {what} needs {size_text(nbytes)} on this worker, but session {session} holds "
+        return (f"{what} needs {size_text(nbytes)} on this worker, but session {session} holds "
                 f"{size_text(used)} here already and its quota is {size_text(self.limit)} per worker. Delete arrays "
                 "this session no longer needs (arr.delete(), or drop the last reference to them), or have the "
                 "operator raise the quota (`pathways worker --session-memory BYTES`, `pathways up --session-memory`, "
