@@ -1,6 +1,8 @@
-"""Silent peers: a frozen worker (SIGSTOP) is declared lost within its heartbeat timeout and
-fails only its island's work, naming the host; healthy islands keep serving meanwhile; a
-dead or frozen controller fails every client call within seconds.
+"""Silent peers: a frozen worker (SIGSTOP) is slow, not lost (its connection is open and its
+host acknowledges): its island's runs fail by the run timeout, naming the host, and only
+its island's work fails; healthy islands keep serving meanwhile; a dead or frozen
+controller fails every client call within seconds, and the workers of a frozen one wait for
+it. (A worker cut off the network is lost within the heartbeat bound: test_slow.py.)
 
 Real processes on loopback clusters. Every stopped process is continued in a ``finally``
 so that the cluster's cleanup can reap it."""
@@ -27,6 +29,8 @@ HEARTBEAT_TIMEOUT = 3.0
 # How long a test allows for something the runtime bounds by the heartbeat timeout or gRPC
 # keepalive (about 8 s), with room for a busy machine.
 BOUND = 15.0
+# What bounds a frozen worker's runs: long enough for the first runs' compiles on a busy machine.
+RUN_TIMEOUT = 10.0
 
 
 def steps(x):
@@ -34,15 +38,16 @@ def steps(x):
     return jax.lax.fori_loop(0, 100, lambda i, y: jax.numpy.tanh(y @ w) + y, x)
 
 
-def test_a_frozen_worker_is_lost_within_the_heartbeat_timeout_and_healthy_islands_keep_serving():
+def test_a_frozen_worker_is_slow_its_runs_fail_by_the_run_timeout_and_healthy_islands_keep_serving():
     """``heartbeat_timeout`` reaches the controller and the workers: idle for longer than it,
     heartbeats alone keep every island healthy. Then one host of the two-host island 0 is
-    stopped: its island's pending futures fail with WorkerLostError naming it, after about
-    the timeout, while island 1 keeps completing programs of the same client; a run on
-    island 1 that needs island 0's data fails as soon as the host is declared lost; status
-    shows island 0 unhealthy, naming the host."""
+    stopped: past the heartbeat timeout it is slow, not lost (status says so, its island
+    stays healthy), while island 1 keeps completing programs of the same client; its
+    island's pending futures fail once the run timeout passes, the oldest with
+    DeadlineExceededError naming the stopped host, the rest with WorkerLostError as the
+    island is reset; a run on island 1 that needs island 0's data fails with it."""
     with pw.local_cluster(islands=[pw.Island(hosts=2, devices_per_host=1), pw.Island(hosts=1, devices_per_host=1)],
-                          heartbeat_timeout=HEARTBEAT_TIMEOUT) as c:
+                          heartbeat_timeout=HEARTBEAT_TIMEOUT, run_timeout=RUN_TIMEOUT) as c:
         vds = pw.make_virtual_device_set()
         doomed = vds.add_slice(cpu_devices=2, island=0)
         safe = vds.add_slice(cpu_devices=1, island=1)
@@ -63,45 +68,44 @@ def test_a_frozen_worker_is_lost_within_the_heartbeat_timeout_and_healthy_island
         os.kill(frozen["pid"], signal.SIGSTOP)
         stopped = time.monotonic()
         try:
-            # the client's programs on island 1 complete during the stall
+            # the client's programs on island 1 complete during the stall, past the heartbeat timeout
             done = 0
-            while time.monotonic() - stopped < HEARTBEAT_TIMEOUT / 2:
+            while time.monotonic() - stopped < HEARTBEAT_TIMEOUT * 1.5:
                 np.testing.assert_array_equal(light(np.full(2, done, np.float32)).to_numpy(timeout=5), [3.0 * done] * 2)
                 done += 1
             assert done >= 3, f"only {done} programs completed on the healthy island during the stall"
-            healthy, looked = status(c.address)["islands"][0]["healthy"], time.monotonic() - stopped
-            # silence counts from the last heartbeat heard, up to a fifth of the timeout before the stop
-            assert healthy or looked > HEARTBEAT_TIMEOUT * 0.8, f"lost {looked:.1f} s after the stop"
+            st = status(c.address)
+            if time.monotonic() - stopped < RUN_TIMEOUT * 0.9:  # not reset by the run timeout yet
+                assert st["islands"][0]["healthy"], st["islands"][0]
+                slow = next(w["slow"] for w in st["workers"] if w["worker"] == frozen["worker"])
+                assert slow is not None and slow >= HEARTBEAT_TIMEOUT, st["workers"]
 
             moved = fetch(there)  # needs the frozen host's half of `there`
             failures = []
             for out in [*pending, moved]:
-                with pytest.raises(pw.WorkerLostError) as e:
+                with pytest.raises((pw.DeadlineExceededError, pw.WorkerLostError)) as e:
                     out.block_until_ready(timeout=120)
-                failures.append((time.monotonic() - stopped, str(e.value)))
+                failures.append((time.monotonic() - stopped, e.value))
             slowest = max(t for t, _ in failures)
             print(f"\nfrozen worker: futures failed {slowest:.1f} s after SIGSTOP "
-                  f"(heartbeat timeout {HEARTBEAT_TIMEOUT:g} s)")
-            # silence counts from the last heartbeat heard, up to a fifth of the timeout before the stop
-            assert HEARTBEAT_TIMEOUT * 0.7 < slowest < BOUND, failures
-            for _, message in failures:
-                assert f"worker {frozen['worker']} on host {frozen['host']} at {frozen['address']}" in message
-                assert f"pid {frozen['pid']}" in message and "stopped answering for" in message, message
+                  f"(heartbeat timeout {HEARTBEAT_TIMEOUT:g} s, run timeout {RUN_TIMEOUT:g} s)")
+            assert RUN_TIMEOUT * 0.9 < slowest < RUN_TIMEOUT + BOUND, failures
+            [stuck] = [e for _, e in failures if isinstance(e, pw.DeadlineExceededError)]
+            assert f"did not finish within the run timeout of {RUN_TIMEOUT:g} s" in str(stuck), stuck
+            assert f"worker {frozen['worker']} on host {frozen['host']} at {frozen['address']}" in str(stuck), stuck
+            for _, error in failures:
+                assert "stopped answering" not in str(error), "slow is not lost: the run timeout ended it"
 
             island = status(c.address)["islands"][0]
-            assert not island["healthy"] and frozen["address"] in island["lost"]
-            silence = re.search(r"stopped answering for (\d+\.\d) s", island["lost"])
-            assert silence and HEARTBEAT_TIMEOUT <= float(silence[1]) < BOUND, island["lost"]
+            assert not island["healthy"] and "reset" in str(island), island
             cli = subprocess.run([sys.executable, "-m", "pathways", "status", "--address", c.address],
                                  capture_output=True, text=True, timeout=60)
-            # UNHEALTHY, or HEALING once the island's other host restarted and joined it again
-            assert re.search(rf"island 0: (UNHEALTHY \(|HEALING \(1 of 2 hosts joined again; )worker "
-                             rf"{frozen['worker']} on host {frozen['host']}", cli.stdout), cli.stdout
+            assert re.search(r"island 0: (UNHEALTHY|HEALING) \(", cli.stdout), cli.stdout
             assert "island 1: healthy" in cli.stdout
             np.testing.assert_array_equal(light(np.ones(2, np.float32)).to_numpy(timeout=30), [3.0, 3.0])
         finally:
             os.kill(frozen["pid"], signal.SIGCONT)
-        # the continued worker finds itself dropped and is restarted, and joins its island again: it heals
+        # the continued worker reads the reset, restarts, and joins its island again: it heals
         wait_until(lambda: status(c.address)["islands"][0]["healthy"], timeout=60, what="the island to heal")
         assert frozen["pid"] not in [w["pid"] for w in status(c.address)["workers"]]
 
@@ -150,14 +154,17 @@ def test_a_dead_or_frozen_controller_fails_every_pending_call_within_seconds(sig
                 pw.make_virtual_device_set().add_slice(cpu_devices=1)
             if sig == signal.SIGSTOP:
                 assert "stopped answering" in str(error), error
-                # the workers give the silent controller up after their heartbeat timeout, and
-                # restart in place to attach again once it is back (--reconnect-timeout)
-                wait_until(lambda: all(_restarted(w, first[w]) for w in workers), timeout=HEARTBEAT_TIMEOUT + 20,
-                           what="the workers to restart and wait for the controller")
+                # slow, not lost: the stopped controller's host still acknowledges what the workers
+                # send, so they wait for it past their heartbeat timeout instead of restarting
+                time.sleep(HEARTBEAT_TIMEOUT * 2)
+                assert not any(_restarted(w, first[w]) for w in workers), "a worker gave the controller up"
                 assert pids_alive(workers) == workers
         finally:
             if sig == signal.SIGSTOP:
                 os.kill(controller, signal.SIGCONT)
+        if sig == signal.SIGSTOP:  # continued, the controller still has every worker, in the same processes
+            wait_until(lambda: sorted(w["pid"] for w in status(c.address)["workers"]) == sorted(first.values()),
+                       timeout=30, what="the continued controller to list its workers")
 
 
 def _restarted(keeper, first):

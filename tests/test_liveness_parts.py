@@ -1,7 +1,9 @@
-"""Heartbeats as pure arithmetic (a fake clock), and on the controller's worker stream in
-this process: heartbeats go out when the stream is idle, at the pace the worker asks for,
-a worker that sends nothing is lost once the timeout passes, one that only sends
-heartbeats is not; the data plane gives up on a stalled peer, naming it."""
+"""Heartbeats as pure arithmetic (a fake clock), a silent peer judged slow or lost by what
+the kernel knows of its connection (faked, and a real zero-window connection), and on the
+controller's worker stream in this process: heartbeats go out when the stream is idle, at
+the pace the worker asks for; a registered worker that sends nothing is slow, not lost,
+while its host acknowledges, and lost once its host stops acknowledging; one that only sends
+heartbeats is kept; the data plane gives up on a stalled peer, naming it."""
 
 import math
 import socket
@@ -16,7 +18,7 @@ import pytest
 from pathways.controller import server as controller_server
 from pathways.protocol import messages as m
 from pathways.wire import frames, tcp
-from pathways.wire.liveness import BEATS_PER_TIMEOUT, MIN_INTERVAL, Heartbeats, check_timeout
+from pathways.wire.liveness import BEATS_PER_TIMEOUT, MIN_INTERVAL, Heartbeats, TcpState, Verdict, check_timeout, judge
 from tests.conftest import wait_until
 from tests.rawworker import RawWorker
 from tests.inprocess import InProcessController
@@ -67,6 +69,66 @@ def test_the_pace_follows_the_smaller_timeout_and_a_peer_cannot_make_it_flood():
     assert beats.interval == MIN_INTERVAL
 
 
+def _tcp(open=True, heard=60.0, acked=0.1, retrying=False):
+    return TcpState(open=open, heard=heard, acked=acked, retrying=retrying)
+
+
+def test_a_silent_peer_whose_host_acknowledges_is_slow_and_one_whose_host_does_not_is_lost():
+    clock = Clock()
+    beats = Heartbeats(10.0, clock)
+    clock.now += 9.0
+    assert judge(beats, None) is Verdict.ANSWERING, "within the timeout nothing is judged"
+    clock.now += 3.0  # 12 s of silence
+    assert judge(beats, _tcp()) is Verdict.SLOW, "its host acknowledges what we send: starved, busy or stopped"
+    assert judge(beats, _tcp(retrying=True, acked=0.3)) is Verdict.SLOW, "a zero window's probes answered"
+    assert judge(beats, _tcp(retrying=True, acked=10.5)) is Verdict.LOST, "nothing acknowledged: cut or dead"
+    assert judge(beats, _tcp(retrying=False, acked=10.5)) is Verdict.SLOW, \
+        "nothing to acknowledge (this side sent nothing for a while, its own loop starved) is no evidence"
+    assert judge(beats, _tcp(open=False)) is Verdict.LOST
+    assert judge(beats, None) is Verdict.LOST, "where the kernel cannot say, silence alone is lost"
+
+
+def test_bytes_the_kernel_holds_are_no_silence():
+    clock = Clock()
+    beats = Heartbeats(10.0, clock)
+    clock.now += 12.0  # this process has read nothing for 12 s (its loop was starved) ...
+    assert judge(beats, _tcp(heard=0.5)) is Verdict.ANSWERING  # ... but the peer's bytes came 0.5 s ago
+    assert beats.silent_for() is None and beats.until_silent() == pytest.approx(9.5)
+    beats.heard_ago(5.0)
+    assert beats.until_silent() == pytest.approx(9.5), "an older word from the kernel never moves it back"
+
+
+def test_the_kernel_keeps_answering_for_a_peer_that_stopped_reading():
+    """A real connection whose peer reads nothing (a stopped or starved process) once its
+    buffers are full: this side's kernel probes the zero window and the peer's answers, for
+    longer than a short timeout; a peer that closes is no longer open. (TCP_USER_TIMEOUT, in
+    contrast, ends such a connection: measured on Linux 6.18, within its timeout.)"""
+    from pathways.wire.tcp import tcp_state
+    server = socket.create_server(("127.0.0.1", 0))
+    sender = socket.create_connection(server.getsockname())
+    receiver, _ = server.accept()
+    try:
+        sender.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            while True:
+                sender.send(b"x" * 65536)
+        beats = Heartbeats(0.5)
+        start = time.monotonic()
+        while time.monotonic() - start < 2.0:
+            time.sleep(0.1)
+            state = tcp_state(sender)
+            assert state is not None and state.open, state
+            verdict = judge(beats, state)
+            assert verdict is Verdict.SLOW or time.monotonic() - start < 0.6, (verdict, state)
+        receiver.close()
+        wait_until(lambda: not tcp_state(sender).open, timeout=5.0, what="the closed peer's connection to end")
+        assert judge(beats, tcp_state(sender)) is Verdict.LOST
+    finally:
+        sender.close()
+        receiver.close()
+        server.close()
+
+
 @pytest.mark.parametrize("bad", [0, -1, math.nan, math.inf, "10", True, None])
 def test_a_timeout_must_be_a_finite_positive_number(bad):
     with pytest.raises(ValueError, match="--heartbeat-timeout must be a finite number of seconds above 0"):
@@ -108,8 +170,19 @@ def test_an_idle_controller_sends_heartbeats_at_the_pace_the_worker_asks_for(fas
         raw.close()
 
 
-def test_a_worker_that_sends_nothing_is_lost_once_the_timeout_passes_and_only_heartbeats_keep_it(fast):
+def test_a_worker_that_sends_nothing_is_slow_not_lost_until_its_host_stops_acknowledging(fast, monkeypatch):
+    """Registered and silent past the timeout, its connection open and its host (this
+    process's kernel) acknowledging: kept, and marked slow in the status until it speaks
+    again. Once the kernel says its host acknowledged nothing for the timeout while ours
+    retried (faked here: a cut needs a network, test_slow.py cuts one), it is lost, naming
+    both silences."""
     quiet, chatty = RawWorker(fast.attach), RawWorker(fast.attach)
+
+    def workers():
+        async def get():
+            return {w["worker"]: w for w in fast.controller.core.status()["workers"]}
+        return fast.run(get())
+
     try:
         silent_id = quiet.register(island=1000)
         kept_id = chatty.register(island=1001)
@@ -117,7 +190,23 @@ def test_a_worker_that_sends_nothing_is_lost_once_the_timeout_passes_and_only_he
         while time.monotonic() - start < 2.5:
             chatty.send_messages(m.Heartbeat(1.0))
             time.sleep(0.15)
-        assert quiet.closed_by_peer(1.0), "the silent worker's connection is dropped"
+        assert not quiet.closed_by_peer(0.3), "the silent worker's connection is kept"
+        assert fast.lost == [] and fast.workers() == sorted([silent_id, kept_id])
+        assert workers()[silent_id]["slow"] > 1.0
+
+        quiet.send_messages(m.Heartbeat(1.0))  # it speaks again: no longer slow
+        wait_until(lambda: workers()[silent_id]["slow"] is None, timeout=5.0, what="the slow mark to go")
+
+        from pathways.wire import tcp
+        cut, real = TcpState(open=True, heard=30.0, acked=30.0, retrying=True), tcp.tcp_state
+        # the quiet worker's host acknowledges nothing any more, as the kernel tells it
+        monkeypatch.setattr(tcp, "tcp_state", lambda sock: cut if sock.getpeername() == quiet.sock.getsockname()
+                            else real(sock))
+        start = time.monotonic()
+        while time.monotonic() - start < 2.5 and not fast.lost:
+            chatty.send_messages(m.Heartbeat(1.0))
+            time.sleep(0.15)
+        assert quiet.closed_by_peer(1.0), "the cut worker's connection is dropped"
         assert fast.lost == [silent_id] and fast.workers() == [kept_id]
 
         async def lost():
@@ -125,7 +214,8 @@ def test_a_worker_that_sends_nothing_is_lost_once_the_timeout_passes_and_only_he
         islands = {i["island"]: i for i in fast.run(lost())}
         assert not islands[1000]["healthy"] and islands[1001]["healthy"]
         assert islands[1000]["lost"].startswith(f"worker {silent_id} on host fake at grpc://127.0.0.1:1 (pid 1")
-        assert "stopped answering for 1." in islands[1000]["lost"]
+        assert "stopped answering for 1." in islands[1000]["lost"], islands[1000]["lost"]
+        assert "its host acknowledged nothing for 30.0 s either" in islands[1000]["lost"], islands[1000]["lost"]
     finally:
         quiet.close()
         chatty.close()

@@ -30,8 +30,9 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     scheduling_flags(parser)
     security.add_flags(parser, server=True, data_plane=False)
     parser.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT, metavar="S",
-                        help="seconds a worker may send nothing (not even a heartbeat) before it is lost "
-                             "and its island marked unhealthy")
+                        help="seconds a worker may send nothing (not even a heartbeat) before it is judged: "
+                             "slow (kept, marked in status) while its host still acknowledges, lost (its "
+                             "island marked unhealthy) once its host acknowledged nothing for as long")
     run_timeout_flag(parser)
     parser.add_argument("--host-recovery", choices=[r.value for r in Recovery], default=Recovery.ELSEWHERE.value,
                         help="who brings a lost host back, as errors and `pathways status` say it: hosts started "

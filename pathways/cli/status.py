@@ -65,9 +65,11 @@ def _print(address: str, st: dict) -> None:
               f"queued, {i['inflight']} in flight")
         for w in (w for w in st["workers"] if w["island"] == i["island"]):
             speed = f"{w['flops'] / 1e9:.1f} GFLOP/s" if w.get("flops") else "FLOP/s not measured yet"
+            slow = (f"; SLOW (sent nothing for {w['slow']:.1f} s, but its host still acknowledges: starved of CPU, "
+                    "busy or stopped, not lost)" if w.get("slow") is not None else "")
             print(f"    worker {w['worker']} rank {w['rank']} host {w['host']} pid {w['pid']} {w['address']}: "
                   f"{w['devices']} {w['kind']} device(s), {speed}, {w['memory_bytes'] / 2**30:.1f} GiB memory, "
-                  f"slices per device {w['load']}")
+                  f"slices per device {w['load']}{slow}")
     _print_links(st)
     for c in st["sessions"]:
         state = c.get("state", "active")

@@ -25,8 +25,8 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     scheduling_flags(parser)
     security.add_flags(parser, server=True)
     parser.add_argument("--heartbeat-timeout", type=float, default=None, metavar="S",
-                        help=f"seconds of silence after which controller and workers give each other up "
-                             f"(default {HEARTBEAT_TIMEOUT:g})")
+                        help=f"seconds of silence after which controller and workers judge each other slow "
+                             f"(the host still acknowledges) or lost (default {HEARTBEAT_TIMEOUT:g})")
     run_timeout_flag(parser)
     session_memory_flag(parser)
     parser.add_argument("--restart-workers", action=argparse.BooleanOptionalAction, default=True,

@@ -49,8 +49,9 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
             ("--wait-timeout", 300.0, "how long an op waits for an input array before poisoning its outputs"),
             ("--connect-timeout", 30.0, "how long to try to reach the controller"),
             ("--heartbeat-timeout", HEARTBEAT_TIMEOUT,
-             "how long the controller may send nothing (not even a heartbeat) before this worker gives it up and "
-             "exits; also how long a data-plane peer may stall"),
+             "how long the controller may send nothing (not even a heartbeat) before this worker judges it: "
+             "slow, and waited for, while its host still acknowledges; lost, and this worker restarts to attach "
+             "again, once its host acknowledged nothing for as long; also how long a data-plane peer may stall"),
             ("--reconnect-timeout", RECONNECT_TIMEOUT,
              "when the controller goes away, restart and attach again once it is back, trying for this long (0: "
              "exit at once); the controller's arrays and sessions are gone either way"),

@@ -151,8 +151,10 @@ def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[S
     ``unsafe_local_order`` is for demonstrating deadlock only: workers then order clients'
     runs themselves instead of following the island's gang order. ``heartbeat_timeout``
     (seconds; default 10) is how long the controller and a worker may go silent before the
-    other gives it up (the controller fails the worker's island until it heals; the worker
-    restarts and attaches again once the controller is back).
+    other judges it: slow, and kept, while its host still acknowledges the connection (a
+    starved, busy or stopped process; ``run_timeout`` bounds its runs); lost once its host
+    has acknowledged nothing for as long too (the controller fails the worker's island until
+    it heals; the worker restarts and attaches again once the controller is back).
 
     ``security`` (``pathways.wire.security.Security``): the token, TLS certificate and CA
     that every process of the cluster, and the session, is given; none by default. The

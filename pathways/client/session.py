@@ -12,8 +12,10 @@ raise SuspendedError.
 Nothing waits on a dead or silent peer: gRPC keepalive (wire/rpc.py) ends the session
 stream within seconds of the controller dying or freezing, which fails every pending
 request and fetch with ControllerLostError; a fetch blocked at a worker is cancelled as
-soon as the controller reports its array poisoned (a lost worker), and keepalive ends one
-blocked at a frozen worker anyway.
+soon as the controller reports its array poisoned (a lost worker). One blocked at a worker
+that stopped answering (keepalive ends the call) waits for the controller's verdict, and
+without one asks again: the controller, which judges hosts (wire/liveness.py), keeps a slow
+worker (starved, busy or stopped), whose array is still to come, within the caller's wait.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ _POLL_SECONDS = 1.0  # a long wait for an array is split so news of a lost worke
 _BUSY_PAUSE, _BUSY_PAUSE_MAX = 0.005, 0.2
 _VERDICT_SECONDS = 3.0  # how long a failed fetch waits for the controller to say why
 # ... when the worker became unreachable: keepalive may give up on a frozen worker before
-# the controller does (its heartbeat timeout), and the controller's verdict names the host
+# the controller judges it (after its heartbeat timeout), and the controller's verdict names
+# the host; without one the worker is slow, not lost, and the fetch is asked again
 _UNREACHABLE_VERDICT_SECONDS = HEARTBEAT_TIMEOUT
 # What a call to a worker ends with when the worker died, or stopped its server to restart
 # (its island lost a host): this client cancels its own calls only once it knows why.
@@ -706,6 +709,13 @@ class Session:
                 time.sleep(0.02)
             self._raise_if_poisoned(handle)
             self._check_alive()
+            if unreachable and sink is None:
+                # no verdict: the controller still has the worker, slow (stopped, or starved past
+                # keepalive), not lost; the array is still to come, so the caller asks again (a
+                # sink may hold part of a reply already: it cannot be fed again)
+                log.info("the worker at %s holding array %#x does not answer (%s), but the controller has not "
+                         "declared it lost: asking again", address, handle, e.code().name)
+                return None
             if unreachable:
                 raise errors.WorkerLostError(
                     f"the worker at {address} holding array {handle:#x} is unreachable ({e.details()}): it was "

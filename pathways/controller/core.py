@@ -157,7 +157,8 @@ class ControllerCore:
     def worker_lost(self, conn: WorkerConn, silent_for: float | None = None, error: str | None = None) -> None:
         """A worker's stream ended: its connection closed (``error``: the one that ended it,
         if one did), or (``silent_for`` seconds) the worker stopped answering and the shell
-        dropped it. Its island is unhealthy until it heals (whether it had assembled or
+        dropped it (``error``: what else the shell knew, e.g. that its host stopped
+        acknowledging too). Its island is unhealthy until it heals (whether it had assembled or
         not): a multi-host group cannot run without one of its hosts, so every run, array
         and future that involves any host of the island fails with WorkerLostError naming
         the worker, and the surviving hosts of the island are told to restart and join it
@@ -166,7 +167,7 @@ class ControllerCore:
         if conn.retired or self.workers.get(conn.worker) is not conn:
             return
         if silent_for is not None:
-            why = f"it stopped answering for {silent_for:.1f} s"
+            why = f"it stopped answering for {silent_for:.1f} s" + (f", and {error}" if error else "")
         elif error is not None:
             why = f"its connection closed (the process exited or was killed, or the connection was cut: {error})"
         else:

@@ -52,6 +52,9 @@ class WorkerConn:
     retired: bool = False  # its island was lost: whatever it still sends is stale (its id may be reused)
     heartbeat: float | None = None  # the silence, in seconds, after which the worker gives up on the controller
     data_key: bytes = b""  # checks the tickets of the worker's data-plane peers (drawn when it registers)
+    # Seconds the worker had been silent, past the heartbeat timeout, when the shell last
+    # looked, while its host still acknowledges (slow, not lost); None while it answers.
+    silent: float | None = None
 
     def describe(self) -> str:
         """The worker as an operator finds it: id, host name, advertised address, pid, island."""

@@ -17,10 +17,16 @@ one; else the token), answered before any other frame is read; with a certificat
 and the workers' connections use TLS.
 
 Each worker stream carries heartbeats both ways (wire/liveness.py): a loop timer per
-stream queues one when nothing else went out for a while, and gives the worker up once it
-has been silent for the heartbeat timeout (a frozen process, a dead host, a cut cable):
-the connection is dropped and the core handles the worker as lost, naming how long it
-was silent. The core itself has no clock.
+stream queues one when nothing else went out for a while, and judges the worker once it
+has been silent for the heartbeat timeout, by what the kernel knows of its connection
+(liveness.judge): a worker whose host still acknowledges is slow (a process starved of
+CPU, busy compiling, or stopped): it is kept, marked slow in the status
+(``WorkerConn.silent``) until it is heard again, and the timer looks again every
+heartbeat interval; one whose host stopped acknowledging (a dead host, a cut cable), and
+on platforms whose kernel says nothing any silent one, has its connection dropped and the
+core handles it as lost, naming how long it was silent. A connection that has not
+registered is dropped on silence alone: a stranger has no work to be slow at. What bounds
+a slow worker's runs is the run timeout (``run_timeout``). The core itself has no clock.
 
 Given ``ifrt_bind``, the process also serves the IFRT proxy protocol (pathways.ifrt.server),
 a front end whose sessions are clients of this controller: started once the controller
@@ -52,7 +58,7 @@ from pathways.wire import allocator, codec, frames, rpc, tcp
 from pathways.wire import security as sec
 from pathways.wire.addresses import family_of, join_host_port, reachable_host, split_host_port, strip_brackets
 from pathways.wire.codec import MAX_MESSAGE_BYTES
-from pathways.wire.liveness import Heartbeats, check_timeout
+from pathways.wire.liveness import Heartbeats, TcpState, Verdict, check_timeout, judge
 from pathways.wire.security import Security
 
 if TYPE_CHECKING:
@@ -90,28 +96,52 @@ def _guarded(fn: Callable, *args: Any) -> None:
 class _Keepalive:
     """One worker stream's heartbeat timer on the event loop, from its first ``schedule``
     (once the worker has greeted: nothing is sent to a peer that has not): queues a
-    heartbeat when nothing went out for an interval, and calls ``on_silent(seconds)`` once
-    the worker has been silent past the timeout (then stops)."""
+    heartbeat when nothing went out for an interval, and once the worker has been silent
+    past the timeout judges it (liveness.judge, with ``tcp_state()``, what the kernel
+    knows of its connection) at every tick: ``on_slow(seconds)`` while it is slow (the
+    timer goes on), ``on_lost(seconds, why)`` once it is lost (the timer stops)."""
 
-    def __init__(self, beats: Heartbeats, outbox: rpc.LoopOutbox, on_silent: Callable[[float], None]) -> None:
+    def __init__(self, beats: Heartbeats, outbox: rpc.LoopOutbox, tcp_state: Callable[[], Optional[TcpState]],
+                 on_slow: Callable[[float], None], on_lost: Callable[[float, Optional[str]], None]) -> None:
         self._beats = beats
         self._outbox = outbox
-        self._on_silent = on_silent
+        self._tcp_state = tcp_state
+        self._on_slow = on_slow
+        self._on_lost = on_lost
+        self._slow = False
         self._loop = asyncio.get_running_loop()
         self._timer: Optional[asyncio.TimerHandle] = None
 
     def schedule(self) -> None:
-        """(Re)arm the timer for whatever falls due first; call it after the intervals change."""
+        """(Re)arm the timer for whatever falls due first; call it after the intervals change.
+        While the worker is slow the next heartbeat is what falls due: it is judged again
+        each interval, not in a spin."""
         if self._timer is not None:
             self._timer.cancel()
-        self._timer = self._loop.call_later(min(self._beats.until_beat(), self._beats.until_silent()), self._tick)
+        due = self._beats.until_beat()
+        if not self._slow:
+            due = min(due, self._beats.until_silent())
+        self._timer = self._loop.call_later(due, self._tick)
 
     def _tick(self) -> None:
         self._timer = None
-        silent = self._beats.silent_for()
-        if silent is not None:
-            self._on_silent(silent)
-            return
+        self._slow = False
+        if self._beats.silent_for() is not None:
+            tcp = self._tcp_state()
+            verdict = judge(self._beats, tcp)
+            silent = self._beats.silent_for()
+            if verdict is Verdict.LOST:
+                assert silent is not None  # judge says LOST or SLOW only past the timeout
+                why = None  # the kernel says nothing: silence alone lost it
+                if tcp is not None:
+                    why = (f"its host acknowledged nothing for {tcp.acked:.1f} s either: the host is down, or the "
+                           "network between is cut") if tcp.open else "its connection is no longer open"
+                self._on_lost(silent, why)
+                return
+            if verdict is Verdict.SLOW:
+                assert silent is not None
+                self._slow = True
+                self._on_slow(silent)
         if self._beats.beat_due():
             self._outbox.put(m.Heartbeat(self._beats.timeout))
             self._beats.sent()  # queued is as good as sent: a blocked writer is the peer's silence to judge
@@ -280,15 +310,30 @@ class ControllerServer:
         greeted = self._attach_security.token is None
         beats = Heartbeats(self.heartbeat_timeout)
         silence: list[float] = []  # how long the worker was silent, once given up for it
-        cut: list[str] = []  # the error that ended the connection, if one did
+        cut: list[str] = []  # the error that ended the connection, or why silence did, if either did
 
-        def on_silent(seconds: float) -> None:
+        def tcp_state() -> Optional[TcpState]:
+            if conn.worker < 0:
+                return None  # a stranger has no work to be slow at: its silence alone ends it
+            return tcp.tcp_state(sock) if sock is not None else None
+
+        def on_slow(seconds: float) -> None:
+            if conn.silent is None:
+                log.warning("worker %d (%s) sent nothing for %.1f s, more than the heartbeat timeout of %g s, but "
+                            "its host still acknowledges: slow (starved of CPU, busy or stopped), not lost",
+                            conn.worker, peer, seconds, beats.timeout)
+            conn.silent = seconds
+
+        def on_lost(seconds: float, why: Optional[str]) -> None:
             silence.append(seconds)
-            log.warning("worker %d (%s) sent nothing for %.1f s, more than the heartbeat timeout of %g s: "
-                        "dropping its connection", conn.worker, peer, seconds, beats.timeout)
+            if why is not None:
+                cut.append(why)
+            log.warning("worker %d (%s) sent nothing for %.1f s, more than the heartbeat timeout of %g s%s: "
+                        "dropping its connection", conn.worker, peer, seconds, beats.timeout,
+                        f", and {why}" if why else "")
             writer.transport.abort()  # a frozen peer would never take what is buffered for it
 
-        keepalive = _Keepalive(beats, conn.outbox, on_silent)
+        keepalive = _Keepalive(beats, conn.outbox, tcp_state, on_slow, on_lost)
         if greeted:
             keepalive.schedule()
 
@@ -333,6 +378,10 @@ class ControllerServer:
             beats.sent()
 
         def on_payload(payload: bytes) -> None:
+            if conn.silent is not None:
+                log.info("worker %d (%s) answers again after more than %.1f s of silence", conn.worker, peer,
+                         conn.silent)
+                conn.silent = None
             self.core.on_worker_batch(conn, payload)
             if conn.heartbeat is not None and conn.heartbeat != beats.peer_timeout:
                 beats.learn(conn.heartbeat)  # the worker's heartbeats said how often it needs ours

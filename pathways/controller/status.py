@@ -62,4 +62,7 @@ def _worker(conn: Any, host: Any) -> dict[str, Any]:
             "memory_bytes": host.memory_bytes if host is not None else info.memory_bytes,
             # measured FLOP/s (None until measured) and slices per device
             "flops": (host.flops or None) if host is not None else None,
-            "load": list(host.load) if host is not None else []}
+            "load": list(host.load) if host is not None else [],
+            # seconds it has been silent past the heartbeat timeout while its host still
+            # acknowledges (starved, busy or stopped: slow, not lost); None while it answers
+            "slow": conn.silent}

@@ -12,7 +12,9 @@ stream to its controller is such a pair of threads.
 non-blocking mode, and waits for the socket (``select``) outside the lock, so that a reader
 waiting for data never holds up a writer. A wait looks again every ``RECHECK_SECONDS``, in
 case the other thread's call took in the bytes it waits for. Each call gives up with
-TimeoutError once ``timeout`` seconds pass without progress, as a socket's own timeout does.
+TimeoutError once ``timeout`` seconds pass without progress, as a socket's own timeout does;
+with no timeout it waits until the connection ends (a worker's stream: its watchdog shuts
+the socket down once it judges the controller lost, which ends the wait).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class SharedTlsSocket(io.RawIOBase):
     """``sock`` (connected, handshake done) for one reading and one writing thread: a raw
     stream to read from (wrap it in ``io.BufferedReader``) and ``sendall``."""
 
-    def __init__(self, sock: ssl.SSLSocket, timeout: float) -> None:
+    def __init__(self, sock: ssl.SSLSocket, timeout: float | None) -> None:
         super().__init__()
         sock.setblocking(False)
         self._sock = sock
@@ -49,7 +51,7 @@ class SharedTlsSocket(io.RawIOBase):
 
     def readinto(self, buffer: Any) -> int:
         """Up to ``len(buffer)`` bytes into ``buffer``; 0 at the end of the stream."""
-        deadline = time.monotonic() + self._timeout
+        deadline = self._deadline()
         while True:
             with self._lock:
                 if self.closed:  # the socket may be shut down: what it reads now is not TLS's
@@ -64,7 +66,7 @@ class SharedTlsSocket(io.RawIOBase):
 
     def sendall(self, data: Any) -> None:
         view = memoryview(data).cast("B")
-        deadline = time.monotonic() + self._timeout
+        deadline = self._deadline()
         while view:
             with self._lock:
                 try:
@@ -75,12 +77,15 @@ class SharedTlsSocket(io.RawIOBase):
                     writing = False
                 else:
                     view = view[sent:]
-                    deadline = time.monotonic() + self._timeout
+                    deadline = self._deadline()
                     continue
             self._wait(writing, deadline, "the peer took no bytes")
 
-    def _wait(self, writing: bool, deadline: float, what: str) -> None:
-        left = deadline - time.monotonic()
+    def _deadline(self) -> float | None:
+        return None if self._timeout is None else time.monotonic() + self._timeout
+
+    def _wait(self, writing: bool, deadline: float | None, what: str) -> None:
+        left = RECHECK_SECONDS if deadline is None else deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError(f"{what} for {self._timeout:g} s")
         ready = ([], [self._sock]) if writing else ([self._sock], [])

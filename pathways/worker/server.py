@@ -25,10 +25,18 @@ core in order; callers of the gRPC methods and the data plane wait for the core.
 
 When the controller says the island lost a host, the worker has its keeper
 (pathways/keeper.py) restart it, and joins the island again; when the controller's stream
-ends, or the controller sends nothing (not even a heartbeat) for the heartbeat timeout, it
-is restarted to attach again once the controller is back (``--reconnect-timeout``); when
-the controller says to stop, it exits. It sends the controller a heartbeat whenever
-nothing else went out for a while (wire/liveness.py), from the moment it attaches.
+ends, or the controller is judged lost (below), it is restarted to attach again once the
+controller is back (``--reconnect-timeout``); when the controller says to stop, it exits.
+
+Liveness (wire/liveness.py): a trio task on the main thread queues a heartbeat for the
+controller whenever nothing else went out for a while, from the moment it attaches, and
+watches the controller: once it has sent nothing (not even a heartbeat) for the heartbeat
+timeout, it is judged by what the kernel knows of the connection (liveness.judge): a
+controller whose host still acknowledges is slow (starved of CPU, or stopped) and is waited
+for, a warning says so; one whose host stopped acknowledging (a cut cable, a dead host), or
+on platforms whose kernel says nothing any silent one, is lost: the stream ends. The
+stream's reader and sender threads therefore block without a timeout: the watch, or the
+end of the connection, is what ends their waits.
 """
 
 from __future__ import annotations
@@ -56,7 +64,7 @@ from pathways.protocol.messages import (FETCH, MAX_MESSAGE_BYTES, TIMELINE, WORK
                                         Register, Reset, Shutdown, WorkerWelcome)
 from pathways.wire import codec, frames, rpc, tcp
 from pathways.wire.addresses import PortReservation, join_host_port, split_host_port
-from pathways.wire.liveness import Heartbeats, check_timeout
+from pathways.wire.liveness import Heartbeats, TcpState, Verdict, check_timeout, judge
 from pathways.wire.security import Security, SecurityConfigError
 from pathways.wire.tls_socket import SharedTlsSocket
 from pathways import keeper
@@ -444,10 +452,15 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
                             island.hosts, island.rank, coordinator, os.getpid(), socket.gethostname(),
                             codec.host_memory_bytes(), security.data_plane_tls))
         outbox.put(Heartbeat(heartbeat_timeout))  # at once: the controller paces its heartbeats to it
-        # Every recv and send on the stream waits at most this long: the controller sends
-        # something at least every fifth of it, so a longer silence means it is gone.
-        sock.settimeout(heartbeat_timeout)
-        close_stream = _start_stream(sock, outbox, joining.on_batch, end, beats, controller, settled)
+        # The stream's threads wait for the controller as long as it takes: _beat judges a silent
+        # controller (slow or lost) and ends the stream once it is lost. Nor may the kernel end it
+        # first: tcp.connect set TCP_USER_TIMEOUT, which also ends a connection whose peer's host
+        # answers but whose process reads nothing for that long (measured on Linux 6.18), i.e. a
+        # slow controller.
+        sock.settimeout(None)
+        if hasattr(socket, "TCP_USER_TIMEOUT"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 0)
+        close_stream = _start_stream(sock, outbox, joining.on_batch, end, beats, settled)
 
         told: list[str] = []  # what the controller told the running core: "shutdown" or "reset"
 
@@ -483,7 +496,8 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
                         signalled = True
                         nursery.cancel_scope.cancel()
                 nursery.start_soon(stop_on_signal)
-                nursery.start_soon(_beat, beats, outbox, heartbeat_timeout)
+                nursery.start_soon(_beat, beats, outbox, heartbeat_timeout, lambda: tcp.tcp_state(sock),
+                                   end, controller)
                 error = await run()
                 nursery.cancel_scope.cancel()
         if signalled:
@@ -516,21 +530,43 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
         channel.close()
 
 
-async def _beat(beats: Heartbeats, outbox: rpc.Outbox, timeout: float) -> None:
-    """Queue a heartbeat for the controller whenever nothing else went out for an interval."""
+async def _beat(beats: Heartbeats, outbox: rpc.Outbox, timeout: float, tcp_state: Callable[[], Optional[TcpState]],
+                end: Callable[[], None], controller: str) -> None:
+    """Queue a heartbeat for the controller whenever nothing else went out for an interval,
+    and judge the controller once it has been silent for the heartbeat timeout
+    (liveness.judge, with ``tcp_state()``): slow, it is waited for and judged again each
+    interval; lost, the stream ends (``end``) and so does this task."""
+    silent_since: Optional[float] = None  # the controller's silence, as last judged slow
     while True:
-        await trio.sleep(beats.until_beat())
+        await trio.sleep(beats.until_beat() if silent_since is not None
+                         else min(beats.until_beat(), beats.until_silent()))
+        verdict = judge(beats, tcp_state()) if beats.silent_for() is not None else Verdict.ANSWERING
+        silent = beats.silent_for()
+        if verdict is Verdict.LOST:
+            log.error("the controller at %s sent nothing for %.1f s (the heartbeat timeout is %g s), and its host "
+                      "stopped acknowledging (or this platform cannot tell): it is unreachable or gone",
+                      controller, silent, beats.timeout)
+            end()
+            return
+        if verdict is Verdict.SLOW and silent_since is None:
+            log.warning("the controller at %s sent nothing for %.1f s (the heartbeat timeout is %g s), but its host "
+                        "still acknowledges: it is slow (starved of CPU, or stopped), and this worker waits for it",
+                        controller, silent, beats.timeout)
+        elif verdict is Verdict.ANSWERING and silent_since is not None:
+            log.info("the controller at %s answers again after more than %.1f s of silence", controller,
+                     silent_since)
+        silent_since = silent if verdict is Verdict.SLOW else None
         if beats.beat_due():
             outbox.put(Heartbeat(timeout))
             beats.sent()  # queued is as good as sent; the sender's own sends count too
 
 
 def _start_stream(sock: socket.socket, outbox: rpc.Outbox, on_batch: Callable[[bytes], None],
-                  end: Callable[[], None], beats: Heartbeats, controller: str,
-                  settled: threading.Event) -> Callable[[], None]:
+                  end: Callable[[], None], beats: Heartbeats, settled: threading.Event) -> Callable[[], None]:
     """Threads that send ``outbox``'s batches on ``sock`` and hand what arrives to
-    ``on_batch``; ``end`` is called when the stream ends either way, including when the
-    controller sends nothing for the heartbeat timeout (the socket's timeout). Once
+    ``on_batch`` (each payload a sign of life for ``beats``); ``end`` is called when the
+    stream ends either way (``sock`` blocks without a timeout: _beat ends a stream whose
+    controller it judged lost, and the caller then shuts ``sock`` down). Once
     ``settled`` is set (the worker was told to stop or restart, or is closing), the
     stream's end is expected. Over TLS, the two threads take turns on the socket
     (``SharedTlsSocket``): OpenSSL's connection must not be used by both at once. Returns
@@ -544,7 +580,7 @@ def _start_stream(sock: socket.socket, outbox: rpc.Outbox, on_batch: Callable[[b
             for payload in outbox.batches():
                 sendall(frames.frame(payload))
                 beats.sent()
-        except OSError as e:  # a timeout included: the controller stopped reading
+        except OSError as e:
             # at info: a send also fails when the controller ends the stream on purpose, before
             # the reader has handed over its last message (a shutdown, say)
             log.info("controller stream ended while sending: %s", e)
@@ -552,15 +588,12 @@ def _start_stream(sock: socket.socket, outbox: rpc.Outbox, on_batch: Callable[[b
 
     def read() -> None:
         try:
-            # Within a frame as between frames, the controller may pause no longer than the
-            # heartbeat timeout (the socket's timeout), and it is this worker's one trusted
-            # peer: no other deadline.
+            # The controller is this worker's one trusted peer: no deadline within a frame or
+            # between frames; _beat judges its silence and ends the stream once it is lost.
             while (payload := reader.read(MAX_MESSAGE_BYTES)) is not None:
+                beats.heard()
                 on_batch(payload)
             log.info("controller stream ended")
-        except TimeoutError:
-            log.error("the controller at %s sent nothing for %g s (the heartbeat timeout): it is frozen, "
-                      "unreachable or gone", controller, beats.timeout)
         except Exception as e:  # OSError or WireError, or ValueError once shutdown closed the reader
             # a connection cut while this worker still runs is worth a warning: it costs the island
             log.log(logging.INFO if settled.is_set() else logging.WARNING, "controller stream ended: %s: %s",
