@@ -93,6 +93,7 @@ def test_a_frozen_worker_is_slow_its_runs_fail_by_the_run_timeout_and_healthy_is
             [stuck] = [e for _, e in failures if isinstance(e, pw.DeadlineExceededError)]
             assert f"did not finish within the run timeout of {RUN_TIMEOUT:g} s" in str(stuck), stuck
             assert f"worker {frozen['worker']} on host {frozen['host']} at {frozen['address']}" in str(stuck), stuck
+            assert "while its host still acknowledged" in str(stuck), "the error says the host was slow"
             for _, error in failures:
                 assert "stopped answering" not in str(error), "slow is not lost: the run timeout ended it"
 

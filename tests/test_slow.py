@@ -25,8 +25,8 @@ from pathways.cluster import status
 from tests.conftest import wait_until
 from tests.netns import Network, netns_available  # noqa: F401 (a fixture)
 
-# Short, so that a stop of a few seconds is several timeouts; the old rule lost a worker of a
-# busy 2-core machine within seconds at this timeout (it dropped any worker silent for it).
+# Short, so that a stop of a few seconds is several timeouts (and on a busy 2-core machine,
+# heartbeats at this timeout come late: silence alone would lose workers within seconds).
 HEARTBEAT_TIMEOUT = 2.0
 # Several heartbeat timeouts, and longer than the client's gRPC keepalive to a worker (about
 # 8 s), so that a fetch blocked at the stopped worker outlives a keepalive verdict too.

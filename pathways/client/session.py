@@ -675,6 +675,7 @@ class Session:
         stubs = self._stubs(address)
         request = m.pack(m.FetchRequest(handle, wait, data, stubs.credential, device).encode())
         call = None
+        fed = False  # whether ``sink`` was given part of a reply: it cannot be given one again
         try:
             call = stubs.fetch(request, timeout=wait + 30.0)
             with self._fetches_lock:
@@ -691,6 +692,7 @@ class Session:
             if not data:
                 return True
             if sink is not None:
+                fed = True
                 sink(header, replies)
                 codec.expect_end(replies)
                 return True
@@ -709,17 +711,17 @@ class Session:
                 time.sleep(0.02)
             self._raise_if_poisoned(handle)
             self._check_alive()
-            if unreachable and sink is None:
+            if unreachable and not fed:
                 # no verdict: the controller still has the worker, slow (stopped, or starved past
-                # keepalive), not lost; the array is still to come, so the caller asks again (a
-                # sink may hold part of a reply already: it cannot be fed again)
+                # keepalive), not lost; the array is still to come, so the caller asks again
                 log.info("the worker at %s holding array %#x does not answer (%s), but the controller has not "
                          "declared it lost: asking again", address, handle, e.code().name)
                 return None
             if unreachable:
-                raise errors.WorkerLostError(
-                    f"the worker at {address} holding array {handle:#x} is unreachable ({e.details()}): it was "
-                    "lost, and the array with it. `python -m pathways status` shows the healthy islands") from None
+                raise errors.ConnectError(
+                    f"the worker at {address} stopped answering ({e.code().name}) while it sent array "
+                    f"{handle:#x}, but the controller has not declared it lost (it is slow: starved of CPU, busy, "
+                    "or stopped); read the array again, and see `python -m pathways status`") from None
             raise errors.ConnectError(
                 f"fetching from worker {address} failed ({e.code().name}); check "
                 "`python -m pathways status`") from None

@@ -211,7 +211,7 @@ class ControllerCore:
         name = self.islands.by_id[island].describe()
         waiting = run.payload.waiting
         behind = [w for w in sorted(waiting) if w in self.workers]
-        hosts = ", ".join(self.workers[w].describe() for w in behind) or "no host it was sent to"
+        hosts = ", ".join(_stuck_host(self.workers[w]) for w in behind) or "no host it was sent to"
         why = (f"run {run.id} did not finish within the run timeout of {self.run_timeout:g} s: {hosts} had not "
                "finished it (stuck in a computation, or in a collective waiting for a host that is; the threads' "
                "stacks of each are in its log)")
@@ -1006,3 +1006,13 @@ class ControllerCore:
 def _suspended_message(what: str) -> str:
     return (f"cannot {what}: the session is suspended (its arrays are off the devices and its slices "
             "released); call resume() (session.resume() or pw.resume()) first")
+
+
+def _stuck_host(conn: WorkerConn) -> str:
+    """A host that had not finished a stuck run, as the run's error names it: with how long
+    it had been silent while its host still acknowledged (slow: starved of CPU, busy or
+    stopped), if it was, since that is where an operator looks first."""
+    if conn.silent is None:
+        return conn.describe()
+    return (f"{conn.describe()}, silent for {conn.silent:.1f} s while its host still acknowledged (a process "
+            "starved of CPU, busy, or stopped, e.g. by SIGSTOP or a debugger)")

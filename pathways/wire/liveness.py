@@ -10,13 +10,14 @@ went out) at least every fifth of the smaller of the two timeouts, so that a liv
 not taken for a silent one even when the two sides were started with different timeouts.
 
 Slow is not lost. A peer's heartbeats can be late for reasons that say nothing about
-whether it is still there: measured on the development machine (2 cores), with 100 busy
-processes beside a local cluster at a 2 s timeout, heartbeats both ways arrived up to 9.1 s
-late (a Python thread must be scheduled to send one, and another to read it; a thread
-beside XLA compiles paused no longer than another process did, at most 0.38 s against
-0.35 s: the compiles release the GIL, and what delays a heartbeat is the CPU's scheduling,
-which no thread of the process can escape), and the old rule, silence alone is loss, lost a
-host within seconds and again after each restart. A loop that was itself starved may also look before it has read what arrived.
+whether it is still there: measured on a 2-core machine, with 100 busy processes beside a
+local cluster at a 2 s timeout, heartbeats both ways arrived up to 9.1 s late (a Python
+thread must be scheduled to send one, and another to read it; a thread beside XLA compiles
+paused no longer than another process did, at most 0.38 s against 0.35 s: the compiles
+release the GIL, and what delays a heartbeat is the CPU's scheduling, which no thread of the
+process can escape), so that taking silence alone for loss would lose a host within seconds,
+and again after each restart. A loop that was itself starved may also look before it has
+read what arrived: what reached the kernel counts as heard (``Heartbeats.heard_ago``).
 
 So a peer silent for the timeout is judged by what the kernel knows of its connection
 (``judge``, with a ``TcpState`` from Linux's TCP_INFO): data that has reached this host's
@@ -27,7 +28,7 @@ ever comes) is *lost*. Since each side sends at least every fifth of the timeout
 judged lost within about 1.4 timeouts of the last thing heard; a cut of a peer that had
 stopped reading with its buffers full is seen only once two window probes go unanswered,
 and the kernel spaces those further apart the longer the window stays closed (up to 2
-minutes). Where the kernel says nothing (not Linux), silence alone is lost, as before. What
+minutes). Where the kernel says nothing (not Linux), silence alone is lost. What
 bounds a slow peer's work is the controller's run timeout, not its heartbeats: a stopped
 (SIGSTOP) process is slow.
 """
