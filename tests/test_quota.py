@@ -146,7 +146,7 @@ def test_a_session_over_its_quota_gets_resource_exhausted_and_others_keep_servin
                      "quota is 64.0 MiB", "--session-memory"):
             assert part in str(put_error.value)
         # a run whose output would go past it
-        with pytest.raises(pw.ResourceExhaustedError, match="a run's output array .* needs 40.0 MiB"):
+        with pytest.raises(pw.ResourceExhaustedError, match=r"the output of .* on worker \d+, array .* needs 40.0 MiB"):
             np.asarray(double1(held))
 
         # the other session, on the same worker, puts, runs and reads what it wants

@@ -384,6 +384,14 @@ class Executor:
                 regs[o] = bad
         return started, last
 
+    def _producer(self, msg: RunProgram, register: int) -> str:
+        """The name of the function of ``msg``'s program that writes ``register``."""
+        program = self._programs.get(msg.key)
+        for op in reversed(program.ops if program is not None else ()):
+            if op[0] is _EXEC and register in op[4]:
+                return op[2]
+        return "the program"
+
     def _hold_back(self, done: Any) -> None:
         """After launching a multi-device computation (``done``: what stands for it, see
         ``_launcher``): wait until fewer than ``collectives_in_flight`` are running. Outputs
@@ -417,7 +425,9 @@ class Executor:
         elif code is _OUT:
             # not made shareable here: most outputs are only run again, and whoever reads one,
             # in any thread, makes it shareable first (shared_arrays.py)
-            self._store.put(value_handle(op[1], msg.base, msg.tbase, nvalues, msg.args), regs[op[1]])
+            # past the session's quota, the refusal says which function made it (looked up then)
+            self._store.put(value_handle(op[1], msg.base, msg.tbase, nvalues, msg.args), regs[op[1]],
+                            what=lambda: f"the output of {self._producer(msg, op[1])} on worker {self.worker_id},")
         elif code is _DROP:
             for v in op[1]:
                 regs[v] = None

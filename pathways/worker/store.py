@@ -95,16 +95,17 @@ class ObjectStore:
         # per copy, so that expecting a copy wakes its own screens only, however many others wait
         self._screens: dict[int, list] = {}
 
-    def put(self, handle: int, value: Any, replace: bool = True) -> bool:
-        """Store ``value`` (or, past its session's quota, the poison saying so); False if
-        the handle was deleted before it arrived (or, with ``replace`` false, already holds
-        a value)."""
-        return self._put(handle, value, replace)[0]
+    def put(self, handle: int, value: Any, replace: bool = True,
+            what: Callable[[], str] = lambda: "a run's output") -> bool:
+        """Store ``value`` (or, past its session's quota, the poison saying so, which names
+        the value as ``what()`` says); False if the handle was deleted before it arrived (or,
+        with ``replace`` false, already holds a value)."""
+        return self._put(handle, value, replace, what)[0]
 
     def put_charged(self, handle: int, value: Any) -> Optional[str]:
         """Store ``value`` as ``put`` does; the refusal's message where it would have taken
         its session past the quota (the handle then holds the poison saying so), else None."""
-        stored = self._put(handle, value, True)[1]
+        stored = self._put(handle, value, True, lambda: "a put of")[1]
         return stored.message if type(stored) is Poison and stored is not value else None
 
     def refusal(self, handle: int, nbytes: int, what: str) -> Optional[str]:
@@ -117,7 +118,7 @@ class ObjectStore:
         with self._lock:
             return self.quota.refusal(session, nbytes - self._charged.get(handle, 0), what)
 
-    def _put(self, handle: int, value: Any, replace: bool) -> tuple[bool, Any]:
+    def _put(self, handle: int, value: Any, replace: bool, what: Callable[[], str]) -> tuple[bool, Any]:
         adopted = None
         with self._lock:
             if handle in self._adopt:
@@ -126,7 +127,7 @@ class ObjectStore:
                 self._tombstone(copy)  # a late poison for the copy must not linger
             elif not replace and handle in self._entries:
                 return False, None
-            stored = self._store_locked(handle, value, "the resumed" if adopted is not None else "a run's output")
+            stored = self._store_locked(handle, value, (lambda: "the resumed") if adopted is not None else what)
             waiters = self._waiters.pop(handle, None) if stored is not None else None
         if waiters:
             _release(waiters)
@@ -134,7 +135,7 @@ class ObjectStore:
             adopted()
         return stored is not None, stored
 
-    def _store_locked(self, handle: int, value: Any, what: str = "a run's output") -> Any:
+    def _store_locked(self, handle: int, value: Any, what: Callable[[], str]) -> Any:
         """Store ``value`` (or the quota's poison in its place), charged to its session;
         what was stored, or None where the handle refuses it."""
         if self._refused_locked(handle):
@@ -146,7 +147,7 @@ class ObjectStore:
             self.quota.release(session, self._charged.pop(handle, 0))  # the value it replaces, if any
             if type(value) is not Poison:
                 nbytes = held_bytes(value)
-                refusal = self.quota.refusal(session, nbytes, f"{what} array {handle:#x}")
+                refusal = self.quota.refusal(session, nbytes, f"{what()} array {handle:#x}")
                 if refusal is None:
                     self.quota.charge(session, nbytes)
                     self._charged[handle] = nbytes
@@ -188,7 +189,7 @@ class ObjectStore:
                 self._adopt[copy] = (handle, stored)
                 return
             self._tombstone(copy)
-            self._store_locked(handle, value, "the resumed")
+            self._store_locked(handle, value, lambda: "the resumed")
             waiters = self._waiters.pop(handle, None)
         if waiters:
             _release(waiters)
