@@ -17,8 +17,8 @@ import grpc
 import numpy as np
 import pytest
 
-from ifrt_helpers import PRELUDE, RawStream, run_jax, session_metadata, silent_streams
-from pathways.cluster import Island, LocalCluster, status, stop_processes
+from ifrt_helpers import PRELUDE, Proxy, RawStream, run_jax, session_metadata, silent_streams
+from pathways.cluster import Island, LocalCluster, status, stop_processes, worker_stats
 from pathways.ifrt import types as t
 from pathways.ifrt.devices import DeviceTable, SliceInfo
 from pathways.ifrt.proto.xla import xla_data_pb2
@@ -300,6 +300,128 @@ def test_the_controllers_front_end_streams_large_arrays_on_the_data_plane_and_th
     assert connected_to(controller_pid, data_port), "the front end kept its data-plane connection to the worker"
 
 
+def _worker_holds(cluster):
+    """(arrays, bytes) the one worker of ``cluster`` holds for client sessions now."""
+    stats = worker_stats(status(cluster.address)["workers"][0]["address"])
+    return stats["handles"], sum(stats["session_bytes"].values())
+
+
+def test_arrays_read_then_deleted_or_dropped_leave_nothing_on_the_worker(in_controller):
+    """An unmodified JAX program puts arrays, reads them (np.asarray, which reads the
+    array's cached single-device shard, or a shard of x.addressable_shards) and deletes
+    them while still holding the Python objects, or drops them: after each round the
+    worker holds none of them within a few seconds, on one device and on two, as after
+    block_until_ready. JAX deletes only the array on x.delete(), not the shard it keeps
+    cached, as the buffers the two share go with it in JAX's own runtimes; and a copy of
+    an array to where it already is (the same data under a second handle) goes once both
+    handles are deleted."""
+    worker = status(in_controller.address)["workers"][0]["address"]
+    result = run_jax(in_controller.ifrt_address.removeprefix("grpc://"), f"""
+        import gc, json, time
+        import numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+        from pathways.cluster import worker_stats
+
+        def held():
+            stats = worker_stats({worker!r})
+            return stats["handles"], sum(stats["session_bytes"].values())
+
+        def settled(base):
+            # deletes reach the worker through the controller a moment later: wait a
+            # bounded while for the worker to be back at ``base``
+            deadline = time.monotonic() + 10
+            while held() != base and time.monotonic() < deadline:
+                time.sleep(0.1)
+            return held()
+
+        devices = jax.devices()
+        mesh = Mesh(np.array(devices), ("d",))
+        value = np.ones(1 << 20, np.float32)  # 4 MiB
+        base = held()
+        after, kept = {{}}, []
+
+        def waited(x):
+            x.block_until_ready()
+
+        def read(x):
+            assert np.asarray(x)[-1] == 1.0
+
+        def copied(x):
+            # a copy to where x is already: the same array on the workers, under a new handle
+            y = jax.device_put(x, x.sharding, may_alias=False)
+            y.delete()
+            kept.append(y)
+
+        def read_shards(x):
+            for shard in x.addressable_shards:
+                data = shard.data
+                assert np.asarray(data)[-1] == 1.0
+                kept.append(data)  # the shard outlives its array's delete
+
+        rounds = {{
+            "waited, deleted": (devices[0], waited),
+            "read, deleted": (devices[0], read),
+            "copied in place, both deleted": (devices[0], copied),
+            "shard read, deleted": (devices[0], read_shards),
+            "read on 2 devices, deleted": (NamedSharding(mesh, PartitionSpec()), read),
+            "shards read on 2 devices, deleted": (NamedSharding(mesh, PartitionSpec("d")), read_shards),
+        }}
+        for name, (where, use) in rounds.items():
+            for _ in range(20):
+                x = jax.device_put(value, where)
+                use(x)
+                x.delete()
+                kept.append(x)  # held by the program: only the delete frees it
+            after[name] = settled(base)
+            kept.clear()
+        for _ in range(20):
+            x = jax.device_put(value, devices[0])
+            read(x)
+        del x
+        gc.collect()  # JAX deletes an array it drops (and the shard it cached)
+        after["read, dropped"] = settled(base)
+        print("RESULT", json.dumps({{"base": base, "after": after}}))
+    """)
+    base = result["base"]
+    assert base == [0, 0], f"the worker held arrays before the program put any: {base}"
+    kept = {name: f"{now[0]} arrays, {now[1]} bytes" for name, now in result["after"].items() if now != base}
+    assert not kept, f"the worker still holds arrays the program deleted or dropped: {kept}"
+
+
+def test_a_read_in_flight_or_failed_does_not_keep_a_deleted_array_on_the_worker(in_controller):
+    """By hand on the front end: an array deleted while a read of it is still coming from
+    the worker (its lookup read in part and abandoned) is freed once the read ends; a read
+    that fails (into a host buffer handle in use) leaves the array to be freed by its
+    delete. Each time the worker holds none of the session's arrays within a few seconds."""
+    proxy = Proxy(in_controller.ifrt_address.removeprefix("grpc://"))
+    try:
+        assert _worker_holds(in_controller) == (0, 0)
+        n = 16 << 20  # float32: 64 MiB, read in many lookup messages
+        array = proxy.make(np.ones(n, np.float32).tobytes(), None, np.float32, (n,), t.replicated((0,)))
+        assert isinstance(array, int), array
+        assert _worker_holds(in_controller) == (1, 4 * n)
+        chunks = proxy.chunks(array)
+        assert len(next(chunks)) > 0  # the read is under way
+        proxy.request(lambda r: r.delete_array_request.array_handle.append(array))
+        proxy.request(lambda r: r.destruct_array_request.array_handle.append(array))
+        chunks.close()  # the client gives the lookup up
+        wait_until(lambda: _worker_holds(in_controller) == (0, 0), 20, "the array read while deleted to be freed")
+
+        array = proxy.make(np.ones(1024, np.float32).tobytes(), None, np.float32, (1024,), t.replicated((0,)))
+        in_use = proxy.store(b"\0" * 16)
+
+        def copy(r):
+            r.copy_to_host_buffer_request.array_handle = array
+            r.copy_to_host_buffer_request.host_buffer_handle = in_use
+        failed = proxy.request(copy).response_metadata.status
+        assert failed.code == t.INVALID_ARGUMENT and "already stored" in failed.message, failed
+        assert np.array_equal(proxy.read(array, np.float32, (1024,)), np.ones(1024, np.float32))
+        proxy.request(lambda r: r.delete_array_request.array_handle.append(array))
+        wait_until(lambda: _worker_holds(in_controller) == (0, 0), 20, "the array whose read failed to be freed")
+    finally:
+        proxy.close()
+
+
 @pytest.mark.parametrize("where", ["server", "in_controller"])
 def test_a_host_buffer_that_ends_short_fails_its_streamed_array_and_the_session_goes_on(request, where):
     """A store that brings fewer bytes than the array needs: the array put from it as it
@@ -540,6 +662,46 @@ def test_an_arrays_data_stays_while_any_of_its_shards_lives():
         session._wait_ready([session._arrays[21]])
     session.handle("destruct_array_request", pb.DestructArrayRequest(array_handle=[21, 22]))
     assert session.native.released == [41, 42] and not session._views and not session._orphans
+
+
+def test_a_single_device_arrays_shards_are_it_and_go_with_its_delete():
+    # JAX reads x through its cached shard (np.asarray) and deletes x alone on x.delete():
+    # the shards of a single-device array name its data without a reference of their own,
+    # as views do, so the delete frees it at once and the shards then refuse reads
+    session = _session_without_cluster(_table())
+    session.native = _Releases()
+    one = lambda handle: _Array(np.dtype(np.float32), (4,), t.replicated((5,)), handle=handle)
+    session._insert([1], [one(41)])
+    session.handle("fully_replicated_shard_request", pb.FullyReplicatedShardRequest(array_handle=1, result_handle=11))
+    session.handle("disassemble_into_single_device_arrays_request",
+                   pb.DisassembleIntoSingleDeviceArraysRequest(array_handle=11, result_handles=[12]))
+    assert session._arrays[12].alias_of is session._arrays[1], "a shard of a shard is of the array itself"
+    session.handle("delete_array_request", pb.DeleteArrayRequest(array_handle=[1]))
+    assert session.native.released == [41]
+    for shard in (11, 12):
+        with pytest.raises(t.IfrtError, match="the array this shard is of was deleted"):
+            session._array(shard)
+        assert session.handle("is_array_deleted_request", pb.IsArrayDeletedRequest(array_handle=shard)).deleted
+    session.handle("destruct_array_request", pb.DestructArrayRequest(array_handle=[1, 11, 12]))
+    assert session.native.released == [41] and not session._views and not session._refs
+
+    # dropped without a delete while its shard lives: the data goes with the shard
+    session._insert([2], [one(42)])
+    session.handle("fully_replicated_shard_request", pb.FullyReplicatedShardRequest(array_handle=2, result_handle=21))
+    session.handle("destruct_array_request", pb.DestructArrayRequest(array_handle=[2]))
+    assert session.native.released == [41] and session._array(21).handle == 42
+    session.handle("destruct_array_request", pb.DestructArrayRequest(array_handle=[21]))
+    assert session.native.released == [41, 42] and not session._views and not session._orphans
+
+    # a copy to where the array is: a second IFRT array with its own reference to the
+    # same data, which goes once both are deleted, in either order
+    session._insert([3], [one(43)])
+    session.handle("copy_arrays_request", pb.CopyArraysRequest(
+        array_handles=[3], result_handles=[31], copy_semantics=types_pb2.ARRAY_COPY_SEMANTICS_ALWAYS_COPY))
+    session.handle("delete_array_request", pb.DeleteArrayRequest(array_handle=[31]))
+    assert session.native.released == [41, 42] and session._array(3).handle == 43, "the original is usable"
+    session.handle("delete_array_request", pb.DeleteArrayRequest(array_handle=[3]))
+    assert session.native.released == [41, 42, 43] and not session._refs
 
 
 def test_the_result_handles_of_a_request_not_served_hold_its_error():

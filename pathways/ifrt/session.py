@@ -146,6 +146,10 @@ class _Array:
     # set for an array laid out across islands: each island's box of it and the array on
     # that island holding the box (handle, layout and place stay None)
     parts: tuple[tuple[t.Region, "_Array"], ...] = ()
+    # set for the shard of a single-device array (FullyReplicatedShard, Disassemble...): the
+    # array it is, whose pathways handle it names without a reference of its own, as a
+    # view does (see IfrtSession._shard)
+    alias_of: Optional["_Array"] = None
 
     @property
     def handles(self) -> list[int]:
@@ -183,9 +187,10 @@ class IfrtSession:
         self._executables: dict[int, _Executable] = {}
         self._futures: dict[int, Lazy] = {}
         self._refs: dict[int, int] = {}  # pathways handle -> IFRT arrays naming it
-        # An array's views (its shards, which read its data): id of the array -> how many
-        # the client holds, and the ids of arrays it dropped while views of them lived
-        # (their data goes with the last view). A deleted array's data goes at once.
+        # An array's views (its shards, which read its data, and the shards of a
+        # single-device array, which are it): id of the array -> how many the client holds,
+        # and the ids of arrays it dropped while views of them lived (their data goes with
+        # the last view). A deleted array's data goes at once.
         self._views: dict[int, int] = {}
         self._orphans: set[int] = set()
         self._reading: HeldReleases[None] = HeldReleases()  # reads in flight: a handle's release waits for them
@@ -239,6 +244,8 @@ class IfrtSession:
                 raise arr.error
             if arr.deleted:
                 raise IfrtError(t.FAILED_PRECONDITION, f"array {handle} was deleted")
+            if arr.alias_of is not None and arr.alias_of.deleted:
+                raise _shard_of_deleted()
         return arr
 
     def _insert(self, handles: Sequence[int], arrays: Sequence[_Array]) -> list[int]:
@@ -259,8 +266,9 @@ class IfrtSession:
 
     def _retain(self, arr: _Array) -> None:
         with self._lock:
-            if arr.group is not None:
-                parent = id(arr.group.parent)
+            owner = _owner(arr)
+            if owner is not None:
+                parent = id(owner)
                 self._views[parent] = self._views.get(parent, 0) + 1
                 return
             for handle in arr.handles:
@@ -272,8 +280,9 @@ class IfrtSession:
         it was ``deleted`` (then its views can no longer be read)."""
         doomed = []
         with self._lock:
-            if arr.group is not None:
-                parent = id(arr.group.parent)
+            owner = _owner(arr)
+            if owner is not None:
+                parent = id(owner)
                 left = self._views.get(parent, 1) - 1
                 if left > 0:
                     self._views[parent] = left
@@ -282,7 +291,7 @@ class IfrtSession:
                 if parent not in self._orphans:
                     return
                 self._orphans.discard(parent)
-                arr = arr.group.parent  # dropped before its last view: its data goes now
+                arr = owner  # dropped before its last view: its data goes now
             elif not deleted and self._views.get(id(arr)):
                 self._orphans.add(id(arr))
                 return
@@ -756,13 +765,25 @@ class IfrtSession:
         return _Array(arr.dtype, tuple(b - a for a, b in region), t.replicated((device,)), group=group,
                       region=region)
 
+    @staticmethod
+    def _shard(arr: _Array) -> _Array:
+        """The one shard of single-device array ``arr``: a new IFRT array that is ``arr``, as
+        a view of it. JAX keeps it as ``arr``'s cached shard (np.asarray reads it, and
+        x.addressable_shards hands it out) and, on x.delete(), deletes ``arr`` alone,
+        expecting the data to go, as the buffers the two share do in JAX's own runtimes: so
+        ``arr``'s delete frees the data at once (the shard then refuses reads), and
+        otherwise the data stays while either of them lives."""
+        if arr.group is not None:  # a view's shard: another view of the same block
+            return dataclasses.replace(arr)
+        return dataclasses.replace(arr, alias_of=arr.alias_of if arr.alias_of is not None else arr)
+
     @_serves("result_handle")
     def _fully_replicated_shard_request(self, body: Any) -> Any:
         arr = self._array(body.array_handle)
         if not arr.sharding.replicated:
             raise t.invalid(f"array {body.array_handle} is not fully replicated")
         if len(arr.sharding.devices) == 1:
-            shard = dataclasses.replace(arr)
+            shard = self._shard(arr)
         else:
             full = tuple((0, d) for d in arr.shape)
             shard = self._view(arr, 0, full, _Group(arr))
@@ -773,7 +794,7 @@ class IfrtSession:
     def _disassemble_into_single_device_arrays_request(self, body: Any) -> Any:
         arr = self._array(body.array_handle)
         if len(arr.sharding.devices) == 1:
-            shards = [dataclasses.replace(arr)]
+            shards = [self._shard(arr)]
         else:
             group = _Group(arr)
             shards = [self._view(arr, i, r, group) for i, r in enumerate(t.shard_regions(arr.sharding, arr.shape))]
@@ -907,10 +928,13 @@ class IfrtSession:
         return pb.ReshardArraysResponse(array_handles=handles)
 
     def _moved(self, arr: _Array, sharding: Sharding, semantics: int) -> _Array:
-        """``arr`` laid out by ``sharding``: itself when nothing changes, else a run of an
-        identity function defined on the destination layout (the data plane moves it)."""
+        """``arr`` laid out by ``sharding``: when nothing changes, a new IFRT array naming
+        the same pathways array (not ``arr`` itself: the client deletes and destructs each
+        of its handles, and the data must go once both have gone, whichever is deleted
+        first), else a run of an identity function defined on the destination layout (the
+        data plane moves it)."""
         if sharding == arr.sharding:
-            return arr
+            return dataclasses.replace(arr)
         spans = len(self._table.islands(sharding.devices)) > 1
         if arr.parts or spans:
             return self._moved_across(arr, sharding, semantics, spans)
@@ -931,8 +955,6 @@ class IfrtSession:
         whole = [p for box, p in arr.parts if box == full]
         if whole and not spans:
             out = self._moved(whole[0], sharding, types_pb2.ARRAY_COPY_SEMANTICS_ALWAYS_COPY)
-            if out is whole[0]:  # already there: a new IFRT array naming the same pathways array
-                out = dataclasses.replace(out)
         else:
             if math.prod(arr.shape) * arr.dtype.itemsize > self.buffers.limit:
                 raise IfrtError(t.RESOURCE_EXHAUSTED, f"moving a {arr.dtype.name}{list(arr.shape)} array laid out "
@@ -992,7 +1014,8 @@ class IfrtSession:
 
     @_serves()
     def _is_array_deleted_request(self, body: Any) -> Any:
-        return pb.IsArrayDeletedResponse(deleted=self._array(body.array_handle, usable=False).deleted)
+        arr = self._array(body.array_handle, usable=False)
+        return pb.IsArrayDeletedResponse(deleted=arr.deleted or (arr.alias_of is not None and arr.alias_of.deleted))
 
     @_serves()
     def _destruct_array_request(self, body: Any) -> Any:
@@ -1273,6 +1296,12 @@ def executable_devices(options: Any, ndevices: int) -> list[int]:
         raise t.invalid(f"the device assignment {ids[:16]} must name distinct devices among this session's "
                         f"{ndevices}")
     return ids
+
+
+def _owner(arr: _Array) -> Optional[_Array]:
+    """The array whose data ``arr``, a view or a single-device array's shard, reads
+    without a reference of its own; None for an array holding its own."""
+    return arr.group.parent if arr.group is not None else arr.alias_of
 
 
 def _shard_of_deleted() -> IfrtError:
