@@ -176,3 +176,14 @@ def test_a_store_that_sends_too_slowly_fails_on_its_next_chunk(monkeypatch):
         buffers.add(buffer, b"x")
     assert e.value.code == DEADLINE_EXCEEDED and "101 bytes in the last 0.1 s" in e.value.message
     assert not cancelled.is_set(), "the store itself gets the error: nothing to end from outside"
+
+
+def test_chunks_arriving_for_a_deleted_buffer_are_dropped_and_not_counted():
+    buffers = HostBuffers(limit=100)
+    buffer = buffers.open(10, None)  # a read from the workers, its size not announced
+    buffers.add(buffer, b"x" * 40)
+    assert buffers.delete(10) and buffers.used == 0
+    buffers.add(buffer, b"y" * 40)  # the read goes on after the client deleted the buffer
+    buffers.finish(buffer)
+    assert buffers.used == 0, "bytes of a deleted buffer count against the session's bound"
+    buffers.open(11, 100)  # the whole bound is there again

@@ -261,11 +261,13 @@ class HostBuffers:
                 self._cond.wait(left)
 
     def delete(self, handle: int) -> bool:
+        """Forget buffer ``handle``; what still arrives for it (a read from the workers in
+        flight) is dropped, not counted against the session's bound."""
         with self._cond:
             buffer = self._buffers.pop(handle, None)
             if buffer is None:
                 return False
-            self._give_back(buffer)
+            self._fail_locked(buffer, IfrtError(NOT_FOUND, f"host buffer {handle} was deleted"))
             return True
 
     def close(self, reason: str) -> None:
