@@ -134,6 +134,18 @@ class HostBuffers:
         self._give_back(buffer)
         self._cond.notify_all()
 
+    def check_pace(self) -> None:
+        """Fail the client's buffers whose bytes fell behind the minimum pace, ending their
+        stores: a client that stops sending in the middle of a store, with nobody reading the
+        buffer yet, holds a server thread for a pace window at most."""
+        with self._cond:
+            for buffer in list(self._buffers.values()):
+                if buffer.pace is not None and not buffer.done and buffer.error is None:
+                    try:
+                        self._keep_pace(buffer, 0, by_reader=True)
+                    except IfrtError:
+                        pass  # failed, and its store ended: its reader, if one comes, hears why
+
     def _keep_pace(self, buffer: HostBuffer, n: int, by_reader: bool) -> None:
         """Count ``n`` bytes of ``buffer`` in (none: just look at the clock); a buffer that
         fell behind the minimum pace fails. Its reader, which found it so while the client

@@ -73,6 +73,7 @@ CONNECT_TIMEOUT = 30.0
 # one collects its timeline from the controller and the workers (which waits up to 2 s for
 # runs still finishing there), and the controller stops once the server has.
 CLOSING_SECONDS = 8.0
+PACE_CHECK_SECONDS = 1.0  # how often host buffers being stored are checked for their pace (HostBuffers.check_pace)
 
 # Calls gRPC queues before a handler thread takes them, beyond which it cancels new ones:
 # JAX's client opens a host-buffer store per array it sends, all at once, and a training
@@ -109,6 +110,7 @@ class IfrtServer:
         self._lock = threading.Lock()
         self._closing = 0  # sessions whose stream ended, still closing (PATHWAYS_TRACE: writing the timeline)
         self._closed = threading.Condition(self._lock)
+        self._stopped = threading.Event()
         self.address = ""
 
     def start(self) -> None:
@@ -140,8 +142,20 @@ class IfrtServer:
         server.start()
         self._server = server
         self.address = join_host_port(host, bound)
+        threading.Thread(target=self._pace_stores, name="pathways-ifrt-pace", daemon=True).start()
+
+    def _pace_stores(self) -> None:
+        """Look at every session's host buffers each PACE_CHECK_SECONDS: a store whose bytes
+        stopped coming is ended within a pace window, whether or not a request reads it, so
+        that clients cannot hold the server's threads with silent stores."""
+        while not self._stopped.wait(PACE_CHECK_SECONDS):
+            with self._lock:
+                sessions = list(self._sessions.values())
+            for session in sessions:
+                session.buffers.check_pace()
 
     def stop(self, grace: float = 1.0) -> None:
+        self._stopped.set()
         if self._server is not None:
             self._server.stop(grace).wait(grace + 5.0)
             self._server = None
