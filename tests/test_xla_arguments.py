@@ -51,3 +51,57 @@ def test_arguments_go_as_they_are_relabelled_or_moved_and_compute_the_same():
     for case in cases.values():
         assert case["devices"] == order  # what the executable is given is in its own device order
         assert case["result"] == [2.0 * i for i in range(8)]
+
+
+CHECK_SCRIPT = textwrap.dedent("""
+    import json
+    import jax
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", 4)
+    jax.config.update("jax_enable_x64", True)
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    from jax._src.sharding_impls import GSPMDSharding
+    from pathways.protocol.messages import Analysis
+    from pathways.worker.xla import Metadata, XlaExecutable
+
+    devices = jax.devices()
+    mesh = Mesh(np.array(devices), ("x",))
+    rows = NamedSharding(mesh, PartitionSpec("x"))
+    gspmd = GSPMDSharding(tuple(devices), rows._to_xla_hlo_sharding(1))
+    compiled = jax.jit(lambda a, b: a * 2 + b, in_shardings=(rows, rows), out_shardings=rows,
+                       donate_argnums=(1,)).lower(jax.ShapeDtypeStruct((8,), np.int64),
+                                                  jax.ShapeDtypeStruct((8,), np.int64)).compile()
+    metadata = Metadata((), (), (("int64", (8,)),), (), (), (), (), (1,), "", "axpy", Analysis())
+    exe = XlaExecutable(compiled._executable.xla_executable, [((8,), np.dtype(np.int64))] * 2, [gspmd, gspmd],
+                        [rows, rows], [rows], metadata)
+    put = lambda value: jax.device_put(value, rows)
+    refused = {}
+    a = put(np.arange(8, dtype=np.int64))
+    for name, args in [("int32 for int64", (put(np.arange(8, dtype=np.int32)), put(np.ones(8, np.int64)))),
+                       ("float64 of the same size", (a, put(np.ones(8, np.float64)))),
+                       ("another shape", (a, put(np.ones(16, np.int64)))),
+                       ("donated and given again", (a, a))]:
+        try:
+            exe(*args)
+        except ValueError as e:
+            refused[name] = str(e)
+    good = exe(a, put(np.full(8, 2**40, np.int64)))
+    print(json.dumps({"refused": refused, "good": np.asarray(good[0]).tolist()}))
+""")
+
+
+def test_arguments_an_executable_of_several_devices_cannot_take_are_refused_and_the_process_goes_on():
+    """XLA's CPU client kills the process (SIGSEGV) when a run of an executable of several
+    devices is given a buffer of another dtype or shape, or a donated buffer twice; a buffer
+    of the same size in another dtype runs on reinterpreted bits. The worker refuses each
+    before it reaches XLA, naming the parameter, and the next run computes."""
+    done = subprocess.run([sys.executable, "-c", CHECK_SCRIPT], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    refused = got["refused"]
+    assert refused["int32 for int64"] == "axpy's parameter 0 is int64[8], but it was given a int32[8] array"
+    assert refused["float64 of the same size"].endswith("given a float64[8] array")
+    assert refused["another shape"].endswith("given a int64[16] array")
+    assert "parameter 1 is donated" in refused["donated and given again"]
+    assert got["good"] == [2 * i + 2**40 for i in range(8)]

@@ -93,10 +93,26 @@ class XlaExecutable:
     def _execute(self, args: tuple, with_token: bool) -> tuple[list, Any]:
         if len(args) != len(self._in):
             raise ValueError(f"the executable takes {len(self._in)} arguments, got {len(args)}")
+        self._check(args)
         inputs = [self._as_expected(i, x) for i, x in enumerate(args)]
         results = self._loaded.execute_sharded(inputs, with_tokens=with_token)
         token = results.consume_token() if with_token else None
         return results.consume_with_handlers(self._out_handlers), token
+
+    def _check(self, args: tuple) -> None:
+        """ValueError unless every argument has its parameter's shape and dtype, and no
+        donated argument is also given as another. XLA's CPU client checks these only as it
+        launches a run, and one that fails them on an executable of several devices kills
+        the process (a null dereference in its launch) instead of raising; one of the same
+        size in another dtype would run on the reinterpreted bits. A microsecond or two."""
+        for i, (x, (shape, dtype)) in enumerate(zip(args, self.in_avals)):
+            if x.shape != shape or x.dtype != dtype:
+                raise ValueError(f"{self.label}'s parameter {i} is {np.dtype(dtype).name}{list(shape)}, but it was "
+                                 f"given a {x.dtype.name}{list(x.shape)} array")
+        for d in self.metadata.donated:
+            if any(y is args[d] for j, y in enumerate(args) if j != d):
+                raise ValueError(f"{self.label}'s parameter {d} is donated, and the same array was given as another "
+                                 "parameter too: donate a copy")
 
     def _as_expected(self, i: int, x: Any) -> Any:
         """Argument ``i`` with its buffers in the executable's device order: the same
