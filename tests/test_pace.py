@@ -94,6 +94,19 @@ def test_one_party_holds_at_most_its_share_and_the_others_get_the_rest():
     assert budget.held(trickler) == 0 and budget.used == 50
 
 
+def test_frames_of_no_bytes_come_and_go_in_any_order():
+    """Empty arrays' frames of one party, reserved and released interleaved."""
+    budget = tcp.Budget(100, share=0.5)
+    party = ("session", 1)
+    assert budget.reserve(0, 0.0, (party,)) is None
+    assert budget.reserve(10, 0.0, (party,)) is None
+    assert budget.reserve(0, 0.0, (party,)) is None
+    budget.release(10, (party,))
+    budget.release(0, (party,))
+    budget.release(0, (party,))
+    assert budget.used == 0 and budget.held(party) == 0
+
+
 def test_a_party_waiting_for_its_share_gets_it_when_its_own_frame_ends():
     budget = tcp.Budget(100, share=0.5)
     party = ("worker", 1)

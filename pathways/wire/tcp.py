@@ -155,19 +155,21 @@ class Budget:
                 return (f"frames on other connections hold {self._used} of this listener's budget of "
                         f"{self.capacity} bytes for longer than {timeout:g} s")
             self._used += nbytes
-            for p in parties:
-                self._held[p] = self._held.get(p, 0) + nbytes
+            if nbytes:  # a party holding nothing has no entry
+                for p in parties:
+                    self._held[p] = self._held.get(p, 0) + nbytes
             return None
 
     def release(self, nbytes: int, parties: tuple[Hashable, ...] = ()) -> None:
         with self._changed:
             self._used -= nbytes
-            for p in parties:
-                left = self._held[p] - nbytes
-                if left:
-                    self._held[p] = left
-                else:
-                    del self._held[p]
+            if nbytes:
+                for p in parties:
+                    left = self._held[p] - nbytes
+                    if left:
+                        self._held[p] = left
+                    else:
+                        del self._held[p]
             self._changed.notify_all()
 
 
