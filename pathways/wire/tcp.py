@@ -15,10 +15,11 @@ connection (the stream cannot be resynchronized); the sender reconnects for the 
 
 A put frame whose header has ``"answer": true`` is answered, once its receiver has taken
 it: a frame of header ``{"t": "answer", "error": e}`` (e None when the array was stored,
-else why not). A frame refused for want of memory, or whose bytes stop coming, is answered
-too, with ``"closing": true``, before its connection closes. ``Pool`` sends such frames,
-from a source of chunks that may still be arriving, and waits for the answer: the
-controller's IFRT front end puts a client's array this way.
+else why not). A frame refused for want of memory is read past and answered, its
+connection kept; one whose bytes stop coming, or come slower than the minimum pace
+(pace.py), is answered with ``"closing": true`` before its connection closes. ``Pool``
+sends such frames, from a source of chunks that may still be arriving, and waits for the
+answer: the controller's IFRT front end puts a client's array this way.
 
 A probe frame (header ``{"t": "probe", "bytes": n}`` followed by n bytes, n at most
 MAX_PROBE_BYTES) is answered too: the listener reads the bytes and
@@ -412,7 +413,7 @@ class Listener:
                             return None
                         pieces.append((index, array))
                 except TooSlow as e:  # a trickle: the sender is told, or the array's reader
-                    self._dropped(reader, header, answered, str(e))
+                    self._drop_too_slow(reader, header, answered, str(e))
                     raise
                 except (OSError, WireError) as e:  # they stopped: say so to a sender that reads answers, then close
                     if answered:
@@ -473,7 +474,7 @@ class Listener:
             return nbytes
         return min(nbytes, _SMALL_SCRATCH_BYTES)
 
-    def _dropped(self, reader: "_Reader", header: dict, answered: bool, why: str) -> None:
+    def _drop_too_slow(self, reader: "_Reader", header: dict, answered: bool, why: str) -> None:
         """A frame whose bytes came too slowly is dropped: its sender is told, if it reads
         answers, else its receiver gets a poison in the array's place (a sender that died
         mid-frame gets none: its island's loss is what the array's reader learns)."""
