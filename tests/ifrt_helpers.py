@@ -180,11 +180,22 @@ class Proxy:
     def store(self, data):
         """A new host buffer holding ``data``; its handle."""
         handle = next(self.handles)
-        meta = gpb.GrpcHostBufferStoreMetadata(session_id=self.session_id, handle=handle, buffer_size=len(data))
-        store = self.channel.stream_unary(f"/{ifrt_server.SERVICE}/HostBufferStore")
-        store(iter([gpb.GrpcHostBufferStoreRequest(data=bytes(data)).SerializeToString()]),
-              metadata=((ifrt_server.STORE_METADATA, meta.SerializeToString()),), timeout=60)
+        ended = self.store_stream(handle, len(data), [data], timeout=60)
+        assert ended == "finished", f"storing host buffer {handle} ended with {ended}"
         return handle
+
+    def store_stream(self, handle, size, chunks, timeout):
+        """Store host buffer ``handle`` of ``size`` bytes announced, one message per chunk of
+        ``chunks`` as it comes (a source that pauses pauses the store); how the call ended:
+        "finished", or its gRPC status code."""
+        meta = gpb.GrpcHostBufferStoreMetadata(session_id=self.session_id, handle=handle, buffer_size=size)
+        store = self.channel.stream_unary(f"/{ifrt_server.SERVICE}/HostBufferStore")
+        requests = (gpb.GrpcHostBufferStoreRequest(data=bytes(chunk)).SerializeToString() for chunk in chunks)
+        try:
+            store(requests, metadata=((ifrt_server.STORE_METADATA, meta.SerializeToString()),), timeout=timeout)
+        except grpc.RpcError as e:
+            return e.code()
+        return "finished"
 
     def make(self, data, strides, dtype, shape, sharding):
         """An array of ``shape`` made from a host buffer of ``data`` with ``strides`` (None:

@@ -9,15 +9,12 @@ exactly. Real processes, real gRPC, real sockets."""
 import threading
 import time
 
-import grpc
 import numpy as np
 import pytest
 
 from ifrt_helpers import Proxy
 from pathways.cluster import Island, LocalCluster
-from pathways.ifrt import server as ifrt_server
 from pathways.ifrt import types as t
-from pathways.ifrt.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as gpb
 from pathways.wire.codec import host_memory_bytes
 
 # Two such puts exceed one session's share of a worker's receive budget (half of half of
@@ -41,20 +38,14 @@ def trickled_put(proxy: Proxy, stop: threading.Event, outcome: dict) -> None:
     on device 0; ``outcome``: the seconds until the array's readiness failed, its status,
     and how the store call ended."""
     buffer, array = next(proxy.handles), next(proxy.handles)
-    meta = gpb.GrpcHostBufferStoreMetadata(session_id=proxy.session_id, handle=buffer, buffer_size=GIANT)
-    store = proxy.channel.stream_unary(f"/{ifrt_server.SERVICE}/HostBufferStore")
 
     def trickle():
-        yield gpb.GrpcHostBufferStoreRequest(data=b"\0").SerializeToString()
+        yield b"\0"
         while not stop.wait(TRICKLE_SECONDS):
-            yield gpb.GrpcHostBufferStoreRequest(data=b"\0").SerializeToString()
+            yield b"\0"
 
     def stored():
-        try:
-            store(trickle(), metadata=((ifrt_server.STORE_METADATA, meta.SerializeToString()),), timeout=300)
-            outcome["store"] = "finished"
-        except grpc.RpcError as e:
-            outcome["store"] = e.code()
+        outcome["store"] = proxy.store_stream(buffer, GIANT, trickle(), timeout=300)
 
     storing = threading.Thread(target=stored, daemon=True)
     start = time.monotonic()
@@ -113,21 +104,13 @@ def test_a_store_that_stops_sending_with_nobody_reading_it_is_ended_within_a_pac
     ended = []
 
     def silent_store():
-        meta = gpb.GrpcHostBufferStoreMetadata(session_id=client.session_id, handle=next(client.handles),
-                                               buffer_size=1 << 20)
-        store = client.channel.stream_unary(f"/{ifrt_server.SERVICE}/HostBufferStore")
-        start = time.monotonic()
-
         def one_byte_then_nothing():
-            yield gpb.GrpcHostBufferStoreRequest(data=b"\0").SerializeToString()
+            yield b"\0"
             stop.wait(120)
 
-        try:
-            store(one_byte_then_nothing(), metadata=((ifrt_server.STORE_METADATA, meta.SerializeToString()),),
-                  timeout=120)
-            ended.append(("finished", time.monotonic() - start))
-        except grpc.RpcError as e:
-            ended.append((e.code(), time.monotonic() - start))
+        start = time.monotonic()
+        code = client.store_stream(next(client.handles), 1 << 20, one_byte_then_nothing(), timeout=120)
+        ended.append((code, time.monotonic() - start))
 
     threads = [threading.Thread(target=silent_store, daemon=True) for _ in range(8)]
     try:

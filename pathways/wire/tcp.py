@@ -390,7 +390,7 @@ class Listener:
             if self._screen is not None:
                 refusal = self._screen(reader.sender, header)
                 if refusal is not None:  # its bytes are read past, none kept; the next frame may be welcome
-                    return self._read_past(reader, held, header, nbytes, refusal, answered, poison=False)
+                    return self._refuse(reader, held, header, nbytes, refusal, answered, poison=False)
                 reader.start_pace("a data frame", nbytes)  # the screen may have waited: the bytes' time starts now
             pieces = []
             if not poison:
@@ -401,7 +401,7 @@ class Listener:
                     if over := self.over_budget.add():
                         log.error("refused a data frame of %s: %s (%d refused so far)",
                                   ", ".join(map(_party, parties)) or "a peer", e, over)
-                    return self._read_past(reader, held, header, nbytes, str(e), answered, poison=True)
+                    return self._refuse(reader, held, header, nbytes, str(e), answered, poison=True)
                 except WireError as e:  # the sender waits for an answer: give it this one, then close
                     if answered:
                         _answer_closing(reader.conn, str(e))
@@ -447,7 +447,7 @@ class Listener:
                               "are done, or send smaller pieces")
         held.append((nbytes, parties))
 
-    def _read_past(self, reader: "_Reader", held: list[tuple[int, tuple[Hashable, ...]]], header: dict,
+    def _refuse(self, reader: "_Reader", held: list[tuple[int, tuple[Hashable, ...]]], header: dict,
                    nbytes: int, refusal: str, answered: bool, poison: bool) -> bool | None:
         """Refuse a frame whose header has been read: read its ``nbytes`` past (none kept),
         then answer the sender with ``refusal``, or, where it asked for no answer and
