@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -23,6 +24,9 @@ from pathways.wire.addresses import is_wildcard, join_host_port, route_to, split
 log = logging.getLogger("pathways.worker")
 
 _COORDINATOR_FIRST_PAUSE, _COORDINATOR_MAX_PAUSE = 0.02, 0.1  # seconds between looks at the coordinator
+# How long a host leaving its island's group waits: rank 0 for the others to leave first,
+# the others to say they leave. Under the local cluster's grace between SIGTERM and SIGKILL.
+LEAVE_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -119,3 +123,37 @@ def _gloo_on(host: str) -> None:
         return gloo_cpu_client(strip_brackets(host))
 
     xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)
+
+
+def leave_group(timeout: float = LEAVE_SECONDS) -> None:
+    """Before a host of an island of several hosts exits on purpose: leave the island's
+    jax.distributed group without aborting the others. Rank 0 runs the group's coordination
+    service, and every other host that still polls it when it goes away aborts with JAX's
+    fatal error (recoverability covers the loss of other hosts, not of rank 0). So the
+    others disconnect from the service, and rank 0 waits until they have, or until
+    ``timeout`` seconds have passed (a host that is lost never disconnects). Does nothing
+    in a process that never joined a group."""
+    from pathways.worker.jax_private import distributed
+
+    state = distributed.global_state
+    client = state.client
+    if client is None:
+        return
+    if state.process_id == 0:
+        # answers once every other host has disconnected or asked the same (none does)
+        def leave() -> None:
+            client.get_live_nodes(list(range(state.num_processes)))
+    else:
+        leave = client.shutdown
+
+    def run() -> None:
+        try:
+            leave()
+        except Exception as e:  # noqa: BLE001 - the group is going away; the host exits either way
+            log.debug("leaving the island's group: %s: %s", type(e).__name__, e)
+
+    thread = threading.Thread(target=run, name="pathways-leave-group", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        log.debug("the island's other hosts did not leave its group within %g s", timeout)

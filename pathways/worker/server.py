@@ -69,7 +69,7 @@ from pathways.wire.security import Security, SecurityConfigError
 from pathways.wire.tls_socket import SharedTlsSocket
 from pathways import keeper
 from pathways.worker import native_stdout
-from pathways.worker.island import IslandMembership, configure_jax, worker_hosts
+from pathways.worker.island import IslandMembership, configure_jax, leave_group, worker_hosts
 from pathways.worker.peers import PeerTickets, frame_parties
 from pathways.worker.sessions import GRPC_THREADS
 
@@ -500,6 +500,11 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
                                    end, controller)
                 error = await run()
                 nursery.cancel_scope.cancel()
+            if island.hosts > 1 and joining.reset is None and "reset" not in told:
+                # Stopping, and before this host's own teardown (which may take a while under
+                # load), with stop signals still held by trio. Not after the island lost a
+                # host, which would never leave: the group restarts without it.
+                leave_group()
         if signalled:
             return None, None
         if joining.reset is not None or "reset" in told:
