@@ -362,16 +362,25 @@ def test_run_on_interrupt_stops_the_script_and_the_cluster(tmp_path):
         time.sleep(120)
     """)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "IFRT_PROXY_"))}
-    proc = subprocess.Popen([sys.executable, "-m", "pathways", "run", "--islands", "1x1", script],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**env, "PYTHONPATH": str(ROOT)})
-    try:
-        pids = [int(p) for p in read_line(proc, START).split()[1:]]
-        proc.send_signal(signal.SIGINT)  # to `run` alone: it passes the interrupt on
-        assert proc.wait(timeout=60) == 128 + signal.SIGINT
-        wait_until(lambda: not pids_alive(pids), 10, "the script and the cluster to exit")
-    finally:
-        stop_processes([proc])
+    # PYTHONFAULTHANDLER: should `run` not exit, SIGABRT has it print where each thread is
+    with open(tmp_path / "stderr", "w+") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "pathways", "run", "--islands", "1x1", script],
+                                stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                env={**env, "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1"})
+        try:
+            pids = [int(p) for p in read_line(proc, START).split()[1:]]
+            proc.send_signal(signal.SIGINT)  # to `run` alone: it passes the interrupt on
+            try:
+                code = proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGABRT)
+                proc.wait(timeout=30)
+                stderr.seek(0)
+                pytest.fail(f"`pathways run` still ran 60 s after the interrupt; its stderr:\n{stderr.read()}")
+            assert code == 128 + signal.SIGINT
+            wait_until(lambda: not pids_alive(pids), 10, "the script and the cluster to exit")
+        finally:
+            stop_processes([proc])
 
 
 def test_run_trains_the_example_mlp_with_a_decreasing_loss():
