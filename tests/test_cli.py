@@ -109,6 +109,21 @@ def test_every_argument_of_every_command_says_what_it_is_for():
     assert not unexplained, f"arguments without help: {unexplained}"
 
 
+def test_every_command_describes_itself_and_every_option_with_a_default_names_it():
+    """``pathways CMD --help`` starts with what the command does, and an option whose default
+    is a fixed value says which (a default taken from the environment says so in words)."""
+    undescribed, silent = [], []
+    for name, command in _commands().items():
+        if not command.description:
+            undescribed.append(name)
+        for a in command._actions:
+            fixed = isinstance(a.default, (int, float)) and not isinstance(a.default, bool)
+            if a.option_strings and fixed and "default" not in (a.help or ""):
+                silent.append(f"pathways {name} {a.option_strings[0]}")
+    assert not undescribed, f"commands whose --help does not say what they do: {undescribed}"
+    assert not silent, f"options whose help does not give their default: {silent}"
+
+
 def test_usage_names_the_pathways_command(capsys):
     for argv in (["plan", "--help"], ["plan", "pipeline", "--help"], ["status", "--help"], ["bench", "--help"]):
         assert main(argv) == 0

@@ -9,7 +9,12 @@ from pathways_bench.suite import EXPERIMENTS
 
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = commands.add_parser("bench", help="run a benchmark, or all of them (regenerates BENCHMARKS.md)")
+    parser = commands.add_parser("bench", help="run a benchmark, or all of them (regenerates BENCHMARKS.md)",
+                                 description="Run one benchmark, or all of them. Each runs pathways and its "
+                                             "baseline alternately, round after round, on clusters of its own, "
+                                             "and prints medians with the spread of the rounds and whether each "
+                                             "target is met; --tiny runs each at its smallest size, to check "
+                                             "that it runs.")
     parser.add_argument("name", metavar="NAME", choices=[*EXPERIMENTS, "all"],
                         help=f"the benchmark to run: one of {', '.join(EXPERIMENTS)}; or all, to run every one "
                              "and write --out")

@@ -32,7 +32,8 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT, metavar="S",
                         help="seconds a worker may send nothing (not even a heartbeat) before it is judged: "
                              "slow (kept, marked in status) while its host still acknowledges, lost (its "
-                             "island marked unhealthy) once its host acknowledged nothing for as long")
+                             "island marked unhealthy) once its host acknowledged nothing for as long "
+                             f"(default {HEARTBEAT_TIMEOUT:g})")
     run_timeout_flag(parser)
     parser.add_argument("--host-recovery", choices=[r.value for r in Recovery], default=Recovery.ELSEWHERE.value,
                         help="who brings a lost host back, as errors and `pathways status` say it: hosts started "

@@ -10,7 +10,10 @@ from pathways.wire import security
 
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = commands.add_parser("demo", help="run the paper's Figure 2 program")
+    parser = commands.add_parser("demo", help="run the paper's Figure 2 program",
+                                 description="Run the paper's Figure 2 program (three slices, one @pw.program) on"
+                                             " the cluster at --address or $PATHWAYS_ADDRESS, else on an embedded"
+                                             " local cluster.")
     parser.add_argument("--address", default=None, metavar="grpc://HOST:PORT",
                         help="a running cluster's controller (default: $PATHWAYS_ADDRESS, else an embedded "
                              "local cluster, started and stopped by the demo)")

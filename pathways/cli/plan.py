@@ -40,22 +40,27 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = commands.add_parser("plan", help="plan a pipeline partition or a DAG schedule from a JSON file",
                                  description="Plan a pipeline or a task graph from a JSON file.")
     sub = parser.add_subparsers(dest="kind", required=True, metavar="pipeline|dag")
-    pipe = sub.add_parser("pipeline", help="split a model's layers over the devices as a ring pipeline")
+    pipe = sub.add_parser("pipeline", help="split a model's layers over the devices as a ring pipeline",
+                          description="Split a model's layers over the devices of a topology as a ring "
+                                      "pipeline (JSON: topology and layers); prints the plan and draws its Gantt "
+                                      "chart.")
     pipe.add_argument("file", help="JSON file: topology and layers")
     pipe.add_argument("--objective", choices=OBJECTIVES, default="latency",
                       help="minimize one token's time through the ring (latency), or maximize microbatches "
                            "per second (throughput, the slowest stage)")
     pipe.add_argument("--strategy", choices=STRATEGIES, default="optimal",
                       help="optimal: exact (CP-SAT); memory_weighted: exo's layers in proportion to memory")
-    pipe.add_argument("--microbatches", type=int, default=4, help="microbatches drawn in the Gantt chart")
-    dag = sub.add_parser("dag", help="schedule a task graph on the devices")
+    pipe.add_argument("--microbatches", type=int, default=4, help="microbatches drawn in the Gantt chart (default 4)")
+    dag = sub.add_parser("dag", help="schedule a task graph on the devices",
+                         description="Schedule a task graph on the devices of a topology (JSON: topology and "
+                                     "tasks); prints the schedule and draws its Gantt chart.")
     dag.add_argument("file", help="JSON file: topology and tasks")
     dag.add_argument("--method", choices=METHODS, default="heft",
                      help="heft: the list-scheduling heuristic; optimal: exact (CP-SAT) within --time-limit")
     for p in (pipe, dag):
         p.add_argument("--png", help="where to write the Gantt chart (default: FILE's name with .png, in the "
                                      "current directory)")
-        p.add_argument("--time-limit", type=float, default=10.0, help="seconds the optimal solver may take")
+        p.add_argument("--time-limit", type=float, default=10.0, help="seconds the optimal solver may take (default 10)")
     return parser
 
 

@@ -12,7 +12,11 @@ from pathways.wire import security as sec
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = commands.add_parser("status",
-                                 help="show islands, workers (speed, memory), links, slices, clients, queues")
+                                 help="show islands, workers (speed, memory), links, slices, clients, queues",
+                                 description="Show the cluster as its controller sees it: each island's health and "
+                                             "hosts, each worker's devices, measured speed, memory and load, the "
+                                             "links between hosts, the slices placed, the clients and the runs "
+                                             "queued per island.")
     parser.add_argument("--address", default=os.environ.get("PATHWAYS_ADDRESS"), metavar="grpc://HOST:PORT",
                         help="the cluster's controller (default: $PATHWAYS_ADDRESS)")
     parser.add_argument("--measure", action="store_true",

@@ -9,7 +9,10 @@ import sys
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = commands.add_parser("trace", help="summarize a timeline file (pw.trace, PATHWAYS_TRACE); draw it "
-                                               "with --png")
+                                               "with --png",
+                                 description="Summarize a timeline that pw.trace or PATHWAYS_TRACE wrote: per step, "
+                                             "its count, total and median; per function, its runs and compiles. "
+                                             "With --png, draw it as a Gantt chart.")
     parser.add_argument("file", help="the timeline's Chrome trace-event JSON")
     parser.add_argument("--png", metavar="PATH", help="write a Gantt chart: a row per process and thread")
     return parser

@@ -20,7 +20,14 @@ if TYPE_CHECKING:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = commands.add_parser("up", help="run a local cluster until Ctrl-C; prints its address")
+    parser = commands.add_parser("up", help="run a local cluster until Ctrl-C; prints its address",
+                                 description="Run a local cluster (a controller and worker processes on this "
+                                             "machine, listening on loopback) until Ctrl-C. It prints the address"
+                                             " to export as PATHWAYS_ADDRESS, with --ifrt-port the IFRT proxy "
+                                             "address for unmodified JAX programs, and for each island the "
+                                             "command that adds or replaces a host. A controller that dies is "
+                                             "restarted on the same address, and so are workers unless "
+                                             "--no-restart-workers.")
     island_flags(parser)
     scheduling_flags(parser)
     security.add_flags(parser, server=True)

@@ -17,7 +17,13 @@ from pathways.worker.launchers import LAUNCHERS
 
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = commands.add_parser("worker", help="run a worker host attached to a controller")
+    parser = commands.add_parser("worker", help="run a worker host attached to a controller",
+                                 description="Run a worker host: it attaches to the controller, joins its island "
+                                             "(one jax.distributed group per island of several hosts), serves the"
+                                             " devices JAX finds (or --devices virtual CPU devices) and runs what"
+                                             " the controller sends, until the controller stops it. It runs under"
+                                             " a keeper process that restarts it when its island lost a host or "
+                                             "the controller went away.")
     parser.add_argument("--controller", required=True, help="grpc://HOST:PORT of the controller")
     parser.add_argument("--bind", metavar="HOST",
                         help="the address its servers (gRPC, data plane, and on an island's rank 0 the "
@@ -57,7 +63,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
              "exit at once); the controller's arrays and sessions are gone either way"),
             ("--join-timeout", 300.0, "how long to wait for the island's rank 0 host to register, and then for "
              "every host of the island to join its jax.distributed group")):
-        timeouts.add_argument(flag, type=float, default=default, metavar="S", help=meaning)
+        timeouts.add_argument(flag, type=float, default=default, metavar="S", help=f"{meaning} (default {default:g})")
     parser.add_argument("--unsafe-local-order", action="store_true",
                         help="debugging only: order runs of different clients locally instead of in "
                              "the island's gang order (collectives across hosts can hang)")
