@@ -1,6 +1,8 @@
-"""The controller's core: typed messages in, typed messages out. Single-threaded: every
-call runs on the transport's event-loop thread; sending goes through outboxes (anything
-with ``put(message)``), so nothing here does I/O and all of it runs without processes.
+"""The controller's core: typed messages in, typed messages out. Every call runs on the
+transport's event-loop thread; sending goes through outboxes (anything with
+``put(message)``), so nothing here does I/O and all of it runs without processes. One
+reader on other threads: the IFRT front end's data-plane pool looks up a worker's data
+address in ``membership.data_routes``, a dict lookup, atomic under the GIL.
 
 It composes parts with one job each: worker membership and measurements
 (membership.py), placement (placement.py), each session's handle table (handles.py) and

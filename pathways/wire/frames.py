@@ -2,8 +2,8 @@
 
 The data plane (tcp.py) frames its put headers this way, and the controller-worker stream
 carries control batches (``encode_batch`` payloads, exactly what a gRPC stream would carry)
-this way: measured on the development machine, a framed control message costs 16 us of
-CPU against 233 us over grpc.aio (BENCHMARKS.md, "control"). The controller reads with
+this way: measured on the development machine, a framed control message costs about a
+fifth of the CPU of one over grpc.aio (BENCHMARKS.md, "Control messages"). The controller reads with
 asyncio (``read_frame``); a worker reads and writes from threads (``FrameReader``,
 ``frame``).
 """

@@ -3,8 +3,9 @@
 gRPC carries control and client traffic; worker-to-worker array bytes go here because
 grpcio cannot send from a buffer without copying it into a message and its receiver
 cannot read into a preallocated array: measured on the development machine, the best
-grpcio stream moved 0.56-0.68x of a raw socket's bytes per second, and 0.2x inside the
-cluster (BENCHMARKS.md). Here a sender writes each piece straight from the array's memory,
+grpcio stream moved 0.56-0.68x of a raw socket's bytes per second, and the gRPC stream this
+replaced 0.13-0.20x inside the cluster (docs/performance-notes.md, "Worker-to-worker
+transfers against a raw socket"). Here a sender writes each piece straight from the array's memory,
 and the receiver reads it straight into a 64-byte-aligned array that JAX adopts without
 another copy.
 
