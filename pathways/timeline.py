@@ -22,14 +22,10 @@ from threading import get_ident
 from typing import Optional
 
 from pathways.protocol.handles import session_of
+from pathways.protocol.messages import MAX_DETAIL, MAX_EVENTS
+from pathways.protocol.messages import MAX_SPAN_NAME as MAX_NAME
 
 now = time.perf_counter_ns
-
-# Spans one process keeps (all sessions together), and at most one reply carries: a span
-# is at most ~300 bytes on the wire, so a full reply stays well under a 64 MiB payload.
-MAX_EVENTS = 100_000
-MAX_NAME = 64
-MAX_DETAIL = 128
 
 Event = tuple  # (name, thread, start_ns, dur_ns, run, detail)
 _MAX_THREADS = 4096  # thread names remembered (a thread's ident may be reused by a later one)

@@ -93,11 +93,12 @@ class _EchoCore:
 
 def _serve_sync() -> None:
     """The controller's former shell: grpcio threads, a pump thread per stream, the core on
-    a trio thread reached with run_sync_soon, replies through rpc.Outbox."""
+    a trio thread reached with run_sync_soon, replies through streams.Outbox."""
     import itertools
 
     import trio
 
+    from pathways.protocol import streams
     from pathways.wire import rpc
 
     core = _EchoCore()
@@ -108,7 +109,7 @@ def _serve_sync() -> None:
 
         def session(requests: Iterator[bytes], context: Any) -> Iterator[bytes]:
             sid = next(sids)
-            outbox = rpc.Outbox()
+            outbox = streams.Outbox()
             token.run_sync_soon(core.session_opened, sid, outbox)
 
             def pump() -> None:

@@ -31,6 +31,7 @@ from pathways.defaults import HEARTBEAT_TIMEOUT
 from pathways.errors import WireError
 from pathways.protocol import messages as m
 from pathways.protocol.handles import MAX_SESSION, first_handle
+from pathways.protocol import streams
 from pathways.wire import codec, rpc, tcp
 from pathways.wire.security import HELLO_SECONDS
 from pathways.wire.tcp import MAX_UNGREETED
@@ -129,7 +130,7 @@ def test_deleted_arrays_and_timeouts_give_clear_errors(session):
 def raw_session(address):
     """A Session stream driven by hand, to send what the client library never would."""
     channel = rpc.open_channel(address)
-    outbox = rpc.Outbox()
+    outbox = streams.Outbox()
     replies = rpc.method(channel, rpc.CONTROLLER_SERVICE, "Session", "stream_stream")(_raw(outbox))
     return channel, outbox, replies
 
@@ -180,7 +181,7 @@ def _send_without_reading(cluster, payload, times, requests, refusal, memory):
 def test_a_client_that_does_not_read_its_replies_holds_no_more_of_the_controllers_memory(cluster):
     """200,000 requests whose every one is answered (refused deletes), sent without
     reading a reply. The controller stops reading the stream while its replies wait (a
-    backlog of at most rpc.MAX_QUEUED_MESSAGES, a few MB, where holding all of them takes
+    backlog of at most streams.MAX_QUEUED_MESSAGES, a few MB, where holding all of them takes
     tens), serves other clients meanwhile, and every reply arrives once the client reads."""
     deletes = m.encode_batch([m.Delete((7,))] * 1000)  # the controller's handle: refused each time
     _send_without_reading(cluster, deletes, 200, 200_000, "belong to other sessions", 30 << 20)
@@ -189,14 +190,14 @@ def test_a_client_that_does_not_read_its_replies_holds_no_more_of_the_controller
 def test_a_client_that_does_not_read_large_replies_holds_no_more_than_the_byte_bound(cluster):
     """2,500 requests whose every one is refused with an error of about 48 KB (it quotes
     the malformed value of the request), 120 MB of replies, sent without reading one. The
-    controller stops reading the stream once rpc.MAX_QUEUED_BYTES of replies wait (far
-    fewer than rpc.MAX_QUEUED_MESSAGES), serves other clients meanwhile, and every reply
+    controller stops reading the stream once streams.MAX_QUEUED_BYTES of replies wait (far
+    fewer than streams.MAX_QUEUED_MESSAGES), serves other clients meanwhile, and every reply
     arrives once the client reads."""
     quoted = "x" * 48_000
     graph = {"nvalues": 1, "inputs": [0], "nodes": [[1, [0], [0]]], "outputs": [0],
              "types": [["float32", [], quoted]]}  # a value type of three entries: refused, quoted
     programs = codec.pack([["program", 1, graph, "parallel"]] * 10)
-    _send_without_reading(cluster, programs, 250, 2500, quoted, 3 * rpc.MAX_QUEUED_BYTES + (30 << 20))
+    _send_without_reading(cluster, programs, 250, 2500, quoted, 3 * streams.MAX_QUEUED_BYTES + (30 << 20))
 
 
 def test_fetches_that_wait_for_ever_hold_a_few_of_a_workers_threads_and_others_are_served(cluster, session):
@@ -416,12 +417,12 @@ def test_a_backlog_larger_than_one_payload_goes_out_in_several():
     limit = len(m.encode_batch(batch)) // 5
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(rpc, "MAX_MESSAGE_BYTES", limit)
-        payloads = list(rpc.payloads(items))
+        payloads = list(streams.payloads(items))
     assert len(payloads) > 5 and all(len(p) <= limit for p in payloads)
     assert [x.req for p in payloads for x in m.SESSION_DOWN.decode_batch(p)] == list(range(1, 3001)), "all, in order"
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(rpc, "MAX_BATCH_MESSAGES", 1000)
-        assert [len(m.SESSION_DOWN.decode_batch(p)) for p in rpc.payloads(items[:2500])] == [1000, 1000, 500]
+        assert [len(m.SESSION_DOWN.decode_batch(p)) for p in streams.payloads(items[:2500])] == [1000, 1000, 500]
     with pytest.raises(WireError, match="exceeds the 65536"):
         m.SESSION_DOWN.decode_batch(codec.pack([["cluster", 1]] * (m.MAX_BATCH_MESSAGES + 1)))
 

@@ -23,14 +23,17 @@ SERVER_SIDE = ("pathways.controller", "pathways.worker", "pathways.planner")
 RUNTIME = "the runtime"
 LAYERS = (
     ("pathways.errors", "pathways.defaults"),
-    # the wire and the protocol: any process imports them, so they load neither JAX nor the client
-    ("pathways.wire", "pathways.protocol", "pathways.ir", "pathways.timeline"),
+    # Any process imports the two below, so they load neither JAX nor the client.
+    # The bytes: codecs, frames, gRPC and TCP transports, security; they know no message.
+    ("pathways.wire",),
+    # The contracts: every message (control and data plane), its streams and bounds, the
+    # program IR, timeline spans.
+    ("pathways.protocol", "pathways.ir", "pathways.timeline"),
     (RUNTIME,),
     ("pathways",),  # the public API (pw.jit, ...), on top of the client
     ("pathways.demo", "pathways_bench"),  # programs that use the public API
     ("pathways.cli", "pathways.__main__"),  # the command line runs all of them
 )
-LOWER = LAYERS[0] + LAYERS[1]
 
 
 def test_client_import_loads_no_controller_worker_or_planner() -> None:
@@ -267,9 +270,10 @@ def _layer(module: str) -> int:
 
 
 def test_layers_are_known() -> None:
-    assert _layer("pathways.wire.codec") == _layer("pathways.protocol") == 1
-    assert _layer("pathways.client.api") == _layer("pathways.controller.core") == _layer("pathways.table") == 2
-    assert _layer("pathways") == 3 and _layer("pathways_bench.suite") == 4 and _layer("pathways.cli.bench") == 5
+    assert _layer("pathways.wire.codec") == _layer("pathways.wire.rpc") == 1
+    assert _layer("pathways.protocol.streams") == _layer("pathways.ir") == _layer("pathways.timeline") == 2
+    assert _layer("pathways.client.api") == _layer("pathways.controller.core") == _layer("pathways.table") == 3
+    assert _layer("pathways") == 4 and _layer("pathways_bench.suite") == 5 and _layer("pathways.cli.bench") == 6
 
 
 def test_no_module_imports_a_higher_layer() -> None:

@@ -1,4 +1,4 @@
-"""A stream's outboxes (wire/rpc.py): the client's ``Outbox``, whose released handles go
+"""A stream's outboxes (protocol/streams.py): the client's ``Outbox``, whose released handles go
 out after the messages put before them, riding along with them or flushed soon after, and
 the controller's ``LoopOutbox``, with its bounds in messages and in bytes and payloads
 joined from messages encoded as they were put."""
@@ -11,7 +11,7 @@ import time
 import grpc
 
 from pathways.protocol import messages as m
-from pathways.wire import rpc
+from pathways.protocol import streams
 from tests.inprocess import LoopThread
 
 
@@ -21,14 +21,14 @@ def test_joined_items_are_the_bytes_of_an_encoded_batch():
         assert m.join_items([m.encode_item(x) for x in batch]) == m.encode_batch(batch), n
     mixed = [m.SessionWelcome(3, b"c" * m.CREDENTIAL_BYTES), m.Error(None, "RemoteError", "x" * m.MAX_TEXT),
              m.Error(7, "AccessDeniedError", "é" * 100), m.ClusterReply(9, {"workers": [{"rank": 0}], "slices": 1})]
-    assert list(rpc.payloads([m.encode_item(x) for x in mixed])) == [m.encode_batch(mixed)]
+    assert list(streams.payloads([m.encode_item(x) for x in mixed])) == [m.encode_batch(mixed)]
 
 
-def _outbox() -> rpc.Outbox:
-    return rpc.Outbox(releases=lambda handles: m.Delete(tuple(handles)))
+def _outbox() -> streams.Outbox:
+    return streams.Outbox(releases=lambda handles: m.Delete(tuple(handles)))
 
 
-def _sent(outbox: rpc.Outbox) -> list[list[m.Message]]:
+def _sent(outbox: streams.Outbox) -> list[list[m.Message]]:
     """The batches ``outbox`` sends until closed, decoded."""
     return [m.SESSION_UP.decode_batch(p) for p in outbox.batches()]
 
@@ -49,7 +49,7 @@ def test_releases_alone_go_out_within_the_flush_period_and_a_close_sends_what_wa
     outbox.release(7)
     start = time.monotonic()
     assert m.SESSION_UP.decode_batch(next(batches)) == [m.Delete((7,))]  # flushed by the process's thread
-    assert time.monotonic() - start < 10 * rpc.RELEASE_SECONDS
+    assert time.monotonic() - start < 10 * streams.RELEASE_SECONDS
     outbox.put(m.ClusterRequest(3))
     outbox.release(8)
     outbox.close()
@@ -128,7 +128,7 @@ def test_a_release_while_held_never_goes_out_ahead_of_the_held_messages():
     outbox.hold()
     outbox.put(m.ClusterRequest(1))
     outbox.release(0x20)
-    time.sleep(5 * rpc.RELEASE_SECONDS)
+    time.sleep(5 * streams.RELEASE_SECONDS)
     assert outbox._queue.qsize() == 0
     outbox.unhold()
     outbox.close()
@@ -140,7 +140,7 @@ def _fill_and_drain(message: m.Message, puts: int) -> None:
     are queued and while the writer is sending them, and goes on once they are sent."""
 
     async def scenario() -> None:
-        outbox = rpc.LoopOutbox()
+        outbox = streams.LoopOutbox()
         for _ in range(puts - 1):
             outbox.put(message)
         await asyncio.wait_for(outbox.room(), 1)  # one short of the bound
@@ -168,21 +168,21 @@ def _fill_and_drain(message: m.Message, puts: int) -> None:
 
 def test_a_few_large_messages_reach_the_byte_bound():
     large = m.Error(None, "RemoteError", "x" * m.MAX_TEXT)
-    puts = -(-rpc.MAX_QUEUED_BYTES // len(m.encode_item(large)))
-    assert puts < rpc.MAX_QUEUED_MESSAGES // 10
+    puts = -(-streams.MAX_QUEUED_BYTES // len(m.encode_item(large)))
+    assert puts < streams.MAX_QUEUED_MESSAGES // 10
     _fill_and_drain(large, puts)
 
 
 def test_many_small_messages_reach_the_count_bound():
     small = m.Error(1, "RemoteError", "refused")
-    assert rpc.MAX_QUEUED_MESSAGES * len(m.encode_item(small)) < rpc.MAX_QUEUED_BYTES
-    _fill_and_drain(small, rpc.MAX_QUEUED_MESSAGES)
+    assert streams.MAX_QUEUED_MESSAGES * len(m.encode_item(small)) < streams.MAX_QUEUED_BYTES
+    _fill_and_drain(small, streams.MAX_QUEUED_MESSAGES)
 
 
 def test_a_stream_that_ends_under_its_writer_lets_a_waiting_reader_go_on():
     async def scenario() -> None:
-        outbox = rpc.LoopOutbox()
-        for _ in range(rpc.MAX_QUEUED_MESSAGES):
+        outbox = streams.LoopOutbox()
+        for _ in range(streams.MAX_QUEUED_MESSAGES):
             outbox.put(m.Error(1, "RemoteError", "refused"))
         waiting = asyncio.create_task(outbox.room())
 
@@ -202,8 +202,8 @@ def test_a_local_stream_carries_requests_to_the_loop_and_replies_back_and_ends_e
     the loop in order, replies iterated by the client, the client's cancel seen as the end of
     the requests, the server's finish (with an error or not) as the end of the replies."""
     with LoopThread() as loop:
-        outbox = rpc.Outbox()
-        call = rpc.LocalStream(loop.loop, outbox)
+        outbox = streams.Outbox()
+        call = streams.LocalStream(loop.loop, outbox)
         reading = asyncio.run_coroutine_threadsafe(call.read(), loop.loop)
         time.sleep(0.1)
         assert not reading.done(), "a read waits for the client's first message"
@@ -218,12 +218,12 @@ def test_a_local_stream_carries_requests_to_the_loop_and_replies_back_and_ends_e
         call.finish()
         assert list(call) == [b"x", b"y"] and list(call) == [], "ended, and stays ended"
 
-        forever = rpc.LocalStream(loop.loop, rpc.Outbox())
+        forever = streams.LocalStream(loop.loop, streams.Outbox())
         waiting = asyncio.run_coroutine_threadsafe(forever.read(), loop.loop)
         forever.cancel()  # the client closes its session: the server's reads end, a waiting one too
         assert waiting.result(5.0) is grpc.aio.EOF and list(forever) == []
 
-        failed = rpc.LocalStream(loop.loop, rpc.Outbox())
+        failed = streams.LocalStream(loop.loop, streams.Outbox())
         failed.finish(ConnectionError("refused"))
         try:
             next(failed)
@@ -236,9 +236,9 @@ def test_a_local_stream_carries_requests_to_the_loop_and_replies_back_and_ends_e
 def test_a_server_that_does_not_read_a_local_stream_leaves_the_clients_messages_queued():
     """Like a gRPC stream's flow control: nothing is taken from the client's outbox but by
     the server's reads, and a read takes everything queued by then, as one batch."""
-    outbox = rpc.Outbox()
+    outbox = streams.Outbox()
     with LoopThread() as loop:
-        call = rpc.LocalStream(loop.loop, outbox)
+        call = streams.LocalStream(loop.loop, outbox)
         for i in range(1, 51):
             outbox.put(m.ClusterRequest(i))
         time.sleep(0.2)
@@ -250,9 +250,9 @@ def test_a_server_that_does_not_read_a_local_stream_leaves_the_clients_messages_
 def test_a_client_outbox_behind_a_local_stream_goes_out_in_batches_while_the_server_is_busy():
     """Messages put one at a time while the server handles a payload wait in the Outbox
     and reach the server as one batch, not as a payload each."""
-    outbox = rpc.Outbox()
+    outbox = streams.Outbox()
     with LoopThread() as loop:
-        call = rpc.LocalStream(loop.loop, outbox)
+        call = streams.LocalStream(loop.loop, outbox)
         outbox.put(m.ClusterRequest(1))
         first = loop.run(call.read(), 5.0)  # the server is now busy with it
         for i in range(2, 12):

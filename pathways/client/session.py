@@ -45,6 +45,7 @@ from pathways.protocol import messages as m
 from pathways.protocol.errors import answer_error, error_of, kind_of
 from pathways.protocol.handles import COUNTER_MASK, discard, first_handle
 from pathways.timeline import Recorder, now
+from pathways.protocol import streams
 from pathways.wire import codec, rpc, tcp
 from pathways.wire.security import Security
 
@@ -98,7 +99,7 @@ class Session:
 
     def __init__(self, address: str, connect_timeout: float = 30.0, owned_cluster: Any = None, weight: float = 1.0,
                  security: Security | None = None,
-                 open_local: Optional[Callable[[rpc.Outbox], Any]] = None,
+                 open_local: Optional[Callable[[streams.Outbox], Any]] = None,
                  data_plane: Optional[tcp.Pool] = None) -> None:
         if not 0 < weight <= 1e6:
             raise ValueError(f"a session's weight must be in (0, 1e6], got {weight!r}")
@@ -126,7 +127,7 @@ class Session:
             except BaseException:
                 self._channel.close()
                 raise
-        self._outbox = rpc.Outbox(releases=lambda handles: m.Delete(tuple(handles)))
+        self._outbox = streams.Outbox(releases=lambda handles: m.Delete(tuple(handles)))
         self._pending: dict[Any, Future] = {}
         self._req_ids = itertools.count(1)
         self._dead: Optional[str] = None

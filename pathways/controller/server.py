@@ -54,6 +54,7 @@ from pathways.errors import ConnectError, DeadlineExceededError, PathwaysError, 
 from pathways.protocol import messages as m
 from pathways.protocol.errors import kind_of
 from pathways.protocol.handles import MAX_SESSION
+from pathways.protocol import streams
 from pathways.wire import allocator, codec, frames, rpc, tcp
 from pathways.wire import security as sec
 from pathways.wire.addresses import family_of, join_host_port, reachable_host, split_host_port, strip_brackets
@@ -101,7 +102,7 @@ class _Keepalive:
     knows of its connection) at every tick: ``on_slow(seconds)`` while it is slow (the
     timer goes on), ``on_lost(seconds, why)`` once it is lost (the timer stops)."""
 
-    def __init__(self, beats: Heartbeats, outbox: rpc.LoopOutbox, tcp_state: Callable[[], Optional[TcpState]],
+    def __init__(self, beats: Heartbeats, outbox: streams.LoopOutbox, tcp_state: Callable[[], Optional[TcpState]],
                  on_slow: Callable[[float], None], on_lost: Callable[[float, Optional[str]], None]) -> None:
         self._beats = beats
         self._outbox = outbox
@@ -178,14 +179,14 @@ class ControllerServer:
         self._loop: Optional[asyncio.AbstractEventLoop] = None  # the loop it serves on, once listen() ran
         self.worker_port = 0
 
-    async def _stream(self, read: Read, send: Callable[[bytes], Awaitable[None]], outbox: rpc.LoopOutbox,
+    async def _stream(self, read: Read, send: Callable[[bytes], Awaitable[None]], outbox: streams.LoopOutbox,
                       on_payload: Callable[[bytes], None], on_end: Callable[[], None],
                       backpressure: bool = False) -> None:
         """Feed a stream's payloads (from ``read``) to ``on_payload`` while a writer task
         sends its outbox with ``send``. ``on_end`` is called exactly once, whether the peer
         finished sending or the stream was cancelled (the peer vanished), unless the
         controller is stopping. With ``backpressure`` (a client's session), the next payload
-        is read only once the outbox has room (rpc.MAX_QUEUED_MESSAGES, rpc.MAX_QUEUED_BYTES):
+        is read only once the outbox has room (streams.MAX_QUEUED_MESSAGES, streams.MAX_QUEUED_BYTES):
         a client that does not read its replies is not served further, and costs no more
         memory."""
         task = asyncio.current_task()
@@ -265,12 +266,12 @@ class ControllerServer:
             await asyncio.wait(streams, timeout=_STOP_SECONDS)
         await server.stop(grace=_STOP_GRACE_SECONDS)
 
-    def open_local(self, requests: rpc.Outbox) -> rpc.LocalStream:
+    def open_local(self, requests: streams.Outbox) -> streams.LocalStream:
         """A session stream opened from another thread of this process (the IFRT front end's
         sessions), whose requests are what the client puts in ``requests``, served as a gRPC
         one is, with no gRPC in between; callable once the controller listens."""
         assert self._loop is not None, "open_local before listen"
-        call = rpc.LocalStream(self._loop, requests)
+        call = streams.LocalStream(self._loop, requests)
 
         async def serve() -> None:
             try:
@@ -284,7 +285,7 @@ class ControllerServer:
         sid = next(self._session_ids)
         if sid > MAX_SESSION:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "session ids exhausted; restart the controller")
-        outbox = rpc.LoopOutbox()
+        outbox = streams.LoopOutbox()
         self.core.session_opened(sid, outbox)
 
         async def read() -> Optional[bytes]:
@@ -306,7 +307,7 @@ class ControllerServer:
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = writer.get_extra_info("peername")
-        conn = WorkerConn(rpc.LoopOutbox())
+        conn = WorkerConn(streams.LoopOutbox())
         greeted = self._attach_security.token is None
         beats = Heartbeats(self.heartbeat_timeout)
         silence: list[float] = []  # how long the worker was silent, once given up for it

@@ -39,7 +39,8 @@ from pathways.errors import WireError
 from pathways.ifrt.plugin import ADMISSION_METHOD, ADMISSION_SERVICE
 from pathways.ifrt.session import HOST_BUFFER_WAIT, SLICE_KEY, WAIT_SECONDS, Deferred, IfrtSession
 from pathways.ifrt.types import IfrtError
-from pathways.wire import codec, rpc, tcp
+from pathways.protocol import streams
+from pathways.wire import codec, tcp
 from pathways.wire import security as sec
 from pathways.wire.addresses import join_host_port, split_host_port
 from pathways.wire.security import Security
@@ -97,7 +98,7 @@ class IfrtServer:
     server closes it when it stops."""
 
     def __init__(self, controller: str, bind: str = "127.0.0.1:0", security: Security | None = None,
-                 open_local: Optional[Callable[[rpc.Outbox], Any]] = None,
+                 open_local: Optional[Callable[[streams.Outbox], Any]] = None,
                  data_plane: Optional[tcp.Pool] = None) -> None:
         self.controller = controller if controller.startswith("grpc://") else f"grpc://{controller}"
         self.open_local = open_local

@@ -25,8 +25,6 @@ from pathways.protocol.check import (I64, MAX_ITEMS, MAX_NAME, MAX_TEXT, Anythin
 from pathways.protocol.errors import KINDS, POISON_KINDS
 from pathways.protocol.handles import MAX_HANDLE, MAX_SESSION, session_of
 from pathways.protocol.ops import LAYOUT, MAX_NODES, MAX_REGISTERS, MAX_SENDERS, ROUTE, decode_op, encode_op
-from pathways.timeline import MAX_DETAIL, MAX_EVENTS
-from pathways.timeline import MAX_NAME as MAX_SPAN_NAME
 from pathways.wire.codec import MAX_MESSAGE_BYTES, is_wire_dtype_name, list_header, pack, pack_each, unpack
 
 PROTOCOL_VERSION = 14
@@ -241,7 +239,7 @@ def _tag_and_req(raw: Any, table: Table) -> tuple[str, int | None]:
 
 
 # Messages one payload may carry: what one read of a stream can make a server do (and reply),
-# before it looks again at whether its peer reads the replies (wire/rpc.py).
+# before it looks again at whether its peer reads the replies (streams.py, LoopOutbox).
 MAX_BATCH_MESSAGES = 1 << 16
 
 
@@ -940,6 +938,12 @@ class FetchRequest(Message):
 # ---- timelines (timeline.py): a client collects the spans of its traced runs -----------------
 
 # (name, thread, start ns, duration ns, run: its handle base, detail), on the sender's clock
+# Spans one process keeps (all sessions together; pathways/timeline.py), and at most one
+# reply carries: a span is at most ~300 bytes on the wire, so a full reply stays well under
+# a 64 MiB payload.
+MAX_EVENTS = 100_000
+MAX_SPAN_NAME = 64
+MAX_DETAIL = 128
 SPAN = Fixed(Str(MAX_SPAN_NAME), Str(MAX_SPAN_NAME), Int(0), Int(0), HANDLE, Str(MAX_DETAIL))
 
 

@@ -62,6 +62,7 @@ from pathways.errors import AccessDeniedError, ConnectError, ResourceExhaustedEr
 from pathways.platforms import Devices
 from pathways.protocol.messages import (FETCH, MAX_MESSAGE_BYTES, TIMELINE, WORKER_DOWN, DataKey, Heartbeat, Peers,
                                         Register, Reset, Shutdown, WorkerWelcome)
+from pathways.protocol import streams
 from pathways.wire import codec, frames, rpc, tcp
 from pathways.wire.addresses import PortReservation, join_host_port, split_host_port
 from pathways.wire.liveness import Heartbeats, TcpState, Verdict, check_timeout, judge
@@ -422,7 +423,7 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
         core = service.core()
         return core.screen_frame(sender, header) if core is not None else _NOT_READY
 
-    outbox = rpc.Outbox()
+    outbox = streams.Outbox()
     channel = rpc.open_channel(controller, security)
     listener: Optional[tcp.Listener] = None
     server: Optional[grpc.Server] = None
@@ -535,7 +536,7 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
         channel.close()
 
 
-async def _beat(beats: Heartbeats, outbox: rpc.Outbox, timeout: float, tcp_state: Callable[[], Optional[TcpState]],
+async def _beat(beats: Heartbeats, outbox: streams.Outbox, timeout: float, tcp_state: Callable[[], Optional[TcpState]],
                 end: Callable[[], None], controller: str) -> None:
     """Queue a heartbeat for the controller whenever nothing else went out for an interval,
     and judge the controller once it has been silent for the heartbeat timeout
@@ -566,7 +567,7 @@ async def _beat(beats: Heartbeats, outbox: rpc.Outbox, timeout: float, tcp_state
             beats.sent()  # queued is as good as sent; the sender's own sends count too
 
 
-def _start_stream(sock: socket.socket, outbox: rpc.Outbox, on_batch: Callable[[bytes], None],
+def _start_stream(sock: socket.socket, outbox: streams.Outbox, on_batch: Callable[[bytes], None],
                   end: Callable[[], None], beats: Heartbeats, settled: threading.Event) -> Callable[[], None]:
     """Threads that send ``outbox``'s batches on ``sock`` and hand what arrives to
     ``on_batch`` (each payload a sign of life for ``beats``); ``end`` is called when the
@@ -665,7 +666,7 @@ async def _join(island: IslandMembership, devices: Devices, bind: str, advertise
 
 
 async def _start_core(devices: Devices, island: IslandMembership, wait_timeout: float, unsafe_local_order: bool,
-                      outbox: rpc.Outbox, on_shutdown: Callable[[], None], on_reset: Callable[[], None],
+                      outbox: streams.Outbox, on_shutdown: Callable[[], None], on_reset: Callable[[], None],
                       ended: trio.Event, security: Security, heartbeat_timeout: float,
                       on_heartbeat: Callable[[float], None], suspend_dir: Optional[str],
                       tickets: PeerTickets, compile_cache: Optional[str],
