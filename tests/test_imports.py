@@ -284,6 +284,23 @@ def test_no_module_imports_a_higher_layer() -> None:
     assert not upward, "imports against the layers:\n" + "\n".join(upward)
 
 
+# Role packages that must not import each other, whatever the layers allow: the controller
+# serves clients and fronts, it is not built on them (the command line joins the IFRT front
+# end to it, pathways/ifrt/front_end.py); a worker runs what its controller sends.
+APART = {
+    "pathways.controller": ("pathways.client", "pathways.ifrt", "pathways.worker"),
+    "pathways.worker": ("pathways.client", "pathways.ifrt", "pathways.controller"),
+}
+
+
+def test_the_controller_and_the_workers_import_no_client_front_end_or_each_other() -> None:
+    graph = package_graph()
+    crossing = [f"{module} imports {target}" for module, targets in sorted(graph.edges.items())
+                for package, others in APART.items() if module == package or module.startswith(package + ".")
+                for target in sorted(targets) if any(target == o or target.startswith(o + ".") for o in others)]
+    assert not crossing, "role packages importing each other:\n" + "\n".join(crossing)
+
+
 def test_the_lower_layers_load_neither_jax_nor_the_client() -> None:
     """Each module of the wire and protocol layers imported in turn in a fresh process: the
     first whose import brings in JAX or the client is named."""

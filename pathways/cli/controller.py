@@ -47,6 +47,9 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from pathways.keeper import exit_with_parent
 
     exit_with_parent()
+    # the IFRT front end is the ifrt package's: the controller package imports none of it
+    from pathways.ifrt import front_end
+
     main(args.policy, args.window, args.bind, security.from_args(args), args.heartbeat_timeout, args.ifrt_bind,
-         args.run_timeout, Recovery(args.host_recovery))
+         args.run_timeout, Recovery(args.host_recovery), start_front_end=front_end.start)
     return 0

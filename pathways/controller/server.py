@@ -28,21 +28,21 @@ core handles it as lost, naming how long it was silent. A connection that has no
 registered is dropped on silence alone: a stranger has no work to be slow at. What bounds
 a slow worker's runs is the run timeout (``run_timeout``). The core itself has no clock.
 
-Given ``ifrt_bind``, the process also serves the IFRT proxy protocol (pathways.ifrt.server),
-a front end whose sessions are clients of this controller: started once the controller
-serves, announced on the line after its address, stopped before it.
+Given ``ifrt_bind`` and a way to start a front end there (the command line passes
+pathways/ifrt/front_end.py's), the process also serves the IFRT proxy protocol, a front end
+whose sessions are clients of this controller: started once the controller serves,
+announced on the line after its address, stopped before it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 import signal
 import socket
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional, Protocol
 
 import grpc
 
@@ -55,15 +55,12 @@ from pathways.protocol import messages as m
 from pathways.protocol.errors import kind_of
 from pathways.protocol.handles import MAX_SESSION
 from pathways.protocol import streams
-from pathways.wire import allocator, codec, frames, rpc, tcp
+from pathways.wire import codec, frames, rpc, tcp
 from pathways.wire import security as sec
 from pathways.wire.addresses import family_of, join_host_port, reachable_host, split_host_port, strip_brackets
 from pathways.wire.codec import MAX_MESSAGE_BYTES
 from pathways.wire.liveness import Heartbeats, TcpState, Verdict, check_timeout, judge
 from pathways.wire.security import Security
-
-if TYPE_CHECKING:
-    from pathways.ifrt.server import IfrtServer
 
 log = logging.getLogger("pathways.controller")
 
@@ -471,14 +468,28 @@ def _header(payload: bytes) -> object:
         return None
 
 
+class FrontEnd(Protocol):
+    """A front end served beside the controller, in its process (the IFRT proxy server)."""
+
+    address: str  # HOST:PORT it serves on
+
+    def stop(self) -> None: ...
+
+
+# Starts a front end on a bind address (HOST:PORT) in front of the controller at an address
+StartFrontEnd = Callable[[str, str, "ControllerServer"], FrontEnd]
+
+
 def main(policy: str = "fair", window: int = DEFAULT_WINDOW, bind: str = f"{rpc.LOOPBACK}:0",
          security: Security | None = None, heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
          ifrt_bind: str | None = None, run_timeout: float | None = None,
-         recovery: Recovery = Recovery.ELSEWHERE) -> None:
+         recovery: Recovery = Recovery.ELSEWHERE, start_front_end: Optional[StartFrontEnd] = None) -> None:
     """Serve on ``bind`` (``HOST:PORT``) until SIGINT or SIGTERM; a bind that fails exits
     with a message that says why. ``ifrt_bind`` (``HOST:PORT``): also serve the IFRT proxy
-    protocol there (pathways.ifrt.server), in this process, stopped with it.
-    ``run_timeout`` and ``recovery``: see ControllerServer."""
+    protocol there, with ``start_front_end`` (pathways/ifrt/front_end.py ``start``), in this
+    process, stopped with it. ``run_timeout`` and ``recovery``: see ControllerServer."""
+    if ifrt_bind is not None and start_front_end is None:
+        raise ValueError("ifrt_bind needs start_front_end, the front end to serve there")
     try:
         host, port = split_host_port(bind)
     except ValueError as e:
@@ -502,12 +513,13 @@ def main(policy: str = "fair", window: int = DEFAULT_WINDOW, bind: str = f"{rpc.
         if security is not None and security.serves_tls and not security.uses_tls:
             raise SystemExit("error: --ifrt-bind with --tls-cert needs --tls-ca too: the IFRT proxy server's "
                              "sessions connect to this controller and its workers over TLS and verify them with it")
-    asyncio.run(_serve(policy, window, host, port, security, heartbeat_timeout, ifrt_bind, run_timeout, recovery))
+    asyncio.run(_serve(policy, window, host, port, security, heartbeat_timeout, ifrt_bind, run_timeout, recovery,
+                       start_front_end))
 
 
 async def _serve(policy: str, window: int, host: str, port: int, security: Security | None,
                  heartbeat_timeout: float, ifrt_bind: str | None, run_timeout: float | None,
-                 recovery: Recovery) -> None:
+                 recovery: Recovery, start_front_end: Optional[StartFrontEnd]) -> None:
     controller = ControllerServer(policy, window, security, heartbeat_timeout, run_timeout, recovery)
     advertise = reachable_host(host)
     try:
@@ -520,8 +532,9 @@ async def _serve(policy: str, window: int, host: str, port: int, security: Secur
     lines = [f"{ADDRESS_LINE} {address}"]
     ifrt = None
     if ifrt_bind is not None:
+        assert start_front_end is not None  # main checked
         try:
-            ifrt = await asyncio.to_thread(_start_ifrt, address, ifrt_bind, controller)
+            ifrt = await asyncio.to_thread(start_front_end, address, ifrt_bind, controller)
         except BaseException:
             await controller.stop(server)
             raise
@@ -546,36 +559,7 @@ async def _serve(policy: str, window: int, host: str, port: int, security: Secur
         await controller.stop(server)
 
 
-def _start_ifrt(address: str, bind: str, controller: ControllerServer) -> "IfrtServer":
-    """An IFRT proxy server (pathways.ifrt.server.IfrtServer) serving on ``bind``, in front of
-    ``controller`` (at ``address``), in this process: its session streams open without gRPC
-    (ControllerServer.open_local) and it puts arrays on the workers' data listeners
-    (Membership.data_routes). Exits the process with a message where it cannot. Runs off the
-    event loop: the server's sessions talk to this controller."""
-    from pathways.ifrt.server import IfrtServer  # imports JAX: only controllers that serve IFRT pay for it
-
-    allocator.keep_message_memory()  # the front end receives array bytes as 1 MiB messages
-    security = front_end_security(controller.security)
-    data_plane = tcp.Pool(controller.core.membership.data_routes.get, controller.heartbeat_timeout, security)
-    server = IfrtServer(address, bind, security, open_local=controller.open_local, data_plane=data_plane)
-    try:
-        server.start()
-    except Exception as e:  # whatever stopped it from serving (a port in use, a bad address): say so and exit
-        with contextlib.suppress(Exception):  # whatever part of it started
-            server.stop(0)
-        raise SystemExit(f"error: the IFRT proxy server cannot listen on --ifrt-bind {bind}: "
-                         f"{type(e).__name__}: {e}") from None
-    return server
-
-
-def front_end_security(security: Security) -> Security:
-    """The IFRT proxy server's settings: the cluster's token, and its CA to reach the
-    controller and workers with, but no certificate to serve with: JAX's proxy client
-    speaks plain gRPC (or ALTS), never TLS, so its port serves plain gRPC."""
-    return dataclasses.replace(security, tls_cert=None, tls_key=None, data_plane_tls=False)
-
-
-async def _stop_ifrt(server: "IfrtServer") -> None:
+async def _stop_ifrt(server: FrontEnd) -> None:
     """Stop the IFRT proxy server first, so that its sessions end while the controller still
     serves them; bounded, so that the controller stops even if it does not."""
     try:
