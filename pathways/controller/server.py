@@ -2,9 +2,9 @@
 
 One asyncio loop runs everything: grpc.aio serves clients' Session streams and the unary
 methods as coroutines, and ``asyncio.start_server`` serves workers' streams as framed TCP
-connections (wire/frames.py; a control message costs a fifteenth of the CPU it costs over
-grpc.aio, BENCHMARKS.md "control"), a coroutine per stream, so thousands of sessions and
-workers fit. The core runs on the same loop, called directly by the stream that received
+connections (wire/frames.py; a control message costs about a fifth of the CPU it costs
+over grpc.aio, BENCHMARKS.md "Control messages"), a coroutine per stream, so thousands of
+sessions and workers fit. The core runs on the same loop, called directly by the stream that received
 a payload, so it stays single-threaded without a hop between threads. Each stream has a
 LoopOutbox and a writer task that sends whatever the core put there since its last write
 as one batch. A worker learns the TCP port from the gRPC method AttachAddress and connects
@@ -32,6 +32,13 @@ Given ``ifrt_bind`` and a way to start a front end there (the command line passe
 pathways/ifrt/front_end.py's), the process also serves the IFRT proxy protocol, a front end
 whose sessions are clients of this controller: started once the controller serves,
 announced on the line after its address, stopped before it.
+
+Concurrency: the loop's thread runs the core, every stream and every timer. Other threads
+only where a library needs one: asyncio's default executor for work that blocks (starting
+and stopping the front end), and, with the IFRT front end, that front end's own gRPC
+threads, session threads and pace checker (pathways/ifrt/server.py), which reach the core
+only through ``open_local`` streams, whose reads run on the loop (protocol/streams.py
+LocalStream).
 """
 
 from __future__ import annotations

@@ -17,6 +17,12 @@ a method of its own that the pathways plugin (plugin.py) asks before the client 
 given the session's initialization data (a msgpack map), whether its session would be
 refused (the token missing or wrong, the weight out of bounds, the slice not placeable)
 and why, so that the program fails at once with that one line.
+
+Concurrency: threads. gRPC's pool (64 threads) serves the calls; each session stream has a
+receiving thread, a thread that handles its requests in order, and a pool of POOL_THREADS for the
+requests that wait; one thread checks the pace of every session's host-buffer stores each
+second. A session reaches its controller through its native pathways session (a stream
+served on the controller's loop when the front end runs in the controller's process).
 """
 
 from __future__ import annotations

@@ -37,6 +37,14 @@ for, a warning says so; one whose host stopped acknowledging (a cut cable, a dea
 on platforms whose kernel says nothing any silent one, is lost: the stream ends. The
 stream's reader and sender threads therefore block without a timeout: the watch, or the
 end of the connection, is what ends their waits.
+
+Concurrency: trio on the main thread runs start-up, signals and the liveness watch, and
+hands blocking steps (attaching, configuring JAX, building the core) to its worker threads.
+Beside it, threads with one job each: the stream's reader and sender, the gRPC server's
+pool (sessions.GRPC_THREADS), the data listener's accept thread and a thread per peer
+connection (wire/tcp.py), and the core's own: one executor thread that runs op streams in
+order and its done reporter, one compile thread, four data-plane senders, and the
+measurement thread. What they share is kept under locks (core.py, store.py).
 """
 
 from __future__ import annotations
