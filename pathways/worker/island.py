@@ -156,4 +156,4 @@ def leave_group(timeout: float = LEAVE_SECONDS) -> None:
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
-        log.debug("the island's other hosts did not leave its group within %g s", timeout)
+        log.debug("leaving the island's group did not finish within %g s", timeout)
