@@ -12,6 +12,7 @@ from pathways.errors import WireError
 from pathways.ir import Layout
 from pathways.protocol import check as c
 from pathways.protocol import messages as m
+from pathways.protocol import errors as kinds
 from pathways.protocol.errors import error_of, kind_of
 from pathways.protocol.handles import HeldReleases, discard, first_handle, fits, session_of, value_handle
 from pathways.protocol.ops import Op, decode_op, encode_op
@@ -210,6 +211,10 @@ def test_error_kinds_map_to_the_errors_readers_raise():
     assert type(error_of("NoSuchError", "x", errors.RemoteError)) is errors.RemoteError
     assert kind_of(errors.PlacementError("x")) == "PlacementError"
     assert kind_of(errors.SpmdError("x")) == "PathwaysError"
+    # the names other modules use instead of strings are kinds a reader knows
+    named = (kinds.REMOTE, kinds.LOST, kinds.DENIED, kinds.SUSPENDED, kinds.STUCK, kinds.EXHAUSTED, kinds.WIRE)
+    assert [type(error_of(k, "x")).__name__ for k in named] == list(named)
+    assert kinds.POISON_KINDS < set(named)
 
 
 def test_a_retire_request_names_an_island_or_a_worker_and_waits_a_bounded_time():

@@ -17,15 +17,15 @@ KINDS: dict[str, type[errors.PathwaysError]] = {cls.__name__: cls for cls in (
     errors.AuthenticationError,
     errors.ControllerLostError, errors.SuspendedError, errors.ResourceExhaustedError,
 )}
+# the kinds other modules name, so that none writes one as a string of its own
+REMOTE, LOST, DENIED, SUSPENDED, STUCK, EXHAUSTED, WIRE = (
+    "RemoteError", "WorkerLostError", "AccessDeniedError", "SuspendedError", "DeadlineExceededError",
+    "ResourceExhaustedError", "WireError")
 # what a poisoned handle may report: a failed computation, a lost host, a run refused
 # because it named another session's array, one submitted while its session was suspended,
 # or one that outlasted the controller's run timeout, or an array a worker would not hold
 # past its session's memory quota
-POISON_KINDS = frozenset({"RemoteError", "WorkerLostError", "AccessDeniedError", "SuspendedError",
-                          "DeadlineExceededError", "ResourceExhaustedError"})
-REMOTE, LOST, DENIED, SUSPENDED, STUCK, EXHAUSTED = ("RemoteError", "WorkerLostError", "AccessDeniedError",
-                                                     "SuspendedError", "DeadlineExceededError",
-                                                     "ResourceExhaustedError")
+POISON_KINDS = frozenset({REMOTE, LOST, DENIED, SUSPENDED, STUCK, EXHAUSTED})
 # A data-plane answer is a message alone: a worker puts this before a quota's refusal, so
 # that the sender raises ResourceExhaustedError for it (``answer_error``).
 EXHAUSTED_TAG = "RESOURCE_EXHAUSTED: "

@@ -47,7 +47,7 @@ from pathways.defaults import CONTROLLER_STOPPED
 from pathways.errors import AccessDeniedError, ConnectError, ResourceExhaustedError, WireError
 from pathways.ir import partials, stacked
 from pathways.protocol.check import MAX_TEXT, Int, Str
-from pathways.protocol.errors import EXHAUSTED, EXHAUSTED_TAG, POISON_KINDS, REMOTE
+from pathways.protocol.errors import EXHAUSTED, EXHAUSTED_TAG, LOST, POISON_KINDS, REMOTE
 from pathways.protocol.handles import COUNTER_MASK, MAX_HANDLE, session_of
 from pathways.protocol.messages import (CREDENTIAL, Adopt, Adopted, Compile, DataKey, Define, Delete, Done, DropSession,
                                         FetchRequest, Go, Heartbeat, Malformed, Measure, Message, Notice, Offload,
@@ -479,7 +479,7 @@ class WorkerCore:
             for copy, handle in pairs:
                 self.store.put(copy, Poison(f"array {handle:#x} did not reach worker {self.worker_id} within "
                                             f"{self.wait_timeout:.0f} s of the session's resume: its sender "
-                                            "failed", "WorkerLostError"), replace=False)
+                                            "failed", LOST), replace=False)
 
         timer = threading.Timer(self.wait_timeout, expire)
         timer.daemon = True

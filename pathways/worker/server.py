@@ -71,6 +71,7 @@ from pathways.platforms import Devices
 from pathways.protocol.messages import (FETCH, MAX_MESSAGE_BYTES, TIMELINE, WORKER_DOWN, DataKey, Heartbeat, Peers,
                                         Register, Reset, Shutdown, WorkerWelcome)
 from pathways.protocol import streams
+from pathways.protocol.errors import WIRE
 from pathways.wire import codec, frames, rpc, tcp
 from pathways.wire.addresses import PortReservation, join_host_port, split_host_port
 from pathways.wire.liveness import Heartbeats, TcpState, Verdict, check_timeout, judge
@@ -148,11 +149,11 @@ class WorkerService:
         try:
             req = FETCH.decode_one(request)
         except WireError as e:
-            yield codec.pack({"state": "error", "kind": "WireError", "message": f"the worker refused a fetch: {e}"})
+            yield codec.pack({"state": "error", "kind": WIRE, "message": f"the worker refused a fetch: {e}"})
             return
         core = self.core()
         if core is None:
-            yield codec.pack({"state": "error", "kind": "WireError", "message": _NOT_READY})
+            yield codec.pack({"state": "error", "kind": WIRE, "message": _NOT_READY})
             return
         # A caller that hangs up (cancels, or runs past its deadline) wakes the waiter, which
         # then sees it is no longer wanted and gives its thread back.
@@ -170,10 +171,10 @@ class WorkerService:
         try:
             req = TIMELINE.decode_one(request)
         except WireError as e:
-            return codec.pack({"error": f"the worker refused a timeline request: {e}", "kind": "WireError"})
+            return codec.pack({"error": f"the worker refused a timeline request: {e}", "kind": WIRE})
         core = self.core()
         if core is None:
-            return codec.pack({"error": _NOT_READY, "kind": "WireError"})
+            return codec.pack({"error": _NOT_READY, "kind": WIRE})
         try:
             return codec.pack(core.timeline(req).encode())
         except AccessDeniedError as e:

@@ -24,7 +24,7 @@ import time
 from collections import OrderedDict
 from typing import Any, Callable, Iterable, Optional
 
-from pathways.protocol.errors import EXHAUSTED
+from pathways.protocol.errors import EXHAUSTED, LOST, REMOTE
 from pathways.protocol.handles import discard, session_of
 from pathways.worker.quota import SessionQuota, held_bytes
 
@@ -41,7 +41,7 @@ class Poison:
 
     __slots__ = ("message", "kind")
 
-    def __init__(self, message: str, kind: str = "RemoteError") -> None:
+    def __init__(self, message: str, kind: str = REMOTE) -> None:
         self.message = message
         self.kind = kind
 
@@ -69,7 +69,7 @@ def failure(what: str, error: Exception) -> Poison:
     means a host of the island died: readers get WorkerLostError, as they do once the
     controller notices the loss."""
     if "gloo" in str(error).lower():
-        return Poison(f"{what} failed because another host of its island was lost: {error}", "WorkerLostError")
+        return Poison(f"{what} failed because another host of its island was lost: {error}", LOST)
     return Poison(f"{what} failed: {type(error).__name__}: {error}")
 
 
