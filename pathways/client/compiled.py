@@ -122,11 +122,9 @@ class CompiledFunction:
             raise SignatureError(f"{self.name} could not be compiled for arguments "
                                  f"{_describe(avals, paths)}: {type(e).__name__}: {e}") from e
         session = self.slice.session
-        fn_id = session.allocate(1)
         in_layouts = tuple(self.slice.layout(mesh.shape, mesh.axis_names, s) for s in in_specs)
         out_layouts = tuple(self.slice.layout(mesh.shape, mesh.axis_names, s) for s in out_specs)
-        session.send(m.DefineFunction(fn_id, self.slice.id, m.FunctionBody(self.name, bytes(exported.serialize()),
-                                                                           in_layouts, out_layouts)))
+        fn_id = define_function(session, self.slice.id, self.name, exported, in_layouts, out_layouts)
         out_shardings = tuple(NamedSharding(mesh, s) for s in out_specs)
         n_in, n_out = len(avals), len(out_avals)
         graph = ProgramGraph(n_in + n_out, tuple(range(n_in)),
@@ -189,6 +187,18 @@ def arg_paths(tree: Any) -> list[str]:
 def value_types(avals: Sequence[Aval]) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """The program graph's (dtype name, shape) of each value."""
     return tuple((np.dtype(dtype).name, tuple(shape)) for shape, dtype in avals)
+
+
+def define_function(session: Any, slice_id: int, name: str, exported: Any, in_layouts: Sequence[Layout],
+                    out_layouts: Sequence[Layout]) -> int:
+    """Register ``exported`` (a ``jax.export.Exported``) on slice ``slice_id`` as the function
+    ``name``, whose parameters and results the workers lay out as ``in_layouts`` and
+    ``out_layouts``; returns the id programs call it by. The one way a function reaches the
+    workers: from ``pw.jit``/``pw.pmap``, a fused program, and the IFRT front end."""
+    fn_id = session.allocate(1)
+    session.send(m.DefineFunction(fn_id, slice_id, m.FunctionBody(name, bytes(exported.serialize()),
+                                                                  tuple(in_layouts), tuple(out_layouts))))
+    return fn_id
 
 
 def register_program(session: Any, graph: ProgramGraph, value_avals: dict[int, Aval],

@@ -15,11 +15,10 @@ import jax
 from jax.sharding import NamedSharding as JaxNamedSharding
 
 from pathways import fusion
-from pathways.client.compiled import Aval, Specialization, abstract_mesh
+from pathways.client.compiled import Aval, Specialization, abstract_mesh, define_function
 from pathways.errors import ProgramTraceError
 from pathways.ir import ProgramGraph
 from pathways.platforms import export_platforms
-from pathways.protocol import messages as m
 
 
 def fuse_graph(session: Any, graph: ProgramGraph, specs: Mapping[int, Specialization],
@@ -81,8 +80,6 @@ def _define(session: Any, graph: ProgramGraph, group: fusion.Group, specs: Mappi
     except Exception as e:
         raise ProgramTraceError(f"program {program}: nodes {names} could not be compiled as one function "
                                 f"({type(e).__name__}: {e}); call pw.program without fuse=True") from e
-    fn_id = session.allocate(1)
-    body = m.FunctionBody(name, bytes(exported.serialize()), tuple(in_shardings[v].layout() for v in group.ins),
-                          tuple(out_shardings[v].layout() for v in group.outs))
-    session.send(m.DefineFunction(fn_id, first.slice.id, body))
+    fn_id = define_function(session, first.slice.id, name, exported, [in_shardings[v].layout() for v in group.ins],
+                            [out_shardings[v].layout() for v in group.outs])
     return fn_id, name

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 import numpy as np
 
 from pathways import errors
-from pathways.client.compiled import register_program, value_types
+from pathways.client.compiled import define_function, register_program, value_types
 from pathways.client.session import Session, Sink
 from pathways.ifrt import types as t
 from pathways.ifrt.devices import DeviceTable, SliceDevices, SliceInfo
@@ -986,9 +986,7 @@ class IfrtSession:
                     jax.ShapeDtypeStruct(shape, dtype, sharding=s))
         except Exception as e:
             raise IfrtError(t.INTERNAL, f"no copy function for a {dtype.name}{list(shape)} array: {e}") from None
-        fn = self.native.allocate(1)
-        self.native.send(m.DefineFunction(fn, place.slice.id,
-                                          m.FunctionBody("copy", bytes(exported.serialize()), (layout,), (layout,))))
+        fn = define_function(self.native, place.slice.id, "copy", exported, (layout,), (layout,))
         graph = ProgramGraph(2, (0,), (Node(fn, (0,), (1,)),), (1,), value_types([(shape, dtype)] * 2))
         program = register_program(self.native, graph, {}, {}).program_id
         self._identities[key] = program
