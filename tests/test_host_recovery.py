@@ -107,6 +107,8 @@ def test_a_killed_or_crashed_worker_of_up_is_restarted_and_its_island_serves_the
         pw.disconnect()
         up.stop()
     assert "restarting the worker" in up.stderr, up.stderr
+    if signum == signal.SIGSEGV:  # a crash says where each of the worker's threads was
+        assert "Fatal Python error: Segmentation fault" in up.stderr and "Thread 0x" in up.stderr, up.stderr
 
 
 def test_up_without_restarts_says_a_lost_host_stays_lost_and_its_printed_command_replaces_it():

@@ -50,6 +50,7 @@ measurement thread. What they share is kept under locks (core.py, store.py).
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import functools
 import logging
 import math
@@ -275,6 +276,9 @@ def main(controller: str, devices: Devices, island: IslandMembership, wait_timeo
     bytes of arrays each client session may hold on this worker (worker/quota.py; 0: no
     limit; None: three quarters of the host's memory)."""
     native_stdout.filter_stdout(log)
+    # A native crash (SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT) prints every thread's Python
+    # stack on stderr, the cluster's log, before the process dies of it: where it happened.
+    faulthandler.enable(all_threads=True)
     security = security or Security()
     if security.serves_tls != security.uses_tls:
         raise SecurityConfigError("a worker uses TLS with --tls-cert and --tls-key (clients and peers reach its "
