@@ -60,7 +60,8 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     for p in (pipe, dag):
         p.add_argument("--png", help="where to write the Gantt chart (default: FILE's name with .png, in the "
                                      "current directory)")
-        p.add_argument("--time-limit", type=float, default=10.0, help="seconds the optimal solver may take (default 10)")
+        p.add_argument("--time-limit", type=float, default=10.0,
+                       help="seconds the optimal solver may take (default 10)")
     return parser
 
 

@@ -17,7 +17,8 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     parser.add_argument("--devices-per-process", type=int, default=1, metavar="N",
                         help="CPU devices of each process (default 1)")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before the processes are stopped (default 3600)")
+    parser.add_argument("--timeout", type=float, default=3600.0,
+                        help="seconds before the processes are stopped (default 3600)")
     return parser
 
 
