@@ -416,12 +416,12 @@ def test_a_backlog_larger_than_one_payload_goes_out_in_several():
     items = [m.encode_item(x) for x in batch]
     limit = len(m.encode_batch(batch)) // 5
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(rpc, "MAX_MESSAGE_BYTES", limit)
+        patch.setattr(streams, "MAX_MESSAGE_BYTES", limit)
         payloads = list(streams.payloads(items))
     assert len(payloads) > 5 and all(len(p) <= limit for p in payloads)
     assert [x.req for p in payloads for x in m.SESSION_DOWN.decode_batch(p)] == list(range(1, 3001)), "all, in order"
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(rpc, "MAX_BATCH_MESSAGES", 1000)
+        patch.setattr(streams, "MAX_BATCH_MESSAGES", 1000)
         assert [len(m.SESSION_DOWN.decode_batch(p)) for p in streams.payloads(items[:2500])] == [1000, 1000, 500]
     with pytest.raises(WireError, match="exceeds the 65536"):
         m.SESSION_DOWN.decode_batch(codec.pack([["cluster", 1]] * (m.MAX_BATCH_MESSAGES + 1)))
