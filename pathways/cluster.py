@@ -47,6 +47,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("pathways.cluster")
 
 _GRACE_SECONDS = 3.0
+# Between SIGTERM and SIGKILL for the controller, whose own stop is bounded but longer: its
+# IFRT front end's sessions that ended just before may still be collecting their timelines
+# (ifrt/server.py CLOSING_SECONDS, 8 s), then its streams end (5 s at most).
+_CONTROLLER_GRACE_SECONDS = 15.0
 RESTART_FIRST_PAUSE = 0.5
 RESTART_MAX_PAUSE = 10.0
 RESTART_STABLE_SECONDS = 10.0  # a process that ran this long restarts after the first pause again
@@ -263,7 +267,7 @@ class LocalCluster:
             except trio.RunFinishedError:
                 pass
         if self._thread is not None:
-            self._thread.join(timeout=_GRACE_SECONDS + 20)
+            self._thread.join(timeout=_CONTROLLER_GRACE_SECONDS + _GRACE_SECONDS + 20)
 
     def _cancel_all(self) -> None:
         if self._cancel is not None:
@@ -335,7 +339,7 @@ class LocalCluster:
             self._ready.set()
             with trio.CancelScope(shield=True):
                 # The controller first, so that workers going away are not reported as lost.
-                await _reap(procs[:1])
+                await _reap(procs[:1], _CONTROLLER_GRACE_SECONDS)
                 await _reap(procs[1:])
 
     async def _watch(self, procs: list[_Forked], i: int, role: str, command: list[str],
@@ -400,11 +404,11 @@ async def _read_address(stream: trio.abc.ReceiveStream, ifrt: bool = False) -> t
     return found[ADDRESS_LINE], found.get(IFRT_LINE)
 
 
-async def _reap(procs: list[_Forked]) -> None:
+async def _reap(procs: list[_Forked], grace: float = _GRACE_SECONDS) -> None:
     alive = [p for p in procs if p.returncode is None]
     for p in alive:
         p.send_signal(signal.SIGTERM)
-    with trio.move_on_after(_GRACE_SECONDS):
+    with trio.move_on_after(grace):
         for p in alive:
             await p.wait()
     for p in alive:

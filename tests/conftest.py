@@ -30,7 +30,7 @@ def pids_alive(pids):
             with open(f"/proc/{pid}/stat") as f:
                 if f.read().split()[2] != "Z":
                     alive.append(pid)
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # gone before the open, or between it and the read
             pass
     return alive
 
