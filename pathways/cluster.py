@@ -49,7 +49,9 @@ log = logging.getLogger("pathways.cluster")
 _GRACE_SECONDS = 3.0
 # Between SIGTERM and SIGKILL for the controller, whose own stop is bounded but longer: its
 # IFRT front end's sessions that ended just before may still be collecting their timelines
-# (ifrt/server.py CLOSING_SECONDS, 8 s), then its streams end (5 s at most).
+# (ifrt/server.py CLOSING_SECONDS, 8 s), then its streams end (5 s at most). Its worst case,
+# the front end's whole bound (controller/server.py _IFRT_STOP_SECONDS, 15 s) and then the
+# streams, is longer: SIGKILL cuts that one short.
 _CONTROLLER_GRACE_SECONDS = 15.0
 RESTART_FIRST_PAUSE = 0.5
 RESTART_MAX_PAUSE = 10.0
