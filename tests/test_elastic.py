@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -91,6 +92,33 @@ def test_the_local_supervisor_restarts_a_killed_worker_and_the_island_heals():
         pids = list(c.pids)
     assert pids_alive(pids) == []
 
+
+def test_a_read_that_began_at_a_healed_islands_old_address_follows_the_move():
+    """A run sent just after its island healed is read by a client that may not have
+    applied the island's SliceMoved yet: the read starts at the host's old address, dead,
+    and the move comes while it waits. Here the slice is put back at its old address by
+    hand, and the move applied again 1.5 s into the read: the read must follow it, not ask
+    the dead address until its timeout."""
+    with pw.local_cluster(islands=[pw.Island(hosts=1)], restart_workers=True) as c:
+        s = pw.make_virtual_device_set().add_slice(cpu_devices=1, island=0)
+        double = pw.jit(lambda x: x * 2.0, mesh=s.mesh("x"))
+        np.testing.assert_array_equal(np.asarray(double(np.ones(2, np.float32))), [2.0, 2.0])
+        old = (s.workers, s.addresses, s.island, s._physical)
+        _kill(c.address, 0, 0)
+        wait_until(lambda: s.addresses != old[1] and _assembled(c.address), timeout=60,
+                   what="the island to heal and the slice to move")
+        y = double(np.full(2, 3.0, np.float32))
+        y.block_until_ready(timeout=60)
+        new = (s.workers, s.addresses, s.island, s._physical)
+        s.move(*old)  # as the slice was when a client that had not applied the move read it
+        mover = threading.Timer(1.5, s.move, new)
+        mover.start()
+        try:
+            started = time.monotonic()
+            np.testing.assert_array_equal(y.to_numpy(timeout=30), [6.0, 6.0])
+            assert time.monotonic() - started < 8, "the read waited out a verdict at the dead address"
+        finally:
+            mover.cancel()
 
 def test_a_restarted_controller_is_rejoined_by_its_workers_and_old_clients_fail_fast():
     procs = []

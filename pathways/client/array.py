@@ -78,7 +78,7 @@ class Array:
         """True once the value is computed (or its computation failed)."""
         b = self._live()
         try:
-            return b.session.fetch(b.addresses, b.handle, 0.0, data=False) is not None
+            return b.session.fetch(lambda: b.addresses, b.handle, 0.0, data=False) is not None
         except (RemoteError, WorkerLostError):
             return True
 
@@ -101,7 +101,7 @@ class Array:
 
     def _fetch(self, b: _Buffer, wait: float, data: bool) -> Any:
         try:
-            return b.session.fetch(b.addresses, b.handle, wait, data=data)
+            return b.session.fetch(lambda: b.addresses, b.handle, wait, data=data)
         except RemoteError as e:
             if not self._origin or self._origin in str(e):
                 raise

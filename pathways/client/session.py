@@ -615,35 +615,41 @@ class Session:
                 self.poisoned[handle] = (errors.RemoteError, f"sending the array to {address} failed: "
                                          f"{e.code().name}")
 
-    def fetch(self, addresses: tuple[str, ...], handle: int, wait: float, data: bool,
-              device: Optional[Device] = None, sink: Optional[Sink] = None) -> Optional[np.ndarray | bool]:
+    def fetch(self, addresses: tuple[str, ...] | Callable[[], tuple[str, ...]], handle: int, wait: float,
+              data: bool, device: Optional[Device] = None,
+              sink: Optional[Sink] = None) -> Optional[np.ndarray | bool]:
         """Ask the workers holding ``handle`` for it: None while pending after ``wait``
         seconds, True when ready (``data`` false) or the assembled array; raises the
-        error that poisoned it (RemoteError, WorkerLostError). With ``device`` (host rank,
-        device index; ``addresses`` then that of its host): that device's own shard only.
+        error that poisoned it (RemoteError, WorkerLostError). ``addresses``: those workers'
+        addresses, or a callable giving where they are now, asked again before each request:
+        a slice moves when its island heals (SliceMoved), and a run sent just after the heal
+        may have been read with the addresses from before. With ``device`` (host rank,
+        device index; the addresses then that of its host): that device's own shard only.
         With ``sink`` (and ``data``): each worker's reply goes to it as it arrives (its
         pieces' header and their chunks, which it reads to the end), and True is returned."""
         self._refuse_if_suspended("read an array")
         self._outbox.send_held()  # the run computing the array may be among them
+        where = addresses if callable(addresses) else lambda: addresses
         if self.traced:
             began = now()
             try:
-                return self._fetch(addresses, handle, wait, data, device, sink)
+                return self._fetch(where, handle, wait, data, device, sink)
             finally:
                 self.recorder.span("fetch", began, 0, f"array {handle:#x}" + ("" if data else ", ready?"))
-        return self._fetch(addresses, handle, wait, data, device, sink)
+        return self._fetch(where, handle, wait, data, device, sink)
 
-    def _fetch(self, addresses: tuple[str, ...], handle: int, wait: float, data: bool,
+    def _fetch(self, addresses: Callable[[], tuple[str, ...]], handle: int, wait: float, data: bool,
                device: Optional[Device] = None, sink: Optional[Sink] = None) -> Optional[np.ndarray | bool]:
         deadline = time.monotonic() + wait
         assembly = None
-        for address in addresses:
+        for i in range(len(addresses())):
             pause = _BUSY_PAUSE
             while True:
                 self._raise_if_poisoned(handle)
                 asked = time.monotonic()
                 left = max(deadline - asked, 0.0)
-                reply = self._fetch_one(address, handle, min(left, _POLL_SECONDS), data, device, sink)
+                reply = self._fetch_one(lambda: addresses()[i], handle, min(left, _POLL_SECONDS), data, device,
+                                        sink)
                 if reply is not None:
                     break
                 answered = time.monotonic()
@@ -670,9 +676,13 @@ class Session:
             error, message = self.poisoned[handle]
             raise error(message)
 
-    def _fetch_one(self, address: str, handle: int, wait: float, data: bool, device: Optional[Device] = None,
-                   sink: Optional[Sink] = None) -> Any:
+    def _fetch_one(self, where: Callable[[], str], handle: int, wait: float, data: bool,
+                   device: Optional[Device] = None, sink: Optional[Sink] = None) -> Any:
+        """One request for ``handle`` to the worker at ``where()``: None while pending (or
+        while its worker is unreachable without a verdict, or has moved: ask again), else
+        the reply's value; raises the error that poisoned it."""
         self._check_alive()
+        address = where()
         stubs = self._stubs(address)
         request = m.pack(m.FetchRequest(handle, wait, data, stubs.credential, device).encode())
         call = None
@@ -708,15 +718,18 @@ class Session:
             # verdict on the handle, which follows within moments, is the better error.
             unreachable = e.code() in _GONE
             deadline = time.monotonic() + (_UNREACHABLE_VERDICT_SECONDS if unreachable else _VERDICT_SECONDS)
-            while handle not in self.poisoned and time.monotonic() < deadline and self._dead is None:
+            while (handle not in self.poisoned and time.monotonic() < deadline and self._dead is None
+                   and where() == address):
                 time.sleep(0.02)
             self._raise_if_poisoned(handle)
             self._check_alive()
             if unreachable and not fed:
-                # no verdict: the controller still has the worker, slow (stopped, or starved past
+                # no verdict: the worker moved (its island healed; the array is at its new
+                # address), or the controller still has it, slow (stopped, or starved past
                 # keepalive), not lost; the array is still to come, so the caller asks again
                 log.info("the worker at %s holding array %#x does not answer (%s), but the controller has not "
-                         "declared it lost: asking again", address, handle, e.code().name)
+                         "declared it lost: asking again%s", address, handle, e.code().name,
+                         "" if where() == address else f", at its new address {where()}")
                 return None
             if unreachable:
                 raise errors.ConnectError(

@@ -114,7 +114,7 @@ class Recordings:
             if buffer is None or buffer.deleted or left <= 0:
                 continue
             try:
-                buffer.session._fetch(buffer.addresses, buffer.handle, left, data=False)  # not a step to record
+                buffer.session._fetch(lambda: buffer.addresses, buffer.handle, left, data=False)  # not a step to record
             except errors.PathwaysError:  # a failed run still has its steps to show
                 pass
 

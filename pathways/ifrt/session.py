@@ -20,6 +20,7 @@ run in request order; every wait is bounded by ``WAIT_SECONDS``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -385,22 +386,26 @@ class IfrtSession:
             raise
         return _Array(value.dtype, shape, sharding, parts=tuple(parts))
 
-    def _addresses(self, arr: _Array) -> tuple[str, ...]:
-        """The workers a read of ``arr`` asks."""
-        assert arr.place is not None
-        return arr.place.addresses[:1] if arr.sharding.replicated else arr.place.addresses
+    @staticmethod
+    def _addresses(arr: _Array, rank: Optional[int] = None) -> tuple[str, ...]:
+        """The workers a read of ``arr`` asks, where they are now (with ``rank``: the host
+        of that island rank alone)."""
+        place = arr.place
+        assert place is not None
+        if rank is not None:
+            return (place.addresses[place.workers.index(place.workers_by_rank[rank])],)
+        return place.addresses[:1] if arr.sharding.replicated else place.addresses
 
     def _fetch(self, arr: _Array, data: bool, device: Optional[int] = None, sink: Optional[Sink] = None) -> Any:
         """The array's value (``data``) or its readiness, from the workers; bounded. With
         ``device`` (an IFRT id): the buffer of that device of the array alone. With ``sink``:
         each worker's reply goes there as it arrives (Session.fetch)."""
         assert arr.handle is not None and arr.place is not None
-        addresses = self._addresses(arr)
         pair = None
         if device is not None:
             d = self._table.get(device)
             pair = (d.rank, d.index)
-            addresses = (arr.place.addresses[arr.place.workers.index(arr.place.workers_by_rank[d.rank])],)
+        addresses = functools.partial(self._addresses, arr, None if pair is None else pair[0])
         try:
             value = self.native.fetch(addresses, arr.handle, WAIT_SECONDS, data, pair, sink)
         except errors.PathwaysError as e:
