@@ -3,6 +3,7 @@ import json
 import os
 import selectors
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -105,6 +106,13 @@ def tcp_sockets(pid):
 def connected_to(pid, port):
     """Whether process ``pid`` holds an established TCP connection to ``port`` (on any host)."""
     return any(remote.endswith(f":{port:04X}") and state == "01" for _, remote, state in tcp_sockets(pid))
+
+
+def interruptible() -> None:
+    """``preexec_fn`` for a process a test interrupts as a terminal's Ctrl-C would: SIGINT at
+    its default whatever this one inherited (a shell runs a background job with SIGINT
+    ignored, and a Python started so keeps ignoring it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def wait_until(predicate, timeout=20.0, what="condition"):
