@@ -38,7 +38,7 @@ from pathways.wire import rpc
 from pathways.wire import security as sec
 from pathways.wire.security import Security
 from pathways.wire.liveness import check_timeout
-from pathways import keeper
+from pathways import config, keeper
 from pathways.template import Template, template_for
 
 if TYPE_CHECKING:
@@ -56,7 +56,6 @@ _CONTROLLER_GRACE_SECONDS = 15.0
 RESTART_FIRST_PAUSE = 0.5
 RESTART_MAX_PAUSE = 10.0
 RESTART_STABLE_SECONDS = 10.0  # a process that ran this long restarts after the first pause again
-LOG_LEVEL_ENV = "PATHWAYS_LOG_LEVEL"
 # Workers' fd 1 goes to the client's stderr: C++ libraries (gloo) print notices on stdout,
 # which belongs to the user's program.
 _STDERR_FD = 2
@@ -138,8 +137,8 @@ def child_log_env() -> dict[str, str]:
     (or this process's level). Their C++ logs (XLA, its coordination service: start-up
     notices and warnings) follow it too: errors only, unless the level is INFO or DEBUG.
     TF_CPP_MIN_LOG_LEVEL is set here whatever its value, since JAX sets it on import."""
-    level = os.environ.get(LOG_LEVEL_ENV) or logging.getLevelName(logging.getLogger("pathways").getEffectiveLevel())
-    return {LOG_LEVEL_ENV: level, keeper.CPP_LOG_LEVEL_ENV: keeper.cpp_log_level(level)}
+    level = config.LOG_LEVEL.text() or logging.getLevelName(logging.getLogger("pathways").getEffectiveLevel())
+    return {config.LOG_LEVEL.name: level, keeper.CPP_LOG_LEVEL_ENV: keeper.cpp_log_level(level)}
 
 
 def free_port() -> int:
@@ -286,7 +285,7 @@ class LocalCluster:
                 if self._stopping:
                     return
                 with trio.fail_after(self.start_timeout):
-                    env = sec.child_env(self.security, {**os.environ, keeper.PARENT_PID_ENV: str(os.getpid()),
+                    env = sec.child_env(self.security, {**os.environ, config.PARENT_PID.name: str(os.getpid()),
                                                         **child_log_env()}, cluster_process=True)
                     secure = sec.child_flags(self.security)
                     beats = ([] if self.heartbeat_timeout is None

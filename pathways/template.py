@@ -14,7 +14,7 @@ default signal handlers, and ``MODULE`` run as ``python -m`` runs it. A keeper f
 The template is the parent of what it forks. It reaps them and tells its owner each exit
 status; the owner waits for them on a pidfd and signals them through it. It stays
 single-threaded (a fork copies only the forking thread), exits when its owner does (its
-socket closes, or it is orphaned), and what it forked exits after it (``PARENT_PID_ENV`` names
+socket closes, or it is orphaned), and what it forked exits after it (``PATHWAYS_PARENT_PID`` names
 the template in their environment, keeper.exit_with_parent).
 """
 
@@ -39,7 +39,7 @@ from typing import Any, NoReturn, Optional, Sequence
 
 import setproctitle
 
-from pathways import keeper
+from pathways import config, keeper
 from pathways.errors import ConnectError
 
 # Variables read when Python starts or when the preloaded modules are imported (JAX's
@@ -257,8 +257,8 @@ def _become(argv: list[str], env: dict[str, str], close: Sequence[int], outputs:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.environ.clear()
         os.environ.update(env)
-        if keeper.PARENT_PID_ENV in os.environ:  # what forked it is its parent now
-            os.environ[keeper.PARENT_PID_ENV] = str(os.getppid())
+        if config.PARENT_PID.name in os.environ:  # what forked it is its parent now
+            os.environ[config.PARENT_PID.name] = str(os.getppid())
         sys.orig_argv = list(argv)
         code = _run(argv)
     except SystemExit as e:

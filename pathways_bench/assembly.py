@@ -28,6 +28,7 @@ import tempfile
 import time
 from typing import Any, Callable, Iterable, Optional
 
+from pathways import config
 from pathways_bench import netns, report
 
 TITLE = "Island assembly: from cold processes to an island of two hosts serving"
@@ -175,7 +176,7 @@ def _client(address: str) -> None:
 def _netns_round(directory: str) -> dict[str, float]:
     token_file, worker_token_file = os.path.join(directory, "token"), os.path.join(directory, "worker-token")
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")])),
-           "PATHWAYS_TOKEN": open(token_file).read().strip(), "PATHWAYS_LOG_LEVEL": "warning",
+           config.TOKEN.name: open(token_file).read().strip(), config.LOG_LEVEL.name: "warning",
            "TF_CPP_MIN_LOG_LEVEL": "2"}
     with netns.Network(_HOSTS) as net:
         address = f"grpc://{net.addr('ctl')}:{_PORT}"

@@ -79,9 +79,9 @@ class _Drivers:
     """The processes that run the clients, told when to start over their stdin."""
 
     def __init__(self, address: str, clients: int) -> None:
-        from pathways.keeper import PARENT_PID_ENV
+        from pathways import config
 
-        env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}  # drivers exit if this process dies
+        env = {**os.environ, config.PARENT_PID.name: str(os.getpid())}  # drivers exit if this process dies
         shares = [clients // DRIVERS + (1 if i < clients % DRIVERS else 0) for i in range(DRIVERS)]
         firsts = [sum(shares[:i]) for i in range(DRIVERS)]
         self.procs = [subprocess.Popen([sys.executable, "-m", "pathways_bench.clients", "--driver", address,

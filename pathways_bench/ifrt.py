@@ -39,6 +39,7 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
+from pathways import config
 from pathways_bench import report
 
 MiB = 1 << 20
@@ -120,7 +121,7 @@ def measure(rounds: int, tiny: bool, progress: report.Progress) -> dict[str, Any
         for island, name in enumerate(ISLANDS):
             helpers[f"proxy {name}"] = _Helper(f"proxy {name}", {
                 "JAX_PLATFORMS": "proxy", "JAX_BACKEND_TARGET": cluster.ifrt_address,
-                "PATHWAYS_SLICE": f"cpu:{DEVICES}@{island}"})
+                config.SLICE.name: f"cpu:{DEVICES}@{island}"})
         for h in helpers.values():
             stack.callback(h.close)
         # JAX's client stores host buffers in 1 MiB messages, and the server answers lookups
@@ -180,7 +181,7 @@ class _Helper:
 
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
-        drop = ("JAX_PLATFORMS", "JAX_BACKEND_TARGET", "XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "PATHWAYS_SLICE")
+        drop = ("JAX_PLATFORMS", "JAX_BACKEND_TARGET", "XLA_FLAGS", "JAX_NUM_CPU_DEVICES", config.SLICE.name)
         # child_log_env: its C++ logs follow --log-level as `pathways run`'s script's do, so that
         # the proxy client's harmless warnings (plain credentials, a stack trace at exit) stay off
         full = {**{k: v for k, v in os.environ.items() if k not in drop}, "PYTHONPATH": path,

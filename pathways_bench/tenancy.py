@@ -103,11 +103,11 @@ class _Clients:
     """Client processes driven over their stdin/stdout."""
 
     def __init__(self, address: str, weights: list[int]):
-        from pathways.keeper import PARENT_PID_ENV
+        from pathways import config
 
         self.address = address
         self.weights = weights
-        env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}  # clients exit if this process dies
+        env = {**os.environ, config.PARENT_PID.name: str(os.getpid())}  # clients exit if this process dies
         self.procs = [subprocess.Popen([sys.executable, "-m", "pathways_bench.tenancy", "--client", address, str(w)],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, bufsize=1)
                       for w in weights]

@@ -16,7 +16,7 @@ import pytest
 import pathways as pw
 from pathways.cluster import status, worker_stats
 from pathways.template import template_pids
-from pathways.worker import compile_cache
+from pathways.config import COMPILE_CACHE
 
 # The package imports each public name's module when first used (pathways/__init__.py):
 # import them all now, so that what a test times is never an import.
@@ -238,13 +238,13 @@ def _share_executables(config):
     """The workers of every cluster the tests start keep their executables in one directory
     for the run (pathways/worker/compile_cache.py), as a machine's workers do in production:
     a function the tests run on many clusters compiles once, not once per cluster."""
-    if compile_cache.ENV in os.environ:
+    if COMPILE_CACHE.name in os.environ:
         return
     directory = tempfile.mkdtemp(prefix="pathways-compile-cache-")
-    os.environ[compile_cache.ENV] = directory  # pytest-xdist's workers, started next, inherit it
+    os.environ[COMPILE_CACHE.name] = directory  # pytest-xdist's workers, started next, inherit it
 
     def remove():
-        os.environ.pop(compile_cache.ENV, None)
+        os.environ.pop(COMPILE_CACHE.name, None)
         shutil.rmtree(directory, ignore_errors=True)
 
     config.add_cleanup(remove)

@@ -12,6 +12,7 @@ from jax._src import xla_bridge
 from jax._src.lib import xla_client
 
 import pathways as pw
+from pathways import config
 from pathways.cluster import status, worker_stats
 from pathways.worker import compile_cache
 from pathways.worker.compile_cache import CompileCache
@@ -20,7 +21,7 @@ from tests.test_xla_functions import WAIT, artifact, assert_analysis_is_local_ja
 
 
 def test_the_directory_comes_from_the_flag_then_pathways_then_jax():
-    env = {compile_cache.ENV: "/p", compile_cache.JAX_ENV: "/j"}
+    env = {config.COMPILE_CACHE.name: "/p", compile_cache.JAX_ENV: "/j"}
     assert compile_cache.directory_from("/flag", env) == "/flag"
     assert compile_cache.directory_from(None, env) == "/p"
     assert compile_cache.directory_from(None, {compile_cache.JAX_ENV: "/j"}) == "/j"
@@ -75,15 +76,15 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(cache_dir):
-    saved = os.environ.get(compile_cache.ENV)
-    os.environ[compile_cache.ENV] = str(cache_dir)  # what the cluster's workers inherit
+    saved = os.environ.get(config.COMPILE_CACHE.name)
+    os.environ[config.COMPILE_CACHE.name] = str(cache_dir)  # what the cluster's workers inherit
     try:
         yield from running_cluster(pw.Island(hosts=1, devices_per_host=1), pw.Island(hosts=1, devices_per_host=1))
     finally:
         if saved is None:
-            os.environ.pop(compile_cache.ENV, None)
+            os.environ.pop(config.COMPILE_CACHE.name, None)
         else:
-            os.environ[compile_cache.ENV] = saved
+            os.environ[config.COMPILE_CACHE.name] = saved
 
 
 def test_a_worker_loads_what_another_worker_of_the_machine_compiled(cluster, cache_dir):

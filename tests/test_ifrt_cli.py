@@ -26,6 +26,7 @@ import pytest
 
 from ifrt_helpers import silent_streams
 import pathways as pw
+from pathways import config
 from pathways.__main__ import main
 from pathways.cluster import Island, LocalCluster, status, stop_processes
 from pathways.defaults import ADDRESS_LINE, IFRT_LINE
@@ -113,10 +114,11 @@ def test_token_slice_and_weight_become_initialization_data():
 
 
 def test_a_bad_connection_timeout_names_the_variable():
-    assert plugin.connection_timeout({}) is None and plugin.connection_timeout({plugin.TIMEOUT_ENV: "7"}) == 7
+    name = config.PROXY_CONNECTION_TIMEOUT.name
+    assert plugin.connection_timeout({}) is None and plugin.connection_timeout({name: "7"}) == 7
     for bad in ("0", "-3", "soon"):
-        with pytest.raises(ValueError, match=plugin.TIMEOUT_ENV):
-            plugin.connection_timeout({plugin.TIMEOUT_ENV: bad})
+        with pytest.raises(ValueError, match=f"{name}='{bad}': give a positive whole number"):
+            plugin.connection_timeout({name: bad})
 
 
 PROBE = """

@@ -22,7 +22,7 @@ SERVER_SIDE = ("pathways.controller", "pathways.worker", "pathways.planner")
 # else (client, controller, worker, cluster, ...).
 RUNTIME = "the runtime"
 LAYERS = (
-    ("pathways.errors", "pathways.defaults"),
+    ("pathways.errors", "pathways.defaults", "pathways.config"),
     # Any process imports the two below, so they load neither JAX nor the client.
     # The bytes: codecs, frames, gRPC and TCP transports, security; they know no message.
     ("pathways.wire",),

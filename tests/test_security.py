@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import pathways as pw
-from pathways import cluster
+from pathways import cluster, config
 from pathways.client.devices import VirtualDeviceSet
 from pathways.client.session import Session
 from pathways.controller import server as controller_server
@@ -42,9 +42,9 @@ FORGED_COPIES = 3000  # transfer copies a holder of the clients' token forges at
 
 @pytest.fixture(autouse=True)
 def _no_env_security(monkeypatch):
-    monkeypatch.delenv(sec.TOKEN_ENV, raising=False)
-    monkeypatch.delenv(sec.TLS_CA_ENV, raising=False)
-    monkeypatch.delenv(sec.WORKER_TOKEN_ENV, raising=False)
+    monkeypatch.delenv(config.TOKEN.name, raising=False)
+    monkeypatch.delenv(config.TLS_CA.name, raising=False)
+    monkeypatch.delenv(config.WORKER_TOKEN.name, raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -94,11 +94,11 @@ def _teaches(message):
 
 def _teaches_workers(message):
     """A refused worker is told which token the controller admits workers with."""
-    assert "--worker-token-file" in message and sec.WORKER_TOKEN_ENV in message and TOKEN not in message, message
+    assert "--worker-token-file" in message and config.WORKER_TOKEN.name in message and TOKEN not in message, message
 
 
 def _child_env():
-    return {k: v for k, v in os.environ.items() if k not in (sec.TOKEN_ENV, sec.TLS_CA_ENV, sec.WORKER_TOKEN_ENV)}
+    return {k: v for k, v in os.environ.items() if k not in (config.TOKEN.name, config.TLS_CA.name, config.WORKER_TOKEN.name)}
 
 
 # ---- the token -------------------------------------------------------------------------------
@@ -113,7 +113,7 @@ def test_a_client_without_or_with_a_wrong_token_is_refused_at_once_with_the_same
 def test_the_right_token_runs_figure_2(guarded, monkeypatch):
     y, z = figure2(guarded.address, token=TOKEN)
     assert (y.tolist(), z.tolist()) == FIGURE_2
-    monkeypatch.setenv(sec.TOKEN_ENV, TOKEN)  # or from the environment
+    monkeypatch.setenv(config.TOKEN.name, TOKEN)  # or from the environment
     y, z = figure2(guarded.address)
     assert (y.tolist(), z.tolist()) == FIGURE_2
 
@@ -238,13 +238,13 @@ def test_a_process_with_the_clients_token_cannot_attach_as_a_worker(guarded):
     token the cluster's controller and workers share) tries to join as a worker of an
     island of its own, where clients' slices would go. It is refused at its greeting and
     told what it lacks; the cluster keeps its two workers."""
-    env = {**_child_env(), sec.TOKEN_ENV: TOKEN}
+    env = {**_child_env(), config.TOKEN.name: TOKEN}
     out = subprocess.run([sys.executable, "-m", "pathways", "worker", "--controller", guarded.address,
                           "--platform", "cpu", "--launcher", "none", "--island", "rogue", "--connect-timeout", "20",
                           "--reconnect-timeout", "1"],
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode != 0, out.stderr
-    assert "worker token" in out.stderr and sec.WORKER_TOKEN_ENV in out.stderr and TOKEN not in out.stderr, out.stderr
+    assert "worker token" in out.stderr and config.WORKER_TOKEN.name in out.stderr and TOKEN not in out.stderr, out.stderr
     assert len(cluster.status(guarded.address, security=Security(token=TOKEN))["workers"]) == 2
 
 
@@ -456,7 +456,7 @@ def test_a_server_refuses_to_listen_beyond_loopback_without_a_token():
     # the clients' token alone does not do for workers' connections: any client could attach one
     with pytest.raises(SecurityConfigError, match="beyond loopback, without a worker token") as info:
         asyncio.run(controller_server.ControllerServer("fair", DEFAULT_WINDOW, Security(token=TOKEN)).listen("0.0.0.0"))
-    assert "--worker-token-file" in str(info.value) and sec.WORKER_TOKEN_ENV in str(info.value)
+    assert "--worker-token-file" in str(info.value) and config.WORKER_TOKEN.name in str(info.value)
     with pytest.raises(SecurityConfigError, match="must differ"):
         Security(token=TOKEN, worker_token=TOKEN)
 

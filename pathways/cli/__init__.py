@@ -22,18 +22,20 @@ import os
 import signal
 import sys
 
+from pathways import config
+
 # The commands in the order `pathways --help` lists them: each is the module of that name.
 COMMANDS = ("controller", "worker", "up", "run", "status", "retire", "demo", "bench", "spmd", "plan", "trace")
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def parser() -> argparse.ArgumentParser:
     """The command line's parser: a subparser per command, each knowing its module's ``run``."""
     top = argparse.ArgumentParser(prog="pathways", description=f"The pathways command line: {', '.join(COMMANDS)}.")
-    top.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS,
-                     default=os.environ.get("PATHWAYS_LOG_LEVEL", "warning").lower(),
+    top.add_argument("--log-level", type=str.lower, choices=config.LOG_LEVELS,
+                     default=(config.LOG_LEVEL.text() or config.LOG_LEVEL.default).lower(),
                      help="what this process and the processes it starts (a local cluster's controller and "
-                          "workers) log on stderr (default: $PATHWAYS_LOG_LEVEL, else warning)")
+                          f"workers) log on stderr (default: ${config.LOG_LEVEL.name}, else "
+                          f"{config.LOG_LEVEL.default})")
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         module = importlib.import_module(f"{__name__}.{name}")
@@ -60,7 +62,7 @@ def _main(argv: list[str] | None) -> int:
 
     args = parser().parse_args(argv)
     # Child processes (a local cluster's controller and workers) log at the same level.
-    os.environ["PATHWAYS_LOG_LEVEL"] = args.log_level
+    os.environ[config.LOG_LEVEL.name] = args.log_level
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING),
                         format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
     try:

@@ -8,9 +8,9 @@ finish, for at most ``--timeout`` seconds), then shuts its hosts down and forget
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
+from pathways import config
 from pathways.errors import PathwaysError
 from pathways.wire import security as sec
 
@@ -34,8 +34,8 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--host", default=None, metavar="ADDRESS",
                         help="retire the one host serving at this address (grpc://HOST:PORT or HOST:PORT, as "
                              "`pathways status` shows it) instead of an island")
-    parser.add_argument("--address", default=os.environ.get("PATHWAYS_ADDRESS"),
-                        help="the controller, grpc://HOST:PORT (default: $PATHWAYS_ADDRESS)")
+    parser.add_argument("--address", default=config.ADDRESS.get(),
+                        help=f"the controller, grpc://HOST:PORT (default: ${config.ADDRESS.name})")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
                         help=f"seconds to wait for the runs there to finish before retiring it anyway (default "
                              f"{DEFAULT_TIMEOUT:g}; 0: at once, failing them)")

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
+from pathways import config
 from pathways.errors import PathwaysError
 from pathways.wire import security as sec
 
@@ -17,8 +17,8 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                                              "hosts, each worker's devices, measured speed, memory and load, the "
                                              "links between hosts, the slices placed, the clients and the runs "
                                              "queued per island.")
-    parser.add_argument("--address", default=os.environ.get("PATHWAYS_ADDRESS"), metavar="grpc://HOST:PORT",
-                        help="the cluster's controller (default: $PATHWAYS_ADDRESS)")
+    parser.add_argument("--address", default=config.ADDRESS.get(), metavar="grpc://HOST:PORT",
+                        help=f"the cluster's controller (default: ${config.ADDRESS.name})")
     parser.add_argument("--measure", action="store_true",
                         help="have every worker measure its FLOP/s and links again first, and wait for it")
     parser.add_argument("--timeout", type=float, default=None,

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from pathways import config
 from pathways.cli.common import session_memory_flag
 from pathways.defaults import HEARTBEAT_TIMEOUT
 from pathways.keeper import RECONNECT_TIMEOUT
@@ -74,7 +75,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--compile-cache", metavar="DIR",
                         help=f"keep compiled executables in DIR, so that this worker when it restarts, and other "
                              f"workers of this machine, load them instead of compiling again (default: "
-                             f"${compile_cache.ENV}, else ${compile_cache.JAX_ENV}; none: compile in each process). "
+                             f"${config.COMPILE_CACHE.name}, else ${compile_cache.JAX_ENV}; none: compile in each process). "
                              "DIR must be writable by the operator alone: loading an executable runs its code")
     session_memory_flag(parser, "on this worker")
     security.add_flags(parser, server=True)
@@ -88,7 +89,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from pathways.worker.server import IslandMembership, main
 
     keeper.exit_with_parent()
-    if os.environ.get(keeper.KEPT_ENV) != "1":  # the host's process becomes the keeper of the worker
+    if not config.WORKER_KEPT.get():  # the host's process becomes the keeper of the worker
         os.execv(sys.executable, keeper.command(args.reconnect_timeout, [sys.executable, *sys.orig_argv[1:]]))
     try:
         launch = resolve(os.environ, args.launcher, args.rank, args.island_hosts, args.island)

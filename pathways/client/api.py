@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import atexit
-import os
 import threading
 from typing import Any, Optional, Sequence
 
 import jax
 from jax.sharding import PartitionSpec
 
+from pathways import config
 from pathways.client.array import Array
 from pathways.client.compiled import check_divisible, host_array
 from pathways.client.devices import NamedSharding, VirtualDeviceSet, VirtualMesh, slice_of
@@ -47,7 +47,7 @@ def connect(address: Optional[str] = None, timeout: float = 30.0, weight: float 
     ``PATHWAYS_TLS_CA``). An embedded cluster uses the token, and no TLS.
     """
     global _default
-    address = address or os.environ.get("PATHWAYS_ADDRESS")
+    address = address or config.ADDRESS.get()
     if address:
         session = Session(address, timeout, weight=weight, security=sec.for_client(token, tls_ca))
     else:

@@ -19,7 +19,7 @@ import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any, Optional
 
-from pathways import errors
+from pathways import config, errors
 from pathways.protocol import messages as m
 from pathways.timeline import MAX_EVENTS, Clock, Process, chrome_trace, now
 from pathways.wire import codec, rpc
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pathways.client")
 
-ENV = "PATHWAYS_TRACE"
 _PINGS = 3  # clock exchanges per process; the shortest round trip wins
 _REQUEST_SECONDS = 30.0  # one collect request (a worker may first wait a moment for its runs to finish)
 _RESULTS_SECONDS = 60.0  # how long closing waits, in all, for traced runs' results
@@ -209,7 +208,7 @@ def process_recording() -> Optional[Recording]:
     without it): every session of the process records into it, and writes the file again
     as each closes."""
     global _process_recording
-    path = os.environ.get(ENV)
+    path = config.TRACE.get()
     if not path:
         return None
     with _process_lock:

@@ -22,6 +22,7 @@ import types
 from pathlib import Path
 from typing import Optional, Sequence
 
+from pathways import config
 from pathways.cluster import Island, LocalCluster, child_log_env, stop_processes
 from pathways.ifrt import plugin
 from pathways.wire import security as sec
@@ -60,7 +61,7 @@ def script_env(base: dict[str, str], target: str, security: Security, paths: Seq
     env["JAX_PLATFORMS"] = plugin.PLATFORM
     env["JAX_BACKEND_TARGET"] = target
     env[plugin.INSECURE_ENV] = "true"  # what the plugin sets too; here also for pathwaysutils' factory
-    env.pop("PATHWAYS_ADDRESS", None)  # the script's cluster is this one
+    env.pop(config.ADDRESS.name, None)  # the script's cluster is this one
     env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [base.get("PYTHONPATH")])])
     return env
 

@@ -44,14 +44,12 @@ import logging
 import os
 from typing import Any, Mapping, Optional
 
+from pathways import config
+
 log = logging.getLogger("pathways.ifrt.plugin")
 
 PLATFORM = "proxy"
 INSECURE_ENV = "IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS"
-TOKEN_ENV = "PATHWAYS_TOKEN"
-SLICE_ENV = "PATHWAYS_SLICE"
-WEIGHT_ENV = "PATHWAYS_WEIGHT"
-TIMEOUT_ENV = "PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS"  # pathwaysutils' name for it
 TOKEN_KEY = "pathways_token"
 SLICE_KEY = "pathways_slice"
 WEIGHT_KEY = "pathways_weight"
@@ -76,9 +74,9 @@ def requested(platforms: Optional[str]) -> bool:
 def initialization_data(env: Mapping[str, str]) -> dict[str, bytes]:
     """The session's initialization data from ``env``: the token, slice and weight where set."""
     data = {}
-    for key, var in ((TOKEN_KEY, TOKEN_ENV), (SLICE_KEY, SLICE_ENV), (WEIGHT_KEY, WEIGHT_ENV)):
-        value = env.get(var, "").strip()
-        if value:
+    for key, var in ((TOKEN_KEY, config.TOKEN), (SLICE_KEY, config.SLICE), (WEIGHT_KEY, config.WEIGHT)):
+        value = var.text(env)
+        if value is not None:
             data[key] = value.encode()
     return data
 
@@ -87,13 +85,7 @@ def connection_timeout(env: Mapping[str, str]) -> Optional[int]:
     """Seconds to wait for the server (PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS), or None for
     the client's default. Raises ValueError naming the variable when it is not a positive
     whole number."""
-    value = env.get(TIMEOUT_ENV, "").strip()
-    if not value:
-        return None
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{TIMEOUT_ENV}={value!r}: give the seconds to wait for the IFRT proxy server as a "
-                         "positive whole number, e.g. 30, or unset it")
-    return int(value)
+    return config.PROXY_CONNECTION_TIMEOUT.get(env)
 
 
 # the pathways IFRT server's own method (server.py serves it): would it admit a session?

@@ -45,11 +45,11 @@ from __future__ import annotations
 
 import bisect
 import math
-import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+from pathways import config
 from pathways.planner.topology import (PlanError, Topology, UnknownLinkError, _check_amount, _check_time_limit,
                                        _check_topology, _nonempty)
 
@@ -301,7 +301,7 @@ def _cp_solver(seconds: float, cells: int, resolution: int = 0, workers: int | N
     # that step off and leaves the rest of presolve on.
     solver.parameters.presolve_inclusion_work_limit = 0
     solver.parameters.cp_model_presolve = cells <= _LARGE_CELLS
-    solver.parameters.log_search_progress = bool(os.environ.get("PATHWAYS_PLAN_LOG"))
+    solver.parameters.log_search_progress = bool(config.PLAN_LOG.get())
     return solver
 
 

@@ -28,10 +28,10 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
-import os
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
+from pathways import config
 from pathways.planner.topology import PlanError, Topology, _check_time_limit, _check_topology, _nonempty
 
 if TYPE_CHECKING:
@@ -191,7 +191,7 @@ def _solve(cp: cp_model.CpModel, uses: dict[tuple[int, int], Any], n: int, deadl
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.05, deadline - time.monotonic())
     solver.parameters.num_workers = 8
-    solver.parameters.log_search_progress = bool(os.environ.get("PATHWAYS_PLAN_LOG"))
+    solver.parameters.log_search_progress = bool(config.PLAN_LOG.get())
     if solver.solve(cp) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     succ = {a: b for (a, b), x in uses.items() if solver.boolean_value(x)}

@@ -19,27 +19,23 @@ from typing import Any
 
 import cloudpickle
 
-ENV_COORDINATOR = "PATHWAYS_SPMD_COORDINATOR"
-ENV_PROCESSES = "PATHWAYS_SPMD_PROCESSES"
-ENV_RANK = "PATHWAYS_SPMD_RANK"
-ENV_DEVICES = "PATHWAYS_SPMD_DEVICES"
-ENV_FD = "PATHWAYS_SPMD_FD"
-ENV_INIT_TIMEOUT = "PATHWAYS_SPMD_INIT_TIMEOUT"
+from pathways import config
+
 
 
 def initialize() -> None:
     """Configure JAX for this process's devices and join the group."""
     import jax
 
-    processes = int(os.environ[ENV_PROCESSES])
+    processes = config.SPMD_PROCESSES.get()
     jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", int(os.environ[ENV_DEVICES]))
+    jax.config.update("jax_num_cpu_devices", config.SPMD_DEVICES.get())
     if processes > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         # Bound to the coordinator's loopback address: by default jax binds every address ([::]:PORT).
-        coordinator = os.environ[ENV_COORDINATOR]
-        jax.distributed.initialize(coordinator, processes, int(os.environ[ENV_RANK]),
-                                   initialization_timeout=int(float(os.environ.get(ENV_INIT_TIMEOUT, "120"))),
+        coordinator = config.SPMD_COORDINATOR.get()
+        jax.distributed.initialize(coordinator, processes, config.SPMD_RANK.get(),
+                                   initialization_timeout=int(config.SPMD_INIT_TIMEOUT.get()),
                                    coordinator_bind_address=coordinator)
 
 
@@ -98,8 +94,9 @@ def main() -> None:
     code = 0
     try:
         initialize()
-        if ENV_FD in os.environ:
-            _serve(Connection(int(os.environ[ENV_FD])))
+        fd = config.SPMD_FD.get()
+        if fd is not None:
+            _serve(Connection(fd))
         else:
             script, *argv = sys.argv[1:]
             sys.argv = [script, *argv]
@@ -112,7 +109,7 @@ def main() -> None:
     except BaseException:  # noqa: B036 - the traceback is this process's report
         traceback.print_exc()
         code = 1
-    if code == 0 and ENV_FD not in os.environ:
+    if code == 0 and config.SPMD_FD.get() is None:
         code = _leave_group()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -129,7 +126,7 @@ def _leave_group() -> int:
     fail instead, the parent stops this one. Returns the exit code."""
     import jax
 
-    if int(os.environ[ENV_PROCESSES]) <= 1:
+    if config.SPMD_PROCESSES.get() <= 1:
         return 0
     try:
         jax.distributed.shutdown()

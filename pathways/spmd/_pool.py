@@ -22,10 +22,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import cloudpickle
 
+from pathways import config
 from pathways.cluster import child_log_env, stop_processes
-from pathways.keeper import PARENT_PID_ENV
 from pathways.errors import DeadlineExceededError, SpmdError
-from pathways.spmd import _child
 from pathways.wire.addresses import PortReservation
 
 _GRACE_SECONDS = 3.0
@@ -75,10 +74,11 @@ class _Group:
         coordinator = f"127.0.0.1:{self._port.port}"
         try:
             for rank in range(num_processes):
-                env = {**os.environ, PARENT_PID_ENV: str(os.getpid()), **child_log_env(), _child.ENV_COORDINATOR: coordinator,
-                       _child.ENV_PROCESSES: str(num_processes), _child.ENV_RANK: str(rank),
-                       _child.ENV_DEVICES: str(devices_per_process), _child.ENV_INIT_TIMEOUT: str(init_timeout)}
-                env.pop(_child.ENV_FD, None)
+                env = {**os.environ, config.PARENT_PID.name: str(os.getpid()), **child_log_env(),
+                       config.SPMD_COORDINATOR.name: coordinator, config.SPMD_PROCESSES.name: str(num_processes),
+                       config.SPMD_RANK.name: str(rank), config.SPMD_DEVICES.name: str(devices_per_process),
+                       config.SPMD_INIT_TIMEOUT.name: str(init_timeout)}
+                env.pop(config.SPMD_FD.name, None)
                 # The same modules as the caller, so that functions sent by reference import.
                 env["PYTHONPATH"] = os.pathsep.join([*(p or os.getcwd() for p in sys.path),
                                                      *filter(None, [os.environ.get("PYTHONPATH")])])
@@ -87,7 +87,7 @@ class _Group:
                 if with_connections:
                     parent_end, child_end = socket.socketpair()
                     self.conns.append(Connection(parent_end.detach()))
-                    env[_child.ENV_FD] = str(child_end.fileno())
+                    env[config.SPMD_FD.name] = str(child_end.fileno())
                     pass_fds = (child_end.fileno(),)
                 try:
                     proc = subprocess.Popen([sys.executable, "-c", _CHILD_MAIN, *argv], env=env,

@@ -24,6 +24,7 @@ from typing import Callable, Optional
 import grpc
 import grpc.experimental  # not loaded by `import grpc`: open_channel's option names live there
 
+from pathways import config
 from pathways.errors import AuthenticationError, ConnectError
 from pathways.wire import security as sec
 from pathways.wire.addresses import join_host_port, split_host_port, unreachable
@@ -347,10 +348,10 @@ def wait_ready(channel: grpc.Channel, address: str, timeout: float, advice: str 
 def _handshake_failure(address: str, security: Security) -> str:
     if security.uses_tls:
         return (f"{address} accepts connections but not over TLS verified with --tls-ca {security.tls_ca} "
-                f"(tls_ca=, {sec.TLS_CA_ENV}): either the server does not use TLS (then connect without a CA), "
+                f"(tls_ca=, {config.TLS_CA.name}): either the server does not use TLS (then connect without a CA), "
                 "or its certificate is not signed by that CA or not issued for this host name or address")
     return (f"{address} accepts connections but does not answer plain gRPC: if the server uses TLS, verify it with "
-            f"its CA certificate: pw.connect(address, tls_ca=PATH), --tls-ca PATH or {sec.TLS_CA_ENV}")
+            f"its CA certificate: pw.connect(address, tls_ca=PATH), --tls-ca PATH or {config.TLS_CA.name}")
 
 
 def method(channel: grpc.Channel, service: str, name: str, kind: str) -> Callable:

@@ -30,7 +30,6 @@ import dataclasses
 import functools
 import hmac
 import ipaddress
-import os
 import socket
 import ssl
 import threading
@@ -39,14 +38,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from pathways import config
 from pathways.errors import AuthenticationError, ConnectError, WireError
 from pathways.wire import codec
 from pathways.wire.addresses import strip_brackets
 from pathways.wire.frames import LENGTH, frame, recv_exactly
 
-TOKEN_ENV = "PATHWAYS_TOKEN"
-WORKER_TOKEN_ENV = "PATHWAYS_WORKER_TOKEN"
-TLS_CA_ENV = "PATHWAYS_TLS_CA"
 TOKEN_METADATA = "pathways-token"  # the gRPC metadata key that carries the token
 MAX_TOKEN_CHARS = 1024  # gRPC metadata must stay small; 32 random bytes need 43 characters
 # The most bytes a connection may send before it is greeted: a hello frame's header (the
@@ -143,12 +140,12 @@ def read_token_file(path: str, flag: str = "--token-file") -> str:
     return token
 
 
-def env_token(name: str = TOKEN_ENV) -> str | None:
-    """The token in environment variable ``name``, or None where it is unset or empty."""
-    token = os.environ.get(name, "").strip()
-    if not token:
+def env_token(variable: config.Variable = config.TOKEN) -> str | None:
+    """The token in environment variable ``variable``, or None where it is unset or empty."""
+    token = variable.text()
+    if token is None:
         return None
-    _check_token(token, name)
+    _check_token(token, variable.name)
     return token
 
 
@@ -158,7 +155,7 @@ def for_client(token: str | None = None, tls_ca: str | None = None) -> Security:
     if token is not None:
         _check_token(token, "token=")
     return Security(token=token if token is not None else env_token(),
-                    tls_ca=tls_ca or os.environ.get(TLS_CA_ENV) or None).checked()
+                    tls_ca=tls_ca or config.TLS_CA.get()).checked()
 
 
 def add_flags(parser: argparse.ArgumentParser, server: bool, data_plane: bool = True) -> None:
@@ -166,10 +163,10 @@ def add_flags(parser: argparse.ArgumentParser, server: bool, data_plane: bool = 
     those that serve (``server``) also their certificate, and those with a data plane
     (workers, and a local cluster's) ``--data-plane-tls``."""
     parser.add_argument("--token-file", metavar="PATH",
-                        help=f"file holding the cluster's shared token (default: ${TOKEN_ENV}); required to "
+                        help=f"file holding the cluster's shared token (default: ${config.TOKEN.name}); required to "
                              "listen beyond loopback" if server else
                         f"file holding the cluster's shared token, which this process presents to it (default: "
-                        f"${TOKEN_ENV}; none)")
+                        f"${config.TOKEN.name}; none)")
     if server:
         parser.add_argument("--tls-cert", metavar="PATH", help="PEM certificate this process's servers present "
                                                                "(TLS; with --tls-key)")
@@ -177,11 +174,12 @@ def add_flags(parser: argparse.ArgumentParser, server: bool, data_plane: bool = 
     if server:
         parser.add_argument("--worker-token-file", metavar="PATH",
                             help=f"file holding the token workers attach to the controller with (default: "
-                                 f"${WORKER_TOKEN_ENV}); it must differ from the clients' token, and is required "
-                                 "where the controller listens beyond loopback, so that no client can attach a "
-                                 "process as a worker")
+                                 f"${config.WORKER_TOKEN.name}); it must differ from the clients' token, and is "
+                                 "required where the controller listens beyond loopback, so that no client can "
+                                 "attach a process as a worker")
     parser.add_argument("--tls-ca", metavar="PATH",
-                        help=f"PEM CA certificate that servers' certificates are verified with (default: ${TLS_CA_ENV})")
+                        help="PEM CA certificate that servers' certificates are verified with (default: "
+                             f"${config.TLS_CA.name})")
     if server and data_plane:
         parser.add_argument("--data-plane-tls", action="store_true",
                             help="worker-to-worker array bytes over TLS too (costs bandwidth: `bench transfer`)")
@@ -191,9 +189,10 @@ def from_args(args: argparse.Namespace) -> Security:
     """The settings given by the flags of ``add_flags`` (and the environment)."""
     token = read_token_file(args.token_file) if args.token_file else env_token()
     worker_file = getattr(args, "worker_token_file", None)
-    worker_token = read_token_file(worker_file, "--worker-token-file") if worker_file else env_token(WORKER_TOKEN_ENV)
+    worker_token = (read_token_file(worker_file, "--worker-token-file") if worker_file
+                    else env_token(config.WORKER_TOKEN))
     return Security(token, getattr(args, "tls_cert", None), getattr(args, "tls_key", None),
-                    args.tls_ca or os.environ.get(TLS_CA_ENV) or None,
+                    args.tls_ca or config.TLS_CA.get(),
                     getattr(args, "data_plane_tls", False), worker_token).checked()
 
 
@@ -212,11 +211,11 @@ def child_env(security: Security, env: dict[str, str], cluster_process: bool = F
     exactly its cluster's settings, not whatever this process's environment holds. Only a
     ``cluster_process`` (a controller or worker, not a client's script) gets
     PATHWAYS_WORKER_TOKEN."""
-    env = {k: v for k, v in env.items() if k not in (TOKEN_ENV, TLS_CA_ENV, WORKER_TOKEN_ENV)}
+    env = {k: v for k, v in env.items() if k not in (config.TOKEN.name, config.TLS_CA.name, config.WORKER_TOKEN.name)}
     if security.token is not None:
-        env[TOKEN_ENV] = security.token
+        env[config.TOKEN.name] = security.token
     if cluster_process and security.worker_token is not None:
-        env[WORKER_TOKEN_ENV] = security.worker_token
+        env[config.WORKER_TOKEN.name] = security.worker_token
     return env
 
 
@@ -236,7 +235,7 @@ def check_bind(host: str, security: Optional[Security], what: str) -> None:
     raise SecurityConfigError(
         f"{what} would listen on {host}, beyond loopback, without a token: anyone who reaches it could run "
         f"code on this cluster and read its data. Give every process the same shared token with --token-file "
-        f"PATH or {TOKEN_ENV} (make one with `{_MAKE_TOKEN}`), or listen on 127.0.0.1")
+        f"PATH or {config.TOKEN.name} (make one with `{_MAKE_TOKEN}`), or listen on 127.0.0.1")
 
 
 def check_worker_admission(host: str, security: Security) -> None:
@@ -249,7 +248,7 @@ def check_worker_admission(host: str, security: Security) -> None:
         f"the controller would take workers' connections on {host}, beyond loopback, without a worker token: any "
         f"client could then attach a process as a worker and be given other clients' programs and arrays. Give "
         f"the controller and every worker the same worker token, another than the clients' one, with "
-        f"--worker-token-file PATH or {WORKER_TOKEN_ENV} (make one with `{_MAKE_TOKEN}`)")
+        f"--worker-token-file PATH or {config.WORKER_TOKEN.name} (make one with `{_MAKE_TOKEN}`)")
 
 
 class Refusals:
@@ -273,15 +272,15 @@ class Refusals:
 def refusal(server: str) -> str:
     """What a server that requires the token answers a peer without it (or with another)."""
     return (f"this {server} requires the cluster's shared token, the one given to the controller with "
-            f"--token-file PATH or {TOKEN_ENV}; give this process the same one: --token-file PATH or "
-            f"{TOKEN_ENV}, or pw.connect(address, token=...)")
+            f"--token-file PATH or {config.TOKEN.name}; give this process the same one: --token-file PATH or "
+            f"{config.TOKEN.name}, or pw.connect(address, token=...)")
 
 
 def attach_refusal() -> str:
     """What the controller answers a worker's stream without its worker token."""
     return (f"this controller admits workers only with its worker token, the one given to it with "
-            f"--worker-token-file PATH or {WORKER_TOKEN_ENV} (or, where it has none, the cluster's token); give "
-            f"this worker the same one")
+            f"--worker-token-file PATH or {config.WORKER_TOKEN.name} (or, where it has none, the cluster's token); "
+            "give this worker the same one")
 
 
 # ---- TLS ----------------------------------------------------------------------------------
@@ -315,7 +314,8 @@ def _client_context(ca: str) -> ssl.SSLContext:
     try:
         context.load_verify_locations(cafile=ca)
     except (ssl.SSLError, OSError) as e:
-        raise SecurityConfigError(f"--tls-ca {ca} (tls_ca=, {TLS_CA_ENV}) is not a PEM CA certificate ({e})") from None
+        raise SecurityConfigError(f"--tls-ca {ca} (tls_ca=, {config.TLS_CA.name}) is not a PEM CA certificate "
+                                  f"({e})") from None
     return context
 
 

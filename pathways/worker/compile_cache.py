@@ -22,7 +22,8 @@ import os
 import tempfile
 from typing import Any, Optional
 
-ENV = "PATHWAYS_COMPILE_CACHE"
+from pathways import config
+
 JAX_ENV = "JAX_COMPILATION_CACHE_DIR"
 _FORMAT = b"pathways-xla-1"
 
@@ -42,7 +43,7 @@ def digest(*parts: bytes) -> str:
 def directory_from(flag: Optional[str], environ: Any = os.environ) -> Optional[str]:
     """The cache directory a worker uses: ``--compile-cache``, else PATHWAYS_COMPILE_CACHE,
     else JAX_COMPILATION_CACHE_DIR; None: no cache."""
-    return flag or environ.get(ENV) or environ.get(JAX_ENV) or None
+    return flag or config.COMPILE_CACHE.get(environ) or environ.get(JAX_ENV) or None
 
 
 class CompileCache:

@@ -78,7 +78,7 @@ from pathways.wire.addresses import PortReservation, join_host_port, split_host_
 from pathways.wire.liveness import Heartbeats, TcpState, Verdict, check_timeout, judge
 from pathways.wire.security import Security, SecurityConfigError
 from pathways.wire.tls_socket import SharedTlsSocket
-from pathways import keeper
+from pathways import config, keeper
 from pathways.worker import native_stdout
 from pathways.worker.island import IslandMembership, configure_jax, leave_group, worker_hosts
 from pathways.worker.peers import PeerTickets, frame_parties
@@ -302,7 +302,7 @@ def main(controller: str, devices: Devices, island: IslandMembership, wait_timeo
     if not (math.isfinite(reconnect_timeout) and reconnect_timeout >= 0):
         raise SystemExit(f"--reconnect-timeout must be a finite number of seconds, 0 or more, got {reconnect_timeout!r}")
     threading.Thread(target=_import_core, name="pathways-import", daemon=True).start()
-    reconnecting = os.environ.pop(keeper.RECONNECT_UNTIL_ENV, None)
+    reconnecting = os.environ.pop(config.RECONNECT_UNTIL.name, None)
     if reconnecting is not None:
         error = _wait_for_controller(controller, reconnecting, security)
         if error:
@@ -310,7 +310,7 @@ def main(controller: str, devices: Devices, island: IslandMembership, wait_timeo
     error, again = trio.run(_serve, controller, devices, island, bind_host, advertise_host, wait_timeout,
                             connect_timeout, join_timeout, unsafe_local_order, security, heartbeat_timeout,
                             suspend_dir, compile_cache, session_memory)
-    kept = os.environ.get(keeper.KEPT_ENV) == "1"
+    kept = bool(config.WORKER_KEPT.get())
     code = 1 if error else 0
     if again == RECONNECT and reconnect_timeout > 0 and kept:
         log.warning("the controller at %s went away; this worker restarts and attaches again once it is back "
@@ -350,13 +350,13 @@ def _import_core() -> None:
 def _wait_for_controller(controller: str, until: str, security: Security) -> Optional[str]:
     """In a worker that restarted because its controller went away: wait until the
     controller at ``controller`` answers again, until wall-clock time ``until``
-    (keeper.RECONNECT_UNTIL_ENV); returns why not, or None. The channel tries again every
+    (config.RECONNECT_UNTIL); returns why not, or None. The channel tries again every
     second at most (rpc.MAX_RECONNECT_BACKOFF_MS), so the worker attaches within about a
     second of the controller's return."""
     try:
         deadline = float(until)
     except ValueError:
-        return f"{keeper.RECONNECT_UNTIL_ENV}={until!r} is not a time; unset it"
+        return f"{config.RECONNECT_UNTIL.name}={until!r} is not a time; unset it"
     left = max(0.1, deadline - time.time())
     channel = rpc.open_channel(controller, security)
     try:
