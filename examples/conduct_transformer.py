@@ -6,6 +6,7 @@ slice of 4 devices with the cluster's measured figures, and runs the cheapest pl
 memory limit below what plain attention needs on a device, the plan turns attention into
 ring attention. Each result is checked against plain JAX in this process.
 
+    pip install ".[planner]"                          # the solver the conductor's search uses
     python examples/conduct_transformer.py            # embedded cluster: one host, 4 devices
     python examples/conduct_transformer.py --seq 1024  # a longer sequence
 """

@@ -6,6 +6,7 @@ backward in reverse stage order with gradient accumulation, SGD on every stage);
 parameters it returns stay on the cluster and feed the next step. Only the losses are
 fetched, at the end, and compared with the same training run in this process with JAX.
 
+    pip install ".[planner]"                  # the solver pw.pipeline's optimal split uses
     python examples/pipeline.py               # embedded cluster: one island, 2 hosts x 2 devices
     python examples/pipeline.py --islands 2   # two islands of 2 one-device hosts, 2 stages each
 

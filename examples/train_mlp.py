@@ -1,7 +1,7 @@
 """Train a small MLP with optax: a plain JAX script with no pathways import.
 
-It runs as is on local JAX (`python examples/train_mlp.py`) and, unchanged, on a pathways
-cluster through the IFRT proxy:
+It needs optax (`pip install ".[examples]"`). It runs as is on local JAX (`python
+examples/train_mlp.py`) and, unchanged, on a pathways cluster through the IFRT proxy:
 
     python -m pathways run examples/train_mlp.py --steps 200
     JAX_PLATFORMS=proxy JAX_BACKEND_TARGET=grpc://127.0.0.1:PORT python examples/train_mlp.py

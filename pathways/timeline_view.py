@@ -13,6 +13,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from pathways import plotting
+
 
 class TimelineFileError(ValueError):
     """A file that is not a timeline (what it lacks is in the message)."""
@@ -126,10 +128,7 @@ def summary(spans: list[Span]) -> str:
 def gantt(spans: list[Span], path: str, title: Optional[str] = None) -> None:
     """A PNG Gantt chart: a row per process and thread, a colour per step name, and per
     function for computations (named in the legend, and on bars wide enough)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plotting.pyplot()
     from matplotlib.patches import Patch
 
     order = _process_order(spans)

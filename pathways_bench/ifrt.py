@@ -527,7 +527,10 @@ def _get(state: dict, size: str, runs: str) -> float:
 def _make_train(jax: Any, np: Any) -> dict[str, Any]:
     """The MLP, its adam state and step, from fixed seeds: the same in every helper. Data
     parallel over all the devices: the batch split over them, the rest replicated."""
-    import optax
+    try:
+        import optax
+    except ImportError:
+        raise ImportError('the training benchmark needs optax: pip install "pathways[bench]" (or optax)') from None
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     rs = np.random.RandomState(0)

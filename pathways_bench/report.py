@@ -16,7 +16,6 @@ A benchmark is a module of ``pathways_bench`` with
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import selectors
@@ -26,6 +25,7 @@ import sys
 import time
 from typing import Any, Iterable, Sequence
 
+from pathways import plotting
 from pathways.table import Table  # noqa: F401  (the benchmarks' tables are report.Table)
 
 
@@ -176,10 +176,7 @@ def plot_lines(path: str, title: str, xlabel: str, ylabel: str,
                series: Iterable[tuple[str, Sequence[float], Sequence[float]]],
                logx: bool = False, logy: bool = False, hline: float | None = None) -> None:
     """A PNG of a few named (x, y) series."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plotting.pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for name, xs, ys in series:
@@ -201,10 +198,7 @@ def plot_lines(path: str, title: str, xlabel: str, ylabel: str,
 def plot_bars(path: str, title: str, ylabel: str, groups: Sequence[str],
               series: dict[str, Sequence[float]], logy: bool = False) -> None:
     """A PNG of grouped bars: one group per label, one bar per series."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plotting.pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     width = 0.8 / max(len(series), 1)

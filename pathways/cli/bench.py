@@ -14,7 +14,8 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                                              "baseline alternately, round after round, on clusters of its own, "
                                              "and prints medians with the spread of the rounds and whether each "
                                              "target is met; --tiny runs each at its smallest size, to check "
-                                             "that it runs.")
+                                             "that it runs. The benchmarks need the bench extra: pip install "
+                                             "\".[bench]\" (the solver, plots, TLS certificates, optax).")
     parser.add_argument("name", metavar="NAME", choices=[*EXPERIMENTS, "all"],
                         help=f"the benchmark to run: one of {', '.join(EXPERIMENTS)}; or all, to run every one "
                              "and write --out")

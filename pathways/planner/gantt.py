@@ -1,11 +1,12 @@
 """Gantt charts of plans, as PNG files.
 
-matplotlib is imported inside the functions, with the Agg backend, so that importing the
-planner stays cheap and works on machines without a display.
+matplotlib is imported inside the functions (plotting.pyplot: the Agg backend, an extra), so
+that importing the planner stays cheap and works on machines without a display or matplotlib.
 """
 
 from __future__ import annotations
 
+from pathways import plotting
 from pathways.planner.partition import PipelinePlan
 from pathways.planner.schedule import Schedule
 from pathways.planner.topology import PlanError, Topology
@@ -19,13 +20,6 @@ def _unit(seconds: float) -> tuple[float, str]:
     return 1e9, "ns"
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def transfers(schedule: Schedule) -> list[tuple[str, str, float, float]]:
@@ -52,7 +46,7 @@ def plot_schedule(schedule: Schedule, path: str, title: str = "") -> None:
     time, and an arrow from the producer to the consumer."""
     if not schedule.placements:
         raise PlanError("the schedule has no placements to plot")
-    plt = _pyplot()
+    plt = plotting.pyplot()
     devices = sorted({p.device for p in schedule.placements.values()})
     row = {d: k for k, d in enumerate(devices)}
     factor, unit = _unit(max(schedule.makespan, 1e-12))
@@ -99,7 +93,7 @@ def plot_pipeline(plan: PipelinePlan, topology: Topology, path: str, title: str 
         raise PlanError(f"microbatches must be a positive integer, got {microbatches!r}")
     for st in plan.stages:
         topology.device(st.device)
-    plt = _pyplot()
+    plt = plotting.pyplot()
     stages = plan.stages
     k = len(stages)
     rows = []  # (label, [(start, end, microbatch)])

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from pathways import config
+from pathways.planner import sat
 from pathways.planner.topology import (PlanError, Topology, UnknownLinkError, _check_amount, _check_time_limit,
                                        _check_topology, _nonempty)
 
@@ -290,7 +291,7 @@ def _cp_solver(seconds: float, cells: int, resolution: int = 0, workers: int | N
     the search starts. The search stops once the gap between the best solution and the
     bound is within the resolution: closing it further would not make the plan better.
     """
-    from ortools.sat.python import cp_model
+    cp_model = sat.cp_model()
 
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.05, seconds)
@@ -313,7 +314,7 @@ def _complete_hint(cp: cp_model.CpModel, fixes: Sequence[tuple[object, int]], se
     and its values become the hint. When the copy finds no solution within ``seconds``,
     the decisions alone are the hint.
     """
-    from ortools.sat.python import cp_model
+    cp_model = sat.cp_model()
 
     fixed = cp.clone()
     for var, value in fixes:
@@ -388,10 +389,7 @@ def _optimal(model: _Model, objective: str, time_limit: float) -> PipelinePlan:
             raise _no_fit(model)
         best = min(options, key=lambda r: (model.value(r, objective), r[0][0]))
         return model.plan(best, None, objective, "optimal", optimal=True, bound=0.0)
-    try:
-        from ortools.sat.python import cp_model
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise PlanError("strategy='optimal' needs OR-Tools: pip install ortools") from e
+    cp_model = sat.cp_model()
 
     topo, n, devs = model.topology, model.n, model.devices
     m = len(devs)
@@ -445,7 +443,7 @@ class _LayerModel:
     Size: about layers x devices^2 Booleans, for small and mid-sized problems."""
 
     def __init__(self, model: _Model, objective: str, units, max_ends, links, top: int) -> None:
-        from ortools.sat.python import cp_model
+        cp_model = sat.cp_model()
 
         self.model, self.devs = model, model.devices
         n, devs = model.n, model.devices
@@ -554,7 +552,7 @@ class _CircuitModel:
     problems."""
 
     def __init__(self, model: _Model, objective: str, units, max_ends, links, top: int) -> None:
-        from ortools.sat.python import cp_model
+        cp_model = sat.cp_model()
 
         self.model, self.devs = model, model.devices
         n, devs = model.n, model.devices

@@ -32,6 +32,7 @@ import time
 from typing import TYPE_CHECKING, Any, Sequence
 
 from pathways import config
+from pathways.planner import sat
 from pathways.planner.topology import PlanError, Topology, _check_time_limit, _check_topology, _nonempty
 
 if TYPE_CHECKING:
@@ -173,7 +174,7 @@ def _circuit_model(n: int, arcs: list[tuple[int, int]],
                    hint: Sequence[int]) -> tuple[cp_model.CpModel, dict[tuple[int, int], Any]]:
     """A model whose Booleans ``uses[a, b]`` pick the arcs of one Hamiltonian circuit over
     ``n`` nodes from ``arcs``, hinted with the ring ``hint``."""
-    from ortools.sat.python import cp_model
+    cp_model = sat.cp_model()
 
     cp = cp_model.CpModel()
     uses = {(a, b): cp.new_bool_var(f"hop_{a}_{b}") for a, b in arcs}
@@ -186,7 +187,7 @@ def _circuit_model(n: int, arcs: list[tuple[int, int]],
 
 def _solve(cp: cp_model.CpModel, uses: dict[tuple[int, int], Any], n: int, deadline: float) -> tuple[int, ...] | None:
     """The ring of the best solution found before ``deadline``, from device 0; None if none."""
-    from ortools.sat.python import cp_model
+    cp_model = sat.cp_model()
 
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.05, deadline - time.monotonic())

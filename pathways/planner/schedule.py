@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from pathways.planner.partition import _complete_hint, _cp_solver, _wrap_up
+from pathways.planner import sat
 from pathways.planner.topology import (Link, PlanError, Topology, UnknownLinkError, _check_amount,
                                        _check_time_limit, _check_topology)
 
@@ -447,10 +448,7 @@ def _link_classes(problem: _Problem) -> list[list[str]]:
 def _optimal(problem: _Problem, time_limit: float, previous: Schedule | None,
              began: float) -> tuple[dict[str, Placement], float, bool]:
     """The best schedule found, a proven lower bound on the optimum, and whether it is optimal."""
-    try:
-        from ortools.sat.python import cp_model
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise PlanError("method='optimal' needs OR-Tools: pip install ortools") from e
+    cp_model = sat.cp_model()
 
     # Starting points: HEFT, and the previous schedule carried over; the best bounds the horizon.
     starts_from = []

@@ -85,6 +85,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from pathways.planner.partition import _MAX_UNITS, _cp_solver, _wrap_up
+from pathways.planner import sat
 from pathways.planner.topology import PlanError, _check_amount, _check_time_limit
 
 if TYPE_CHECKING:
@@ -852,7 +853,7 @@ class _SatModel:
 
     def __init__(self, problem: _Reduced, scale: float, incumbent: tuple[int, ...], memory: bool,
                  excluded: Sequence[tuple[int, ...]]) -> None:
-        from ortools.sat.python import cp_model
+        cp_model = sat.cp_model()
 
         self.problem = problem
         cp = self.cp = cp_model.CpModel()
@@ -950,7 +951,7 @@ class _SatModel:
     def solve(self, seconds: float) -> tuple[list[tuple[int, ...]], bool, float]:
         """The plans the solver finds within ``seconds``, whether the last is proven optimal,
         and the proven bound in units."""
-        from ortools.sat.python import cp_model
+        cp_model = sat.cp_model()
 
         problem, x = self.problem, self.x
         solver = _sat_solver(seconds, sum(len(v) for v in x.values()))
@@ -984,7 +985,7 @@ def _units(seconds: np.ndarray, scale: float, top: float) -> np.ndarray:
 def _collector_class() -> type:
     """A solution callback recording every plan the solver finds (a class made on first use,
     as OR-Tools is imported only when needed)."""
-    from ortools.sat.python import cp_model
+    cp_model = sat.cp_model()
 
     class Collector(cp_model.CpSolverSolutionCallback):
         def __init__(self, live: Sequence[int], x: dict[int, list]) -> None:

@@ -34,8 +34,8 @@ def make_certificates(directory: str, hosts: Sequence[str] = ("127.0.0.1", "loca
         from cryptography.hazmat.primitives.asymmetric import ec
         from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
     except ImportError:
-        raise ImportError("making TLS certificates needs the `cryptography` package: "
-                          "pip install cryptography (or pathways[test])") from None
+        raise ImportError('making TLS certificates needs the cryptography package: pip install "pathways[tls]" '
+                          "(or cryptography)") from None
 
     now = datetime.datetime.now(datetime.timezone.utc)
     start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
