@@ -108,13 +108,6 @@ def connected_to(pid, port):
     return any(remote.endswith(f":{port:04X}") and state == "01" for _, remote, state in tcp_sockets(pid))
 
 
-def interruptible() -> None:
-    """``preexec_fn`` for a process a test interrupts as a terminal's Ctrl-C would: SIGINT at
-    its default whatever this one inherited (a shell runs a background job with SIGINT
-    ignored, and a Python started so keeps ignoring it)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def wait_until(predicate, timeout=20.0, what="condition"):
     """``predicate()``'s first true value, asked again and again, less often the longer the
     wait (most predicates are calls to a server: CPU the suite's other processes need)."""
@@ -229,6 +222,11 @@ def _no_env_address(monkeypatch):
 
 def pytest_configure(config):
     os.environ.setdefault("PATHWAYS_LOG_LEVEL", "error")
+    # A shell runs a background job with SIGINT ignored, children inherit that, and a Python
+    # started so keeps ignoring it: the tests that interrupt a child as a terminal's Ctrl-C
+    # would need the children to take it. A handled signal is at its default in a child.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if not hasattr(config, "workerinput"):  # once, in the process that starts pytest-xdist's workers
         _compile_sources()
         _share_executables(config)

@@ -35,8 +35,7 @@ from pathways.protocol import streams
 from pathways.wire import codec, rpc, tcp
 from pathways.wire.security import HELLO_SECONDS
 from pathways.wire.tcp import MAX_UNGREETED
-from tests.conftest import (check_a_transfer_between_the_hosts, interruptible, pids_alive, read_line, session_handles,
-                            wait_until)
+from tests.conftest import check_a_transfer_between_the_hosts, pids_alive, read_line, session_handles, wait_until
 from tests.rawworker import RawWorker
 from pathways.worker.sessions import SESSION_WAIT_SECONDS, WAITING_FETCHES_PER_SESSION
 from tests.test_dataplane_bounds import rss_bytes
@@ -604,7 +603,7 @@ def test_no_process_outlives_its_client(sig, tmp_path):
     stderr = tmp_path / "stderr"
     with open(stderr, "w") as err:
         proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", PARENT], stdout=subprocess.PIPE,
-                                stderr=err, text=True, preexec_fn=interruptible)
+                                stderr=err, text=True)
     try:
         pids = [int(p) for p in read_line(proc).split()]
         assert len(pids) == 3 and pids_alive(pids) == pids

@@ -33,7 +33,7 @@ from pathways.defaults import ADDRESS_LINE, IFRT_LINE
 from pathways.ifrt import launch, plugin
 from pathways.ifrt.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as grpc_pb
 from pathways.wire.addresses import split_host_port
-from tests.conftest import connected_to, interruptible, pids_alive, read_line, wait_until
+from tests.conftest import connected_to, pids_alive, read_line, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 START = 240  # seconds: a cluster starting on a busy machine
@@ -368,8 +368,7 @@ def test_run_on_interrupt_stops_the_script_and_the_cluster(tmp_path):
     with open(tmp_path / "stderr", "w+") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "pathways", "run", "--islands", "1x1", script],
                                 stdout=subprocess.PIPE, stderr=stderr, text=True,
-                                env={**env, "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1"},
-                                preexec_fn=interruptible)
+                                env={**env, "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1"})
         try:
             pids = [int(p) for p in read_line(proc, START).split()[1:]]
             proc.send_signal(signal.SIGINT)  # to `run` alone: it passes the interrupt on
