@@ -9,6 +9,10 @@ host's address; the other end is a port of the bridge. Processes started with
 grace: processes that import jax may ignore SIGTERM), also any process left in a namespace,
 and then deletes the veths, the bridge and the namespaces.
 
+``python -m pathways_bench.netns NAME...`` makes such hosts for a person to try a deployment
+of several machines on one (docs/deploy.md, "Two machines"): it prints each host's address and
+the command that opens a shell in it, then keeps them until Ctrl-C or SIGTERM.
+
 Names carry the creating process's pid (``pwn`` + 5 base-36 digits + a per-process count), so
 that concurrent runs never collide, interface names stay within Linux's 15 characters, and
 :func:`sweep` can delete what a killed run left behind. Needs root and iproute2's ``ip``;
@@ -17,6 +21,7 @@ that concurrent runs never collide, interface names stay within Linux's 15 chara
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import ipaddress
@@ -375,3 +380,37 @@ class Network:
         self._made.clear()
         if problems:
             raise NetnsError("; ".join(problems))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Make hosts ``NAME...`` and keep them until Ctrl-C or SIGTERM (see the module's
+    docstring); the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="python -m pathways_bench.netns",
+        description="Make hosts with network addresses of their own on this Linux machine (network namespaces "
+                    "on one bridge; needs root and iproute2), print each one's address and the command that "
+                    "opens a shell in it, and keep them until Ctrl-C or SIGTERM, which end what runs in them "
+                    "and delete them.")
+    parser.add_argument("hosts", nargs="+", metavar="NAME", help="a host's name (letters, digits, _)")
+    args = parser.parse_args(argv)
+    reason = unavailable()
+    if reason:
+        print(f"error: {reason}", file=sys.stderr)
+        return 1
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped as by Ctrl-C: the hosts are deleted
+    try:
+        with Network(args.hosts) as net:
+            for host in net.hosts:
+                print(f"{host} {net.addr(host)} ip netns exec {net.namespace(host)} bash", flush=True)
+            print("ready: Ctrl-C ends what runs in these hosts and deletes them", flush=True)
+            while True:
+                time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+    except (NetnsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -32,10 +32,11 @@ FIGURE2 = "[3. 5.] [2. 4.]"
 START_SECONDS = 240  # the client part of the block waits up to 120 s for the islands; jax starts slowly on 2 cores
 
 
-def by_hand() -> tuple[str, dict[str, str]]:
-    """docs/deploy.md's By hand block: its settings, and its parts by their ``# on ...`` line."""
+def recipe(section: str) -> tuple[str, dict[str, str]]:
+    """The first bash block of docs/deploy.md's ``section``: its settings, and its parts by
+    their ``# on ...`` line."""
     text = (ROOT / "docs" / "deploy.md").read_text()
-    block = re.search(r"## By hand\n.*?```bash\n(.*?)```", text, re.S).group(1)
+    block = re.search(rf"## {section}\n.*?```bash\n(.*?)```", text, re.S).group(1)
     settings, *parts = re.split(r"\n(?=# on )", block)
     return settings, {p.splitlines()[0]: "\n".join(p.splitlines()[1:]) for p in parts}
 
@@ -63,7 +64,7 @@ class Deployment:
             self.flags = {"controller": f"{extra} --tls-cert {tls.cert} --tls-key {tls.key} --tls-ca {tls.ca}",
                           "worker": f"{extra} --tls-cert {tls.cert} --tls-key {tls.key} --tls-ca {tls.ca} "
                                     "--data-plane-tls"}
-        self.settings, self.parts = by_hand()
+        self.settings, self.parts = recipe("By hand")
         self.procs: dict[str, subprocess.Popen] = {}
 
     def _script(self, part: str) -> str:
@@ -280,3 +281,44 @@ def test_lost_hosts_fail_their_island_within_10_s_while_the_other_keeps_serving_
         client.wait()
     assert report["failure"] is not None and report["failure"]["kind"] == "ControllerLostError", report
     assert waited < 10.0, report
+
+
+def test_the_two_machine_recipe_runs_in_the_hosts_the_netns_script_makes(tmp_path):
+    """docs/deploy.md's "Two machines" on one machine, as it says: `python -m
+    pathways_bench.netns one two` makes the hosts, each part runs in a shell it printed, and
+    its Ctrl-C ends what runs in them and deletes them."""
+    # unbuffered: each read_line takes one line, leaving the next for the next select
+    script = subprocess.Popen([sys.executable, "-m", "pathways_bench.netns", "one", "two"], stdout=subprocess.PIPE,
+                              bufsize=0, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    hosts, procs = {}, []
+    try:
+        while not (line := read_line(script, 60).decode()).startswith("ready"):
+            name, address, *shell = line.split()
+            hosts[name] = address, shell
+        assert set(hosts) == {"one", "two"} and all(shell[:3] == ["ip", "netns", "exec"] for _, shell in hosts.values())
+        settings, parts = recipe("Two machines")
+        env = {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
+               "HOME": str(tmp_path), "ONE": hosts["one"][0]}  # the recipe's defaults otherwise
+
+        def shell(host: str, *words: str) -> list[str]:
+            return [*hosts[host][1], "-c", f"set -e\n{settings}\n{_part(parts, *words)}"]
+
+        made = subprocess.run(shell("one", "one, once"), env=env, timeout=30, capture_output=True, text=True)
+        assert made.returncode == 0, made.stderr
+        for host, words in (("one", ("the controller",)), ("one", ("second shell",)), ("two", ("other host",))):
+            procs.append(subprocess.Popen(shell(host, *words), env=env, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL))
+        done = subprocess.run(shell("one", "third shell"), env=env, timeout=START_SECONDS, capture_output=True,
+                              text=True)
+        assert done.returncode == 0, f"the program's part failed:\n{done.stdout}\n{done.stderr[-3000:]}"
+        assert FIGURE2 in done.stdout, done.stdout
+        assert all(f"//{address}:" in done.stdout for address, _ in hosts.values()), \
+            f"status shows a host of the island on each machine:\n{done.stdout}"
+    finally:
+        script.send_signal(signal.SIGINT)
+        code = script.wait(timeout=60)
+    assert code == 0
+    for proc in procs:  # ended by the script, with the hosts they ran in
+        proc.wait(timeout=30)
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert not any(shell[3] in namespaces for _, shell in hosts.values()), namespaces
