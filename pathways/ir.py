@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from pathways.errors import WireError
-from pathways.wire.codec import Index as Region
+from pathways.wire.codec import Region
 from pathways.wire.codec import int_list, is_wire_dtype_name
 
 SpecEntry = Union[None, str, tuple[str, ...]]

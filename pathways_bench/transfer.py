@@ -630,7 +630,7 @@ def _dp_send(transport: str, capacity: int, address: str, ack_host: str, ack_por
 
         def transfer(nbytes: int) -> None:
             x = data[:nbytes // 4]
-            pieces = [(codec.full_index(x.shape), x)]
+            pieces = [(codec.full_region(x.shape), x)]
             tcp.send_frame(conn, {"t": "put", "handle": 1, "layout": [], "of": 1,
                                   **codec.pieces_header(x.dtype, x.shape, pieces)}, pieces)
             if acks.recv_into(ack) != 1:

@@ -20,7 +20,7 @@ FAST = 5.0
 
 def header(handle, array):
     return {"t": "put", "handle": handle, **codec.pieces_header(array.dtype, array.shape,
-                                                                 [(codec.full_index(array.shape), array)])}
+                                                                 [(codec.full_region(array.shape), array)])}
 
 
 def chunks_of(array, sizes):

@@ -39,7 +39,7 @@ def frame(header, payload=b""):
 
 
 def put_header(array, **extra):
-    return {"t": "put", **extra, **codec.pieces_header(array.dtype, array.shape, [(codec.full_index(array.shape), array)])}
+    return {"t": "put", **extra, **codec.pieces_header(array.dtype, array.shape, [(codec.full_region(array.shape), array)])}
 
 
 # ---- 1: memory for an incoming array is committed only as its bytes arrive ---------------

@@ -42,7 +42,7 @@ class Fuzzer:
             rest = tuple((0, d) for d in shape[1:])
             pieces = [(((0, cut),) + rest, full[:cut]), (((cut, shape[0]),) + rest, full[cut:])]
         else:
-            pieces = [(codec.full_index(shape), full)]
+            pieces = [(codec.full_region(shape), full)]
         ident = rng.getrandbits(62)
         header = {"t": "put", "id": ident, **codec.pieces_header(dtype, shape, pieces)}
         return header, b"".join(a.tobytes() for _, a in pieces), ident, pieces
@@ -158,7 +158,7 @@ def test_fuzzed_frames_are_delivered_intact_or_closed_and_nothing_leaks(monkeypa
         good, count = np.arange(12, dtype=np.float32).reshape(3, 4), len(collector.frames)
         with connect(listener) as sock:
             sock.sendall(frame({"t": "put", "id": -1, **codec.pieces_header(good.dtype, good.shape,
-                                                                            [(codec.full_index(good.shape), good)])},
+                                                                            [(codec.full_region(good.shape), good)])},
                                good.tobytes()))
             collector.wait_for(count + 1)
         np.testing.assert_array_equal(collector.frames[-1][1][0][1], good)

@@ -12,7 +12,7 @@ from pathways.wire import codec, tcp
 
 
 def put_frame(array, **extra):
-    pieces = [(codec.full_index(array.shape), array)]
+    pieces = [(codec.full_region(array.shape), array)]
     body = codec.pack({"t": "put", **extra, **codec.pieces_header(array.dtype, array.shape, pieces)})
     return struct.pack("!I", len(body)) + body + np.ascontiguousarray(array).tobytes()
 

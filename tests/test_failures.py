@@ -812,7 +812,7 @@ def _forged_copy(handle, layout, poison=False):
         return _frame({**header, "poison": "forged", "kind": "RemoteError"})
     values = np.full(4, 666.0, np.float32)
     return _frame({**header, **codec.pieces_header(values.dtype, values.shape,
-                                                   [(codec.full_index(values.shape), values)])}) + values.tobytes()
+                                                   [(codec.full_region(values.shape), values)])}) + values.tobytes()
 
 
 def _frame(header):

@@ -179,7 +179,7 @@ def test_a_worker_data_listener_admits_only_workers_with_their_ticket(guarded):
             hello["ticket"] = secrets.token_bytes(32)
         return frames.frame(codec.pack(hello)) + frames.frame(codec.pack(
             {"t": "put", "handle": handle, "layout": [[target["worker"]], [0, 0], [2], ["d"], []], "of": 1,
-             **codec.pieces_header(copy.dtype, copy.shape, [(codec.full_index(copy.shape), copy)])})) + copy.tobytes()
+             **codec.pieces_header(copy.dtype, copy.shape, [(codec.full_region(copy.shape), copy)])})) + copy.tobytes()
 
     victim_done = threading.Event()
     attempts = []
@@ -332,7 +332,7 @@ def test_a_data_connection_without_the_token_is_refused_and_the_listener_keeps_s
     try:
         array = np.arange(4, dtype=np.float32)
         header = {"t": "put", "handle": 1, "layout": [], "of": 1,
-                  **codec.pieces_header(array.dtype, array.shape, [(codec.full_index(array.shape), array)])}
+                  **codec.pieces_header(array.dtype, array.shape, [(codec.full_region(array.shape), array)])}
         with _dial(listener.address) as raw:
             raw.sendall(frames.frame(codec.pack(header)))  # no hello first
             _teaches(_read_refusal(raw)["error"])
@@ -341,7 +341,7 @@ def test_a_data_connection_without_the_token_is_refused_and_the_listener_keeps_s
         assert received == []
         links = tcp.Links(FAST, Security(token=TOKEN))
         try:
-            links.send(listener.address, header, [(codec.full_index(array.shape), array)])
+            links.send(listener.address, header, [(codec.full_region(array.shape), array)])
             deadline = time.monotonic() + FAST
             while not received and time.monotonic() < deadline:
                 time.sleep(0.02)
@@ -408,7 +408,7 @@ def test_a_listener_screens_each_frame_by_the_sender_its_hello_proved_and_reads_
                             admit=tickets.admit, screen=screen)
 
     def put(handle, array, **fields):
-        pieces = [(codec.full_index(array.shape), array)]
+        pieces = [(codec.full_region(array.shape), array)]
         return {"t": "put", "handle": handle, "layout": [], "of": 1,
                 **codec.pieces_header(array.dtype, array.shape, pieces), **fields}, pieces
 

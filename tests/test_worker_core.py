@@ -34,11 +34,11 @@ def export(fun, shape=(3,), dtype=np.float32) -> bytes:
 
 def put_header(handle, array, **fields):
     return {"t": "put", "handle": handle, "layout": LAYOUT.to_wire(), "of": 1,
-            **codec.pieces_header(array.dtype, array.shape, [(codec.full_index(array.shape), array)]), **fields}
+            **codec.pieces_header(array.dtype, array.shape, [(codec.full_region(array.shape), array)]), **fields}
 
 
 def put(core, handle, array):
-    assert core.receive(put_header(handle, array), pieces=[(codec.full_index(array.shape), array)]) is None
+    assert core.receive(put_header(handle, array), pieces=[(codec.full_region(array.shape), array)]) is None
 
 
 def fetch(core, handle, wait=10.0, data=True, still_wanted=lambda: True, credential=None, device=None):
@@ -187,11 +187,11 @@ def test_a_put_of_stacked_partial_values_is_stored_unstacked_and_a_mismatched_on
     stack = np.arange(6, dtype=np.float32).reshape(1, 2, 3)
     header = {**put_header(first_handle(SESSION) + 8, stack), "layout": stacked(partial).to_wire(),
               "unstack": partial.to_wire()}
-    assert core.receive(header, pieces=[(codec.full_index(stack.shape), stack)]) is None
+    assert core.receive(header, pieces=[(codec.full_region(stack.shape), stack)]) is None
     _, value = fetch(core, first_handle(SESSION) + 8)
     np.testing.assert_array_equal(value, stack[0])
     wrong = {**header, "handle": first_handle(SESSION) + 9, "layout": LAYOUT.to_wire()}
-    error = core.receive(wrong, pieces=[(codec.full_index(stack.shape), stack)])
+    error = core.receive(wrong, pieces=[(codec.full_region(stack.shape), stack)])
     assert "whose stacked layout is field 'layout'" in error, error
 
 
@@ -379,7 +379,7 @@ def test_a_data_plane_frame_carries_a_sessions_array_only_with_that_sessions_cre
     controller's IFRT front end puts them on the data plane) is stored only with the
     credential of its session, as a client's Put is."""
     array = np.arange(3, dtype=np.float32)
-    pieces = [(codec.full_index(array.shape), array)]
+    pieces = [(codec.full_region(array.shape), array)]
     client_array = first_handle(SESSION) + 1
     error = core.receive_frame(put_header(client_array, array), pieces)
     assert error is not None and "without the session's credential" in error
@@ -421,7 +421,7 @@ def test_a_peers_copy_is_read_only_from_the_worker_the_run_takes_it_from(up):
         assert refusal is not None and "from worker 4" in refusal
         assert core.screen_frame(3, put_header(tbase, forged)) is not None, "a second copy from the same sender"
         assert core.screen_frame(4, put_header(tbase + 1, forged)) is not None, "a copy no run expects"
-        assert core.receive_frame(put_header(tbase, array), [(codec.full_index(array.shape), array)]) is None
+        assert core.receive_frame(put_header(tbase, array), [(codec.full_region(array.shape), array)]) is None
         np.testing.assert_array_equal(fetch(core, base + 1)[1], 2 * array)
         assert core.screen_frame(3, put_header(tbase, array)) is not None, "taken: refused"
         assert core.screen_frame(4, put_header(first_handle(SESSION) + 1, array)) is None, \

@@ -546,7 +546,7 @@ class Session:
             if array.shape[:1] != (partials(layout),):
                 raise ValueError(f"an unreduced array's {partials(layout)} partial values come stacked along a "
                                  f"leading dimension; got an array of shape {array.shape}")
-        whole = [(codec.full_index(array.shape), array)]
+        whole = [(codec.full_region(array.shape), array)]
         parts = host_regions(array.shape, sent) if evenly_divided(array.shape, sent) else None
         # each host gets the blocks of its own devices, not the whole array
         pieces = {worker: whole if parts is None else [(r, array[tuple(slice(a, b) for a, b in r)])

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pathways.ir import Layout, host_regions
-from pathways.wire.codec import Index as Region
+from pathways.wire.codec import Region
 from pathways.wire.codec import intersect, volume
 
 

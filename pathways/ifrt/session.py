@@ -751,7 +751,7 @@ class IfrtSession:
         if (dtype, shape) != (arr.dtype, arr.shape):
             raise IfrtError(t.INTERNAL, f"the worker sent a {dtype.name}{list(shape)} array for a "
                                         f"{arr.dtype.name}{list(arr.shape)} one")
-        if [index for index, _ in specs] == [codec.full_index(shape)]:
+        if [index for index, _ in specs] == [codec.full_region(shape)]:
             for chunk in codec.exact_chunks(math.prod(shape) * dtype.itemsize, chunks):
                 self.buffers.add(buffer, chunk)
             return

@@ -20,7 +20,7 @@ from pathways.ifrt.proto.xla.python.ifrt import dtype_pb2, serdes_pb2, sharding_
 from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2
 from pathways.ifrt.proto.xla.python.pjrt_ifrt import xla_sharding_pb2
 from pathways.ifrt.proto.xla.tsl.protobuf import error_codes_pb2
-from pathways.wire.codec import dtype_of_name, is_wire_dtype
+from pathways.wire.codec import Region, dtype_of_name, is_wire_dtype
 
 # Status codes (tensorflow.error.Code) the server answers with.
 INVALID_ARGUMENT = error_codes_pb2.INVALID_ARGUMENT
@@ -245,9 +245,6 @@ def sharding_proto(sharding: Sharding) -> sharding_pb2.ShardingProto:
     hlo.xla_op_sharding.CopyFrom(op_of(sharding.op))
     return sharding_pb2.ShardingProto(serialized_sharding=serdes_pb2.Serialized(
         type_name=HLO_SHARDING, data=hlo.SerializeToString()))
-
-
-Region = tuple[tuple[int, int], ...]
 
 
 def shard_regions(sharding: Sharding, shape: tuple[int, ...]) -> list[Region]:

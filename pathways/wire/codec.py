@@ -354,11 +354,13 @@ def expect_end(chunks: Iterable[bytes]) -> None:
 
 # ---- pieces: the parts of a sharded array one host holds -------------------------------
 
-Index = tuple[tuple[int, int], ...]  # (start, stop) per dimension
-Piece = tuple[Index, np.ndarray]
+# The block of an array a device holds, or a piece of one: (start, stop) per dimension. The
+# one name for it: the IR, the controller, the workers and the IFRT front end all use this.
+Region = tuple[tuple[int, int], ...]
+Piece = tuple[Region, np.ndarray]
 
 
-def full_index(shape: tuple[int, ...]) -> Index:
+def full_region(shape: tuple[int, ...]) -> Region:
     return tuple((0, d) for d in shape)
 
 
@@ -371,7 +373,7 @@ def pieces_header(dtype: np.dtype, shape: tuple[int, ...], pieces: list[Piece]) 
 def whole_array_header(dtype: np.dtype, shape: tuple[int, ...]) -> dict:
     """Header fields of an array of ``dtype`` and ``shape`` sent as one piece, the whole of it."""
     spec = _spec(dtype, shape)
-    return {"array": spec, "pieces": [{"index": [list(i) for i in full_index(shape)], "array": spec}]}
+    return {"array": spec, "pieces": [{"index": [list(i) for i in full_region(shape)], "array": spec}]}
 
 
 def _spec(dtype: np.dtype, shape: tuple[int, ...]) -> dict:
@@ -383,7 +385,7 @@ def pieces_chunks(pieces: list[Piece]) -> Iterator[bytes]:
         yield from array_chunks(a)
 
 
-def piece_specs(header: Any) -> tuple[np.dtype, tuple[int, ...], list[tuple[Index, tuple[int, ...]]]]:
+def piece_specs(header: Any) -> tuple[np.dtype, tuple[int, ...], list[tuple[Region, tuple[int, ...]]]]:
     """The full array's dtype and shape and each announced piece's (index, shape), checked:
     WireError for any other shape of header, at most MAX_PIECES pieces."""
     if not isinstance(header, dict):
@@ -414,7 +416,7 @@ def read_pieces(header: dict, chunks: Iterator[bytes]) -> tuple[np.dtype, tuple[
     return dtype, shape, pieces
 
 
-def intersect(a: Index, b: Index) -> Index | None:
+def intersect(a: Region, b: Region) -> Region | None:
     """The common part of two blocks, or None. Blocks of an empty dimension are all (0, 0)
     and meet each other, so that empty arrays still have their (empty) pieces."""
     out = []
@@ -426,21 +428,21 @@ def intersect(a: Index, b: Index) -> Index | None:
     return tuple(out)
 
 
-def volume(index: Index) -> int:
+def volume(index: Region) -> int:
     return math.prod(hi - lo for lo, hi in index)
 
 
-def _window(inner: Index, outer: Index) -> tuple[slice, ...]:
+def _window(inner: Region, outer: Region) -> tuple[slice, ...]:
     """``inner`` in the coordinates of the block ``outer`` that contains it."""
     return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inner, outer))
 
 
-def _view(array: np.ndarray, inner: Index, outer: Index) -> np.ndarray:
+def _view(array: np.ndarray, inner: Region, outer: Region) -> np.ndarray:
     # indexing a 0-d array with () gives a numpy scalar, not an array
     return array if inner == outer else array[_window(inner, outer)]
 
 
-def cut(pieces: list[Piece], region: Index) -> np.ndarray:
+def cut(pieces: list[Piece], region: Region) -> np.ndarray:
     """The part ``region`` of an array from the piece that contains it (a view)."""
     for index, array in pieces:
         if all(a <= r0 and r1 <= b for (a, b), (r0, r1) in zip(index, region)):
@@ -454,12 +456,12 @@ class Assembly:
     are blocks of one grid, so two pieces are either identical (replicas, kept once) or
     disjoint, and counting elements tells when a region is complete."""
 
-    def __init__(self, dtype: np.dtype, shape: tuple[int, ...], regions: list[Index] | None = None) -> None:
+    def __init__(self, dtype: np.dtype, shape: tuple[int, ...], regions: list[Region] | None = None) -> None:
         self.dtype, self.shape = dtype, shape
-        self.regions = [full_index(shape)] if regions is None else list(regions)
-        self._buffers: dict[Index, np.ndarray] = {}
+        self.regions = [full_region(shape)] if regions is None else list(regions)
+        self._buffers: dict[Region, np.ndarray] = {}
         self._missing = {r: volume(r) for r in self.regions}
-        self._seen: set[Index] = set()
+        self._seen: set[Region] = set()
 
     def add(self, pieces: list[Piece]) -> None:
         for index, array in pieces:
@@ -483,7 +485,7 @@ class Assembly:
     def complete(self) -> bool:
         return not any(self._missing.values()) and len(self._buffers) == len(self.regions)
 
-    def region(self, index: Index) -> np.ndarray:
+    def region(self, index: Region) -> np.ndarray:
         if not self.complete:
             raise WireError(f"the pieces received do not cover the {self.dtype}{list(self.shape)} array's "
                             f"regions {[[list(i) for i in r] for r in self.regions]}")
@@ -491,4 +493,4 @@ class Assembly:
 
     def result(self) -> np.ndarray:
         """The whole array (for an assembly of the default region)."""
-        return self.region(full_index(self.shape))
+        return self.region(full_region(self.shape))

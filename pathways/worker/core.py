@@ -818,7 +818,7 @@ def local_pieces(value: Any) -> tuple[Any, tuple[int, ...], list]:
     shareable(value).block_until_ready()
     shape = tuple(value.shape)
     if value.is_fully_addressable and len(value.sharding.device_set) == 1:
-        return value.dtype, shape, [(codec.full_index(shape), np.asarray(value))]
+        return value.dtype, shape, [(codec.full_region(shape), np.asarray(value))]
     pieces, seen = [], set()
     for shard in value.addressable_shards:
         index = _region(shard.index, shape)
