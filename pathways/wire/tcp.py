@@ -486,8 +486,9 @@ class Listener:
 
     def _poisoned(self, header: dict, why: str) -> None:
         """Hand the receiver the array of ``header`` as a poison saying ``why``: whoever
-        waits for it learns why it will not come."""
-        error = self._receive({**header, "poison": why, "kind": "RemoteError"}, [])
+        waits for it learns why it will not come. The poison carries no kind (the error its
+        reader gets), so the receiver's default applies: a failed array, not a lost host."""
+        error = self._receive({**header, "poison": why}, [])
         if error:
             log.error("a refused array could not be poisoned: %s", error)
 
