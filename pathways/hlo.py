@@ -22,7 +22,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from pathways.errors import WireError
-from pathways.ifrt.proto.xla import xla_data_pb2
+from pathways.proto.xla import xla_data_pb2
 from pathways.ir import Device, Layout
 
 OpSharding = xla_data_pb2.OpSharding

@@ -18,9 +18,9 @@ import numpy as np
 from pathways.cluster import stop_processes
 from pathways.ifrt import server as ifrt_server
 from pathways.ifrt import types as t
-from pathways.ifrt.proto.xla import xla_data_pb2
-from pathways.ifrt.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as gpb
-from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
+from pathways.proto.xla import xla_data_pb2
+from pathways.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as gpb
+from pathways.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
 
 # The backend registration pathwaysutils.initialize() does (an installed pathways does it
 # through its jax_plugins entry point; these tests run the package uninstalled); what

@@ -31,7 +31,7 @@ from pathways.__main__ import main
 from pathways.cluster import Island, LocalCluster, status, stop_processes
 from pathways.defaults import ADDRESS_LINE, IFRT_LINE
 from pathways.ifrt import launch, plugin
-from pathways.ifrt.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as grpc_pb
+from pathways.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as grpc_pb
 from pathways.wire.addresses import split_host_port
 from tests.conftest import connected_to, pids_alive, read_line, wait_until
 

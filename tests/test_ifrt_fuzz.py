@@ -14,8 +14,8 @@ from pathways.cluster import Island, LocalCluster
 from pathways.ifrt import server as ifrt_server
 from pathways.ifrt import session as ifrt_session
 from pathways.ifrt import types as t
-from pathways.ifrt.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as gpb
-from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
+from pathways.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as gpb
+from pathways.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
 from pathways.ifrt.server import IfrtServer
 
 REQUESTS = 2000

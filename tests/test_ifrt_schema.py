@@ -246,7 +246,7 @@ def test_compile_options_subset_reads_the_device_assignment_and_keeps_the_rest()
     import numpy as np
     from jaxlib import xla_client
 
-    from pathways.ifrt.proto.xla.python.pjrt_ifrt import xla_compiler_pb2
+    from pathways.proto.xla.python.pjrt_ifrt import xla_compiler_pb2
 
     options = xla_client.CompileOptions()
     build = options.executable_build_options

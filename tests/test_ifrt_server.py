@@ -21,11 +21,11 @@ from ifrt_helpers import PRELUDE, Proxy, RawStream, run_jax, session_metadata, s
 from pathways.cluster import Island, LocalCluster, status, stop_processes, worker_stats
 from pathways.ifrt import types as t
 from pathways.ifrt.devices import DeviceTable, SliceInfo
-from pathways.ifrt.proto.xla import xla_data_pb2
-from pathways.ifrt.proto.xla.python.ifrt import serdes_pb2, sharding_pb2, sharding_serdes_pb2
-from pathways.ifrt.proto.xla.python.ifrt_proxy.common import types_pb2
-from pathways.ifrt.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as gpb
-from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
+from pathways.proto.xla import xla_data_pb2
+from pathways.proto.xla.python.ifrt import serdes_pb2, sharding_pb2, sharding_serdes_pb2
+from pathways.proto.xla.python.ifrt_proxy.common import types_pb2
+from pathways.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as gpb
+from pathways.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
 from pathways.ifrt import plugin
 from pathways.ifrt import server as ifrt_server
 from pathways.ifrt.server import IfrtServer, _lookup_response, _store_data

@@ -22,7 +22,8 @@ SERVER_SIDE = ("pathways.controller", "pathways.worker", "pathways.planner")
 # else (client, controller, worker, cluster, ...).
 RUNTIME = "the runtime"
 LAYERS = (
-    ("pathways.errors", "pathways.defaults", "pathways.config"),
+    # and the IFRT proxy protocol's modules that protoc generated from pathways/ifrt/schema
+    ("pathways.errors", "pathways.defaults", "pathways.config", "pathways.proto"),
     # Any process imports the two below, so they load neither JAX nor the client.
     # The bytes: codecs, frames, gRPC and TCP transports, security; they know no message.
     ("pathways.wire",),
@@ -260,6 +261,30 @@ def test_cycle_is_found_and_printed_as_a_path() -> None:
 def test_import_graph_has_no_cycle() -> None:
     cycle = find_cycle(package_graph().edges)
     assert cycle is None, "pathways modules import each other: " + " -> ".join(cycle)
+
+
+def _package(module: str) -> str:
+    """The package ``module`` counts for: a subpackage of pathways (``pathways.worker``), the
+    benchmarks, or a top-level module of pathways itself."""
+    parts = module.split(".")
+    if parts[0] != "pathways":
+        return parts[0]
+    return ".".join(parts[:2]) if len(parts) > 1 and (PACKAGE_DIR / parts[1]).is_dir() else module
+
+
+def test_no_two_packages_import_each_other() -> None:
+    """Modules may import within their package as they like; across packages the imports
+    form no cycle (a package that reaches a package that reaches it back cannot be
+    understood, or tested, on its own)."""
+    edges: dict[str, set[str]] = {}
+    for module, targets in package_graph().edges.items():
+        edges.setdefault(_package(module), set()).update(_package(t) for t in targets)
+    for package, targets in edges.items():
+        targets.discard(package)
+        for t in targets:
+            edges.setdefault(t, set())
+    cycle = find_cycle(edges)
+    assert cycle is None, "packages import each other: " + " -> ".join(cycle)
 
 
 def _layer(module: str) -> int:

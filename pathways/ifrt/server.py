@@ -38,8 +38,8 @@ from typing import Any, Callable, Iterator, Optional
 import grpc
 
 from pathways.client.session import Session
-from pathways.ifrt.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as gpb
-from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
+from pathways.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as gpb
+from pathways.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
 from pathways.ifrt import types as t
 from pathways.errors import WireError
 from pathways.ifrt.plugin import ADMISSION_METHOD, ADMISSION_SERVICE

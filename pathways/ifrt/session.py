@@ -36,12 +36,12 @@ from pathways.client.session import Session, Sink
 from pathways.ifrt import types as t
 from pathways.ifrt.devices import DeviceTable, SliceDevices, SliceInfo
 from pathways.ifrt.host_buffers import HostBuffer, HostBuffers
-from pathways.ifrt.proto.xla import xla_data_pb2
-from pathways.ifrt.proto.xla.pjrt.proto import executable_metadata_pb2
-from pathways.ifrt.proto.xla.python.ifrt import attribute_map_pb2
-from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
-from pathways.ifrt.proto.xla.python.ifrt_proxy.common import types_pb2
-from pathways.ifrt.proto.xla.python.pjrt_ifrt import xla_compiler_pb2
+from pathways.proto.xla import xla_data_pb2
+from pathways.proto.xla.pjrt.proto import executable_metadata_pb2
+from pathways.proto.xla.python.ifrt import attribute_map_pb2
+from pathways.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
+from pathways.proto.xla.python.ifrt_proxy.common import types_pb2
+from pathways.proto.xla.python.pjrt_ifrt import xla_compiler_pb2
 from pathways.ifrt.types import IfrtError, Sharding
 from pathways.ir import Layout, Node, ProgramGraph, device_regions, evenly_divided, host_regions, partials, stacked
 from pathways.platforms import export_platforms

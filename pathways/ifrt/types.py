@@ -15,11 +15,11 @@ import numpy as np
 
 from pathways.errors import DeadlineExceededError, ResourceExhaustedError, WireError, WorkerLostError
 from pathways.hlo import row_major, tile_assignment
-from pathways.ifrt.proto.xla import xla_data_pb2
-from pathways.ifrt.proto.xla.python.ifrt import dtype_pb2, serdes_pb2, sharding_pb2, sharding_serdes_pb2, shape_pb2
-from pathways.ifrt.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2
-from pathways.ifrt.proto.xla.python.pjrt_ifrt import xla_sharding_pb2
-from pathways.ifrt.proto.xla.tsl.protobuf import error_codes_pb2
+from pathways.proto.xla import xla_data_pb2
+from pathways.proto.xla.python.ifrt import dtype_pb2, serdes_pb2, sharding_pb2, sharding_serdes_pb2, shape_pb2
+from pathways.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2
+from pathways.proto.xla.python.pjrt_ifrt import xla_sharding_pb2
+from pathways.proto.xla.tsl.protobuf import error_codes_pb2
 from pathways.wire.codec import Region, dtype_of_name, is_wire_dtype
 
 # Status codes (tensorflow.error.Code) the server answers with.

@@ -1,4 +1,4 @@
-"""``python -m pathways.ifrt.schema``: regenerate ``pathways/ifrt/proto`` from the .proto files here.
+"""``python -m pathways.ifrt.schema``: regenerate ``pathways/proto`` from the .proto files here.
 
 ``python -m pathways.ifrt.schema print FILE.proto`` prints that file as the installed jaxlib
 embeds it, as .proto source, to update the schema here when jaxlib's protocol changes.

@@ -1,7 +1,7 @@
-"""Generate ``pathways.ifrt.proto`` from the .proto files under ``pathways/ifrt/schema``.
+"""Generate ``pathways.proto`` from the .proto files under ``pathways/ifrt/schema``.
 
 protoc's Python output imports a file's dependencies by their .proto path (``from xla.python.ifrt
-import dtype_pb2``); the modules live under ``pathways.ifrt.proto``, so those imports and the
+import dtype_pb2``); the modules live under ``pathways.proto``, so those imports and the
 module names recorded in each file are rewritten to that package. The output depends only on the
 .proto files and the pinned grpcio-tools, so a test can regenerate and compare.
 """
@@ -14,8 +14,8 @@ import tempfile
 from pathlib import Path
 
 SCHEMA_DIR = Path(__file__).resolve().parent
-OUTPUT_DIR = SCHEMA_DIR.parent / "proto"
-PACKAGE = "pathways.ifrt.proto"
+OUTPUT_DIR = SCHEMA_DIR.parent.parent / "proto"
+PACKAGE = "pathways.proto"
 # protobuf 6.31.1 gencode, which the runtime range in pyproject.toml accepts (grpcio-tools releases
 # that emit protobuf 7 gencode need a runtime ortools does not allow).
 GRPC_TOOLS_VERSION = "1.76.0"
@@ -63,7 +63,7 @@ def rewrite(source: str) -> str:
 
 
 def generate(out_dir: Path) -> list[Path]:
-    """Write the complete ``pathways.ifrt.proto`` package into the empty ``out_dir``; returns its
+    """Write the complete ``pathways.proto`` package into the empty ``out_dir``; returns its
     files (modules and ``__init__.py``s), sorted. Raises GrpcToolsMismatch without grpcio-tools
     GRPC_TOOLS_VERSION, RuntimeError when protoc rejects the schema."""
     well_known = _grpc_tools() / "_proto"
@@ -95,7 +95,7 @@ def generate(out_dir: Path) -> list[Path]:
 
 
 def regenerate(out_dir: Path = OUTPUT_DIR) -> list[Path]:
-    """Replace ``out_dir`` (default: the package's ``pathways/ifrt/proto``) with fresh modules."""
+    """Replace ``out_dir`` (default: the package's ``pathways/proto``) with fresh modules."""
     with tempfile.TemporaryDirectory() as tmp:
         fresh = Path(tmp) / "proto"
         fresh.mkdir()
