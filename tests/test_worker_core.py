@@ -532,3 +532,16 @@ def test_fetch_waits_are_shared_out_per_session_and_in_all():
     for session in (1, 2, 3):
         waits.release(session)
     assert [waits.slot(4), waits.slot(4)] == [True, True], "everything given back"
+
+
+def test_a_copy_that_cannot_reach_its_receiver_is_reported_to_the_controller(core, up):
+    """The run on worker 7 waits for this copy; the push fails (nothing listens at 7's
+    address), so the controller is told, to poison the copy there instead of letting the
+    run wait out its input bound."""
+    core.peers[7] = "tcp://127.0.0.1:1"
+    copy = first_handle(0) + 5
+    value = jax.numpy.arange(3, dtype=np.float32)
+    core.send(copy, value, LAYOUT.to_wire(), ((7, 1, [codec.full_region((3,))]),))
+    [told] = up.wait_for(m.Undelivered)
+    assert told.receiver == 7 and told.copies == (copy,)
+    assert f"could not send array {copy:#x} to worker 7" in told.message and "127.0.0.1:1" in told.message

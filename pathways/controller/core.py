@@ -147,6 +147,8 @@ class ControllerCore:
             self._compiled(conn, msg)
         elif kind is m.Offloaded:
             self._offloaded(conn, msg)
+        elif kind is m.Undelivered:
+            self._undelivered(conn, msg)
         elif kind is m.Adopted:
             self._adopted(conn, msg)
         elif kind is m.Heartbeat:
@@ -194,6 +196,18 @@ class ControllerCore:
                 survivor.outbox.put(m.Reset(message))
         self._after_loss(lost, message)
         self._forget_old_losses()
+
+    def _undelivered(self, conn: WorkerConn, msg: m.Undelivered) -> None:
+        """Worker ``conn`` could not send ``msg.copies`` to ``msg.receiver``: each copy that
+        a run in flight takes from it there is poisoned at the receiver, which fails the
+        run there now (a lost receiver's own loss fails it anyway). A claim for a copy of no
+        such run changes nothing: a worker cannot poison copies other senders owe."""
+        receiver = self.workers.get(msg.receiver)
+        claimed = set(msg.copies)
+        owed = {d.tbase + copy - d.nvalues for run in self.scheduler.in_flight() for d in run.payload.parts
+                for sender, to, copy in d.lowered.transfers if sender == conn.worker and to == msg.receiver}
+        if receiver is not None and claimed & owed:
+            receiver.outbox.put(m.Poisoned(tuple(sorted(claimed & owed)), REMOTE, msg.message))
 
     def check_stuck_runs(self) -> None:
         """Reset every island that has had runs in flight and finished none of them for

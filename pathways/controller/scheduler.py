@@ -187,6 +187,10 @@ class Scheduler:
             if run.session == session:
                 yield run
 
+    def in_flight(self) -> Iterator[ScheduledRun]:
+        """Every dispatched, unfinished run, in the order of dispatch."""
+        return iter(self._inflight.values())
+
     def running(self, run_id: int) -> ScheduledRun | None:
         """The dispatched, unfinished run ``run_id``, if any."""
         return self._inflight.get(run_id)

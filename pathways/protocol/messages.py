@@ -523,6 +523,18 @@ class Done(Message):
     runs: tuple[tuple[int, float], ...] = wire(Seq(Fixed(Int(0), Float(0.0, 1e9))))
 
 
+@message("undelivered")
+class Undelivered(Message):
+    """Transfer copies this worker could not send to worker ``receiver`` although it
+    computed them (the link to it failed, or it refused the connection): the controller
+    poisons them there, so that the run waiting for them fails now instead of at its
+    input wait's bound. Only a sender the run names for a copy is heard for it."""
+
+    receiver: int = wire(WORKER)
+    copies: tuple[int, ...] = wire(HANDLES)
+    message: str = wire(TEXT)
+
+
 @message("step")
 class Step(Message):
     """A node of a sequentially dispatched run finished on this worker."""
@@ -988,7 +1000,7 @@ SESSION_UP = Table("session (client to controller)", Hello, SliceRequest, Cluste
 SESSION_DOWN = Table("session (controller to client)", SessionWelcome, SliceReply, ClusterReply, Poisoned, Error,
                      Compiled, Timeline, SliceMoved, Suspended, Resumed)
 WORKER_UP = Table("attach (worker to controller)", Register, Done, Step, Notice, Measured,
-                  Heartbeat, Compiled, Offloaded, Adopted)
+                  Heartbeat, Compiled, Offloaded, Adopted, Undelivered)
 WORKER_DOWN = Table("attach (controller to worker)", WorkerWelcome, DataKey, Peers, Compile, Define, RunProgram, Delete,
                     DropSession, Poisoned, Shutdown, Go, Measure, Notice, SessionOpen, Heartbeat, Reset,
                     Offload, Restore, Adopt)

@@ -52,8 +52,8 @@ from pathways.protocol.handles import COUNTER_MASK, MAX_HANDLE, session_of
 from pathways.protocol.messages import (CREDENTIAL, Adopt, Adopted, Compile, DataKey, Define, Delete, Done, DropSession,
                                         FetchRequest, Go, Heartbeat, Malformed, Measure, Message, Notice, Offload,
                                         Offloaded, Peers, Poisoned, Restore, RunProgram, Reset, SessionOpen,
-                                        Shutdown, Step, Timeline, TimelineFetch, WorkerWelcome, WORKER_DOWN,
-                                        device_pairs)
+                                        Shutdown, Step, Timeline, TimelineFetch, Undelivered, WorkerWelcome,
+                                        WORKER_DOWN, device_pairs)
 from pathways.protocol.ops import LAYOUT, MAX_SENDERS
 from pathways.timeline import RECORDER, now
 from pathways.wire import codec, tcp
@@ -349,6 +349,10 @@ class WorkerCore:
                 self.links.send(self.peers[receiver], header, pieces)
             except (OSError, KeyError, ConnectError) as e:
                 log.error("sending array %#x to worker %s failed: %s", handle, receiver, e)
+                if session_of(handle) == 0:  # a transfer copy a run of the receiver waits for
+                    reason = f"the address of worker {receiver} is not known here" if type(e) is KeyError else e
+                    self.up(Undelivered(receiver, (handle,), f"worker {self.worker_id} could not send array "
+                                                             f"{handle:#x} to worker {receiver}: {reason}"))
 
     # ---- suspend and resume -------------------------------------------------------------
 
