@@ -412,9 +412,13 @@ def test_the_core_heals_an_island_for_its_sessions_and_refuses_runs_until_it_is_
     assert _of(survivor.outbox, m.RunProgram), "the island runs again"
 
 
-def test_a_lost_island_poisons_each_copy_bound_elsewhere_once_however_many_of_its_senders_it_had():
+def _run_from_a_pair_to_one_host():
+    """A core with an island of two hosts and one of one, and a run in flight whose program
+    computes on the pair and moves its result, split over both hosts, to the single host.
+    Returns the core, the pair's two hosts, the single host and the transfer copy the single
+    host waits for."""
     core = ControllerCore()
-    _, rank1 = _register(core, "pair", 2, rank=0, coordinator="h0:1"), _register(core, "pair", 2, rank=1)
+    rank0, rank1 = _register(core, "pair", 2, rank=0, coordinator="h0:1"), _register(core, "pair", 2, rank=1)
     single = _register(core, "one", 1, coordinator="h2:1")
     sid, client = 1, Box()
     core.session_opened(sid, client)
@@ -435,7 +439,11 @@ def test_a_lost_island_poisons_each_copy_bound_elsewhere_once_however_many_of_it
     d = core.scheduler.running(_of(single.outbox, m.RunProgram)[0].id).payload
     senders = sorted(sender for sender, receiver, _ in d.lowered.transfers if receiver == single.worker)
     assert senders == sorted(pair.workers), "both hosts send their half to the single host"
-    copy = d.tbase + d.lowered.transfers[0][2] - d.nvalues
+    return core, rank0, rank1, single, d.tbase + d.lowered.transfers[0][2] - d.nvalues
+
+
+def test_a_lost_island_poisons_each_copy_bound_elsewhere_once_however_many_of_its_senders_it_had():
+    core, _, rank1, single, copy = _run_from_a_pair_to_one_host()
 
     core.worker_lost(rank1, error="ConnectionResetError: [Errno 104] Connection reset by peer")
     poisoned = _of(single.outbox, m.Poisoned)
@@ -446,26 +454,7 @@ def test_a_lost_island_poisons_each_copy_bound_elsewhere_once_however_many_of_it
 
 
 def test_a_copy_its_sender_could_not_deliver_is_poisoned_at_its_live_receiver_and_only_its_sender_is_heard():
-    core = ControllerCore()
-    rank0, _ = _register(core, "pair", 2, rank=0, coordinator="h0:1"), _register(core, "pair", 2, rank=1)
-    single = _register(core, "one", 1, coordinator="h2:1")
-    sid, client = 1, Box()
-    core.session_opened(sid, client)
-    core.on_session_batch(sid, m.encode_batch([m.Hello(m.PROTOCOL_VERSION, 1.0),
-                                               m.SliceRequest(1, "cpu", 2, None, 0, False),
-                                               m.SliceRequest(2, "cpu", 1, None, 1, False)]))
-    pair, one = sorted(_of(client, m.SliceReply), key=lambda r: r.req)
-    halves = Layout(pair.workers, ((0, 0), (1, 0)), (2,), ("i",), ("i",))
-    whole = Layout(one.workers, ((0, 0),), (1,), ("x",), ())
-    f, g, program, data, base = (first_handle(sid) + i for i in (1, 2, 3, 4, 10))
-    graph = m.GRAPH.check({"nvalues": 3, "inputs": [0], "nodes": [[f, [0], [1]], [g, [1], [2]]], "outputs": [2],
-                           "types": [["float32", [2]]] * 3}, "graph")
-    core.on_session_batch(sid, m.encode_batch([
-        m.DefineFunction(f, pair.slice, m.FunctionBody("f", b"x", (halves,), (halves,))),
-        m.DefineFunction(g, one.slice, m.FunctionBody("g", b"x", (whole,), (whole,))),
-        m.DefineProgram(program, graph, "parallel"), m.PutNotice(data, halves), m.Run(program, base, {0: data})]))
-    d = core.scheduler.running(_of(single.outbox, m.RunProgram)[0].id).payload
-    copy = d.tbase + d.lowered.transfers[0][2] - d.nvalues
+    core, rank0, _, single, copy = _run_from_a_pair_to_one_host()
 
     core.on_worker_message(single, m.Undelivered(rank0.worker, (copy,), "a copy it owes nobody"))
     core.on_worker_message(rank0, m.Undelivered(single.worker, (copy + 1,), "a copy of no run"))
