@@ -327,12 +327,17 @@ def test_arrays_read_then_deleted_or_dropped_leave_nothing_on_the_worker(in_cont
             return stats["handles"], sum(stats["session_bytes"].values())
 
         def settled(base):
-            # deletes reach the worker through the controller a moment later: wait a
-            # bounded while for the worker to be back at ``base``
+            # deletes reach the worker through the controller a moment later, and a put
+            # nobody waited for may reach it after the check began: wait a bounded while
+            # for the worker to be back at ``base`` and to stay there for half a second
             deadline = time.monotonic() + 10
-            while held() != base and time.monotonic() < deadline:
+            since = None  # when the worker was last seen reaching base
+            while True:
+                now, at = held(), time.monotonic()
+                since = (since or at) if now == base else None
+                if (since is not None and at - since >= 0.5) or at > deadline:
+                    return now
                 time.sleep(0.1)
-            return held()
 
         devices = jax.devices()
         mesh = Mesh(np.array(devices), ("d",))
