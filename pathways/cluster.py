@@ -135,10 +135,10 @@ async def _start(command: list[str], env: dict[str, str], stdout: Optional[int])
 def child_log_env() -> dict[str, str]:
     """The environment that makes child processes log like this one: at PATHWAYS_LOG_LEVEL
     (or this process's level). Their C++ logs (XLA, its coordination service: start-up
-    notices and warnings) follow it too: errors only, unless the level is INFO or DEBUG.
-    TF_CPP_MIN_LOG_LEVEL is set here whatever its value, since JAX sets it on import."""
+    notices and warnings) and gRPC's follow it too: errors only, unless the level is INFO or
+    DEBUG (keeper.cpp_log_env)."""
     level = config.LOG_LEVEL.text() or logging.getLevelName(logging.getLogger("pathways").getEffectiveLevel())
-    return {config.LOG_LEVEL.name: level, keeper.CPP_LOG_LEVEL_ENV: keeper.cpp_log_level(level)}
+    return {config.LOG_LEVEL.name: level, **keeper.cpp_log_env(level)}
 
 
 def free_port() -> int:

@@ -185,7 +185,8 @@ def table() -> str:
         lines.append("")
     lines += ["Variables of other programs that pathways sets or reads: `JAX_PLATFORMS=proxy` and",
               "`JAX_BACKEND_TARGET=grpc://HOST:PORT` choose the IFRT proxy backend (docs/ifrt.md);",
-              "`TF_CPP_MIN_LOG_LEVEL` is set for the processes a cluster starts from `PATHWAYS_LOG_LEVEL`.", ""]
+              "`TF_CPP_MIN_LOG_LEVEL` and `GRPC_VERBOSITY` are set for the processes a cluster starts from",
+              "`PATHWAYS_LOG_LEVEL`.", ""]
     return "\n".join(lines)
 
 

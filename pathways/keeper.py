@@ -33,6 +33,7 @@ RECONNECT_UNTIL_ENV = "PATHWAYS_RECONNECT_UNTIL"  # wall-clock time until which 
 PARENT_PID_ENV = "PATHWAYS_PARENT_PID"
 LOG_LEVEL_ENV = "PATHWAYS_LOG_LEVEL"  # set by `pathways --log-level` for its children
 CPP_LOG_LEVEL_ENV = "TF_CPP_MIN_LOG_LEVEL"
+GRPC_VERBOSITY_ENV = "GRPC_VERBOSITY"
 _STOP_GRACE_SECONDS = 3.0
 _POLL_SECONDS = 0.5  # how often a wait for the worker looks whether the keeper is stopping
 # Back-off between restarts after SIGABRT: the first comes soon (the island waits for this
@@ -41,13 +42,16 @@ _ABORT_PAUSE, _ABORT_MAX_PAUSE = 0.25, 10.0
 _ABORT_STABLE_SECONDS = 30.0  # a worker that ran this long before aborting restarts after the first pause
 
 
-def cpp_log_level(level: str) -> str:
-    """TF_CPP_MIN_LOG_LEVEL for a process logging at ``level`` (PATHWAYS_LOG_LEVEL's form):
-    the C++ logs of XLA and its coordination service (start-up notices, warnings such as
-    the coordination service's "recoverable task" notice on an island's first host) show
-    at info and debug only, errors always. The variable is read once, when jaxlib loads, so
-    it is set in a child's environment, whatever it was: JAX sets it on import."""
-    return "0" if level.strip().upper() in ("INFO", "DEBUG", "NOTSET") else "2"
+def cpp_log_env(level: str) -> dict[str, str]:
+    """The environment that sets the C++ log levels of a process logging at ``level``
+    (PATHWAYS_LOG_LEVEL's form): XLA and its coordination service (TF_CPP_MIN_LOG_LEVEL:
+    start-up notices, warnings such as the coordination service's "recoverable task"
+    notice on an island's first host) and gRPC's core (GRPC_VERBOSITY: connection notices
+    such as a GOAWAY from a host that stopped first) show at info and debug only, errors
+    always. Both are read once, when the library loads, so they are set in a child's
+    environment, whatever they were: JAX sets TF_CPP_MIN_LOG_LEVEL on import."""
+    verbose = level.strip().upper() in ("INFO", "DEBUG", "NOTSET")
+    return {CPP_LOG_LEVEL_ENV: "0" if verbose else "2", GRPC_VERBOSITY_ENV: "INFO" if verbose else "ERROR"}
 
 
 def command(reconnect_timeout: float, worker: list[str]) -> list[str]:
@@ -95,7 +99,7 @@ def main(argv: list[str], start: Callable[[list[str], dict[str, str]], Any] | No
     # a template's keeper forks its worker, and a fork must come from a single-threaded process.
     orphaned = parent_gone() or (lambda: False)
     env = {**os.environ, KEPT_ENV: "1", PARENT_PID_ENV: str(os.getpid()),
-           CPP_LOG_LEVEL_ENV: cpp_log_level(os.environ.get(LOG_LEVEL_ENV, ""))}
+           **cpp_log_env(os.environ.get(LOG_LEVEL_ENV, ""))}
     env.pop(RECONNECT_UNTIL_ENV, None)
     child: subprocess.Popen | None = None
     stopping = False

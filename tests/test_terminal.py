@@ -2,6 +2,7 @@
 the command line exits with meaningful codes, and its help and pipes behave."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -77,6 +78,9 @@ def test_a_script_on_a_multi_host_cluster_gets_a_clean_stdout_and_no_start_up_or
     assert out.returncode == 0, out.stderr
     assert out.stdout == "[7. 7.]\n", "gloo's notices of the workers must not reach the user's stdout"
     assert "coordination_service" not in out.stderr and "Terminating process" not in out.stderr, out.stderr
+    # nor any other line of the C++ libraries' logs (gRPC's GOAWAY notice from the stopped
+    # host's connections, say): nothing went wrong
+    assert not re.search(r"^[IWEF]\d{4} ", out.stderr, re.M), out.stderr
     assert "[Gloo]" not in out.stderr, "gloo's connection notices are logged at info, not shown"
 
 

@@ -32,16 +32,19 @@ def test_gloo_connection_notices_are_logged_at_info_and_other_lines_pass(level):
     assert (f"INFO {NOTICE}" in out.stderr) == (level == "info"), out.stderr
 
 
-@pytest.mark.parametrize("level, cpp", [("warning", "2"), ("error", "2"), ("info", "0"), ("DEBUG", "0")])
-def test_the_keeper_gives_its_worker_the_cpp_log_level_of_its_log_level(level, cpp):
-    # as `pathways worker` started by hand runs it: PATHWAYS_LOG_LEVEL from --log-level, and
-    # TF_CPP_MIN_LOG_LEVEL=1 as JAX leaves it on import (warnings shown) in the process it replaces
-    env = {**os.environ, keeper.LOG_LEVEL_ENV: level, keeper.CPP_LOG_LEVEL_ENV: "1"}
+@pytest.mark.parametrize("level, cpp, grpc", [("warning", "2", "ERROR"), ("error", "2", "ERROR"),
+                                              ("info", "0", "INFO"), ("DEBUG", "0", "INFO")])
+def test_the_keeper_gives_its_worker_the_cpp_and_grpc_log_levels_of_its_log_level(level, cpp, grpc):
+    # as `pathways worker` started by hand runs it: PATHWAYS_LOG_LEVEL from --log-level,
+    # TF_CPP_MIN_LOG_LEVEL=1 as JAX leaves it on import (warnings shown) in the process it
+    # replaces, and a GRPC_VERBOSITY of the user's
+    env = {**os.environ, keeper.LOG_LEVEL_ENV: level, keeper.CPP_LOG_LEVEL_ENV: "1", keeper.GRPC_VERBOSITY_ENV: "DEBUG"}
     env.pop(keeper.PARENT_PID_ENV, None)
-    worker = [sys.executable, "-c", f"import os; print(os.environ[{keeper.CPP_LOG_LEVEL_ENV!r}])"]
+    worker = [sys.executable, "-c", f"import os; print(os.environ[{keeper.CPP_LOG_LEVEL_ENV!r}], "
+                                    f"os.environ[{keeper.GRPC_VERBOSITY_ENV!r}])"]
     out = subprocess.run(keeper.command(1.0, worker), env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [cpp]
+    assert out.stdout.split() == [cpp, grpc]
 
 
 def test_the_keeper_says_which_signal_ended_its_worker():

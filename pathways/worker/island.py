@@ -27,6 +27,7 @@ _COORDINATOR_FIRST_PAUSE, _COORDINATOR_MAX_PAUSE = 0.02, 0.1  # seconds between 
 # How long a host leaving its island's group waits: rank 0 for the others to leave first,
 # the others to say they leave. Under the local cluster's grace between SIGTERM and SIGKILL.
 LEAVE_SECONDS = 2.0
+LEAVE_LINGER_SECONDS = 0.2  # how long rank 0 keeps the service once the others have left it
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,10 @@ def configure_jax(devices: Devices, hosts: int, welcome: Optional[WorkerWelcome]
     if welcome.rank != 0:
         _wait_for_coordinator(welcome.coordinator, deadline)
     left = deadline - time.monotonic()
+    # The preemption service (a sync point for hosts given notice of maintenance) is unused
+    # here, and its manager keeps a barrier call open on the coordination service: a host
+    # that leaves the group (leave_group) has it cancelled, which it logs as an error.
+    jax.config.update("jax_enable_preemption_service", False)
     jax.distributed.initialize(welcome.coordinator, hosts, welcome.rank, initialization_timeout=max(1, int(left)),
                                coordinator_bind_address=service)
 
@@ -140,9 +145,12 @@ def leave_group(timeout: float = LEAVE_SECONDS) -> None:
     if client is None:
         return
     if state.process_id == 0:
-        # answers once every other host has disconnected or asked the same (none does)
         def leave() -> None:
+            # answers once every other host has disconnected or asked the same (none does)
             client.get_live_nodes(list(range(state.num_processes)))
+            # A host's disconnect is answered before it stops polling the service for
+            # errors: a service gone in between is such an error, and aborts that host.
+            time.sleep(LEAVE_LINGER_SECONDS)
     else:
         leave = client.shutdown
 
