@@ -258,6 +258,25 @@ def jit_reductions() -> Results:
     return out
 
 
+def linalg() -> Results:
+    """Linear algebra whose CPU kernels call LAPACK routines (LU, Cholesky, QR, eigen- and
+    singular-value decompositions, triangular solves), in float32 and complex64: a worker
+    that compiles what the client sent must have them resolved, as local JAX has."""
+    out: Results = {}
+    m = data(7, 6, 6) + 6 * np.eye(6, dtype=np.float32)
+    spd = m @ m.T
+    v = data(8, 6, 2)
+    f = jax.jit(lambda m, s, v: (
+        jnp.linalg.solve(m, v), jnp.linalg.det(m), jnp.linalg.inv(m), jnp.linalg.cholesky(s), jnp.linalg.qr(m)[1],
+        jnp.linalg.eigh(s)[0], jnp.linalg.svd(m, compute_uv=False), jax.scipy.linalg.lu(m)[2],
+        jax.scipy.linalg.solve_triangular(jnp.tril(m), v, lower=True), jnp.sort_complex(jnp.linalg.eigvals(m))))
+    for k, x in enumerate(f(m, spd, v)):
+        out[f"approx_linalg{k}"] = host(x)
+    c = (m + 1j * data(9, 6, 6)).astype(np.complex64)
+    out["approx_complex_solve"] = host(jax.jit(jnp.linalg.solve)(c, v.astype(np.complex64)))
+    return out
+
+
 def _mlp_params(seed: int, sizes: tuple[int, ...]) -> list[dict[str, np.ndarray]]:
     rs = np.random.RandomState(seed)
     return [{"w": (rs.standard_normal((m, n)) / np.sqrt(m)).astype(np.float32), "b": np.zeros(n, np.float32)}
@@ -620,7 +639,7 @@ def started(stop: str | Path) -> list[Path]:
 
 PROGRAMS: dict[str, Callable[[], Results]] = {
     f.__name__: f for f in (devices, device_put, device_put_all, types_and_trivial, jit_elementwise, jit_matmul,
-                            jit_reductions, mlp_grad, vmap, loops, random, psum, layouts, compiled_analysis, move,
+                            jit_reductions, linalg, mlp_grad, vmap, loops, random, psum, layouts, compiled_analysis, move,
                             donation, deletion, train_optax, flax_model, concurrent)}
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 from jax._src import core, distributed, xla_bridge
 from jax._src.interpreters import mlir, pxla
+from jax._src.lax import linalg
 from jax._src.lib import _jax, xla_client
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
@@ -27,7 +28,7 @@ from pathways.errors import ConnectError
 SUPPORTED = ((0, 9), (0, 13))
 
 __all__ = ["GSPMDSharding", "core", "distributed", "hlo", "ir", "mlir", "pxla", "xla_bridge", "xla_client", "_jax",
-           "SUPPORTED", "check_version", "array_result_handler", "gloo_cpu_client"]
+           "SUPPORTED", "check_version", "array_result_handler", "gloo_cpu_client", "initialize_cpu_kernels"]
 
 
 def _release(version: str) -> tuple[int, ...]:
@@ -67,3 +68,12 @@ def gloo_cpu_client(hostname: str) -> Any:
     collectives = _jax.make_gloo_tcp_collectives(distributed_client=distributed.global_state.client,
                                                  hostname=hostname)
     return xla_bridge.make_cpu_client(collectives)
+
+
+def initialize_cpu_kernels() -> None:
+    """Resolve the LAPACK routines behind jaxlib's CPU kernels of linear algebra (LU, QR,
+    Cholesky, eigen- and singular-value decompositions, ...). JAX resolves them as it lowers
+    such an operation or calls an exported function; a worker compiling StableHLO it was
+    sent does neither, and an executable calling an unresolved one jumps to a null address
+    (SIGSEGV). Idempotent; the first call imports SciPy's LAPACK (about 0.3 s)."""
+    linalg.initialize_lapack()

@@ -24,8 +24,8 @@ from pathways.ir import Device, Layout
 from pathways.protocol.messages import MEMORY_STATS, Analysis
 from pathways.timeline import function_label
 from pathways.worker.compile_cache import CompileCache, digest
-from pathways.worker.jax_private import (GSPMDSharding, _jax, array_result_handler, core, hlo, ir, mlir, xla_bridge,
-                                         xla_client)
+from pathways.worker.jax_private import (GSPMDSharding, _jax, array_result_handler, core, hlo,
+                                         initialize_cpu_kernels, ir, mlir, xla_bridge, xla_client)
 from pathways.worker.shared_arrays import shareable
 from pathways.wire.codec import WIRE_DTYPES, dtype_of_name
 
@@ -266,6 +266,8 @@ def _given(query: Callable[[], Any]) -> Any:
 
 def _compile_and_load(artifact: bytes, compile_options: Any, jax_devices: tuple, cache: Optional[CompileCache]) -> Any:
     backend = xla_bridge.get_backend()
+    if backend.platform == "cpu":
+        initialize_cpu_kernels()
     device_list = xla_client.DeviceList(jax_devices)
     if cache is None:
         return backend.compile_and_load(artifact, device_list, compile_options)
