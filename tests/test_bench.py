@@ -163,7 +163,10 @@ def check_conduct(d):
     assert r["hinted"]
     assert all(rate_ok(r[k][mode]) for k in ("planning_seconds", "solve_seconds") for mode in ("warm", "cold"))
     assert r["ratio"] == r["planning_seconds"]["warm"]["median"] / r["planning_seconds"]["cold"]["median"]
-    if all(p["optimal"] for p in r["warm"] + r["cold"]):
+    assert r["all_optimal"] == all(p["optimal"] for p in r["warm"] + r["cold"])
+    gaps = [abs(w["predicted_seconds"] / c["predicted_seconds"] - 1) for w, c in zip(r["warm"], r["cold"])]
+    assert math.isclose(r["cost_gap"], max(gaps), rel_tol=1e-6, abs_tol=1e-12), (r["cost_gap"], gaps)
+    if r["all_optimal"]:
         assert r["same_cost"], "re-planning found a costlier plan than planning from scratch"
     assert isinstance(r["plan_changed"], bool) and r["flops_scale"] > 0
 

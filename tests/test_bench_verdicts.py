@@ -26,7 +26,8 @@ MISSING = {
     assembly: {"loopback": {"assembled": stats([10.0]), "serving": stats([11.0])}, "netns": {"skipped": "no root"}},
     conduct: {"best_baseline": "data parallel", "ratio_to_best": 2.0, "targets": {"step": 1.05, "replan": 0.2},
               "replan": {"ratio": 0.9, "planning_seconds": {"warm": stats([0.9]), "cold": stats([1.0])},
-                         "hinted": True, "same_cost": True, "plan_changed": False}},
+                         "hinted": True, "same_cost": True, "cost_gap": 0.0, "all_optimal": True,
+                         "plan_changed": False}},
 }
 
 
