@@ -103,15 +103,22 @@ def groups(graph: ProgramGraph, keys: Mapping[int, Hashable]) -> list[Group]:
         members[target].append(i)
         mask[target] |= 1 << i
         group_anc[target] |= a
+    return _described(graph, members, group_of, readers)
 
-    out = []
+
+def _described(graph: ProgramGraph, members: list[list[int]], group_of: list[int],
+               readers: dict[int, list[int]]) -> list[Group]:
+    """The groups whose nodes ``members`` lists (some lists emptied by merges), each with the
+    values it reads from outside and those it computes for the outside, ordered by their
+    first node."""
+    out, outputs = [], set(graph.outputs)
     for g, ms in enumerate(members):
         if not ms:
             continue
         ms.sort()
-        computed = {v for j in ms for v in nodes[j].outs}
-        ins = dict.fromkeys(v for j in ms for v in nodes[j].ins if v not in computed)
-        outs = tuple(v for j in ms for v in nodes[j].outs
+        computed = {v for j in ms for v in graph.nodes[j].outs}
+        ins = dict.fromkeys(v for j in ms for v in graph.nodes[j].ins if v not in computed)
+        outs = tuple(v for j in ms for v in graph.nodes[j].outs
                      if v in outputs or any(group_of[r] != g for r in readers.get(v, ())))
         out.append(Group(tuple(ms), tuple(ins), outs))
     out.sort(key=lambda grp: grp.nodes[0])

@@ -402,6 +402,7 @@ def _constant(v: Any, depends: set, producer: dict, order: dict, consts: dict) -
 
 
 def _match_attention(final: Any, producer: dict, order: dict, depends: set, consts: dict):
+    """Attention ending at ``final`` (probs @ v): (Attention, the equations it spans), or None."""
     region: list = [final]
 
     def prod(v: Any, *names: str) -> Optional[Any]:
@@ -418,7 +419,36 @@ def _match_attention(final: Any, producer: dict, order: dict, depends: set, cons
     p_shape = _shape(probs)
     if len(pc) != 1 or pc[0] != len(p_shape) - 1 or list(pb) != list(range(len(pb))) or len(p_shape) != len(pb) + 2:
         return None
-    # probs = e / broadcast(reduce_sum(e, last))
+    x_var = _match_softmax(probs, prod, const, region)
+    scaled = None if x_var is None else _match_scale_and_mask(x_var, prod, const, region)
+    if scaled is None:
+        return None
+    cur, scale, causal = scaled
+    scores = prod(cur, "dot_general")
+    if scores is None:
+        return None
+    region.append(scores)
+    (qc, kc), (qb, kb) = scores.params["dimension_numbers"]
+    q, k = scores.invars
+    qs, ks, vs = _shape(q), _shape(k), _shape(v)
+    nb = len(pb)
+    if len(qc) != 1 or len(qs) != nb + 2 or len(ks) != nb + 2 or len(vs) != nb + 2 or len(vb) != nb:
+        return None
+    q_free = next(d for d in range(len(qs)) if d not in qc and d not in qb)
+    k_free = next(d for d in range(len(ks)) if d not in kc and d not in kb)
+    v_free = next(d for d in range(len(vs)) if d not in vc and d not in vb)
+    attention = Attention(q=q, q_perm=tuple(qb) + (q_free, qc[0]), k=k, k_perm=tuple(kb) + (k_free, kc[0]),
+                          v=final.invars[1], v_perm=tuple(vb) + (vc[0], v_free), batch=tuple(qs[d] for d in qb),
+                          q_len=qs[q_free], kv_len=ks[k_free], head_dim=qs[qc[0]], value_dim=vs[v_free],
+                          causal=causal, scale=scale)
+    return attention, region
+
+
+def _match_softmax(probs: Any, prod: Callable, const: Callable, region: list) -> Optional[Any]:
+    """The scores ``x`` of ``probs`` = softmax(x) over the last axis, written as
+    e / broadcast(reduce_sum(e)) with e = exp(x - broadcast(reduce_max(x))) (the max maybe
+    under stop_gradient, or clamped from below by -inf), its equations appended to
+    ``region``; None where ``probs`` is not that."""
     div = prod(probs, "div")
     if div is None:
         return None
@@ -447,12 +477,19 @@ def _match_attention(final: Any, producer: dict, order: dict, depends: set, cons
                 (c := const(u)) is not None and np.all(np.isneginf(c)) for u in e.invars):
             return None
     region += [*chain[1], chain[0]]
-    # x = scores, scaled and masked in any order
+    return x_var
+
+
+def _match_scale_and_mask(x_var: Any, prod: Callable, const: Callable,
+                          region: list) -> Optional[tuple[Any, float, bool]]:
+    """Scores ``x_var`` scaled by constants and masked (all-true, or causal once), in any
+    order: (the unscaled scores, the scale, whether causal), the equations appended to
+    ``region``; None where another operation or mask is in the way."""
     scale, causal, cur = 1.0, False, x_var
     while True:
         e = prod(cur, "mul", "div", "select_n", "convert_element_type")
         if e is None:
-            break
+            return cur, scale, causal
         name = e.primitive.name
         if name == "convert_element_type":
             cur = e.invars[0]
@@ -473,35 +510,12 @@ def _match_attention(final: Any, producer: dict, order: dict, depends: set, cons
                 return None
             mask = np.broadcast_to(mask, _shape(e.invars[2]))
             q_len, kv_len = mask.shape[-2:]
-            tril = np.tril(np.ones((q_len, kv_len), bool))
-            if np.all(mask):
-                pass
-            elif q_len == kv_len and np.all(mask == tril):
-                if causal:
+            if not np.all(mask):
+                if causal or q_len != kv_len or not np.all(mask == np.tril(np.ones((q_len, kv_len), bool))):
                     return None
                 causal = True
-            else:
-                return None
             cur = e.invars[2]
         region.append(e)
-    scores = prod(cur, "dot_general")
-    if scores is None:
-        return None
-    region.append(scores)
-    (qc, kc), (qb, kb) = scores.params["dimension_numbers"]
-    q, k = scores.invars
-    qs, ks, vs = _shape(q), _shape(k), _shape(v)
-    nb = len(pb)
-    if len(qc) != 1 or len(qs) != nb + 2 or len(ks) != nb + 2 or len(vs) != nb + 2 or len(vb) != nb:
-        return None
-    q_free = next(d for d in range(len(qs)) if d not in qc and d not in qb)
-    k_free = next(d for d in range(len(ks)) if d not in kc and d not in kb)
-    v_free = next(d for d in range(len(vs)) if d not in vc and d not in vb)
-    attention = Attention(q=q, q_perm=tuple(qb) + (q_free, qc[0]), k=k, k_perm=tuple(kb) + (k_free, kc[0]),
-                          v=final.invars[1], v_perm=tuple(vb) + (vc[0], v_free), batch=tuple(qs[d] for d in qb),
-                          q_len=qs[q_free], kv_len=ks[k_free], head_dim=qs[qc[0]], value_dim=vs[v_free],
-                          causal=causal, scale=scale)
-    return attention, region
 
 
 def _over_last_axis(reduction: Any) -> bool:

@@ -17,7 +17,7 @@ from typing import Mapping
 
 from pathways.controller.transfers import plan
 from pathways.errors import WireError
-from pathways.ir import Layout, ProgramGraph
+from pathways.ir import Layout, Node, ProgramGraph
 from pathways.protocol.ops import Op
 
 
@@ -61,45 +61,70 @@ def lower(graph: ProgramGraph, fns: Mapping[int, FnLayouts], input_layouts: Mapp
     only and are removed from the store as they are loaded. ``sequential`` adds the gates
     of sequential dispatch.
     """
-    ops: dict[int, list[list]] = defaultdict(list)
-    home: dict[int, Layout] = {}
-    copy_of: dict[tuple[int, Layout], int] = {}
-    in_store: set[int] = set()  # values that reach a worker through the object store
-    loaded: set[tuple[int, int]] = set()
-    outputs = set(graph.outputs)
-    transfers: list[tuple[int, int, int]] = []
-    senders_to: dict[tuple[int, int], list[int]] = {}  # (copy, receiver) -> the workers pushing it there
-    next_copy = graph.nvalues
-    producer: dict[int, int] = {}  # value -> index of the node computing it
-    preds: dict[int, tuple[int, ...]] = {}
-    steps: dict[int, tuple[int, ...]] = {}
-    waits: dict[int, list[int]] = defaultdict(list)
-    node_index = -1
+    return _Lowering(graph, fns, input_layouts, sequential).lowered()
 
-    def emit(worker: int, op: list) -> None:
-        if sequential and preds[node_index] and worker not in waits[node_index]:
-            waits[node_index].append(worker)
-            ops[worker].append([Op.AWAIT, node_index])
-        ops[worker].append(op)
 
-    for v in graph.inputs:
-        if v not in input_layouts:
-            raise WireError(f"program input {v} has no location")
-        home[v] = input_layouts[v]
-        copy_of[(v, home[v])] = v
-        in_store.add(v)
+class _Lowering:
+    """The state of one ``lower``: each worker's ops so far, where each value (and each copy
+    of it in another layout) lives, and the transfers that make the copies."""
 
-    def load(worker: int, v: int) -> None:
-        if v in in_store and (worker, v) not in loaded:
+    def __init__(self, graph: ProgramGraph, fns: Mapping[int, FnLayouts], input_layouts: Mapping[int, Layout],
+                 sequential: bool) -> None:
+        self.graph, self.fns, self.sequential = graph, fns, sequential
+        self.ops: dict[int, list[list]] = defaultdict(list)
+        self.home: dict[int, Layout] = {}
+        self.copy_of: dict[tuple[int, Layout], int] = {}
+        self.in_store: set[int] = set()  # values that reach a worker through the object store
+        self.loaded: set[tuple[int, int]] = set()
+        self.outputs = set(graph.outputs)
+        self.transfers: list[tuple[int, int, int]] = []
+        self.senders_to: dict[tuple[int, int], list[int]] = {}  # (copy, receiver) -> the workers pushing it there
+        self.next_copy = graph.nvalues
+        self.producer: dict[int, int] = {}  # value -> index of the node computing it
+        self.preds: dict[int, tuple[int, ...]] = {}
+        self.steps: dict[int, tuple[int, ...]] = {}
+        self.waits: dict[int, list[int]] = defaultdict(list)
+        self.node_index = -1
+        for v in graph.inputs:
+            if v not in input_layouts:
+                raise WireError(f"program input {v} has no location")
+            self.home[v] = input_layouts[v]
+            self.copy_of[(v, self.home[v])] = v
+            self.in_store.add(v)
+
+    def lowered(self) -> Lowered:
+        for self.node_index, node in enumerate(self.graph.nodes):
+            self._node(node)
+        gates = None
+        if self.sequential:
+            succs: dict[int, list[int]] = defaultdict(list)
+            for n, ps in self.preds.items():
+                for p in ps:
+                    succs[p].append(n)
+            gates = Gates(self.preds, {n: tuple(ss) for n, ss in succs.items()}, self.steps,
+                          {n: tuple(ws) for n, ws in self.waits.items()})
+        return Lowered({w: _with_drops(stream) for w, stream in self.ops.items()},
+                       self.next_copy - self.graph.nvalues, {v: self.home[v] for v in self.outputs},
+                       tuple(self.transfers), gates)
+
+    def _emit(self, worker: int, op: list) -> None:
+        n = self.node_index
+        if self.sequential and self.preds[n] and worker not in self.waits[n]:
+            self.waits[n].append(worker)
+            self.ops[worker].append([Op.AWAIT, n])
+        self.ops[worker].append(op)
+
+    def _load(self, worker: int, v: int) -> None:
+        if v in self.in_store and (worker, v) not in self.loaded:
             # a copy names its senders: its receiver takes it from them only (an input: none)
-            emit(worker, [Op.IN, v, senders_to.get((v, worker), [])])
-            loaded.add((worker, v))
+            self._emit(worker, [Op.IN, v, self.senders_to.get((v, worker), [])])
+            self.loaded.add((worker, v))
 
-    def materialize(v: int, want: Layout) -> int:
-        nonlocal next_copy
-        if (v, want) in copy_of:
-            return copy_of[(v, want)]
-        src_layout = home[v]
+    def _materialize(self, v: int, want: Layout) -> int:
+        """The value (``v`` or a copy of it) holding ``v`` in layout ``want``."""
+        if (v, want) in self.copy_of:
+            return self.copy_of[(v, want)]
+        src_layout = self.home[v]
         if src_layout.unreduced or want.unreduced:
             # a move copies a block from any device holding it, which is right for
             # replicas only: partial values would be dropped or counted again
@@ -107,66 +132,61 @@ def lower(graph: ProgramGraph, fns: Mapping[int, FnLayouts], input_layouts: Mapp
                             f"to one with {list(want.unreduced)}, which would lose or repeat its partial values; "
                             "reduce it first (jax.sharding.reshard to a sharding without unreduced axes), or "
                             "use it on the devices and sharding that hold it")
-        src = copy_of[(v, src_layout)]
-        dst = next_copy
-        next_copy += 1
+        src = self.copy_of[(v, src_layout)]
+        dst = self.next_copy
+        self.next_copy += 1
         if src_layout.workers == want.workers and not want.multi_host:
-            load(want.workers[0], src)
-            emit(want.workers[0], [Op.RESHARD, src, dst, want.to_wire()])
+            self._load(want.workers[0], src)
+            self._emit(want.workers[0], [Op.RESHARD, src, dst, want.to_wire()])
         else:
-            routes = plan(graph.shape(v), src_layout, want)
-            senders_of: dict[int, int] = defaultdict(int)
-            for route in routes:
-                senders_of[route.receiver] += 1
-            by_sender: dict[int, list] = defaultdict(list)
-            for route in routes:
-                by_sender[route.sender].append(
-                    [route.receiver, senders_of[route.receiver],
-                     [[x for bounds in region for x in bounds] for region in route.regions]])
-                transfers.append((route.sender, route.receiver, dst))
-                senders_to.setdefault((dst, route.receiver), []).append(route.sender)
-            for sender, sends in by_sender.items():
-                load(sender, src)
-                emit(sender, [Op.SEND, src, dst, want.to_wire(), sends])
-            in_store.add(dst)
-        copy_of[(v, want)] = dst
+            self._send(v, src, dst, src_layout, want)
+        self.copy_of[(v, want)] = dst
         return dst
 
-    for node_index, node in enumerate(graph.nodes):
-        fn = fns.get(node.fn)
+    def _send(self, v: int, src: int, dst: int, src_layout: Layout, want: Layout) -> None:
+        """Copy ``dst`` of value ``v`` in layout ``want``, sent from ``src`` by the workers
+        holding the blocks each receiver needs."""
+        routes = plan(self.graph.shape(v), src_layout, want)
+        senders_of: dict[int, int] = defaultdict(int)
+        for route in routes:
+            senders_of[route.receiver] += 1
+        by_sender: dict[int, list] = defaultdict(list)
+        for route in routes:
+            by_sender[route.sender].append(
+                [route.receiver, senders_of[route.receiver],
+                 [[x for bounds in region for x in bounds] for region in route.regions]])
+            self.transfers.append((route.sender, route.receiver, dst))
+            self.senders_to.setdefault((dst, route.receiver), []).append(route.sender)
+        for sender, sends in by_sender.items():
+            self._load(sender, src)
+            self._emit(sender, [Op.SEND, src, dst, want.to_wire(), sends])
+        self.in_store.add(dst)
+
+    def _node(self, node: Node) -> None:
+        fn = self.fns.get(node.fn)
         if fn is None:
             raise WireError(f"program calls unknown compiled function {node.fn}")
         if len(fn.ins) != len(node.ins) or len(fn.outs) != len(node.outs):
             raise WireError(
                 f"node of function {node.fn} has {len(node.ins)} inputs and {len(node.outs)} "
                 f"outputs; the function takes {len(fn.ins)} and returns {len(fn.outs)}")
-        preds[node_index] = tuple(sorted({producer[v] for v in node.ins if v in producer}))
-        args = [materialize(v, layout) for v, layout in zip(node.ins, fn.ins)]
+        n = self.node_index
+        self.preds[n] = tuple(sorted({self.producer[v] for v in node.ins if v in self.producer}))
+        args = [self._materialize(v, layout) for v, layout in zip(node.ins, fn.ins)]
         for w in fn.workers:
             for a in args:
-                load(w, a)
-            emit(w, [Op.EXEC, node.fn, args, list(node.outs)])
-            if sequential:
-                emit(w, [Op.STEP, node_index, list(node.outs)])
-        steps[node_index] = fn.workers
+                self._load(w, a)
+            self._emit(w, [Op.EXEC, node.fn, args, list(node.outs)])
+            if self.sequential:
+                self._emit(w, [Op.STEP, n, list(node.outs)])
+        self.steps[n] = fn.workers
         for v, layout in zip(node.outs, fn.outs):
-            producer[v] = node_index
-            home[v] = layout
-            copy_of[(v, layout)] = v
-            if v in outputs:
+            self.producer[v] = n
+            self.home[v] = layout
+            self.copy_of[(v, layout)] = v
+            if v in self.outputs:
                 for w in fn.workers:
-                    emit(w, [Op.OUT, v])
-
-    gates = None
-    if sequential:
-        succs: dict[int, list[int]] = defaultdict(list)
-        for n, ps in preds.items():
-            for p in ps:
-                succs[p].append(n)
-        gates = Gates(preds, {n: tuple(ss) for n, ss in succs.items()}, steps,
-                      {n: tuple(ws) for n, ws in waits.items()})
-    return Lowered({w: _with_drops(stream) for w, stream in ops.items()},
-                   next_copy - graph.nvalues, {v: home[v] for v in outputs}, tuple(transfers), gates)
+                    self._emit(w, [Op.OUT, v])
 
 
 def _reads(op: list) -> list[int]:

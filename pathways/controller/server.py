@@ -307,100 +307,7 @@ class ControllerServer:
         one, carrying the token, within HELLO_SECONDS, else the connection is refused. A
         worker silent for the heartbeat timeout has its connection dropped and is lost as
         silent."""
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        peer = writer.get_extra_info("peername")
-        conn = WorkerConn(streams.LoopOutbox())
-        greeted = self._attach_security.token is None
-        beats = Heartbeats(self.heartbeat_timeout)
-        silence: list[float] = []  # how long the worker was silent, once given up for it
-        cut: list[str] = []  # the error that ended the connection, or why silence did, if either did
-
-        def tcp_state() -> Optional[TcpState]:
-            if conn.worker < 0:
-                return None  # a stranger has no work to be slow at: its silence alone ends it
-            return tcp.tcp_state(sock) if sock is not None else None
-
-        def on_slow(seconds: float) -> None:
-            if conn.silent is None:
-                log.warning("worker %d (%s) sent nothing for %.1f s, more than the heartbeat timeout of %g s, but "
-                            "its host still acknowledges: slow (starved of CPU, busy or stopped), not lost",
-                            conn.worker, peer, seconds, beats.timeout)
-            conn.silent = seconds
-
-        def on_lost(seconds: float, why: Optional[str]) -> None:
-            silence.append(seconds)
-            if why is not None:
-                cut.append(why)
-            log.warning("worker %d (%s) sent nothing for %.1f s, more than the heartbeat timeout of %g s%s: "
-                        "dropping its connection", conn.worker, peer, seconds, beats.timeout,
-                        f", and {why}" if why else "")
-            writer.transport.abort()  # a frozen peer would never take what is buffered for it
-
-        keepalive = _Keepalive(beats, conn.outbox, tcp_state, on_slow, on_lost)
-        if greeted:
-            keepalive.schedule()
-
-        async def read() -> Optional[bytes]:
-            nonlocal greeted
-            limit = MAX_MESSAGE_BYTES if conn.worker >= 0 else UNREGISTERED_FRAME_BYTES
-            try:
-                while True:
-                    if greeted:
-                        payload = await frames.read_frame(reader, limit, FRAME_SECONDS, beats.heard)
-                    else:
-                        payload = await asyncio.wait_for(frames.read_frame(reader, limit, FRAME_SECONDS, beats.heard),
-                                                         sec.HELLO_SECONDS)
-                    if payload is None or conn.worker >= 0:
-                        return payload
-                    header = _header(payload)
-                    if greeted and not sec.is_hello(header):
-                        return payload  # no token required, and no hello: the stream's first batch
-                    refused = sec.refusal_of(self._attach_security, header, "controller", sec.attach_refusal())
-                    writer.write(sec.answer(refused))  # a whole frame
-                    await writer.drain()
-                    if refused is not None:
-                        if refused_so_far := self._refused_attaches.add():
-                            log.warning("refused a worker connection from %s: it did not give the worker token "
-                                        "(%d refused so far)", peer, refused_so_far)
-                        return None
-                    greeted = True
-                    keepalive.schedule()
-            except asyncio.TimeoutError:
-                if refused_so_far := self._refused_attaches.add():
-                    log.warning("closing the worker connection from %s: it did not greet within %g s (%d refused "
-                                "so far)", peer, sec.HELLO_SECONDS, refused_so_far)
-            except WireError as e:
-                log.warning("closing the worker connection from %s (worker %d): %s", peer, conn.worker, e)
-            except OSError as e:  # reset by the peer; worker_lost says so
-                log.info("the worker connection from %s (worker %d) ended: %s", peer, conn.worker, e)
-                cut.append(f"{type(e).__name__}: {e}")
-            return None
-
-        async def send(payload: bytes) -> None:
-            await frames.write_frame(writer, payload)
-            beats.sent()
-
-        def on_payload(payload: bytes) -> None:
-            if conn.silent is not None:
-                log.info("worker %d (%s) answers again after more than %.1f s of silence", conn.worker, peer,
-                         conn.silent)
-                conn.silent = None
-            self.core.on_worker_batch(conn, payload)
-            if conn.heartbeat is not None and conn.heartbeat != beats.peer_timeout:
-                beats.learn(conn.heartbeat)  # the worker's heartbeats said how often it needs ours
-                keepalive.schedule()
-
-        try:
-            await self._stream(read, send, conn.outbox, on_payload,
-                               lambda: self.core.worker_lost(conn, silence[0] if silence else None,
-                                                             cut[0] if cut else None))
-        finally:
-            keepalive.stop()
-            writer.close()  # after what is buffered: the worker sees a clean end
-            with contextlib.suppress(Exception):  # a reset peer, or the loop stopping
-                await asyncio.wait_for(writer.wait_closed(), _DRAIN_SECONDS)
+        await _WorkerStream(self, reader, writer).serve()
 
     async def attach_address(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """Where workers attach: ``{"address": "tcp://HOST:PORT", "port": PORT}``. A worker
@@ -464,6 +371,114 @@ class ControllerServer:
                 "AttachAddress": rpc.unary_unary(self.attach_address),
                 "Status": rpc.unary_unary(self.status), "Measure": rpc.unary_unary(self.measure),
                 "Retire": rpc.unary_unary(self.retire)}
+
+
+class _WorkerStream:
+    """One worker's connection to the controller (ControllerServer.attach): its greeting,
+    its heartbeats both ways, and what ended it."""
+
+    def __init__(self, server: "ControllerServer", reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter) -> None:
+        self.server, self.reader, self.writer = server, reader, writer
+        self.sock = writer.get_extra_info("socket")
+        if self.sock is not None:
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.peer = writer.get_extra_info("peername")
+        self.conn = WorkerConn(streams.LoopOutbox())
+        self.greeted = server._attach_security.token is None
+        self.beats = Heartbeats(server.heartbeat_timeout)
+        self.silence: list[float] = []  # how long the worker was silent, once given up for it
+        self.cut: list[str] = []  # the error that ended the connection, or why silence did, if either did
+        self.keepalive = _Keepalive(self.beats, self.conn.outbox, self._tcp_state, self._on_slow, self._on_lost)
+        if self.greeted:
+            self.keepalive.schedule()
+
+    async def serve(self) -> None:
+        conn, core = self.conn, self.server.core
+        try:
+            await self.server._stream(self._read, self._send, conn.outbox, self._on_payload,
+                                      lambda: core.worker_lost(conn, self.silence[0] if self.silence else None,
+                                                               self.cut[0] if self.cut else None))
+        finally:
+            self.keepalive.stop()
+            self.writer.close()  # after what is buffered: the worker sees a clean end
+            with contextlib.suppress(Exception):  # a reset peer, or the loop stopping
+                await asyncio.wait_for(self.writer.wait_closed(), _DRAIN_SECONDS)
+
+    def _tcp_state(self) -> Optional[TcpState]:
+        if self.conn.worker < 0:
+            return None  # a stranger has no work to be slow at: its silence alone ends it
+        return tcp.tcp_state(self.sock) if self.sock is not None else None
+
+    def _on_slow(self, seconds: float) -> None:
+        if self.conn.silent is None:
+            log.warning("worker %d (%s) sent nothing for %.1f s, more than the heartbeat timeout of %g s, but "
+                        "its host still acknowledges: slow (starved of CPU, busy or stopped), not lost",
+                        self.conn.worker, self.peer, seconds, self.beats.timeout)
+        self.conn.silent = seconds
+
+    def _on_lost(self, seconds: float, why: Optional[str]) -> None:
+        self.silence.append(seconds)
+        if why is not None:
+            self.cut.append(why)
+        log.warning("worker %d (%s) sent nothing for %.1f s, more than the heartbeat timeout of %g s%s: "
+                    "dropping its connection", self.conn.worker, self.peer, seconds, self.beats.timeout,
+                    f", and {why}" if why else "")
+        self.writer.transport.abort()  # a frozen peer would never take what is buffered for it
+
+    async def _read(self) -> Optional[bytes]:
+        conn, peer, refusals = self.conn, self.peer, self.server._refused_attaches
+        limit = MAX_MESSAGE_BYTES if conn.worker >= 0 else UNREGISTERED_FRAME_BYTES
+        try:
+            while True:
+                frame = frames.read_frame(self.reader, limit, FRAME_SECONDS, self.beats.heard)
+                payload = await (frame if self.greeted else asyncio.wait_for(frame, sec.HELLO_SECONDS))
+                if payload is None or conn.worker >= 0:
+                    return payload
+                header = _header(payload)
+                if self.greeted and not sec.is_hello(header):
+                    return payload  # no token required, and no hello: the stream's first batch
+                if not await self._greet(header):
+                    return None
+        except asyncio.TimeoutError:
+            if refused_so_far := refusals.add():
+                log.warning("closing the worker connection from %s: it did not greet within %g s (%d refused "
+                            "so far)", peer, sec.HELLO_SECONDS, refused_so_far)
+        except WireError as e:
+            log.warning("closing the worker connection from %s (worker %d): %s", peer, conn.worker, e)
+        except OSError as e:  # reset by the peer; worker_lost says so
+            log.info("the worker connection from %s (worker %d) ended: %s", peer, conn.worker, e)
+            self.cut.append(f"{type(e).__name__}: {e}")
+        return None
+
+    async def _greet(self, hello: Any) -> bool:
+        """Answer a hello; whether it was admitted (with the worker token, where one is required)."""
+        refused = sec.refusal_of(self.server._attach_security, hello, "controller", sec.attach_refusal())
+        self.writer.write(sec.answer(refused))  # a whole frame
+        await self.writer.drain()
+        if refused is not None:
+            if refused_so_far := self.server._refused_attaches.add():
+                log.warning("refused a worker connection from %s: it did not give the worker token "
+                            "(%d refused so far)", self.peer, refused_so_far)
+            return False
+        self.greeted = True
+        self.keepalive.schedule()
+        return True
+
+    async def _send(self, payload: bytes) -> None:
+        await frames.write_frame(self.writer, payload)
+        self.beats.sent()
+
+    def _on_payload(self, payload: bytes) -> None:
+        conn = self.conn
+        if conn.silent is not None:
+            log.info("worker %d (%s) answers again after more than %.1f s of silence", conn.worker, self.peer,
+                     conn.silent)
+            conn.silent = None
+        self.server.core.on_worker_batch(conn, payload)
+        if conn.heartbeat is not None and conn.heartbeat != self.beats.peer_timeout:
+            self.beats.learn(conn.heartbeat)  # the worker's heartbeats said how often it needs ours
+            self.keepalive.schedule()
 
 
 def _header(payload: bytes) -> object:
@@ -576,3 +591,4 @@ async def _stop_ifrt(server: FrontEnd) -> None:
                     _IFRT_STOP_SECONDS)
     except Exception:  # the controller must stop whatever the front end does
         log.exception("stopping the IFRT proxy server failed")
+

@@ -448,9 +448,28 @@ def _link_classes(problem: _Problem) -> list[list[str]]:
 def _optimal(problem: _Problem, time_limit: float, previous: Schedule | None,
              began: float) -> tuple[dict[str, Placement], float, bool]:
     """The best schedule found, a proven lower bound on the optimum, and whether it is optimal."""
-    cp_model = sat.cp_model()
+    best_known = _starting_point(problem, previous)
+    upper = _serial_span(problem)
+    if best_known is not None:
+        upper = min(upper, max(p.end for p in best_known.values()))
+    scale = 1.0 / (_RESOLUTION * upper) if upper > 0 else 1.0  # upper 0: no task takes time
+    # Rounding moves a schedule's makespan by at most half a unit per duration and transfer
+    # on its critical path: the integer optimum is within the horizon.
+    n_terms = len(problem.order)
+    model = _TimedModel(problem, scale, round(upper * scale) + 2 * n_terms + 2)
+    model.add_transfers()
+    # What no schedule beats: the dependency chains and the total work, and the previous
+    # schedule's proven bound when this problem only restricts that one. A float bound L
+    # allows no integer makespan below L * scale - n_terms (rounding again).
+    floor = problem.lower_bound()
+    if previous is not None and _restricts(problem, previous):
+        floor = max(floor, previous.lower_bound)
+    model.minimize_makespan(max(0, math.floor(floor * scale) - n_terms))
+    return model.solve(best_known, time_limit, began, floor)
 
-    # Starting points: HEFT, and the previous schedule carried over; the best bounds the horizon.
+
+def _starting_point(problem: _Problem, previous: Schedule | None) -> dict[str, Placement] | None:
+    """The better of HEFT's schedule and the previous one carried over (None: neither fits)."""
     starts_from = []
     try:
         starts_from.append(_heft(problem))
@@ -460,142 +479,164 @@ def _optimal(problem: _Problem, time_limit: float, previous: Schedule | None,
         carried = _carry_over(problem, previous)
         if carried is not None:
             starts_from.append(carried)
-    best_known = min(starts_from, key=lambda pl: max(p.end for p in pl.values()), default=None)
+    return min(starts_from, key=lambda pl: max(p.end for p in pl.values()), default=None)
 
-    order, dur, preds = problem.order, problem.durations, problem.preds
-    # Running the tasks one at a time in topological order, each after the slowest transfer
-    # of its inputs, is a schedule for any feasible assignment: no optimum ends later.
+
+def _serial_span(problem: _Problem) -> float:
+    """Running the tasks one at a time in topological order, each after the slowest transfer
+    of its inputs, is a schedule for any feasible assignment: no optimum ends later."""
+    dur, preds = problem.durations, problem.preds
     pairs = [problem.link(a, b) for a in problem.devices for b in problem.devices
              if a != b and problem.linked(a, b)]
     worst_latency = max((lk.latency for lk in pairs), default=0.0)
     worst_bandwidth = min((lk.bandwidth for lk in pairs), default=math.inf)
-    serial = math.fsum(max(dur[t].values()) + max((worst_latency + b / worst_bandwidth for b in preds[t].values()),
-                                                  default=0.0) for t in order)
-    upper = serial if best_known is None else min(serial, max(p.end for p in best_known.values()))
-    scale = 1.0 / (_RESOLUTION * upper) if upper > 0 else 1.0  # upper 0: no task takes time
+    return math.fsum(max(dur[t].values()) + max((worst_latency + b / worst_bandwidth for b in preds[t].values()),
+                                                default=0.0) for t in problem.order)
 
-    def units(seconds: float) -> int:
-        return int(round(seconds * scale))
 
-    # Rounding moves a schedule's makespan by at most half a unit per duration and transfer
-    # on its critical path: the integer optimum is within the horizon.
-    n_terms = len(order)
-    horizon = units(upper) + 2 * n_terms + 2
-    cp = cp_model.CpModel()
-    start = {t: cp.new_int_var(0, horizon, f"start_{t}") for t in order}
-    end = {t: cp.new_int_var(0, horizon, f"end_{t}") for t in order}
-    x: dict[tuple[str, str], object] = {}
-    on_device: dict[str, list[object]] = {d: [] for d in problem.devices}
-    position = {d: k for k, d in enumerate(problem.devices)}
-    device_of = {}
-    for t in order:
-        for d, seconds in dur[t].items():
-            x[t, d] = cp.new_bool_var(f"on_{t}_{d}")
-            on_device[d].append(cp.new_optional_fixed_size_interval_var(start[t], units(seconds), x[t, d],
-                                                                         f"run_{t}_{d}"))
-        cp.add_exactly_one(x[t, d] for d in dur[t])
-        cp.add(end[t] == start[t] + sum(units(s) * x[t, d] for d, s in dur[t].items()))
-        device_of[t] = sum(position[d] * x[t, d] for d in dur[t])
-    for d, intervals in on_device.items():
-        if len(intervals) > 1:
-            cp.add_no_overlap(intervals)
-        tasks_here = [t for t in order if d in dur[t]]
-        memory = problem.topology.device(d).memory_bytes
-        if sum(problem.tasks[t].memory_bytes for t in tasks_here) > memory:
-            cp.add(sum(problem.tasks[t].memory_bytes * x[t, d] for t in tasks_here) <= memory)
+class _TimedModel:
+    """The CP-SAT model of ``problem`` in integer time units (``scale`` per second, up to
+    ``horizon``): each task's start and end, a Boolean per (task, eligible device) saying it
+    runs there, the tasks of a device never overlapping and within its memory."""
 
-    classes = _link_classes(problem)
-    class_of = {d: k for k, members in enumerate(classes) for d in members}
-    # The link from class ku to class kv: between any two distinct devices of them, all alike
-    # ("same device" for a one-device class to itself; None where there is no link).
-    between: dict[tuple[int, int], Link | str | None] = {}
-    for ku, mu in enumerate(classes):
-        for kv, mv in enumerate(classes):
-            if ku != kv:
-                between[ku, kv] = problem.link(mu[0], mv[0])
-            else:
-                between[ku, kv] = problem.link(mu[0], mu[1]) if len(mu) > 1 else "same device"
-    in_class: dict[tuple[str, int], object] = {}  # (task, class) -> Boolean: the task runs there
-    for t in order:
-        for k in sorted({class_of[d] for d in dur[t]}):
-            members = [x[t, d] for d in classes[k] if d in dur[t]]
-            if len(members) == 1:
-                in_class[t, k] = members[0]
-            else:
-                in_class[t, k] = cp.new_bool_var(f"class_{t}_{k}")
-                cp.add(in_class[t, k] == sum(members))
-    task_classes = {t: [k for k in range(len(classes)) if (t, k) in in_class] for t in order}
+    def __init__(self, problem: _Problem, scale: float, horizon: int) -> None:
+        self.cp_model = sat.cp_model()
+        self.problem, self.scale, self.horizon = problem, scale, horizon
+        order, dur = problem.order, problem.durations
+        cp = self.cp = self.cp_model.CpModel()
+        self.start = {t: cp.new_int_var(0, horizon, f"start_{t}") for t in order}
+        self.end = {t: cp.new_int_var(0, horizon, f"end_{t}") for t in order}
+        self.x: dict[tuple[str, str], object] = {}
+        self.device_of = {}  # task -> the position of its device (an integer expression)
+        on_device: dict[str, list[object]] = {d: [] for d in problem.devices}
+        position = {d: k for k, d in enumerate(problem.devices)}
+        for t in order:
+            for d, seconds in dur[t].items():
+                self.x[t, d] = cp.new_bool_var(f"on_{t}_{d}")
+                on_device[d].append(cp.new_optional_fixed_size_interval_var(
+                    self.start[t], self.units(seconds), self.x[t, d], f"run_{t}_{d}"))
+            cp.add_exactly_one(self.x[t, d] for d in dur[t])
+            cp.add(self.end[t] == self.start[t] + sum(self.units(s) * self.x[t, d] for d, s in dur[t].items()))
+            self.device_of[t] = sum(position[d] * self.x[t, d] for d in dur[t])
+        for d, intervals in on_device.items():
+            if len(intervals) > 1:
+                cp.add_no_overlap(intervals)
+            tasks_here = [t for t in order if d in dur[t]]
+            memory = problem.topology.device(d).memory_bytes
+            if sum(problem.tasks[t].memory_bytes for t in tasks_here) > memory:
+                cp.add(sum(problem.tasks[t].memory_bytes * self.x[t, d] for t in tasks_here) <= memory)
 
-    for u, v, nbytes in problem.edges:
-        cp.add(start[v] >= end[u])
-        same = None
-        if set(dur[u]) & set(dur[v]):
-            same = cp.new_bool_var(f"same_{u}_{v}")
-            cp.add(device_of[u] == device_of[v]).only_enforce_if(same)
-        for kv in task_classes[v]:
-            y = in_class[v, kv]
-            terms = []
-            for ku in task_classes[u]:
-                g, lk = in_class[u, ku], between[ku, kv]
-                if isinstance(lk, str):  # both on the one device of this class
-                    continue
-                if lk is None:  # no link: u must run elsewhere, or on v's very device
+    def units(self, seconds: float) -> int:
+        return int(round(seconds * self.scale))
+
+    def _in_classes(self) -> tuple[dict, dict[tuple[int, int], Link | str | None], dict[str, list[int]]]:
+        """Devices grouped into classes whose links are all alike: for each (task, class) the
+        Boolean saying the task runs there, the link between any two distinct devices of two
+        classes ("same device" for a one-device class to itself; None where there is none),
+        and each task's classes."""
+        problem, cp, dur = self.problem, self.cp, self.problem.durations
+        classes = _link_classes(problem)
+        class_of = {d: k for k, members in enumerate(classes) for d in members}
+        between: dict[tuple[int, int], Link | str | None] = {}
+        for ku, mu in enumerate(classes):
+            for kv, mv in enumerate(classes):
+                if ku != kv:
+                    between[ku, kv] = problem.link(mu[0], mv[0])
+                else:
+                    between[ku, kv] = problem.link(mu[0], mu[1]) if len(mu) > 1 else "same device"
+        in_class: dict[tuple[str, int], object] = {}
+        for t in problem.order:
+            for k in sorted({class_of[d] for d in dur[t]}):
+                members = [self.x[t, d] for d in classes[k] if d in dur[t]]
+                if len(members) == 1:
+                    in_class[t, k] = members[0]
+                else:
+                    in_class[t, k] = cp.new_bool_var(f"class_{t}_{k}")
+                    cp.add(in_class[t, k] == sum(members))
+        task_classes = {t: [k for k in range(len(classes)) if (t, k) in in_class] for t in problem.order}
+        return in_class, between, task_classes
+
+    def add_transfers(self) -> None:
+        """Each edge's consumer starts after its producer ends, plus the transfer between the
+        classes of their devices (none on the same device); no link: not on those two."""
+        problem, cp, dur = self.problem, self.cp, self.problem.durations
+        in_class, between, task_classes = self._in_classes()
+        for u, v, nbytes in problem.edges:
+            cp.add(self.start[v] >= self.end[u])
+            same = None
+            if set(dur[u]) & set(dur[v]):
+                same = cp.new_bool_var(f"same_{u}_{v}")
+                cp.add(self.device_of[u] == self.device_of[v]).only_enforce_if(same)
+            for kv in task_classes[v]:
+                y = in_class[v, kv]
+                terms = []
+                for ku in task_classes[u]:
+                    g, lk = in_class[u, ku], between[ku, kv]
+                    if isinstance(lk, str):  # both on the one device of this class
+                        continue
+                    if lk is None:  # no link: u must run elsewhere, or on v's very device
+                        if ku == kv and same is not None:
+                            cp.add_implication(g, same).only_enforce_if(y)
+                        else:
+                            cp.add_bool_or([~y, ~g])
+                        continue
+                    c = self.units(lk.latency + nbytes / lk.bandwidth)
+                    terms.append(c * g)
                     if ku == kv and same is not None:
-                        cp.add_implication(g, same).only_enforce_if(y)
-                    else:
-                        cp.add_bool_or([~y, ~g])
-                    continue
-                c = units(lk.latency + nbytes / lk.bandwidth)
-                terms.append(c * g)
-                if ku == kv and same is not None:
-                    terms.append(-c * same)  # on the same device: no transfer
-            if terms:
-                cp.add(start[v] >= end[u] + sum(terms)).only_enforce_if(y)
+                        terms.append(-c * same)  # on the same device: no transfer
+                if terms:
+                    cp.add(self.start[v] >= self.end[u] + sum(terms)).only_enforce_if(y)
 
-    # What no schedule beats: the dependency chains and the total work, and the previous
-    # schedule's proven bound when this problem only restricts that one. A float bound L
-    # allows no integer makespan below L * scale - n_terms (rounding again).
-    floor = problem.lower_bound()
-    if previous is not None and _restricts(problem, previous):
-        floor = max(floor, previous.lower_bound)
-    least = max(0, math.floor(floor * scale) - n_terms)
-    makespan = cp.new_int_var(min(least, horizon), horizon, "makespan")
-    for t in order:
-        cp.add(makespan >= end[t])
-    # Redundant, for the linear relaxation: a device is busy at most the makespan.
-    for d in problem.devices:
-        work = [units(dur[t][d]) * x[t, d] for t in order if d in dur[t]]
-        if len(work) > 1:
-            cp.add(sum(work) <= makespan)
-    cp.minimize(makespan)
+    def minimize_makespan(self, least: int) -> None:
+        """Minimize the last end, known to be at least ``least`` units."""
+        problem, cp, dur = self.problem, self.cp, self.problem.durations
+        self.makespan = cp.new_int_var(min(least, self.horizon), self.horizon, "makespan")
+        for t in problem.order:
+            cp.add(self.makespan >= self.end[t])
+        # Redundant, for the linear relaxation: a device is busy at most the makespan.
+        for d in problem.devices:
+            work = [self.units(dur[t][d]) * self.x[t, d] for t in problem.order if d in dur[t]]
+            if len(work) > 1:
+                cp.add(sum(work) <= self.makespan)
+        cp.minimize(self.makespan)
 
-    remaining = lambda: time_limit - (time.monotonic() - began)  # noqa: E731
-    if best_known is not None:
-        assign = {t: p.device for t, p in best_known.items()}
-        key = {t: p.start for t, p in best_known.items()}
-        timed = _retime(problem, assign, key, lambda t, d: units(dur[t][d]),
-                        lambda a, b, nbytes: units(problem.comm(a, b, nbytes)))
-        fixes = [(x[t, d], assign[t] == d) for t, d in x] + [(start[t], timed[t].start) for t in order]
-        _complete_hint(cp, fixes, remaining() / 4, len(x))
-    solver = _cp_solver(remaining() - _wrap_up(time_limit), len(x), 2 * n_terms + 2)
-    status = solver.solve(cp)
-    if status == cp_model.INFEASIBLE:
-        raise PlanError("no schedule fits the devices' memory: the tasks' memory_bytes cannot be packed onto "
-                        "their eligible devices; add devices or memory, or shrink the tasks")
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        if best_known is None:
-            raise PlanError(f"no schedule found within time_limit={time_limit} s; raise time_limit")
-        placements = best_known
-    else:
-        assign = {t: d for (t, d), var in x.items() if solver.boolean_value(var)}
-        placements = problem.timeline(assign, {t: solver.value(start[t]) for t in order})
-        if best_known is not None and max(p.end for p in best_known.values()) < max(p.end for p in placements.values()):
+    def solve(self, best_known: dict[str, Placement] | None, time_limit: float, began: float,
+              floor: float) -> tuple[dict[str, Placement], float, bool]:
+        """Solve from ``best_known`` (as a hint) within what is left of ``time_limit``; the best
+        schedule (``best_known`` where the solver found none better), a lower bound on the
+        optimum (at least ``floor``), and whether the schedule is optimal."""
+        problem, cp_model, order, dur = self.problem, self.cp_model, self.problem.order, self.problem.durations
+        n_terms = len(order)
+        remaining = lambda: time_limit - (time.monotonic() - began)  # noqa: E731
+        if best_known is not None:
+            assign = {t: p.device for t, p in best_known.items()}
+            key = {t: p.start for t, p in best_known.items()}
+            timed = _retime(problem, assign, key, lambda t, d: self.units(dur[t][d]),
+                            lambda a, b, nbytes: self.units(problem.comm(a, b, nbytes)))
+            fixes = [(self.x[t, d], assign[t] == d) for t, d in self.x] + [(self.start[t], timed[t].start)
+                                                                           for t in order]
+            _complete_hint(self.cp, fixes, remaining() / 4, len(self.x))
+        solver = _cp_solver(remaining() - _wrap_up(time_limit), len(self.x), 2 * n_terms + 2)
+        status = solver.solve(self.cp)
+        if status == cp_model.INFEASIBLE:
+            raise PlanError("no schedule fits the devices' memory: the tasks' memory_bytes cannot be packed onto "
+                            "their eligible devices; add devices or memory, or shrink the tasks")
+        found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+        if not found:
+            if best_known is None:
+                raise PlanError(f"no schedule found within time_limit={time_limit} s; raise time_limit")
             placements = best_known
-    span = max(p.end for p in placements.values())
-    bound_units = solver.best_objective_bound if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else 0.0
-    # Rounding can make the integer optimum up to n_terms units below the true one.
-    lower = min(span, max(floor, (bound_units - n_terms) / scale))
-    return placements, lower, status == cp_model.OPTIMAL or span <= lower * (1 + _RESOLUTION)
+        else:
+            assign = {t: d for (t, d), var in self.x.items() if solver.boolean_value(var)}
+            placements = problem.timeline(assign, {t: solver.value(self.start[t]) for t in order})
+            if (best_known is not None
+                    and max(p.end for p in best_known.values()) < max(p.end for p in placements.values())):
+                placements = best_known
+        span = max(p.end for p in placements.values())
+        bound_units = solver.best_objective_bound if found else 0.0
+        # Rounding can make the integer optimum up to n_terms units below the true one.
+        lower = min(span, max(floor, (bound_units - n_terms) / self.scale))
+        return placements, lower, status == cp_model.OPTIMAL or span <= lower * (1 + _RESOLUTION)
 
 
 def validate(schedule: Schedule, tasks: Sequence[Task], topology: Topology) -> None:

@@ -365,15 +365,7 @@ class Listener:
             header = codec.unpack(raw)
             del raw
             if sec.is_hello(header) or not greeted:
-                refused = sec.refusal_of(self._security, header, "worker")
-                if refused is not None:
-                    raise _Refused(refused, "it did not give the cluster's token")
-                refused = self._admit(header) if self._admit is not None else None
-                if refused is not None:
-                    raise _Refused(refused, refused)
-                reader.sender = header.get("from")
-                reader.conn.sendall(sec.answer(None))
-                return True
+                return self._hello(reader, header)
             if not isinstance(header, dict):
                 raise WireError("a data frame header must be a map")
             if header.get("t") == "probe":
@@ -381,55 +373,84 @@ class Listener:
                 reader.pace.expect(n)
                 self._reserve(held, min(n, _SCRATCH_BYTES), (), "a probe")
                 return self._answer_probe(reader, n)
-            answered = header.get("answer") is True
-            poison = "poison" in header  # a poison stands for the array: it carries no pieces
-            if not poison:
-                dtype, _, specs = codec.piece_specs(header)
-                sizes = [dtype.itemsize * math.prod(shape) for _, shape in specs]
-            nbytes = 0 if poison else sum(sizes)
-            reader.pace.expect(nbytes)
-            if self._screen is not None:
-                refusal = self._screen(reader.sender, header)
-                if refusal is not None:  # its bytes are read past, none kept; the next frame may be welcome
-                    return self._refuse(reader, held, header, nbytes, refusal, answered, poison=False)
-                reader.start_pace("a data frame", nbytes)  # the screen may have waited: the bytes' time starts now
-            pieces = []
-            if not poison:
-                parties = self._parties(reader.sender, header)
-                try:
-                    self._reserve(held, nbytes, parties, (len(specs), dtype))
-                except _OverBudget as e:  # wait for nothing more: read the bytes past and say why
-                    if over := self.over_budget.add():
-                        log.error("refused a data frame of %s: %s (%d refused so far)",
-                                  ", ".join(map(_party, parties)) or "a peer", e, over)
-                    return self._refuse(reader, held, header, nbytes, str(e), answered, poison=True)
-                except WireError as e:  # the sender waits for an answer: give it this one, then close
-                    if answered:
-                        _answer_closing(reader.conn, str(e))
-                    raise
-                try:
-                    for (index, shape), size in zip(specs, sizes):
-                        array = codec.aligned_empty(shape, dtype)
-                        if size and not reader.read_into(memoryview(array.reshape(-1).view(np.uint8))):
-                            return None
-                        pieces.append((index, array))
-                except TooSlow as e:  # a trickle: the sender is told, or the array's reader
-                    self._drop_too_slow(reader, header, answered, str(e))
-                    raise
-                except (OSError, WireError) as e:  # they stopped: say so to a sender that reads answers, then close
-                    if answered:
-                        _answer_closing(reader.conn, f"its bytes stopped coming ({type(e).__name__}: {e})")
-                    raise
-            error = self._receive(header, pieces)
-            if answered:
-                reader.conn.sendall(_answer(error))
-            elif error:
-                log.error("refused an array from a peer: %s", error)
-            return True
+            return self._data(reader, held, header)
         finally:
             reader.pace = None
             for nbytes, parties in held:
                 self.budget.release(nbytes, parties)
+
+    def _hello(self, reader: "_Reader", header: Any) -> bool:
+        """A connection's first frame: admitted (answered, True) with the cluster's token
+        and, where the listener screens peers, as a peer it knows; else _Refused."""
+        refused = sec.refusal_of(self._security, header, "worker")
+        if refused is not None:
+            raise _Refused(refused, "it did not give the cluster's token")
+        refused = self._admit(header) if self._admit is not None else None
+        if refused is not None:
+            raise _Refused(refused, refused)
+        reader.sender = header.get("from")
+        reader.conn.sendall(sec.answer(None))
+        return True
+
+    def _data(self, reader: "_Reader", held: list[tuple[int, tuple[Hashable, ...]]], header: dict) -> bool | None:
+        """A data frame whose ``header`` was read: its pieces read within the budget (or
+        read past, refused), then handed on; None once the connection ended."""
+        answered = header.get("answer") is True
+        poison = "poison" in header  # a poison stands for the array: it carries no pieces
+        if not poison:
+            dtype, _, specs = codec.piece_specs(header)
+            sizes = [dtype.itemsize * math.prod(shape) for _, shape in specs]
+        nbytes = 0 if poison else sum(sizes)
+        reader.pace.expect(nbytes)
+        if self._screen is not None:
+            refusal = self._screen(reader.sender, header)
+            if refusal is not None:  # its bytes are read past, none kept; the next frame may be welcome
+                return self._refuse(reader, held, header, nbytes, refusal, answered, poison=False)
+            reader.start_pace("a data frame", nbytes)  # the screen may have waited: the bytes' time starts now
+        pieces: Optional[list] = []
+        if not poison:
+            parties = self._parties(reader.sender, header)
+            try:
+                self._reserve(held, nbytes, parties, (len(specs), dtype))
+            except _OverBudget as e:  # wait for nothing more: read the bytes past and say why
+                if over := self.over_budget.add():
+                    log.error("refused a data frame of %s: %s (%d refused so far)",
+                              ", ".join(map(_party, parties)) or "a peer", e, over)
+                return self._refuse(reader, held, header, nbytes, str(e), answered, poison=True)
+            except WireError as e:  # the sender waits for an answer: give it this one, then close
+                if answered:
+                    _answer_closing(reader.conn, str(e))
+                raise
+            pieces = self._read_pieces(reader, header, answered, dtype, specs, sizes)
+            if pieces is None:
+                return None
+        error = self._receive(header, pieces)
+        if answered:
+            reader.conn.sendall(_answer(error))
+        elif error:
+            log.error("refused an array from a peer: %s", error)
+        return True
+
+    def _read_pieces(self, reader: "_Reader", header: dict, answered: bool, dtype: np.dtype, specs: list,
+                     sizes: list[int]) -> Optional[list]:
+        """The frame's pieces, each read into an aligned array of its own; None once the
+        connection ended. A sender that stops or trickles is told why (where it reads
+        answers) before the error ends the connection."""
+        pieces = []
+        try:
+            for (index, shape), size in zip(specs, sizes):
+                array = codec.aligned_empty(shape, dtype)
+                if size and not reader.read_into(memoryview(array.reshape(-1).view(np.uint8))):
+                    return None
+                pieces.append((index, array))
+        except TooSlow as e:  # a trickle: the sender is told, or the array's reader
+            self._drop_too_slow(reader, header, answered, str(e))
+            raise
+        except (OSError, WireError) as e:  # they stopped: say so to a sender that reads answers, then close
+            if answered:
+                _answer_closing(reader.conn, f"its bytes stopped coming ({type(e).__name__}: {e})")
+            raise
+        return pieces
 
     def _reserve(self, held: list[tuple[int, tuple[Hashable, ...]]], nbytes: int, parties: tuple[Hashable, ...],
                  what: str | tuple[int, np.dtype]) -> None:

@@ -61,6 +61,7 @@ import ssl
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import grpc
@@ -307,9 +308,16 @@ def main(controller: str, devices: Devices, island: IslandMembership, wait_timeo
         error = _wait_for_controller(controller, reconnecting, security)
         if error:
             raise SystemExit(f"error: {error}")
-    error, again = trio.run(_serve, controller, devices, island, bind_host, advertise_host, wait_timeout,
-                            connect_timeout, join_timeout, unsafe_local_order, security, heartbeat_timeout,
-                            suspend_dir, compile_cache, session_memory)
+    error, again = trio.run(_serve, _Options(controller, devices, island, bind_host, advertise_host, wait_timeout,
+                                             connect_timeout, join_timeout, unsafe_local_order, security,
+                                             heartbeat_timeout, suspend_dir, compile_cache, session_memory))
+    _exit(controller, island, reconnect_timeout, error, again)
+
+
+def _exit(controller: str, island: IslandMembership, reconnect_timeout: float, error: Optional[str],
+          again: Optional[str]) -> None:
+    """End the worker process as ``_serve``'s outcome says: with the keeper's exit code that
+    asks for a restart (RESTART, RECONNECT), with the error, or normally."""
     kept = bool(config.WORKER_KEPT.get())
     code = 1 if error else 0
     if again == RECONNECT and reconnect_timeout > 0 and kept:
@@ -401,71 +409,122 @@ async def _first(*events: trio.Event) -> None:
             nursery.start_soon(wait)
 
 
-async def _serve(controller: str, devices: Devices, island: IslandMembership, bind: str, advertise: str,
-                 wait_timeout: float, connect_timeout: float, join_timeout: float,
-                 unsafe_local_order: bool, security: Security,
-                 heartbeat_timeout: float, suspend_dir: Optional[str],
-                 compile_cache: Optional[str],
-                 session_memory: Optional[int] = None) -> tuple[Optional[str], Optional[str]]:
+@dataclass(frozen=True)
+class _Options:
+    """How ``main`` runs the worker (its doc says what each is); ``bind`` and ``advertise``
+    resolved."""
+
+    controller: str
+    devices: Devices
+    island: IslandMembership
+    bind: str
+    advertise: str
+    wait_timeout: float
+    connect_timeout: float
+    join_timeout: float
+    unsafe_local_order: bool
+    security: Security
+    heartbeat_timeout: float
+    suspend_dir: Optional[str]
+    compile_cache: Optional[str]
+    session_memory: Optional[int]
+
+
+async def _serve(options: _Options) -> tuple[Optional[str], Optional[str]]:
     """Run the worker until its controller or a signal stops it; returns why it could not
     run (or None), and whether to restart: RESTART (the controller said so: the island
     lost a host), RECONNECT (the controller went away), or None (stop)."""
-    token = trio.lowlevel.current_trio_token()
-    ended, welcomed = trio.Event(), trio.Event()
+    serving = _Serving(options, trio.lowlevel.current_trio_token())
+    try:
+        return await serving.run()
+    except ConnectError as e:
+        return str(e), None
+    finally:
+        serving.close()
 
-    def setter(event: trio.Event) -> Callable[[], None]:
+
+class _Serving:
+    """One run of the worker process (``_serve``): its servers, its stream to the
+    controller, and its core once the controller has welcomed it; ``close`` releases them
+    all, whatever state the run ended in."""
+
+    def __init__(self, options: _Options, token: trio.lowlevel.TrioToken) -> None:
+        self.options, self._token = options, token
+        self.ended, self.welcomed = trio.Event(), trio.Event()
+        self.end = self._setter(self.ended)
+        self.settled = threading.Event()  # the stream's end is expected from now on (see _start_stream)
+        self.beats = Heartbeats(options.heartbeat_timeout)
+        self.tickets = PeerTickets()
+        self.joining = Joining(self._setter(self.welcomed), self.end, self.beats.learn, self.tickets)
+        self.service = WorkerService(wait=options.join_timeout)
+        self.outbox = streams.Outbox()
+        self.channel = rpc.open_channel(options.controller, options.security)
+        self.listener: Optional[tcp.Listener] = None
+        self.server: Optional[grpc.Server] = None
+        self.reservation: Optional[PortReservation] = None
+        self.sock: Optional[socket.socket] = None
+        self.close_stream: Callable[[], None] = lambda: None  # called before sock is shut down
+        self.core: Optional["WorkerCore"] = None
+        self.told: list[str] = []  # what the controller told the running core: "shutdown" or "reset"
+
+    def _setter(self, event: trio.Event) -> Callable[[], None]:
         def set_soon() -> None:  # from any thread
             try:
-                token.run_sync_soon(event.set)
+                self._token.run_sync_soon(event.set)
             except trio.RunFinishedError:
                 pass
         return set_soon
 
-    end = setter(ended)
-    settled = threading.Event()  # the stream's end is expected from now on (see _start_stream)
-    beats = Heartbeats(heartbeat_timeout)
-    tickets = PeerTickets()
-    joining = Joining(setter(welcomed), end, beats.learn, tickets)
-    service = WorkerService(wait=join_timeout)
-
-    def receive_frame(header: dict, pieces: list) -> Optional[str]:
-        core = service.core()
+    def _receive_frame(self, header: dict, pieces: list) -> Optional[str]:
+        core = self.service.core()
         return core.receive_frame(header, pieces) if core is not None else _NOT_READY
 
-    def screen_frame(sender: int, header: dict) -> Optional[str]:
-        core = service.core()
+    def _screen_frame(self, sender: int, header: dict) -> Optional[str]:
+        core = self.service.core()
         return core.screen_frame(sender, header) if core is not None else _NOT_READY
 
-    outbox = streams.Outbox()
-    channel = rpc.open_channel(controller, security)
-    listener: Optional[tcp.Listener] = None
-    server: Optional[grpc.Server] = None
-    reservation: Optional[PortReservation] = None
-    sock: Optional[socket.socket] = None
-    close_stream: Callable[[], None] = lambda: None  # called before sock is shut down
-    core: Optional["WorkerCore"] = None
-    try:
+    async def run(self) -> tuple[Optional[str], Optional[str]]:
+        o = self.options
         try:
             # Data-plane peers get the heartbeat timeout too: a frozen peer must not hold a send or
             # a half-received frame for longer than the controller takes to declare it lost.
-            listener = tcp.Listener(receive_frame, heartbeat_timeout, host=bind, security=security,
-                                    admit=tickets.admit, screen=screen_frame, parties=frame_parties)
-            server, port = rpc.make_server(rpc.WORKER_SERVICE, service.handlers(), host=bind, security=security,
-                                           max_workers=GRPC_THREADS)
-            reservation = PortReservation(bind) if island.hosts > 1 else None
+            self.listener = tcp.Listener(self._receive_frame, o.heartbeat_timeout, host=o.bind,
+                                         security=o.security, admit=self.tickets.admit, screen=self._screen_frame,
+                                         parties=frame_parties)
+            self.server, port = rpc.make_server(rpc.WORKER_SERVICE, self.service.handlers(), host=o.bind,
+                                                security=o.security, max_workers=GRPC_THREADS)
+            self.reservation = PortReservation(o.bind) if o.island.hosts > 1 else None
         except (ConnectError, OSError, SecurityConfigError) as e:
-            return (f"the worker cannot listen on {bind} ({e}); pass --bind an address of this machine "
-                    "(or 0.0.0.0 with --advertise HOST)")
-        coordinator = join_host_port(advertise, reservation.port) if reservation is not None else ""
-        # the controller may start after this worker (a refused connection is tried again)
-        await trio.to_thread.run_sync(functools.partial(rpc.wait_ready, channel, controller, connect_timeout,
-                                                        refused_grace=connect_timeout, security=security))
-        sock = await trio.to_thread.run_sync(_attach, channel, controller, connect_timeout, security)
-        outbox.put(Register(f"grpc://{join_host_port(advertise, port)}",
-                            f"tcp://{join_host_port(advertise, listener.port)}", devices.kind, devices.count, island.name,
-                            island.hosts, island.rank, coordinator, os.getpid(), socket.gethostname(),
-                            codec.host_memory_bytes(), security.data_plane_tls))
-        outbox.put(Heartbeat(heartbeat_timeout))  # at once: the controller paces its heartbeats to it
+            return (f"the worker cannot listen on {o.bind} ({e}); pass --bind an address of this machine "
+                    "(or 0.0.0.0 with --advertise HOST)"), None
+        await self._attach(port)
+        error, signalled = await self._until_stopped()
+        if signalled:
+            return None, None
+        if self.joining.reset is not None or "reset" in self.told:
+            return None, RESTART
+        if self.joining.shutdown == CONTROLLER_STOPPED:
+            return None, None  # stopped on purpose while this worker was joining: no error
+        if self.joining.shutdown is not None or "shutdown" in self.told or (error and not self.ended.is_set()):
+            return error, None
+        return error, RECONNECT  # the controller's stream ended, or it went silent
+
+    async def _attach(self, port: int) -> None:
+        """Attach to the controller (which may start after this worker: a refused connection
+        is tried again), register, and start the stream's threads."""
+        o, listener = self.options, self.listener
+        assert listener is not None
+        coordinator = join_host_port(o.advertise, self.reservation.port) if self.reservation is not None else ""
+        await trio.to_thread.run_sync(functools.partial(rpc.wait_ready, self.channel, o.controller, o.connect_timeout,
+                                                        refused_grace=o.connect_timeout, security=o.security))
+        sock = self.sock = await trio.to_thread.run_sync(_attach, self.channel, o.controller, o.connect_timeout,
+                                                         o.security)
+        self.outbox.put(Register(f"grpc://{join_host_port(o.advertise, port)}",
+                                 f"tcp://{join_host_port(o.advertise, listener.port)}", o.devices.kind,
+                                 o.devices.count, o.island.name, o.island.hosts, o.island.rank, coordinator,
+                                 os.getpid(), socket.gethostname(), codec.host_memory_bytes(),
+                                 o.security.data_plane_tls))
+        self.outbox.put(Heartbeat(o.heartbeat_timeout))  # at once: the controller paces its heartbeats to it
         # The stream's threads wait for the controller as long as it takes: _beat judges a silent
         # controller (slow or lost) and ends the stream once it is lost. Nor may the kernel end it
         # first: tcp.connect set TCP_USER_TIMEOUT, which also ends a connection whose peer's host
@@ -474,32 +533,38 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
         sock.settimeout(None)
         if hasattr(socket, "TCP_USER_TIMEOUT"):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 0)
-        close_stream = _start_stream(sock, outbox, joining.on_batch, end, beats, settled)
+        self.close_stream = _start_stream(sock, self.outbox, self.joining.on_batch, self.end, self.beats,
+                                          self.settled)
 
-        told: list[str] = []  # what the controller told the running core: "shutdown" or "reset"
+    def _told_to(self, what: str) -> Callable[[], None]:
+        def note() -> None:
+            self.told.append(what)
+            self.settled.set()
+            self.end()
+        return note
 
-        def told_to(what: str) -> Callable[[], None]:
-            def note() -> None:
-                told.append(what)
-                settled.set()
-                end()
-            return note
+    async def _run_core(self) -> Optional[str]:
+        """Join the island, then run the core until the stream ends; why it could not, or None."""
+        o = self.options
+        error = await _join(o.island, o.devices, o.bind, o.advertise, o.join_timeout, self.joining, self.welcomed,
+                            self.ended, self.reservation)
+        if error:
+            return error
+        self.core = await _start_core(o.devices, o.island, o.wait_timeout, o.unsafe_local_order, self.outbox,
+                                      self._told_to("shutdown"), self._told_to("reset"), self.ended, o.security,
+                                      o.heartbeat_timeout, self.beats.learn, o.suspend_dir, self.tickets,
+                                      o.compile_cache, o.session_memory)
+        if self.core is None:
+            return _stopped(self.joining, o.island)
+        self.joining.hand_to(self.core)  # the welcome first: it says which peers' copies are stale
+        self.service.attach(self.core)
+        await self.ended.wait()
+        return None
 
-        async def run() -> Optional[str]:
-            nonlocal core
-            error = await _join(island, devices, bind, advertise, join_timeout, joining, welcomed, ended, reservation)
-            if error:
-                return error
-            core = await _start_core(devices, island, wait_timeout, unsafe_local_order, outbox, told_to("shutdown"),
-                                     told_to("reset"), ended, security, heartbeat_timeout, beats.learn,
-                                     suspend_dir, tickets, compile_cache, session_memory)
-            if core is None:
-                return _stopped(joining, island)
-            joining.hand_to(core)  # the welcome first: it says which peers' copies are stale
-            service.attach(core)
-            await ended.wait()
-            return None
-
+    async def _until_stopped(self) -> tuple[Optional[str], bool]:
+        """Run the core beside the heartbeats until it ends or a stop signal comes; why it
+        could not run (or None), and whether a signal stopped it."""
+        o, sock = self.options, self.sock
         error: Optional[str] = None
         signalled = False
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -510,43 +575,34 @@ async def _serve(controller: str, devices: Devices, island: IslandMembership, bi
                         signalled = True
                         nursery.cancel_scope.cancel()
                 nursery.start_soon(stop_on_signal)
-                nursery.start_soon(_beat, beats, outbox, heartbeat_timeout, lambda: tcp.tcp_state(sock),
-                                   end, controller)
-                error = await run()
+                nursery.start_soon(_beat, self.beats, self.outbox, o.heartbeat_timeout, lambda: tcp.tcp_state(sock),
+                                   self.end, o.controller)
+                error = await self._run_core()
                 nursery.cancel_scope.cancel()
-            if island.hosts > 1 and joining.reset is None and "reset" not in told:
+            if o.island.hosts > 1 and self.joining.reset is None and "reset" not in self.told:
                 # Stopping, and before this host's own teardown (which may take a while under
                 # load), with stop signals still held by trio. Not after the island lost a
                 # host, which would never leave: the group restarts without it.
                 leave_group()
-        if signalled:
-            return None, None
-        if joining.reset is not None or "reset" in told:
-            return None, RESTART
-        if joining.shutdown == CONTROLLER_STOPPED:
-            return None, None  # stopped on purpose while this worker was joining: no error
-        if joining.shutdown is not None or "shutdown" in told or (error and not ended.is_set()):
-            return error, None
-        return error, RECONNECT  # the controller's stream ended, or it went silent
-    except ConnectError as e:
-        return str(e), None
-    finally:
-        settled.set()
-        outbox.close()
-        close_stream()
-        if sock is not None:
+        return error, signalled
+
+    def close(self) -> None:
+        self.settled.set()
+        self.outbox.close()
+        self.close_stream()
+        if self.sock is not None:
             with contextlib.suppress(OSError):  # the controller may have closed it already
-                sock.shutdown(socket.SHUT_RDWR)  # wakes the reader thread
-            sock.close()
-        if reservation is not None:
-            reservation.close()
-        if listener is not None:
-            listener.close()
-        if core is not None:
-            core.close()
-        if server is not None:
-            server.stop(grace=0.5)
-        channel.close()
+                self.sock.shutdown(socket.SHUT_RDWR)  # wakes the reader thread
+            self.sock.close()
+        if self.reservation is not None:
+            self.reservation.close()
+        if self.listener is not None:
+            self.listener.close()
+        if self.core is not None:
+            self.core.close()
+        if self.server is not None:
+            self.server.stop(grace=0.5)
+        self.channel.close()
 
 
 async def _beat(beats: Heartbeats, outbox: streams.Outbox, timeout: float, tcp_state: Callable[[], Optional[TcpState]],
