@@ -11,11 +11,13 @@ from pathways import errors
 from pathways.errors import WireError
 from pathways.ir import Layout
 from pathways.protocol import check as c
+from pathways.protocol import data
 from pathways.protocol import messages as m
 from pathways.protocol import errors as kinds
 from pathways.protocol.errors import error_of, kind_of
 from pathways.protocol.handles import HeldReleases, discard, first_handle, fits, session_of, value_handle
 from pathways.protocol.ops import Op, decode_op, encode_op
+from pathways.wire import codec
 from tests import fuzzing
 
 TABLES = [m.SESSION_UP, m.SESSION_DOWN, m.WORKER_UP, m.WORKER_DOWN, m.FETCH, m.MEASURE]
@@ -243,3 +245,69 @@ def test_a_release_waits_for_the_last_read_of_its_handle_and_only_for_it():
     discard(waiting, 7, "y")
     discard(waiting, 8, "z")
     assert waiting == {}, "a handle leaves the table with its last member"
+
+
+# ---- the data plane's messages (protocol/data.py) ----------------------------------------------
+
+_CREDENTIAL = bytes(range(m.CREDENTIAL_BYTES))
+_LAYOUT = Layout((3,), ((0, 0),), (1,), ("x",), (None,)).to_wire()
+
+
+@pytest.mark.parametrize("put", [
+    data.ArrayPut(7, _LAYOUT),
+    data.ArrayPut(first_handle(2) + 5, _LAYOUT, credential=_CREDENTIAL, pieces={"array": {"dtype": "float32"},
+                                                                                "pieces": []}),
+    data.ArrayPut(9, _LAYOUT, senders=3, run=first_handle(1), poison="its sender failed", kind=kinds.LOST),
+    data.ArrayPut(9, _LAYOUT, unstack=_LAYOUT),
+], ids=["copy", "client put", "poison", "unstacked"])
+def test_an_array_put_round_trips_through_its_header(put):
+    assert data.ArrayPut.read(codec.unpack(codec.pack(put.header()))) == put
+
+
+def test_an_array_puts_poison_of_an_unknown_kind_reads_as_a_failed_computation():
+    header = {**data.ArrayPut(9, _LAYOUT, poison="no").header(), "kind": "SomethingNewError"}
+    assert data.ArrayPut.read(header).kind == kinds.REMOTE
+
+
+@pytest.mark.parametrize("header, needle", [
+    ([], "must be a map"),
+    ({"t": "put", "handle": 1, "layout": _LAYOUT}, "lacks field 'of'"),
+    ({"t": "get", "handle": 1, "layout": _LAYOUT, "of": 1}, "field 't'"),
+    ({"t": "put", "handle": -1, "layout": _LAYOUT, "of": 1}, "field 'handle'"),
+    ({"t": "put", "handle": 1, "layout": _LAYOUT, "of": 0}, "field 'of'"),
+    ({"t": "put", "handle": 1, "layout": _LAYOUT, "of": 1, "credential": b"short"}, "field 'credential'"),
+    ({"t": "put", "handle": 1, "layout": _LAYOUT, "of": 1, "run": "x"}, "field 'run'"),
+    ({"t": "put", "handle": 1, "layout": _LAYOUT, "of": 1, "poison": 5}, "field 'poison'"),
+    ({"t": "put", "handle": 1, "layout": _LAYOUT, "of": 1, "poison": "x", "kind": "k" * 33}, "field 'kind'"),
+])
+def test_a_malformed_array_put_is_refused_with_its_field_named(header, needle):
+    with pytest.raises(WireError, match=needle):
+        data.ArrayPut.read(header)
+
+
+@pytest.mark.parametrize("reply", [
+    data.FetchReply(data.PENDING), data.FetchReply(data.READY),
+    data.FetchReply(data.READY, pieces={"array": {"dtype": "int8"}, "pieces": [{"index": [[0, 1]]}]}),
+    data.FetchReply.error("AccessDeniedError", "not yours"),
+], ids=["pending", "ready", "ready with data", "error"])
+def test_a_fetch_reply_round_trips_through_its_header(reply):
+    assert data.FetchReply.read(codec.unpack(codec.pack(reply.header()))) == reply
+
+
+@pytest.mark.parametrize("header, needle", [
+    ("ready", "must be a map"), ({}, "field 'state'"), ({"state": "done"}, "field 'state'"),
+    ({"state": "error", "kind": 3, "message": "x"}, "field 'kind'"),
+    ({"state": "error", "message": "x" * (c.MAX_TEXT + 1)}, "field 'message'"),
+])
+def test_a_malformed_fetch_reply_is_refused_with_its_field_named(header, needle):
+    with pytest.raises(WireError, match=needle):
+        data.FetchReply.read(header)
+
+
+@pytest.mark.parametrize("answer", [data.PutAnswer(), data.PutAnswer("no room"),
+                                    data.PutAnswer("not yours", "AccessDeniedError")])
+def test_a_put_answer_round_trips_and_a_malformed_one_is_refused(answer):
+    assert data.PutAnswer.read(codec.unpack(codec.pack(answer.header()))) == answer
+    for bad in ({}, {"ok": 1}, {"error": 5}, {"error": "x", "kind": 5}, ["ok"]):
+        with pytest.raises(WireError, match="put answer|put's answer"):
+            data.PutAnswer.read(bad)

@@ -42,10 +42,11 @@ from pathways.client.timeline import RecordingBlock, Recordings, process_recordi
 from pathways.defaults import HEARTBEAT_TIMEOUT
 from pathways.ir import Device, Layout, evenly_divided, host_regions, partials, stacked
 from pathways.protocol import messages as m
+from pathways.protocol import streams
+from pathways.protocol.data import ERROR, PENDING, ArrayPut, FetchReply, PutAnswer
 from pathways.protocol.errors import answer_error, error_of, kind_of
 from pathways.protocol.handles import COUNTER_MASK, discard, first_handle
 from pathways.timeline import Recorder, now
-from pathways.protocol import streams
 from pathways.wire import codec, rpc, tcp
 from pathways.wire.security import Security
 
@@ -441,7 +442,7 @@ class Session:
         if layout.unreduced:
             raise ValueError("put_pieces sends the blocks of an array that is not unreduced; use put")
         with self._starting_put():
-            self._send_pieces(addresses, handle, layout, {}, dtype, shape, pieces, moves)
+            self._send_pieces(addresses, handle, layout, dtype, shape, pieces, moves)
 
     def put_chunks(self, address: str, handle: int, layout: Layout, dtype: np.dtype, shape: tuple[int, ...],
                    chunks: Iterable[bytes | memoryview], moves: int) -> None:
@@ -540,9 +541,9 @@ class Session:
 
     def _start_put(self, addresses: tuple[str, ...], handle: int, layout: Layout, array: np.ndarray,
                    moves: int) -> None:
-        sent, unstack = layout, {}
+        sent = layout
         if layout.unreduced:  # the stack of partial values goes as an array of its own, unstacked there
-            sent, unstack = stacked(layout), {"unstack": layout.to_wire()}
+            sent = stacked(layout)
             if array.shape[:1] != (partials(layout),):
                 raise ValueError(f"an unreduced array's {partials(layout)} partial values come stacked along a "
                                  f"leading dimension; got an array of shape {array.shape}")
@@ -551,21 +552,21 @@ class Session:
         # each host gets the blocks of its own devices, not the whole array
         pieces = {worker: whole if parts is None else [(r, array[tuple(slice(a, b) for a, b in r)])
                                                        for r in parts[worker]] for worker in layout.workers}
-        self._send_pieces(addresses, handle, layout, unstack, array.dtype, array.shape, pieces, moves)
+        self._send_pieces(addresses, handle, layout, array.dtype, array.shape, pieces, moves)
 
-    def _send_pieces(self, addresses: tuple[str, ...], handle: int, layout: Layout, unstack: dict,
-                     dtype: np.dtype, shape: tuple[int, ...], pieces_of: dict[int, list[codec.Piece]],
-                     moves: int) -> None:
+    def _send_pieces(self, addresses: tuple[str, ...], handle: int, layout: Layout, dtype: np.dtype,
+                     shape: tuple[int, ...], pieces_of: dict[int, list[codec.Piece]], moves: int) -> None:
         """Send each worker of ``layout`` its ``pieces_of`` an array of ``dtype`` and
-        ``shape`` (for an unreduced layout, ``unstack`` names it: the pieces are of the stack
-        of its partial values), then tell the controller."""
+        ``shape`` (for an unreduced layout, the pieces are of the stack of its partial
+        values, which each worker unstacks), then tell the controller."""
         if self.traced:
             began = now()
         sent = stacked(layout) if layout.unreduced else layout
         for worker, address in zip(layout.workers, addresses):
             pieces = pieces_of[worker]
             stubs = self._stubs(address)
-            header = _put_header(stubs, handle, sent, {**unstack, **codec.pieces_header(dtype, shape, pieces)})
+            header = _put_header(stubs, handle, sent, codec.pieces_header(dtype, shape, pieces),
+                                 unstack=layout if layout.unreduced else None)
             connection = self._data_connection(address)
             if connection is not None:
                 self._stream_put(connection, address, handle, header, codec.pieces_chunks(pieces))
@@ -599,10 +600,10 @@ class Session:
             self.poisoned[handle] = (errors.RemoteError, failed[0])
             return
         try:
-            reply = codec.unpack(f.result())
-            if "error" in reply:
-                error = type(error_of(reply.get("kind"), "", errors.RemoteError))
-                self.poisoned[handle] = (error, f"the worker at {address} refused the array: {reply['error']}")
+            answer = PutAnswer.read(codec.unpack(f.result()))
+            if answer.error is not None:
+                error = type(error_of(answer.kind, "", errors.RemoteError))
+                self.poisoned[handle] = (error, f"the worker at {address} refused the array: {answer.error}")
         except grpc.RpcError as e:
             refused = rpc.refusal(e, address)
             if refused is not None:
@@ -694,20 +695,19 @@ class Session:
             if handle in self.poisoned or self._dead is not None:
                 call.cancel()  # the news came while the call was starting
             replies = iter(call)
-            header = codec.unpack(next(replies))
-            state = header.get("state")
-            if state == "pending":
+            reply = FetchReply.read(codec.unpack(next(replies)))
+            if reply.state == PENDING:
                 return None
-            if state == "error":
-                raise error_of(header.get("kind"), str(header.get("message")), errors.RemoteError)
+            if reply.state == ERROR:
+                raise error_of(reply.kind, reply.message, errors.RemoteError)
             if not data:
                 return True
             if sink is not None:
                 fed = True
-                sink(header, replies)
+                sink(reply.pieces or {}, replies)
                 codec.expect_end(replies)
                 return True
-            result = codec.read_pieces(header, replies)
+            result = codec.read_pieces(reply.pieces or {}, replies)
             codec.expect_end(replies)
             return result
         except grpc.RpcError as e:
@@ -791,11 +791,13 @@ def _broken(e: grpc.RpcError) -> str:
     return f"broke the connection ({code}: {details})" if details else f"broke the connection ({code})"
 
 
-def _put_header(stubs: WorkerStubs, handle: int, layout: Layout, pieces: dict) -> dict:
+def _put_header(stubs: WorkerStubs, handle: int, layout: Layout, pieces: dict,
+                unstack: Optional[Layout] = None) -> dict:
     """A put's header (a Put's first message, packed): the array's handle and layout, this
-    session's credential at the worker, and ``pieces`` (the header fields of what follows)."""
-    return {"t": "put", "handle": handle, "layout": layout.to_wire(), "of": 1, "credential": stubs.credential,
-            **pieces}
+    session's credential at the worker, ``pieces`` (codec's description of what follows),
+    and the unreduced layout whose partial values the array stacks, if it does."""
+    return ArrayPut(handle, layout.to_wire(), credential=stubs.credential, pieces=pieces,
+                    unstack=None if unstack is None else unstack.to_wire()).header()
 
 
 def _chunks(header: bytes, pieces: list[codec.Piece]) -> Iterator[bytes]:

@@ -28,6 +28,7 @@ whatever its types.
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import functools
 import logging
@@ -46,15 +47,16 @@ import numpy as np
 from pathways.defaults import CONTROLLER_STOPPED
 from pathways.errors import AccessDeniedError, ConnectError, ResourceExhaustedError, WireError
 from pathways.ir import partials, stacked
-from pathways.protocol.check import MAX_TEXT, Int, Str
-from pathways.protocol.errors import EXHAUSTED, EXHAUSTED_TAG, LOST, POISON_KINDS, REMOTE
-from pathways.protocol.handles import COUNTER_MASK, MAX_HANDLE, session_of
-from pathways.protocol.messages import (CREDENTIAL, Adopt, Adopted, Compile, DataKey, Define, Delete, Done, DropSession,
+from pathways.protocol.check import MAX_TEXT
+from pathways.protocol.data import ArrayPut, FetchReply, PENDING, READY
+from pathways.protocol.errors import EXHAUSTED, EXHAUSTED_TAG, LOST
+from pathways.protocol.handles import COUNTER_MASK, session_of
+from pathways.protocol.messages import (Adopt, Adopted, Compile, DataKey, Define, Delete, Done, DropSession,
                                         FetchRequest, Go, Heartbeat, Malformed, Measure, Message, Notice, Offload,
                                         Offloaded, Peers, Poisoned, Restore, RunProgram, Reset, SessionOpen,
                                         Shutdown, Step, Timeline, TimelineFetch, Undelivered, WorkerWelcome,
                                         WORKER_DOWN, device_pairs)
-from pathways.protocol.ops import LAYOUT, MAX_SENDERS
+from pathways.protocol.ops import LAYOUT
 from pathways.timeline import RECORDER, now
 from pathways.wire import codec, tcp
 from pathways.wire.security import Refusals, Security
@@ -79,19 +81,12 @@ RELEASE_BYTES = 1 << 20
 MAX_CACHED_LAYOUTS = 4096
 _READY_POLL_MAX = 0.02  # longest pause between looks at whether a fetched array is computed
 
-_PUT_HANDLE = Int(0, MAX_HANDLE)
-_PUT_SENDERS = Int(1, MAX_SENDERS)
-_PUT_POISON = Str(MAX_TEXT)
-_PUT_KIND = Str(32)
-_PUT_TYPE = Str(8, frozenset({"put"}))
-_PUT_REQUIRED = ("t", "handle", "layout", "of")
+_PENDING = FetchReply(PENDING).header()
 
 
 class _Put(NamedTuple):
-    header: dict
-    handle: int
-    nsenders: int
-    sharding: Any
+    put: ArrayPut
+    sharding: Any  # the sharding its layout names on this worker
 
 
 class WorkerCore:
@@ -327,26 +322,24 @@ class WorkerCore:
         """Send each receiver of ``routes`` its regions of the pieces ``held`` (or the
         ``poison``) as ``handle`` laid out as ``layout`` (wire form)."""
         for receiver, senders, regions in routes:
-            header: dict = {"t": "put", "handle": handle, "layout": layout, "of": senders}
-            if run:
-                header["run"] = run
+            put = ArrayPut(handle, layout, senders, run=run)
             pieces: list = []
             if poison is not None:
-                header.update(poison=poison.message, kind=poison.kind)
+                put = dataclasses.replace(put, poison=poison.message, kind=poison.kind)
             else:
                 try:
                     pieces = [(region, codec.cut(held, region)) for region in regions]
                 except WireError as e:
-                    header.update(poison=f"array {handle:#x} on worker {self.worker_id}: {e}")
+                    put = dataclasses.replace(put, poison=f"array {handle:#x} on worker {self.worker_id}: {e}")
                 else:
-                    header.update(codec.pieces_header(dtype, shape, pieces))
+                    put = dataclasses.replace(put, pieces=codec.pieces_header(dtype, shape, pieces))
             if receiver == self.worker_id:
-                error = self.receive(header, pieces=pieces)
+                error = self._receive_own(put, pieces)
                 if error:
                     log.error("storing array %#x locally failed: %s", handle, error)
                 continue
             try:
-                self.links.send(self.peers[receiver], header, pieces)
+                self.links.send(self.peers[receiver], put.header(), pieces)
             except (OSError, KeyError, ConnectError) as e:
                 log.error("sending array %#x to worker %s failed: %s", handle, receiver, e)
                 if session_of(handle) == 0:  # a transfer copy a run of the receiver waits for
@@ -523,26 +516,25 @@ class WorkerCore:
         credential, checked as ``client_put`` checks it."""
 
         def peer_put() -> Optional[str]:
-            put = self._put_header(header)
-            if session_of(put.handle) != 0:
+            put = self._read_put(header)
+            handle = put.put.handle
+            if session_of(handle) != 0:
                 try:
-                    self._admit_put(put, header, f"a data-plane frame carried array {put.handle:#x} of client "
-                                    f"session {session_of(put.handle)} without the session's credential; workers "
-                                    "send each other only the controller's transfer copies, and clients put arrays "
-                                    "with the Put method")
+                    self._admit_put(put.put, f"a data-plane frame carried array {handle:#x} of client session "
+                                    f"{session_of(handle)} without the session's credential; workers send each "
+                                    "other only the controller's transfer copies, and clients put arrays with the "
+                                    "Put method")
                 except AccessDeniedError as e:
                     return str(e)
                 try:
                     return self._store(put, None, pieces)
                 except ResourceExhaustedError as e:  # tagged, so that the sender raises the same error
                     return f"{EXHAUSTED_TAG}{e}"
-            run = header.get("run")
-            if run is None:
+            if not put.put.run:
                 return self._store(put, None, pieces)
-            run = _PUT_HANDLE.check(run, "put header field 'run' (a traced run's base)")
             began = now()
             error = self._store(put, None, pieces)
-            RECORDER.span("receive data", began, run, f"array {put.handle:#x}")
+            RECORDER.span("receive data", began, put.put.run, f"array {handle:#x}")
             return error
 
         return self._guarded(peer_put)
@@ -550,32 +542,35 @@ class WorkerCore:
     def receive(self, header: Any, chunks: Optional[Iterator[bytes]] = None,
                 pieces: Optional[list] = None) -> Optional[str]:
         """Take one sender's part of an array arriving as handle: its pieces follow in
-        ``chunks`` or were read already (``pieces``: from a peer's data connection, or
-        this host's own); store the array once every sender has delivered. Trusts the
-        sender: a client's put goes through ``client_put``. Returns an error message, or
-        None."""
-        return self._guarded(lambda: self._store(self._put_header(header), chunks, pieces))
+        ``chunks`` or were read already (``pieces``); store the array once every sender has
+        delivered. Trusts the sender: a client's put goes through ``client_put``. Returns an
+        error message, or None."""
+        return self._guarded(lambda: self._store(self._read_put(header), chunks, pieces))
+
+    def _receive_own(self, put: ArrayPut, pieces: list) -> Optional[str]:
+        """``receive`` of this host's own part of an array, as its sender made it."""
+        return self._guarded(lambda: self._store(_Put(put, self._sharding(put.layout)), None, pieces))
 
     def client_put(self, header: Any, chunks: Iterator[bytes]) -> Optional[str]:
         """A client's put (the gRPC Put): like ``receive``, but only for a handle of the
         session whose credential the header carries (field ``credential``), checked
-        before any of the array is read. Raises AccessDeniedError when refused (after
-        waiting up to ``sessions.wait`` seconds for a session not announced yet);
-        returns an error message for a malformed put, or None."""
+        before any of the array is read, and its pieces following in ``chunks``. Raises
+        AccessDeniedError when refused (after waiting up to ``sessions.wait`` seconds for a
+        session not announced yet); returns an error message for a malformed put, or None."""
 
         def admitted() -> Optional[str]:
-            put = self._put_header(header)
-            self._admit_put(put, header, "put header lacks field 'credential' (the session's, from its welcome)")
+            put = self._read_put(header)
+            self._admit_put(put.put, "put header lacks field 'credential' (the session's, from its welcome)")
             return self._store(put, chunks, None)
 
         return self._guarded(admitted)
 
-    def _admit_put(self, put: _Put, header: dict, missing: str) -> None:
-        """Admit ``put`` to the session whose credential ``header`` carries: AccessDeniedError
-        when refused, WireError ``missing`` when it carries none."""
-        if "credential" not in header:
+    def _admit_put(self, put: ArrayPut, missing: str) -> None:
+        """Admit ``put`` to the session whose credential it carries: AccessDeniedError when
+        refused, WireError ``missing`` when it carries none."""
+        if put.credential is None:
             raise WireError(missing)
-        self.sessions.admit(put.handle, CREDENTIAL.check(header["credential"], "put header field 'credential'"), "put")
+        self.sessions.admit(put.handle, put.credential, "put")
 
     def _guarded(self, put: Callable[[], Optional[str]]) -> Optional[str]:
         try:
@@ -588,38 +583,29 @@ class WorkerCore:
             log.warning("refused a put: %s: %s", type(e).__name__, e)
             return f"the array cannot be stored as its header describes it ({type(e).__name__}: {e})"
 
-    def _put_header(self, header: Any) -> _Put:
-        """A put header's fields that say where the array goes; WireError if malformed."""
-        if type(header) is not dict:
-            raise WireError(f"a put header must be a map, got {type(header).__name__}")
-        missing = next((f for f in _PUT_REQUIRED if f not in header), None)
-        if missing is not None:
-            raise WireError(f"put header lacks field {missing!r}")
-        _PUT_TYPE.check(header.get("t"), "put header field 't'")
-        handle = _PUT_HANDLE.check(header.get("handle"), "put header field 'handle'")
-        nsenders = _PUT_SENDERS.check(header.get("of"), "put header field 'of' (the number of senders)")
-        return _Put(header, handle, nsenders, self._sharding(header.get("layout")))
+    def _read_put(self, header: Any) -> _Put:
+        """The put ``header`` describes and the sharding it names here; WireError if malformed."""
+        put = ArrayPut.read(header)
+        return _Put(put, self._sharding(put.layout))
 
     def _store(self, put: _Put, chunks: Optional[Iterator[bytes]], pieces: Optional[list]) -> Optional[str]:
-        header, handle, nsenders, sharding = put
-        if "poison" in header:
-            message = _PUT_POISON.check(header["poison"], "put header field 'poison'")
-            kind = _PUT_KIND.check(header.get("kind", REMOTE), "put header field 'kind'")
-            # an unknown kind (a newer peer's) reads as a failed computation
-            self._poisoned(handle, Poison(message, kind if kind in POISON_KINDS else REMOTE))
+        array, sharding = put.put, put.sharding
+        handle, nsenders, described = array.handle, array.senders, array.pieces or {}
+        if array.poison is not None:
+            self._poisoned(handle, Poison(array.poison, array.kind))
             return None
         if session_of(handle):  # a client's array: refused past its session's quota before its bytes are read
-            dtype, shape, _ = codec.check_array_header(header.get("array"))
+            dtype, shape, _ = codec.check_array_header(described.get("array"))
             refusal = self.store.refusal(handle, layout_bytes(sharding, shape, dtype),
                                          f"a put of {dtype.name}{list(shape)} array {handle:#x}")
             if refusal is not None:
                 self._poisoned(handle, Poison(refusal, EXHAUSTED))
                 raise ResourceExhaustedError(refusal)
         if chunks is not None:
-            dtype, shape, pieces = codec.read_pieces(header, chunks)
+            dtype, shape, pieces = codec.read_pieces(described, chunks)
             codec.expect_end(chunks)
         else:
-            dtype, shape, _ = codec.check_array_header(header.get("array"))
+            dtype, shape, _ = codec.check_array_header(described.get("array"))
             pieces = pieces or []
         with self._incoming_lock:
             if self.store.get(handle) is not None:
@@ -645,18 +631,18 @@ class WorkerCore:
             self.store.put(handle, Poison(message), replace=False)
             return message
         value = self._device_arrays.make(sharding, shape, dtype, assembly)
-        if "unstack" in header:
-            value = self._unstacked(header, value)
+        if array.unstack is not None:
+            value = self._unstacked(array, value)
         refusal = self.store.put_charged(handle, value)
         if refusal is not None:  # another put of the session took its last bytes meanwhile
             raise ResourceExhaustedError(refusal)
         return None
 
-    def _unstacked(self, header: dict, value: Any) -> Any:
+    def _unstacked(self, put: ArrayPut, value: Any) -> Any:
         """The unreduced array whose partial values ``value`` stacks (``ir.stacked``): each
         device's block of the stack, its own partial value, stays on its device."""
-        layout = LAYOUT.check(header["unstack"], "put header field 'unstack'")
-        if not layout.unreduced or stacked(layout) != LAYOUT.check(header["layout"], "put header field 'layout'"):
+        layout = LAYOUT.check(put.unstack, "put header field 'unstack'")
+        if not layout.unreduced or stacked(layout) != LAYOUT.check(put.layout, "put header field 'layout'"):
             raise WireError("put header field 'unstack' must be a layout with unreduced axes whose stacked layout "
                             "is field 'layout'")
         if value.shape[:1] != (partials(layout),):
@@ -689,10 +675,10 @@ class WorkerCore:
     # ---- fetches ------------------------------------------------------------------------
 
     def fetch(self, req: FetchRequest, still_wanted: Callable[[], bool]) -> Iterator[bytes]:
-        """The reply frames to a fetch: ``{"state": "pending"}`` if the array is not
-        computed within ``req.wait`` seconds (finite and bounded: FetchRequest's checker),
-        an error, ``{"state": "ready"}``, or, with ``req.data``, that and the pieces this
-        host holds. Stops waiting, with no reply, once ``still_wanted()`` turns false (the
+        """The reply frames to a fetch (protocol/data.py FetchReply): PENDING if the array
+        is not computed within ``req.wait`` seconds (finite and bounded: FetchRequest's
+        checker), an error, READY, or, with ``req.data``, that and the pieces this host
+        holds. Stops waiting, with no reply, once ``still_wanted()`` turns false (the
         caller hung up): an abandoned request must not keep its server thread.
 
         Served only with the credential of the handle's session (else an AccessDeniedError
@@ -701,12 +687,12 @@ class WorkerCore:
         fetches that may wait at once (sessions.FetchWaits), a fetch is answered at once."""
         if req.wait < self.sessions.wait and not self.sessions.heard_of(session_of(req.handle), req.wait):
             if still_wanted():
-                yield codec.pack({"state": "pending"})
+                yield codec.pack(_PENDING)
             return
         try:
             self.sessions.admit(req.handle, req.credential, "fetch")
         except AccessDeniedError as e:
-            yield codec.pack({"state": "error", "kind": AccessDeniedError.__name__, "message": str(e)})
+            yield codec.pack(FetchReply.error(AccessDeniedError.__name__, str(e)).header())
             return
         session = session_of(req.handle)
         waits = req.wait > 0 and self.fetch_waits.slot(session)
@@ -721,22 +707,22 @@ class WorkerCore:
         value = self.store.wait(req.handle, max(deadline - time.monotonic(), 0.0), still_wanted)
         if value is None:
             if still_wanted():
-                yield codec.pack({"state": "pending"})
+                yield codec.pack(_PENDING)
             return
         if type(value) is Poison:
-            yield codec.pack({"state": "error", "kind": value.kind, "message": value.message})
+            yield codec.pack(FetchReply.error(value.kind, value.message).header())
             return
         pause = 0.0002
         while not value.is_ready():
             if time.monotonic() >= deadline:
-                yield codec.pack({"state": "pending"})
+                yield codec.pack(_PENDING)
                 return
             if not still_wanted():
                 return
             time.sleep(pause)
             pause = min(pause * 2, _READY_POLL_MAX)
         if not req.data:
-            yield codec.pack({"state": "ready"})
+            yield codec.pack(FetchReply(READY).header())
             return
         try:
             if req.device:
@@ -745,9 +731,9 @@ class WorkerCore:
                 dtype, shape, pieces = local_pieces(value)
         except Exception as e:
             poison = failure(f"the computation of array {req.handle:#x} on worker {self.worker_id}", e)
-            yield codec.pack({"state": "error", "kind": poison.kind, "message": poison.message})
+            yield codec.pack(FetchReply.error(poison.kind, poison.message).header())
             return
-        yield codec.pack({"state": "ready", **codec.pieces_header(dtype, shape, pieces)})
+        yield codec.pack(FetchReply(READY, pieces=codec.pieces_header(dtype, shape, pieces)).header())
         yield from codec.pieces_chunks(pieces)
 
     # ---- timelines -----------------------------------------------------------------------

@@ -73,6 +73,7 @@ from pathways.platforms import Devices
 from pathways.protocol.messages import (FETCH, MAX_MESSAGE_BYTES, TIMELINE, WORKER_DOWN, DataKey, Heartbeat, Peers,
                                         Register, Reset, Shutdown, WorkerWelcome)
 from pathways.protocol import streams
+from pathways.protocol.data import FetchReply, PutAnswer
 from pathways.protocol.errors import WIRE
 from pathways.wire import codec, frames, rpc, tcp
 from pathways.wire.addresses import PortReservation, join_host_port, split_host_port
@@ -116,9 +117,9 @@ class WorkerService:
         return self._core if self._ready.wait(self._wait) else None
 
     def put(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
-        """A client's array: ``{"ok": true}``, or ``{"error": ...}`` (with ``"kind":
-        "AccessDeniedError"`` when the put was refused for its credential, and
-        ``"ResourceExhaustedError"`` when it would take its session past its quota)."""
+        """A client's array, answered with a PutAnswer (protocol/data.py): its error's kind
+        is AccessDeniedError when the put was refused for its credential, and
+        ResourceExhaustedError when it would take its session past its quota."""
         chunks = iter(request_iterator)
         return self._put(next(chunks, b""), chunks)
 
@@ -129,33 +130,33 @@ class WorkerService:
         try:
             parts = codec.unpack(request)
         except WireError as e:
-            return codec.pack({"error": str(e)})
+            return codec.pack(PutAnswer(str(e)).header())
         if type(parts) is not list or not parts or not all(type(p) is bytes for p in parts):
-            return codec.pack({"error": "a PutOne request must be a msgpack list of binaries [header, chunk, ...]; "
-                                        "send larger arrays with Put"})
+            return codec.pack(PutAnswer("a PutOne request must be a msgpack list of binaries [header, chunk, ...]; "
+                                        "send larger arrays with Put").header())
         return self._put(parts[0], iter(parts[1:]))
 
     def _put(self, header: bytes, chunks: Iterator[bytes]) -> bytes:
         core = self.core()
         if core is None:
-            return codec.pack({"error": _NOT_READY})
+            return codec.pack(PutAnswer(_NOT_READY).header())
         try:
             error = core.client_put(codec.unpack(header), chunks)
         except WireError as e:
-            return codec.pack({"error": str(e)})
+            return codec.pack(PutAnswer(str(e)).header())
         except (AccessDeniedError, ResourceExhaustedError) as e:
-            return codec.pack({"error": str(e), "kind": type(e).__name__})
-        return codec.pack({"error": error} if error else {"ok": True})
+            return codec.pack(PutAnswer(str(e), type(e).__name__).header())
+        return codec.pack(PutAnswer(error or None).header())
 
     def fetch(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         try:
             req = FETCH.decode_one(request)
         except WireError as e:
-            yield codec.pack({"state": "error", "kind": WIRE, "message": f"the worker refused a fetch: {e}"})
+            yield codec.pack(FetchReply.error(WIRE, f"the worker refused a fetch: {e}").header())
             return
         core = self.core()
         if core is None:
-            yield codec.pack({"state": "error", "kind": WIRE, "message": _NOT_READY})
+            yield codec.pack(FetchReply.error(WIRE, _NOT_READY).header())
             return
         # A caller that hangs up (cancels, or runs past its deadline) wakes the waiter, which
         # then sees it is no longer wanted and gives its thread back.
