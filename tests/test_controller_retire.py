@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from pathways.controller import core as core_module
+from pathways.controller import retiring as retiring_module
 from pathways.controller.core import ControllerCore, WorkerConn
 from pathways.controller.server import ControllerServer
 from pathways.errors import PathwaysError
@@ -208,7 +208,7 @@ def test_an_unknown_island_or_worker_and_a_second_retirement_are_refused_with_wh
 
 def test_lost_islands_nobody_rejoins_are_forgotten_oldest_first_beyond_the_bound(monkeypatch):
     """1,000 registrations that went away left 509 lost islands in status for good."""
-    monkeypatch.setattr(core_module, "MAX_LOST_ISLANDS", 3)
+    monkeypatch.setattr(retiring_module, "MAX_LOST_ISLANDS", 3)
     core = ControllerCore()
     conns = register(core, 6)
     client = Client(core, island=0)
@@ -230,10 +230,10 @@ def test_a_thousand_registrations_that_go_away_leave_the_newest_lost_islands_up_
     for i in range(1000):
         core.worker_lost(_register(core, f"r{i}"))
     status = core.status()
-    kept = {f"r{i}" for i in range(1000 - core_module.MAX_LOST_ISLANDS, 1000)}
+    kept = {f"r{i}" for i in range(1000 - retiring_module.MAX_LOST_ISLANDS, 1000)}
     assert {i["name"] for i in status["islands"]} == kept and len(status["islands"]) == len(kept)
     assert status["workers"] == []
-    assert len(core.islands.by_id) == core_module.MAX_LOST_ISLANDS
+    assert len(core.islands.by_id) == retiring_module.MAX_LOST_ISLANDS
 
 
 # ---- the shell's wait (controller/server.py), on an event loop without gRPC ----------------
