@@ -5,7 +5,10 @@ process.
 It takes the controller's typed messages (``on_batch`` / ``on_message``), takes arrays
 (``receive``: a client's put, a peer's frame, or this host's own send), answers fetches
 (``fetch``), and owns the object store, the executable cache, the executor and the
-measurer. What it says to the controller goes to ``up`` as typed messages.
+measurer. What it says to the controller goes to ``up`` as typed messages. Its receiving
+end of the data plane (receiving.py) and its handlers of suspend and resume
+(offloading.py) are base classes of WorkerCore in modules of their own, working on its
+state; the pieces it sends and answers with are pieces.py's.
 
 A suspended session's arrays leave the store and the devices (``Offload``): into host
 memory or files the worker writes, kept apart until the session resumes; ``Restore`` then
@@ -30,45 +33,38 @@ from __future__ import annotations
 
 import dataclasses
 import faulthandler
-import functools
 import logging
 import math
 import os
-import shutil
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator, NamedTuple, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import jax
-import numpy as np
 
 from pathways.defaults import CONTROLLER_STOPPED
-from pathways.errors import AccessDeniedError, ConnectError, ResourceExhaustedError, WireError
-from pathways.ir import partials, stacked
-from pathways.protocol.check import MAX_TEXT
+from pathways.errors import AccessDeniedError, ConnectError, WireError
 from pathways.protocol.data import ArrayPut, FetchReply, PENDING, READY
-from pathways.protocol.errors import EXHAUSTED, EXHAUSTED_TAG, LOST
-from pathways.protocol.handles import COUNTER_MASK, session_of
-from pathways.protocol.messages import (Adopt, Adopted, Compile, DataKey, Define, Delete, Done, DropSession,
-                                        FetchRequest, Go, Heartbeat, Malformed, Measure, Message, Notice, Offload,
-                                        Offloaded, Peers, Poisoned, Restore, RunProgram, Reset, SessionOpen,
-                                        Shutdown, Step, Timeline, TimelineFetch, Undelivered, WorkerWelcome,
-                                        WORKER_DOWN, device_pairs)
-from pathways.protocol.ops import LAYOUT
+from pathways.protocol.handles import session_of
+from pathways.protocol.messages import (Adopt, Compile, DataKey, Define, Delete, Done, DropSession, FetchRequest, Go,
+                                        Heartbeat, Malformed, Measure, Message, Notice, Offload, Peers, Poisoned,
+                                        Restore, RunProgram, Reset, SessionOpen, Shutdown, Step, Timeline,
+                                        TimelineFetch, Undelivered, WorkerWelcome, WORKER_DOWN, device_pairs)
 from pathways.timeline import RECORDER, now
 from pathways.wire import codec, tcp
 from pathways.wire.security import Refusals, Security
 from pathways.worker.compile_cache import CompileCache
 from pathways.worker.executables import Executables
 from pathways.worker.executor import Executor
-from pathways.worker.jax_private import pxla  # batched_device_put: where jax.make_array_from_callback ends
 from pathways.worker.measure import Measurer
+from pathways.worker.offloading import Offloading
 from pathways.worker.peers import PeerTickets
-from pathways.worker.quota import SessionQuota, default_limit, layout_bytes, release_memory, size_text
+from pathways.worker.pieces import device_piece, local_pieces
+from pathways.worker.receiving import DeviceArrays, Receiving
+from pathways.worker.quota import SessionQuota, default_limit, release_memory, size_text
 from pathways.worker.sessions import FetchWaits, Sessions
-from pathways.worker.shared_arrays import shareable
 from pathways.worker.store import ObjectStore, OffloadedArray, Poison, failure
 
 log = logging.getLogger("pathways.worker")
@@ -78,18 +74,12 @@ INLINE_SEND_BYTES = 1 << 20  # computed arrays up to this size are sent by the e
 # free memory back to the system: collecting and trimming costs milliseconds, not worth it
 # for the many small sessions (a status call, a short script) that come and go.
 RELEASE_BYTES = 1 << 20
-MAX_CACHED_LAYOUTS = 4096
 _READY_POLL_MAX = 0.02  # longest pause between looks at whether a fetched array is computed
 
 _PENDING = FetchReply(PENDING).header()
 
 
-class _Put(NamedTuple):
-    put: ArrayPut
-    sharding: Any  # the sharding its layout names on this worker
-
-
-class WorkerCore:
+class WorkerCore(Receiving, Offloading):
     """One worker's state and behaviour. ``up`` takes each message for the controller (an
     outbox's ``put``); ``on_shutdown`` is called when the controller says to stop, and
     ``on_heartbeat(timeout)`` when its heartbeat says how long it tolerates silence, and
@@ -130,7 +120,7 @@ class WorkerCore:
         self._on_reset = on_reset or on_shutdown
         self._on_heartbeat = on_heartbeat
         self._put_shardings: dict[str, Any] = {}
-        self._device_arrays = _DeviceArrays()
+        self._device_arrays = DeviceArrays()
         self._send_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pathways-send")
         self._incoming: dict[int, tuple[codec.Assembly, int]] = {}  # handle -> (assembly, senders seen)
         self._incoming_lock = threading.Lock()
@@ -347,331 +337,6 @@ class WorkerCore:
                     self.up(Undelivered(receiver, (handle,), f"worker {self.worker_id} could not send array "
                                                              f"{handle:#x} to worker {receiver}: {reason}"))
 
-    # ---- suspend and resume -------------------------------------------------------------
-
-    def _refuse_suspend_path(self, path: str) -> str:
-        """Why this worker does not write files under ``path`` (a client's), or "": only
-        under the directory its operator allowed, so that no client can have a worker write
-        where it pleases."""
-        if self.suspend_dir is None:
-            return (f"worker {self.worker_id} writes no suspend files (its operator allowed no directory: "
-                    "`pathways worker --suspend-dir DIR`, `pathways up --suspend-dir DIR`, "
-                    "pw.local_cluster(suspend_dir=DIR)); it keeps the session's arrays in its host memory instead")
-        real = os.path.realpath(path)
-        if os.path.commonpath([real, self.suspend_dir]) != self.suspend_dir:
-            return (f"worker {self.worker_id} writes suspend files only under {self.suspend_dir} (--suspend-dir), "
-                    f"not under {path!r}; it keeps the session's arrays in its host memory instead")
-        return ""
-
-    def _offload(self, msg: Offload) -> None:
-        """Move every array of the session off the devices (host memory, or files under
-        the Offload's path), and tell the controller which, with their shapes."""
-        session, directory, warning = msg.session, "", ""
-        if msg.path:
-            warning = self._refuse_suspend_path(msg.path)
-        if msg.path and not warning:
-            directory = os.path.join(msg.path, f"session-{session}", f"worker-{self.worker_id}")
-            try:
-                os.makedirs(directory, exist_ok=True)
-                if not os.access(directory, os.W_OK):
-                    raise PermissionError(f"{directory} is not writable")
-            except OSError as e:
-                warning = (f"worker {self.worker_id} could not write under {msg.path!r} ({e}); it keeps the "
-                           "session's arrays in its host memory instead")
-                directory = ""
-        arrays: list = []
-        failed: list = []
-        nbytes = 0
-        offloaded: dict[int, OffloadedArray] = {}
-        for handle, value in self.store.session_entries(session):
-            if type(value) is Poison:
-                if self.store.pop_if(handle, value):
-                    failed.append((handle, value.kind, value.message[:MAX_TEXT]))
-                continue
-            try:
-                dtype, shape, pieces = local_pieces(value)
-            except Exception as e:
-                poison = failure(f"the computation of array {handle:#x} on worker {self.worker_id}", e)
-                if self.store.pop_if(handle, value):
-                    failed.append((handle, poison.kind, poison.message[:MAX_TEXT]))
-                continue
-            off = None
-            if directory:
-                path = os.path.join(directory, f"{handle:x}.npy")
-                try:
-                    with open(path, "wb") as f:
-                        for _, piece in pieces:
-                            np.save(f, piece, allow_pickle=False)
-                    off = OffloadedArray(dtype, shape, [r for r, _ in pieces], file=path)
-                except OSError as e:
-                    warning = warning or (f"worker {self.worker_id} could not write {path} ({e}); it keeps "
-                                          "the arrays it could not write in its host memory")
-            if off is None:  # a copy of a view of the device buffer, which would keep it alive
-                off = OffloadedArray(dtype, shape, [r for r, _ in pieces],
-                                     [(r, p if p.flags.owndata else np.array(p, copy=True)) for r, p in pieces])
-            if self.store.pop_if(handle, value):  # not deleted meanwhile
-                offloaded[handle] = off
-                arrays.append((handle, tuple(shape)))
-                nbytes += sum(p.nbytes for _, p in pieces)
-            del pieces
-        with self._suspended_lock:
-            self._suspended.setdefault(session, {}).update(offloaded)
-            if directory:
-                self._offload_dirs[session] = directory
-        log.info("offloaded %d array(s) (%d bytes) of session %d%s", len(arrays), nbytes, session,
-                 f" to {directory}" if directory else " to host memory")
-        self.up(Offloaded(session, tuple(arrays), tuple(failed[:1 << 12]), nbytes, warning))
-
-    def _restore(self, msg: Restore) -> None:
-        """Push the resumed session's offloaded arrays to the hosts of their new layouts,
-        as the moves say, then forget every array of the session offloaded here."""
-        with self._suspended_lock:
-            held = self._suspended.pop(msg.session, {})
-            directory = self._offload_dirs.pop(msg.session, "")
-        for handle, copy, layout, routes in msg.moves:
-            off = held.pop(handle, None)
-            poison, dtype, shape, pieces = None, None, (), []
-            if off is None:
-                poison = Poison(f"array {handle:#x} of the suspended session was not on worker {self.worker_id} "
-                                "when it resumed (deleted, or never arrived)")
-            else:
-                try:
-                    pieces = off.pieces if off.file == "" else _read_pieces(off)
-                    dtype, shape = off.dtype, off.shape
-                except (OSError, ValueError) as e:
-                    poison = Poison(f"worker {self.worker_id} could not read array {handle:#x} back from "
-                                    f"{off.file}: {e}")
-            self._deliver(copy, poison, dtype, shape, pieces, layout.to_wire(), routes)
-            del off, pieces
-        if directory:
-            shutil.rmtree(directory, ignore_errors=True)
-
-    def _forget_offloaded(self, session: int) -> None:
-        with self._suspended_lock:
-            self._suspended.pop(session, None)
-            directory = self._offload_dirs.pop(session, "")
-        if directory:
-            shutil.rmtree(directory, ignore_errors=True)
-
-    def _adopt(self, msg: Adopt) -> None:
-        """Store each arriving copy as its session handle; answer Adopted once all have
-        arrived, or after ``wait_timeout`` with the missing ones poisoned."""
-        pairs = [(copy, handle) for copy, handle, _ in msg.arrivals]
-        self.store.expect(0, [(copy, frozenset(senders) - {self.worker_id}) for copy, _, senders in msg.arrivals])
-        state = {"left": len(pairs), "late": 0, "expired": False}
-        lock = threading.Lock()
-
-        def stored() -> None:
-            with lock:
-                state["left"] -= 1
-                state["late"] += state["expired"]
-                finished = state["left"] == 0
-            if finished:
-                timer.cancel()
-                self.up(Adopted(msg.session, len(pairs), state["late"]))
-
-        def expire() -> None:
-            with lock:
-                state["expired"] = True
-            for copy, handle in pairs:
-                self.store.put(copy, Poison(f"array {handle:#x} did not reach worker {self.worker_id} within "
-                                            f"{self.wait_timeout:.0f} s of the session's resume: its sender "
-                                            "failed", LOST), replace=False)
-
-        timer = threading.Timer(self.wait_timeout, expire)
-        timer.daemon = True
-        if not pairs:
-            self.up(Adopted(msg.session, 0, 0))
-            return
-        timer.start()
-        for copy, handle in pairs:
-            self.store.adopt(copy, handle, stored)
-
-    # ---- data plane: receiving ----------------------------------------------------------
-
-    def screen_frame(self, sender: int, header: Any) -> Optional[str]:
-        """Whether to read a data frame that worker ``sender`` (as its connection's hello
-        proved) pushes here: tcp.Listener's screen, called before any of the frame's bytes
-        past its header. None to read it, else why not: its bytes are then read past, none
-        kept. A transfer copy is read only from a peer that a run of this worker (or an
-        Adopt) expects it from, once (ObjectStore.screen); any other (a guess at a copy's
-        number, a copy taken already) is refused and counted in ``refused_copies``. Arrays
-        of client sessions are left to receive_frame, which admits them by their credential."""
-        handle = header.get("handle") if type(header) is dict else None
-        if type(handle) is not int or not 0 <= handle <= COUNTER_MASK:  # not a transfer copy (session 0's)
-            return None
-        if self.store.screen(sender, handle, self.peer_timeout):
-            return None
-        refusal = (f"worker {self.worker_id} takes no part of transfer copy {handle:#x} from worker {sender}: a "
-                   "copy is taken only from the workers its run names as its senders, once from each, until the run "
-                   "reads it")
-        if refused := self.refused_copies.add():
-            log.warning("refused a transfer copy: %s (%d refused so far)", refusal, refused)
-        return refusal
-
-    def receive_frame(self, header: dict, pieces: list) -> Optional[str]:
-        """A data frame (tcp.Listener's receiver) from a peer or the controller. Peers send
-        transfer copies, which are the controller's handles; an array of a client session
-        (the controller's IFRT front end puts them here) must carry the session's
-        credential, checked as ``client_put`` checks it."""
-
-        def peer_put() -> Optional[str]:
-            put = self._read_put(header)
-            handle = put.put.handle
-            if session_of(handle) != 0:
-                try:
-                    self._admit_put(put.put, f"a data-plane frame carried array {handle:#x} of client session "
-                                    f"{session_of(handle)} without the session's credential; workers send each "
-                                    "other only the controller's transfer copies, and clients put arrays with the "
-                                    "Put method")
-                except AccessDeniedError as e:
-                    return str(e)
-                try:
-                    return self._store(put, None, pieces)
-                except ResourceExhaustedError as e:  # tagged, so that the sender raises the same error
-                    return f"{EXHAUSTED_TAG}{e}"
-            if not put.put.run:
-                return self._store(put, None, pieces)
-            began = now()
-            error = self._store(put, None, pieces)
-            RECORDER.span("receive data", began, put.put.run, f"array {handle:#x}")
-            return error
-
-        return self._guarded(peer_put)
-
-    def receive(self, header: Any, chunks: Optional[Iterator[bytes]] = None,
-                pieces: Optional[list] = None) -> Optional[str]:
-        """Take one sender's part of an array arriving as handle: its pieces follow in
-        ``chunks`` or were read already (``pieces``); store the array once every sender has
-        delivered. Trusts the sender: a client's put goes through ``client_put``. Returns an
-        error message, or None."""
-        return self._guarded(lambda: self._store(self._read_put(header), chunks, pieces))
-
-    def _receive_own(self, put: ArrayPut, pieces: list) -> Optional[str]:
-        """``receive`` of this host's own part of an array, as its sender made it."""
-        return self._guarded(lambda: self._store(_Put(put, self._sharding(put.layout)), None, pieces))
-
-    def client_put(self, header: Any, chunks: Iterator[bytes]) -> Optional[str]:
-        """A client's put (the gRPC Put): like ``receive``, but only for a handle of the
-        session whose credential the header carries (field ``credential``), checked
-        before any of the array is read, and its pieces following in ``chunks``. Raises
-        AccessDeniedError when refused (after waiting up to ``sessions.wait`` seconds for a
-        session not announced yet); returns an error message for a malformed put, or None."""
-
-        def admitted() -> Optional[str]:
-            put = self._read_put(header)
-            self._admit_put(put.put, "put header lacks field 'credential' (the session's, from its welcome)")
-            return self._store(put, chunks, None)
-
-        return self._guarded(admitted)
-
-    def _admit_put(self, put: ArrayPut, missing: str) -> None:
-        """Admit ``put`` to the session whose credential it carries: AccessDeniedError when
-        refused, WireError ``missing`` when it carries none."""
-        if put.credential is None:
-            raise WireError(missing)
-        self.sessions.admit(put.handle, put.credential, "put")
-
-    def _guarded(self, put: Callable[[], Optional[str]]) -> Optional[str]:
-        try:
-            return put()
-        except WireError as e:
-            return str(e)
-        except (AccessDeniedError, ResourceExhaustedError):
-            raise
-        except Exception as e:  # JAX refusing a hostile layout for this array, say: refuse the put
-            log.warning("refused a put: %s: %s", type(e).__name__, e)
-            return f"the array cannot be stored as its header describes it ({type(e).__name__}: {e})"
-
-    def _read_put(self, header: Any) -> _Put:
-        """The put ``header`` describes and the sharding it names here; WireError if malformed."""
-        put = ArrayPut.read(header)
-        return _Put(put, self._sharding(put.layout))
-
-    def _store(self, put: _Put, chunks: Optional[Iterator[bytes]], pieces: Optional[list]) -> Optional[str]:
-        array, sharding = put.put, put.sharding
-        handle, nsenders, described = array.handle, array.senders, array.pieces or {}
-        if array.poison is not None:
-            self._poisoned(handle, Poison(array.poison, array.kind))
-            return None
-        if session_of(handle):  # a client's array: refused past its session's quota before its bytes are read
-            dtype, shape, _ = codec.check_array_header(described.get("array"))
-            refusal = self.store.refusal(handle, layout_bytes(sharding, shape, dtype),
-                                         f"a put of {dtype.name}{list(shape)} array {handle:#x}")
-            if refusal is not None:
-                self._poisoned(handle, Poison(refusal, EXHAUSTED))
-                raise ResourceExhaustedError(refusal)
-        if chunks is not None:
-            dtype, shape, pieces = codec.read_pieces(described, chunks)
-            codec.expect_end(chunks)
-        else:
-            dtype, shape, _ = codec.check_array_header(described.get("array"))
-            pieces = pieces or []
-        with self._incoming_lock:
-            if self.store.get(handle) is not None:
-                return None if nsenders > 1 else f"array {handle:#x} already exists on this worker"
-            if session_of(handle) == 0 and self.store.refuses(handle):  # a copy read already (or stale):
-                self._incoming.pop(handle, None)  # leave no partial assembly behind
-                return None
-            assembly, seen = self._incoming.pop(handle, (None, 0))
-            if assembly is None:
-                regions = _regions(sharding, shape)
-                if not regions:
-                    raise WireError(f"the layout of array {handle:#x} puts none of it on this worker's devices")
-                assembly = codec.Assembly(dtype, shape, regions)
-            elif (assembly.dtype, assembly.shape) != (dtype, shape):
-                raise WireError(f"pieces of array {handle:#x} disagree on its dtype and shape")
-            assembly.add(pieces)
-            if seen + 1 < nsenders:
-                self._incoming[handle] = (assembly, seen + 1)
-                return None
-        if not assembly.complete:
-            message = (f"the senders of array {handle:#x} delivered pieces that do not cover "
-                       f"what this worker holds of it")
-            self.store.put(handle, Poison(message), replace=False)
-            return message
-        value = self._device_arrays.make(sharding, shape, dtype, assembly)
-        if array.unstack is not None:
-            value = self._unstacked(array, value)
-        refusal = self.store.put_charged(handle, value)
-        if refusal is not None:  # another put of the session took its last bytes meanwhile
-            raise ResourceExhaustedError(refusal)
-        return None
-
-    def _unstacked(self, put: ArrayPut, value: Any) -> Any:
-        """The unreduced array whose partial values ``value`` stacks (``ir.stacked``): each
-        device's block of the stack, its own partial value, stays on its device."""
-        layout = LAYOUT.check(put.unstack, "put header field 'unstack'")
-        if not layout.unreduced or stacked(layout) != LAYOUT.check(put.layout, "put header field 'layout'"):
-            raise WireError("put header field 'unstack' must be a layout with unreduced axes whose stacked layout "
-                            "is field 'layout'")
-        if value.shape[:1] != (partials(layout),):
-            raise WireError(f"the stack of an unreduced array's {partials(layout)} partial values has shape "
-                            f"{list(value.shape)}")
-        shape = tuple(value.shape[1:])
-        sharding = self.executables.sharding(layout)
-        mine = {s.device: s.data for s in value.addressable_shards}
-        return jax.make_array_from_single_device_arrays(
-            shape, sharding, [mine[d].reshape(sharding.shard_shape(shape)) for d in sharding.addressable_devices])
-
-    def _poisoned(self, handle: int, poison: Poison) -> None:
-        """``handle`` will never hold a value (unless it holds one already): the pieces
-        some of its senders delivered are read by nobody now."""
-        with self._incoming_lock:
-            self._incoming.pop(handle, None)
-        self.store.put(handle, poison, replace=False)
-
-    def _sharding(self, raw_layout: Any) -> Any:
-        """The sharding a put's wire layout names, cached: each run of a program sends the
-        same layouts, and parsing one costs more than the rest of a small put."""
-        key = repr(raw_layout)
-        sharding = self._put_shardings.get(key)
-        if sharding is None:
-            sharding = self.executables.sharding(LAYOUT.check(raw_layout, "put header field 'layout'"))
-            if len(self._put_shardings) < MAX_CACHED_LAYOUTS:
-                self._put_shardings[key] = sharding
-        return sharding
-
     # ---- fetches ------------------------------------------------------------------------
 
     def fetch(self, req: FetchRequest, still_wanted: Callable[[], bool]) -> Iterator[bytes]:
@@ -769,78 +434,3 @@ class WorkerCore:
         self.executor.stop()
         self._send_pool.shutdown(wait=False, cancel_futures=True)
         self.executables.close()
-
-
-class _DeviceArrays:
-    """Makes the jax array of assembled regions on this host's devices. The first array of
-    each (sharding, shape, dtype) is made by ``jax.make_array_from_callback``; later ones
-    reuse its abstract value and device order and go straight to the device put that it
-    ends in, skipping its per-call derivation of them: 4 us instead of 13 for a scalar,
-    on the receiving end of every hop of a pipeline."""
-
-    def __init__(self) -> None:
-        self._known: dict[tuple, tuple[Any, list, list]] = {}
-
-    def make(self, sharding: Any, shape: tuple[int, ...], dtype: np.dtype, assembly: codec.Assembly) -> Any:
-        key = (sharding, shape, dtype)
-        known = self._known.get(key)
-        if known is not None:
-            aval, devices, regions = known
-            return pxla.batched_device_put(aval, sharding, [assembly.region(r) for r in regions], devices)
-        array = jax.make_array_from_callback(shape, sharding, lambda index: assembly.region(_region(index, shape)))
-        # A dtype JAX changes (float64 without x64) keeps the general path.
-        if array.dtype == dtype and len(self._known) < MAX_CACHED_LAYOUTS:
-            indices = sharding.addressable_devices_indices_map(shape)
-            self._known[key] = (array.aval, list(indices), [_region(index, shape) for index in indices.values()])
-        return array
-
-
-def _read_pieces(off: OffloadedArray) -> list:
-    """The pieces of an array offloaded to a file, read back."""
-    with open(off.file, "rb") as f:
-        return [(region, np.load(f, allow_pickle=False)) for region in off.regions]
-
-
-def local_pieces(value: Any) -> tuple[Any, tuple[int, ...], list]:
-    """The distinct shards of ``value`` this host holds, as (index, numpy array). Raises the
-    error of a computation that failed after it was dispatched (reading such an array's
-    buffer would abort the process)."""
-    shareable(value).block_until_ready()
-    shape = tuple(value.shape)
-    if value.is_fully_addressable and len(value.sharding.device_set) == 1:
-        return value.dtype, shape, [(codec.full_region(shape), np.asarray(value))]
-    pieces, seen = [], set()
-    for shard in value.addressable_shards:
-        index = _region(shard.index, shape)
-        if index not in seen:
-            seen.add(index)
-            pieces.append((index, np.asarray(shard.data)))
-    return value.dtype, shape, pieces
-
-
-def device_piece(value: Any, device: Any) -> tuple[Any, tuple[int, ...], list]:
-    """The one shard of ``value`` on jax device ``device``, as local_pieces gives pieces:
-    that device's own buffer, though another device may hold the same block (an unreduced
-    array's devices hold different partial values of it). WireError if it holds none."""
-    shareable(value).block_until_ready()
-    shape = tuple(value.shape)
-    for shard in value.addressable_shards:
-        if shard.device == device:
-            return value.dtype, shape, [(_region(shard.index, shape), np.asarray(shard.data))]
-    raise WireError(f"the array holds no shard on {device}; it is on {sorted(d.id for d in value.sharding.device_set)}")
-
-
-def _region(index: tuple, shape: tuple[int, ...]) -> tuple:
-    """A jax shard index (a tuple of slices) as ((start, stop), ...)."""
-    return tuple((s.start or 0, d if s.stop is None else s.stop) for s, d in zip(index, shape))
-
-
-@functools.lru_cache(maxsize=4096)
-def _regions(sharding: Any, shape: tuple[int, ...]) -> list:
-    """The distinct blocks of an array of ``shape`` that this host's devices hold."""
-    out: list = []
-    for index in sharding.addressable_devices_indices_map(shape).values():
-        region = _region(index, shape)
-        if region not in out:
-            out.append(region)
-    return out
