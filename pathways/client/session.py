@@ -9,6 +9,9 @@ batched and ride along with the next message (or a periodic flush).
 slice, array and function follows). In between, runs, puts and reads of its arrays
 raise SuspendedError.
 
+Its puts (puts.py) and fetches (fetches.py) are base classes of Session in modules of
+their own, working on its state.
+
 Nothing waits on a dead or silent peer: gRPC keepalive (wire/rpc.py) ends the session
 stream within seconds of the controller dying or freezing, which fails every pending
 request and fetch with ControllerLostError; a fetch blocked at a worker is cancelled as
@@ -21,61 +24,35 @@ worker (starved, busy or stopped), whose array is still to come, within the call
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import logging
-import math
 import threading
 import time
 import warnings
 import weakref
 from concurrent.futures import Future
-from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import grpc
-import numpy as np
 
 from pathways import errors
-from pathways.client.array import Array, _Buffer
-from pathways.client.devices import NamedSharding
+from pathways.client.fetches import Fetches
+from pathways.client.puts import Puts
 from pathways.client.timeline import RecordingBlock, Recordings, process_recording
-from pathways.defaults import HEARTBEAT_TIMEOUT
-from pathways.ir import Device, Layout, evenly_divided, host_regions, partials, stacked
 from pathways.protocol import messages as m
 from pathways.protocol import streams
-from pathways.protocol.data import ERROR, PENDING, ArrayPut, FetchReply, PutAnswer
-from pathways.protocol.errors import answer_error, error_of, kind_of
-from pathways.protocol.handles import COUNTER_MASK, discard, first_handle
+from pathways.protocol.errors import error_of, kind_of
+from pathways.protocol.handles import COUNTER_MASK, first_handle
 from pathways.timeline import Recorder, now
-from pathways.wire import codec, rpc, tcp
+from pathways.wire import rpc, tcp
 from pathways.wire.security import Security
 
 log = logging.getLogger("pathways.client")
 
 DEFAULT_TIMEOUT = 300.0
-# Arrays up to this size go to a worker in one unary PutOne message: a streamed Put costs the
-# client a thread per call (gRPC's request-iterator consumer).
-_PUT_ONE_BYTES = 1 << 20
-_POLL_SECONDS = 1.0  # a long wait for an array is split so news of a lost worker cuts it short
-# pauses between fetches that a busy worker answered at once, instead of waiting
-_BUSY_PAUSE, _BUSY_PAUSE_MAX = 0.005, 0.2
-_VERDICT_SECONDS = 3.0  # how long a failed fetch waits for the controller to say why
-# ... when the worker became unreachable: keepalive may give up on a frozen worker before
-# the controller judges it (after its heartbeat timeout), and the controller's verdict names
-# the host; without one the worker is slow, not lost, and the fetch is asked again
-_UNREACHABLE_VERDICT_SECONDS = HEARTBEAT_TIMEOUT
-# What a call to a worker ends with when the worker died, or stopped its server to restart
-# (its island lost a host): this client cancels its own calls only once it knows why.
-_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-_SHORT = "the array's bytes did not all arrive"  # a put whose source gave out
 # The library's advice; `pathways demo`, whose user writes no pw.connect() call, words it its own way.
 EMBEDDED_ADVICE = "or call pw.connect() with no address (and PATHWAYS_ADDRESS unset) to start an embedded one"
 _CONNECT_ADVICE = f"{rpc.START_ADVICE}, {EMBEDDED_ADVICE}"
-
-
-# Where a fetch's reply goes as it arrives (Session.fetch): the header of one worker's
-# pieces and the iterator of their chunks, which the sink reads to the end.
-Sink = Callable[[dict, Iterator[bytes]], None]
 
 
 class WorkerStubs(NamedTuple):
@@ -88,7 +65,7 @@ class WorkerStubs(NamedTuple):
     credential: bytes  # what the session presents to this worker (messages.worker_credential)
 
 
-class Session:
+class Session(Puts, Fetches):
     """``connect_timeout``: seconds to wait for the controller to answer and greet the
     session (``result_timeout`` is another: how long a put or a wait for an array may take
     by default). ``security``: the token and CA this session reaches the controller and the
@@ -410,355 +387,6 @@ class Session:
             self._workers[address] = stubs
         return stubs
 
-    def put_layout(self, value: np.ndarray, layout: Layout, sharding: NamedSharding) -> Array:
-        """A new pw.Array of host ``value``, sent to the workers of ``sharding``'s slice
-        laid out by ``layout``; the array can be used at once."""
-        handle = self.allocate(1)
-        moves = self.moves  # before the addresses: a move in between makes the controller drop the put
-        s = sharding.mesh.slice
-        if layout.workers != s.workers or layout.devices != s._physical:  # the slice moved since it was made
-            layout = dataclasses.replace(layout, workers=s.workers, devices=s._physical)
-        self.put(s.addresses, handle, layout, value, moves)
-        return Array(_Buffer(self, handle, s), value.shape, value.dtype, sharding)
-
-    def put(self, addresses: tuple[str, ...], handle: int, layout: Layout, array: np.ndarray,
-            moves: Optional[int] = None) -> None:
-        """Send ``array`` straight to the workers holding ``layout`` (not through the
-        controller; ``addresses[i]`` is that of ``layout.workers[i]``), each only the
-        blocks of its own devices, with gRPC or, given a data plane, on each worker's data
-        listener. No waiting. ``moves``: how many SliceMoved this session had applied when
-        ``addresses`` were read (default: now). For a layout with unreduced axes, ``array``
-        is the stack of its partial values (``ir.stacked``)."""
-        with self._starting_put():
-            self._start_put(addresses, handle, layout, array, self.moves if moves is None else moves)
-
-    def put_pieces(self, addresses: tuple[str, ...], handle: int, layout: Layout, dtype: np.dtype,
-                   shape: tuple[int, ...], pieces: dict[int, list[codec.Piece]], moves: int) -> None:
-        """``put`` of an array of ``dtype`` and ``shape`` given as the blocks each worker of
-        ``layout`` holds (``pieces[worker]``: that worker's ``host_regions``, each with its
-        value, which may be a strided view: its bytes are laid out chunk by chunk as they
-        are sent), for a caller that has the blocks and not the whole array. Not for
-        unreduced layouts. No waiting."""
-        if layout.unreduced:
-            raise ValueError("put_pieces sends the blocks of an array that is not unreduced; use put")
-        with self._starting_put():
-            self._send_pieces(addresses, handle, layout, dtype, shape, pieces, moves)
-
-    def put_chunks(self, address: str, handle: int, layout: Layout, dtype: np.dtype, shape: tuple[int, ...],
-                   chunks: Iterable[bytes | memoryview], moves: int) -> None:
-        """``put`` of an array that the one worker of ``layout`` (at ``address``) holds
-        whole, whose bytes in C order come as ``chunks`` (of any sizes): each is sent on as
-        it comes, nothing is kept, nothing waits. A source that raises, or ends short,
-        poisons the array with why. With a data plane (the IFRT front end's sessions), the
-        bytes go on the worker's data listener (with gRPC where the pool has no connection
-        for it), else with gRPC."""
-        if len(layout.workers) != 1 or layout.unreduced:
-            raise ValueError("put_chunks sends an array to the one worker that holds it whole; use put")
-        with self._starting_put():
-            if self.traced:
-                began = now()
-            stubs = self._stubs(address)
-            header = _put_header(stubs, handle, layout, codec.whole_array_header(dtype, shape))
-            connection = self._data_connection(address)
-            if connection is not None:
-                self._stream_put(connection, address, handle, header, chunks)
-            else:
-                failed: list[str] = []
-
-                def sent() -> Iterator[bytes]:
-                    yield codec.pack(header)
-                    try:
-                        for chunk in chunks:
-                            yield chunk if type(chunk) is bytes else bytes(chunk)
-                    except Exception as e:  # the worker then refuses the short array; the put says why
-                        failed.append(f"{_SHORT}: {e}")
-
-                self._watch_put(stubs.put.future(sent(), timeout=self.result_timeout),
-                                lambda f: self._put_done(f, address, handle, failed))
-            self.send(m.PutNotice(handle, layout, moves))
-            if self.traced:
-                nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-                self.recorder.span("put", began, 0, f"array {handle:#x}, {nbytes} bytes, sent as they arrive")
-
-    def _data_connection(self, address: str) -> Optional[tuple[Any, tcp.Route]]:
-        """A connection to the data listener of the worker at ``address``, or None (no data
-        plane, or the listener is not reachable from this process: put with gRPC)."""
-        if self._data_plane is None:
-            return None
-        try:
-            return self._data_plane.take(address)
-        except (OSError, errors.ConnectError) as e:
-            log.warning("putting through gRPC for %g s: the data listener of the worker at %s refused or did not "
-                        "answer this process (%s: %s)", tcp.Pool.UNREACHABLE_SECONDS, address, type(e).__name__, e)
-            return None
-
-    def _stream_put(self, connection: tuple[Any, tcp.Route], address: str, handle: int, header: dict,
-                    chunks: Iterable[bytes | memoryview]) -> None:
-        """Send the array on ``connection`` from a thread of its own, chunk by chunk as they
-        come, and poison it if the worker does not store it."""
-        assert self._data_plane is not None
-        outcome: Future = Future()
-        pool = self._data_plane
-
-        def stream() -> None:
-            try:
-                outcome.set_result(pool.request(connection, header, chunks))
-            except BaseException as e:
-                outcome.set_exception(e)
-
-        self._watch_put(outcome, lambda f: self._streamed(f, address, handle))
-        threading.Thread(target=stream, name="pathways-put", daemon=True).start()
-
-    def _streamed(self, outcome: Future, address: str, handle: int) -> None:
-        """A put on the data plane ended: its array is poisoned unless the worker stored it."""
-        error = outcome.exception()
-        if isinstance(error, OSError):
-            self.poisoned[handle] = (errors.WorkerLostError, f"sending the array to the worker at {address} failed "
-                                     f"({error}), so it never reached it: it was lost. `python -m pathways status` "
-                                     "shows which islands are healthy")
-        elif isinstance(error, errors.WireError):
-            self.poisoned[handle] = (errors.RemoteError, f"the worker at {address} refused the array: {error}")
-        elif error is not None:
-            self.poisoned[handle] = (errors.RemoteError, f"{_SHORT}: {error}")
-        elif outcome.result() is not None:
-            kind, refusal = answer_error(outcome.result())
-            self.poisoned[handle] = (type(error_of(kind, "", errors.RemoteError)),
-                                     f"the worker at {address} refused the array: {refusal}")
-
-    @contextlib.contextmanager
-    def _starting_put(self) -> Iterator[None]:
-        """Around starting a put: refused while suspended, and suspending waits for it."""
-        self._check_alive()
-        with self._puts_lock:
-            self._refuse_if_suspended("put an array")
-            self._starting_puts += 1
-        try:
-            yield
-        finally:
-            with self._puts_lock:
-                self._starting_puts -= 1
-                self._puts_lock.notify_all()
-
-    def _start_put(self, addresses: tuple[str, ...], handle: int, layout: Layout, array: np.ndarray,
-                   moves: int) -> None:
-        sent = layout
-        if layout.unreduced:  # the stack of partial values goes as an array of its own, unstacked there
-            sent = stacked(layout)
-            if array.shape[:1] != (partials(layout),):
-                raise ValueError(f"an unreduced array's {partials(layout)} partial values come stacked along a "
-                                 f"leading dimension; got an array of shape {array.shape}")
-        whole = [(codec.full_region(array.shape), array)]
-        parts = host_regions(array.shape, sent) if evenly_divided(array.shape, sent) else None
-        # each host gets the blocks of its own devices, not the whole array
-        pieces = {worker: whole if parts is None else [(r, array[tuple(slice(a, b) for a, b in r)])
-                                                       for r in parts[worker]] for worker in layout.workers}
-        self._send_pieces(addresses, handle, layout, array.dtype, array.shape, pieces, moves)
-
-    def _send_pieces(self, addresses: tuple[str, ...], handle: int, layout: Layout, dtype: np.dtype,
-                     shape: tuple[int, ...], pieces_of: dict[int, list[codec.Piece]], moves: int) -> None:
-        """Send each worker of ``layout`` its ``pieces_of`` an array of ``dtype`` and
-        ``shape`` (for an unreduced layout, the pieces are of the stack of its partial
-        values, which each worker unstacks), then tell the controller."""
-        if self.traced:
-            began = now()
-        sent = stacked(layout) if layout.unreduced else layout
-        for worker, address in zip(layout.workers, addresses):
-            pieces = pieces_of[worker]
-            stubs = self._stubs(address)
-            header = _put_header(stubs, handle, sent, codec.pieces_header(dtype, shape, pieces),
-                                 unstack=layout if layout.unreduced else None)
-            connection = self._data_connection(address)
-            if connection is not None:
-                self._stream_put(connection, address, handle, header, codec.pieces_chunks(pieces))
-                continue
-            if sum(a.nbytes for _, a in pieces) <= _PUT_ONE_BYTES:
-                request = codec.pack([codec.pack(header), *codec.pieces_chunks(pieces)])
-                future = stubs.put_one.future(request, timeout=self.result_timeout)
-            else:
-                future = stubs.put.future(_chunks(codec.pack(header), pieces), timeout=self.result_timeout)
-            self._watch_put(future, lambda f, address=address: self._put_done(f, address, handle))
-        self.send(m.PutNotice(handle, layout, moves))
-        if self.traced:
-            self.recorder.span("put", began, 0, f"array {handle:#x}, {math.prod(shape) * dtype.itemsize} bytes")
-
-    def _watch_put(self, future: grpc.Future | Future, done: Callable[[Any], None]) -> None:
-        """Count ``future`` among the puts in flight (suspending waits for them) until it
-        ends, then call ``done`` with it."""
-        with self._puts_lock:
-            self._puts.add(future)
-
-        def ended(f: Any) -> None:
-            with self._puts_lock:
-                self._puts.discard(f)
-            done(f)
-        future.add_done_callback(ended)
-
-    def _put_done(self, f: grpc.Future, address: str, handle: int, failed: Sequence[str] = ()) -> None:
-        """A gRPC put ended: its array is poisoned unless the worker took it; ``failed``: why
-        the put's source gave out, if it did."""
-        if failed:
-            self.poisoned[handle] = (errors.RemoteError, failed[0])
-            return
-        try:
-            answer = PutAnswer.read(codec.unpack(f.result()))
-            if answer.error is not None:
-                error = type(error_of(answer.kind, "", errors.RemoteError))
-                self.poisoned[handle] = (error, f"the worker at {address} refused the array: {answer.error}")
-        except grpc.RpcError as e:
-            refused = rpc.refusal(e, address)
-            if refused is not None:
-                self.poisoned[handle] = (errors.AuthenticationError, str(refused))
-            elif e.code() in _GONE:  # the host is gone, or stopped serving to restart (its island heals, or not)
-                self.poisoned[handle] = (errors.WorkerLostError, f"the worker at {address} is unreachable or "
-                                         f"stopped serving ({e.code().name}), so the array never reached it: it was "
-                                         "lost. `python -m pathways status` shows which islands are healthy")
-            else:
-                self.poisoned[handle] = (errors.RemoteError, f"sending the array to {address} failed: "
-                                         f"{e.code().name}")
-
-    def fetch(self, addresses: tuple[str, ...] | Callable[[], tuple[str, ...]], handle: int, wait: float,
-              data: bool, device: Optional[Device] = None,
-              sink: Optional[Sink] = None) -> Optional[np.ndarray | bool]:
-        """Ask the workers holding ``handle`` for it: None while pending after ``wait``
-        seconds, True when ready (``data`` false) or the assembled array; raises the
-        error that poisoned it (RemoteError, WorkerLostError). ``addresses``: those workers'
-        addresses, or a callable giving where they are now, asked again before each request:
-        a slice moves when its island heals (SliceMoved), and a run sent just after the heal
-        may have been read with the addresses from before. With ``device`` (host rank,
-        device index; the addresses then that of its host): that device's own shard only.
-        With ``sink`` (and ``data``): each worker's reply goes to it as it arrives (its
-        pieces' header and their chunks, which it reads to the end), and True is returned."""
-        self._refuse_if_suspended("read an array")
-        self._outbox.send_held()  # the run computing the array may be among them
-        where = addresses if callable(addresses) else lambda: addresses
-        if self.traced:
-            began = now()
-            try:
-                return self._fetch(where, handle, wait, data, device, sink)
-            finally:
-                self.recorder.span("fetch", began, 0, f"array {handle:#x}" + ("" if data else ", ready?"))
-        return self._fetch(where, handle, wait, data, device, sink)
-
-    def _fetch(self, addresses: Callable[[], tuple[str, ...]], handle: int, wait: float, data: bool,
-               device: Optional[Device] = None, sink: Optional[Sink] = None) -> Optional[np.ndarray | bool]:
-        deadline = time.monotonic() + wait
-        assembly = None
-        for i in range(len(addresses())):
-            pause = _BUSY_PAUSE
-            while True:
-                self._raise_if_poisoned(handle)
-                asked = time.monotonic()
-                left = max(deadline - asked, 0.0)
-                reply = self._fetch_one(lambda: addresses()[i], handle, min(left, _POLL_SECONDS), data, device,
-                                        sink)
-                if reply is not None:
-                    break
-                answered = time.monotonic()
-                if answered >= deadline:
-                    return None
-                if answered - asked < min(left, _POLL_SECONDS) / 2:
-                    # answered at once: the worker's fetch waits are taken (worker/sessions.py)
-                    time.sleep(min(pause, deadline - answered))
-                    pause = min(2 * pause, _BUSY_PAUSE_MAX)
-            if sink is not None:
-                continue
-            if data and device is not None:
-                (_, shard), = reply[2]  # the device's one shard, whole
-                return shard
-            if data:
-                dtype, shape, pieces = reply
-                if assembly is None:
-                    assembly = codec.Assembly(dtype, shape)
-                assembly.add(pieces)
-        return assembly.result() if data and sink is None else True
-
-    def _raise_if_poisoned(self, handle: int) -> None:
-        if handle in self.poisoned:
-            error, message = self.poisoned[handle]
-            raise error(message)
-
-    def _fetch_one(self, where: Callable[[], str], handle: int, wait: float, data: bool,
-                   device: Optional[Device] = None, sink: Optional[Sink] = None) -> Any:
-        """One request for ``handle`` to the worker at ``where()``: None while pending (or
-        while its worker is unreachable without a verdict, or has moved: ask again), else
-        the reply's value; raises the error that poisoned it."""
-        self._check_alive()
-        address = where()
-        stubs = self._stubs(address)
-        request = m.pack(m.FetchRequest(handle, wait, data, stubs.credential, device).encode())
-        call = None
-        fed = False  # whether ``sink`` was given part of a reply: it cannot be given one again
-        try:
-            call = stubs.fetch(request, timeout=wait + 30.0)
-            with self._fetches_lock:
-                self._fetches.setdefault(handle, set()).add(call)
-            if handle in self.poisoned or self._dead is not None:
-                call.cancel()  # the news came while the call was starting
-            replies = iter(call)
-            reply = FetchReply.read(codec.unpack(next(replies)))
-            if reply.state == PENDING:
-                return None
-            if reply.state == ERROR:
-                raise error_of(reply.kind, reply.message, errors.RemoteError)
-            if not data:
-                return True
-            if sink is not None:
-                fed = True
-                sink(reply.pieces or {}, replies)
-                codec.expect_end(replies)
-                return True
-            result = codec.read_pieces(reply.pieces or {}, replies)
-            codec.expect_end(replies)
-            return result
-        except grpc.RpcError as e:
-            refused = rpc.refusal(e, address)
-            if refused is not None:
-                raise refused from None
-            # A worker that died mid-call breaks the call in several ways; the controller's
-            # verdict on the handle, which follows within moments, is the better error.
-            unreachable = e.code() in _GONE
-            deadline = time.monotonic() + (_UNREACHABLE_VERDICT_SECONDS if unreachable else _VERDICT_SECONDS)
-            while (handle not in self.poisoned and time.monotonic() < deadline and self._dead is None
-                   and where() == address):
-                time.sleep(0.02)
-            self._raise_if_poisoned(handle)
-            self._check_alive()
-            if unreachable and not fed:
-                # no verdict: the worker moved (its island healed; the array is at its new
-                # address), or the controller still has it, slow (stopped, or starved past
-                # keepalive), not lost; the array is still to come, so the caller asks again
-                log.info("the worker at %s holding array %#x does not answer (%s), but the controller has not "
-                         "declared it lost: asking again%s", address, handle, e.code().name,
-                         "" if where() == address else f", at its new address {where()}")
-                return None
-            if unreachable:
-                raise errors.ConnectError(
-                    f"the worker at {address} stopped answering ({e.code().name}) while it sent array "
-                    f"{handle:#x}, but the controller has not declared it lost (it is slow: starved of CPU, busy, "
-                    "or stopped); read the array again, and see `python -m pathways status`") from None
-            raise errors.ConnectError(
-                f"fetching from worker {address} failed ({e.code().name}); check "
-                "`python -m pathways status`") from None
-        except BaseException:
-            if call is not None:
-                call.cancel()  # whatever is left of the reply is not wanted
-            raise
-        finally:
-            if call is not None:
-                with self._fetches_lock:
-                    discard(self._fetches, handle, call)
-
-    def _cancel_fetches(self, handles: Optional[tuple[int, ...]]) -> None:
-        """Cancel the fetches in flight for ``handles`` (all of them with None): whoever
-        waits in them then raises the error the controller gave, at once."""
-        with self._fetches_lock:
-            if handles is None:
-                doomed = [c for calls in self._fetches.values() for c in calls]
-            else:
-                doomed = [c for h in handles for c in self._fetches.get(h, ())]
-        for call in doomed:
-            call.cancel()
-
     def cluster(self) -> dict:
         return self.request(m.ClusterRequest).status
 
@@ -790,16 +418,3 @@ def _broken(e: grpc.RpcError) -> str:
         return f"stopped answering (no reply to keepalive pings within about {seconds:g} s: frozen or unreachable)"
     return f"broke the connection ({code}: {details})" if details else f"broke the connection ({code})"
 
-
-def _put_header(stubs: WorkerStubs, handle: int, layout: Layout, pieces: dict,
-                unstack: Optional[Layout] = None) -> dict:
-    """A put's header (a Put's first message, packed): the array's handle and layout, this
-    session's credential at the worker, ``pieces`` (codec's description of what follows),
-    and the unreduced layout whose partial values the array stacks, if it does."""
-    return ArrayPut(handle, layout.to_wire(), credential=stubs.credential, pieces=pieces,
-                    unstack=None if unstack is None else unstack.to_wire()).header()
-
-
-def _chunks(header: bytes, pieces: list[codec.Piece]) -> Iterator[bytes]:
-    yield header
-    yield from codec.pieces_chunks(pieces)

@@ -32,7 +32,8 @@ import numpy as np
 
 from pathways import errors
 from pathways.client.compiled import define_function, register_program, value_types
-from pathways.client.session import Session, Sink
+from pathways.client.fetches import Sink
+from pathways.client.session import Session
 from pathways.ifrt import types as t
 from pathways.ifrt.devices import DeviceTable, SliceDevices, SliceInfo
 from pathways.ifrt.host_buffers import HostBuffer, HostBuffers
