@@ -12,7 +12,7 @@ import pytest
 from ifrt_helpers import RawStream, run_jax, session_metadata
 from pathways.cluster import Island, LocalCluster
 from pathways.ifrt import server as ifrt_server
-from pathways.ifrt import session as ifrt_session
+from pathways.ifrt import handling
 from pathways.ifrt import types as t
 from pathways.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as gpb
 from pathways.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
@@ -56,7 +56,7 @@ def _scalar(f, rng):
     if f.type == f.TYPE_BOOL:
         return rng.random() < 0.5
     if f.type in (f.TYPE_STRING,):
-        return rng.choice(["", "device", t.HLO_SHARDING, ifrt_session.XLA_PROGRAM, "x" * rng.randint(1, 40)])
+        return rng.choice(["", "device", t.HLO_SHARDING, handling.XLA_PROGRAM, "x" * rng.randint(1, 40)])
     if f.type == f.TYPE_BYTES:
         return rng.randbytes(rng.randint(0, 24))
     if f.type == f.TYPE_ENUM:
@@ -157,8 +157,8 @@ def _open(channel, rng):
 def test_fuzzed_requests_get_answers_and_the_server_survives(server, monkeypatch):
     # Waits that would be long with a real client are short here, so that thousands of
     # requests naming handles that never come finish quickly (each still waits, bounded).
-    monkeypatch.setattr(ifrt_session, "WAIT_SECONDS", 0.5)
-    monkeypatch.setattr(ifrt_session, "HOST_BUFFER_WAIT", 0.05)
+    monkeypatch.setattr(handling, "WAIT_SECONDS", 0.5)
+    monkeypatch.setattr(handling, "HOST_BUFFER_WAIT", 0.05)
     monkeypatch.setattr(ifrt_server, "HOST_BUFFER_WAIT", 0.05)
     rng = random.Random(14)
     seeds = _valid_seeds()

@@ -29,7 +29,8 @@ from pathways.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
 from pathways.ifrt import plugin
 from pathways.ifrt import server as ifrt_server
 from pathways.ifrt.server import IfrtServer, _lookup_response, _store_data
-from pathways.ifrt.session import STREAMED_PUT_BYTES, IfrtSession, _Array, _Executable, parse_slice
+from pathways.ifrt.handling import STREAMED_PUT_BYTES, IfrtArray, IfrtExecutable
+from pathways.ifrt.session import IfrtSession, parse_slice
 from pathways.protocol import messages as m
 from tests.conftest import connected_to, read_line, wait_until
 
@@ -586,8 +587,8 @@ def test_a_remap_to_the_same_devices_in_another_order_relabels_the_array_without
                                    tile_assignment_devices=[0, 1, 2, 3])
     source = t.Sharding((0, 1, 2, 3), rows.SerializeToString())
     session = _session_without_cluster(_table())
-    session._insert([1, 2], [_Array(np.dtype(np.float32), (8, 2), source, handle=41),
-                             _Array(np.dtype(np.float32), (8, 2), source, handle=42)])
+    session._insert([1, 2], [IfrtArray(np.dtype(np.float32), (8, 2), source, handle=41),
+                             IfrtArray(np.dtype(np.float32), (8, 2), source, handle=42)])
     body = pb.RemapArraysRequest(array_handles=[1], result_handles=[11],
                                  copy_semantics=types_pb2.ARRAY_COPY_SEMANTICS_DONATE_INPUT)
     for spec, sharding in ((body.plan.input_specs.add(), t.sharding_proto(source)),
@@ -648,7 +649,7 @@ def test_an_arrays_data_stays_while_any_of_its_shards_lives():
                                    tile_assignment_devices=[0, 1])
     session = _session_without_cluster(_table())
     session.native = _Releases()
-    session._insert([1], [_Array(np.dtype(np.float32), (4, 2), t.Sharding((0, 1), rows.SerializeToString()),
+    session._insert([1], [IfrtArray(np.dtype(np.float32), (4, 2), t.Sharding((0, 1), rows.SerializeToString()),
                                  handle=41)])
     session.handle("disassemble_into_single_device_arrays_request",
                    pb.DisassembleIntoSingleDeviceArraysRequest(array_handle=1, result_handles=[11, 12]))
@@ -657,7 +658,7 @@ def test_an_arrays_data_stays_while_any_of_its_shards_lives():
         assert session.native.released == released, destructed
 
     # x.delete() frees its data at once, as JAX's own arrays do: its shards then refuse reads
-    session._insert([2], [_Array(np.dtype(np.float32), (4, 2), t.Sharding((0, 1), rows.SerializeToString()),
+    session._insert([2], [IfrtArray(np.dtype(np.float32), (4, 2), t.Sharding((0, 1), rows.SerializeToString()),
                                  handle=42)])
     session.handle("disassemble_into_single_device_arrays_request",
                    pb.DisassembleIntoSingleDeviceArraysRequest(array_handle=2, result_handles=[21, 22]))
@@ -675,7 +676,7 @@ def test_a_single_device_arrays_shards_are_it_and_go_with_its_delete():
     # as views do, so the delete frees it at once and the shards then refuse reads
     session = _session_without_cluster(_table())
     session.native = _Releases()
-    one = lambda handle: _Array(np.dtype(np.float32), (4,), t.replicated((5,)), handle=handle)
+    one = lambda handle: IfrtArray(np.dtype(np.float32), (4,), t.replicated((5,)), handle=handle)
     session._insert([1], [one(41)])
     session.handle("fully_replicated_shard_request", pb.FullyReplicatedShardRequest(array_handle=1, result_handle=11))
     session.handle("disassemble_into_single_device_arrays_request",
@@ -725,7 +726,7 @@ def _session_with_executable(compiled):
     """An IFRT session holding one executable (handle 7) compiled as ``compiled`` says, with
     no cluster: what its requests about the executable answer depends on that alone."""
     session = _session_without_cluster(DeviceTable([]))
-    session._executables[7] = _Executable(compiled.fn, compiled, (0,), None, "f")
+    session._executables[7] = IfrtExecutable(compiled.fn, compiled, (0,), None, "f")
     return session
 
 

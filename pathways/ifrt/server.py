@@ -43,7 +43,8 @@ from pathways.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
 from pathways.ifrt import types as t
 from pathways.errors import WireError
 from pathways.ifrt.plugin import ADMISSION_METHOD, ADMISSION_SERVICE
-from pathways.ifrt.session import HOST_BUFFER_WAIT, SLICE_KEY, WAIT_SECONDS, Deferred, IfrtSession
+from pathways.ifrt.handling import HOST_BUFFER_WAIT, SLICE_KEY, WAIT_SECONDS, Deferred
+from pathways.ifrt.session import IfrtSession
 from pathways.ifrt.types import IfrtError
 from pathways.protocol import streams
 from pathways.wire import codec, tcp
