@@ -639,8 +639,8 @@ def started(stop: str | Path) -> list[Path]:
 
 PROGRAMS: dict[str, Callable[[], Results]] = {
     f.__name__: f for f in (devices, device_put, device_put_all, types_and_trivial, jit_elementwise, jit_matmul,
-                            jit_reductions, linalg, mlp_grad, vmap, loops, random, psum, layouts, compiled_analysis, move,
-                            donation, deletion, train_optax, flax_model, concurrent)}
+                            jit_reductions, linalg, mlp_grad, vmap, loops, random, psum, layouts, compiled_analysis,
+                            move, donation, deletion, train_optax, flax_model, concurrent)}
 
 
 def main(argv: list[str]) -> int:

@@ -650,7 +650,7 @@ def test_an_arrays_data_stays_while_any_of_its_shards_lives():
     session = _session_without_cluster(_table())
     session.native = _Releases()
     session._insert([1], [IfrtArray(np.dtype(np.float32), (4, 2), t.Sharding((0, 1), rows.SerializeToString()),
-                                 handle=41)])
+                                    handle=41)])
     session.handle("disassemble_into_single_device_arrays_request",
                    pb.DisassembleIntoSingleDeviceArraysRequest(array_handle=1, result_handles=[11, 12]))
     for destructed, released in (([1], []), ([11], []), ([12], [41])):
@@ -659,7 +659,7 @@ def test_an_arrays_data_stays_while_any_of_its_shards_lives():
 
     # x.delete() frees its data at once, as JAX's own arrays do: its shards then refuse reads
     session._insert([2], [IfrtArray(np.dtype(np.float32), (4, 2), t.Sharding((0, 1), rows.SerializeToString()),
-                                 handle=42)])
+                                    handle=42)])
     session.handle("disassemble_into_single_device_arrays_request",
                    pb.DisassembleIntoSingleDeviceArraysRequest(array_handle=2, result_handles=[21, 22]))
     session.handle("delete_array_request", pb.DeleteArrayRequest(array_handle=[2]))

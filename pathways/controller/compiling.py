@@ -19,7 +19,6 @@ from pathways.protocol.handles import session_of
 log = logging.getLogger("pathways.controller")
 
 
-
 class Compiling:
     """ControllerCore's definitions of functions and their compiles on the workers."""
 

@@ -16,7 +16,6 @@ from pathways.protocol.errors import LOST, REMOTE, STUCK
 log = logging.getLogger("pathways.controller")
 
 
-
 class Healing:
     """ControllerCore's handling of lost hosts, stuck runs and healed islands."""
 

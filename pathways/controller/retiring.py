@@ -93,7 +93,8 @@ class Retiring:
             return report
         name = island.describe()
         message = (f"island {name} was retired by the operator (`pathways retire`): "
-                   + ("it had lost a host, and is forgotten" if island.health is Health.LOST else "its hosts were shut down")
+                   + ("it had lost a host, and is forgotten" if island.health is Health.LOST
+                      else "its hosts were shut down")
                    + "; its arrays and computations are gone and its slices released. Ask for a slice on "
                      "another island (`python -m pathways status` lists them)")
         hosts = {w for w, c in self.workers.items() if c.island == island.id}

@@ -17,7 +17,6 @@ from pathways.protocol.errors import LOST, REMOTE
 log = logging.getLogger("pathways.controller")
 
 
-
 class Suspending:
     """ControllerCore's handlers of Suspend and Resume, and the steps in between."""
 

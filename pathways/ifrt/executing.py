@@ -4,26 +4,23 @@ program; its metadata and XLA's analyses come from the worker that compiled it."
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 
 from pathways import errors
 from pathways.client.compiled import register_program
 from pathways.ifrt import types as t
+from pathways.ifrt import handling
+from pathways.ifrt.handling import DONE, Deferred, IfrtArray, IfrtExecutable, Lazy, attributes, failed_future, serves
+from pathways.ifrt.types import IfrtError, Sharding
+from pathways.ir import Node, ProgramGraph
 from pathways.proto.xla import xla_data_pb2
 from pathways.proto.xla.pjrt.proto import executable_metadata_pb2
 from pathways.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
 from pathways.proto.xla.python.pjrt_ifrt import xla_compiler_pb2
-from pathways.ifrt.types import IfrtError, Sharding
-from pathways.ifrt import handling
-from pathways.ifrt.handling import DONE, Deferred, IfrtArray, IfrtExecutable, Lazy, attributes, failed_future, serves
-from pathways.ir import Node, ProgramGraph
 from pathways.protocol import messages as m
 from pathways.timeline import function_label, now
 from pathways.wire.codec import dtype_of_name
-
-log = logging.getLogger("pathways.ifrt")
 
 
 class Executing:
@@ -60,7 +57,8 @@ class Executing:
                 compiled = future.result(timeout=handling.WAIT_SECONDS)
                 label = function_label(compiled.name or "ifrt")
             except TimeoutError:
-                raise IfrtError(t.DEADLINE_EXCEEDED, f"compilation took longer than {handling.WAIT_SECONDS:g} s") from None
+                raise IfrtError(t.DEADLINE_EXCEEDED,
+                                f"compilation took longer than {handling.WAIT_SECONDS:g} s") from None
             except errors.WorkerLostError as e:
                 raise t.runtime_failure(e, "compilation failed: ") from None
             except errors.PathwaysError as e:

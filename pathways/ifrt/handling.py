@@ -5,7 +5,6 @@ executables."""
 
 from __future__ import annotations
 
-import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -14,11 +13,10 @@ import numpy as np
 
 from pathways.ifrt import types as t
 from pathways.ifrt.devices import SliceDevices
-from pathways.proto.xla.python.ifrt import attribute_map_pb2
 from pathways.ifrt.types import IfrtError, Sharding
 from pathways.ir import Layout
+from pathways.proto.xla.python.ifrt import attribute_map_pb2
 
-log = logging.getLogger("pathways.ifrt")
 
 WAIT_SECONDS = 600.0  # the longest any request waits: a fetch, a compile, a ready check
 HOST_BUFFER_WAIT = 60.0  # for a host buffer whose HostBufferStore call has not arrived yet, or its next bytes
@@ -43,7 +41,8 @@ class RequestKind:
 
 
 # request kind (the IfrtRequest field, "..._request") -> how it is served: every kind the
-# session serves, each registered by ``serves`` on its handler ``a base class of IfrtSession, ``_<kind>````
+# session serves, each registered by ``serves`` on its handler: the method ``_<kind>`` of
+# IfrtSession or of one of its base classes
 REQUESTS: dict[str, RequestKind] = {}
 
 

@@ -5,23 +5,20 @@ from its workers."""
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any, Iterable, Iterator, Optional
 
 import numpy as np
 
 from pathways.ifrt import types as t
-from pathways.ifrt.devices import SliceDevices
-from pathways.ifrt.host_buffers import HostBuffer
-from pathways.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
-from pathways.ifrt.types import IfrtError, Sharding
 from pathways.ifrt import handling
+from pathways.ifrt.devices import SliceDevices
 from pathways.ifrt.handling import Deferred, IfrtArray, serves
+from pathways.ifrt.host_buffers import HostBuffer
+from pathways.ifrt.types import IfrtError, Sharding
 from pathways.ir import Layout, evenly_divided, host_regions
+from pathways.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
 from pathways.wire import codec
-
-log = logging.getLogger("pathways.ifrt")
 
 
 class HostArrays:
@@ -29,7 +26,8 @@ class HostArrays:
 
     # ---- arrays from and to the host -----------------------------------------------------------
 
-    def _host_array(self, handle: int, dtype: np.dtype, shape: tuple[int, ...], strides: Optional[list[int]]) -> np.ndarray:
+    def _host_array(self, handle: int, dtype: np.dtype, shape: tuple[int, ...],
+                    strides: Optional[list[int]]) -> np.ndarray:
         # taken: the put keeps the bytes alive as long as it needs them
         try:
             buffer = self.buffers.get(handle, 0.0, take=True)
@@ -97,7 +95,7 @@ class HostArrays:
     def _make_error_arrays_request(self, body: Any) -> Any:
         error = IfrtError(body.error.code or t.INTERNAL, body.error.message[:4096])
         arrays = [IfrtArray(t.dtype_of(s.dtype), t.shape_of(s.shape.dims),
-                         t.parse_sharding(s.sharding, len(self._table)), error=error) for s in body.array_specs]
+                            t.parse_sharding(s.sharding, len(self._table)), error=error) for s in body.array_specs]
         return pb.MakeErrorArraysResponse(array_handles=self._insert(list(body.array_handles), arrays))
 
     def _put_blocks(self, dtype: np.dtype, shape: tuple[int, ...], sharding: Sharding,
@@ -166,8 +164,8 @@ class HostArrays:
             return None
         pw_handle = self.native.allocate(1)
         moves = self.native.moves  # before the address: a move in between makes the controller drop the put
-        chunks = _exactly(nbytes, f"a {dtype.name}{list(shape)} array", self.buffers.chunks(handle, handling.HOST_BUFFER_WAIT,
-                                                                                           take=True))
+        chunks = _exactly(nbytes, f"a {dtype.name}{list(shape)} array",
+                          self.buffers.chunks(handle, handling.HOST_BUFFER_WAIT, take=True))
         self.native.put_chunks(place.addresses[0], pw_handle, layout, dtype, shape, chunks, moves)
         return IfrtArray(dtype, shape, sharding, pw_handle, layout, place)
 

@@ -6,7 +6,6 @@ of an array's data, and its value here."""
 from __future__ import annotations
 
 import functools
-import logging
 import math
 from typing import Any, Optional, Sequence
 
@@ -15,13 +14,11 @@ import numpy as np
 from pathways import errors
 from pathways.client.fetches import Sink
 from pathways.ifrt import types as t
-from pathways.ifrt.devices import SliceDevices
-from pathways.ifrt.types import IfrtError, Sharding
 from pathways.ifrt import handling
+from pathways.ifrt.devices import SliceDevices
 from pathways.ifrt.handling import IfrtArray, shard_of_deleted
+from pathways.ifrt.types import IfrtError, Sharding
 from pathways.ir import Layout, device_regions, evenly_divided, partials, stacked
-
-log = logging.getLogger("pathways.ifrt")
 
 
 class NativeOps:

@@ -217,7 +217,7 @@ class IfrtSession(NativeOps, HostArrays, Views, Executing):
                                                   f"host={d.rank}, index={d.index})"))
             # slice_index: the island, under the name Pathways tooling groups devices into slices by
             attributes(dev.attributes, {"island": d.island, "slice_index": d.island, "host": d.rank,
-                                         "worker": d.worker, "index": d.index, "kind": d.kind})
+                                        "worker": d.worker, "index": d.index, "kind": d.kind})
             resp.addressable_device_ids.append(d.id)
             resp.primary_device_ids.append(d.id)
             resp.memories.add(id=d.id, memory_space_kind=t.MEMORY_KIND, kind_id=0, device_ids=[d.id],

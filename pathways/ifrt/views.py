@@ -6,7 +6,6 @@ identity function on the destination layout."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from typing import Any, Optional, Sequence
 
@@ -15,14 +14,12 @@ import numpy as np
 from pathways.client.compiled import define_function, register_program, value_types
 from pathways.ifrt import types as t
 from pathways.ifrt.devices import SliceDevices
-from pathways.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
-from pathways.proto.xla.python.ifrt_proxy.common import types_pb2
-from pathways.ifrt.types import IfrtError, Sharding
 from pathways.ifrt.handling import IfrtArray, ViewGroup, serves
+from pathways.ifrt.types import IfrtError, Sharding
 from pathways.ir import Layout, Node, ProgramGraph
 from pathways.platforms import export_platforms
-
-log = logging.getLogger("pathways.ifrt")
+from pathways.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
+from pathways.proto.xla.python.ifrt_proxy.common import types_pb2
 
 
 class Views:
@@ -37,7 +34,7 @@ class Views:
             region = tuple((o + a, o + b) for (o, _), (a, b) in zip(base, region))
             group = arr.group
         return IfrtArray(arr.dtype, tuple(b - a for a, b in region), t.replicated((device,)), group=group,
-                      region=region)
+                         region=region)
 
     @staticmethod
     def _shard(arr: IfrtArray) -> IfrtArray:
