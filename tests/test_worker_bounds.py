@@ -57,7 +57,7 @@ def test_a_fetch_with_a_nan_or_infinite_wait_is_refused(served):
         reply = answered(fetch, MISSING, wait)
         assert reply["state"] == "error" and reply["kind"] == "WireError", reply
         assert "'wait'" in reply["message"], reply
-    put(core, first_handle(9) + 1, np.arange(3, dtype=np.float32))
+    put(core, first_handle(9) + 1, np.arange(3, dtype=np.float32), {9: CREDENTIAL})
     assert answered(fetch, first_handle(9) + 1, 1.0)["state"] == "ready"
     assert time.monotonic() - start < 10
 
@@ -143,7 +143,7 @@ def test_a_put_or_fetch_with_another_sessions_credential_is_refused_as_access_de
     reply = codec.unpack(put_stub(iter([codec.pack(header), good.tobytes()]), timeout=10))
     assert reply["kind"] == "AccessDeniedError" and "not that session's" in reply["error"], reply
     assert core.store.get(first_handle(9) + 3) is None
-    put(core, first_handle(9) + 4, good)
+    put(core, first_handle(9) + 4, good, {9: CREDENTIAL})
     reply = answered(fetch, first_handle(9) + 4, credential=other)
     assert reply["state"] == "error" and reply["kind"] == "AccessDeniedError", reply
     assert time.monotonic() - start < 3.0

@@ -37,8 +37,19 @@ def put_header(handle, array, **fields):
             **codec.pieces_header(array.dtype, array.shape, [(codec.full_region(array.shape), array)]), **fields}
 
 
-def put(core, handle, array):
-    assert core.receive(put_header(handle, array), pieces=[(codec.full_region(array.shape), array)]) is None
+def frame(core, header, pieces=(), credentials=CREDENTIALS):
+    """A data-plane frame arriving at ``core``, with the credential of its handle's session
+    in ``credentials`` (a client session's array carries one; the controller's transfer
+    copies none)."""
+    session = session_of(header["handle"])
+    if session:
+        header = {**header, "credential": credentials[session]}
+    return core.receive_frame(header, list(pieces))
+
+
+def put(core, handle, array, credentials=CREDENTIALS):
+    region = codec.full_region(array.shape)
+    assert frame(core, put_header(handle, array), [(region, array)], credentials) is None
 
 
 def fetch(core, handle, wait=10.0, data=True, still_wanted=lambda: True, credential=None, device=None):
@@ -156,8 +167,8 @@ def test_poison_flows_through_a_run_to_the_reader(core, up):
     assert header == {"state": "error", "kind": "WorkerLostError", "message": "host 3 of the island was lost"}
     # a poisoned put from a peer, with a kind this worker does not know, reads as a failure
     y = first_handle(SESSION) + 300
-    assert core.receive({"t": "put", "handle": y, "layout": LAYOUT.to_wire(), "of": 1, "poison": "boom",
-                         "kind": "SomethingNew"}) is None
+    assert frame(core, {"t": "put", "handle": y, "layout": LAYOUT.to_wire(), "of": 1, "poison": "boom",
+                        "kind": "SomethingNew"}) is None
     header, _ = fetch(core, y)
     assert header == {"state": "error", "kind": "RemoteError", "message": "boom"}
     assert up.wait_for(m.Done)[0].runs[0][0] == 1
@@ -187,11 +198,11 @@ def test_a_put_of_stacked_partial_values_is_stored_unstacked_and_a_mismatched_on
     stack = np.arange(6, dtype=np.float32).reshape(1, 2, 3)
     header = {**put_header(first_handle(SESSION) + 8, stack), "layout": stacked(partial).to_wire(),
               "unstack": partial.to_wire()}
-    assert core.receive(header, pieces=[(codec.full_region(stack.shape), stack)]) is None
+    assert frame(core, header, [(codec.full_region(stack.shape), stack)]) is None
     _, value = fetch(core, first_handle(SESSION) + 8)
     np.testing.assert_array_equal(value, stack[0])
     wrong = {**header, "handle": first_handle(SESSION) + 9, "layout": LAYOUT.to_wire()}
-    error = core.receive(wrong, pieces=[(codec.full_region(stack.shape), stack)])
+    error = frame(core, wrong, [(codec.full_region(stack.shape), stack)])
     assert "whose stacked layout is field 'layout'" in error, error
 
 
@@ -233,8 +244,10 @@ def test_drop_session_frees_arrays_functions_and_programs(core, up):
     assert after["programs"] == before["programs"]
     assert after["executables"] == before["executables"] + 1  # the other session's
     assert core.executables.get(FN) is None and core.executables.get(other) is not None
-    # a late array of the dropped session is refused
-    put(core, first_handle(SESSION) + 500, np.ones(3, np.float32))
+    # a late array of the dropped session is refused, and leaves nothing behind
+    late = np.ones(3, np.float32)
+    error = frame(core, put_header(first_handle(SESSION) + 500, late), [(codec.full_region(late.shape), late)])
+    assert "its session 5 has closed" in error, error
     assert SESSION not in core.stats()["sessions"]
 
 
@@ -252,10 +265,10 @@ def test_drop_session_frees_arrays_functions_and_programs(core, up):
 ])
 def test_a_put_header_of_the_wrong_types_is_a_wire_error(core, fields, needle):
     good = np.ones(3, np.float32)
-    header = {**put_header(first_handle(SESSION) + 1, good), **fields}
-    error = core.receive(header, iter([good.tobytes()]))
+    header = {**put_header(first_handle(SESSION) + 1, good, credential=CREDENTIALS[SESSION]), **fields}
+    error = core.client_put(header, iter([good.tobytes()]))
     assert error is not None and needle in error, error
-    assert core.receive([1, 2], iter([])) == "a put header must be a map, got list"
+    assert core.client_put([1, 2], iter([])) == "a put header must be a map, got list"
 
 
 # ---- session isolation ------------------------------------------------------------------

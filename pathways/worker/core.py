@@ -31,7 +31,6 @@ whatever its types.
 
 from __future__ import annotations
 
-import dataclasses
 import faulthandler
 import logging
 import math
@@ -312,17 +311,7 @@ class WorkerCore(Receiving, Offloading):
         """Send each receiver of ``routes`` its regions of the pieces ``held`` (or the
         ``poison``) as ``handle`` laid out as ``layout`` (wire form)."""
         for receiver, senders, regions in routes:
-            put = ArrayPut(handle, layout, senders, run=run)
-            pieces: list = []
-            if poison is not None:
-                put = dataclasses.replace(put, poison=poison.message, kind=poison.kind)
-            else:
-                try:
-                    pieces = [(region, codec.cut(held, region)) for region in regions]
-                except WireError as e:
-                    put = dataclasses.replace(put, poison=f"array {handle:#x} on worker {self.worker_id}: {e}")
-                else:
-                    put = dataclasses.replace(put, pieces=codec.pieces_header(dtype, shape, pieces))
+            put, pieces = self._part(handle, poison, dtype, shape, held, layout, senders, regions, run)
             if receiver == self.worker_id:
                 error = self._receive_own(put, pieces)
                 if error:
@@ -336,6 +325,19 @@ class WorkerCore(Receiving, Offloading):
                     reason = f"the address of worker {receiver} is not known here" if type(e) is KeyError else e
                     self.up(Undelivered(receiver, (handle,), f"worker {self.worker_id} could not send array "
                                                              f"{handle:#x} to worker {receiver}: {reason}"))
+
+    def _part(self, handle: int, poison: Optional[Poison], dtype: Any, shape: tuple[int, ...], held: list,
+              layout: list, senders: int, regions: list, run: int) -> tuple[ArrayPut, list]:
+        """One receiver's put of ``handle``: its ``regions`` cut from the pieces ``held``,
+        or the poison (a region that cannot be cut poisons the receiver's copy)."""
+        if poison is not None:
+            return ArrayPut(handle, layout, senders, run=run, poison=poison.message, kind=poison.kind), []
+        try:
+            pieces = [(region, codec.cut(held, region)) for region in regions]
+        except WireError as e:
+            return ArrayPut(handle, layout, senders, run=run,
+                            poison=f"array {handle:#x} on worker {self.worker_id}: {e}"), []
+        return ArrayPut(handle, layout, senders, run=run, pieces=codec.pieces_header(dtype, shape, pieces)), pieces
 
     # ---- fetches ------------------------------------------------------------------------
 

@@ -89,21 +89,15 @@ class Receiving:
 
         return self._guarded(peer_put)
 
-    def receive(self, header: Any, chunks: Optional[Iterator[bytes]] = None,
-                pieces: Optional[list] = None) -> Optional[str]:
-        """Take one sender's part of an array arriving as handle: its pieces follow in
-        ``chunks`` or were read already (``pieces``); store the array once every sender has
-        delivered. Trusts the sender: a client's put goes through ``client_put``. Returns an
-        error message, or None."""
-        return self._guarded(lambda: self._store(self._read_put(header), chunks, pieces))
-
     def _receive_own(self, put: ArrayPut, pieces: list) -> Optional[str]:
-        """``receive`` of this host's own part of an array, as its sender made it."""
+        """This host's own part of an array it sends, stored as its peers store theirs
+        (``receive_frame``), without a trip through the data plane."""
         return self._guarded(lambda: self._store(_Put(put, self._sharding(put.layout)), None, pieces))
 
     def client_put(self, header: Any, chunks: Iterator[bytes]) -> Optional[str]:
-        """A client's put (the gRPC Put): like ``receive``, but only for a handle of the
-        session whose credential the header carries (field ``credential``), checked
+        """A client's put (the gRPC Put): take one sender's part of an array, its pieces
+        following in ``chunks``, and store the array once every sender has delivered; only
+        for a handle of the session whose credential the header carries (field ``credential``), checked
         before any of the array is read, and its pieces following in ``chunks``. Raises
         AccessDeniedError when refused (after waiting up to ``sessions.wait`` seconds for a
         session not announced yet); returns an error message for a malformed put, or None."""
