@@ -31,9 +31,9 @@ import grpc
 import trio
 
 from pathways.defaults import ADDRESS_LINE, DEFAULT_WINDOW, IFRT_LINE
-from pathways.errors import ConnectError, DeadlineExceededError, WireError
-from pathways.protocol.errors import error_of
-from pathways.protocol.messages import MeasureRequest, RetireRequest, pack, unpack
+from pathways.errors import ConnectError, DeadlineExceededError, PathwaysError, WireError
+from pathways.protocol import operator
+from pathways.protocol.messages import MeasureRequest, RetireRequest, pack
 from pathways.wire import rpc
 from pathways.wire import security as sec
 from pathways.wire.security import Security
@@ -450,13 +450,17 @@ def wait_for_workers(address: str, count: int, timeout: float, security: Securit
 # default PATHWAYS_TOKEN and PATHWAYS_TLS_CA.
 
 def status(address: str, timeout: float = 10.0, security: Security | None = None) -> dict:
-    """The controller's view: workers, their devices and load, sessions, slices, arrays."""
-    return _unary(address, rpc.CONTROLLER_SERVICE, "Status", timeout, security=security)
+    """The controller's view: workers, their devices and load, sessions, slices, arrays
+    (protocol/messages.py ClusterStatus says what each field means)."""
+    reply = _unary(address, rpc.CONTROLLER_SERVICE, "Status", timeout, security=security)
+    return operator.answer(operator.STATUS_REPLY, reply).as_dict()
 
 
 def worker_stats(address: str, timeout: float = 10.0, security: Security | None = None) -> dict:
-    """One worker's object store and executable cache counts."""
-    return _unary(address, rpc.WORKER_SERVICE, "Stats", timeout, security=security)
+    """One worker's object store and executable cache counts (protocol/operator.py
+    WorkerStats says what each means)."""
+    reply = _unary(address, rpc.WORKER_SERVICE, "Stats", timeout, security=security)
+    return operator.answer(operator.STATS_REPLY, reply).as_dict()
 
 
 def measure(address: str, timeout: float = 60.0, security: Security | None = None) -> dict:
@@ -466,9 +470,7 @@ def measure(address: str, timeout: float = 60.0, security: Security | None = Non
     DeadlineExceededError naming the workers that did not report in time."""
     reply = _unary(address, rpc.CONTROLLER_SERVICE, "Measure", timeout + 10.0,
                    pack(MeasureRequest(timeout).encode()), security)
-    if "error" in reply:
-        raise error_of(reply.get("kind"), reply["error"], WireError)
-    return reply["status"]
+    return operator.answer(operator.STATUS_REPLY, reply).as_dict()
 
 
 def retire(address: str, island: str = "", worker: Optional[int] = None, timeout: float = 60.0,
@@ -497,9 +499,7 @@ def retire(address: str, island: str = "", worker: Optional[int] = None, timeout
             raise
         raise WireError(f"the controller at {address} does not serve retire: it runs an older pathways "
                         "version; install the same version on both") from None
-    if "error" in reply:
-        raise error_of(reply.get("kind"), reply["error"])
-    return reply["retired"]
+    return operator.answer(operator.RETIRE_REPLY, reply, PathwaysError).as_dict()
 
 
 def topology(address: str, measure_first: bool = False, timeout: float = 60.0,
@@ -525,13 +525,14 @@ def measured_topology(address: str, timeout: float = 60.0, security: Security | 
 
 
 def _unary(address: str, service: str, name: str, timeout: float, request: bytes = b"",
-           security: Security | None = None) -> dict:
+           security: Security | None = None) -> bytes:
+    """The reply payload of unary method ``name`` of the server at ``address``."""
     security = security or sec.for_client()
     channel = rpc.open_channel(address, security)
     try:
         rpc.wait_ready(channel, address, timeout, security=security)
         try:
-            return unpack(rpc.method(channel, service, name, "unary_unary")(request, timeout=timeout))
+            return rpc.method(channel, service, name, "unary_unary")(request, timeout=timeout)
         except grpc.RpcError as e:
             refused = rpc.refusal(e, address)
             if refused is None:

@@ -49,7 +49,8 @@ def sample(checker: c.Checker, rng: random.Random, field: str) -> Any:
         return rng.choice(["", "/tmp/pathways-suspend"])
     if field == "nvalues":
         return 4  # enough registers for the sample ops
-    if field == "links":  # a measured link has both figures or neither
+    if field == "links" and isinstance(checker, c.Seq) and not isinstance(checker.item, m.Nested):
+        # a worker's measured link has both figures or neither
         return rng.choice([[], [[1, 1e-4, 1e9]], [[1, None, None]]])
     if field == "format":  # a jax.export function: no options, no devices
         return "jax.export"
@@ -84,7 +85,7 @@ def sample(checker: c.Checker, rng: random.Random, field: str) -> Any:
         return GRAPH
     if field == "ops":
         return rng.sample(OPS, 3)
-    if field in ("inputs", "args"):
+    if field in ("inputs", "args", "sessions", "session_bytes"):  # maps of integers, as pairs
         return [[0, 5]]
     return {}
 

@@ -5,8 +5,8 @@ import socket
 import threading
 import time
 
-from pathways.protocol import messages as m
-from pathways.wire import codec, frames, rpc, tcp
+from pathways.protocol import messages as m, operator
+from pathways.wire import frames, rpc, tcp
 
 TIMEOUT = 10.0
 
@@ -16,7 +16,7 @@ def attach_address(controller: str, timeout: float = TIMEOUT, security=None) -> 
     channel = rpc.open_channel(controller, security)
     try:
         ask = rpc.method(channel, rpc.CONTROLLER_SERVICE, "AttachAddress", "unary_unary")
-        return codec.unpack(ask(b"", timeout=timeout))["address"]
+        return operator.answer(operator.ATTACH_REPLY, ask(b"", timeout=timeout)).address
     finally:
         channel.close()
 

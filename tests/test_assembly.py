@@ -199,7 +199,7 @@ def test_an_assembling_island_takes_no_slices_and_status_says_how_many_hosts_joi
     core = ControllerCore()
     first = _register(core, "pair", 2, rank=1)
     assert _of(first.outbox, m.WorkerWelcome) == [], "rank 1 waits for rank 0's coordinator"
-    [island] = core.status()["islands"]
+    [island] = core.status().as_dict()["islands"]
     assert island["assembling"] and island["hosts"] == 1 and island["expected_hosts"] == 2
     assert island["state"] == "assembling" and not island["healthy"], "healthy: it takes slices, not yet"
     with pytest.raises(PlacementError, match="still assembling"):
@@ -208,18 +208,18 @@ def test_an_assembling_island_takes_no_slices_and_status_says_how_many_hosts_joi
     copies = core._next_copy  # no run yet: every copy a peer sends them is a fresh one
     assert _of(first.outbox, m.WorkerWelcome) == [m.WorkerWelcome(first.worker, 0, 1, "h0:5", copies)]
     assert _of(second.outbox, m.WorkerWelcome) == [m.WorkerWelcome(second.worker, 0, 0, "h0:5", copies)]
-    assert not core.status()["islands"][0]["assembling"] and core.status()["islands"][0]["healthy"]
+    assert not core.status().as_dict()["islands"][0]["assembling"] and core.status().as_dict()["islands"][0]["healthy"]
     assert core.rm.place(2, "cpu").workers == (second.worker, first.worker), "hosts in rank order"
-    assert [w["rank"] for w in core.status()["workers"]] == [1, 0]
+    assert [w["rank"] for w in core.status().as_dict()["workers"]] == [1, 0]
 
 
 def test_a_host_lost_while_its_island_assembles_takes_the_island_down():
     core = ControllerCore()
     waiting = _register(core, "pair", 2, rank=1)
     lost = _register(core, "other", 2, rank=1)
-    assert {i["name"] for i in core.status()["islands"]} == {"pair", "other"}
+    assert {i["name"] for i in core.status().as_dict()["islands"]} == {"pair", "other"}
     core.worker_lost(lost)
-    islands = {i["name"]: i for i in core.status()["islands"]}
+    islands = {i["name"]: i for i in core.status().as_dict()["islands"]}
     assert not islands["other"]["healthy"] and not islands["other"]["assembling"]
     assert islands["other"]["state"] == "lost" and islands["other"]["lost"].startswith(f"worker {lost.worker} ")
     assert islands["pair"]["state"] == "assembling" and waiting.worker in core.workers
@@ -401,7 +401,7 @@ def test_the_core_heals_an_island_for_its_sessions_and_refuses_runs_until_it_is_
     replacement = _register(core, "pair", 2, coordinator="h1:2")
     assert (survivor.worker, replacement.worker) == (rank0.worker, rank1.worker), "each rank keeps its worker id"
     assert [w.copies for w in _of(replacement.outbox, m.WorkerWelcome)] == [copies]
-    assert core.status()["islands"][0]["healthy"]
+    assert core.status().as_dict()["islands"][0]["healthy"]
     moved = _of(client, m.SliceMoved)
     assert [(x.slice, x.workers, x.island) for x in moved] == [(reply.slice, reply.workers, 0)]
     assert _of(survivor.outbox, m.Compile), "the function compiles on the new host"
@@ -463,4 +463,4 @@ def test_a_copy_its_sender_could_not_deliver_is_poisoned_at_its_live_receiver_an
     core.on_worker_message(rank0, m.Undelivered(single.worker, (copy,), "worker 0 could not send it: refused"))
     [poisoned] = _of(single.outbox, m.Poisoned)
     assert poisoned.handles == (copy,) and poisoned.kind == "RemoteError" and "could not send it" in poisoned.message
-    assert core.status()["islands"][1]["healthy"], "the receiver is kept: only the run that read the copy fails"
+    assert core.status().as_dict()["islands"][1]["healthy"], "the receiver is kept: only the run that read the copy fails"

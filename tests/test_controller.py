@@ -117,7 +117,7 @@ def test_a_worker_claiming_more_devices_than_a_host_can_have_is_refused():
     assert conn.worker == -1 and not core.workers
     notices = _of(conn.outbox, m.Notice)
     assert len(notices) == 1 and "devices" in notices[0].message and str(m.MAX_DEVICES_PER_HOST) in notices[0].message
-    assert core.status()["workers"] == []
+    assert core.status().as_dict()["workers"] == []
 
 
 def test_handle_table_defers_deletes_of_arrays_queued_runs_still_read():

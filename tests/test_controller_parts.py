@@ -93,7 +93,7 @@ def test_the_dispatcher_sends_a_program_once_per_worker_and_frees_the_window_whe
     assert core.scheduler.running(runs[0].id) is not None
     core.on_worker_batch(w0, m.encode_batch([m.Done(((runs[0].id, 0.5), (runs[1].id, 0.25)))]))
     assert core.scheduler.running(runs[0].id) is None and core.scheduler.running(runs[1].id) is None
-    assert core.status()["sessions"][0]["arrays"] == 3
+    assert core.status().as_dict()["sessions"][0]["arrays"] == 3
 
 
 def test_session_programs_cache_lowerings_and_refuse_poisoned_or_lost_inputs():

@@ -13,7 +13,7 @@ from pathways.controller.core import ControllerCore, WorkerConn
 from pathways.controller.server import ControllerServer
 from pathways.errors import PathwaysError
 from pathways.ir import Layout
-from pathways.protocol import messages as m
+from pathways.protocol import messages as m, operator
 from pathways.protocol.handles import first_handle
 from tests.test_controller import Box, _of, register, session
 
@@ -29,7 +29,7 @@ def _register(core, island, hosts=1, address=None):
 
 
 def _islands(core):
-    return {i["name"]: i for i in core.status()["islands"]}
+    return {i["name"]: i for i in core.status().as_dict()["islands"]}
 
 
 class Client:
@@ -90,9 +90,9 @@ def test_a_lost_island_is_forgotten_its_slices_released_and_its_name_free_again(
 
     r, drained = _retire(core, "1")
     assert drained == [1], "a lost island has no runs to wait for"
-    report = core.finish_retirement(r)
+    report = core.finish_retirement(r).as_dict()
     assert (report["was"], report["hosts"], report["slices_released"], report["sessions"]) == ("lost", [], 1, [1])
-    assert list(_islands(core)) == ["0"] and core.status()["slices"] == 0, "status no longer lists it"
+    assert list(_islands(core)) == ["0"] and core.status().as_dict()["slices"] == 0, "status no longer lists it"
     assert not _of(w0.outbox, m.Shutdown)
 
     # the session is told why when it uses the slice or its function
@@ -127,11 +127,11 @@ def test_a_healthy_island_drains_its_runs_then_its_hosts_are_shut_down_and_its_a
 
     core.on_worker_batch(w1, m.encode_batch([m.Done(((run_id, 0.01),))]))
     assert drained == [1]
-    report = core.finish_retirement(r)
+    report = core.finish_retirement(r).as_dict()
     assert (report["was"], report["hosts"], report["runs_cut"], report["slices_released"]) == ("healthy", [1], 0, 1)
     shutdown = _of(w1.outbox, m.Shutdown)
     assert len(shutdown) == 1 and "retired by the operator" in shutdown[0].reason
-    assert list(_islands(core)) == ["0"] and [w["worker"] for w in core.status()["workers"]] == [0]
+    assert list(_islands(core)) == ["0"] and [w["worker"] for w in core.status().as_dict()["workers"]] == [0]
     for array in (client.array, out):  # the run finished, but arrays that live there are gone with it
         lost = client.poisoned(array)
         assert lost and lost[0].kind == "WorkerLostError" and "retired by the operator" in lost[0].message
@@ -147,11 +147,11 @@ def test_runs_still_there_when_the_wait_runs_out_fail_with_the_operators_reason(
     client = Client(core, island=1)
     out = client.run()
     r, drained = _retire(core, "1")
-    report = core.finish_retirement(r)  # the shell's wait ran out
+    report = core.finish_retirement(r).as_dict()  # the shell's wait ran out
     assert drained == [] and report["runs_cut"] == 1
     assert client.poisoned(out) and all(p.kind == "WorkerLostError" and "retired by the operator" in p.message
                                         for p in client.poisoned(out))
-    assert core.status()["islands"][0]["inflight"] == 0 and not _of(w0.outbox, m.Shutdown)
+    assert core.status().as_dict()["islands"][0]["inflight"] == 0 and not _of(w0.outbox, m.Shutdown)
 
 
 def test_a_retirement_the_operator_abandons_leaves_the_island_serving():
@@ -161,7 +161,7 @@ def test_a_retirement_the_operator_abandons_leaves_the_island_serving():
     client.run()
     r, _ = _retire(core, "1")
     core.abandon_retirement(r)
-    assert core.finish_retirement(r) == {}, "an abandoned retirement does nothing"
+    assert core.finish_retirement(r) is None, "an abandoned retirement does nothing"
     client.send(m.SliceRequest(60, "cpu", 1, None, 1, False))
     assert any(x.req == 60 and x.island == 1 for x in _of(client.box, m.SliceReply))
     assert not _of(w1.outbox, m.Shutdown) and not _islands(core)["1"]["retiring"]
@@ -172,7 +172,7 @@ def test_one_host_of_a_larger_island_is_lost_on_purpose_and_replaced_under_its_w
     a0, a1 = _register(core, "rack-a", hosts=2), _register(core, "rack-a", hosts=2)
     r, drained = _retire(core, worker=a1.worker)
     assert drained == [1]
-    report = core.finish_retirement(r)
+    report = core.finish_retirement(r).as_dict()
     assert (report["worker"], report["hosts"]) == (a1.worker, [a1.worker])
     assert len(_of(a1.outbox, m.Shutdown)) == 1 and not _of(a1.outbox, m.Reset)
     assert len(_of(a0.outbox, m.Reset)) == 1, "the other host restarts to rejoin"
@@ -187,7 +187,7 @@ def test_retiring_the_only_host_of_an_island_retires_the_island():
     core = ControllerCore()
     w0, w1 = register(core, 2)
     r, _ = _retire(core, worker=w1.worker)
-    report = core.finish_retirement(r)
+    report = core.finish_retirement(r).as_dict()
     assert report["hosts"] == [1] and list(_islands(core)) == ["0"]
     assert "retired by the operator" in _of(w1.outbox, m.Shutdown)[0].reason
 
@@ -229,7 +229,7 @@ def test_a_thousand_registrations_that_go_away_leave_the_newest_lost_islands_up_
     core = ControllerCore()
     for i in range(1000):
         core.worker_lost(_register(core, f"r{i}"))
-    status = core.status()
+    status = core.status().as_dict()
     kept = {f"r{i}" for i in range(1000 - retiring_module.MAX_LOST_ISLANDS, 1000)}
     assert {i["name"] for i in status["islands"]} == kept and len(status["islands"]) == len(kept)
     assert status["workers"] == []
@@ -265,19 +265,22 @@ def test_the_shell_retires_the_island_once_its_runs_finish_or_its_wait_runs_out(
         server.core.on_worker_batch(w1, m.encode_batch([m.Done(((run_id, 0.01),))]))
 
     reply, server, w1 = _serve_retire(m.RetireRequest("1", None, 30.0), finish)
-    assert reply["retired"]["drained"] and reply["retired"]["runs_cut"] == 0 and _of(w1.outbox, m.Shutdown)
+    retired = operator.RETIRE_REPLY.decode(reply)
+    assert retired.drained and retired.runs_cut == 0 and retired.hosts == (1,) and _of(w1.outbox, m.Shutdown)
 
     reply, server, w1 = _serve_retire(m.RetireRequest("1", None, 0.2))  # nobody reports the run done
-    assert not reply["retired"]["drained"] and reply["retired"]["runs_cut"] == 1 and _of(w1.outbox, m.Shutdown)
-    assert [i["name"] for i in server.core.status()["islands"]] == ["0"]
+    retired = operator.RETIRE_REPLY.decode(reply)
+    assert not retired.drained and retired.runs_cut == 1 and _of(w1.outbox, m.Shutdown)
+    assert [i["name"] for i in server.core.status().as_dict()["islands"]] == ["0"]
 
 
-def test_the_shell_leaves_the_island_serving_when_the_caller_gives_up_and_answers_errors_as_a_map():
+def test_the_shell_leaves_the_island_serving_when_the_caller_gives_up_and_answers_errors_as_failed():
     reply, server, w1 = _serve_retire(m.RetireRequest("1", None, 30.0), lambda s, w, r, task: task.cancel())
     assert reply is None and not _of(w1.outbox, m.Shutdown)
     assert not _islands(server.core)["1"]["retiring"]
 
     reply, _, _ = _serve_retire(m.RetireRequest("nope", None, 1.0))
-    assert reply["kind"] == "PathwaysError" and "no island is named 'nope'" in reply["error"]
+    failed = operator.RETIRE_REPLY.decode(reply)
+    assert failed.kind == "PathwaysError" and "no island is named 'nope'" in failed.error
     bad = asyncio.run(ControllerServer("fair", 8).retire(m.pack(["retire", "", None, 1.0]), None))
-    assert m.unpack(bad)["kind"] == "WireError"
+    assert operator.RETIRE_REPLY.decode(m.unpack(bad)).kind == "WireError"

@@ -29,7 +29,7 @@ from pathways.client.session import Session
 from pathways.cluster import status
 from pathways.defaults import HEARTBEAT_TIMEOUT
 from pathways.errors import WireError
-from pathways.protocol import messages as m
+from pathways.protocol import messages as m, operator
 from pathways.protocol.handles import MAX_SESSION, first_handle
 from pathways.protocol import streams
 from pathways.wire import codec, rpc, tcp
@@ -275,7 +275,7 @@ def test_calls_for_a_session_not_open_hold_few_of_a_workers_threads(cluster, ses
             r.start()
         assert "sessions" in clusters.worker_stats(worker, timeout=2.0)
         stats = time.monotonic() - started
-        refused = [codec.unpack(c.result()) for c in timelines]
+        refused = [operator.TIMELINE_REPLY.decode_one(c.result()) for c in timelines]
         timelines_ended = time.monotonic() - started
         wait_until(lambda: len(fetched) == 20, SESSION_WAIT_SECONDS + 3, "every fetch to be answered")
     finally:
@@ -283,7 +283,8 @@ def test_calls_for_a_session_not_open_hold_few_of_a_workers_threads(cluster, ses
             c.cancel()
     at_once = sum(at - started < 2.0 for _, at in fetched)
     assert stats < 2.0, "the worker's threads are free for others"
-    assert all(r["kind"] == "AccessDeniedError" and f"session {MAX_SESSION} yet" in r["error"] for r in refused), \
+    assert all(type(r) is operator.Failed and r.kind == "AccessDeniedError" and f"session {MAX_SESSION} yet" in r.error
+               for r in refused), \
         refused[0]
     assert timelines_ended < 2.0, "each timeline request is refused at once"
     assert all(a["kind"] == "AccessDeniedError" and f"session {MAX_SESSION} yet" in a["message"] for a, _ in fetched)

@@ -180,7 +180,7 @@ def test_a_worker_that_sends_nothing_is_slow_not_lost_until_its_host_stops_ackno
 
     def workers():
         async def get():
-            return {w["worker"]: w for w in fast.controller.core.status()["workers"]}
+            return {w["worker"]: w for w in fast.controller.core.status().as_dict()["workers"]}
         return fast.run(get())
 
     try:
@@ -210,7 +210,7 @@ def test_a_worker_that_sends_nothing_is_slow_not_lost_until_its_host_stops_ackno
         assert fast.lost == [silent_id] and fast.workers() == [kept_id]
 
         async def lost():
-            return fast.controller.core.status()["islands"]
+            return fast.controller.core.status().as_dict()["islands"]
         islands = {i["island"]: i for i in fast.run(lost())}
         assert not islands[1000]["healthy"] and islands[1001]["healthy"]
         assert islands[1000]["lost"].startswith(f"worker {silent_id} on host fake at grpc://127.0.0.1:1 (pid 1")

@@ -20,7 +20,7 @@ def test_joined_items_are_the_bytes_of_an_encoded_batch():
         batch = [m.ClusterRequest(i + 1) for i in range(n)]
         assert m.join_items([m.encode_item(x) for x in batch]) == m.encode_batch(batch), n
     mixed = [m.SessionWelcome(3, b"c" * m.CREDENTIAL_BYTES), m.Error(None, "RemoteError", "x" * m.MAX_TEXT),
-             m.Error(7, "AccessDeniedError", "é" * 100), m.ClusterReply(9, {"workers": [{"rank": 0}], "slices": 1})]
+             m.Error(7, "AccessDeniedError", "é" * 100), m.ClusterReply(9, m.ClusterStatus("fair", 8, (), (), (), (), 1, 0))]
     assert list(streams.payloads([m.encode_item(x) for x in mixed])) == [m.encode_batch(mixed)]
 
 

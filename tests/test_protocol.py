@@ -8,19 +8,21 @@ import random
 import pytest
 
 from pathways import errors
-from pathways.errors import WireError
+from pathways.errors import AccessDeniedError, PathwaysError, WireError
 from pathways.ir import Layout
 from pathways.protocol import check as c
 from pathways.protocol import data
 from pathways.protocol import messages as m
 from pathways.protocol import errors as kinds
+from pathways.protocol import operator
 from pathways.protocol.errors import error_of, kind_of
 from pathways.protocol.handles import HeldReleases, discard, first_handle, fits, session_of, value_handle
 from pathways.protocol.ops import Op, decode_op, encode_op
 from pathways.wire import codec
 from tests import fuzzing
 
-TABLES = [m.SESSION_UP, m.SESSION_DOWN, m.WORKER_UP, m.WORKER_DOWN, m.FETCH, m.MEASURE]
+TABLES = [m.SESSION_UP, m.SESSION_DOWN, m.WORKER_UP, m.WORKER_DOWN, m.FETCH, m.MEASURE, operator.STATUS_REPLY,
+          operator.RETIRE_REPLY, operator.ATTACH_REPLY, operator.STATS_REPLY, operator.TIMELINE_REPLY]
 
 
 @pytest.mark.parametrize("table", TABLES, ids=lambda t: t.name)
@@ -311,3 +313,59 @@ def test_a_put_answer_round_trips_and_a_malformed_one_is_refused(answer):
     for bad in ({}, {"ok": 1}, {"error": 5}, {"error": "x", "kind": 5}, ["ok"]):
         with pytest.raises(WireError, match="put answer|put's answer"):
             data.PutAnswer.read(bad)
+
+
+# ---- the operator's replies (protocol/operator.py) ----------------------------------------
+
+def _status(**worker_fields) -> m.ClusterStatus:
+    worker = m.WorkerStatus(**{**dict(worker=3, address="grpc://127.0.0.1:1", data_address="tcp://127.0.0.1:2",
+                                      island=0, island_name="0", rank=0, kind="cpu", devices=4, pid=7, host="h",
+                                      memory_bytes=1 << 30, flops=None, load=(1, 0, 0, 0), slow=None),
+                               **worker_fields})
+    island = m.IslandStatus(0, "0", "healthy", True, None, False, False, 1, 1, False, None, 4, 0, 2)
+    session = m.SessionStatus(1, 1, 5, 2, 3, "active", weight=1.0, queued=0, inflight=2, completed=9,
+                              device_seconds=0.5)
+    return m.ClusterStatus("fair", 8, (island,), (worker,), (m.LinkStatus(3, 4, 1e-4, 1e9),), (session,), 1, 5)
+
+
+def test_a_status_reply_reads_back_as_the_map_users_see():
+    status = operator.answer(operator.STATUS_REPLY, operator.reply(_status()))
+    seen = status.as_dict()
+    assert seen["workers"][0]["load"] == [1, 0, 0, 0] and seen["workers"][0]["flops"] is None
+    assert seen["links"] == [{"src": 3, "dst": 4, "latency": 1e-4, "bandwidth": 1e9}]
+    assert seen["islands"][0]["state"] == "healthy" and seen["islands"][0]["inflight"] == 2
+    # a session shows the suspension's figures only while suspended, the scheduler's once it has them
+    assert "suspended_arrays" not in seen["sessions"][0] and seen["sessions"][0]["completed"] == 9
+    assert set(m.SessionStatus(2, 0, 0, 0, 0, "active").as_dict()) == {"session", "slices", "arrays", "programs",
+                                                                       "nodes", "state"}
+
+
+@pytest.mark.parametrize("fields, needle", [
+    ({"kind": "abacus"}, "field 'kind' of field 'workers'"),
+    ({"load": (-1,)}, "field 'load' of field 'workers'"),
+    ({"flops": float("nan")}, "finite number"),
+])
+def test_a_status_reply_with_a_bad_field_is_refused_naming_it(fields, needle):
+    with pytest.raises(WireError, match=needle):
+        operator.answer(operator.STATUS_REPLY, operator.reply(_status(**fields)))
+
+
+def test_a_failed_reply_is_raised_as_its_kind_and_an_unknown_kind_is_refused():
+    failed = operator.reply(operator.Failed("no island is named 'x'", "PathwaysError"))
+    with pytest.raises(PathwaysError, match="no island is named 'x'") as raised:
+        operator.answer(operator.RETIRE_REPLY, failed)
+    assert type(raised.value) is PathwaysError
+    with pytest.raises(AccessDeniedError, match="credential"):
+        operator.answer(operator.STATS_REPLY, operator.reply(operator.Failed("wrong credential", "AccessDeniedError")))
+    with pytest.raises(WireError, match="'kind'"):
+        operator.answer(operator.STATS_REPLY, m.pack(["failed", "boom", "SystemExit"]))
+    with pytest.raises(WireError, match="unknown message 'retired' on the stats reply stream"):
+        operator.answer(operator.STATS_REPLY, operator.reply(operator.Retired("0", 0, None, (), 0, 0, (), "lost",
+                                                                              False)))
+
+
+def test_worker_stats_read_back_with_the_compile_cache_as_one_map():
+    stats = operator.WorkerStats(2, 10, {0: 3, 5: 7}, {5: 1024}, 1 << 30, 4, 3, 1, 2, 0, 0, 1)
+    seen = operator.answer(operator.STATS_REPLY, operator.reply(stats)).as_dict()
+    assert seen["sessions"] == {0: 3, 5: 7} and seen["session_bytes"] == {5: 1024}
+    assert seen["compile_cache"] == {"hits": 1, "misses": 2} and "cache_hits" not in seen

@@ -92,7 +92,7 @@ def test_an_island_that_finishes_no_run_within_the_timeout_is_reset_and_names_th
     # the array on the island is gone with it; the first run's result too
     gone = {h: x.kind for x in _of(client, m.Poisoned) for h in x.handles}
     assert gone[data] == gone[first + 1] == "WorkerLostError"
-    pair = next(i for i in core.status()["islands"] if i["name"] == "pair")
+    pair = next(i for i in core.status().as_dict()["islands"] if i["name"] == "pair")
     assert not pair["healthy"] and "reset" in str(pair), pair
     core.check_stuck_runs()  # nothing is in flight there any more: nothing more happens
     assert len(_of(rank1.outbox, m.Reset)) == 1
@@ -100,7 +100,7 @@ def test_an_island_that_finishes_no_run_within_the_timeout_is_reset_and_names_th
     # the hosts rejoin as new processes, and the island runs again
     _register(core, "pair", 2, rank=0, coordinator="h0:2")
     again = _register(core, "pair", 2, rank=1)
-    assert next(i for i in core.status()["islands"] if i["name"] == "pair")["healthy"]
+    assert next(i for i in core.status().as_dict()["islands"] if i["name"] == "pair")["healthy"]
     core.on_session_batch(sid, m.encode_batch([m.PutNotice(data + 1, Layout(
         (rank0.worker, rank1.worker), ((0, 0), (1, 0)), (2,), ("i",), ("i",)), 1),
         m.Run(program, first_handle(sid) + 300, {0: data + 1})]))

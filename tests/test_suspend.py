@@ -253,7 +253,7 @@ def test_a_host_lost_while_its_session_offloads_or_resumes_loses_its_arrays_and_
     assert not _of(client, m.Resumed), "the receiver has not answered yet"
     core.on_worker_batch(w2, m.encode_batch([m.Adopted(1, 1, 0)]))
     assert [x.req for x in _of(client, m.Resumed)] == [4]
-    assert {x["session"]: x["state"] for x in core.status()["sessions"]} == {1: "active", 2: "active"}
+    assert {x["session"]: x["state"] for x in core.status().as_dict()["sessions"]} == {1: "active", 2: "active"}
 
 
 def test_a_session_holding_an_unreduced_array_is_not_suspended():
@@ -274,7 +274,7 @@ def test_a_session_holding_an_unreduced_array_is_not_suspended():
     core.on_session_batch(1, m.encode_batch([m.PutNotice(first_handle(1) + 1, partial), m.Suspend(2)]))
     [error] = [e for e in _of(client, m.Error) if e.req == 2]
     assert error.kind == "SuspendedError" and "unreduced arrays" in error.message and "reshard" in error.message
-    assert not _of(w0.outbox, m.Offload) and core.status()["sessions"][0]["state"] == "active"
+    assert not _of(w0.outbox, m.Offload) and core.status().as_dict()["sessions"][0]["state"] == "active"
 
 
 def test_an_xla_function_still_compiling_when_its_session_moves_is_compiled_and_reported_on_the_new_host():

@@ -15,9 +15,9 @@ import pytest
 import pathways as pw
 from pathways import cluster
 from pathways.controller.core import ControllerCore, WorkerConn
-from pathways.errors import DeadlineExceededError
+from pathways.errors import DeadlineExceededError, WireError
 from pathways.planner import Topology
-from pathways.protocol import messages as m
+from pathways.protocol import messages as m, operator
 from pathways.wire import codec, rpc, tcp
 from tests.conftest import running_cluster, wait_until
 from tests.rawworker import RawWorker
@@ -88,8 +88,8 @@ def test_malformed_measure_requests_get_error_replies(islands):
                                 (codec.pack(["measure", "soon"]), "must be a number"),
                                 (codec.pack(["measure", -1]), "must be a finite number in (0"),
                                 (codec.pack(["measure", float("nan")]), "must be a finite number in (0")]:
-            reply = codec.unpack(measure(request, timeout=10))
-            assert needle in reply.get("error", ""), (needle, reply)
+            with pytest.raises(WireError, match=re.escape(needle)):
+                operator.answer(operator.STATUS_REPLY, measure(request, timeout=10))
     finally:
         channel.close()
     assert fully_measured(cluster.status(islands.address))
@@ -156,10 +156,10 @@ def report(core, conn, mid=0, flops=None, links=(), memory=1 << 30):
 def test_the_controller_keeps_the_latest_figures_and_feeds_placement():
     core = ControllerCore()
     a, b, c = register(core, 3)
-    assert [w["flops"] for w in core.status()["workers"]] == [None, None, None]
+    assert [w["flops"] for w in core.status().as_dict()["workers"]] == [None, None, None]
     report(core, a, flops=4e9, links=[[1, 1e-4, 1e9], [2, 2e-4, 5e8]], memory=1 << 31)
     report(core, b, flops=2e9, links=[[0, 1e-4, 1e9], [7, 1e-4, 1e9]])  # worker 7 does not exist: ignored
-    st = core.status()
+    st = core.status().as_dict()
     assert [w["flops"] for w in st["workers"]] == [4e9, 2e9, None]
     assert st["workers"][0]["memory_bytes"] == 1 << 31 and core.rm.hosts[0].memory_bytes == 1 << 31
     assert st["links"] == [{"src": 0, "dst": 1, "latency": 1e-4, "bandwidth": 1e9},
@@ -167,8 +167,8 @@ def test_the_controller_keeps_the_latest_figures_and_feeds_placement():
                            {"src": 1, "dst": 0, "latency": 1e-4, "bandwidth": 1e9}]
     assert core.rm.hosts[0].flops == 4e9 and core.rm.latency == {(0, 1): 1e-4, (0, 2): 2e-4, (1, 0): 1e-4}
     report(core, a, links=[[2, None, None]])  # the peer stopped answering: the link is unmeasured again
-    assert [(x["src"], x["dst"]) for x in core.status()["links"]] == [(0, 1), (1, 0)]
-    assert core.status()["workers"][0]["flops"] == 4e9, "a report without flops keeps the last figure"
+    assert [(x["src"], x["dst"]) for x in core.status().as_dict()["links"]] == [(0, 1), (1, 0)]
+    assert core.status().as_dict()["workers"][0]["flops"] == 4e9, "a report without flops keeps the last figure"
     assert not [x for conn in (a, b, c) for x in conn.outbox if type(x) is m.Notice]
 
 

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 import pathways as pw
-from pathways.errors import WireError
-from pathways.protocol import messages as m
+from pathways.errors import AccessDeniedError, WireError
+from pathways.protocol import messages as m, operator
 from pathways.protocol.handles import first_handle
 from pathways.client.timeline import Recording
 from pathways.timeline import MAX_EVENTS, Clock, Process, Recorder, chrome_trace, function_label, now
 from pathways.timeline_view import Span, functions, summary
-from pathways.wire import codec, rpc
+from pathways.wire import rpc
 from tests.conftest import connected, running_cluster
 
 REPO = Path(__file__).resolve().parent.parent
@@ -156,17 +156,18 @@ def test_hostile_collect_requests_are_refused_and_servers_keep_serving(session, 
     chain, (a, _) = program
     ask = rpc.method(session._stubs(a.addresses[0]).channel, rpc.WORKER_SERVICE, "Timeline", "unary_unary")
     oversized = m.pack(["timeline", session.id, session._stubs(a.addresses[0]).credential, MAX_EVENTS + 1])
-    reply = codec.unpack(ask(oversized, timeout=30))
-    assert reply["kind"] == "WireError" and "max_events" in reply["error"]
-    assert codec.unpack(ask(b"\xc1garbage", timeout=30))["kind"] == "WireError"
+    with pytest.raises(WireError, match="max_events"):
+        operator.answer(operator.TIMELINE_REPLY, ask(oversized, timeout=30))
+    with pytest.raises(WireError, match="the worker refused a timeline request"):
+        operator.answer(operator.TIMELINE_REPLY, ask(b"\xc1garbage", timeout=30))
     stranger = m.pack(m.TimelineFetch(session.id, b"x" * m.CREDENTIAL_BYTES, 10).encode())
-    reply = codec.unpack(ask(stranger, timeout=30))
-    assert reply["kind"] == "AccessDeniedError" and "credential" in reply["error"]
+    with pytest.raises(AccessDeniedError, match="credential"):
+        operator.answer(operator.TIMELINE_REPLY, ask(stranger, timeout=30))
     with pytest.raises(WireError, match="max_events"):
         session.request(lambda req: m.CollectTimeline(req, MAX_EVENTS + 1))
     assert float(np.asarray(chain(np.float32(1)))) == 4.0  # both still serve
     mine = m.pack(m.TimelineFetch(session.id, session._stubs(a.addresses[0]).credential, 10).encode())
-    assert m.TIMELINE_REPLY.decode(codec.unpack(ask(mine, timeout=30))).pid > 0
+    assert operator.answer(operator.TIMELINE_REPLY, ask(mine, timeout=30)).pid > 0
 
 
 # ---- the recorder and the file format, without processes --------------------------------

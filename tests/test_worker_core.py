@@ -221,7 +221,7 @@ def test_a_fetch_its_caller_abandoned_returns_at_once(core):
 
 
 def test_drop_session_frees_arrays_functions_and_programs(core, up):
-    before = core.stats()
+    before = core.stats().as_dict()
     other = first_handle(SESSION + 1) + 1
     # another session registered the same function: the shared compilation must survive
     core.on_batch(m.encode_batch([compile_on_layout(other, "double", lambda x: 2 * x)]))
@@ -231,15 +231,15 @@ def test_drop_session_frees_arrays_functions_and_programs(core, up):
     put(core, x, np.ones(3, np.float32))
     run(core, 1, first_handle(SESSION) + 200, x)
     up.wait_for(m.Done)
-    during = core.stats()
+    during = core.stats().as_dict()
     assert during["executables"] == before["executables"] + 2
     assert during["programs"] == before["programs"] + 1
     assert during["sessions"][SESSION] == 2  # the input, and the output
     core.on_batch(m.encode_batch([m.DropSession(SESSION, (KEY,))]))
     deadline = time.monotonic() + 10
-    while core.stats()["programs"] != before["programs"] and time.monotonic() < deadline:
+    while core.stats().as_dict()["programs"] != before["programs"] and time.monotonic() < deadline:
         time.sleep(0.01)
-    after = core.stats()
+    after = core.stats().as_dict()
     assert SESSION not in after["sessions"]
     assert after["programs"] == before["programs"]
     assert after["executables"] == before["executables"] + 1  # the other session's
@@ -248,7 +248,7 @@ def test_drop_session_frees_arrays_functions_and_programs(core, up):
     late = np.ones(3, np.float32)
     error = frame(core, put_header(first_handle(SESSION) + 500, late), [(codec.full_region(late.shape), late)])
     assert "its session 5 has closed" in error, error
-    assert SESSION not in core.stats()["sessions"]
+    assert SESSION not in core.stats().as_dict()["sessions"]
 
 
 @pytest.mark.parametrize("fields, needle", [
@@ -439,8 +439,8 @@ def test_a_peers_copy_is_read_only_from_the_worker_the_run_takes_it_from(up):
         assert core.screen_frame(3, put_header(tbase, array)) is not None, "taken: refused"
         assert core.screen_frame(4, put_header(first_handle(SESSION) + 1, array)) is None, \
             "a session's array is left to receive_frame, which asks for its credential"
-        assert core.stats()["refused_copies"] == 4
-        assert core.stats()["handles"] == 1 and core.store._expected == {}, "only the run's output is kept"
+        assert core.stats().as_dict()["refused_copies"] == 4
+        assert core.stats().as_dict()["handles"] == 1 and core.store._expected == {}, "only the run's output is kept"
     finally:
         core.close()
 

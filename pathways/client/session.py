@@ -388,7 +388,8 @@ class Session(Puts, Fetches):
         return stubs
 
     def cluster(self) -> dict:
-        return self.request(m.ClusterRequest).status
+        """The cluster's status, as ``pw.cluster.status`` gives it."""
+        return self.request(m.ClusterRequest).status.as_dict()
 
     def close(self) -> None:
         if self._closed.is_set():

@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from pathways import config, errors
 from pathways.protocol import messages as m
+from pathways.protocol import operator
 from pathways.timeline import MAX_EVENTS, Clock, Process, chrome_trace, now
-from pathways.wire import codec, rpc
+from pathways.wire import rpc
 
 if TYPE_CHECKING:
     from pathways.client.session import Session
@@ -176,10 +177,7 @@ def _worker(session: "Session", address: str, name: str) -> Process:
         except Exception as e:  # grpc.RpcError: unreachable, or past the deadline
             raise errors.ConnectError(f"the worker's Timeline call failed: {e}") from None
         received = now()
-        answer = codec.unpack(raw)
-        if type(answer) is dict:
-            raise errors.RemoteError(str(answer.get("error")))
-        reply = m.TIMELINE_REPLY.decode(answer)
+        reply = operator.answer(operator.TIMELINE_REPLY, raw, errors.RemoteError)
         clock.sample(sent, reply.clock, received)
     return Process(f"{name} (pid {reply.pid})", reply.pid, list(reply.events), clock, reply.dropped)
 

@@ -28,7 +28,7 @@ import logging
 import os
 import secrets
 import time
-from typing import Any, Callable, Iterable, Union
+from typing import Callable, Iterable, Union
 
 from pathways.controller.compiling import Compiling
 from pathways.controller.dispatch import Dispatch, Dispatcher, coalesce
@@ -358,7 +358,7 @@ class ControllerCore(Healing, Retiring, Compiling, Suspending):
 
     # ---- status ----------------------------------------------------------------------
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> m.ClusterStatus:
         return status(self)
 
 

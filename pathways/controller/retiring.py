@@ -12,6 +12,7 @@ from pathways.controller.membership import MAX_WORKERS
 from pathways.controller.state import Retirement
 from pathways.errors import PathwaysError
 from pathways.protocol import messages as m
+from pathways.protocol.operator import Retired
 
 log = logging.getLogger("pathways.controller")
 
@@ -62,35 +63,37 @@ class Retiring:
         self._check_retiring()
         return r
 
-    def finish_retirement(self, r: Retirement) -> dict[str, Any]:
+    def finish_retirement(self, r: Retirement, drained: bool = False) -> Retired | None:
         """Retire what ``r`` names, whether its runs drained or not: the hosts are told to
         shut down (Shutdown: they exit, their keepers do not start them again), whatever
         still involves them fails with WorkerLostError saying the operator retired them,
         and, for a whole island, its slices are released and the island forgotten (its
         name is free for new workers). One host of a larger island is lost on purpose: the
-        island heals once a host replaces it. Returns what was done, for the operator."""
+        island heals once a host replaces it. Returns what was done, for the operator
+        (``drained``: whether its runs finished first), or None for a retirement abandoned
+        already."""
         if self._retirements.pop(r.id, None) is None:
-            return {}
+            return None
         island = r.island
         report: dict[str, Any] = {"island": island.name, "id": island.id, "worker": None, "hosts": [],
                                   "runs_cut": self.scheduler.queued(island.id) + self.scheduler.inflight(island.id),
                                   "slices_released": 0, "sessions": [], "was": island.health.value}
         if self.islands.by_id.get(island.id) is not island:  # forgotten meanwhile, as a lost island
             report["was"] = "forgotten"
-            return report
+            return _retired(report, drained)
         self.islands.set_retiring(island.id, False)
         if r.host is not None:
             conn = r.host
             report["worker"] = conn.worker
             if self.workers.get(conn.worker) is not conn:
                 report["was"] = "lost"  # it went away while its island drained: nothing left to shut down
-                return report
+                return _retired(report, drained)
             report["hosts"] = [conn.worker]
             report["sessions"] = self._owners(island.id)
             conn.outbox.put(m.Shutdown(f"this host was retired by the operator (`pathways retire --worker "
                                        f"{conn.worker}`)"))
             self._lose_host(conn, f"it was retired by the operator (`pathways retire --worker {conn.worker}`)")
-            return report
+            return _retired(report, drained)
         name = island.describe()
         message = (f"island {name} was retired by the operator (`pathways retire`): "
                    + ("it had lost a host, and is forgotten" if island.health is Health.LOST
@@ -107,7 +110,7 @@ class Retiring:
         log.warning("island %s (%s) retired by the operator: %d host(s) shut down, %d run(s) cut, %d slice(s) "
                     "released", name, report["was"], len(hosts), report["runs_cut"], report["slices_released"])
         self._after_loss(hosts, message)
-        return report
+        return _retired(report, drained)
 
     def abandon_retirement(self, r: Retirement) -> None:
         """The operator gave up waiting: the island takes slices again."""
@@ -164,3 +167,8 @@ class Retiring:
     def _why_gone(self, workers: Iterable[int]) -> str | None:
         """Why one of ``workers`` is gone for good, where an island was retired or forgotten."""
         return next((self._gone_why[w] for w in workers if w in self._gone_why), None)
+
+
+def _retired(report: dict[str, Any], drained: bool) -> Retired:
+    return Retired(**{**report, "hosts": tuple(report["hosts"]), "sessions": tuple(report["sessions"])},
+                   drained=drained)

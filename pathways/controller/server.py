@@ -60,6 +60,7 @@ from pathways.defaults import ADDRESS_LINE, CONTROLLER_STOPPED, HEARTBEAT_TIMEOU
 from pathways.errors import ConnectError, DeadlineExceededError, PathwaysError, WireError
 from pathways.protocol import messages as m
 from pathways.protocol.errors import kind_of
+from pathways.protocol.operator import AttachAddress, Failed, reply
 from pathways.protocol.handles import MAX_SESSION
 from pathways.protocol import streams
 from pathways.wire import codec, frames, rpc, tcp
@@ -310,22 +311,22 @@ class ControllerServer:
         await _WorkerStream(self, reader, writer).serve()
 
     async def attach_address(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        """Where workers attach: ``{"address": "tcp://HOST:PORT", "port": PORT}``. A worker
+        """Where workers attach (operator.AttachAddress: "tcp://HOST:PORT" and the port). A worker
         connects to the port at the host it reached the controller at, which works
         whatever the controller bound (a wildcard, or an address behind NAT)."""
-        return m.pack({"address": self.worker_address, "port": self.worker_port})
+        return reply(AttachAddress(self.worker_address, self.worker_port))
 
     async def status(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        return m.pack(self.core.status())
+        return reply(self.core.status())
 
     async def measure(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """Have every worker measure itself again (one after the other), wait up to the
-        request's timeout for all of them, and reply ``{"status": ...}`` with the new figures, or ``{"error": ...,
-        "kind": ...}``."""
+        request's timeout for all of them, and reply the cluster's status with the new
+        figures (ClusterStatus), or Failed."""
         try:
             timeout = m.MEASURE.decode_one(request).timeout
         except WireError as e:
-            return m.pack({"error": f"measure: {e}", "kind": kind_of(e)})
+            return reply(Failed(f"measure: {e}", kind_of(e)))
         finished = asyncio.get_running_loop().create_future()
         mid = self.core.measure(lambda: finished.done() or finished.set_result(None))
         try:
@@ -334,29 +335,29 @@ class ControllerServer:
             silent = self.core.abandon_measurement(mid)
             if silent:
                 later = f"; worker(s) {silent[1:]}, which measure after it, were not asked" if silent[1:] else ""
-                return m.pack({"error": f"worker {silent[0]} did not report its measurements within "
-                                            f"{timeout:g} s{later}. The figures of the others are in "
-                                            "`python -m pathways status`", "kind": DeadlineExceededError.__name__})
+                return reply(Failed(f"worker {silent[0]} did not report its measurements within {timeout:g} s"
+                                    f"{later}. The figures of the others are in `python -m pathways status`",
+                                    DeadlineExceededError.__name__))
         except asyncio.CancelledError:  # the caller gave up: stop waiting for the workers too
             self.core.abandon_measurement(mid)
             raise
-        return m.pack({"status": self.core.status()})
+        return reply(self.core.status())
 
     async def retire(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """Retire an island, or one host (messages.RetireRequest): it takes no new slices at
         once; wait up to the request's timeout for its runs to finish, then retire it
-        whether they did or not. Replies ``{"retired": ...}`` (core.finish_retirement's
-        report, with ``"drained"``: whether its runs finished in time), or ``{"error": ...,
-        "kind": ...}``. A caller that gives up while it waits leaves the island as it was."""
+        whether they did or not. Replies what was done (operator.Retired, with ``drained``:
+        whether its runs finished in time), or Failed. A caller that gives up while it
+        waits leaves the island as it was."""
         try:
             req = m.RETIRE.decode_one(request)
         except WireError as e:
-            return m.pack({"error": f"retire: {e}", "kind": kind_of(e)})
+            return reply(Failed(f"retire: {e}", kind_of(e)))
         drained = asyncio.get_running_loop().create_future()
         try:
             retirement = self.core.retire(req.island, req.worker, lambda: drained.done() or drained.set_result(None))
         except PathwaysError as e:
-            return m.pack({"error": f"retire: {e}", "kind": kind_of(e)})
+            return reply(Failed(f"retire: {e}", kind_of(e)))
         try:
             await asyncio.wait_for(asyncio.shield(drained), req.timeout)
         except asyncio.TimeoutError:
@@ -364,7 +365,11 @@ class ControllerServer:
         except asyncio.CancelledError:
             self.core.abandon_retirement(retirement)
             raise
-        return m.pack({"retired": {**self.core.finish_retirement(retirement), "drained": drained.done()}})
+        retired = self.core.finish_retirement(retirement, drained.done())
+        if retired is None:  # a retire of the same island that gave up meanwhile abandoned it
+            return reply(Failed(f"retire: the retirement of {retirement.describe()} was abandoned while it drained",
+                                PathwaysError.__name__))
+        return reply(retired)
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         return {"Session": rpc.stream_stream(self.session),

@@ -90,7 +90,7 @@ def worker_credential(credential: bytes, address: str) -> bytes:
     return hmac.digest(credential, b"pathways worker " + address.encode(), "sha256")
 
 
-def _map(key: Int, value: Int) -> Custom:
+def int_map(key: Int, value: Int) -> Custom:
     """A map of integers sent as a list of [key, value] pairs (msgpack maps may carry keys
     of any type; pairs are checked like any list). A run carries one per call, so
     well-formed pairs are checked without a call per entry, and only a malformed one goes
@@ -109,7 +109,7 @@ def _map(key: Int, value: Int) -> Custom:
     return Custom(read, lambda d: list(d.items()))
 
 
-BINDINGS = _map(Int(0, MAX_REGISTERS), HANDLE)  # a run's program value -> the handle bound to it
+BINDINGS = int_map(Int(0, MAX_REGISTERS), HANDLE)  # a run's program value -> the handle bound to it
 
 
 def wire(checker: Checker, default: Any = dataclasses.MISSING) -> Any:
@@ -128,6 +128,19 @@ class Record:
     def checked(self) -> "Record":
         """Checks that span several fields, after each field was checked on its own."""
         return self
+
+    def as_dict(self) -> dict[str, Any]:
+        """The record as a map of its fields by name, nested records and tuples as maps and
+        lists: what a user reads (``pathways status`` prints it as JSON)."""
+        out: dict[str, Any] = {}
+        for name, _ in self.FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, Record):
+                value = value.as_dict()
+            elif type(value) is tuple:
+                value = [v.as_dict() if isinstance(v, Record) else v for v in value]
+            out[name] = value
+        return out
 
 
 class Message(Record):
@@ -464,10 +477,118 @@ class SliceMoved(Message):
     devices: tuple[int, ...] = wire(Seq(Int(0, MAX_ITEMS)))
 
 
+# ---- the cluster's status (controller/status.py): a session's ClusterReply, the Status method ----
+
+HEALTH_STATES = frozenset({"assembling", "healthy", "lost", "healing"})
+SESSION_STATES = frozenset({"active", "draining", "offloading", "suspended", "resuming"})
+POLICIES = frozenset({"fifo", "fair"})  # the scheduler's (controller/scheduler.py)
+COUNT = Int(0, 1 << 62)
+SECONDS = Float(0.0, 1e12)
+RATE = Float(0.0, 1e30)  # FLOP/s, bytes/s
+
+
+@record
+class IslandStatus(Record):
+    """One island: ``state`` its health (assembling, healthy, lost, healing) and ``healthy``
+    whether it runs and (unless ``retiring``) takes slices; ``hosts`` joined of
+    ``expected_hosts``; ``lost``: which host was lost and how, from the loss until it heals;
+    ``recovery``: what brings it back, in words (None while healthy)."""
+
+    island: int = wire(Int(0, MAX_ISLAND))
+    name: str = wire(Str(MAX_ISLAND_NAME))
+    state: str = wire(Str(16, HEALTH_STATES))
+    healthy: bool = wire(Bool())
+    lost: str | None = wire(Optional(TEXT))
+    healing: bool = wire(Bool())
+    assembling: bool = wire(Bool())
+    hosts: int = wire(Int(0, MAX_RANK))
+    expected_hosts: int = wire(Int(1, MAX_RANK))
+    retiring: bool = wire(Bool())
+    recovery: str | None = wire(Optional(TEXT))
+    devices: int = wire(Int(0, MAX_ITEMS))
+    queued: int = wire(COUNT)
+    inflight: int = wire(COUNT)
+
+
+@record
+class WorkerStatus(Record):
+    """One worker host: where it serves, its island and rank, its devices and memory;
+    ``flops`` as measured (None until measured); ``load`` the slices placed on each device;
+    ``slow`` the seconds it has been silent past the heartbeat timeout while its host still
+    acknowledges (starved, busy or stopped: slow, not lost), None while it answers."""
+
+    worker: int = wire(WORKER)
+    address: str = wire(NAME)
+    data_address: str = wire(NAME)
+    island: int = wire(Int(0, MAX_ISLAND))
+    island_name: str = wire(Str(MAX_ISLAND_NAME))
+    rank: int = wire(Int(0, MAX_RANK))
+    kind: str = wire(Str(8, DEVICE_KINDS))
+    devices: int = wire(Int(0, MAX_DEVICES_PER_HOST))
+    pid: int = wire(Int(0, 1 << 32))
+    host: str = wire(NAME)
+    memory_bytes: int = wire(Int(0, 1 << 60))
+    flops: float | None = wire(Optional(RATE))
+    load: tuple[int, ...] = wire(Seq(COUNT, max_len=MAX_DEVICES_PER_HOST))
+    slow: float | None = wire(Optional(SECONDS))
+
+
+@record
+class LinkStatus(Record):
+    """A measured link from worker ``src`` to worker ``dst``: seconds, bytes per second."""
+
+    src: int = wire(WORKER)
+    dst: int = wire(WORKER)
+    latency: float = wire(SECONDS)
+    bandwidth: float = wire(RATE)
+
+
+@record
+class SessionStatus(Record):
+    """One client session: its slices, arrays, programs and their ``nodes`` (over every
+    program it defined); ``state`` "active", or where its suspend or resume stands, with
+    what it moved off the devices; the scheduler's figures (None for a session that has
+    not run anything yet)."""
+
+    session: int = wire(Int(1, MAX_SESSION))
+    slices: int = wire(COUNT)
+    arrays: int = wire(COUNT)
+    programs: int = wire(COUNT)
+    nodes: int = wire(COUNT)
+    state: str = wire(Str(16, SESSION_STATES))
+    suspended_arrays: int | None = wire(Optional(COUNT), None)
+    suspended_bytes: int | None = wire(Optional(COUNT), None)
+    suspended_to: str | None = wire(Optional(TEXT), None)
+    weight: float | None = wire(Optional(Float(0.0, 1e12)), None)
+    queued: int | None = wire(Optional(COUNT), None)
+    inflight: int | None = wire(Optional(COUNT), None)
+    completed: int | None = wire(Optional(COUNT), None)
+    device_seconds: float | None = wire(Optional(SECONDS), None)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Only the figures the session has: the suspension's while it is not active, the
+        scheduler's once it has any."""
+        return {k: v for k, v in Record.as_dict(self).items() if v is not None}
+
+
+@message("status")
+class ClusterStatus(Message):
+    """The cluster as the controller sees it (controller/status.py)."""
+
+    policy: str = wire(Str(8, POLICIES))
+    window: int = wire(Int(1, MAX_ITEMS))
+    islands: tuple[IslandStatus, ...] = wire(Seq(Nested(IslandStatus)))
+    workers: tuple[WorkerStatus, ...] = wire(Seq(Nested(WorkerStatus)))
+    links: tuple[LinkStatus, ...] = wire(Seq(Nested(LinkStatus)))
+    sessions: tuple[SessionStatus, ...] = wire(Seq(Nested(SessionStatus)))
+    slices: int = wire(COUNT)
+    arrays: int = wire(COUNT)
+
+
 @message("cluster")
 class ClusterReply(Message):
     req: int = wire(REQ)
-    status: dict = wire(Anything())
+    status: ClusterStatus = wire(Nested(ClusterStatus))
 
 
 @message("poisoned")
@@ -919,8 +1040,8 @@ class RetireRequest(Message):
     ""): no new slices go there; the controller waits at most ``timeout`` seconds (0: not at
     all) for the runs queued and in flight there to finish, then shuts its hosts down
     (Shutdown: they exit, and their keepers do not start them again), fails what is left
-    there and releases its slices. A lost island is forgotten. The reply is a map:
-    ``{"retired": {...}}`` saying what was done, or ``{"error": ..., "kind": ...}``."""
+    there and releases its slices. A lost island is forgotten. The reply says what was done
+    (operator.Retired), or why not (operator.Failed)."""
 
     island: str = wire(Str(MAX_ISLAND_NAME))
     worker: int | None = wire(Optional(WORKER))
@@ -1008,5 +1129,4 @@ MEASURE = Table("measure request", MeasureRequest)
 RETIRE = Table("retire request", RetireRequest)
 FETCH = Table("fetch request", FetchRequest)
 TIMELINE = Table("timeline request", TimelineFetch)
-TIMELINE_REPLY = Table("timeline reply", Timeline)
 

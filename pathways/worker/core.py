@@ -47,6 +47,7 @@ from pathways.defaults import CONTROLLER_STOPPED
 from pathways.errors import AccessDeniedError, ConnectError, WireError
 from pathways.protocol.data import ArrayPut, FetchReply, PENDING, READY
 from pathways.protocol.handles import session_of
+from pathways.protocol.operator import WorkerStats
 from pathways.protocol.messages import (Adopt, Compile, DataKey, Define, Delete, Done, DropSession, FetchRequest, Go,
                                         Heartbeat, Malformed, Measure, Message, Notice, Offload, Peers, Poisoned,
                                         Restore, RunProgram, Reset, SessionOpen, Shutdown, Step, Timeline,
@@ -419,16 +420,14 @@ class WorkerCore(Receiving, Offloading):
 
     # ---- the rest -------------------------------------------------------------------------
 
-    def stats(self) -> dict:
-        """Counts for the Stats RPC (and tests): arrays, per session, executables, programs,
-        data-plane connections refused for want of a peer's ticket, and peers' transfer
-        copies refused for want of a run expecting them from that peer."""
-        return {"worker": self.worker_id, "handles": len(self.store), "sessions": self.store.session_counts(),
-                "session_bytes": self.store.quota.usage(), "session_memory": self.store.quota.limit,
-                "executables": len(self.executables), "compiled": self.executables.compiled(),
-                "compile_cache": self.executables.cache_counts(),
-                "programs": self.executor.programs, "refused_peers": self.tickets.refused,
-                "refused_copies": self.refused_copies.count}
+    def stats(self) -> WorkerStats:
+        """Counts for the Stats method (and tests): arrays, per session, executables,
+        programs, data-plane connections refused for want of a peer's ticket, and peers'
+        transfer copies refused for want of a run expecting them from that peer."""
+        return WorkerStats(self.worker_id, len(self.store), self.store.session_counts(), self.store.quota.usage(),
+                           self.store.quota.limit, len(self.executables), self.executables.compiled(),
+                           *self.executables.cache_counts(), self.executor.programs, self.tickets.refused,
+                           self.refused_copies.count)
 
     def close(self) -> None:
         self.measurer.stop()

@@ -192,10 +192,10 @@ class Executables:
             futures = list(self._by_fingerprint.values())
         return sum(1 for f in futures if f.done() and f.exception() is None)
 
-    def cache_counts(self) -> dict:
+    def cache_counts(self) -> tuple[int, int]:
         """The compile cache's hits and misses for "xla" functions (both 0 without a cache)."""
         cache = self._cache
-        return {"hits": cache.hits if cache else 0, "misses": cache.misses if cache else 0}
+        return (cache.hits, cache.misses) if cache else (0, 0)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

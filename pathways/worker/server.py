@@ -73,6 +73,7 @@ from pathways.platforms import Devices
 from pathways.protocol.messages import (FETCH, MAX_MESSAGE_BYTES, TIMELINE, WORKER_DOWN, DataKey, Heartbeat, Peers,
                                         Register, Reset, Shutdown, WorkerWelcome)
 from pathways.protocol import streams
+from pathways.protocol import operator
 from pathways.protocol.data import FetchReply, PutAnswer
 from pathways.protocol.errors import WIRE
 from pathways.wire import codec, frames, rpc, tcp
@@ -165,23 +166,24 @@ class WorkerService:
         yield from core.fetch(req, context.is_active)
 
     def stats(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """The worker's counts (operator.WorkerStats), or Failed while it is not ready."""
         core = self.core()
-        return codec.pack(core.stats() if core is not None else {"error": _NOT_READY})
+        return operator.reply(core.stats() if core is not None else operator.Failed(_NOT_READY, WIRE))
 
     def timeline(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        """The spans of a session's traced runs (``messages.Timeline``), or ``{"error": ...,
-        "kind": ...}`` for a malformed request or a wrong credential."""
+        """The spans of a session's traced runs (``messages.Timeline``), or Failed for a
+        malformed request or a wrong credential."""
         try:
             req = TIMELINE.decode_one(request)
         except WireError as e:
-            return codec.pack({"error": f"the worker refused a timeline request: {e}", "kind": WIRE})
+            return operator.reply(operator.Failed(f"the worker refused a timeline request: {e}", WIRE))
         core = self.core()
         if core is None:
-            return codec.pack({"error": _NOT_READY, "kind": WIRE})
+            return operator.reply(operator.Failed(_NOT_READY, WIRE))
         try:
-            return codec.pack(core.timeline(req).encode())
+            return operator.reply(core.timeline(req))
         except AccessDeniedError as e:
-            return codec.pack({"error": str(e), "kind": AccessDeniedError.__name__})
+            return operator.reply(operator.Failed(str(e), AccessDeniedError.__name__))
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         return {"Put": rpc.stream_unary(self.put), "PutOne": rpc.unary_unary(self.put_one),
@@ -384,16 +386,14 @@ def _attach(channel: grpc.Channel, controller: str, timeout: float, security: Se
     with the worker token), within ``timeout`` seconds each."""
     ask = rpc.method(channel, rpc.CONTROLLER_SERVICE, "AttachAddress", "unary_unary")
     try:
-        port = codec.unpack(ask(b"", timeout=timeout))["port"]
-        if type(port) is not int or not 0 < port < 65536:
-            raise ValueError(f"the controller named port {port!r}")
+        port = operator.answer(operator.ATTACH_REPLY, ask(b"", timeout=timeout)).port
         host, _ = split_host_port(rpc.parse_address(controller))
         sock = tcp.connect(f"tcp://{join_host_port(host, port)}", timeout, security.for_attach(), tls=security.uses_tls)
     except grpc.RpcError as e:
         raise rpc.refusal(e, controller) or ConnectError(
             f"could not ask the controller at {controller} where to attach ({e.code().name}); check that it is "
             "running (`python -m pathways status` asks it)") from None
-    except (OSError, WireError, KeyError, TypeError, ValueError) as e:
+    except (OSError, WireError, ValueError) as e:
         raise ConnectError(f"could not attach to the controller at {controller} ({type(e).__name__}: {e}); "
                            "check that it is running and that it is a pathways controller of this version "
                            "(`python -m pathways status` asks it)") from None
