@@ -87,6 +87,8 @@ def sample(checker: c.Checker, rng: random.Random, field: str) -> Any:
         return rng.sample(OPS, 3)
     if field in ("inputs", "args", "sessions", "session_bytes"):  # maps of integers, as pairs
         return [[0, 5]]
+    if field == "init_data":  # a map of text, as pairs
+        return [["PATHWAYS_TOKEN", "t"]]
     return {}
 
 

@@ -28,10 +28,10 @@ from pathways.proto.xla.python.ifrt_proxy.common import grpc_ifrt_service_pb2 as
 from pathways.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
 from pathways.ifrt import plugin
 from pathways.ifrt import server as ifrt_server
-from pathways.ifrt.server import IfrtServer, _lookup_response, _store_data
+from pathways.ifrt.server import MAX_ADMISSION_BYTES, IfrtServer, _lookup_response, _store_data
 from pathways.ifrt.handling import STREAMED_PUT_BYTES, IfrtArray, IfrtExecutable
 from pathways.ifrt.session import IfrtSession, parse_slice
-from pathways.protocol import messages as m
+from pathways.protocol import messages as m, operator
 from tests.conftest import connected_to, read_line, wait_until
 
 @pytest.fixture(scope="module")
@@ -1181,6 +1181,13 @@ def test_a_session_the_server_would_refuse_fails_at_once_naming_why(server):
         assert plugin.admission(target, plugin.initialization_data({**token, "PATHWAYS_SLICE": "cpu:2"})) is None
         assert plugin.admission(target, plugin.initialization_data(token)) is None
         assert plugin.admission("grpc://127.0.0.1:1", {}) is None, "no server there: the client's connection decides"
+        with grpc.insecure_channel(guarded.address) as channel:  # hostile checks are refused, and it keeps serving
+            for hostile in (b"\xc1", m.pack(["admission", {"a": 1}]), m.pack(["admission", [[1, "x"]]]),
+                            b"\x90" * (MAX_ADMISSION_BYTES + 1)):
+                answer = channel.unary_unary(plugin.ADMISSION)(hostile, timeout=5)
+                refused = operator.answer(operator.ADMISSION_REPLY, answer).refused
+                assert refused.startswith("the admission check takes a map of initialization data"), refused
+        assert plugin.admission(target, plugin.initialization_data(token)) is None
         # through JAX itself: the program fails at once, with the server's reason
         out = subprocess.run([sys.executable, "-c", textwrap.dedent("""
             import json, time, jax

@@ -22,7 +22,8 @@ from pathways.wire import codec
 from tests import fuzzing
 
 TABLES = [m.SESSION_UP, m.SESSION_DOWN, m.WORKER_UP, m.WORKER_DOWN, m.FETCH, m.MEASURE, operator.STATUS_REPLY,
-          operator.RETIRE_REPLY, operator.ATTACH_REPLY, operator.STATS_REPLY, operator.TIMELINE_REPLY]
+          operator.RETIRE_REPLY, operator.ATTACH_REPLY, operator.STATS_REPLY, operator.TIMELINE_REPLY,
+          operator.ADMISSION_CHECK, operator.ADMISSION_REPLY]
 
 
 @pytest.mark.parametrize("table", TABLES, ids=lambda t: t.name)

@@ -99,20 +99,20 @@ def admission(target: str, data: Mapping[str, bytes], timeout: float = ADMISSION
     session with initialization ``data``, or None: admitted, or not said (the server is
     not reachable yet, or not a pathways one); the client's own connection then decides."""
     import grpc
-    import msgpack
+
+    from pathways.errors import WireError
+    from pathways.protocol import operator
 
     channel = grpc.insecure_channel(target.removeprefix(PLAIN_GRPC))
+    check = operator.AdmissionCheck({k: v.decode("utf-8", "replace") for k, v in data.items()})
     try:
-        ask = channel.unary_unary(ADMISSION)
-        answer = msgpack.unpackb(ask(msgpack.packb({k: v.decode("utf-8", "replace") for k, v in data.items()}),
-                                     timeout=timeout))
-    except grpc.RpcError as e:
-        log.debug("no admission check at %s (%s); connecting anyway", target, e.code())
+        answer = channel.unary_unary(ADMISSION)(operator.reply(check), timeout=timeout)
+        return operator.answer(operator.ADMISSION_REPLY, answer).refused
+    except (grpc.RpcError, WireError) as e:
+        log.debug("no admission check at %s (%s); connecting anyway", target, e)
         return None
     finally:
         channel.close()
-    refused = answer.get("refused") if isinstance(answer, dict) else None
-    return refused if isinstance(refused, str) else None
 
 
 def make_client() -> Any:

@@ -46,8 +46,8 @@ from pathways.ifrt.plugin import ADMISSION_METHOD, ADMISSION_SERVICE
 from pathways.ifrt.handling import HOST_BUFFER_WAIT, SLICE_KEY, WAIT_SECONDS, Deferred
 from pathways.ifrt.session import IfrtSession
 from pathways.ifrt.types import IfrtError
-from pathways.protocol import streams
-from pathways.wire import codec, tcp
+from pathways.protocol import operator, streams
+from pathways.wire import tcp
 from pathways.wire import security as sec
 from pathways.wire.addresses import join_host_port, split_host_port
 from pathways.wire.security import Security
@@ -214,20 +214,20 @@ class IfrtServer:
         return None
 
     def _admission(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
-        """ADMISSION: ``{"refused": why}`` if a session of the initialization data in
-        ``raw`` would be refused, else ``{}``; a slice it asks for (PATHWAYS_SLICE) is
-        placed to find out, and released."""
+        """ADMISSION (operator.AdmissionCheck): why a session of that initialization data
+        would be refused, or None (operator.Admission); a slice it asks for
+        (PATHWAYS_SLICE) is placed to find out, and released."""
         try:
-            init_data = codec.unpack(raw) if len(raw) <= MAX_ADMISSION_BYTES else None
-        except WireError:
-            init_data = None
-        if not isinstance(init_data, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                      for k, v in init_data.items()):
-            return codec.pack({"refused": "the admission check takes a map of initialization data (strings)"})
+            if len(raw) > MAX_ADMISSION_BYTES:
+                raise WireError(f"the check is {len(raw)} bytes, over the {MAX_ADMISSION_BYTES} it may have")
+            init_data = operator.ADMISSION_CHECK.decode_one(raw).init_data
+        except WireError as e:
+            return operator.reply(operator.Admission(f"the admission check takes a map of initialization data "
+                                                     f"(strings): {e}"))
         refused = self._refusal(init_data)
         if refused is None and SLICE_KEY in init_data:
             refused = self._unplaceable(init_data)
-        return codec.pack({} if refused is None else {"refused": refused.message})
+        return operator.reply(operator.Admission(None if refused is None else refused.message))
 
     def _unplaceable(self, init_data: dict[str, str]) -> Optional[IfrtError]:
         """Why the slice ``init_data`` asks for cannot be placed now, or None."""

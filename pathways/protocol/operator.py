@@ -1,5 +1,6 @@
 """The replies of the operator's unary methods: the controller's Status, Measure, Retire and
-AttachAddress, a worker's Stats and Timeline. Each is a typed message, checked on the way
+AttachAddress, a worker's Stats and Timeline, and the IFRT front end's admission check. Each
+is a typed message, checked on the way
 in like every control message, or ``Failed`` (an error and its kind, which the caller
 raises as the matching ``pw.*Error``).
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from pathways.errors import WireError
-from pathways.protocol.check import Bool, Int, Optional, Seq, Str
+from pathways.protocol.check import Bool, Custom, Fixed, Int, Optional, Seq, Str
 from pathways.protocol.errors import KINDS, error_of
 from pathways.protocol.handles import MAX_SESSION
 from pathways.protocol.messages import (COUNT, HEALTH_STATES, MAX_ISLAND, MAX_ISLAND_NAME, NAME, TEXT, WORKER,
@@ -90,11 +91,34 @@ class Failed(Message):
         return error_of(self.kind, self.error, default)
 
 
+MAX_INIT_ENTRIES = 256
+INIT_DATA = Custom(lambda raw: dict(Seq(Fixed(NAME, TEXT), max_len=MAX_INIT_ENTRIES).check(raw, "initialization data")),
+                   lambda d: [[k, v] for k, v in d.items()])
+
+
+@message("admission")
+class AdmissionCheck(Message):
+    """Would the IFRT front end admit a session with this initialization data (each key
+    and value as text)? ``pathways.ifrt.plugin`` asks before its client connects, so that a
+    refusal is said at once instead of after the client's own connection timeout."""
+
+    init_data: dict[str, str] = wire(INIT_DATA)
+
+
+@message("admitted")
+class Admission(Message):
+    """Why such a session would be refused, or None: it would be admitted."""
+
+    refused: str | None = wire(Optional(TEXT))
+
+
 STATUS_REPLY = Table("status reply", ClusterStatus, Failed)
 RETIRE_REPLY = Table("retire reply", Retired, Failed)
 ATTACH_REPLY = Table("attach address reply", AttachAddress)
 STATS_REPLY = Table("stats reply", WorkerStats, Failed)
 TIMELINE_REPLY = Table("timeline reply", Timeline, Failed)
+ADMISSION_CHECK = Table("admission check", AdmissionCheck)
+ADMISSION_REPLY = Table("admission reply", Admission)
 
 
 def reply(msg: Message) -> bytes:
