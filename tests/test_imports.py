@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Iterator, Optional
 
+import pytest
+
 import pathways
 import pathways_bench
 
@@ -18,9 +20,10 @@ SERVER_SIDE = ("pathways.controller", "pathways.worker", "pathways.planner")
 
 # The layers, lowest first: a module imports modules of its own layer and of those below it
 # only. A module belongs to the layer of the longest name here that it is or is inside of
-# ("pathways" is the package's __init__ alone); RUNTIME stands for every module named nowhere
-# else (client, controller, worker, cluster, ...).
-RUNTIME = "the runtime"
+# ("pathways" is the package's __init__ alone); every module is named by one. Each role
+# package (the planner, the controller, the workers, the local cluster, the client, the IFRT
+# front end, the conductor) is a layer of its own, so that what each builds on is stated
+# here, once; APART below keeps the controller and the workers off each other too.
 LAYERS = (
     # and the IFRT proxy protocol's modules that protoc generated from pathways/ifrt/schema
     ("pathways.errors", "pathways.defaults", "pathways.config", "pathways.proto"),
@@ -30,7 +33,18 @@ LAYERS = (
     # The contracts: every message (control and data plane), its streams and bounds, the
     # program IR, timeline spans.
     ("pathways.protocol", "pathways.ir", "pathways.timeline"),
-    (RUNTIME,),
+    # What several roles share: processes (keeper, template), platforms, HLO text, fusion
+    # of programs, tables and plots.
+    ("pathways.keeper", "pathways.template", "pathways.platforms", "pathways.hlo", "pathways.fusion",
+     "pathways.table", "pathways.plotting", "pathways.timeline_view"),
+    ("pathways.planner",),  # placement and partitioning, pure
+    ("pathways.controller",),
+    ("pathways.worker",),
+    ("pathways.cluster",),  # starts controllers and workers as processes: imports neither
+    ("pathways.spmd",),  # the multi-controller mode, on local processes
+    ("pathways.client",),
+    ("pathways.ifrt",),  # serves unmodified JAX through a native client session
+    ("pathways.conductor",),  # distributes plain functions with the client
     ("pathways",),  # the public API (pw.jit, ...), on top of the client
     ("pathways.demo", "pathways_bench"),  # programs that use the public API
     ("pathways.cli", "pathways.__main__"),  # the command line runs all of them
@@ -291,14 +305,30 @@ def _layer(module: str) -> int:
     """The index in LAYERS of ``module``'s layer."""
     named = [(len(name), i) for i, layer in enumerate(LAYERS) for name in layer
              if module == name or (name != "pathways" and module.startswith(name + "."))]
-    return max(named)[1] if named else next(i for i, layer in enumerate(LAYERS) if RUNTIME in layer)
+    if not named:
+        raise LookupError(f"{module} is in no layer: name it (or its package) in LAYERS")
+    return max(named)[1]
 
 
 def test_layers_are_known() -> None:
     assert _layer("pathways.wire.codec") == _layer("pathways.wire.rpc") == 1
     assert _layer("pathways.protocol.streams") == _layer("pathways.ir") == _layer("pathways.timeline") == 2
-    assert _layer("pathways.client.api") == _layer("pathways.controller.core") == _layer("pathways.table") == 3
-    assert _layer("pathways") == 4 and _layer("pathways_bench.suite") == 5 and _layer("pathways.cli.bench") == 6
+    assert _layer("pathways.keeper") == _layer("pathways.table") == 3
+    assert _layer("pathways.planner.schedule") < _layer("pathways.controller.core") < _layer("pathways.worker.core")
+    assert _layer("pathways.worker.core") < _layer("pathways.cluster") < _layer("pathways.client.api")
+    assert _layer("pathways.client.api") < _layer("pathways.ifrt.server") < _layer("pathways.conductor")
+    assert _layer("pathways.conductor") < _layer("pathways") < _layer("pathways_bench.suite") < _layer("pathways.cli.bench")
+    with pytest.raises(LookupError, match="is in no layer"):
+        _layer("pathways_extra.module")
+
+
+def test_every_module_and_role_package_has_a_layer_of_its_own() -> None:
+    for module in package_graph().paths:
+        _layer(module)  # raises for a module no layer names
+    roles = ("pathways.planner", "pathways.controller", "pathways.worker", "pathways.cluster", "pathways.spmd",
+             "pathways.client", "pathways.ifrt", "pathways.conductor")
+    for role in roles:
+        assert [layer for layer in LAYERS if role in layer] == [(role,)], f"{role} shares its layer"
 
 
 def test_no_module_imports_a_higher_layer() -> None:
@@ -329,7 +359,7 @@ def test_the_controller_and_the_workers_import_no_client_front_end_or_each_other
 def test_the_lower_layers_load_neither_jax_nor_the_client() -> None:
     """Each module of the wire and protocol layers imported in turn in a fresh process: the
     first whose import brings in JAX or the client is named."""
-    modules = sorted(m for m in package_graph().paths if _layer(m) < _layer("pathways.client"))
+    modules = sorted(m for m in package_graph().paths if _layer(m) < _layer("pathways.keeper"))
     assert "pathways.wire.codec" in modules and "pathways.protocol.messages" in modules
     code = ("import importlib, sys\n"
             f"for m in {modules!r}:\n"
