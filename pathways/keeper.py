@@ -77,6 +77,7 @@ def exit_with_parent() -> None:
             time.sleep(0.25)
         os._exit(1)
 
+    # lives as long as the process: it is what ends it
     threading.Thread(target=watch, name="pathways-parent-watch", daemon=True).start()
 
 

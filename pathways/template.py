@@ -41,6 +41,7 @@ import setproctitle
 
 from pathways import config, keeper
 from pathways.errors import ConnectError
+from pathways.threads import Threads
 
 # Variables read when Python starts or when the preloaded modules are imported (JAX's
 # configuration, jaxlib's C++ logging, the BLAS and OpenMP runtimes): clusters whose
@@ -63,6 +64,7 @@ class Template:
     def __init__(self, preload: Sequence[str], env: dict[str, str]) -> None:
         self.preload = tuple(preload)
         self.owner = os.getpid()  # a fork of the owner shares its socket, but not its template
+        self._threads = Threads("a process template's owner")  # its reader
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
             # One BLAS thread: the template must stay single-threaded to fork safely.
@@ -85,7 +87,7 @@ class Template:
         self._exited: dict[int, int] = {}
         self._changed = threading.Condition()
         self.alive = True
-        threading.Thread(target=self._read, name="pathways-template", daemon=True).start()
+        self._threads.start(self._read, "pathways-template")
 
     def spawn(self, argv: Sequence[str], env: dict[str, str], stdout: int) -> int:
         """Fork ``argv`` (``python -m MODULE ...`` or a keeper's command, keeper.command) with
@@ -126,6 +128,7 @@ class Template:
         except OSError:
             pass  # not connected: the template is gone
         self._socket.close()
+        self._threads.join()
         try:
             self.process.wait(timeout=10)
         except subprocess.TimeoutExpired:

@@ -26,7 +26,7 @@ SERVER_SIDE = ("pathways.controller", "pathways.worker", "pathways.planner")
 # here, once; APART below keeps the controller and the workers off each other too.
 LAYERS = (
     # and the IFRT proxy protocol's modules that protoc generated from pathways/ifrt/schema
-    ("pathways.errors", "pathways.defaults", "pathways.config", "pathways.proto"),
+    ("pathways.errors", "pathways.defaults", "pathways.config", "pathways.threads", "pathways.proto"),
     # Any process imports the two below, so they load neither JAX nor the client.
     # The bytes: codecs, frames, gRPC and TCP transports, security; they know no message.
     ("pathways.wire",),

@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import threading
 from concurrent.futures import Future
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
@@ -37,7 +36,8 @@ _SHORT = "the array's bytes did not all arrive"  # a put whose source gave out
 
 
 class Puts:
-    """Session's puts."""
+    """Session's puts. A put streamed on the data plane runs on a thread of the session's
+    (``_threads``), which its close joins."""
 
     def put_layout(self, value: np.ndarray, layout: Layout, sharding: NamedSharding) -> Array:
         """A new pw.Array of host ``value``, sent to the workers of ``sharding``'s slice
@@ -136,7 +136,7 @@ class Puts:
                 outcome.set_exception(e)
 
         self._watch_put(outcome, lambda f: self._streamed(f, address, handle))
-        threading.Thread(target=stream, name="pathways-put", daemon=True).start()
+        self._threads.start(stream, "pathways-put")
 
     def _streamed(self, outcome: Future, address: str, handle: int) -> None:
         """A put on the data plane ended: its array is poisoned unless the worker stored it."""

@@ -43,6 +43,7 @@ from pathways.protocol import messages as m
 from pathways.protocol import streams
 from pathways.protocol.errors import error_of, kind_of
 from pathways.protocol.handles import COUNTER_MASK, first_handle
+from pathways.threads import Threads
 from pathways.timeline import Recorder, now
 from pathways.wire import rpc, tcp
 from pathways.wire.security import Security
@@ -122,6 +123,7 @@ class Session(Puts, Fetches):
         self._puts_lock = threading.Condition()
         self.suspended = False  # from suspend() until resume() returns
         self._closed = threading.Event()
+        self._threads = Threads("a client session")  # its reader, and its puts streamed on the data plane
         self._welcome: Future = Future()
         self._pending["welcome"] = self._welcome
         if open_local is not None:  # the controller's loop takes the outbox's batches itself
@@ -129,7 +131,7 @@ class Session(Puts, Fetches):
         else:
             stream = rpc.method(self._channel, rpc.CONTROLLER_SERVICE, "Session", "stream_stream")
             self._responses = stream(self._outbox.batches())
-        threading.Thread(target=self._read, name="pathways-session", daemon=True).start()
+        self._threads.start(self._read, "pathways-session")
         self._counter = itertools.count(1)
         self._counter_lock = threading.Lock()
         self._outbox.put(m.Hello(m.PROTOCOL_VERSION, weight))
@@ -406,6 +408,7 @@ class Session(Puts, Fetches):
             self._channel.close()
         for stubs in self._workers.values():
             stubs.channel.close()
+        self._threads.join()
         if self._owned_cluster is not None:
             self._owned_cluster.stop()
 

@@ -47,6 +47,7 @@ from pathways.ifrt.handling import HOST_BUFFER_WAIT, SLICE_KEY, WAIT_SECONDS, De
 from pathways.ifrt.session import IfrtSession
 from pathways.ifrt.types import IfrtError
 from pathways.protocol import operator, streams
+from pathways.threads import Threads
 from pathways.wire import tcp
 from pathways.wire import security as sec
 from pathways.wire.addresses import join_host_port, split_host_port
@@ -119,6 +120,7 @@ class IfrtServer:
         self._closing = 0  # sessions whose stream ended, still closing (PATHWAYS_TRACE: writing the timeline)
         self._closed = threading.Condition(self._lock)
         self._stopped = threading.Event()
+        self._threads = Threads("the IFRT proxy server")  # its pace checker, and each session's reader and handler
         self.address = ""
 
     def start(self) -> None:
@@ -150,7 +152,7 @@ class IfrtServer:
         server.start()
         self._server = server
         self.address = join_host_port(host, bound)
-        threading.Thread(target=self._pace_stores, name="pathways-ifrt-pace", daemon=True).start()
+        self._threads.start(self._pace_stores, "pathways-ifrt-pace")
 
     def _pace_stores(self) -> None:
         """Look at every session's host buffers each PACE_CHECK_SECONDS: a store whose bytes
@@ -175,6 +177,7 @@ class IfrtServer:
             if not self._closed.wait_for(lambda: not self._closing, CLOSING_SECONDS):
                 log.warning("%d IFRT session(s) still closing after %g s; stopping anyway", self._closing,
                             CLOSING_SECONDS)
+        self._threads.join()
         if self.data_plane is not None:
             self.data_plane.close()
 
@@ -293,8 +296,8 @@ class IfrtServer:
             self._sessions[session_id] = session
         out: queue.SimpleQueue = queue.SimpleQueue()  # not queue.Queue: its Python-level locking costs each response
         stream = _Stream(session, out)
-        threading.Thread(target=stream.receive, args=(requests,), name="pathways-ifrt-receive", daemon=True).start()
-        threading.Thread(target=stream.handle, name="pathways-ifrt-session", daemon=True).start()
+        self._threads.start(stream.receive, "pathways-ifrt-receive", requests)
+        self._threads.start(stream.handle, "pathways-ifrt-session")
         try:
             while True:
                 item = out.get()

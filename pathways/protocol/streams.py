@@ -221,6 +221,7 @@ class _ReleaseFlusher:
             self._outboxes.add(outbox)
             if self._pid != os.getpid():
                 self._pid = os.getpid()
+                # lives as long as its process, as the outboxes it flushes may
                 threading.Thread(target=self._run, name="pathways-releases", daemon=True).start()
 
     def _run(self) -> None:

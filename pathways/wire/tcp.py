@@ -61,6 +61,7 @@ from typing import Any, Callable, Hashable, Iterable, Optional
 import numpy as np
 
 from pathways.errors import WireError
+from pathways.threads import Threads
 from pathways.wire import codec
 from pathways.wire import security as sec
 from pathways.wire.addresses import family_of, join_host_port, split_host_port, strip_brackets
@@ -252,7 +253,9 @@ class Listener:
         self.refused = sec.Refusals()  # connections refused at their greeting
         self.over_budget = sec.Refusals()  # frames refused: the budget, or their party's share, stayed short
         self._lock = threading.Lock()
-        threading.Thread(target=self._accept, name="pathways-data-accept", daemon=True).start()
+        self._connections: set[socket.socket] = set()  # served now: close() shuts them down
+        self._threads = Threads("a data listener")
+        self._threads.start(self._accept, "pathways-data-accept")
 
     def _stranger(self) -> bool:
         """Count in a new connection that has yet to greet; False (turned away) when
@@ -286,14 +289,21 @@ class Listener:
             try:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 keep_alive(conn, self._timeout)
-                threading.Thread(target=self._serve, args=(conn,), name="pathways-data-in", daemon=True).start()
+                with self._lock:
+                    if self._closed:
+                        raise OSError("the listener closed")
+                    self._connections.add(conn)
+                self._threads.start(self._serve, "pathways-data-in", conn)
             except (OSError, RuntimeError) as e:  # the peer left already; or no thread can start
                 log.error("dropped a data connection: %s: %s", type(e).__name__, e)
+                with self._lock:
+                    self._connections.discard(conn)
                 conn.close()
                 if self._greets:  # no thread took it: give its count back here
                     self._greeted()
 
     def _serve(self, conn: socket.socket) -> None:
+        raw = conn  # as accepted; TLS wraps it below
         ungreeted = self._greets  # counted among the connections that have not greeted (``_stranger``)
         hello_by = time.monotonic() + sec.HELLO_SECONDS if ungreeted else None
         try:
@@ -339,6 +349,8 @@ class Listener:
         finally:
             if ungreeted:
                 self._greeted()
+            with self._lock:
+                self._connections.discard(raw)
 
     def _frame(self, reader: "_Reader", greeted: bool) -> bool | None:
         """Read and handle one frame; None once the connection ended, else whether it has
@@ -520,13 +532,21 @@ class Listener:
         return True
 
     def close(self) -> None:
-        self._closed = True
+        """Stop accepting, end the connections being served (a frame in flight is dropped:
+        its sender hears the connection close) and join their threads."""
+        with self._lock:
+            self._closed = True
+            connections = list(self._connections)
         try:
             # wakes the accepting thread; a plain close leaves the port listening while it waits
             self._server.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self._server.close()
+        for conn in connections:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)  # wakes its reader; its thread closes it
+        self._threads.join()
 
 
 class _Reader:

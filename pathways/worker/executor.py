@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import queue
 import random
-import threading
 import time
 from collections import deque
 from typing import Any, Callable, Iterator, Protocol, Union
@@ -46,6 +45,7 @@ from pathways.errors import WireError
 from pathways.protocol.handles import session_of, value_handle
 from pathways.protocol.messages import Define, Delete, DropSession, RunProgram
 from pathways.protocol.ops import Op
+from pathways.threads import Threads
 from pathways.timeline import RECORDER, now
 from pathways.worker.executables import Executables
 from pathways.worker.shared_arrays import shareable
@@ -120,10 +120,9 @@ class Executor:
         self._traced: dict[int, tuple[int, int]] = {}  # traced run id -> (its base, when its ops ended)
         self._reported = 0  # when the reporter last recorded a traced run done
         self.worker_id = -1
-        self._thread = threading.Thread(target=self._loop, name="pathways-executor", daemon=True)
-        self._thread.start()
-        self._reporter = threading.Thread(target=self._report_loop, name="pathways-done", daemon=True)
-        self._reporter.start()
+        self._threads = Threads("the worker's executor")
+        self._threads.start(self._loop, "pathways-executor")
+        self._threads.start(self._report_loop, "pathways-done")
 
     @property
     def programs(self) -> int:
@@ -135,7 +134,7 @@ class Executor:
     def stop(self) -> None:
         self._queue.put(None)
         self._finished.put(None)
-        self._thread.join(timeout=5)
+        self._threads.join()
 
     def define(self, msg: Define) -> None:
         """Prepare a decoded op stream (ops.decode_op checked it): resolve each function to

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import queue
 import statistics
-import threading
 import time
 from typing import Any, Callable
 
@@ -23,6 +22,7 @@ import numpy as np
 
 from pathways.errors import ConnectError, WireError
 from pathways.protocol.messages import Measured
+from pathways.threads import Threads
 from pathways.wire import tcp
 from pathways.wire.codec import host_memory_bytes
 from pathways.wire.security import Security
@@ -64,8 +64,8 @@ class Measurer:
         self._probe_timeout = probe_timeout
         self._flops: float | None = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name="pathways-measure", daemon=True)
-        self._thread.start()
+        self._threads = Threads("the worker's measurer")
+        self._threads.start(self._loop, "pathways-measure")
 
     def request(self, job: int, flops: bool, peers: dict[int, str]) -> None:
         """Measure (the FLOP/s if ``flops``, and the link to each of ``peers``: worker ->
@@ -73,7 +73,9 @@ class Measurer:
         self._jobs.put((job, flops, dict(peers)))
 
     def stop(self) -> None:
+        """End the thread after the job it runs (each bounded by its probe timeout)."""
         self._jobs.put(None)
+        self._threads.join()
 
     def _loop(self) -> None:
         while (item := self._jobs.get()) is not None:

@@ -76,6 +76,7 @@ from pathways.protocol import streams
 from pathways.protocol import operator
 from pathways.protocol.data import FetchReply, PutAnswer
 from pathways.protocol.errors import WIRE
+from pathways.threads import Threads
 from pathways.wire import codec, frames, rpc, tcp
 from pathways.wire.addresses import PortReservation, join_host_port, split_host_port
 from pathways.wire.liveness import Heartbeats, TcpState, Verdict, check_timeout, judge
@@ -305,6 +306,7 @@ def main(controller: str, devices: Devices, island: IslandMembership, wait_timeo
                          "--advertise HOST (the address other hosts reach this one at)") from None
     if not (math.isfinite(reconnect_timeout) and reconnect_timeout >= 0):
         raise SystemExit(f"--reconnect-timeout must be a finite number of seconds, 0 or more, got {reconnect_timeout!r}")
+    # one import, once per process: it ends on its own, and nothing waits for it
     threading.Thread(target=_import_core, name="pathways-import", daemon=True).start()
     reconnecting = os.environ.pop(config.RECONNECT_UNTIL.name, None)
     if reconnecting is not None:
@@ -465,6 +467,7 @@ class _Serving:
         self.reservation: Optional[PortReservation] = None
         self.sock: Optional[socket.socket] = None
         self.close_stream: Callable[[], None] = lambda: None  # called before sock is shut down
+        self.stream_threads = Threads("the worker's controller stream")  # its sender and reader
         self.core: Optional["WorkerCore"] = None
         self.told: list[str] = []  # what the controller told the running core: "shutdown" or "reset"
 
@@ -535,7 +538,7 @@ class _Serving:
         if hasattr(socket, "TCP_USER_TIMEOUT"):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 0)
         self.close_stream = _start_stream(sock, self.outbox, self.joining.on_batch, self.end, self.beats,
-                                          self.settled)
+                                          self.settled, self.stream_threads)
 
     def _told_to(self, what: str) -> Callable[[], None]:
         def note() -> None:
@@ -595,6 +598,7 @@ class _Serving:
             with contextlib.suppress(OSError):  # the controller may have closed it already
                 self.sock.shutdown(socket.SHUT_RDWR)  # wakes the reader thread
             self.sock.close()
+        self.stream_threads.join()
         if self.reservation is not None:
             self.reservation.close()
         if self.listener is not None:
@@ -638,8 +642,9 @@ async def _beat(beats: Heartbeats, outbox: streams.Outbox, timeout: float, tcp_s
 
 
 def _start_stream(sock: socket.socket, outbox: streams.Outbox, on_batch: Callable[[bytes], None],
-                  end: Callable[[], None], beats: Heartbeats, settled: threading.Event) -> Callable[[], None]:
-    """Threads that send ``outbox``'s batches on ``sock`` and hand what arrives to
+                  end: Callable[[], None], beats: Heartbeats, settled: threading.Event,
+                  threads: Threads) -> Callable[[], None]:
+    """Threads (of ``threads``) that send ``outbox``'s batches on ``sock`` and hand what arrives to
     ``on_batch`` (each payload a sign of life for ``beats``); ``end`` is called when the
     stream ends either way (``sock`` blocks without a timeout: _beat ends a stream whose
     controller it judged lost, and the caller then shuts ``sock`` down). Once
@@ -677,8 +682,8 @@ def _start_stream(sock: socket.socket, outbox: streams.Outbox, on_batch: Callabl
         finally:
             end()
 
-    threading.Thread(target=send, name="pathways-attach-send", daemon=True).start()
-    threading.Thread(target=read, name="pathways-attach", daemon=True).start()
+    threads.start(send, "pathways-attach-send")
+    threads.start(read, "pathways-attach")
     return (lambda: None) if shared is None else shared.close
 
 
