@@ -60,3 +60,17 @@ def test_a_closed_listener_ends_its_idle_connections_and_joins_their_threads():
     finally:
         for sock in socks:
             sock.close()
+
+
+def test_threads_started_from_many_threads_at_once_are_all_kept_and_joined():
+    threads = Threads("a test owner")
+    release = threading.Event()
+    starters = [threading.Thread(target=lambda: [threads.start(release.wait, "waiting", 30.0) for _ in range(50)])
+                for _ in range(8)]
+    for s in starters:
+        s.start()
+    for s in starters:
+        s.join()
+    assert threads.running() == 400, "a thread another caller had not started yet was forgotten"
+    release.set()
+    assert threads.join(timeout=10.0) == [] and threads.running() == 0

@@ -1,8 +1,7 @@
 """The replies of the operator's unary methods: the controller's Status, Measure, Retire and
 AttachAddress, a worker's Stats and Timeline, and the IFRT front end's admission check. Each
-is a typed message, checked on the way
-in like every control message, or ``Failed`` (an error and its kind, which the caller
-raises as the matching ``pw.*Error``).
+is a typed message, checked on the way in like every control message, or ``Failed`` (an
+error and its kind, which the caller raises as the matching ``pw.*Error``).
 
 The cluster's status (``ClusterStatus``) is declared with the session stream's messages,
 which carry it too. ``as_dict`` gives the maps users read (``pw.cluster.status``, JSON on
