@@ -286,13 +286,18 @@ class Listener:
                                 "so far)", MAX_UNGREETED, turned_away)
                 conn.close()
                 continue
+            with self._lock:
+                closing = self._closed
+                if not closing:
+                    self._connections.add(conn)  # before its thread: close() ends every one it may miss
+            if closing:  # accepted as close() began: nobody is left to serve it
+                conn.close()
+                if self._greets:
+                    self._greeted()
+                return
             try:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 keep_alive(conn, self._timeout)
-                with self._lock:
-                    if self._closed:
-                        raise OSError("the listener closed")
-                    self._connections.add(conn)
                 self._threads.start(self._serve, "pathways-data-in", conn)
             except (OSError, RuntimeError) as e:  # the peer left already; or no thread can start
                 log.error("dropped a data connection: %s: %s", type(e).__name__, e)
