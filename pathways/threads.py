@@ -34,16 +34,10 @@ class Threads:
         """Start ``target(*args)`` on a new daemon thread called ``name``; raises what
         Thread.start raises (RuntimeError when no thread can start)."""
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
-        with self._lock:
-            # forget those that ended; one another caller has yet to start (no ident) is kept
-            self._threads = [t for t in self._threads if t.ident is None or t.is_alive()]
+        thread.start()
+        with self._lock:  # kept once started: a thread not started yet would look ended
+            self._threads = [t for t in self._threads if t.is_alive()]
             self._threads.append(thread)
-        try:
-            thread.start()
-        except BaseException:
-            with self._lock:
-                self._threads = [t for t in self._threads if t is not thread]
-            raise
         return thread
 
     def running(self) -> int:
