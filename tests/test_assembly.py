@@ -16,13 +16,14 @@ import pytest
 import pathways as pw
 from pathways.cluster import status, stop_processes
 from pathways.controller.core import ControllerCore
-from pathways.controller.islands import Health, Islands, Recovery, Refused
+from pathways.controller.islands import Islands, Recovery, Refused
 from pathways.controller.membership import WorkerConn
 from pathways.defaults import ADDRESS_LINE
 from pathways.errors import PlacementError
 from pathways.ir import Layout
 from pathways.protocol import messages as m
 from pathways.protocol.handles import first_handle
+from pathways.protocol.messages import Health
 from pathways.wire import addresses
 from pathways.worker.island import worker_hosts
 from tests.conftest import child_of, read_line, tcp_sockets, wait_until

@@ -7,15 +7,13 @@ import argparse
 from typing import TYPE_CHECKING
 
 from pathways.defaults import DEFAULT_WINDOW
+from pathways.protocol.messages import POLICIES
 
 if TYPE_CHECKING:
     from pathways.cluster import Island
 
-POLICIES = ("fair", "fifo")
-
-
 def scheduling_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--policy", choices=POLICIES, default="fair",
+    parser.add_argument("--policy", choices=POLICIES, default=POLICIES[0],
                         help="order of runs between clients: fair (device time in proportion to each client's "
                              "weight) or fifo (in order of arrival); default fair")
     parser.add_argument("--window", type=int, default=DEFAULT_WINDOW, metavar="N",

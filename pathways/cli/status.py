@@ -7,6 +7,7 @@ import sys
 
 from pathways import config
 from pathways.errors import PathwaysError
+from pathways.protocol.messages import ACTIVE
 from pathways.wire import security as sec
 
 
@@ -76,12 +77,12 @@ def _print(address: str, st: dict) -> None:
                   f"slices per device {w['load']}{slow}")
     _print_links(st)
     for c in st["sessions"]:
-        state = c.get("state", "active")
+        state = c.get("state", ACTIVE)
         if state == "suspended":
             state = (f"SUSPENDED ({c.get('suspended_arrays', 0)} array(s), "
                      f"{c.get('suspended_bytes', 0) / 2**20:.1f} MiB off the devices; slices released), ")
         else:  # an active session says nothing; one suspending or resuming says which
-            state = "" if state == "active" else f"{state.upper()}, "
+            state = "" if state == ACTIVE else f"{state.upper()}, "
         print(f"  client session {c['session']}: {state}weight {c.get('weight', 1.0):g}, {c['slices']} slice(s), "
               f"{c['arrays']} array(s), {c.get('queued', 0)} run(s) queued, {c.get('inflight', 0)} in flight, "
               f"{c.get('completed', 0)} done, {c.get('device_seconds', 0.0):.3f} device-s")

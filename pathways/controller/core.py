@@ -33,7 +33,7 @@ from typing import Callable, Iterable, Union
 from pathways.controller.compiling import Compiling
 from pathways.controller.dispatch import Dispatch, Dispatcher, coalesce
 from pathways.controller.healing import Healing
-from pathways.controller.islands import Health, Islands, Recovery
+from pathways.controller.islands import Islands, Recovery
 from pathways.controller.membership import Membership, MessageSink, WorkerConn
 from pathways.controller.placement import ResourceManager
 from pathways.controller.programs import RunFailure
@@ -48,6 +48,7 @@ from pathways.protocol import messages as m
 from pathways.protocol.check import clip_text
 from pathways.protocol.errors import DENIED, LOST, SUSPENDED as SUSPENDED_KIND, kind_of
 from pathways.protocol.handles import first_handle, fits, session_of
+from pathways.protocol.messages import Health
 from pathways.timeline import RECORDER, now
 
 log = logging.getLogger("pathways.controller")

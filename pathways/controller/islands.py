@@ -44,7 +44,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Optional
 
-from pathways.protocol.messages import MAX_ISLAND
+from pathways.protocol.messages import MAX_ISLAND, Health
 
 
 class Refused(Exception):
@@ -57,13 +57,6 @@ class Recovery(enum.Enum):
     RESTART = "restart"  # the local cluster that started the controller restarts its workers
     ELSEWHERE = "elsewhere"  # hosts are started by hand or by a scheduler (Slurm, Kubernetes)
     NONE = "none"  # nothing: a local cluster told not to restart its workers
-
-
-class Health(enum.Enum):
-    ASSEMBLING = "assembling"  # its hosts have not all joined yet, for the first time
-    HEALTHY = "healthy"  # all its hosts joined: it runs and takes slices
-    LOST = "lost"  # a host was lost: the others were told to restart, none has joined again yet
-    HEALING = "healing"  # its hosts are joining again after a loss; healthy once the core says healed
 
 
 @dataclass

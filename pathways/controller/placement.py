@@ -25,7 +25,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from pathways.controller.islands import Health, Islands
+from pathways.controller.islands import Islands
+from pathways.protocol.messages import Health
 from pathways.errors import PlacementError
 
 SPEED_TOLERANCE = 1.25  # per-device FLOP/s within this factor of a faster host's count as equal

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Iterable
 
-from pathways.controller.islands import Health
+from pathways.protocol.messages import Health
 from pathways.controller.membership import MAX_WORKERS
 from pathways.controller.state import Retirement
 from pathways.errors import PathwaysError

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Iterator
 
 from pathways.defaults import DEFAULT_WINDOW
+from pathways.protocol.messages import POLICIES
 
-POLICIES = ("fifo", "fair")
 SOLO_FACTOR = 4  # how many windows a session alone on an island may have in flight
 DEFAULT_COST = 1e-3  # seconds charged for a program that never finished before
 

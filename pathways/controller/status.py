@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pathways.controller.islands import Health
-from pathways.protocol.messages import ClusterStatus, IslandStatus, LinkStatus, SessionStatus, WorkerStatus
+from pathways.protocol.messages import (ACTIVE, ClusterStatus, Health, IslandStatus, LinkStatus, SessionStatus,
+                                        WorkerStatus)
 
 
 def status(core: Any) -> ClusterStatus:
@@ -33,7 +33,7 @@ def status(core: Any) -> ClusterStatus:
 
 def _suspension(sus: Any) -> dict[str, Any]:
     if sus is None:
-        return {"state": "active"}
+        return {"state": ACTIVE}
     return {"state": sus.state, "suspended_arrays": sus.arrays, "suspended_bytes": sus.nbytes,
             "suspended_to": sus.path or "host memory"}
 

@@ -22,9 +22,8 @@ from typing import Mapping, Optional
 from pathways.controller.lowering import FnLayouts
 from pathways.controller.placement import SlicePlacement
 from pathways.ir import Layout
-from pathways.protocol.messages import Compile, device_pairs, flat_devices
-
-DRAINING, OFFLOADING, SUSPENDED, RESUMING = "draining", "offloading", "suspended", "resuming"
+from pathways.protocol.messages import (DRAINING, OFFLOADING, RESUMING, SUSPENDED, Compile, device_pairs,
+                                        flat_devices)
 
 
 @dataclass

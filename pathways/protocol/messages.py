@@ -13,6 +13,7 @@ unaffected. Nothing here does I/O.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import hmac
 import math
@@ -479,9 +480,21 @@ class SliceMoved(Message):
 
 # ---- the cluster's status (controller/status.py): a session's ClusterReply, the Status method ----
 
-HEALTH_STATES = frozenset({"assembling", "healthy", "lost", "healing"})
-SESSION_STATES = frozenset({"active", "draining", "offloading", "suspended", "resuming"})
-POLICIES = frozenset({"fifo", "fair"})  # the scheduler's (controller/scheduler.py)
+
+class Health(enum.Enum):
+    """An island's health, as the controller judges it (controller/islands.py)."""
+
+    ASSEMBLING = "assembling"  # its hosts have not all joined yet, for the first time
+    HEALTHY = "healthy"  # all its hosts joined: it runs and takes slices
+    LOST = "lost"  # a host was lost: the others were told to restart, none has joined again yet
+    HEALING = "healing"  # its hosts are joining again after a loss; healthy once the core says healed
+
+
+HEALTH_STATES = frozenset(h.value for h in Health)
+# A session's state: active, or where its suspend or resume stands (controller/suspension.py).
+ACTIVE, DRAINING, OFFLOADING, SUSPENDED, RESUMING = "active", "draining", "offloading", "suspended", "resuming"
+SESSION_STATES = frozenset({ACTIVE, DRAINING, OFFLOADING, SUSPENDED, RESUMING})
+POLICIES = ("fair", "fifo")  # the scheduler's (controller/scheduler.py); the first is the default
 COUNT = Int(0, 1 << 62)
 SECONDS = Float(0.0, 1e12)
 RATE = Float(0.0, 1e30)  # FLOP/s, bytes/s
@@ -575,7 +588,7 @@ class SessionStatus(Record):
 class ClusterStatus(Message):
     """The cluster as the controller sees it (controller/status.py)."""
 
-    policy: str = wire(Str(8, POLICIES))
+    policy: str = wire(Str(8, frozenset(POLICIES)))
     window: int = wire(Int(1, MAX_ITEMS))
     islands: tuple[IslandStatus, ...] = wire(Seq(Nested(IslandStatus)))
     workers: tuple[WorkerStatus, ...] = wire(Seq(Nested(WorkerStatus)))
