@@ -29,15 +29,21 @@ INTERNAL = "internal"
 class Variable(Generic[T]):
     """One environment variable. ``parse`` turns its text (stripped; unset or blank counts
     as unset) into a value, raising ValueError with what it expects; ``default`` stands
-    for it unset. ``kind`` and ``default_text`` are how the table shows them."""
+    for it unset. ``audience`` is USER or INTERNAL; ``help`` says what it means, as a
+    paragraph whose line breaks and indentation fold into single spaces. ``kind`` and
+    ``default_text`` (where the default's value alone would not say it) are how the table
+    shows them."""
 
     name: str
     kind: str
     parse: Callable[[str], T]
     default: Optional[T]
+    audience: str
     help: str
-    audience: str = USER
     default_text: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "help", " ".join(self.help.split()))  # frozen: set once, here
 
     def text(self, environ: Mapping[str, str] = os.environ) -> Optional[str]:
         """The variable's text, stripped, or None where it is unset or blank."""
@@ -74,7 +80,8 @@ def _whole(value: str) -> int:
         raise ValueError("expected a whole number") from None
 
 
-def _positive_whole(value: str) -> int:
+def _seconds(value: str) -> int:
+    """A positive whole number of seconds."""
     if not value.isdigit() or int(value) < 1:
         raise ValueError("give a positive whole number of seconds, e.g. 30, or unset it")
     return int(value)
@@ -96,75 +103,76 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 # ---- set by users ---------------------------------------------------------------------------
 
-ADDRESS = Variable(
-    "PATHWAYS_ADDRESS", "grpc://HOST:PORT", _text, None,
-    "The cluster's controller: `pw.connect()` without an address, and the `--address` of "
-    "`status`, `retire` and `demo`, connect to it.", default_text="none (`pw.connect()` starts an embedded cluster)")
-TOKEN = Variable(
-    "PATHWAYS_TOKEN", "text", _text, None,
-    "The cluster's shared token, which clients present and servers require (`--token-file` "
-    "overrides it); required beyond loopback.")
-WORKER_TOKEN = Variable(
-    "PATHWAYS_WORKER_TOKEN", "text", _text, None,
-    "The token workers attach to the controller with (`--worker-token-file` overrides it); "
-    "it must differ from the clients' token.")
-TLS_CA = Variable(
-    "PATHWAYS_TLS_CA", "path", _text, None,
-    "PEM CA certificate that servers' certificates are verified with (`--tls-ca` overrides it).")
-LOG_LEVEL = Variable(
-    "PATHWAYS_LOG_LEVEL", "level", _level, "warning",
-    "How much the command line and the processes it starts log on stderr: "
-    f"{', '.join(LOG_LEVELS)} (`--log-level` overrides it, and sets it for its children).")
-TRACE = Variable(
-    "PATHWAYS_TRACE", "path", _text, None,
-    "Record a timeline of every session of the process into this file (as `pw.trace` does), "
-    "written as each session closes; `pathways trace FILE` summarizes it.")
-COMPILE_CACHE = Variable(
-    "PATHWAYS_COMPILE_CACHE", "path", _text, None,
-    "The directory a worker keeps compiled executables in (`pathways worker --compile-cache` "
-    "overrides it).", default_text="JAX's own cache directory, where it has one")
-PLAN_LOG = Variable(
-    "PATHWAYS_PLAN_LOG", "flag", _flag, False,
-    "Print the CP-SAT solver's search log while the planner and the conductor search.")
-SLICE = Variable(
-    "PATHWAYS_SLICE", "KIND:COUNT[@ISLAND]", _text, None,
-    "Under the IFRT proxy (`JAX_PLATFORMS=proxy`): the session's devices are one slice of "
-    "this many devices of this kind (on this island), e.g. `cpu:2`.",
-    default_text="every device of the cluster")
-WEIGHT = Variable(
-    "PATHWAYS_WEIGHT", "number", _number, None,
-    "Under the IFRT proxy: the session's fair-share weight, in (0, 1e6].", default_text="1")
-PROXY_CONNECTION_TIMEOUT = Variable(
-    "PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS", "whole seconds", _positive_whole, None,
-    "Under the IFRT proxy: how long the client waits for the server to answer.",
-    default_text="the proxy client's own")
+ADDRESS = Variable("PATHWAYS_ADDRESS", "grpc://HOST:PORT", _text, None, USER, """
+    The cluster's controller: `pw.connect()` without an address, and the `--address` of `status`,
+    `retire` and `demo`, connect to it.
+    """, default_text="none (`pw.connect()` starts an embedded cluster)")
+TOKEN = Variable("PATHWAYS_TOKEN", "text", _text, None, USER, """
+    The cluster's shared token, which clients present and servers require (`--token-file` overrides
+    it); required beyond loopback.
+    """)
+WORKER_TOKEN = Variable("PATHWAYS_WORKER_TOKEN", "text", _text, None, USER, """
+    The token workers attach to the controller with (`--worker-token-file` overrides it); it must
+    differ from the clients' token.
+    """)
+TLS_CA = Variable("PATHWAYS_TLS_CA", "path", _text, None, USER, """
+    PEM CA certificate that servers' certificates are verified with (`--tls-ca` overrides it).
+    """)
+LOG_LEVEL = Variable("PATHWAYS_LOG_LEVEL", "level", _level, "warning", USER, f"""
+    How much the command line and the processes it starts log on stderr: {', '.join(LOG_LEVELS)}
+    (`--log-level` overrides it, and sets it for its children).
+    """)
+TRACE = Variable("PATHWAYS_TRACE", "path", _text, None, USER, """
+    Record a timeline of every session of the process into this file (as `pw.trace` does), written
+    as each session closes; `pathways trace FILE` summarizes it.
+    """)
+COMPILE_CACHE = Variable("PATHWAYS_COMPILE_CACHE", "path", _text, None, USER, """
+    The directory a worker keeps compiled executables in (`pathways worker --compile-cache`
+    overrides it).
+    """, default_text="JAX's own cache directory, where it has one")
+PLAN_LOG = Variable("PATHWAYS_PLAN_LOG", "flag", _flag, False, USER, """
+    Print the CP-SAT solver's search log while the planner and the conductor search.
+    """)
+SLICE = Variable("PATHWAYS_SLICE", "KIND:COUNT[@ISLAND]", _text, None, USER, """
+    Under the IFRT proxy (`JAX_PLATFORMS=proxy`): the session's devices are one slice of this many
+    devices of this kind (on this island), e.g. `cpu:2`.
+    """, default_text="every device of the cluster")
+WEIGHT = Variable("PATHWAYS_WEIGHT", "number", _number, None, USER, """
+    Under the IFRT proxy: the session's fair-share weight, in (0, 1e6].
+    """, default_text="1")
+PROXY_CONNECTION_TIMEOUT = Variable("PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS", "whole seconds", _seconds, None, USER, """
+    Under the IFRT proxy: how long the client waits for the server to answer.
+    """, default_text="the proxy client's own")
 
 # ---- set by pathways for the processes it starts ---------------------------------------
 
-PARENT_PID = Variable(
-    "PATHWAYS_PARENT_PID", "pid", _whole, None,
-    "The process that started this one: it exits once that process is gone.", INTERNAL)
-WORKER_KEPT = Variable(
-    "PATHWAYS_WORKER_KEPT", "flag", _flag, False,
-    "The worker runs under its keeper, which starts it again when it asks to be.", INTERNAL)
-RECONNECT_UNTIL = Variable(
-    "PATHWAYS_RECONNECT_UNTIL", "seconds since the epoch", _number, None,
-    "Until when a restarted worker waits for its controller.", INTERNAL)
-SPMD_PROCESSES = Variable(
-    "PATHWAYS_SPMD_PROCESSES", "count", _whole, None, "An SPMD pool's number of processes.", INTERNAL)
-SPMD_RANK = Variable(
-    "PATHWAYS_SPMD_RANK", "count", _whole, None, "This SPMD process's rank in its pool.", INTERNAL)
-SPMD_DEVICES = Variable(
-    "PATHWAYS_SPMD_DEVICES", "count", _whole, None, "CPU devices of each SPMD process.", INTERNAL)
-SPMD_COORDINATOR = Variable(
-    "PATHWAYS_SPMD_COORDINATOR", "HOST:PORT", _text, None, "The SPMD pool's jax.distributed coordinator.",
-    INTERNAL)
-SPMD_INIT_TIMEOUT = Variable(
-    "PATHWAYS_SPMD_INIT_TIMEOUT", "seconds", _number, 120.0,
-    "How long an SPMD process waits for its pool's jax.distributed group.", INTERNAL)
-SPMD_FD = Variable(
-    "PATHWAYS_SPMD_FD", "file descriptor", _whole, None, "The pipe an SPMD process takes its pool's requests on.",
-    INTERNAL)
+PARENT_PID = Variable("PATHWAYS_PARENT_PID", "pid", _whole, None, INTERNAL, """
+    The process that started this one: it exits once that process is gone.
+    """)
+WORKER_KEPT = Variable("PATHWAYS_WORKER_KEPT", "flag", _flag, False, INTERNAL, """
+    The worker runs under its keeper, which starts it again when it asks to be.
+    """)
+RECONNECT_UNTIL = Variable("PATHWAYS_RECONNECT_UNTIL", "seconds since the epoch", _number, None, INTERNAL, """
+    Until when a restarted worker waits for its controller.
+    """)
+SPMD_PROCESSES = Variable("PATHWAYS_SPMD_PROCESSES", "count", _whole, None, INTERNAL, """
+    An SPMD pool's number of processes.
+    """)
+SPMD_RANK = Variable("PATHWAYS_SPMD_RANK", "count", _whole, None, INTERNAL, """
+    This SPMD process's rank in its pool.
+    """)
+SPMD_DEVICES = Variable("PATHWAYS_SPMD_DEVICES", "count", _whole, None, INTERNAL, """
+    CPU devices of each SPMD process.
+    """)
+SPMD_COORDINATOR = Variable("PATHWAYS_SPMD_COORDINATOR", "HOST:PORT", _text, None, INTERNAL, """
+    The SPMD pool's jax.distributed coordinator.
+    """)
+SPMD_INIT_TIMEOUT = Variable("PATHWAYS_SPMD_INIT_TIMEOUT", "seconds", _number, 120.0, INTERNAL, """
+    How long an SPMD process waits for its pool's jax.distributed group.
+    """)
+SPMD_FD = Variable("PATHWAYS_SPMD_FD", "file descriptor", _whole, None, INTERNAL, """
+    The pipe an SPMD process takes its pool's requests on.
+    """)
 
 VARIABLES: tuple[Variable, ...] = tuple(v for v in globals().values() if isinstance(v, Variable))
 

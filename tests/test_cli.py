@@ -2,6 +2,7 @@
 Figure 2 demo on an embedded one and against a cluster that refuses it."""
 
 import argparse
+import importlib
 import os
 import re
 import subprocess
@@ -122,6 +123,15 @@ def test_every_command_describes_itself_and_every_option_with_a_default_names_it
                 silent.append(f"pathways {name} {a.option_strings[0]}")
     assert not undescribed, f"commands whose --help does not say what they do: {undescribed}"
     assert not silent, f"options whose help does not give their default: {silent}"
+
+
+def test_pathways_help_lists_each_command_with_the_first_line_of_its_modules_docstring():
+    listed = {a.dest: a.help for a in next(a for a in parser()._actions
+                                           if isinstance(a, argparse._SubParsersAction))._choices_actions}
+    for name in COMMANDS:
+        doc = importlib.import_module(f"pathways.cli.{name}").__doc__
+        assert doc.startswith(f"``pathways {name}``: "), f"pathways/cli/{name}.py's docstring names its command first"
+        assert listed[name] and "``" not in listed[name] and listed[name] in " ".join(doc.split()), name
 
 
 def test_usage_names_the_pathways_command(capsys):

@@ -3,8 +3,11 @@ of this package per command.
 
 A command's module has
 
-- ``add_parser(commands) -> argparse.ArgumentParser``: adds its parser to ``commands`` (the
-  top-level parser's subparsers), with its help and flags, and returns it;
+- a docstring that is the command's help: its first paragraph, "``pathways NAME``: what it
+  does.", gives the line ``pathways --help`` lists it with, and the paragraphs after it are
+  what ``pathways NAME --help`` says of it (prose, refilled to the terminal's width; an
+  indented paragraph, an example, as written);
+- ``add_arguments(parser)``: adds its arguments and flags to its parser;
 - ``run(parser, args) -> int``: does the command with the parsed ``args`` and returns the
   exit status; ``parser`` is its own parser, for ``parser.error``.
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import logging
 import os
 import signal
@@ -39,9 +43,23 @@ def parser() -> argparse.ArgumentParser:
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         module = importlib.import_module(f"{__name__}.{name}")
-        command = module.add_parser(commands)
+        doc = module.__doc__ or ""  # python -OO strips docstrings: the commands without their help then
+        summary, _, description = inspect.cleandoc(doc).partition("\n\n")
+        one_line = " ".join(summary.partition("``: ")[2].split()).removesuffix(".")
+        command = commands.add_parser(name, help=one_line, description=description, formatter_class=_Paragraphs)
+        module.add_arguments(command)
         command.set_defaults(run=module.run, parser=command)
     return top
+
+
+class _Paragraphs(argparse.HelpFormatter):
+    """Fills each paragraph of a description to the terminal's width, as argparse fills a
+    description that is one paragraph, and shows an indented paragraph as it is written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        fill = super()._fill_text
+        return "\n\n".join(paragraph if paragraph.startswith(" ") else fill(paragraph, width, indent)
+                           for paragraph in text.split("\n\n"))
 
 
 def main(argv: list[str] | None = None) -> int:

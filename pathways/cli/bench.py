@@ -1,4 +1,11 @@
-"""``pathways bench``: run a benchmark of :mod:`pathways_bench`, or all of them."""
+"""``pathways bench``: run a benchmark, or all of them (regenerates BENCHMARKS.md).
+
+Run one benchmark, or all of them. Each runs pathways and its baseline alternately, round after
+round, on clusters of its own, and prints medians with the spread of the rounds and whether
+each target is met; --tiny runs each at its smallest size, to check that it runs. The
+benchmarks need the bench extra: pip install ".[bench]" (the solver, plots, TLS certificates,
+optax).
+"""
 
 from __future__ import annotations
 
@@ -8,14 +15,7 @@ import json
 from pathways_bench.suite import EXPERIMENTS
 
 
-def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = commands.add_parser("bench", help="run a benchmark, or all of them (regenerates BENCHMARKS.md)",
-                                 description="Run one benchmark, or all of them. Each runs pathways and its "
-                                             "baseline alternately, round after round, on clusters of its own, "
-                                             "and prints medians with the spread of the rounds and whether each "
-                                             "target is met; --tiny runs each at its smallest size, to check "
-                                             "that it runs. The benchmarks need the bench extra: pip install "
-                                             "\".[bench]\" (the solver, plots, TLS certificates, optax).")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", metavar="NAME", choices=[*EXPERIMENTS, "all"],
                         help=f"the benchmark to run: one of {', '.join(EXPERIMENTS)}; or all, to run every one "
                              "and write --out")
@@ -28,7 +28,6 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--plots", default="docs/bench", help="all: the folder for the plots")
     parser.add_argument("--from-json", metavar="PATH",
                         help="all: rewrite the markdown and plots from the JSON of an earlier `bench all --json`")
-    return parser
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

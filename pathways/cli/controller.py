@@ -1,4 +1,8 @@
-"""``pathways controller``: run a controller."""
+"""``pathways controller``: run a controller; prints its address on stdout.
+
+Run a controller. Once serving, it prints `PATHWAYS_CONTROLLER_ADDRESS grpc://HOST:PORT` on
+stdout: the address clients and workers use.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +14,7 @@ from pathways.defaults import HEARTBEAT_TIMEOUT
 from pathways.wire import security
 
 
-def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = commands.add_parser("controller", help="run a controller; prints its address on stdout",
-                                 description="Run a controller. Once serving, it prints `PATHWAYS_CONTROLLER_"
-                                             "ADDRESS grpc://HOST:PORT` on stdout: the address clients and "
-                                             "workers use.")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bind", default="127.0.0.1:0", metavar="HOST:PORT",
                         help="where clients and workers reach it (default 127.0.0.1:0: this machine only, "
                              "any free port). Its gRPC server takes PORT; workers' streams take another "
@@ -39,7 +39,6 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help="who brings a lost host back, as errors and `pathways status` say it: hosts started "
                              "elsewhere, by hand or a scheduler (elsewhere, the default); the local cluster that "
                              "started this controller, which restarts its workers (restart); nothing (none)")
-    return parser
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

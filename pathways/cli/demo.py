@@ -1,4 +1,8 @@
-"""``pathways demo``: run the paper's Figure 2 program (:mod:`pathways.demo`)."""
+"""``pathways demo``: run the paper's Figure 2 program.
+
+Run the paper's Figure 2 program (three slices, one @pw.program) on the cluster at --address
+or $PATHWAYS_ADDRESS, else on an embedded local cluster.
+"""
 
 from __future__ import annotations
 
@@ -9,16 +13,11 @@ from pathways.errors import PathwaysError
 from pathways.wire import security
 
 
-def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = commands.add_parser("demo", help="run the paper's Figure 2 program",
-                                 description="Run the paper's Figure 2 program (three slices, one @pw.program) on"
-                                             " the cluster at --address or $PATHWAYS_ADDRESS, else on an embedded"
-                                             " local cluster.")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=None, metavar="grpc://HOST:PORT",
                         help="a running cluster's controller (default: $PATHWAYS_ADDRESS, else an embedded "
                              "local cluster, started and stopped by the demo)")
     security.add_flags(parser, server=False)
-    return parser
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

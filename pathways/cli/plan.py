@@ -1,25 +1,30 @@
-"""``pathways plan pipeline|dag FILE.json``: plan from a JSON file, print the plan
-as a table and write its Gantt chart.
+"""``pathways plan``: plan a pipeline partition or a DAG schedule from a JSON file.
 
-Both kinds of file hold a topology in ``Topology.to_dict`` form::
+Plan a pipeline (`plan pipeline FILE.json`) or a task graph (`plan dag FILE.json`) from a JSON
+file: print the plan as a table and draw its Gantt chart.
+
+Both kinds of file hold a topology (the form of Topology.to_dict):
 
     "devices": [{"id": "0", "memory_bytes": 17179869184, "flops": 1e14, "kind": "gpu"}, ...],
     "links": [{"src": "0", "dst": "1", "latency": 5e-06, "bandwidth": 2.5e10}, ...],
     "default_link": {"latency": 5e-05, "bandwidth": 1.25e9}        (optional)
 
-(a link given once serves both directions; ``default_link`` serves unlisted pairs), an
-optional ``"about"`` string that is ignored, and then
+(a link given once serves both directions; "default_link" serves unlisted pairs), an optional
+"about" string that is ignored, and then, for a pipeline, its layers:
 
-- for ``pipeline``: ``"layers": [{"flops": F, "param_bytes": P, "activation_bytes": A,
-  "repeat": R}, ...]``, where ``activation_bytes`` is the size of the layer's output and the
-  optional ``repeat`` (default 1) stands for that many identical layers in a row;
-- for ``dag``: ``"tasks": [{"id": "a", "durations": {"0": 0.5, ...} or "flops": F,
-  "memory_bytes": M, "eligible": ["0", ...], "deps": {"b": nbytes, ...}}, ...]``, where
-  ``durations`` (seconds per device) or ``flops`` is required and the rest is optional;
-  ``deps`` maps a predecessor's id to the bytes it sends to this task.
+    "layers": [{"flops": F, "param_bytes": P, "activation_bytes": A, "repeat": R}, ...]
 
-See ``examples/plans/pipeline.json`` and ``examples/plans/dag.json``. A file that does not
-follow this format gets a one-line error on stderr and exit status 2.
+where "activation_bytes" is the size of the layer's output and the optional "repeat" (default
+1) stands for that many identical layers in a row; for a task graph, its tasks:
+
+    "tasks": [{"id": "a", "durations": {"0": 0.5, ...} or "flops": F, "memory_bytes": M,
+               "eligible": ["0", ...], "deps": {"b": nbytes, ...}}, ...]
+
+where "durations" (seconds per device) or "flops" is required and the rest is optional;
+"deps" maps a predecessor's id to the bytes it sends to this task.
+
+See examples/plans/pipeline.json and examples/plans/dag.json. A file that does not follow this
+format gets a one-line error on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -36,9 +41,7 @@ from pathways.planner.topology import PlanError, Topology, _field, _objects
 from pathways.table import Table
 
 
-def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = commands.add_parser("plan", help="plan a pipeline partition or a DAG schedule from a JSON file",
-                                 description="Plan a pipeline or a task graph from a JSON file.")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="kind", required=True, metavar="pipeline|dag")
     pipe = sub.add_parser("pipeline", help="split a model's layers over the devices as a ring pipeline",
                           description="Split a model's layers over the devices of a topology as a ring "
@@ -62,7 +65,6 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                                      "current directory)")
         p.add_argument("--time-limit", type=float, default=10.0,
                        help="seconds the optimal solver may take (default 10)")
-    return parser
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

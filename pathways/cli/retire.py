@@ -1,8 +1,13 @@
-"""``pathways retire``: take an island, or one host, out of a running cluster for good.
+"""``pathways retire``: retire an island (or one host) for good: drain it, shut its hosts
+down, forget it.
 
-The controller drains it first (no new slices; the runs queued and in flight there may
-finish, for at most ``--timeout`` seconds), then shuts its hosts down and forgets it
-(cluster.retire says exactly what happens).
+Retire an island by its name as `pathways status` shows it, or one host with --worker. It takes
+no new slices at once; the runs queued and in flight there may finish (for at most --timeout
+seconds); then its hosts are told to exit (their keepers do not start them again), whatever
+still involves them fails with WorkerLostError saying the operator retired them, its slices
+are released, and the island is forgotten: status no longer lists it, and new workers may take
+its name. A lost (UNHEALTHY) island is simply forgotten. One host of a larger island is lost on
+purpose instead: the island heals once a worker started with its --island replaces the host.
 """
 
 from __future__ import annotations
@@ -17,17 +22,7 @@ from pathways.wire import security as sec
 DEFAULT_TIMEOUT = 60.0  # seconds the runs of a retired island may take to finish
 
 
-def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = commands.add_parser(
-        "retire", help="retire an island (or one host) for good: drain it, shut its hosts down, forget it",
-        description="Retire an island by its name as `pathways status` shows it, or one host with --worker. "
-                    "It takes no new slices at once; the runs queued and in flight there may finish (for at "
-                    "most --timeout seconds); then its hosts are told to exit (their keepers do not start them "
-                    "again), whatever still involves them fails with WorkerLostError saying the operator retired "
-                    "them, its slices are released, and the island is forgotten: status no longer lists it, "
-                    "and new workers may take its name. A lost (UNHEALTHY) island is simply forgotten. One "
-                    "host of a larger island is lost on purpose instead: the island heals once a worker started "
-                    "with its --island replaces the host.")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("island", nargs="?", default=None, help="the island's name (or its id)")
     parser.add_argument("--worker", type=int, default=None, metavar="ID",
                         help="retire this one host (its worker id in `pathways status`) instead of an island")
@@ -40,7 +35,6 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help=f"seconds to wait for the runs there to finish before retiring it anyway (default "
                              f"{DEFAULT_TIMEOUT:g}; 0: at once, failing them)")
     sec.add_flags(parser, server=False)
-    return parser
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -58,6 +52,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     security = sec.from_args(args)
     try:
         worker = args.worker if args.host is None else _worker_at(args.address, args.host, security)
+        # cluster.retire says exactly what retiring does
         report = cluster.retire(args.address, args.island or "", worker, args.timeout, security)
     except PathwaysError as e:
         print(f"error: {e}", file=sys.stderr)

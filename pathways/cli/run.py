@@ -1,4 +1,9 @@
-"""``pathways run``: run an unmodified JAX script on an embedded local cluster (IFRT proxy)."""
+"""``pathways run``: run an unmodified JAX script on an embedded local cluster (IFRT proxy).
+
+Start a local cluster whose controller serves the IFRT proxy protocol, run the script with
+JAX_PLATFORMS=proxy and JAX_BACKEND_TARGET set (no pathways import needed in it), stop the
+cluster, and exit with the script's code.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +13,7 @@ from pathways.cli.common import island_flags, islands, session_memory_flag
 from pathways.wire import security
 
 
-def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = commands.add_parser("run", help="run an unmodified JAX script on an embedded local cluster (IFRT proxy)",
-                                 description="Start a local cluster whose controller serves the IFRT proxy protocol, "
-                                             "run the script with JAX_PLATFORMS=proxy and JAX_BACKEND_TARGET set (no "
-                                             "pathways import needed in it), stop the cluster, and exit with the "
-                                             "script's code.")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     island_flags(parser)
     parser.add_argument("--timeout", type=float, default=None, metavar="S",
                         help="seconds before the script is stopped (exit code 124; default: no limit)")
@@ -25,7 +25,6 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     session_memory_flag(parser)
     parser.add_argument("script", help="the Python script, run as `python SCRIPT ARGS...`")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
-    return parser
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -1,4 +1,9 @@
-"""``pathways spmd``: run a script multi-controller, N processes under jax.distributed."""
+"""``pathways spmd``: run a script multi-controller: N processes under jax.distributed.
+
+Run SCRIPT in N processes of one jax.distributed group (CPU devices, collectives over gloo), as
+classic multi-controller JAX does; each output line is prefixed with its process's rank. Exits
+with 0 when every process does, else with the first failing code.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +11,7 @@ import argparse
 import sys
 
 
-def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = commands.add_parser("spmd", help="run a script multi-controller: N processes under jax.distributed",
-                                 description="Run SCRIPT in N processes of one jax.distributed group (CPU "
-                                             "devices, collectives over gloo), as classic multi-controller JAX "
-                                             "does; each output line is prefixed with its process's rank. Exits "
-                                             "with 0 when every process does, else with the first failing code.")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("processes", type=int, help="number of processes")
     parser.add_argument("script", help="the Python script every process runs as __main__")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
@@ -19,7 +19,6 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help="CPU devices of each process (default 1)")
     parser.add_argument("--timeout", type=float, default=3600.0,
                         help="seconds before the processes are stopped (default 3600)")
-    return parser
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -1,4 +1,9 @@
-"""``pathways status``: show a running cluster's islands, workers, links, clients and queues."""
+"""``pathways status``: show islands, workers (speed, memory), links, slices, clients, queues.
+
+Show the cluster as its controller sees it: each island's health and hosts, each worker's
+devices, measured speed, memory and load, the links between hosts, the slices placed, the
+clients and the runs queued per island.
+"""
 
 from __future__ import annotations
 
@@ -11,13 +16,7 @@ from pathways.protocol.messages import ACTIVE
 from pathways.wire import security as sec
 
 
-def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = commands.add_parser("status",
-                                 help="show islands, workers (speed, memory), links, slices, clients, queues",
-                                 description="Show the cluster as its controller sees it: each island's health and "
-                                             "hosts, each worker's devices, measured speed, memory and load, the "
-                                             "links between hosts, the slices placed, the clients and the runs "
-                                             "queued per island.")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=config.ADDRESS.get(), metavar="grpc://HOST:PORT",
                         help=f"the cluster's controller (default: ${config.ADDRESS.name})")
     parser.add_argument("--measure", action="store_true",
@@ -26,7 +25,6 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help="seconds to wait for the controller (default 10) or, with --measure, for the "
                              "measurements (default 60)")
     sec.add_flags(parser, server=False)
-    return parser
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -1,4 +1,8 @@
-"""``pathways trace``: summarize a timeline file, and draw it."""
+"""``pathways trace``: summarize a timeline file (pw.trace, PATHWAYS_TRACE); draw it with --png.
+
+Summarize a timeline that pw.trace or PATHWAYS_TRACE wrote: per step, its count, total and
+median; per function, its runs and compiles. With --png, draw it as a Gantt chart.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +11,9 @@ import os
 import sys
 
 
-def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = commands.add_parser("trace", help="summarize a timeline file (pw.trace, PATHWAYS_TRACE); draw it "
-                                               "with --png",
-                                 description="Summarize a timeline that pw.trace or PATHWAYS_TRACE wrote: per step, "
-                                             "its count, total and median; per function, its runs and compiles. "
-                                             "With --png, draw it as a Gantt chart.")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", help="the timeline's Chrome trace-event JSON")
     parser.add_argument("--png", metavar="PATH", help="write a Gantt chart: a row per process and thread")
-    return parser
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

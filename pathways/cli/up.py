@@ -1,4 +1,11 @@
-"""``pathways up``: run a local cluster until Ctrl-C."""
+"""``pathways up``: run a local cluster until Ctrl-C; prints its address.
+
+Run a local cluster (a controller and worker processes on this machine, listening on loopback)
+until Ctrl-C. It prints the address to export as PATHWAYS_ADDRESS, with --ifrt-port the IFRT
+proxy address for unmodified JAX programs, and for each island the command that adds or
+replaces a host. A controller that dies is restarted on the same address, and so are workers
+unless --no-restart-workers.
+"""
 
 from __future__ import annotations
 
@@ -19,15 +26,7 @@ if TYPE_CHECKING:
     from pathways.cluster import LocalCluster
 
 
-def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = commands.add_parser("up", help="run a local cluster until Ctrl-C; prints its address",
-                                 description="Run a local cluster (a controller and worker processes on this "
-                                             "machine, listening on loopback) until Ctrl-C. It prints the address"
-                                             " to export as PATHWAYS_ADDRESS, with --ifrt-port the IFRT proxy "
-                                             "address for unmodified JAX programs, and for each island the "
-                                             "command that adds or replaces a host. A controller that dies is "
-                                             "restarted on the same address, and so are workers unless "
-                                             "--no-restart-workers.")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     island_flags(parser)
     scheduling_flags(parser)
     security.add_flags(parser, server=True)
@@ -45,7 +44,6 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--suspend-dir", metavar="DIR",
                         help="the directory under which suspended sessions' arrays may be written to files "
                              "(suspend's path must lie under it; default: none, arrays stay in host memory)")
-    return parser
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -1,4 +1,10 @@
-"""``pathways worker``: run a worker host attached to a controller."""
+"""``pathways worker``: run a worker host attached to a controller.
+
+Run a worker host: it attaches to the controller, joins its island (one jax.distributed group
+per island of several hosts), serves the devices JAX finds (or --devices virtual CPU devices)
+and runs what the controller sends, until the controller stops it. It runs under a keeper
+process that restarts it when its island lost a host or the controller went away.
+"""
 
 from __future__ import annotations
 
@@ -17,14 +23,7 @@ from pathways.worker import compile_cache
 from pathways.worker.launchers import LAUNCHERS
 
 
-def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = commands.add_parser("worker", help="run a worker host attached to a controller",
-                                 description="Run a worker host: it attaches to the controller, joins its island "
-                                             "(one jax.distributed group per island of several hosts), serves the"
-                                             " devices JAX finds (or --devices virtual CPU devices) and runs what"
-                                             " the controller sends, until the controller stops it. It runs under"
-                                             " a keeper process that restarts it when its island lost a host or "
-                                             "the controller went away.")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--controller", required=True, help="grpc://HOST:PORT of the controller")
     parser.add_argument("--bind", metavar="HOST",
                         help="the address its servers (gRPC, data plane, and on an island's rank 0 the "
@@ -79,7 +78,6 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                              "DIR must be writable by the operator alone: loading an executable runs its code")
     session_memory_flag(parser, "on this worker")
     security.add_flags(parser, server=True)
-    return parser
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
