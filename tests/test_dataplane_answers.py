@@ -13,6 +13,7 @@ import pytest
 import pathways as pw
 from pathways.wire import codec, frames, tcp
 from pathways.wire import security as sec
+from pathways.wire.handshake import FrameAnswer
 from tests.conftest import wait_until
 
 FAST = 5.0
@@ -139,7 +140,7 @@ def test_an_idle_connection_its_listener_closed_is_not_used_again():
             conn, _ = server.accept()
             connections.append(conn)
             conn.settimeout(FAST)
-            for answer in (sec.answer(None), tcp._answer(None)):  # the hello, then the put
+            for answer in (sec.answer(None), FrameAnswer().frame()):  # the hello, then the put
                 (n,) = frames.LENGTH.unpack(conn.recv(4, socket.MSG_WAITALL))
                 head = codec.unpack(conn.recv(n, socket.MSG_WAITALL))
                 if head.get("t") == "put":

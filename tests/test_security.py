@@ -28,6 +28,7 @@ from pathways.protocol import messages as m
 from pathways.wire import codec, frames, rpc, tcp
 from pathways.wire import security as sec
 from pathways.wire.certs import make_certificates
+from pathways.wire.handshake import FrameAnswer
 from pathways.wire.security import Security, SecurityConfigError
 from pathways.worker.peers import PeerTickets
 from tests.conftest import pids_alive, wait_until
@@ -418,9 +419,9 @@ def test_a_listener_screens_each_frame_by_the_sender_its_hello_proved_and_reads_
             tcp.send_frame(sock, *put(13, big))
             tcp.send_frame(sock, *put(14, small))
             tcp.send_frame(sock, *put(13, big, answer=True))
-            assert tcp._read_answer(sock, time.monotonic() + FAST) == (refusal, False)
+            assert tcp._read_answer(sock, time.monotonic() + FAST) == FrameAnswer(refusal)
             tcp.send_frame(sock, *put(15, small, answer=True))
-            assert tcp._read_answer(sock, time.monotonic() + FAST) == (None, False)
+            assert tcp._read_answer(sock, time.monotonic() + FAST) == FrameAnswer()
         assert screened == [(0, 13), (0, 14), (0, 13), (0, 15)]
         assert [h for h, _ in received] == [14, 15]
         np.testing.assert_array_equal(received[0][1][0][1], small)

@@ -67,6 +67,7 @@ from pathways.wire import codec, frames, rpc, tcp
 from pathways.wire import security as sec
 from pathways.wire.addresses import family_of, join_host_port, reachable_host, split_host_port, strip_brackets
 from pathways.wire.codec import MAX_MESSAGE_BYTES
+from pathways.wire.handshake import Hello
 from pathways.wire.liveness import Heartbeats, TcpState, Verdict, check_timeout, judge
 from pathways.wire.security import Security
 
@@ -441,7 +442,7 @@ class _WorkerStream:
                 if payload is None or conn.worker >= 0:
                     return payload
                 header = _header(payload)
-                if self.greeted and not sec.is_hello(header):
+                if self.greeted and not Hello.is_one(header):
                     return payload  # no token required, and no hello: the stream's first batch
                 if not await self._greet(header):
                     return None

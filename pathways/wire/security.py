@@ -5,9 +5,10 @@ Every process of a cluster (controller, workers, clients) is given the same toke
 ``pw.connect(address, token=...)``); nobody hands it on. gRPC calls carry it as metadata
 (``pathways-token``), checked by a server interceptor (rpc.py). Framed TCP connections (a
 worker's stream to the controller, the data plane between workers) open with a hello frame
-carrying it, answered before any other frame is read (``greet``, ``refusal_of``). A missing
-and a wrong token get the same refusal, so that nothing is learned from it. A server asked
-to listen beyond loopback without a token refuses to start (``check_bind``).
+carrying it, answered before any other frame is read (``greet``, ``refusal_of``; the frames
+are handshake.py's records ``Hello`` and ``HelloAnswer``). A missing or wrong token and a
+malformed hello get the same refusal, so that nothing is learned from it. A server asked to
+listen beyond loopback without a token refuses to start (``check_bind``).
 
 Workers are admitted, not trusted for holding the clients' token: the controller and its
 workers also share a worker token (``--worker-token-file PATH`` or PATHWAYS_WORKER_TOKEN,
@@ -42,13 +43,10 @@ from pathways import config
 from pathways.errors import AuthenticationError, ConnectError, WireError
 from pathways.wire import codec
 from pathways.wire.addresses import strip_brackets
-from pathways.wire.frames import LENGTH, frame, recv_exactly
+from pathways.wire.frames import LENGTH, recv_exactly
+from pathways.wire.handshake import MAX_TOKEN_CHARS, Hello, HelloAnswer
 
 TOKEN_METADATA = "pathways-token"  # the gRPC metadata key that carries the token
-MAX_TOKEN_CHARS = 1024  # gRPC metadata must stay small; 32 random bytes need 43 characters
-# The most bytes a connection may send before it is greeted: a hello frame's header (the
-# token, and on the data plane a worker id and a 32-byte ticket).
-HELLO_BYTES = MAX_TOKEN_CHARS + 128
 _ANSWER_BYTES = 64 * 1024  # a greeting's answer: a short refusal at most
 # How long a connection to a server that requires a token may take to greet it, and how long
 # a greeting waits for its answer.
@@ -343,31 +341,37 @@ def wrap_client(sock: socket.socket, security: Security, host: str, address: str
 # ---- the greeting of framed TCP connections -------------------------------------------------
 
 def hello(security: Security, ticket: tuple[int, bytes] | None = None) -> bytes:
-    """The frame that opens a connection: its header carries the token ("" for none) and,
-    on the data plane, the sending worker's id and its ticket for the receiver (``from``,
-    ``ticket``: see messages.data_ticket)."""
-    header: dict = {"t": "hello", "token": security.token or ""}
-    if ticket is not None:
-        header["from"], header["ticket"] = ticket
-    return frame(codec.pack(header))
+    """The frame that opens a connection: a ``Hello`` with the token ("" for none) and, on
+    the data plane, ``ticket``: the sending worker's id and its ticket for the receiver
+    (see messages.data_ticket)."""
+    sender, shown = ticket if ticket is not None else (None, None)
+    return Hello(security.token or "", sender, shown).frame()
 
 
-def is_hello(header: object) -> bool:
-    return isinstance(header, dict) and header.get("t") == "hello"
+def admitted(security: Security, header: object) -> tuple[Optional[Hello], str]:
+    """``header`` (a connection's first frame, decoded) as the ``Hello`` that admits it,
+    or None and why not (for a log, never for the peer: every refusal reads the same)."""
+    try:
+        greeting = Hello.read(header)
+    except WireError as e:
+        return None, f"its first frame is not a hello ({e})"
+    if not security.allows(greeting.token):
+        return None, "it did not give the cluster's token"
+    return greeting, ""
 
 
 def refusal_of(security: Security, header: object, server: str, refused: str | None = None) -> str | None:
     """None if ``header`` (a connection's first frame, decoded) is a hello that admits it,
     else the refusal to send back (``refused``, by default ``refusal(server)``: the same
     whatever was wrong)."""
-    if is_hello(header) and security.allows(header.get("token")):
+    if admitted(security, header)[0] is not None:
         return None
     return refused or refusal(server)
 
 
 def answer(refused: str | None) -> bytes:
     """The frame answering a hello: admitted, or refused with ``refused``."""
-    return frame(codec.pack({"t": "hello"} if refused is None else {"t": "refused", "error": refused}))
+    return HelloAnswer(refused).frame()
 
 
 def greet(sock: socket.socket, security: Security, address: str, timeout: float,
@@ -377,6 +381,7 @@ def greet(sock: socket.socket, security: Security, address: str, timeout: float,
     ConnectError if the server closes the connection or answers something else."""
     deadline = time.monotonic() + timeout
     sock.settimeout(timeout)
+    other = ""  # what was wrong with an answer that is not a HelloAnswer
     try:
         sock.sendall(hello(security, ticket))
         head = bytearray(LENGTH.size)
@@ -385,14 +390,16 @@ def greet(sock: socket.socket, security: Security, address: str, timeout: float,
             body = bytearray(min(n, _ANSWER_BYTES))
             if n <= _ANSWER_BYTES and recv_exactly(sock, memoryview(body), deadline):
                 reply = codec.unpack(bytes(body))
-                if reply == {"t": "hello"}:
-                    return
-                if isinstance(reply, dict) and reply.get("t") == "refused":
-                    error = reply.get("error")
-                    raise AuthenticationError(f"{address} refused this process: "
-                                              f"{error[:2000] if isinstance(error, str) else codec.brief(error)}")
+                try:
+                    refused = HelloAnswer.read(reply).refused
+                except WireError as e:
+                    other = f" ({e})"
+                else:
+                    if refused is None:
+                        return
+                    raise AuthenticationError(f"{address} refused this process: {refused}")
     except (OSError, WireError) as e:
         raise ConnectError(f"{address} did not answer this process's greeting ({type(e).__name__}: {e}); "
                            f"{MISMATCH_ADVICE}") from None
-    raise ConnectError(f"{address} closed the connection or answered its greeting with something else: is it a "
-                       f"pathways server of this version? {MISMATCH_ADVICE}")
+    raise ConnectError(f"{address} closed the connection or answered its greeting with something else{other}: is "
+                       f"it a pathways server of this version? {MISMATCH_ADVICE}")

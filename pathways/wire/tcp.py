@@ -15,25 +15,26 @@ are fire and forget: a receiver that refuses one logs why. A malformed frame clo
 connection (the stream cannot be resynchronized); the sender reconnects for the next one.
 
 A put frame whose header has ``"answer": true`` is answered, once its receiver has taken
-it: a frame of header ``{"t": "answer", "error": e}`` (e None when the array was stored,
-else why not). A frame refused for want of memory is read past and answered, its
-connection kept; one whose bytes stop coming, or come slower than the minimum pace
-(pace.py), is answered with ``"closing": true`` before its connection closes. ``Pool``
+it: a frame whose header is a ``FrameAnswer`` (handshake.py: its error None when the array
+was stored, else why not). A frame refused for want of memory is read past and answered,
+its connection kept; one whose bytes stop coming, or come slower than the minimum pace
+(pace.py), is answered with ``closing`` set before its connection closes. ``Pool``
 sends such frames, from a source of chunks that may still be arriving, and waits for the
 answer: the controller's IFRT front end puts a client's array this way.
 
-A probe frame (header ``{"t": "probe", "bytes": n}`` followed by n bytes, n at most
-MAX_PROBE_BYTES) is answered too: the listener reads the bytes and
-replies on the same connection with a frame of header ``{"t": "probe", "bytes": n}`` and no
-payload. ``probe`` uses it to measure a link's latency and bandwidth on its own connection,
-so that it never shares a socket with array traffic.
+A probe frame (a ``Probe`` header, handshake.py, followed by its n bytes, n at most
+MAX_PROBE_BYTES) is answered too: the listener reads the bytes and replies on the same
+connection with the same header and no payload. ``probe`` uses it to measure a link's
+latency and bandwidth on its own connection, so that it never shares a socket with array
+traffic.
 
 A connection opened with a ``Security`` or a ticket (``connect``) first sends a hello frame
-carrying the cluster's token and the ticket, and waits for its answer (security.py); a
-listener that requires the token (or, a worker's, a ticket: only a worker the controller
-admitted has one for it, see messages.data_ticket) answers a connection's first frame with
-a refusal and closes it unless that frame is a hello that passes. With ``data_plane_tls``
-both ends speak TLS.
+(a ``Hello``, handshake.py) carrying the cluster's token and the ticket, and waits for its
+answer (a ``HelloAnswer``; security.py); a listener that requires the token (or, a
+worker's, a ticket: only a worker the controller admitted has one for it, see
+messages.data_ticket) answers a connection's first frame with a refusal and closes it
+unless that frame is a well-formed hello that passes. With ``data_plane_tls`` both ends
+speak TLS.
 
 Nothing waits on a dead or frozen peer for longer than the timeout each side is given (a
 worker gives its heartbeat timeout): connecting, each piece of a send (a frozen receiver's
@@ -66,6 +67,7 @@ from pathways.wire import codec
 from pathways.wire import security as sec
 from pathways.wire.addresses import family_of, join_host_port, split_host_port, strip_brackets
 from pathways.wire.frames import LENGTH, frame, recv_exactly
+from pathways.wire.handshake import HELLO_BYTES, MAX_PROBE_BYTES, FrameAnswer, Hello, Probe
 from pathways.wire.liveness import TcpState
 from pathways.wire.pace import Pace, TooSlow
 from pathways.wire.security import Security
@@ -83,14 +85,12 @@ _COALESCE_BYTES = 64 * 1024  # pieces up to this size are copied into the frame'
 # Each connection reads through a buffer this large: a small frame (its length, header and
 # coalesced pieces, sent in one write) then arrives in one recv.
 _READ_BUFFER = 128 * 1024
-MAX_PROBE_BYTES = 8 * 1024 * 1024
 _SCRATCH_BYTES = 1 << 20  # probe payloads and refused frames' bytes are read into a buffer this large, and dropped
 _SMALL_SCRATCH_BYTES = 64 * 1024  # ... or this large, uncharged, where the budget is spent
 # A send is written in pieces this large, each within the timeout (a socket's timeout bounds
 # a whole sendall): a large array on a slow link is progress, a stalled peer is not.
 _SEND_PIECE = 4 << 20
 _KEEPALIVE_PROBES = 5
-_ANSWER_CHARS = 4096  # of an answer's error message
 _ANSWER_GRACE_SECONDS = 0.5  # a sender whose frame was cut waits this long for the listener's reason
 _MAX_ANSWER_BYTES = 64 * 1024
 # Connections that have not greeted yet (each held by a thread for HELLO_SECONDS at most) a
@@ -104,9 +104,9 @@ _ACCEPT_RETRY = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.
 Receive = Callable[[dict, list], Optional[str]]
 # admit(hello) checks a connection's hello beyond the token (a worker's: its peer's ticket);
 # returns the refusal to answer, or None
-Admit = Callable[[dict], Optional[str]]
+Admit = Callable[[Hello], Optional[str]]
 # screen(sender, header) says, before a frame's bytes are read, whether to read the frame that
-# the sender ``admit`` let in (its hello's "from") sent: None to read it, else the refusal
+# the sender ``admit`` let in (its Hello's sender) sent: None to read it, else the refusal
 Screen = Callable[[int, Any], Optional[str]]
 # parties(sender, header) names whom a frame's bytes are charged to besides the listener's
 # budget (``Budget``): the sender its hello proved (None without ``admit``), a session, ...
@@ -368,7 +368,7 @@ class Listener:
         if length is None:
             return None
         (n,) = LENGTH.unpack(length)
-        if not greeted and n > sec.HELLO_BYTES:
+        if not greeted and n > HELLO_BYTES:
             raise _Refused(sec.refusal("worker"), f"its first frame ({n} bytes) is too long to be a hello")
         if n > _MAX_HEADER_BYTES:
             raise WireError(f"a data frame header of {n} bytes exceeds {_MAX_HEADER_BYTES}")
@@ -381,12 +381,12 @@ class Listener:
                 return None
             header = codec.unpack(raw)
             del raw
-            if sec.is_hello(header) or not greeted:
+            if Hello.is_one(header) or not greeted:
                 return self._hello(reader, header)
             if not isinstance(header, dict):
                 raise WireError("a data frame header must be a map")
-            if header.get("t") == "probe":
-                n = _probe_bytes(header)
+            if Probe.is_one(header):
+                n = Probe.read(header).nbytes
                 reader.pace.expect(n)
                 self._reserve(held, min(n, _SCRATCH_BYTES), (), "a probe")
                 return self._answer_probe(reader, n)
@@ -399,13 +399,13 @@ class Listener:
     def _hello(self, reader: "_Reader", header: Any) -> bool:
         """A connection's first frame: admitted (answered, True) with the cluster's token
         and, where the listener screens peers, as a peer it knows; else _Refused."""
-        refused = sec.refusal_of(self._security, header, "worker")
-        if refused is not None:
-            raise _Refused(refused, "it did not give the cluster's token")
-        refused = self._admit(header) if self._admit is not None else None
+        hello, why = sec.admitted(self._security, header)
+        if hello is None:
+            raise _Refused(sec.refusal("worker"), why)
+        refused = self._admit(hello) if self._admit is not None else None
         if refused is not None:
             raise _Refused(refused, refused)
-        reader.sender = header.get("from")
+        reader.sender = hello.sender
         reader.conn.sendall(sec.answer(None))
         return True
 
@@ -443,7 +443,7 @@ class Listener:
                 return None
         error = self._receive(header, pieces)
         if answered:
-            reader.conn.sendall(_answer(error))
+            reader.conn.sendall(FrameAnswer(error).frame())
         elif error:
             log.error("refused an array from a peer: %s", error)
         return True
@@ -499,7 +499,7 @@ class Listener:
                 _answer_closing(reader.conn, str(e))
             raise
         if answered:
-            reader.conn.sendall(_answer(refusal))
+            reader.conn.sendall(FrameAnswer(refusal).frame())
         elif poison:
             self._poisoned(header, refusal)
         return True
@@ -533,7 +533,7 @@ class Listener:
     def _answer_probe(self, reader: "_Reader", n: int) -> bool | None:
         if not _read_past(reader, n, min(n, _SCRATCH_BYTES)):
             return None
-        reader.conn.sendall(_probe_frame(n))
+        reader.conn.sendall(Probe(n).frame())
         return True
 
     def close(self) -> None:
@@ -665,13 +665,6 @@ def _read_past(reader: _Reader, n: int, scratch_bytes: int) -> bool:
 
 def _worded(what: str | tuple[int, np.dtype]) -> str:
     return what if isinstance(what, str) else f"{what[0]} pieces of a {what[1]} array"
-
-
-def _probe_bytes(header: dict) -> int:
-    n = header.get("bytes")
-    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_PROBE_BYTES:
-        raise WireError(f"a probe carries 0 to {MAX_PROBE_BYTES} bytes, its header says {codec.brief(n)}")
-    return n
 
 
 def keep_alive(sock: socket.socket, timeout: float) -> None:
@@ -848,12 +841,6 @@ class Links:
             self._links.clear()
 
 
-def _answer(error: Optional[str], closing: bool = False) -> bytes:
-    """The answer to a put frame; ``closing``: the listener closes the connection after it."""
-    answer = {"t": "answer", "error": None if error is None else error[:_ANSWER_CHARS]}
-    return frame(codec.pack({**answer, "closing": True} if closing else answer))
-
-
 def _answer_closing(conn: socket.socket, error: str) -> None:
     """Tell the sender on ``conn`` why its frame is dropped, before the connection closes
     (a sender already gone hears nothing). The sender may still be writing: closing with
@@ -861,7 +848,7 @@ def _answer_closing(conn: socket.socket, error: str) -> None:
     the sender reads it, so the listener stops writing and reads past what still comes for
     a moment (_ANSWER_GRACE_SECONDS) first."""
     with contextlib.suppress(OSError):
-        conn.sendall(_answer(error, closing=True))
+        conn.sendall(FrameAnswer(error, closing=True).frame())
         conn.shutdown(socket.SHUT_WR)
         _drain(conn, time.monotonic() + _ANSWER_GRACE_SECONDS)
 
@@ -967,7 +954,7 @@ class Pool:
             except OSError as e:  # the listener may have said why it dropped the frame
                 raise _dropped(sock) or peer_error(route.address, self._timeout, e) from None
             try:
-                error, closing = _read_answer(sock, time.monotonic() + self._timeout)
+                answer = _read_answer(sock, time.monotonic() + self._timeout)
             except OSError as e:
                 raise peer_error(route.address, self._timeout, e) from None
         except BaseException:
@@ -975,12 +962,12 @@ class Pool:
             raise
         with self._lock:
             idle = self._idle.setdefault(route.address, [])
-            keep = not (self._closed or closing or len(idle) >= self.IDLE_PER_ADDRESS)
+            keep = not (self._closed or answer.closing or len(idle) >= self.IDLE_PER_ADDRESS)
             if keep:
                 idle.append(sock)
         if not keep:
             self._drop(route.address, sock)
-        return error
+        return answer.error
 
     def close(self) -> None:
         with self._lock:
@@ -998,16 +985,15 @@ def _dropped(sock: socket.socket) -> Optional[WireError]:
     connection is not used again)."""
     try:
         sock.settimeout(_ANSWER_GRACE_SECONDS)
-        error, _ = _read_answer(sock, time.monotonic() + _ANSWER_GRACE_SECONDS)
+        error = _read_answer(sock, time.monotonic() + _ANSWER_GRACE_SECONDS).error
     except (OSError, WireError):
         return None
     return WireError(f"the data listener dropped the array: {error}") if error else None
 
 
-def _read_answer(sock: socket.socket, deadline: float) -> tuple[Optional[str], bool]:
-    """The listener's answer to a put frame: its error (or None), and whether the listener
-    closes the connection. ConnectionError if the connection ends first, WireError if the
-    answer is not one."""
+def _read_answer(sock: socket.socket, deadline: float) -> FrameAnswer:
+    """The listener's answer to a put frame. ConnectionError if the connection ends first,
+    WireError if the answer is not one."""
     head = bytearray(LENGTH.size)
     if recv_exactly(sock, memoryview(head), deadline):
         (n,) = LENGTH.unpack(head)
@@ -1015,16 +1001,8 @@ def _read_answer(sock: socket.socket, deadline: float) -> tuple[Optional[str], b
             raise WireError(f"a put's answer of {n} bytes exceeds {_MAX_ANSWER_BYTES}")
         body = bytearray(n)
         if recv_exactly(sock, memoryview(body), deadline):
-            answer = codec.unpack(bytes(body))
-            error = answer.get("error") if isinstance(answer, dict) and answer.get("t") == "answer" else 0
-            if error is None or isinstance(error, str):
-                return error, answer.get("closing") is True
-            raise WireError(f"a put was answered with {codec.brief(answer)}, not an answer")
+            return FrameAnswer.read(codec.unpack(bytes(body)))
     raise ConnectionError("the listener closed the connection before answering the put (its log says why)")
-
-
-def _probe_frame(nbytes: int) -> bytes:
-    return frame(codec.pack({"t": "probe", "bytes": nbytes}))
 
 
 def probe(address: str, timeout: float, payload_bytes: int = 1 << 20, pings: int = 5,
@@ -1047,7 +1025,7 @@ def probe(address: str, timeout: float, payload_bytes: int = 1 << 20, pings: int
                 raise TimeoutError(f"probing {address} took longer than {timeout:.1f} s")
             sock.settimeout(left)
             start = time.perf_counter()
-            reply = _probe_frame(nbytes)  # the answer is the same frame, without the payload
+            reply = Probe(nbytes).frame()  # the answer is the same frame, without the payload
             sock.sendall(reply)
             if payload:
                 sock.sendall(payload)

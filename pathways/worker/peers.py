@@ -25,6 +25,7 @@ from typing import Any, Hashable, Optional
 from pathways.errors import ConnectError
 from pathways.protocol.handles import MAX_HANDLE, session_of
 from pathways.protocol.messages import CONTROLLER_SENDER, DataKey, Peers, data_ticket
+from pathways.wire.handshake import Hello
 from pathways.wire.security import HELLO_SECONDS
 
 REFUSED = ("this worker takes data-plane connections only from the workers its controller admitted, each "
@@ -59,13 +60,13 @@ class PeerTickets:
                                    "told it of that peer")
             return self._worker, ticket
 
-    def admit(self, hello: dict) -> Optional[str]:
+    def admit(self, hello: Hello) -> Optional[str]:
         """None if ``hello`` carries a peer's id (or the controller's) and the ticket this
         worker's key makes for it, else the refusal to answer (waiting up to ``key_wait``
         seconds for the key)."""
-        sender, shown = hello.get("from"), hello.get("ticket")
+        sender, shown = hello.sender, hello.ticket
         refusal: Optional[str] = REFUSED
-        if type(sender) is int and sender >= CONTROLLER_SENDER and isinstance(shown, bytes):
+        if sender is not None and sender >= CONTROLLER_SENDER and shown is not None:
             with self._cond:
                 if not self._cond.wait_for(lambda: self._key is not None, self._key_wait):
                     refusal = REFUSED + " (this worker has not registered yet)"
