@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import array
 import atexit
+import dataclasses
 import importlib
 import json
 import os
@@ -35,7 +36,8 @@ import subprocess
 import sys
 import threading
 import traceback
-from typing import Any, NoReturn, Optional, Sequence
+from dataclasses import dataclass
+from typing import NoReturn, Optional, Sequence, Union
 
 import setproctitle
 
@@ -77,13 +79,14 @@ class Template:
         try:
             ready = _receive(self._socket)
         except (OSError, ValueError) as e:  # socket.timeout is an OSError
-            ready = {"error": f"{type(e).__name__}: {e}"}
-        if "error" in ready or "ready" not in ready:
+            ready = Failed(f"{type(e).__name__}: {e}")
+        if not isinstance(ready, Ready):
             self.close()
-            raise ConnectError(f"the process template did not start: {ready.get('error', 'it exited')}")
+            raise ConnectError(f"the process template did not start: "
+                               f"{ready.error if isinstance(ready, Failed) else 'it exited'}")
         self._socket.settimeout(None)
         self._lock = threading.Lock()
-        self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._replies: queue.Queue[Message] = queue.Queue()
         self._exited: dict[int, int] = {}
         self._changed = threading.Condition()
         self.alive = True
@@ -93,7 +96,7 @@ class Template:
         """Fork ``argv`` (``python -m MODULE ...`` or a keeper's command, keeper.command) with
         ``env``, in this process's working directory, its stdout on file descriptor ``stdout``
         and its stderr on this process's; returns its pid."""
-        request = json.dumps({"argv": list(argv), "env": env, "cwd": os.getcwd()}).encode()
+        request = _encode(Spawn(list(argv), env, os.getcwd()))
         with self._lock:  # one request at a time: replies come in order
             try:
                 if not self.alive:
@@ -108,9 +111,10 @@ class Template:
                 self.alive = False  # a late reply would answer the next request: use another template
                 raise ConnectError(f"the process template did not start {argv[3:5]} within "
                                    f"{REQUEST_TIMEOUT:g} s") from None
-        if "pid" not in reply:
-            raise ConnectError(f"the process template could not start {argv[3:5]}: {reply.get('error')}")
-        return reply["pid"]
+        if not isinstance(reply, Started):
+            raise ConnectError(f"the process template could not start {argv[3:5]}: "
+                               f"{reply.error if isinstance(reply, Failed) else reply}")
+        return reply.pid
 
     def exit_code(self, pid: int, timeout: float) -> Optional[int]:
         """The exit status of ``pid`` (as ``Popen.returncode``: minus the signal that ended it)
@@ -140,16 +144,16 @@ class Template:
             try:
                 message = _receive(self._socket)
             except (OSError, ValueError):
-                message = {}
-            if not message:  # the template exited
+                message = None
+            if message is None:  # the template exited
                 with self._changed:
                     self.alive = False
                     self._changed.notify_all()
-                self._replies.put({"error": "the process template exited"})
+                self._replies.put(Failed("the process template exited"))
                 return
-            if "exited" in message:
+            if isinstance(message, Exited):
                 with self._changed:
-                    self._exited[message["exited"]] = message["code"]
+                    self._exited[message.pid] = message.code
                     self._changed.notify_all()
             else:
                 self._replies.put(message)
@@ -296,16 +300,77 @@ def _run(argv: list[str]) -> int:
     raise SystemExit(f"a process template runs `python -m MODULE ...` or a worker's keeper, not {argv}")
 
 
-# ---- the template process ----------------------------------------------------------------
+# ---- the messages between an owner and its template (JSON, one a datagram) ----------------
+
+@dataclass(frozen=True)
+class Spawn:
+    """The owner asks: fork ``argv`` with ``env`` in ``cwd`` (its outputs' descriptors ride along)."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
 
 
-def _send(sock: socket.socket, message: dict[str, Any]) -> None:
-    sock.send(json.dumps(message).encode())
+@dataclass(frozen=True)
+class Ready:
+    """The template imported its modules and takes requests."""
+
+    pid: int
 
 
-def _receive(sock: socket.socket) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Started:
+    """The answer to a Spawn: the child's pid."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class Exited:
+    """A child the template forked exited with ``code`` (as ``Popen.returncode``)."""
+
+    pid: int
+    code: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The template could not do what was asked, or is gone."""
+
+    error: str
+
+
+Message = Union[Spawn, Ready, Started, Exited, Failed]
+_MESSAGES: dict[str, type] = {kind.__name__: kind for kind in (Spawn, Ready, Started, Exited, Failed)}
+
+
+def _encode(message: Message) -> bytes:
+    return json.dumps({"t": type(message).__name__, **dataclasses.asdict(message)}).encode()
+
+
+def _decode(data: bytes) -> Message:
+    """The message ``data`` holds; ValueError if it holds none."""
+    fields = json.loads(data)
+    kind = _MESSAGES.get(fields.pop("t", None)) if isinstance(fields, dict) else None
+    if kind is None:
+        raise ValueError(f"not a template message: {data[:200]!r}")
+    try:
+        return kind(**fields)
+    except TypeError as e:
+        raise ValueError(f"a malformed {kind.__name__}: {e}") from None
+
+
+def _send(sock: socket.socket, message: Message) -> None:
+    sock.send(_encode(message))
+
+
+def _receive(sock: socket.socket) -> Optional[Message]:
+    """The next message, or None once the other side has closed the socket."""
     data = sock.recv(_MESSAGE_BYTES)
-    return json.loads(data) if data else {}
+    return _decode(data) if data else None
+
+
+# ---- the template process ----------------------------------------------------------------
 
 
 def serve(fd: int, preload: Sequence[str]) -> None:
@@ -321,9 +386,9 @@ def serve(fd: int, preload: Sequence[str]) -> None:
         if threads != 1:
             raise RuntimeError(f"importing {list(preload)} started {threads - 1} thread(s); forking would lose them")
     except Exception as e:
-        _send(sock, {"error": f"{type(e).__name__}: {e}"})
+        _send(sock, Failed(f"{type(e).__name__}: {e}"))
         return
-    _send(sock, {"ready": os.getpid()})
+    _send(sock, Ready(os.getpid()))
     children: dict[int, int] = {}  # pidfd -> pid
     with selectors.DefaultSelector() as selector:
         selector.register(sock, selectors.EVENT_READ)
@@ -333,24 +398,26 @@ def serve(fd: int, preload: Sequence[str]) -> None:
                     data, fds, _, _ = socket.recv_fds(sock, _MESSAGE_BYTES, 2)
                     if not data:
                         return
-                    request = json.loads(data)
+                    request = _decode(data)
+                    if not isinstance(request, Spawn):
+                        raise ValueError(f"a template takes Spawn requests, not {request}")
                     pid = os.fork()
                     if pid == 0:
-                        _become(request["argv"], request["env"], close=[selector.fileno(), fd, *children],
-                                outputs=fds, cwd=request["cwd"])
+                        _become(request.argv, request.env, close=[selector.fileno(), fd, *children],
+                                outputs=fds, cwd=request.cwd)
                     for passed in fds:
                         os.close(passed)
                     pidfd = os.pidfd_open(pid)
                     children[pidfd] = pid
                     selector.register(pidfd, selectors.EVENT_READ)
-                    _send(sock, {"pid": pid})
+                    _send(sock, Started(pid))
                 else:
                     pidfd = key.fd
                     selector.unregister(pidfd)
                     os.close(pidfd)
                     pid = children.pop(pidfd)
                     _, status = os.waitpid(pid, 0)
-                    _send(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+                    _send(sock, Exited(pid, os.waitstatus_to_exitcode(status)))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from typing import Any
 import cloudpickle
 
 from pathways import config
+from pathways.spmd._messages import Call, Exit, Raised, Ready, Returned
 
 
 
@@ -60,8 +61,7 @@ def to_host(tree: Any) -> Any:
 def _serve(conn: Connection) -> None:
     import jax
 
-    conn.send_bytes(cloudpickle.dumps(("ready", {"process": jax.process_index(), "devices": jax.device_count(),
-                                                 "local_devices": jax.local_device_count()})))
+    conn.send_bytes(cloudpickle.dumps(Ready(jax.process_index(), jax.device_count(), jax.local_device_count())))
     while True:
         try:
             payload = conn.recv_bytes()
@@ -69,17 +69,18 @@ def _serve(conn: Connection) -> None:
             return
         try:
             message = cloudpickle.loads(payload)
-            if message[0] == "exit":
+            if isinstance(message, Exit):
                 return
-            _, fn, args, kwargs = message
-            reply = ("ok", to_host(fn(*args, **kwargs)))
+            if not isinstance(message, Call):
+                raise TypeError(f"an spmd process takes Call or Exit, not {type(message).__name__}")
+            reply: Returned | Raised = Returned(to_host(message.fn(*message.args, **message.kwargs)))
         except BaseException as e:  # noqa: B036 - reported to the caller, which decides
-            reply = ("error", type(e).__name__, str(e), traceback.format_exc())
+            reply = Raised(type(e).__name__, str(e), traceback.format_exc())
         try:
             conn.send_bytes(cloudpickle.dumps(reply))
         except Exception as e:  # a result that cannot be pickled
-            conn.send_bytes(cloudpickle.dumps(("error", type(e).__name__, f"cannot send the result back: {e}",
-                                               traceback.format_exc())))
+            conn.send_bytes(cloudpickle.dumps(Raised(type(e).__name__, f"cannot send the result back: {e}",
+                                                     traceback.format_exc())))
 
 
 def main() -> None:

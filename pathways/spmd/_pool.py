@@ -25,6 +25,7 @@ import cloudpickle
 from pathways import config
 from pathways.cluster import child_log_env, stop_processes
 from pathways.errors import DeadlineExceededError, SpmdError
+from pathways.spmd._messages import Call, Died, Exit, Raised, Ready, Reply, Returned
 from pathways.wire.addresses import PortReservation
 
 _GRACE_SECONDS = 3.0
@@ -128,7 +129,8 @@ class Pool:
 
     ``fn`` is sent with cloudpickle, so lambdas and closures work; it runs in every process
     and should build its mesh from all devices (``pw.spmd.mesh``). ``echo`` forwards the
-    processes' output, each line prefixed with its rank.
+    processes' output, each line prefixed with its rank. ``processes``: what each process
+    said of its place once the group was up (its index, the group's and its own device counts).
     """
 
     def __init__(self, num_processes: int, devices_per_process: int = 1, *, start_timeout: float = 120.0,
@@ -137,7 +139,7 @@ class Pool:
         self.devices_per_process = devices_per_process
         self._group: Optional[_Group] = _Group(num_processes, devices_per_process, (), True, echo, start_timeout)
         try:
-            self.info = self._gather(start_timeout, "start")
+            self.processes: list[Ready] = self._gather(start_timeout, "start")
         except BaseException:
             self.close()
             raise
@@ -158,7 +160,7 @@ class Pool:
         """Like :meth:`run`, but returns every process's result, in rank order."""
         group = self._live()
         try:
-            payload = cloudpickle.dumps(("call", fn, tuple(args), dict(kwargs or {})))
+            payload = cloudpickle.dumps(Call(fn, tuple(args), dict(kwargs or {})))
         except Exception as e:
             raise SpmdError(f"cannot send {getattr(fn, '__name__', fn)!r} and its arguments to the processes: {e}; "
                             "pass picklable values (numpy arrays, not pathways or jax arrays)") from e
@@ -173,7 +175,7 @@ class Pool:
             return
         for conn in group.conns:
             try:
-                conn.send_bytes(cloudpickle.dumps(("exit",)))
+                conn.send_bytes(cloudpickle.dumps(Exit()))
             except OSError:
                 pass
         deadline = time.monotonic() + _GRACE_SECONDS
@@ -199,7 +201,7 @@ class Pool:
     def _gather(self, timeout: float, what: str) -> list[Any]:
         """One reply per process. On a failure, waits briefly for the others, then raises."""
         group = self._live()
-        replies: dict[int, tuple] = {}
+        replies: dict[int, Reply] = {}
         pending = {conn: rank for rank, conn in enumerate(group.conns)}
         deadline = time.monotonic() + timeout
         failed_at: Optional[float] = None
@@ -214,18 +216,18 @@ class Pool:
                     replies[rank] = cloudpickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
                     group.procs[rank].wait(timeout=_GRACE_SECONDS)
-                    replies[rank] = ("died", group.procs[rank].returncode)
-                if replies[rank][0] != "ok" and replies[rank][0] != "ready" and failed_at is None:
+                    replies[rank] = Died(group.procs[rank].returncode)
+                if not _answered(replies[rank]) and failed_at is None:
                     failed_at = time.monotonic()
-        if not pending and all(r[0] in ("ok", "ready") for r in replies.values()):
-            return [replies[rank][1] for rank in range(len(group.conns))]
+        if not pending and all(_answered(r) for r in replies.values()):
+            return [_value(replies[rank]) for rank in range(len(group.conns))]
         self._fail(group, replies, pending.values(), what, timeout)
         raise AssertionError("unreachable")  # _fail raises
 
-    def _fail(self, group: _Group, replies: dict[int, tuple], missing, what: str, timeout: float) -> None:
+    def _fail(self, group: _Group, replies: dict[int, Reply], missing, what: str, timeout: float) -> None:
         missing = sorted(missing)
-        errors = {rank: r for rank, r in replies.items() if r[0] not in ("ok", "ready")}
-        keep = not missing and all(r[0] == "error" for r in errors.values())
+        errors = {rank: r for rank, r in replies.items() if not _answered(r)}
+        keep = not missing and all(isinstance(r, Raised) for r in errors.values())
         if not keep:  # processes still waiting, or dead: the group cannot go on
             self._group = None
             group.kill()
@@ -234,15 +236,26 @@ class Pool:
                 f"{what} did not finish within {timeout:g} s on process(es) {missing}; the spmd pool was stopped. "
                 "Pass a larger timeout= if the work is expected to take longer")
         rank, reply = min(errors.items())
-        if reply[0] == "died":
-            detail = f"process {rank} exited with code {reply[1]} during {what}; its last output:\n{group.tail(rank)}"
+        if isinstance(reply, Raised):
+            detail = f"{what} raised on process {rank}: {reply.kind}: {reply.message}\n{reply.traceback}"
+        elif isinstance(reply, Died):
+            detail = f"process {rank} exited with code {reply.code} during {what}; its last output:\n{group.tail(rank)}"
         else:
-            detail = f"{what} raised on process {rank}: {reply[1]}: {reply[2]}\n{reply[3]}"
+            detail = f"process {rank} answered {what} with {type(reply).__name__}, not its result"
         if missing:
             detail += f"\nprocess(es) {missing} did not answer (likely waiting in a collective) and were stopped"
         if not keep:
             detail += "\nthe spmd pool was stopped; start a new one"
         raise SpmdError(detail)
+
+
+def _answered(reply: Reply) -> bool:
+    """Whether ``reply`` is what was asked: a process's Ready at start, a call's Returned."""
+    return isinstance(reply, (Ready, Returned))
+
+
+def _value(reply: Reply) -> Any:
+    return reply.value if isinstance(reply, Returned) else reply
 
 
 def run(fn: Callable[..., Any], num_processes: int, devices_per_process: int = 1, args: Sequence[Any] = (),
