@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import array
 import atexit
-import dataclasses
 import importlib
 import json
 import os
@@ -36,8 +35,7 @@ import subprocess
 import sys
 import threading
 import traceback
-from dataclasses import dataclass
-from typing import NoReturn, Optional, Sequence, Union
+from typing import NamedTuple, NoReturn, Optional, Sequence, Union
 
 import setproctitle
 
@@ -302,50 +300,20 @@ def _run(argv: list[str]) -> int:
 
 # ---- the messages between an owner and its template (JSON, one a datagram) ----------------
 
-@dataclass(frozen=True)
-class Spawn:
-    """The owner asks: fork ``argv`` with ``env`` in ``cwd`` (its outputs' descriptors ride along)."""
-
-    argv: list[str]
-    env: dict[str, str]
-    cwd: str
-
-
-@dataclass(frozen=True)
-class Ready:
-    """The template imported its modules and takes requests."""
-
-    pid: int
-
-
-@dataclass(frozen=True)
-class Started:
-    """The answer to a Spawn: the child's pid."""
-
-    pid: int
-
-
-@dataclass(frozen=True)
-class Exited:
-    """A child the template forked exited with ``code`` (as ``Popen.returncode``)."""
-
-    pid: int
-    code: int
-
-
-@dataclass(frozen=True)
-class Failed:
-    """The template could not do what was asked, or is gone."""
-
-    error: str
-
+# the owner asks: fork argv with env in cwd (its outputs' file descriptors ride along)
+Spawn = NamedTuple("Spawn", [("argv", list), ("env", dict), ("cwd", str)])
+Ready = NamedTuple("Ready", [("pid", int)])  # the template imported its modules and takes requests
+Started = NamedTuple("Started", [("pid", int)])  # the answer to a Spawn: the child's pid
+# a child the template forked exited with this code (as Popen.returncode)
+Exited = NamedTuple("Exited", [("pid", int), ("code", int)])
+Failed = NamedTuple("Failed", [("error", str)])  # the template could not do what was asked, or is gone
 
 Message = Union[Spawn, Ready, Started, Exited, Failed]
 _MESSAGES: dict[str, type] = {kind.__name__: kind for kind in (Spawn, Ready, Started, Exited, Failed)}
 
 
 def _encode(message: Message) -> bytes:
-    return json.dumps({"t": type(message).__name__, **dataclasses.asdict(message)}).encode()
+    return json.dumps({"t": type(message).__name__, **message._asdict()}).encode()
 
 
 def _decode(data: bytes) -> Message:
