@@ -220,12 +220,14 @@ def test_a_loop_that_queues_hundreds_of_sharded_steps_runs_them_all(server):
         assert result == {"w": 32 * sum(range(600)), "stores": expected}
 
 
-def test_thousands_of_queued_donating_steps_with_collectives_on_one_host_all_run(server):
+def test_hundreds_of_queued_donating_steps_with_collectives_on_one_host_all_run(server):
     """XLA's CPU runtime deadlocks once a few dozen computations with collectives between
     one process's devices are queued; the worker keeps fewer running, and tells when one is
     done by XLA's token of the run, since each step's output is donated to the next (and
-    deleted) before anyone waits for it."""
-    body = """
+    deleted) before anyone waits for it. The client queues the steps several times faster
+    than the worker runs them, so the queue stays far deeper than a few dozen."""
+    steps = 600
+    body = f"""
         import json
         import numpy as np
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -241,7 +243,7 @@ def test_thousands_of_queued_donating_steps_with_collectives_on_one_host_all_run
         start = np.arange(128 * 64, dtype=np.float32).reshape(128, 64) % 7
         step(jax.device_put(start, split)).block_until_ready()  # compiled: the steps below queue at once
         x = jax.device_put(start, split)
-        for i in range(2000):
+        for i in range({steps}):
             x = step(x)
         print("RESULT", json.dumps(np.asarray(x).tolist()))
     """
@@ -250,7 +252,7 @@ def test_thousands_of_queued_donating_steps_with_collectives_on_one_host_all_run
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     assert out.returncode == 0 and lines, out.stderr[-3000:]
     want = np.arange(128 * 64, dtype=np.float64).reshape(128, 64) % 7
-    for _ in range(2000 * 6):
+    for _ in range(steps * 6):
         want = (want + ((want @ want.T) % 7).sum()) % 7
     assert json.loads(lines[-1][len("RESULT "):]) == want.tolist()
 
