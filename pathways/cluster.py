@@ -72,7 +72,7 @@ class Island:
 # What a cluster's processes import: its template imports them once, and forks each process
 # from its image (template.py).
 _PRELOAD = ("pathways.cli", "pathways.cli.controller", "pathways.cli.worker", "pathways.controller.server",
-            "pathways.worker.server", "pathways.worker.core")
+            "pathways.worker.server", "pathways.worker.core", "pathways.worker.cpu_kernels")
 
 
 def _python_cmd(*args: str) -> list[str]:
