@@ -320,7 +320,8 @@ def _encode(message: Message) -> bytes:
 def _decode(data: bytes) -> Message:
     """The message ``data`` holds; ValueError if it holds none."""
     fields = json.loads(data)
-    kind = _MESSAGES.get(fields.pop("t", None)) if isinstance(fields, dict) else None
+    tag = fields.pop("t", None) if isinstance(fields, dict) else None
+    kind = _MESSAGES.get(tag) if isinstance(tag, str) else None
     if kind is None:
         raise ValueError(f"not a template message: {data[:200]!r}")
     try:
