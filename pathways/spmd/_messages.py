@@ -21,5 +21,4 @@ Raised = NamedTuple("Raised", [("kind", str), ("message", str), ("traceback", st
 # the process's pipe closed before it answered: it exited with this code
 Died = NamedTuple("Died", [("code", Any)])
 
-Request = Union[Call, Exit]
 Reply = Union[Ready, Returned, Raised, Died]

@@ -31,10 +31,6 @@ MAX_ANSWER_CHARS = 4096  # of a put answer's error message
 MAX_PROBE_BYTES = 8 * 1024 * 1024  # of a probe's payload
 
 
-def _cut(text: str, chars: int) -> str:
-    return text if len(text) <= chars else text[:chars]
-
-
 class _Header:
     """Reads the fields of one decoded header, each bounded, naming the record and field
     in its WireError."""
@@ -137,7 +133,7 @@ class HelloAnswer:
 
     def frame(self) -> bytes:
         header = ({"t": Hello.TAG} if self.refused is None
-                  else {"t": "refused", "error": _cut(self.refused, MAX_REFUSAL_CHARS)})
+                  else {"t": "refused", "error": self.refused[:MAX_REFUSAL_CHARS]})
         return frame(codec.pack(header))
 
     @classmethod
@@ -160,7 +156,7 @@ class FrameAnswer(_Tagged):
     TAG: ClassVar[str] = "answer"
 
     def frame(self) -> bytes:
-        header: dict = {"t": self.TAG, "error": None if self.error is None else _cut(self.error, MAX_ANSWER_CHARS)}
+        header: dict = {"t": self.TAG, "error": None if self.error is None else self.error[:MAX_ANSWER_CHARS]}
         if self.closing:
             header["closing"] = True
         return frame(codec.pack(header))
