@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import gc
 import threading
 from typing import Any, Optional, Sequence
 
@@ -103,7 +104,14 @@ def disconnect() -> None:
         session.close()
 
 
-atexit.register(disconnect)
+@atexit.register
+def _at_exit() -> None:
+    """Close the default session, then finalize what is left in reference cycles while
+    gRPC's daemon threads still run: in the interpreter's last collection, after they have
+    stopped, a gRPC call's finalizer may wait for ever for a lock one of them held
+    (Session._let_go_of_calls)."""
+    disconnect()
+    gc.collect()
 
 
 class ConnectedCluster(LocalCluster):

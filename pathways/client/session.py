@@ -381,6 +381,8 @@ class Session(Puts, Fetches):
     def _stubs(self, address: str) -> WorkerStubs:
         stubs = self._workers.get(address)
         if stubs is None:
+            if self._closed.is_set():  # its channels are gone (_let_go_of_calls)
+                raise errors.ConnectError("this session is closed; call pw.connect() for a new one")
             channel = rpc.open_channel(address, self.security, caller_reads_streams=True)
             stubs = WorkerStubs(rpc.method(channel, rpc.WORKER_SERVICE, "Put", "stream_unary"),
                                 rpc.method(channel, rpc.WORKER_SERVICE, "Fetch", "unary_stream"), channel,
@@ -409,8 +411,24 @@ class Session(Puts, Fetches):
         for stubs in self._workers.values():
             stubs.channel.close()
         self._threads.join()
+        self._let_go_of_calls()
         if self._owned_cluster is not None:
             self._owned_cluster.stop()
+
+    def _let_go_of_calls(self) -> None:
+        """Drop the session's gRPC calls and channels, closed by now, so that they are freed
+        here. The session is in reference cycles (its threads' targets, its recordings): what
+        it held would otherwise wait for the interpreter's last garbage collection, after
+        gRPC's own daemon threads have stopped for good, and a call's finalizer there waits
+        for the call's lock, which such a thread may have held when it stopped (a process
+        that printed its results never exited). ``api.py`` collects cycles at exit too."""
+        self._responses = None
+        self._channel = None
+        self._workers.clear()
+        with self._puts_lock:
+            self._puts.clear()
+        with self._fetches_lock:
+            self._fetches.clear()
 
 
 def _broken(e: grpc.RpcError) -> str:
