@@ -54,6 +54,7 @@ DEFAULT_TIMEOUT = 300.0
 # The library's advice; `pathways demo`, whose user writes no pw.connect() call, words it its own way.
 EMBEDDED_ADVICE = "or call pw.connect() with no address (and PATHWAYS_ADDRESS unset) to start an embedded one"
 _CONNECT_ADVICE = f"{rpc.START_ADVICE}, {EMBEDDED_ADVICE}"
+_CLOSED = "this session is closed; call pw.connect() for a new one"  # what any use of a closed session raises
 
 
 class WorkerStubs(NamedTuple):
@@ -321,7 +322,7 @@ class Session(Puts, Fetches):
             self._dead = str(refused)
             error: errors.ConnectError = errors.AuthenticationError(self._dead)
         elif self._closed.is_set():  # this client closed the session: the controller is not to blame
-            error = errors.ConnectError("this session is closed; call pw.connect() for a new one")
+            error = errors.ConnectError(_CLOSED)
         else:
             self._dead_error = errors.ControllerLostError
             self._dead = (f"the controller at {self.address} {reason}; restart it or call pw.connect() "
@@ -374,7 +375,7 @@ class Session(Puts, Fetches):
         if self._dead is not None:
             raise self._dead_error(self._dead)
         if self._closed.is_set():
-            raise errors.ConnectError("this session is closed; call pw.connect() for a new one")
+            raise errors.ConnectError(_CLOSED)
 
     # ---- data plane ------------------------------------------------------------------
 
@@ -382,7 +383,7 @@ class Session(Puts, Fetches):
         stubs = self._workers.get(address)
         if stubs is None:
             if self._closed.is_set():  # its channels are gone (_let_go_of_calls)
-                raise errors.ConnectError("this session is closed; call pw.connect() for a new one")
+                raise errors.ConnectError(_CLOSED)
             channel = rpc.open_channel(address, self.security, caller_reads_streams=True)
             stubs = WorkerStubs(rpc.method(channel, rpc.WORKER_SERVICE, "Put", "stream_unary"),
                                 rpc.method(channel, rpc.WORKER_SERVICE, "Fetch", "unary_stream"), channel,
