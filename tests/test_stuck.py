@@ -1,9 +1,12 @@
 """Stuck hosts: a run that an island does not finish within the run timeout fails with
 DeadlineExceededError naming the hosts that had not finished it, those hosts write their
 threads' stacks to their logs, and the island is reset (its hosts restart) and serves
-again. The core's timing is tested with a clock that jumps; a real two-host island stuck
-in a collective is tested end to end."""
+again. So is an island whose group broke in a collective (a host stopped past the
+collectives' bound). The core's timing is tested with a clock that jumps; real two-host
+islands stuck in a collective, and broken in one, are tested end to end."""
 
+import os
+import signal
 import time
 
 import jax
@@ -13,6 +16,7 @@ import pytest
 import pathways as pw
 from pathways.cluster import status
 from pathways.controller.core import ControllerCore
+from pathways.controller.healing import BROKEN_GRACE_SECONDS
 from pathways.ir import Layout
 from pathways.protocol import messages as m
 from pathways.protocol.handles import first_handle
@@ -116,6 +120,59 @@ def test_without_a_run_timeout_a_run_may_take_as_long_as_it_takes():
     assert not _of(client, m.Poisoned) and not _of(rank0.outbox, m.Reset)
 
 
+def test_an_island_whose_group_broke_in_a_collective_is_reset_after_a_grace_even_once_its_run_ended():
+    core, clock, (rank0, rank1, single), sid, client, (program, data) = _stuck_cluster_core()
+    out = first_handle(sid) + 100
+    core.on_session_batch(sid, m.encode_batch([m.Run(program, out, {0: data})]))
+    [run] = {x.id for x in _of(rank0.outbox, m.RunProgram)}
+    # heard only from a host of a run in flight: another island's host, or a run of no such
+    # id, changes nothing
+    core.on_worker_batch(single, m.encode_batch([m.GroupBroken(run, "not its run")]))
+    core.on_worker_batch(rank0, m.encode_batch([m.GroupBroken(run + 7, "no such run")]))
+    clock.now += 10 * BROKEN_GRACE_SECONDS
+    core.check_broken_groups()
+    assert not _of(rank0.outbox, m.Reset) and not _of(single.outbox, m.Reset)
+
+    broke = "f on worker 0 failed in a collective: Gloo context initialization failed: timed out"
+    core.on_worker_batch(rank0, m.encode_batch([m.GroupBroken(run, broke)]))
+    core.on_worker_batch(rank1, m.encode_batch([m.GroupBroken(run, "said twice: heard once")]))
+    _done(core, rank0, run)  # both hosts gave the run up: it ended, but gloo keeps the failed group
+    _done(core, rank1, run)
+    clock.now += BROKEN_GRACE_SECONDS - 0.1
+    core.check_broken_groups()
+    assert not _of(rank0.outbox, m.Reset), "within the grace, a loss may still explain it"
+    clock.now += 0.2
+    core.check_broken_groups()
+    for conn in (rank0, rank1):
+        [reset] = _of(conn.outbox, m.Reset)
+        assert f"because its group broke: {broke}" in reset.reason and "restart" in reset.reason, reset.reason
+    assert not _of(single.outbox, m.Reset), "the other island keeps serving"
+    gone = {h: x for x in _of(client, m.Poisoned) for h in x.handles}
+    assert gone[data].kind == "WorkerLostError" and "its group broke" in gone[data].message
+    pair = next(i for i in core.status().as_dict()["islands"] if i["name"] == "pair")
+    assert not pair["healthy"] and "reset" in str(pair), pair
+    clock.now += 10 * BROKEN_GRACE_SECONDS
+    core.check_broken_groups()
+    assert len(_of(rank0.outbox, m.Reset)) == 1, "reset once"
+
+
+def test_a_loss_within_the_grace_is_the_error_that_stands_and_the_island_healed_since_is_not_reset():
+    core, clock, (rank0, rank1, _), sid, client, (program, data) = _stuck_cluster_core()
+    core.on_session_batch(sid, m.encode_batch([m.Run(program, first_handle(sid) + 100, {0: data})]))
+    [run] = {x.id for x in _of(rank0.outbox, m.RunProgram)}
+    core.on_worker_batch(rank1, m.encode_batch([m.GroupBroken(run, "gloo: connection reset by peer")]))
+    core.worker_lost(rank0, error="connection reset")  # killed: its peer's collective broke as it went
+    [reset] = _of(rank1.outbox, m.Reset)
+    assert rank0.describe() in reset.reason and "broke" not in reset.reason, reset.reason
+    # the island heals within the grace (its hosts restart fast): the new group is not reset
+    again = _register(core, "pair", 2, rank=0, coordinator="h0:2"), _register(core, "pair", 2, rank=1)
+    clock.now += BROKEN_GRACE_SECONDS + 1
+    core.check_broken_groups()
+    assert not any(_of(conn.outbox, m.Reset) for conn in again)
+    assert next(i for i in core.status().as_dict()["islands"] if i["name"] == "pair")["healthy"]
+    assert all("broke" not in x.message for x in _of(client, m.Poisoned))
+
+
 def test_through_the_ifrt_proxy_a_stuck_run_is_deadline_exceeded_and_a_lost_host_data_loss():
     from pathways.ifrt import types as t
 
@@ -161,3 +218,29 @@ def _stuck_and_healed(cluster):
     np.testing.assert_array_equal(np.asarray(total(np.array([2.0, 3.0], np.float32))), [5.0, 5.0])
     assert {w["pid"] for w in status(cluster.address)["workers"]}.isdisjoint(w["pid"] for w in workers.values()), \
         "both hosts were restarted"
+
+
+# ---- a real island whose group broke ------------------------------------------------------------
+
+def test_a_host_stopped_past_the_collectives_bound_fails_the_run_and_its_island_restarts_and_serves_again():
+    """A host stopped (SIGSTOP) before its island's first collective, for longer than the
+    collectives wait for their peers (gloo: 30 s): its peer's run fails with WorkerLostError
+    saying so, and the island, whose group that failure broke for good, restarts its hosts
+    and serves again, with no run timeout set."""
+    with pw.local_cluster(islands=[pw.Island(hosts=2, devices_per_host=1)]) as cluster:
+        s = pw.make_virtual_device_set().add_slice(cpu_devices=2)
+        total = pw.pmap(lambda x: jax.lax.psum(x, "i"), devices=s.devices, axis_name="i")
+        workers = status(cluster.address)["workers"]
+        stopped = next(w["pid"] for w in workers if w["rank"] == 1)  # not the group's coordinator
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(pw.WorkerLostError, match="failed in a collective with the other hosts of its island"):
+                np.asarray(total(np.array([3.0, 4.0], np.float32)))
+            assert time.monotonic() - started < 90.0
+        finally:
+            os.kill(stopped, signal.SIGCONT)
+        wait_until(lambda: {w["pid"] for w in status(cluster.address)["workers"]}.isdisjoint(
+            w["pid"] for w in workers) and status(cluster.address)["islands"][0]["healthy"], timeout=120,
+            what="the island's hosts to restart and join it again")
+        np.testing.assert_array_equal(np.asarray(total(np.array([3.0, 4.0], np.float32))), [7.0, 7.0])

@@ -68,6 +68,9 @@ class ControllerCore(Healing, Retiring, Compiling, Suspending):
         self.membership = Membership(self.rm)
         self.dispatcher = Dispatcher(self.scheduler, self.membership, clock)
         self.run_timeout = run_timeout
+        self._clock = clock
+        # island -> (when it is reset, the member that said its group broke, the run, why): see Healing
+        self._broken: dict[int, tuple[float, WorkerConn, int, str]] = {}
         self.sessions: dict[int, SessionState] = {}
         self._next_copy = first_handle(0) + 1  # transfer copies are the controller's handles
         self._draining: set[int] = set()  # sessions suspending that wait for their runs to finish
@@ -122,6 +125,8 @@ class ControllerCore(Healing, Retiring, Compiling, Suspending):
             self._offloaded(conn, msg)
         elif kind is m.Undelivered:
             self._undelivered(conn, msg)
+        elif kind is m.GroupBroken:
+            self._group_broken(conn, msg)
         elif kind is m.Adopted:
             self._adopted(conn, msg)
         elif kind is m.Heartbeat:

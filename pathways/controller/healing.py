@@ -1,7 +1,7 @@
 """Hosts lost and islands healed: a part of the controller core (ControllerCore), working on
 its state. A worker's stream that ends loses its host; the runs of an island that lost one
 fail at once, and the island heals once its hosts join again; an island whose runs stall
-past the run timeout is reset."""
+past the run timeout, or whose group broke in a collective, is reset."""
 
 from __future__ import annotations
 
@@ -14,6 +14,11 @@ from pathways.protocol import messages as m
 from pathways.protocol.errors import LOST, REMOTE, STUCK
 
 log = logging.getLogger("pathways.controller")
+
+# How long the reset of an island whose group broke waits for a loss that explains it: a
+# killed host breaks its peers' collectives about when its connection closes, and the loss,
+# which names the host, is the better error.
+BROKEN_GRACE_SECONDS = 2.0
 
 
 class Healing:
@@ -70,6 +75,31 @@ class Healing:
         if receiver is not None and claimed & owed:
             receiver.outbox.put(m.Poisoned(tuple(sorted(claimed & owed)), REMOTE, msg.message))
 
+    def _group_broken(self, conn: WorkerConn, msg: m.GroupBroken) -> None:
+        """A collective of run ``msg.run`` failed on worker ``conn``: its island's group is
+        broken for good (a host was lost, or did not reach the collective in time), so every
+        later run there would fail too. The island is reset, as a stuck one is, once
+        ``BROKEN_GRACE_SECONDS`` have passed without it being lost or reset otherwise
+        (``check_broken_groups``). Heard only for a run in flight that the worker takes part in."""
+        run = self.scheduler.running(msg.run)
+        if run is None or conn.worker not in run.payload.lowered.workers or conn.island in self._broken:
+            return
+        self._broken[conn.island] = (self._clock() + BROKEN_GRACE_SECONDS, conn, run.id, msg.message)
+
+    def check_broken_groups(self) -> None:
+        """Reset each island whose group broke at least ``BROKEN_GRACE_SECONDS`` ago and that
+        was not lost or reset since (the shell calls this every so often)."""
+        now = self._clock()
+        for island, (due, conn, run_id, why) in list(self._broken.items()):
+            if now < due:
+                continue
+            del self._broken[island]
+            if conn.retired or self.workers.get(conn.worker) is not conn:
+                continue  # the island was lost or reset meanwhile: that error stands
+            log.warning("island %s broke and is reset: %s", self.islands.by_id[island].describe(), why)
+            run = self.scheduler.running(run_id)  # the hosts still in it write where they wait
+            self._reset(island, f"its group broke: {why}", set(run.payload.waiting) if run else set())
+
     def check_stuck_runs(self) -> None:
         """Reset every island that has had runs in flight and finished none of them for
         longer than the run timeout (the shell calls this every so often): its oldest run
@@ -93,15 +123,25 @@ class Healing:
                "finished it (stuck in a computation, or in a collective waiting for a host that is; the threads' "
                "stacks of each are in its log)")
         log.warning("island %s is stuck and is reset: %s", name, why)
+        self._reset(island, why, set(waiting), {run.id: (STUCK, f"{why}. Island {name} was reset: its hosts "
+                                                                 "restart, and its slices work again once they "
+                                                                 "have joined it")})
+
+    def _reset(self, island: int, why: str, stacks: set[int],
+               failures: dict[int, tuple[str, str]] | None = None) -> None:
+        """Reset island ``island`` because ``why``, as if it had lost a host: everything on it
+        fails with WorkerLostError (a run in ``failures``: see ``_cut``), and its hosts are
+        told to restart and join it again, those in ``stacks`` writing their threads' stacks
+        to their logs first."""
+        name = self.islands.by_id[island].describe()
         workers = self.membership.lose_island(island, f"it was reset: {why}")
         message = (f"island {name} was reset because {why}; arrays and computations on it are gone. Its hosts "
                    "restart and join it again, and its slices and compiled functions then work again")
-        self._cut(workers, message, {run.id: (STUCK, f"{why}. Island {name} was reset: its hosts restart, and "
-                                                      "its slices work again once they have joined it")})
+        self._cut(workers, message, failures)
         for w in workers:
             conn = self.membership.remove(w)
             if conn is not None:
-                conn.outbox.put(m.Reset(message, stacks=w in waiting))
+                conn.outbox.put(m.Reset(message, stacks=w in stacks))
         self._after_loss(workers, message)
         self._forget_old_losses()
 

@@ -161,6 +161,7 @@ class _Keepalive:
 
 
 _STUCK_CHECKS = 10  # how often, per run timeout, the controller looks for stuck islands
+_BROKEN_CHECK_SECONDS = 0.5  # how often it looks for islands whose group broke (ControllerCore.check_broken_groups)
 
 
 class ControllerServer:
@@ -174,7 +175,7 @@ class ControllerServer:
         self.security = security or Security()
         self._attach_security = self.security.for_attach()  # what workers' streams must greet with
         self.core = ControllerCore(policy, window, run_timeout, recovery=recovery)
-        self._stuck_checks: Optional[asyncio.Task] = None
+        self._checks: list[asyncio.Task] = []
         self._refused_attaches = sec.Refusals()  # worker connections refused at (or for want of) their greeting
         self.heartbeat_timeout = check_timeout(heartbeat_timeout)
         self._session_ids = itertools.count(1)
@@ -241,22 +242,24 @@ class ControllerServer:
         self._attach_server = await asyncio.start_server(self.attach, strip_brackets(host) or None, 0,
                                                          family=family_of(host), **tls)
         self.worker_port = self._attach_server.sockets[0].getsockname()[1]
+        self._checks.append(asyncio.create_task(self._check(self.core.check_broken_groups, _BROKEN_CHECK_SECONDS)))
         if self.core.run_timeout is not None:
-            self._stuck_checks = asyncio.create_task(self._check_stuck_runs(self.core.run_timeout / _STUCK_CHECKS))
+            self._checks.append(asyncio.create_task(self._check(self.core.check_stuck_runs,
+                                                                self.core.run_timeout / _STUCK_CHECKS)))
         self.worker_address = f"tcp://{join_host_port(advertise or host, self.worker_port)}"
         return self.worker_address
 
-    async def _check_stuck_runs(self, every: float) -> None:
+    async def _check(self, check: Callable[[], None], every: float) -> None:
         while True:
             await asyncio.sleep(every)
-            _guarded(self.core.check_stuck_runs)  # a bug there must not end the checks
+            _guarded(check)  # a bug there must not end the checks
 
     async def stop(self, server: grpc.aio.Server) -> None:
         """Stop accepting workers, end every stream (a worker's connection closes after
         what was queued for it), then the gRPC server."""
         self._stopping = True
-        if self._stuck_checks is not None:
-            self._stuck_checks.cancel()
+        for task in self._checks:
+            task.cancel()
         if self._attach_server is not None:
             self._attach_server.close()
         stopped = m.Shutdown(CONTROLLER_STOPPED)  # workers exit, rather than wait for it to come back

@@ -669,6 +669,16 @@ class Undelivered(Message):
     message: str = wire(TEXT)
 
 
+@message("broken")
+class GroupBroken(Message):
+    """A collective of run ``run`` failed on this worker (``message``): its island's
+    jax.distributed group is broken for good (gloo keeps a failed context, so every later
+    collective of the group fails too), and the island must restart its hosts to serve again."""
+
+    run: int = wire(Int(0))
+    message: str = wire(TEXT)
+
+
 @message("step")
 class Step(Message):
     """A node of a sequentially dispatched run finished on this worker."""
@@ -1005,10 +1015,11 @@ class Shutdown(Message):
 
 @message("reset")
 class Reset(Message):
-    """The worker's island lost a host, or was stuck past the run timeout: restart in place
-    (same command line) and join the island again, in a fresh jax.distributed group with
-    the hosts that replace the lost one. ``stacks``: first write every thread's stack to
-    the log (this host had not finished the stuck run)."""
+    """The worker's island lost a host, was stuck past the run timeout, or its group broke in
+    a collective: restart in place (same command line) and join the island again, in a fresh
+    jax.distributed group with the hosts that replace the lost one. ``stacks``: first write
+    every thread's stack to the log (this host had not finished the run the island was
+    stuck or broke on)."""
 
     reason: str = wire(TEXT)
     stacks: bool = wire(Bool(), False)
@@ -1134,7 +1145,7 @@ SESSION_UP = Table("session (client to controller)", Hello, SliceRequest, Cluste
 SESSION_DOWN = Table("session (controller to client)", SessionWelcome, SliceReply, ClusterReply, Poisoned, Error,
                      Compiled, Timeline, SliceMoved, Suspended, Resumed)
 WORKER_UP = Table("attach (worker to controller)", Register, Done, Step, Notice, Measured,
-                  Heartbeat, Compiled, Offloaded, Adopted, Undelivered)
+                  Heartbeat, Compiled, Offloaded, Adopted, Undelivered, GroupBroken)
 WORKER_DOWN = Table("attach (controller to worker)", WorkerWelcome, DataKey, Peers, Compile, Define, RunProgram, Delete,
                     DropSession, Poisoned, Shutdown, Go, Measure, Notice, SessionOpen, Heartbeat, Reset,
                     Offload, Restore, Adopt)

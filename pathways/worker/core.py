@@ -49,8 +49,8 @@ from pathways.protocol.data import ArrayPut, FetchReply, PENDING, READY
 from pathways.protocol.handles import session_of
 from pathways.protocol.operator import WorkerStats
 from pathways.protocol.messages import (Adopt, Compile, DataKey, Define, Delete, Done, DropSession, FetchRequest, Go,
-                                        Heartbeat, Malformed, Measure, Message, Notice, Offload, Peers, Poisoned,
-                                        Restore, RunProgram, Reset, SessionOpen, Shutdown, Step, Timeline,
+                                        GroupBroken, Heartbeat, Malformed, Measure, Message, Notice, Offload, Peers,
+                                        Poisoned, Restore, RunProgram, Reset, SessionOpen, Shutdown, Step, Timeline,
                                         TimelineFetch, Undelivered, WorkerWelcome, WORKER_DOWN, device_pairs)
 from pathways.timeline import RECORDER, now
 from pathways.wire import codec, tcp
@@ -145,6 +145,10 @@ class WorkerCore(Receiving, Offloading):
 
     def step(self, run: int, node: int) -> None:
         self.up(Step(run, node))
+
+    def broken(self, run: int, message: str) -> None:
+        log.warning("run %d: a collective failed, which breaks the island's group: %s", run, message)
+        self.up(GroupBroken(run, message))
 
     def session_dropped(self, session: int, functions: int) -> None:
         """The executor forgot a closed session's ``functions`` (its arrays went when the
@@ -254,10 +258,10 @@ class WorkerCore(Receiving, Offloading):
             self._on_shutdown()
         elif kind is Reset:
             log.warning("this worker restarts to join its island again: %s", msg.reason)
-            if msg.stacks:  # it had not finished a run its island was stuck on: say where each thread was,
+            if msg.stacks:  # it had not finished a run its island was stuck or broke on: say where each thread was,
                 # whatever the log level (the stacks are written whatever it is)
                 print(f"pathways worker: the stacks of this worker's threads (pid {os.getpid()}) as its island "
-                      "was reset for a stuck run:", file=sys.stderr, flush=True)
+                      "was reset with a run of it unfinished:", file=sys.stderr, flush=True)
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             self._on_reset()
         elif kind is Heartbeat:

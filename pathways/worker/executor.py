@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterator, Protocol, Union
 import jax
 
 from pathways.errors import WireError
+from pathways.protocol.errors import LOST
 from pathways.protocol.handles import session_of, value_handle
 from pathways.protocol.messages import Define, Delete, DropSession, RunProgram
 from pathways.protocol.ops import Op
@@ -49,7 +50,7 @@ from pathways.threads import Threads
 from pathways.timeline import RECORDER, now
 from pathways.worker.executables import Executables
 from pathways.worker.shared_arrays import shareable
-from pathways.worker.store import ObjectStore, Poison, failure
+from pathways.worker.store import ObjectStore, Poison, collective_failure, failure
 from pathways.worker.xla import XlaExecutable
 
 log = logging.getLogger("pathways.worker")
@@ -102,6 +103,8 @@ class Controls(Protocol):
     def step(self, run: int, node: int) -> None: ...
 
     def session_dropped(self, session: int, functions: int) -> None: ...
+
+    def broken(self, run: int, message: str) -> None: ...
 
 
 class Executor:
@@ -236,8 +239,9 @@ class Executor:
                 run_id, started, results = item
                 try:
                     jax.block_until_ready(results)
-                except Exception:  # the failure reaches readers through the results themselves
-                    pass
+                except Exception as e:  # the failure reaches readers through the results themselves
+                    if collective_failure(e):
+                        self._failed(f"run {run_id}", e, run_id)
                 finished = time.perf_counter()
                 if not reports:
                     held_since = finished
@@ -316,7 +320,7 @@ class Executor:
                 try:
                     last = op[1](regs[op[2]])
                 except Exception as e:
-                    regs[op[3]] = failure(f"{op[4]} on worker {self.worker_id}", e)
+                    regs[op[3]] = self._failed(op[4], e, msg.id)
                     return i, started, last
                 regs[op[3]] = last[0]
             elif code is _CALL:
@@ -330,7 +334,7 @@ class Executor:
                     else:
                         results = executable(*[regs[r] for r in ins])
                 except Exception as e:
-                    bad = failure(f"{name} on worker {self.worker_id}", e)
+                    bad = self._failed(name, e, msg.id)
                     for o in outs:
                         regs[o] = bad
                     return i, started, last
@@ -373,7 +377,7 @@ class Executor:
                         RECORDER.span("execute", began, msg.base,
                                       executable.label if type(executable) is XlaExecutable else name)
                 except Exception as e:
-                    bad = failure(f"{name} on worker {self.worker_id}", e)
+                    bad = self._failed(name, e, msg.id)
                 else:
                     for o, r in zip(outs, results):
                         regs[o] = r
@@ -382,6 +386,14 @@ class Executor:
             for o in outs:
                 regs[o] = bad
         return started, last
+
+    def _failed(self, what: str, error: Exception, run: int) -> Poison:
+        """The poison for ``what`` of run ``run`` having failed with ``error``; a failed
+        collective also tells the controller that the island's group is broken."""
+        bad = failure(f"{what} on worker {self.worker_id}", error)
+        if bad.kind == LOST:
+            self._controls.broken(run, bad.message)
+        return bad
 
     def _producer(self, msg: RunProgram, register: int) -> str:
         """The name of the function of ``msg``'s program that writes ``register``."""

@@ -65,12 +65,18 @@ class OffloadedArray:
 
 
 def failure(what: str, error: Exception) -> Poison:
-    """The poison for ``what`` having failed with ``error``. A collective that lost its peer
-    means a host of the island died: readers get WorkerLostError, as they do once the
-    controller notices the loss."""
-    if "gloo" in str(error).lower():
-        return Poison(f"{what} failed because another host of its island was lost: {error}", LOST)
+    """The poison for ``what`` having failed with ``error``. A failed collective means the
+    island's group is broken (a host of it died, or did not reach the collective in time):
+    readers get WorkerLostError, as they do once the controller resets the island."""
+    if collective_failure(error):
+        return Poison(f"{what} failed in a collective with the other hosts of its island (one was lost, or did "
+                      f"not reach it in time: stopped, or starved of CPU); the island is reset: {error}", LOST)
     return Poison(f"{what} failed: {type(error).__name__}: {error}")
+
+
+def collective_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a failure of the island's collectives (gloo, on CPU hosts)."""
+    return "gloo" in str(error).lower()
 
 
 class ObjectStore:
