@@ -235,7 +235,10 @@ def test_a_host_stopped_past_the_collectives_bound_fails_the_run_and_its_island_
         os.kill(stopped, signal.SIGSTOP)
         try:
             started = time.monotonic()
-            with pytest.raises(pw.WorkerLostError, match="failed in a collective with the other hosts of its island"):
+            # or, on a busy machine, the loss of a host that JAX's distributed service ended
+            # meanwhile (it ends a host whose peer stopped answering it)
+            with pytest.raises(pw.WorkerLostError,
+                               match="failed in a collective with the other hosts of its island|was lost"):
                 np.asarray(total(np.array([3.0, 4.0], np.float32)))
             assert time.monotonic() - started < 90.0
         finally:

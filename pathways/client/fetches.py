@@ -143,8 +143,9 @@ class Fetches:
             if refused is not None:
                 raise refused from None
             # A worker that died mid-call breaks the call in several ways; the controller's
-            # verdict on the handle, which follows within moments, is the better error.
-            unreachable = e.code() in GONE
+            # verdict on the handle, which follows within moments, is the better error. One
+            # that did not even say "pending" by the call's deadline is stopped or starved.
+            unreachable = e.code() in GONE or e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             deadline = time.monotonic() + (_UNREACHABLE_VERDICT_SECONDS if unreachable else _VERDICT_SECONDS)
             while (handle not in self.poisoned and time.monotonic() < deadline and self._dead is None
                    and where() == address):
