@@ -9,7 +9,8 @@ for the whole run: two under ``JAX_PLATFORMS=proxy`` against the cluster, one on
 command per line on stdin and answer with the seconds it took:
 
 - small ``jit`` calls (``x + 1`` on 16 int32, each output fed to the next call): pipelined
-  (N calls, then one block on the last) and blocking (a block after every call); next to
+  (N calls, then one block on the last), blocking (a block after every call) and read (an
+  ``np.asarray`` of each call's 64-byte output, as a loop reads its loss); next to
   them the same function as a ``pw.jit`` on a one-device slice of the same island, called
   op by op from this process ("PW-O");
 - ``jax.device_put`` of a host buffer, and ``np.asarray`` of a device array made before the
@@ -45,7 +46,7 @@ from pathways_bench import report
 MiB = 1 << 20
 SIZES = (1024, MiB, 16 * MiB, 64 * MiB)
 TINY_SIZES = (1024, MiB)
-MODES = ("pipelined", "blocking")
+MODES = ("pipelined", "blocking", "read")
 CALLERS = ("proxy", "local", "native")
 MOVERS = ("proxy", "local", "native", "grpc", "raw")
 DIRECTIONS = ("device_put", "np.asarray")
@@ -80,8 +81,8 @@ The same plain JAX code runs in helper processes: two under `JAX_PLATFORMS=proxy
 local cluster with the IFRT front end, one on each of its islands (1 host x 4 devices, and
 2 hosts x 2 devices, whose executables span both hosts), and one on local CPU JAX with 4
 devices. Small `jit` calls (`x + 1` on {_VECTOR} int32, each output fed to the next call) are
-timed pipelined (all calls, then one block on the last) and blocking (a block after each)
-through the proxy, next to the same function as a `pw.jit` on a one-device slice of the
+timed pipelined (all calls, then one block on the last), blocking (a block after each) and
+read (an `np.asarray` of each call's output) through the proxy, next to the same function as a `pw.jit` on a one-device slice of the
 same island, called op by op from the native client ("PW-O"), and to local JAX.
 `jax.device_put` of a host buffer and `np.asarray` of a device array (a fresh one per run)
 are timed at 1 KiB to 64 MiB next to the native client's `pw.device_put` and `to_numpy` on
@@ -242,6 +243,8 @@ def _jit_cases(helpers: dict[str, _Helper], native: Any, calls: dict[str, int]) 
                 x = fn(x)
                 if mode == "blocking":
                     x.block_until_ready(timeout=_TIMEOUT)
+                elif mode == "read":
+                    np.asarray(x)
             value = np.asarray(x)
             elapsed = time.perf_counter() - start
             if not np.all(value == n):
@@ -359,6 +362,10 @@ def summary(data: dict) -> list[str]:
     lines.append(f"jit blocking: the proxy makes {report.ratio(blocking['proxy'], blocking['native']):.2f}x pathways' "
                  f"native op-by-op path's calls per second, "
                  f"{report.ratio(blocking['proxy'], blocking['local']):.3f}x local JAX's")
+    read = jit["read"]
+    lines.append(f"jit read (a call, then np.asarray of its 64-byte output): {1e3 / read['proxy']['median']:.2f} ms "
+                 f"through the proxy, {report.ratio(read['proxy'], read['native']):.2f}x pathways' native op-by-op "
+                 f"path's calls per second")
     smallest, largest = str(min(data["sizes"])), str(max(data["sizes"]))
     lines.append(f"fixed cost of a {_size(int(smallest))} transfer through the proxy: " + ", ".join(
         f"{d} {1e3 * int(smallest) / data['transfers'][d][smallest]['proxy']['median']:.2f} ms" for d in DIRECTIONS)
@@ -388,7 +395,10 @@ Every proxy operation is a request on the client's gRPC stream to the front end 
 controller process, which turns it into requests of the native pathways session it opened
 for the client (reaching the controller in its own process, without a gRPC hop): a `jit` call becomes a run the controller schedules and the worker executes,
 a blocking call adds the client's wait for the result's ready future, so a proxy call costs
-the native op-by-op path's work plus the front end's. A `device_put` crosses two processes
+the native op-by-op path's work plus the front end's. The front end's runs ask the
+controller to say when their outputs are computed, with the bytes of those of 4 KiB or less
+that one worker holds whole, so that waiting for a call's output, or reading a small one,
+asks no worker (the native op-by-op path asks its worker for both). A `device_put` crosses two processes
 before it reaches the worker: the client's host-buffer store reaches the front end in 1 MiB
 messages, and each is sent on to the worker as it arrives, on the worker's data listener
 (raw TCP, as workers send each other arrays; arrays over 1 MiB that one worker holds whole);
@@ -490,6 +500,8 @@ def _jit(state: dict, mode: str, calls: str) -> float:
         x = step(x)
         if mode == "blocking":
             x.block_until_ready()
+        elif mode == "read":
+            np.asarray(x)
     x.block_until_ready()
     elapsed = time.perf_counter() - start
     if not np.all(np.asarray(x) == n):

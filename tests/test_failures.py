@@ -446,7 +446,7 @@ def test_malformed_session_messages_get_error_replies(cluster, session):
             (codec.pack([["slice", 1]]), "it takes 6"),
             (codec.pack([["slice", 1, "cpu", "two", None, None, False]]), "'count' of message 'slice' must be an integer"),
             (codec.pack([["slice", 1, ["cpu"], 2, None, None, False]]), "'kind' of message 'slice' must be a string"),
-            (codec.pack([["run", 5, first_handle(sid), [], False]]), "never registered"),
+            (codec.pack([["run", 5, first_handle(sid), [], False, False]]), "never registered"),
             (codec.pack([["program", first_handle(sid) + 1, graph, "parallel"]]), "before any node defines"),
             (codec.pack([["program", first_handle(sid) + 1, {}, "eventually"]]), "graph"),
             (codec.pack([["program", first_handle(sid) + 1, good, "eventually"]]),

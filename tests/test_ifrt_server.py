@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from ifrt_helpers import PRELUDE, Proxy, RawStream, run_jax, session_metadata, silent_streams
+from pathways.client.fetches import Fetches
 from pathways.cluster import Island, LocalCluster, status, stop_processes, worker_stats
 from pathways.ifrt import types as t
 from pathways.ifrt.devices import DeviceTable, SliceInfo
@@ -84,6 +85,44 @@ def test_jit(server):
     """)
     assert result["y"] == (np.arange(8, dtype=np.float32) * 2 + 1).tolist()
     assert result["z"] == 24.0
+
+
+def test_a_wait_for_a_jit_output_and_a_read_of_a_small_one_ask_no_worker(server, monkeypatch):
+    """The controller tells the front end when a jit call's outputs are computed, with the
+    bytes of the small ones (client/computed.py): only a large output's read asks a worker."""
+    asked = []  # (handle, data) of each fetch the front end's sessions make
+    fetch = Fetches.fetch
+
+    def counted(self, addresses, handle, wait, data, *args, **kwargs):
+        asked.append((handle, data))
+        return fetch(self, addresses, handle, wait, data, *args, **kwargs)
+    monkeypatch.setattr(Fetches, "fetch", counted)
+    result = run_jax(server.address, """
+        import json
+        import numpy as np
+        step = jax.jit(lambda v: v * 2 + 1)
+        y = jax.device_put(np.arange(8, dtype=np.float32))
+        for _ in range(20):
+            y = step(y)
+            y.block_until_ready()
+        small = np.asarray(y)
+        large = np.asarray(jax.jit(lambda v: jax.numpy.tile(v, 1000))(y))  # 32,000 bytes
+        # outputs maybe not computed yet, assembled at once: the front end waits for them in
+        # the thread that serves the session's requests in order
+        pair = jax.devices()[2:]
+        halves = [step(jax.device_put(np.full(2, i, np.float32), d)) for i, d in enumerate(pair)]
+        mesh = jax.sharding.Mesh(np.array(pair), ("x",))
+        whole = jax.make_array_from_single_device_arrays(
+            (4,), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x")), halves)
+        print("RESULT", json.dumps([small.tolist(), large[-8:].tolist(), large.size, np.asarray(whole).tolist()]))
+    """)
+    expected = np.arange(8, dtype=np.float32)
+    for _ in range(20):
+        expected = expected * 2 + 1
+    assert result == [expected.tolist(), expected.tolist(), 8000, [1.0, 1.0, 3.0, 3.0]]
+    # only the reads of the large output and of the assembled array (put from the halves'
+    # values, which came with the news) ask a worker
+    assert [data for _, data in asked] == [True, True], asked
 
 
 def test_sharded_jit(server):

@@ -70,8 +70,8 @@ def test_a_payload_that_is_no_batch_is_refused(payload, needle):
      "'options' of field 'body' of message 'fn' has"),
     (["fn", 1, 1, ["f", b""]], "'body' of message 'fn' must be a list of its 7 fields"),
     (["fn", 1, 1, "f"], "'body' of message 'fn' must be a list of its 7 fields .*got str"),
-    (["run", 1, 1, [[0, 1, 2]], False], "a list of 2 entries"),
-    (["run", 1, 1, [], 1], "'traced' of message 'run' must be true or false"),
+    (["run", 1, 1, [[0, 1, 2]], False, False], "a list of 2 entries"),
+    (["run", 1, 1, [], 1, False], "'traced' of message 'run' must be true or false"),
     (["timeline", 1, 10 ** 6], "'max_events' of message 'timeline' must be in"),
     (["program", 1, {"nvalues": 2 ** 40}, "parallel"], "nvalues"),
 ])

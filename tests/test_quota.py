@@ -168,7 +168,7 @@ def test_a_session_over_its_quota_gets_resource_exhausted_and_others_keep_servin
                                for w in status(small_quota.address)["workers"]), 20, "both sessions' bytes to go")
 
 
-def test_through_the_ifrt_proxy_a_put_past_the_quota_is_resource_exhausted():
+def test_through_the_ifrt_proxy_a_put_or_an_output_past_the_quota_is_resource_exhausted():
     with pw.local_cluster(hosts=1, devices_per_host=1, ifrt=True, session_memory=QUOTA) as c:
         result = run_jax(c.ifrt_address.removeprefix("grpc://"), f"""
             import json, jax, numpy as np
@@ -181,6 +181,13 @@ def test_through_the_ifrt_proxy_a_put_past_the_quota_is_resource_exhausted():
                 error = ""
             except Exception as e:
                 error = f"{{type(e).__name__}}: {{e}}"
+            doubled = jax.jit(lambda v: v * 2)(held)  # its output is past the quota too
+            try:
+                doubled.block_until_ready()
+                waited = ""
+            except Exception as e:
+                waited = f"{{type(e).__name__}}: {{e}}"
+            del doubled
             # the session goes on once it frees its array: a delete reaches the worker in
             # the order of the session's runs, and a put may overtake it, so try a few times
             held.delete()
@@ -194,9 +201,12 @@ def test_through_the_ifrt_proxy_a_put_past_the_quota_is_resource_exhausted():
                     if "RESOURCE_EXHAUSTED" not in str(e) or time.monotonic() > deadline:
                         raise
                     time.sleep(0.2)
-            print("RESULT " + json.dumps({{"error": error, "again": again}}))
+            print("RESULT " + json.dumps({{"error": error, "waited": waited, "again": again}}))
         """)
     assert result["again"] == BIG
+    # a wait for a run's output that the quota refused fails too, although the run finished
+    assert result["waited"].startswith("JaxRuntimeError: RESOURCE_EXHAUSTED:"), result["waited"]
+    assert "the output of" in result["waited"], result["waited"]
     error = result["error"]
     assert error.startswith("JaxRuntimeError: RESOURCE_EXHAUSTED:"), error  # the status code, as JAX raises it
     assert error.count("RESOURCE_EXHAUSTED") == 1, error  # the data plane's tag is not shown

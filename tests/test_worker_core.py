@@ -174,6 +174,25 @@ def test_poison_flows_through_a_run_to_the_reader(core, up):
     assert up.wait_for(m.Done)[0].runs[0][0] == 1
 
 
+def test_a_run_sent_with_notify_reports_its_small_outputs_and_failed_runs_as_failed(core, up):
+    define_double(core)
+    x, poisoned = first_handle(SESSION) + 100, first_handle(SESSION) + 101
+    put(core, x, np.arange(3, dtype=np.float32))
+    core.on_batch(m.encode_batch([m.Poisoned((poisoned,), "RemoteError", "its put failed")]))
+    told, quiet, failed = (first_handle(SESSION) + base for base in (200, 300, 400))
+    core.on_batch(m.encode_batch([m.RunProgram(1, KEY, told, 0, {0: x}, False, True),
+                                  m.RunProgram(2, KEY, quiet, 0, {0: x}),
+                                  m.RunProgram(3, KEY, failed, 0, {0: poisoned}, False, True)]))
+    deadline = time.monotonic() + 30
+    while sorted(r for d in up if type(d) is m.Done for r, _ in d.runs) != [1, 2, 3]:
+        assert time.monotonic() < deadline, up
+        time.sleep(0.01)
+    done = [d for d in up if type(d) is m.Done]
+    values = [v for d in done for v in d.values]
+    assert values == [(1, told + 1, np.array([0.0, 2.0, 4.0], np.float32).tobytes())], values
+    assert [r for d in done for r in d.failed] == [3]
+
+
 def test_fetch_of_a_pending_handle_answers_pending_at_its_bound(core):
     start = time.monotonic()
     header, _ = fetch(core, first_handle(SESSION) + 999, wait=0.3)

@@ -31,11 +31,12 @@ import time
 import warnings
 import weakref
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator, NamedTuple, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import grpc
 
 from pathways import errors
+from pathways.client.computed import Computations
 from pathways.client.fetches import Fetches
 from pathways.client.puts import Puts
 from pathways.client.timeline import RecordingBlock, Recordings, process_recording
@@ -117,6 +118,7 @@ class Session(Puts, Fetches):
         # the client Slice objects by id, so that SliceMoved updates them in place
         self.slices: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._fetches: dict[int, set] = {}  # handle -> its fetch calls in flight, cancelled on bad news
+        self.computations = Computations()  # outputs of runs sent with notify: computed yet? (submit)
         self._fetches_lock = threading.Lock()
         # puts on their way to the workers, and puts still starting theirs: suspend waits for both
         self._puts: set[grpc.Future | Future] = set()
@@ -187,16 +189,23 @@ class Session(Puts, Fetches):
         wait on something that may need it."""
         self._outbox.send_held()
 
-    def submit(self, program: int, base: int, args: dict[int, int], what: str) -> None:
+    def submit(self, program: int, base: int, args: dict[int, int], what: str, notify: Sequence[int] = ()) -> None:
         """Send a run of ``program`` whose values start at handle ``base``, with ``args``
         (graph value -> handle) bound. While a recording is open the run is traced and its
-        submission recorded, ``what`` naming it on the timeline."""
+        submission recorded, ``what`` naming it on the timeline. ``notify``: its outputs'
+        handles, which ``computations`` then tells about once the run is finished."""
         traced = self.traced
         if traced:
             began = now()
-        self.send(m.Run(program, base, args, traced))
+        self.send(m.Run(program, base, args, traced, bool(notify) and self.computations.expect(notify)))
         if traced:
             self.recorder.span("submit", began, base, what)
+
+    def wait_computed(self, handles: Sequence[int], timeout: float) -> Optional[bool]:
+        """``computations.wait`` (client/computed.py), after sending what ``holding`` kept:
+        the run computing them may be among it."""
+        self._outbox.send_held()
+        return self.computations.wait(handles, timeout)
 
     def define_xla(self, slice_id: int, name: str, artifact: bytes, options: bytes,
                    devices: tuple[tuple[int, int], ...]) -> tuple[int, Future]:
@@ -303,6 +312,7 @@ class Session(Puts, Fetches):
 
     def release(self, handle: int) -> None:
         """Queue ``handle`` for deletion; safe from __del__ in any thread."""
+        self.computations.forget(handle)
         self._outbox.release(handle)
 
     def _read(self) -> None:
@@ -332,6 +342,7 @@ class Session(Puts, Fetches):
             if not future.done():
                 future.set_exception(error)
         self._pending.clear()
+        self.computations.close()
         self._cancel_fetches(None)
 
     def _on_message(self, msg: m.Message | m.Malformed) -> None:
@@ -347,7 +358,10 @@ class Session(Puts, Fetches):
             error = type(error_of(msg.kind, "", errors.RemoteError))
             for h in msg.handles:
                 self.poisoned[h] = (error, msg.message)
+            self.computations.computed(msg.handles, False)
             self._cancel_fetches(msg.handles)
+        elif kind is m.Computed:
+            self.computations.computed(msg.handles, not msg.failed, msg.values)
         elif kind is m.Compiled:
             future = self._pending.pop(("compiled", msg.fn), None)
             if future is None:
@@ -405,6 +419,7 @@ class Session(Puts, Fetches):
             except Exception as e:  # closing must not fail for the timeline's sake
                 log.warning("could not write the timeline %s: %s", self._process_recording.path, e)
         self._closed.set()
+        self.computations.close()
         self._outbox.close()
         self._responses.cancel()
         if self._channel is not None:

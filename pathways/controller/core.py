@@ -100,7 +100,9 @@ class ControllerCore(Healing, Retiring, Compiling, Suspending):
             return
         kind = type(msg)
         if kind is m.Done:
-            self.dispatcher.done(conn, msg.runs)
+            finished = self.dispatcher.done(conn, msg.runs, msg.failed, msg.values)
+            if finished:
+                self._computed(finished)
             self._pump()
             if self._draining:
                 self._drained()
@@ -291,7 +293,7 @@ class ControllerCore(Healing, Retiring, Compiling, Suspending):
         for v, h in fresh.items():
             s.handles.live[h] = lowered.output_layouts[v]
         s.handles.reads_queued(args.values())
-        d = Dispatch(key, lowered, graph.nvalues, base, tbase, args, fresh, traced=msg.traced)
+        d = Dispatch(key, lowered, graph.nvalues, base, tbase, args, fresh, traced=msg.traced, notify=msg.notify)
         if msg.traced:
             RECORDER.span("lower", began, base)
             s.traced_workers.update(lowered.workers)
@@ -307,6 +309,24 @@ class ControllerCore(Healing, Retiring, Compiling, Suspending):
             RECORDER.span("schedule", began, base)
             d.since = now()
         self._pump()
+
+    def _computed(self, runs: list[ScheduledRun]) -> None:
+        """Every worker finished ``runs``: tell each session which outputs of the parts that
+        asked (Run.notify) were computed, in one message per session and outcome (runs
+        reported together are most often a client's calls one after the other)."""
+        told: dict[tuple[int, bool], tuple[list[int], list[tuple[int, bytes]]]] = {}
+        for run in runs:
+            d: Dispatch = run.payload
+            handles = [h for part in d.parts if part.notify for h in part.outputs.values()]
+            if handles:
+                into = told.setdefault((run.session, d.failed), ([], []))
+                into[0].extend(handles)
+                if not d.failed:
+                    into[1].extend(d.values.items())
+        for (sid, failed), (handles, values) in told.items():
+            s = self.sessions.get(sid)
+            if s is not None:
+                s.outbox.put(m.Computed(tuple(handles), failed, tuple(values[:m.MAX_SMALL_VALUES])))
 
     def _run_failure(self, s: SessionState, graph: ProgramGraph, e: RunFailure) -> str:
         """Why a run failed: where its functions live on hosts gone for good (their island

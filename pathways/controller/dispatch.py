@@ -56,6 +56,9 @@ class Dispatch:
     unfinished: dict[int, set[int]] = field(default_factory=dict)  # sequential: node -> workers running it
     finished: set[int] = field(default_factory=set)  # sequential: nodes finished
     traced: bool = False  # record its steps (timeline.py)
+    notify: bool = False  # tell the session when its outputs are computed (m.Computed)
+    failed: bool = False  # a worker reported an output of it (or of a run joined to it) failed
+    values: dict[int, bytes] = field(default_factory=dict)  # notify: small outputs' bytes, as reported
     since: int = 0  # traced: when its current step began (perf_counter_ns)
 
     @property
@@ -133,7 +136,7 @@ class Dispatcher:
                 if p.traced:
                     RECORDER.span("queue", p.since, p.base, f"run {run.id}", "queued runs")
                     p.since = now()
-                go = m.RunProgram(run.id, p.key, p.base, p.tbase, p.args, p.traced)
+                go = m.RunProgram(run.id, p.key, p.base, p.tbase, p.args, p.traced, p.notify)
                 for worker, ops in p.lowered.ops.items():
                     conn = workers[worker]
                     if p.key not in conn.defined:
@@ -144,7 +147,12 @@ class Dispatcher:
                     RECORDER.span("dispatch", p.since, p.base, f"{len(p.lowered.ops)} worker(s)")
             yield run
 
-    def done(self, conn: WorkerConn, reports: tuple[tuple[int, float], ...]) -> None:
+    def done(self, conn: WorkerConn, reports: tuple[tuple[int, float], ...], failed: tuple[int, ...] = (),
+             values: tuple[tuple[int, int, bytes], ...] = ()) -> list[ScheduledRun]:
+        """Worker ``conn`` finished its part of the runs ``reports`` names (those in ``failed``
+        with an output that failed there; ``values``: small outputs of theirs, kept where they
+        are outputs of a part sent with notify); the runs that every worker has now finished."""
+        finished = []
         for run_id, seconds in reports:
             run = self.scheduler.running(run_id)
             if run is None:
@@ -153,6 +161,11 @@ class Dispatcher:
             due = d.waiting.get(conn.worker)
             if due is None:
                 continue
+            if failed and run_id in failed:
+                d.failed = True
+            if values:
+                told = {h for part in d.parts if part.notify for h in part.outputs.values()}
+                d.values.update((h, b) for r, h, b in values if r == run_id and h in told)
             # a worker reports the runs of a group in their order: this is the due-th from the end
             part = d.joined[-due] if due <= len(d.joined) else d
             began = now() if part.traced else 0
@@ -164,8 +177,10 @@ class Dispatcher:
             if not d.waiting:
                 self.scheduler.finish(run.id, d.seconds)
                 self.progressed((run,))
+                finished.append(run)
             if part.traced:
                 RECORDER.span("done", began, part.base, f"worker {conn.worker} reported it done")
+        return finished
 
     def step(self, conn: WorkerConn, run_id: int, node: int) -> None:
         """A worker finished its part of ``node`` of a sequential run: release the nodes

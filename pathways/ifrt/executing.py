@@ -134,8 +134,10 @@ class Executing:
                             f"{[(d.name, s) for d, s in exe.in_types]}")
         args = [self._real(a) for a in args]
         base = self.native.allocate(len(args) + len(c.outs))
-        self.native.submit(exe.program, base, {i: a.handle for i, a in enumerate(args)}, exe.label)
         first = base + len(args)
+        # told when the outputs are computed: a wait for them (CheckValueReady) then asks no worker
+        self.native.submit(exe.program, base, {i: a.handle for i, a in enumerate(args)}, exe.label,
+                           notify=range(first, first + len(c.outs)))
         outs = [IfrtArray(dtype, shape, sharding, first + j, layout, place, token=token)
                 for j, (dtype, shape, sharding, layout, place, token) in enumerate(exe.outputs)]
         if c.donated:

@@ -187,8 +187,11 @@ class HostArrays:
 
         def run() -> None:
             try:
-                if (arr.group is None and not arr.parts and t.c_contiguous(arr.dtype, arr.shape, strides)
-                        and len(self._addresses(arr)) == 1):
+                contiguous = t.c_contiguous(arr.dtype, arr.shape, strides)
+                value = self._computed_value(arr) if contiguous else None
+                if value is not None:
+                    self.buffers.add(buffer, memoryview(value.reshape(-1).view(np.uint8)))
+                elif arr.group is None and not arr.parts and contiguous and len(self._addresses(arr)) == 1:
                     self._fetch(arr, data=True, sink=lambda header, chunks: self._receive(buffer, arr, header, chunks))
                 else:
                     self.buffers.add(buffer, memoryview(t.strided_bytes(self._host_value(arr), strides)))

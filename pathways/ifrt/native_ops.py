@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -101,10 +102,12 @@ class NativeOps:
             return (place.addresses[place.workers.index(place.workers_by_rank[rank])],)
         return place.addresses[:1] if arr.sharding.replicated else place.addresses
 
-    def _fetch(self, arr: IfrtArray, data: bool, device: Optional[int] = None, sink: Optional[Sink] = None) -> Any:
-        """The array's value (``data``) or its readiness, from the workers; bounded. With
-        ``device`` (an IFRT id): the buffer of that device of the array alone. With ``sink``:
-        each worker's reply goes there as it arrives (Session.fetch)."""
+    def _fetch(self, arr: IfrtArray, data: bool, device: Optional[int] = None, sink: Optional[Sink] = None,
+               wait: float = handling.WAIT_SECONDS) -> Any:
+        """The array's value (``data``) or its readiness, from the workers, waiting up to
+        ``wait`` seconds for it to be computed. With ``device`` (an IFRT id): the buffer of
+        that device of the array alone. With ``sink``: each worker's reply goes there as it
+        arrives (Session.fetch)."""
         assert arr.handle is not None and arr.place is not None
         pair = None
         if device is not None:
@@ -112,12 +115,26 @@ class NativeOps:
             pair = (d.rank, d.index)
         addresses = functools.partial(self._addresses, arr, None if pair is None else pair[0])
         try:
-            value = self.native.fetch(addresses, arr.handle, handling.WAIT_SECONDS, data, pair, sink)
+            value = self.native.fetch(addresses, arr.handle, wait, data, pair, sink)
         except errors.PathwaysError as e:
             raise t.runtime_failure(e) from None
         if value is None:
             raise IfrtError(t.DEADLINE_EXCEEDED, f"the array was not computed within {handling.WAIT_SECONDS:g} s")
         return value
+
+    def _computed_value(self, arr: IfrtArray) -> Optional[np.ndarray]:
+        """``arr``'s value as the controller sent it with the news that the jit call making
+        it finished (small outputs held whole by one worker: client/computed.py), waiting
+        for that news; None where none comes (the caller then asks the workers)."""
+        unreduced = arr.layout is not None and arr.layout.unreduced  # its devices' partial values are read one by one
+        if arr.handle is None or arr.group is not None or arr.parts or unreduced:
+            return None
+        if not self.native.wait_computed([arr.handle], handling.WAIT_SECONDS):
+            return None
+        raw = self.native.computations.value(arr.handle)
+        if raw is None or len(raw) != math.prod(arr.shape) * arr.dtype.itemsize:
+            return None
+        return np.frombuffer(raw, arr.dtype).reshape(arr.shape)
 
     def _host_value(self, arr: IfrtArray) -> np.ndarray:
         if arr.error is not None:
@@ -125,7 +142,8 @@ class NativeOps:
         if arr.parts:
             return self._assembled(arr)
         if arr.group is None:
-            return self._fetch(arr, data=True)
+            value = self._computed_value(arr)
+            return value if value is not None else self._fetch(arr, data=True)
         group = arr.group
         assert arr.region is not None
         parent = group.parent
@@ -178,5 +196,10 @@ class NativeOps:
                 raise target.error
             if target.deleted and target is not arr:
                 raise shard_of_deleted()
-            for part in [p for _, p in target.parts] or [target]:
-                self._fetch(part, data=False)
+            parts = [p for _, p in target.parts] or [target]
+            began = time.monotonic()
+            if self.native.wait_computed([p.handle for p in parts], handling.WAIT_SECONDS):
+                continue  # the controller said so; else the workers say what became of them
+            left = max(handling.WAIT_SECONDS - (time.monotonic() - began), 0.0)
+            for part in parts:
+                self._fetch(part, data=False, wait=left)

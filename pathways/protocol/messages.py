@@ -61,6 +61,11 @@ CREDENTIAL = Bytes(CREDENTIAL_BYTES, min_len=CREDENTIAL_BYTES)
 DIGEST = Bytes(32, min_len=32)
 DATA_KEY_BYTES = 32
 DATA_KEY = Bytes(DATA_KEY_BYTES, min_len=DATA_KEY_BYTES)
+# An output of a run sent with notify this small travels with the news that it was computed
+# (Done, then Computed), so that reading it asks no worker: a loss, a metric, a token.
+SMALL_VALUE_BYTES = 4096
+MAX_SMALL_VALUES = 1024  # of one message
+SMALL_VALUE = Bytes(SMALL_VALUE_BYTES)
 
 
 def digest(credential: bytes) -> bytes:
@@ -366,12 +371,15 @@ class DefineProgram(Message):
 
 @message("run")
 class Run(Message):
-    """``traced``: record the run's steps on every process it touches (timeline.py)."""
+    """``traced``: record the run's steps on every process it touches (timeline.py).
+    ``notify``: once every worker has finished the run, tell the session which of its
+    outputs were computed (Computed), so that a wait for them asks no worker."""
 
     program: int = wire(HANDLE)
     base: int = wire(HANDLE)
     inputs: dict[int, int] = wire(BINDINGS)
     traced: bool = wire(Bool(), False)
+    notify: bool = wire(Bool(), False)
 
 
 @message("put")
@@ -452,6 +460,19 @@ class SessionWelcome(Message):
 
     session: int = wire(Int(1, MAX_SESSION))
     credential: bytes = wire(CREDENTIAL)
+
+
+@message("computed")
+class Computed(Message):
+    """Outputs of a run sent with ``notify`` that every worker has finished: computed, or,
+    with ``failed``, at least one output of the run failed (reading them says which, and why);
+    the small ones' ``values``."""
+
+    handles: tuple[int, ...] = wire(HANDLES)
+    failed: bool = wire(Bool(), False)
+    # (handle, its bytes in C order) of the outputs small enough (SMALL_VALUE_BYTES) and held
+    # whole by one worker
+    values: tuple[tuple[int, bytes], ...] = wire(Seq(Fixed(HANDLE, SMALL_VALUE), max_len=MAX_SMALL_VALUES), ())
 
 
 @message("slice")
@@ -652,9 +673,15 @@ class Register(Message):
 
 @message("done")
 class Done(Message):
-    """Runs this worker finished, each with the device seconds it took."""
+    """Runs this worker finished, each with the device seconds it took; ``failed``: those of
+    them with an output that failed here (a poison stands for it); ``values``: small outputs
+    of those sent with notify, held whole here."""
 
     runs: tuple[tuple[int, float], ...] = wire(Seq(Fixed(Int(0), Float(0.0, 1e9))))
+    failed: tuple[int, ...] = wire(Seq(Int(0)), ())
+    # (run, handle, bytes) of the small outputs of those of them sent with notify (Computed)
+    values: tuple[tuple[int, int, bytes], ...] = wire(
+        Seq(Fixed(Int(0), HANDLE, SMALL_VALUE), max_len=MAX_SMALL_VALUES), ())
 
 
 @message("undelivered")
@@ -914,6 +941,7 @@ class RunProgram(Message):
     tbase: int = wire(HANDLE)
     args: dict[int, int] = wire(BINDINGS)
     traced: bool = wire(Bool(), False)  # the client's Run asked for its steps on the timeline
+    notify: bool = wire(Bool(), False)  # the client's Run asked to be told (Done's values)
 
 
 @message("drop_session")
@@ -1143,7 +1171,7 @@ class Timeline(Message):
 SESSION_UP = Table("session (client to controller)", Hello, SliceRequest, ClusterRequest, DefineFunction,
                    DefineProgram, Run, PutNotice, Delete, CollectTimeline, Suspend, Resume)
 SESSION_DOWN = Table("session (controller to client)", SessionWelcome, SliceReply, ClusterReply, Poisoned, Error,
-                     Compiled, Timeline, SliceMoved, Suspended, Resumed)
+                     Compiled, Timeline, SliceMoved, Suspended, Resumed, Computed)
 WORKER_UP = Table("attach (worker to controller)", Register, Done, Step, Notice, Measured,
                   Heartbeat, Compiled, Offloaded, Adopted, Undelivered, GroupBroken)
 WORKER_DOWN = Table("attach (controller to worker)", WorkerWelcome, DataKey, Peers, Compile, Define, RunProgram, Delete,

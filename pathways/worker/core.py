@@ -140,8 +140,8 @@ class WorkerCore(Receiving, Offloading):
 
     # ---- what the executor asks of its host (executor.Controls) ---------------------
 
-    def done(self, reports: list[tuple[int, float]]) -> None:
-        self.up(Done(tuple(reports)))
+    def done(self, reports: list[tuple[int, float]], failed: list[int], values: list[tuple[int, int, bytes]]) -> None:
+        self.up(Done(tuple(reports), tuple(failed), tuple(values)))
 
     def step(self, run: int, node: int) -> None:
         self.up(Step(run, node))

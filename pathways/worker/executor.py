@@ -40,11 +40,12 @@ from collections import deque
 from typing import Any, Callable, Iterator, Protocol, Union
 
 import jax
+import numpy as np
 
 from pathways.errors import WireError
 from pathways.protocol.errors import LOST
 from pathways.protocol.handles import session_of, value_handle
-from pathways.protocol.messages import Define, Delete, DropSession, RunProgram
+from pathways.protocol.messages import MAX_SMALL_VALUES, SMALL_VALUE_BYTES, Define, Delete, DropSession, RunProgram
 from pathways.protocol.ops import Op
 from pathways.threads import Threads
 from pathways.timeline import RECORDER, now
@@ -96,7 +97,8 @@ class Controls(Protocol):
 
     def send(self, handle: int, value: Any, layout: list, routes: tuple, run: int = 0) -> None: ...
 
-    def done(self, reports: list[tuple[int, float]]) -> None: ...
+    def done(self, reports: list[tuple[int, float]], failed: list[int],
+             values: list[tuple[int, int, bytes]]) -> None: ...
 
     def released(self, run: int, node: int, timeout: float) -> bool: ...
 
@@ -121,6 +123,9 @@ class Executor:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._finished: queue.SimpleQueue = queue.SimpleQueue()
         self._traced: dict[int, tuple[int, int]] = {}  # traced run id -> (its base, when its ops ended)
+        self._failing: set[int] = set()  # runs that stored a failed output, until reported done
+        # runs sent with notify -> (handle, array) of their small outputs, until reported done
+        self._told: dict[int, list[tuple[int, Any]]] = {}
         self._reported = 0  # when the reporter last recorded a traced run done
         self.worker_id = -1
         self._threads = Threads("the worker's executor")
@@ -240,6 +245,7 @@ class Executor:
                 try:
                     jax.block_until_ready(results)
                 except Exception as e:  # the failure reaches readers through the results themselves
+                    self._failing.add(run_id)
                     if collective_failure(e):
                         self._failed(f"run {run_id}", e, run_id)
                 finished = time.perf_counter()
@@ -256,7 +262,24 @@ class Executor:
             self._report(reports)
 
     def _report(self, reports: list[tuple[int, float]]) -> None:
-        self._controls.done(reports)
+        failing, told = self._failing, self._told
+        values = []
+        if told:
+            for run_id, _ in reports:
+                for handle, value in told.pop(run_id, ()):
+                    if run_id in failing or len(values) >= MAX_SMALL_VALUES:
+                        continue
+                    try:
+                        raw = _whole_bytes(value)
+                    except Exception:  # its computation failed after all: readers ask for it, and learn why
+                        failing.add(run_id)
+                        continue
+                    if raw is not None:
+                        values.append((run_id, handle, raw))
+        self._controls.done(reports, [r for r, _ in reports if r in failing] if failing else [], values)
+        if failing:
+            for run_id, _ in reports:
+                failing.discard(run_id)
         if self._traced:
             for run_id, _ in reports:
                 self._traced_done(run_id)
@@ -286,6 +309,7 @@ class Executor:
         program = self._programs.get(msg.key)
         if program is None:
             log.error("run names program %r, which was never defined here", msg.key)
+            self._failing.add(msg.id)  # its outputs never come
             if traced:
                 self._traced[msg.id] = (msg.base, now())
             self._finished.put((msg.id, time.perf_counter(), []))  # free its window slot
@@ -437,8 +461,13 @@ class Executor:
             # not made shareable here: most outputs are only run again, and whoever reads one,
             # in any thread, makes it shareable first (shared_arrays.py)
             # past the session's quota, the refusal says which function made it (looked up then)
-            self._store.put(value_handle(op[1], msg.base, msg.tbase, nvalues, msg.args), regs[op[1]],
-                            what=lambda: f"the output of {self._producer(msg, op[1])} on worker {self.worker_id},")
+            value = regs[op[1]]
+            handle = value_handle(op[1], msg.base, msg.tbase, nvalues, msg.args)
+            if self._store.put_output(handle, value, lambda: f"the output of {self._producer(msg, op[1])} on "
+                                                             f"worker {self.worker_id},"):
+                self._failing.add(msg.id)
+            elif msg.notify and getattr(value, "nbytes", SMALL_VALUE_BYTES + 1) <= SMALL_VALUE_BYTES:
+                self._told.setdefault(msg.id, []).append((handle, value))  # its bytes go with the run's Done
         elif code is _DROP:
             for v in op[1]:
                 regs[v] = None
@@ -494,6 +523,15 @@ def _launcher(executable: Any) -> Callable[..., tuple[list, Any]]:
         results = executable(*args)
         return results, (results[0] if results else None)
     return launch
+
+
+def _whole_bytes(value: Any) -> bytes | None:
+    """A small output's bytes in C order, where this host holds all of it (a jax.Array
+    spanning hosts does not, nor does one deleted since, e.g. donated to a later run);
+    raises the error its computation failed with."""
+    if not isinstance(value, jax.Array) or not value.is_fully_addressable or value.is_deleted():
+        return None
+    return np.ascontiguousarray(np.asarray(shareable(value))).tobytes()
 
 
 def _finished(done: Any) -> bool:

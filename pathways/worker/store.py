@@ -108,6 +108,11 @@ class ObjectStore:
         with ``replace`` false, already holds a value)."""
         return self._put(handle, value, replace, what)[0]
 
+    def put_output(self, handle: int, value: Any, what: Callable[[], str]) -> bool:
+        """Store a run's output as ``put`` does; whether what the handle holds now is a
+        failure (the run's own, or the quota's refusal)."""
+        return type(self._put(handle, value, True, what)[1]) is Poison
+
     def put_charged(self, handle: int, value: Any) -> Optional[str]:
         """Store ``value`` as ``put`` does; the refusal's message where it would have taken
         its session past the quota (the handle then holds the poison saying so), else None."""
