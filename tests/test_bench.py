@@ -105,7 +105,7 @@ def check_control(d):
 
 def check_ifrt(d):
     assert d["sizes"] == [1024, 1 << 20]
-    assert set(d["jit"]) == {"pipelined", "blocking"}
+    assert set(d["jit"]) == {"pipelined", "blocking", "read"}
     assert all(rate_ok(s) for mode in d["jit"].values() for s in mode.values())
     assert all(set(m) == {"proxy", "local", "native"} for m in d["jit"].values())
     for direction in ("device_put", "np.asarray"):
