@@ -317,7 +317,7 @@ class ControllerCore(Healing, Retiring, Compiling, Suspending):
         told: dict[tuple[int, bool], tuple[list[int], list[tuple[int, bytes]]]] = {}
         for run in runs:
             d: Dispatch = run.payload
-            handles = [h for part in d.parts if part.notify for h in part.outputs.values()]
+            handles = d.told
             if handles:
                 into = told.setdefault((run.session, d.failed), ([], []))
                 into[0].extend(handles)

@@ -66,6 +66,12 @@ class Dispatch:
         """This run and those it took on, in the session's order."""
         return [self, *self.joined] if self.joined else [self]
 
+    @property
+    def told(self) -> list[int]:
+        """The output handles of this run and those it took on that asked to be told when
+        computed (notify)."""
+        return [h for part in self.parts if part.notify for h in part.outputs.values()]
+
 
 def coalesce(scheduler: Scheduler, tail: ScheduledRun | None, d: Dispatch) -> bool:
     """Have ``tail``, the session's latest submitted run, take ``d`` (the session's next
@@ -164,7 +170,7 @@ class Dispatcher:
             if failed and run_id in failed:
                 d.failed = True
             if values:
-                told = {h for part in d.parts if part.notify for h in part.outputs.values()}
+                told = set(d.told)
                 d.values.update((h, b) for r, h, b in values if r == run_id and h in told)
             # a worker reports the runs of a group in their order: this is the due-th from the end
             part = d.joined[-due] if due <= len(d.joined) else d
