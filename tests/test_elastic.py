@@ -46,6 +46,7 @@ def test_a_killed_host_replaced_by_hand_heals_its_island_for_the_same_client_obj
         kept = pw.device_put(np.array([5.0, 6.0], np.float32), s.devices)
         kept.block_until_ready(timeout=60)
         survivor = next(w for w in status(c.address)["workers"] if w["rank"] == 1 - killed)
+        addresses = s.addresses
         lost = _kill(c.address, 0, killed)
         with pytest.raises(pw.WorkerLostError):
             np.asarray(kept)
@@ -60,7 +61,9 @@ def test_a_killed_host_replaced_by_hand_heals_its_island_for_the_same_client_obj
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             env={**os.environ, "PATHWAYS_WORKER_TOKEN": c.security.worker_token})  # the cluster's, which it drew
         try:
-            wait_until(lambda: _assembled(c.address), timeout=60, what="the island to heal")
+            # the session applies the move (SliceMoved) after status may report the heal
+            wait_until(lambda: _assembled(c.address) and s.addresses != addresses, timeout=60,
+                       what="the island to heal and the slice to follow it")
             workers = {w["rank"]: w for w in status(c.address)["workers"]}
             assert workers[killed]["pid"] == child_of(replacement.pid), "the replacement takes the free rank"
             assert workers[killed]["worker"] == lost["worker"] and workers[1 - killed]["worker"] == survivor["worker"], \
@@ -83,8 +86,10 @@ def test_the_local_supervisor_restarts_a_killed_worker_and_the_island_heals():
         np.testing.assert_array_equal(np.asarray(total(np.array([1.0, 2.0], np.float32))), [4.0, 4.0])
         before = list(c.pids)
         lost = _kill(c.address, 0, 0)  # rank 0 runs the island's coordinator
+        addresses = s.addresses
         wait_until(lambda: not _island(c.address)["healthy"], what="the loss to be seen")
-        wait_until(lambda: _assembled(c.address), timeout=60, what="the island to heal")
+        wait_until(lambda: _assembled(c.address) and s.addresses != addresses, timeout=60,
+                   what="the island to heal and the slice to follow it")
         assert c.restarts == 1 and c.pids[1:] != before[1:] and c.pids[2:] == before[2:], \
             "the supervisor started the dead worker again, and only it"
         assert lost["pid"] not in [w["pid"] for w in status(c.address)["workers"]]

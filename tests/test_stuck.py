@@ -203,6 +203,7 @@ def _stuck_and_healed(cluster):
     total = pw.pmap(spin_then_sum, devices=s.devices, axis_name="i")
     np.testing.assert_array_equal(np.asarray(total(np.array([2.0, 3.0], np.float32))), [5.0, 5.0])
     workers = {w["worker"]: w for w in status(cluster.address)["workers"]}
+    addresses = s.addresses
 
     started = time.monotonic()
     stuck = total(np.array([0.5, 3.0], np.float32))  # host 0 never leaves its loop
@@ -213,8 +214,10 @@ def _stuck_and_healed(cluster):
     message = str(info.value)
     assert "reset" in message and any(f"worker {w} " in message for w in workers), message
 
-    wait_until(lambda: status(cluster.address)["islands"][0]["healthy"], timeout=120,
-               what="the island's hosts to restart and join it again")
+    # and the session has applied the move (SliceMoved) that status may report before it: a
+    # put to the hosts' old addresses would be lost
+    wait_until(lambda: status(cluster.address)["islands"][0]["healthy"] and s.addresses != addresses, timeout=120,
+               what="the island's hosts to restart and join it again, and the slice to follow them")
     np.testing.assert_array_equal(np.asarray(total(np.array([2.0, 3.0], np.float32))), [5.0, 5.0])
     assert {w["pid"] for w in status(cluster.address)["workers"]}.isdisjoint(w["pid"] for w in workers.values()), \
         "both hosts were restarted"
@@ -234,7 +237,7 @@ def test_a_host_stopped_past_the_collectives_bound_fails_the_run_and_its_island_
         # host stopped meanwhile would hold up for minutes): an array put on both, read back
         np.testing.assert_array_equal(np.asarray(pw.device_put(np.array([3.0, 4.0], np.float32), s.devices)),
                                       [3.0, 4.0])
-        workers = status(cluster.address)["workers"]
+        workers, addresses = status(cluster.address)["workers"], s.addresses
         stopped = next(w["pid"] for w in workers if w["rank"] == 1)  # not the group's coordinator
         os.kill(stopped, signal.SIGSTOP)
         try:
@@ -249,6 +252,7 @@ def test_a_host_stopped_past_the_collectives_bound_fails_the_run_and_its_island_
         finally:
             os.kill(stopped, signal.SIGCONT)
         wait_until(lambda: {w["pid"] for w in status(cluster.address)["workers"]}.isdisjoint(
-            w["pid"] for w in workers) and status(cluster.address)["islands"][0]["healthy"], timeout=120,
-            what="the island's hosts to restart and join it again")
+            w["pid"] for w in workers) and status(cluster.address)["islands"][0]["healthy"]
+            and s.addresses != addresses, timeout=120,
+            what="the island's hosts to restart and join it again, and the slice to follow them")
         np.testing.assert_array_equal(np.asarray(total(np.array([3.0, 4.0], np.float32))), [7.0, 7.0])
