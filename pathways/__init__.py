@@ -26,7 +26,7 @@ __all__ = [
     "P", "PartitionSpec", "PathwaysError", "PlacementError", "ProgramTraceError", "RemoteError",
     "ResourceExhaustedError", "SignatureError", "Slice", "SpmdError", "SuspendedError", "VirtualDeviceSet", "VirtualMesh", "WireError", "WorkerLostError", "conduct",
     "connect", "default_session", "device_get", "device_put", "disconnect", "jit", "local_cluster",
-    "make_virtual_device_set", "pipeline", "pmap", "program", "resume", "spmd", "suspend", "trace",
+    "load", "make_virtual_device_set", "pipeline", "pmap", "program", "resume", "save", "spmd", "suspend", "trace",
 ]
 
 # Modules of the public API reached as attributes (`pw.spmd.run`, `pw.cluster.measure`):
@@ -41,8 +41,8 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from jax.sharding import PartitionSpec
 
-    from pathways.client.api import (connect, default_session, device_get, device_put, disconnect,
-                                     local_cluster, make_virtual_device_set, resume, suspend, trace)
+    from pathways.client.api import (connect, default_session, device_get, device_put, disconnect, load,
+                                     local_cluster, make_virtual_device_set, resume, save, suspend, trace)
     from pathways.client.array import Array
     from pathways.client.compiled import jit, pmap
     from pathways.client.devices import NamedSharding, Slice, VirtualDeviceSet, VirtualMesh

@@ -11,7 +11,8 @@ from pathways import config, keeper
 from pathways.defaults import ADDRESS_LINE
 
 ROOT = Path(__file__).resolve().parent.parent
-NAME = re.compile(r"PATHWAYS_[A-Z][A-Z_]*[A-Z]")
+# ours start with PATHWAYS_; pathwaysutils' ENABLE_PATHWAYS_PERSISTENCE is not one of them
+NAME = re.compile(r"(?<![A-Z_])PATHWAYS_[A-Z][A-Z_]*[A-Z]")
 REGISTERED = {v.name for v in config.VARIABLES}
 
 

@@ -44,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suspend-dir", metavar="DIR",
                         help="the directory under which suspended sessions' arrays may be written to files "
                              "(suspend's path must lie under it; default: none, arrays stay in host memory)")
+    parser.add_argument("--checkpoint-dir", metavar="DIR",
+                        help="the directory under which the workers write and read clients' checkpoints (a "
+                             "checkpoint's location must lie under it; gs://BUCKET/PATH names DIR/BUCKET/PATH; "
+                             "default: none, no checkpoints)")
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -54,7 +58,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                                security=security.from_args(args), heartbeat_timeout=args.heartbeat_timeout,
                                ifrt_port=args.ifrt_port, restart_workers=args.restart_workers,
                                restart_controller=True, suspend_dir=args.suspend_dir, run_timeout=args.run_timeout,
-                               session_memory=args.session_memory)
+                               session_memory=args.session_memory, checkpoint_dir=args.checkpoint_dir)
     except ValueError as e:
         parser.error(str(e))
     with tempfile.TemporaryDirectory(prefix="pathways-up-") as private:  # mode 0700: this user's alone

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import gc
+import os
 import threading
 from typing import Any, Optional, Sequence
 
@@ -11,14 +13,14 @@ import jax
 from jax.sharding import PartitionSpec
 
 from pathways import config
-from pathways.client.array import Array
+from pathways.client.array import Array, _Buffer
 from pathways.client.compiled import check_divisible, host_array
 from pathways.client.devices import NamedSharding, VirtualDeviceSet, VirtualMesh, slice_of
 from pathways.client.session import DEFAULT_TIMEOUT, Session
 from pathways.client.timeline import RecordingBlock
 from pathways.cluster import Island, LocalCluster
 from pathways.defaults import DEFAULT_WINDOW
-from pathways.errors import SignatureError
+from pathways.errors import ArrayDeletedError, SignatureError
 from pathways.wire import security as sec
 from pathways.wire.security import Security
 
@@ -146,7 +148,8 @@ def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[S
                   unsafe_local_order: bool = False, security: Optional[Security] = None,
                   heartbeat_timeout: Optional[float] = None, ifrt: bool = False,
                   restart_workers: bool = True, suspend_dir: Optional[str] = None,
-                  run_timeout: Optional[float] = None, session_memory: Optional[int] = None) -> ConnectedCluster:
+                  run_timeout: Optional[float] = None, session_memory: Optional[int] = None,
+                  checkpoint_dir: Optional[str] = None) -> ConnectedCluster:
     """A context manager running a controller and workers on this machine.
 
     One island of ``hosts`` worker processes with ``devices_per_host`` CPU devices each, or
@@ -195,11 +198,16 @@ def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[S
     session's usage; the session goes on once it deletes arrays, and other sessions never
     notice. A session's arrays and functions go when it closes, and the workers hand the
     memory back to the system.
+
+    ``checkpoint_dir``: the directory under which the workers write and read checkpoints
+    themselves (``pw.save``, ``pw.load``, and orbax through pathwaysutils' persistence);
+    a checkpoint's location must lie under it (``gs://BUCKET/PATH`` names
+    ``checkpoint_dir/BUCKET/PATH``). None by default: no checkpoints.
     """
     return ConnectedCluster(list(islands) if islands else [Island(hosts, devices_per_host)], start_timeout,
                             policy, window, unsafe_local_order, security, heartbeat_timeout,
                             ifrt_port=0 if ifrt else None, restart_workers=restart_workers, suspend_dir=suspend_dir,
-                            run_timeout=run_timeout, session_memory=session_memory)
+                            run_timeout=run_timeout, session_memory=session_memory, checkpoint_dir=checkpoint_dir)
 
 
 def trace(path: str) -> RecordingBlock:
@@ -236,6 +244,72 @@ def device_put(x: Any, devices_or_sharding: Any) -> Any:
         return session.put_layout(value, sharding.layout(), sharding)
 
     return jax.tree.map(put, x, is_leaf=lambda leaf: isinstance(leaf, Array))
+
+
+def save(tree: Any, path: str, timeout: Optional[float] = None) -> None:
+    """Have the workers write every pw.Array of ``tree`` into checkpoint directory ``path``,
+    each into ``path/KEY`` (``KEY``: its place in the pytree, ``jax.tree_util.keystr``), each
+    distinct block once, by the host that holds it; returns once all are written, raising
+    the first error a host gave. No byte of the arrays passes through this process.
+    ``path`` lies under the workers' checkpoint directory (``pw.local_cluster(
+    checkpoint_dir=)``, ``pathways up --checkpoint-dir``; ``gs://BUCKET/PATH`` names
+    ``DIR/BUCKET/PATH`` there). ``timeout``: seconds to wait for the arrays to be computed
+    and written (default: the session's result timeout)."""
+    writes = []
+    for key, leaf in _arrays_of(tree, "save"):
+        layout, b = _layout_now(leaf), leaf._buffer
+        writes.append(b.session.save_blocks(b.addresses, b.handle, layout, leaf.shape, _key_path(path, key), timeout))
+    for write in writes:
+        write.result()
+
+
+def load(path: str, like: Any) -> Any:
+    """The arrays that ``pw.save`` wrote into checkpoint directory ``path``, as a pytree
+    of the structure of ``like``, each array of the shape, dtype and sharding of the
+    pw.Array at its place in ``like`` (which may lay it out otherwise than it was saved:
+    each host reads the blocks it holds from whatever blocks were written). Each host reads
+    its own blocks from the files; nothing passes through this process. No waiting: a host
+    that cannot read them fails the array, raising where it is used."""
+    def load_one(key: Any, leaf: Array) -> Array:
+        s = leaf.sharding.mesh.slice
+        session, layout = s.session, _layout_now(leaf)
+        handle = session.allocate(1)
+        moves = session.moves  # before the addresses: a move in between makes the controller drop it
+        session.load_blocks(s.addresses, handle, layout, leaf.dtype, leaf.shape, _key_path(path, key), moves)
+        return Array(_Buffer(session, handle, s), leaf.shape, leaf.dtype, leaf.sharding)
+
+    treedef = jax.tree_util.tree_structure(like, is_leaf=lambda x: isinstance(x, Array))
+    return jax.tree_util.tree_unflatten(treedef, [load_one(k, a) for k, a in _arrays_of(like, "load")])
+
+
+def _arrays_of(tree: Any, what: str) -> list[tuple[Any, Array]]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, Array))[0]
+    for key, leaf in leaves:
+        where = jax.tree_util.keystr(key) or "the root"
+        if not isinstance(leaf, Array):
+            raise SignatureError(f"{what} takes a pytree of pw.Array; the leaf at {where} is a {type(leaf).__name__}")
+        if leaf._buffer.deleted:
+            raise ArrayDeletedError(f"the array at {where} was deleted")
+    return leaves
+
+
+def _layout_now(leaf: Array) -> Any:
+    """The layout of ``leaf`` on its slice's hosts as they are now (a slice moves when its
+    island heals)."""
+    s, layout = leaf.sharding.mesh.slice, leaf.sharding.layout()
+    if layout.workers != s.workers or layout.devices != s._physical:
+        layout = dataclasses.replace(layout, workers=s.workers, devices=s._physical)
+    return layout
+
+
+def _key_path(path: str, key: Any) -> str:
+    """Where the array at pytree place ``key`` goes under ``path``: one directory named
+    by its keys (``['params']['w']`` -> ``params.w``)."""
+    parts = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in key]
+    name = ".".join(parts) or "array"
+    if "/" in name or name in (".", ".."):
+        raise SignatureError(f"an array's place in the pytree, {name!r}, cannot name a directory")
+    return os.path.join(path, name)
 
 
 def device_get(tree: Any) -> Any:

@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 import grpc
 
 from pathways import errors
+from pathways.client.checkpoints import Checkpoints
 from pathways.client.computed import Computations
 from pathways.client.fetches import Fetches
 from pathways.client.puts import Puts
@@ -66,9 +67,11 @@ class WorkerStubs(NamedTuple):
     channel: grpc.Channel
     put_one: Any  # PutOne, unary-unary: a small array in one message
     credential: bytes  # what the session presents to this worker (messages.worker_credential)
+    save: Any  # Save, unary-unary: write its blocks of an array into a checkpoint
+    load: Any  # Load, unary-unary: make its blocks of an array from a checkpoint
 
 
-class Session(Puts, Fetches):
+class Session(Puts, Fetches, Checkpoints):
     """``connect_timeout``: seconds to wait for the controller to answer and greet the
     session (``result_timeout`` is another: how long a put or a wait for an array may take
     by default). ``security``: the token and CA this session reaches the controller and the
@@ -402,7 +405,9 @@ class Session(Puts, Fetches):
             stubs = WorkerStubs(rpc.method(channel, rpc.WORKER_SERVICE, "Put", "stream_unary"),
                                 rpc.method(channel, rpc.WORKER_SERVICE, "Fetch", "unary_stream"), channel,
                                 rpc.method(channel, rpc.WORKER_SERVICE, "PutOne", "unary_unary"),
-                                m.worker_credential(self._credential, address))
+                                m.worker_credential(self._credential, address),
+                                rpc.method(channel, rpc.WORKER_SERVICE, "Save", "unary_unary"),
+                                rpc.method(channel, rpc.WORKER_SERVICE, "Load", "unary_unary"))
             self._workers[address] = stubs
         return stubs
 

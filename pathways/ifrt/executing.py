@@ -12,6 +12,7 @@ from pathways.client.compiled import register_program
 from pathways.ifrt import types as t
 from pathways.ifrt import handling
 from pathways.ifrt.handling import DONE, Deferred, IfrtArray, IfrtExecutable, Lazy, attributes, failed_future, serves
+from pathways.ifrt.persistence import PLUGIN_COMPILE_OPTIONS, PLUGIN_PROGRAM, PersistenceProgram
 from pathways.ifrt.types import IfrtError, Sharding
 from pathways.ir import Node, ProgramGraph
 from pathways.proto.xla import xla_data_pb2
@@ -33,9 +34,12 @@ class Executing:
         if body.host_callbacks:
             raise IfrtError(t.UNIMPLEMENTED, "host callbacks (jax.debug.print, pure_callback, io_callback) are "
                                              "not supported by the pathways IFRT server")
+        if (body.program.type_name, body.compile_options.type_name) == (PLUGIN_PROGRAM, PLUGIN_COMPILE_OPTIONS):
+            return self._compile_persistence(body.program.data)
         if body.program.type_name != handling.XLA_PROGRAM:
             raise IfrtError(t.UNIMPLEMENTED, f"programs of type {body.program.type_name[:80]!r} are not "
-                                             f"supported; the server compiles {handling.XLA_PROGRAM}")
+                                             f"supported; the server compiles {handling.XLA_PROGRAM} and "
+                                             f"{PLUGIN_PROGRAM}s that write or read checkpoints")
         if body.compile_options.type_name != handling.XLA_COMPILE_OPTIONS:
             raise IfrtError(t.UNIMPLEMENTED, f"compile options of type {body.compile_options.type_name[:80]!r} "
                                              f"are not supported; the server takes {handling.XLA_COMPILE_OPTIONS}")
@@ -76,6 +80,12 @@ class Executing:
         return Deferred(run)
 
     def _executable(self, handle: int) -> IfrtExecutable:
+        exe = self._program(handle)
+        if not isinstance(exe, IfrtExecutable):
+            raise IfrtError(t.UNIMPLEMENTED, "a persistence program has no metadata, cost analysis or program text")
+        return exe
+
+    def _program(self, handle: int) -> IfrtExecutable | PersistenceProgram:
         with self._lock:
             exe = self._executables.get(handle)
         if exe is None:
@@ -84,8 +94,15 @@ class Executing:
 
     @serves()
     def _loaded_executable_metadata_request(self, body: Any) -> Any:
-        c = self._executable(body.loaded_executable_handle).compiled
+        exe = self._program(body.loaded_executable_handle)
         resp = pb.LoadedExecutableMetadataResponse()
+        if isinstance(exe, PersistenceProgram):  # no XLA program: no shardings, layouts or memory to tell
+            resp.donated_input_indices.SetInParent()
+            for status in (resp.parameter_layouts_error, resp.output_layouts_error,
+                           resp.compiled_memory_stats_error):
+                _unavailable(status, "metadata (a persistence program is not an XLA program)")
+            return resp
+        c = exe.compiled
         resp.parameter_shardings.shardings.extend(t.op_of(s) for s in c.in_shardings)
         resp.output_shardings.shardings.extend(t.op_of(s) for s in c.out_shardings)
         resp.parameter_layouts_list.layouts.extend(xla_data_pb2.LayoutProto(minor_to_major=list(x))
@@ -103,7 +120,9 @@ class Executing:
 
     @serves("result_array_handle")
     def _loaded_executable_execute_request(self, body: Any) -> Any:
-        exe = self._executable(body.loaded_executable_handle)
+        exe = self._program(body.loaded_executable_handle)
+        if isinstance(exe, PersistenceProgram):
+            return self._execute_persistence(exe, body)
         c = exe.compiled
         args = [self._array(h) for h in body.args_handles]
         across = [i for i, a in enumerate(args) if a.parts]
@@ -179,7 +198,7 @@ class Executing:
 
     @serves()
     def _loaded_executable_is_deleted_request(self, body: Any) -> Any:
-        self._executable(body.loaded_executable_handle)
+        self._program(body.loaded_executable_handle)
         return pb.LoadedExecutableIsDeletedResponse(is_deleted=False)
 
     def _analysis(self, handle: int) -> m.Analysis:

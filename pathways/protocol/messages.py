@@ -1120,6 +1120,48 @@ class FetchRequest(Message):
     device: tuple[int, int] | None = wire(Optional(Fixed(Int(0, MAX_RANK), Int(0, MAX_DEVICES_PER_HOST))), None)
 
 
+# ---- checkpoints (worker/checkpoints.py): each worker writes and reads its own blocks ----------
+
+MAX_BLOCKS = 1 << 16  # of one array on one host
+BLOCK = Seq(Fixed(Int(0, MAX_DIM), Int(0, MAX_DIM)), max_len=MAX_RANK_OF_ARRAY)  # [start, stop) per dimension
+
+
+@message("save")
+class SaveRequest(Message):
+    """Client to worker (the Save method): write the blocks ``blocks`` of array ``handle``
+    that this host holds into directory ``path`` (a checkpoint location, read under the
+    worker's checkpoint directory), once the array is computed, within ``wait`` seconds.
+    ``credential`` is that of the handle's session. Answered by Saved or Failed."""
+
+    handle: int = wire(HANDLE)
+    credential: bytes = wire(CREDENTIAL)
+    path: str = wire(Str(MAX_PATH))
+    blocks: tuple = wire(Seq(BLOCK, max_len=MAX_BLOCKS))
+    wait: float = wire(Float(0.0, MAX_WAIT_SECONDS))
+
+
+@message("load")
+class LoadRequest(Message):
+    """Client to worker (the Load method): make this host's blocks of array ``handle``,
+    of ``dtype`` and ``shape`` laid out as ``layout``, from the blocks saved in directory
+    ``path`` (whatever layout they were saved in), and store them as a put's would be.
+    Answered by Saved (the bytes read) or Failed."""
+
+    handle: int = wire(HANDLE)
+    credential: bytes = wire(CREDENTIAL)
+    path: str = wire(Str(MAX_PATH))
+    layout: Layout = wire(LAYOUT)
+    dtype: str = wire(_WIRE_DTYPE)
+    shape: tuple = wire(_SHAPE)
+
+
+@message("saved")
+class Saved(Message):
+    """A worker wrote (Save) or read (Load) ``nbytes`` bytes of array blocks."""
+
+    nbytes: int = wire(COUNT)
+
+
 # ---- timelines (timeline.py): a client collects the spans of its traced runs -----------------
 
 # (name, thread, start ns, duration ns, run: its handle base, detail), on the sender's clock
@@ -1181,4 +1223,6 @@ MEASURE = Table("measure request", MeasureRequest)
 RETIRE = Table("retire request", RetireRequest)
 FETCH = Table("fetch request", FetchRequest)
 TIMELINE = Table("timeline request", TimelineFetch)
+SAVE = Table("save request", SaveRequest)
+LOAD = Table("load request", LoadRequest)
 

@@ -55,6 +55,7 @@ from pathways.protocol.messages import (Adopt, Compile, DataKey, Define, Delete,
 from pathways.timeline import RECORDER, now
 from pathways.wire import codec, tcp
 from pathways.wire.security import Refusals, Security
+from pathways.worker.checkpoints import Checkpoints
 from pathways.worker.compile_cache import CompileCache
 from pathways.worker.executables import Executables
 from pathways.worker.executor import Executor
@@ -79,7 +80,7 @@ _READY_POLL_MAX = 0.02  # longest pause between looks at whether a fetched array
 _PENDING = FetchReply(PENDING).header()
 
 
-class WorkerCore(Receiving, Offloading):
+class WorkerCore(Receiving, Offloading, Checkpoints):
     """One worker's state and behaviour. ``up`` takes each message for the controller (an
     outbox's ``put``); ``on_shutdown`` is called when the controller says to stop, and
     ``on_heartbeat(timeout)`` when its heartbeat says how long it tolerates silence, and
@@ -96,7 +97,7 @@ class WorkerCore(Receiving, Offloading):
                  on_heartbeat: Callable[[float], None] = lambda timeout: None,
                  on_reset: Optional[Callable[[], None]] = None, suspend_dir: Optional[str] = None,
                  tickets: Optional[PeerTickets] = None, compile_cache: Optional[str] = None,
-                 session_memory: Optional[int] = None) -> None:
+                 session_memory: Optional[int] = None, checkpoint_dir: Optional[str] = None) -> None:
         if not (math.isfinite(wait_timeout) and wait_timeout > 0):
             raise ValueError(f"wait_timeout must be a finite number of seconds above 0, got {wait_timeout!r}")
         self.up = up
@@ -131,6 +132,8 @@ class WorkerCore(Receiving, Offloading):
         self._suspended: dict[int, dict[int, OffloadedArray]] = {}
         # where the operator lets clients have suspended arrays written (`--suspend-dir`); None: nowhere
         self.suspend_dir = os.path.realpath(suspend_dir) if suspend_dir else None
+        # where the operator lets clients have checkpoints written and read (`--checkpoint-dir`); None: nowhere
+        self.checkpoint_dir = os.path.realpath(checkpoint_dir) if checkpoint_dir else None
         self._offload_dirs: dict[int, str] = {}
         self._suspended_lock = threading.Lock()
 

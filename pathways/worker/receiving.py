@@ -109,6 +109,12 @@ class Receiving:
 
         return self._guarded(admitted)
 
+    def store_own_put(self, put: ArrayPut, pieces: list) -> Optional[str]:
+        """Store the pieces of ``put`` (admitted already) that this worker made itself (a
+        load from a checkpoint), as the client's put of them would be; an error message for
+        a put that cannot be stored, or None. Raises ResourceExhaustedError past the quota."""
+        return self._guarded(lambda: self._store(self._read_put(put.header()), None, pieces))
+
     def _admit_put(self, put: ArrayPut, missing: str) -> None:
         """Admit ``put`` to the session whose credential it carries: AccessDeniedError when
         refused, WireError ``missing`` when it carries none."""

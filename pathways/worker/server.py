@@ -68,14 +68,14 @@ import grpc
 import trio
 
 from pathways.defaults import CONTROLLER_STOPPED, HEARTBEAT_TIMEOUT
-from pathways.errors import AccessDeniedError, ConnectError, ResourceExhaustedError, WireError
+from pathways.errors import AccessDeniedError, ConnectError, PathwaysError, ResourceExhaustedError, WireError
 from pathways.platforms import Devices
-from pathways.protocol.messages import (FETCH, MAX_MESSAGE_BYTES, TIMELINE, WORKER_DOWN, DataKey, Heartbeat, Peers,
-                                        Register, Reset, Shutdown, WorkerWelcome)
+from pathways.protocol.messages import (FETCH, LOAD, MAX_MESSAGE_BYTES, SAVE, TIMELINE, WORKER_DOWN, DataKey,
+                                        Heartbeat, Message, Peers, Register, Reset, Shutdown, Table, WorkerWelcome)
 from pathways.protocol import streams
 from pathways.protocol import operator
 from pathways.protocol.data import FetchReply, PutAnswer
-from pathways.protocol.errors import WIRE
+from pathways.protocol.errors import REMOTE, WIRE, kind_of
 from pathways.threads import Threads
 from pathways.wire import codec, frames, rpc, tcp
 from pathways.wire.addresses import PortReservation, join_host_port, split_host_port
@@ -186,10 +186,48 @@ class WorkerService:
         except AccessDeniedError as e:
             return operator.reply(operator.Failed(str(e), AccessDeniedError.__name__))
 
+    def save(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """Write this host's blocks of a session's array into a checkpoint (SaveRequest),
+        answered with Saved or Failed."""
+        def call(core: "WorkerCore", req: Message) -> Message:
+            # a caller that hangs up wakes the wait for the array, which then gives its thread back
+            if not context.add_callback(core.store.wake):
+                raise WireError("the caller hung up")
+            return core.save(req, context.is_active)
+        return self._checkpoint_call(request, SAVE, "save", call)
+
+    def load(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """Make and store this host's blocks of a session's array from a checkpoint
+        (LoadRequest), answered with Saved or Failed."""
+        return self._checkpoint_call(request, LOAD, "load", lambda core, req: core.load(req))
+
+    def _checkpoint_call(self, request: bytes, table: Table, what: str,
+                         call: Callable[["WorkerCore", Message], Message]) -> bytes:
+        core = self.core()
+        if core is None:
+            return operator.reply(operator.Failed(_NOT_READY, WIRE))
+        try:
+            req = table.decode_one(request)
+        except WireError as e:
+            return operator.reply(operator.Failed(f"the worker refused a {what}: {e}", WIRE))
+        return _answered(lambda: call(core, req))
+
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         return {"Put": rpc.stream_unary(self.put), "PutOne": rpc.unary_unary(self.put_one),
                 "Fetch": rpc.unary_stream(self.fetch),
-                "Stats": rpc.unary_unary(self.stats), "Timeline": rpc.unary_unary(self.timeline)}
+                "Stats": rpc.unary_unary(self.stats), "Timeline": rpc.unary_unary(self.timeline),
+                "Save": rpc.unary_unary(self.save), "Load": rpc.unary_unary(self.load)}
+
+
+def _answered(call: Callable[[], Message]) -> bytes:
+    """``call()``'s reply, or Failed with the error it raised: of its kind for pathways' own
+    errors, a filesystem's (OSError) as a remote error naming it."""
+    try:
+        return operator.reply(call())
+    except PathwaysError as e:
+        return operator.reply(operator.Failed(str(e), kind_of(e)))
+    except OSError as e:
+        return operator.reply(operator.Failed(f"{type(e).__name__}: {e}", REMOTE))
 
 
 _NOT_READY = ("the worker is still joining its island (its other hosts have not all started); try again "
@@ -260,7 +298,8 @@ def main(controller: str, devices: Devices, island: IslandMembership, wait_timeo
          unsafe_local_order: bool = False, security: Security | None = None,
          heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
          reconnect_timeout: float = keeper.RECONNECT_TIMEOUT, suspend_dir: Optional[str] = None,
-         compile_cache: Optional[str] = None, session_memory: Optional[int] = None) -> None:
+         compile_cache: Optional[str] = None, session_memory: Optional[int] = None,
+         checkpoint_dir: Optional[str] = None) -> None:
     """Serve until the controller stops it: attach to ``controller``, join ``island``
     (JAX serves ``devices``, and joins the island's jax.distributed group when it
     has several hosts, waiting up to ``join_timeout`` seconds for the other hosts). Servers
@@ -279,7 +318,9 @@ def main(controller: str, devices: Devices, island: IslandMembership, wait_timeo
     memory only). ``compile_cache``: the directory executables are kept in across processes
     (worker/compile_cache.py; none: each process compiles its own). ``session_memory``: the
     bytes of arrays each client session may hold on this worker (worker/quota.py; 0: no
-    limit; None: three quarters of the host's memory)."""
+    limit; None: three quarters of the host's memory). ``checkpoint_dir``: the directory
+    under which clients' checkpoints may be written and read (worker/checkpoints.py; none:
+    no checkpoints)."""
     native_stdout.filter_stdout(log)
     # A native crash (SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT) prints every thread's Python
     # stack on stderr, the cluster's log, before the process dies of it: where it happened.
@@ -315,7 +356,8 @@ def main(controller: str, devices: Devices, island: IslandMembership, wait_timeo
             raise SystemExit(f"error: {error}")
     error, again = trio.run(_serve, _Options(controller, devices, island, bind_host, advertise_host, wait_timeout,
                                              connect_timeout, join_timeout, unsafe_local_order, security,
-                                             heartbeat_timeout, suspend_dir, compile_cache, session_memory))
+                                             heartbeat_timeout, suspend_dir, compile_cache, session_memory,
+                                             checkpoint_dir))
     _exit(controller, island, reconnect_timeout, error, again)
 
 
@@ -431,6 +473,7 @@ class _Options:
     suspend_dir: Optional[str]
     compile_cache: Optional[str]
     session_memory: Optional[int]
+    checkpoint_dir: Optional[str]
 
 
 async def _serve(options: _Options) -> tuple[Optional[str], Optional[str]]:
@@ -557,7 +600,7 @@ class _Serving:
         self.core = await _start_core(o.devices, o.island, o.wait_timeout, o.unsafe_local_order, self.outbox,
                                       self._told_to("shutdown"), self._told_to("reset"), self.ended, o.security,
                                       o.heartbeat_timeout, self.beats.learn, o.suspend_dir, self.tickets,
-                                      o.compile_cache, o.session_memory)
+                                      o.compile_cache, o.session_memory, o.checkpoint_dir)
         if self.core is None:
             return _stopped(self.joining, o.island)
         self.joining.hand_to(self.core)  # the welcome first: it says which peers' copies are stale
@@ -745,7 +788,8 @@ async def _start_core(devices: Devices, island: IslandMembership, wait_timeout: 
                       ended: trio.Event, security: Security, heartbeat_timeout: float,
                       on_heartbeat: Callable[[float], None], suspend_dir: Optional[str],
                       tickets: PeerTickets, compile_cache: Optional[str],
-                      session_memory: Optional[int] = None) -> Optional["WorkerCore"]:
+                      session_memory: Optional[int] = None,
+                      checkpoint_dir: Optional[str] = None) -> Optional["WorkerCore"]:
     """The worker's core (JAX's devices exist now); None if the stream ended first."""
     from pathways.worker.core import WorkerCore
     from pathways.worker.executor import collectives_bound
@@ -759,7 +803,7 @@ async def _start_core(devices: Devices, island: IslandMembership, wait_timeout: 
             lambda: WorkerCore(outbox.put, wait_timeout, in_flight, unsafe_local_order, on_shutdown, security,
                                peer_timeout=heartbeat_timeout, on_heartbeat=on_heartbeat, on_reset=on_reset,
                                suspend_dir=suspend_dir, tickets=tickets, compile_cache=compile_cache,
-                               session_memory=session_memory),
+                               session_memory=session_memory, checkpoint_dir=checkpoint_dir),
             abandon_on_cancel=True))
         done.set()
 
