@@ -125,6 +125,32 @@ def test_a_wait_for_a_jit_output_and_a_read_of_a_small_one_ask_no_worker(server,
     assert [data for _, data in asked] == [True, True], asked
 
 
+def test_small_outputs_split_over_devices_in_any_order_read_back_exactly():
+    """A small jit output split over a host's devices is read from each device's buffer,
+    whatever order its sharding lists them in (a transpose of the input's mesh here): only
+    an output on one device, or replicated, comes whole with the news that it was computed."""
+    cluster = LocalCluster([Island(1, 4)]).start()
+    ifrt = IfrtServer(cluster.address)
+    try:
+        ifrt.start()
+        result = run_jax(ifrt.address, """
+            import json
+            import numpy as np
+            from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+            mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("x", "y"))
+            x = np.arange(16, dtype=np.int32).reshape(8, 2)
+            arr = jax.device_put(x, NamedSharding(mesh, P("x", "y")))
+            f = jax.jit(lambda v: (v.T, v * 2, v.sum()), out_shardings=(
+                NamedSharding(mesh, P("y", "x")), NamedSharding(mesh, P("x")), NamedSharding(mesh, P())))
+            print("RESULT", json.dumps([np.asarray(o).tolist() for o in f(arr)]))
+        """)
+    finally:
+        ifrt.stop()
+        cluster.stop()
+    x = np.arange(16, dtype=np.int32).reshape(8, 2)
+    assert result == [x.T.tolist(), (x * 2).tolist(), int(x.sum())], result
+
+
 def test_sharded_jit(server):
     result = run_jax(server.address, """
         import json

@@ -526,10 +526,14 @@ def _launcher(executable: Any) -> Callable[..., tuple[list, Any]]:
 
 
 def _whole_bytes(value: Any) -> bytes | None:
-    """A small output's bytes in C order, where this host holds all of it (a jax.Array
-    spanning hosts does not, nor does one deleted since, e.g. donated to a later run);
-    raises the error its computation failed with."""
-    if not isinstance(value, jax.Array) or not value.is_fully_addressable or value.is_deleted():
+    """A small output's bytes in C order, where one buffer of this host holds all of it: on
+    one device, or replicated on every device. Not for a jax.Array spanning hosts, one
+    deleted since (e.g. donated to a later run), nor one split over devices: its blocks are
+    assembled where it is read, from each device's buffer (here the array's device order may
+    not be the executable's: a transposed tile assignment). Raises the error its computation
+    failed with."""
+    if (not isinstance(value, jax.Array) or not value.is_fully_addressable or value.is_deleted()
+            or not (value.is_fully_replicated or len(value.sharding.device_set) == 1)):
         return None
     return np.ascontiguousarray(np.asarray(shareable(value))).tobytes()
 
