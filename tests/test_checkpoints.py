@@ -6,6 +6,7 @@ cluster through the IFRT proxy, whose array bytes never pass through the front e
 import base64
 import json
 import os
+import time
 
 import ml_dtypes
 import numpy as np
@@ -23,6 +24,8 @@ from pathways.wire import codec, rpc
 from pathways.worker import checkpoints
 from pathways.worker.core import WorkerCore
 from pathways.worker.server import WorkerService
+from pathways.worker.sessions import WAITING_FETCHES_PER_SESSION
+from tests.conftest import wait_until
 from tests.ifrt_helpers import run_jax
 from tests.test_worker_core import put
 
@@ -120,7 +123,7 @@ def served(tmp_path):
     process; its Save, Load and Fetch stubs."""
     core = WorkerCore(lambda msg: None, wait_timeout=5.0, checkpoint_dir=str(tmp_path))
     core.on_batch(m.encode_batch([m.SessionOpen(7, m.digest(CREDENTIAL))]))
-    server, port = rpc.make_server(rpc.WORKER_SERVICE, WorkerService(core).handlers(), max_workers=8)
+    server, port = rpc.make_server(rpc.WORKER_SERVICE, WorkerService(core).handlers(), max_workers=16)
     channel = rpc.open_channel(f"grpc://127.0.0.1:{port}")
     stubs = {name: rpc.method(channel, rpc.WORKER_SERVICE, name, kind)
              for name, kind in (("Save", "unary_unary"), ("Load", "unary_unary"), ("Fetch", "unary_stream"))}
@@ -183,6 +186,23 @@ def test_malformed_or_impossible_requests_get_errors_and_the_worker_keeps_servin
     assert reply["state"] == "error" and "no checkpoint at" in reply["message"], reply
     full = codec.full_region((4,))
     assert _call(stubs["Save"], m.SaveRequest(held, CREDENTIAL, "c", (full,), 1.0)).nbytes == 16
+
+
+def test_a_sessions_saves_wait_on_no_more_threads_than_its_fetches_may(served):
+    """A save waits for its array on a server thread: past the waits a session may hold
+    (as its fetches), a save of an array not computed yet is answered at once."""
+    core, stubs = served
+    never = [first_handle(7) + 100 + i for i in range(WAITING_FETCHES_PER_SESSION)]
+    calls = [stubs["Save"].future(m.pack(m.SaveRequest(h, CREDENTIAL, "c", ((),), 30.0).encode()), timeout=60)
+             for h in never]
+    wait_until(lambda: core.fetch_waits.waiting() == WAITING_FETCHES_PER_SESSION, what="the saves to wait")
+    started = time.monotonic()
+    with pytest.raises(pw.DeadlineExceededError, match="waits on this worker are all taken"):
+        _call(stubs["Save"], m.SaveRequest(first_handle(7) + 99, CREDENTIAL, "c", ((),), 30.0))
+    assert time.monotonic() - started < 5.0
+    for call in calls:
+        call.cancel()  # hanging up gives the waits back
+    wait_until(lambda: core.fetch_waits.waiting() == 0, what="the abandoned saves to give their waits back")
 
 
 # ---- orbax through pathwaysutils, on a real cluster -------------------------------------

@@ -18,13 +18,14 @@ from __future__ import annotations
 import os
 import re
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from pathways.errors import AccessDeniedError, DeadlineExceededError, PathwaysError, RemoteError, WireError
 from pathways.protocol.data import ArrayPut
 from pathways.protocol.errors import POISON_KINDS, REMOTE, error_of, kind_of
+from pathways.protocol.handles import session_of
 from pathways.protocol.messages import LoadRequest, SaveRequest, Saved
 from pathways.wire import codec
 from pathways.worker.pieces import host_regions, local_pieces
@@ -130,20 +131,14 @@ class Checkpoints:
         once it is computed (within ``req.wait`` seconds). Raises the error to answer."""
         self.sessions.admit(req.handle, req.credential, "save")
         directory = checkpoint_path(self.checkpoint_dir, req.path, self.worker_id)
-        deadline = time.monotonic() + req.wait
-        value = self.store.wait(req.handle, req.wait, still_wanted)
-        if value is None:
-            raise DeadlineExceededError(f"array {req.handle:#x} was not computed within {req.wait:g} s on worker "
-                                        f"{self.worker_id}, so it was not saved")
-        if type(value) is Poison:
-            raise error_of(value.kind, f"array {req.handle:#x} cannot be saved: {value.message}")
-        pause = 0.0002
-        while not value.is_ready():
-            if time.monotonic() >= deadline or not still_wanted():
-                raise DeadlineExceededError(f"array {req.handle:#x} was not computed within {req.wait:g} s on "
-                                            f"worker {self.worker_id}, so it was not saved")
-            time.sleep(pause)
-            pause = min(pause * 2, _READY_POLL_MAX)
+        session = session_of(req.handle)
+        # a wait holds a server thread: a session gets as many as its fetches may (FetchWaits)
+        waits = req.wait > 0 and self.fetch_waits.slot(session)
+        try:
+            value = self._computed(req, req.wait if waits else 0.0, still_wanted, starved=req.wait > 0 and not waits)
+        finally:
+            if waits:
+                self.fetch_waits.release(session)
         _, _, pieces = local_pieces(value)
         held = dict(pieces)
         wanted = [tuple(tuple(bound) for bound in block) for block in req.blocks]
@@ -155,6 +150,26 @@ class Checkpoints:
         for block in wanted:
             write_block(directory, block, held[block])
         return Saved(sum(held[b].nbytes for b in wanted))
+
+    def _computed(self, req: SaveRequest, wait: float, still_wanted: Callable[[], bool], starved: bool) -> Any:
+        """The computed value of the array to save, waiting ``wait`` seconds at most;
+        ``starved``: it may not wait, the session's waits here being all taken."""
+        deadline = time.monotonic() + wait
+        late = (f"array {req.handle:#x} was not computed within {wait:g} s on worker {self.worker_id}, so it was "
+                "not saved" + (" (the session's waits on this worker are all taken: save fewer arrays at once, or "
+                               "once they are computed)" if starved else ""))
+        value = self.store.wait(req.handle, wait, still_wanted)
+        if value is None:
+            raise DeadlineExceededError(late)
+        if type(value) is Poison:
+            raise error_of(value.kind, f"array {req.handle:#x} cannot be saved: {value.message}")
+        pause = 0.0002
+        while not value.is_ready():
+            if time.monotonic() >= deadline or not still_wanted():
+                raise DeadlineExceededError(late)
+            time.sleep(pause)
+            pause = min(pause * 2, _READY_POLL_MAX)
+        return value
 
     def load(self, req: LoadRequest) -> Saved:
         """Make this host's blocks of the array from the checkpoint and store them as a put
@@ -169,10 +184,11 @@ class Checkpoints:
                                               f"failed on worker {self.worker_id}: {e}",
                                               kind if kind in POISON_KINDS else REMOTE))
             raise
-        except OSError as e:
-            self._poisoned(req.handle, Poison(f"loading array {req.handle:#x} from the checkpoint at {req.path} "
-                                              f"failed on worker {self.worker_id}: {type(e).__name__}: {e}"))
-            raise
+        except Exception as e:  # a file numpy cannot read as an array (ValueError), a disk's error (OSError)
+            message = (f"loading array {req.handle:#x} from the checkpoint at {req.path} failed on worker "
+                       f"{self.worker_id}: {type(e).__name__}: {e}")
+            self._poisoned(req.handle, Poison(message))
+            raise RemoteError(message) from None
 
     def _load(self, req: LoadRequest) -> Saved:
         if req.layout.unreduced:

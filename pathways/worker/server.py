@@ -221,12 +221,12 @@ class WorkerService:
 
 def _answered(call: Callable[[], Message]) -> bytes:
     """``call()``'s reply, or Failed with the error it raised: of its kind for pathways' own
-    errors, a filesystem's (OSError) as a remote error naming it."""
+    errors, any other (a disk's, a file's) as a remote error naming it."""
     try:
         return operator.reply(call())
     except PathwaysError as e:
         return operator.reply(operator.Failed(str(e), kind_of(e)))
-    except OSError as e:
+    except Exception as e:  # a disk's error (OSError), a file numpy cannot read as an array
         return operator.reply(operator.Failed(f"{type(e).__name__}: {e}", REMOTE))
 
 
