@@ -186,6 +186,20 @@ def test_malformed_or_impossible_requests_get_errors_and_the_worker_keeps_servin
     assert reply["state"] == "error" and "no checkpoint at" in reply["message"], reply
     full = codec.full_region((4,))
     assert _call(stubs["Save"], m.SaveRequest(held, CREDENTIAL, "c", (full,), 1.0)).nbytes == 16
+    # a load past the session's quota is refused before anything is read or allocated
+    with pytest.raises(pw.ResourceExhaustedError, match="a load of float32"):
+        _call(stubs["Load"], m.LoadRequest(first_handle(7) + 8, CREDENTIAL, "c", ONE_DEVICE, "float32", (1 << 50,)))
+    # a block file whose header claims more than the file holds is refused, not read
+    (tmp_path / "lying").mkdir()
+    header = np.lib.format.header_data_from_array_1_0(np.zeros(4, np.float32))
+    with open(tmp_path / "lying" / "0-4.npy", "wb") as f:
+        np.lib.format.write_array_header_1_0(f, {**header, "shape": (1 << 40,)})
+    with pytest.raises(pw.RemoteError, match="loading array"):
+        _call(stubs["Load"], m.LoadRequest(first_handle(7) + 9, CREDENTIAL, "lying", ONE_DEVICE, "float32", (4,)))
+    # an empty array reads no file
+    (tmp_path / "empty").mkdir()
+    assert _call(stubs["Load"], m.LoadRequest(first_handle(7) + 10, CREDENTIAL, "empty", ONE_DEVICE, "float32",
+                                              (0,))).nbytes == 0
 
 
 def test_a_sessions_saves_wait_on_no_more_threads_than_its_fetches_may(served):

@@ -22,13 +22,15 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from pathways.errors import AccessDeniedError, DeadlineExceededError, PathwaysError, RemoteError, WireError
+from pathways.errors import (AccessDeniedError, DeadlineExceededError, PathwaysError, RemoteError,
+                             ResourceExhaustedError, WireError)
 from pathways.protocol.data import ArrayPut
 from pathways.protocol.errors import POISON_KINDS, REMOTE, error_of, kind_of
 from pathways.protocol.handles import session_of
 from pathways.protocol.messages import LoadRequest, SaveRequest, Saved
 from pathways.wire import codec
 from pathways.worker.pieces import host_regions, local_pieces
+from pathways.worker.quota import layout_bytes
 from pathways.worker.store import Poison
 
 _BLOCK_FILE = re.compile(r"^(scalar|\d+-\d+(_\d+-\d+)*)\.npy$")
@@ -89,15 +91,19 @@ def write_block(directory: str, region: Region, block: np.ndarray) -> None:
 def read_region(blocks: dict[Region, str], region: Region, dtype: np.dtype, where: str) -> np.ndarray:
     """Block ``region`` of the saved array, of ``dtype``, from the saved ``blocks``, however
     they were cut; RemoteError where they do not cover it or hold another dtype."""
+    if any(a == b for a, b in region):  # an empty block: nothing to read (numpy maps no empty file)
+        return np.empty(tuple(b - a for a, b in region), dtype)
     exact = blocks.get(region)
     if exact is not None:
-        return _as(np.load(exact, allow_pickle=False), dtype, region, where)
+        # mapped, and checked against the block's shape before a byte is copied: a file's
+        # header may claim any size
+        return np.array(_as(np.load(exact, mmap_mode="r", allow_pickle=False), dtype, region, where))
     out = np.empty(tuple(b - a for a, b in region), dtype)
     covered = np.zeros(out.shape, bool)
     for saved, path in blocks.items():
         if len(saved) != len(region):
             raise RemoteError(f"the checkpoint at {where} holds blocks of a {len(saved)}-d array, not a "
-                            f"{len(region)}-d one")
+                              f"{len(region)}-d one")
         common = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(region, saved))
         if any(lo >= hi for lo, hi in common):
             continue
@@ -107,7 +113,7 @@ def read_region(blocks: dict[Region, str], region: Region, dtype: np.dtype, wher
         covered[into] = True
     if not covered.all():
         raise RemoteError(f"the checkpoint at {where} does not hold all of block {list(region)} of the array "
-                            "(saved with another shape, or only in part)")
+                          "(saved with another shape, or only in part)")
     return out
 
 
@@ -195,8 +201,14 @@ class Checkpoints:
             raise WireError("an unreduced array cannot be loaded from a checkpoint: load it reduced")
         directory = checkpoint_path(self.checkpoint_dir, req.path, self.worker_id)
         dtype, shape = codec.dtype_of_name(req.dtype), tuple(req.shape)
+        sharding = self.executables.sharding(req.layout)
+        # refused past the session's quota before anything is read or allocated, as a put is
+        refusal = self.store.refusal(req.handle, layout_bytes(sharding, shape, dtype),
+                                     f"a load of {dtype.name}{list(shape)} array {req.handle:#x}")
+        if refusal is not None:
+            raise ResourceExhaustedError(refusal)
         blocks = saved_blocks(directory)
-        regions = host_regions(self.executables.sharding(req.layout), shape)
+        regions = host_regions(sharding, shape)
         pieces = [(region, read_region(blocks, region, dtype, req.path)) for region in regions]
         put = ArrayPut(req.handle, req.layout.to_wire(), credential=req.credential,
                        pieces=codec.pieces_header(dtype, shape, pieces))
