@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import gc
 import os
 import threading
@@ -257,7 +256,7 @@ def save(tree: Any, path: str, timeout: Optional[float] = None) -> None:
     and written (default: the session's result timeout)."""
     writes = []
     for key, leaf in _arrays_of(tree, "save"):
-        layout, b = _layout_now(leaf), leaf._buffer
+        layout, b = leaf.sharding.layout(), leaf._buffer  # on the slice's hosts as they are now
         writes.append(b.session.save_blocks(b.addresses, b.handle, layout, leaf.shape, _key_path(path, key), timeout))
     for write in writes:
         write.result()
@@ -272,7 +271,7 @@ def load(path: str, like: Any) -> Any:
     that cannot read them fails the array, raising where it is used."""
     def load_one(key: Any, leaf: Array) -> Array:
         s = leaf.sharding.mesh.slice
-        session, layout = s.session, _layout_now(leaf)
+        session, layout = s.session, leaf.sharding.layout()
         handle = session.allocate(1)
         moves = session.moves  # before the addresses: a move in between makes the controller drop it
         session.load_blocks(s.addresses, handle, layout, leaf.dtype, leaf.shape, _key_path(path, key), moves)
@@ -291,15 +290,6 @@ def _arrays_of(tree: Any, what: str) -> list[tuple[Any, Array]]:
         if leaf._buffer.deleted:
             raise ArrayDeletedError(f"the array at {where} was deleted")
     return leaves
-
-
-def _layout_now(leaf: Array) -> Any:
-    """The layout of ``leaf`` on its slice's hosts as they are now (a slice moves when its
-    island heals)."""
-    s, layout = leaf.sharding.mesh.slice, leaf.sharding.layout()
-    if layout.workers != s.workers or layout.devices != s._physical:
-        layout = dataclasses.replace(layout, workers=s.workers, devices=s._physical)
-    return layout
 
 
 def _key_path(path: str, key: Any) -> str:
