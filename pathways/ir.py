@@ -127,6 +127,31 @@ def host_regions(shape: tuple[int, ...], layout: Layout) -> dict[int, list[Regio
     return out
 
 
+def block_holders(shape: tuple[int, ...], layout: Layout) -> dict[int, tuple[Region, ...]]:
+    """Each distinct block of an array of ``shape`` laid out by ``layout`` (evenly divided,
+    not unreduced), given to the first worker in the layout's order that holds it: worker
+    -> its blocks that no worker before it holds. A worker holding only blocks held before
+    it is left out, so that a block replicated on several hosts is saved, or read, once."""
+    taken: set[Region] = set()
+    out = {}
+    for worker, regions in host_regions(shape, layout).items():
+        mine = tuple(r for r in regions if r not in taken)
+        taken.update(mine)
+        if mine:
+            out[worker] = mine
+    return out
+
+
+def reading_positions(shape: tuple[int, ...], layout: Layout) -> tuple[int, ...]:
+    """The positions in ``layout.workers`` of the workers a read of a whole array asks:
+    those holding a block no earlier one holds (``block_holders``); every worker where
+    the blocks are uneven, or hold partial values (unreduced)."""
+    if layout.unreduced or not evenly_divided(shape, layout):
+        return tuple(range(len(layout.workers)))
+    holders = block_holders(shape, layout)
+    return tuple(i for i, w in enumerate(layout.workers) if w in holders)
+
+
 def evenly_divided(shape: tuple[int, ...], layout: Layout) -> bool:
     """Whether every dimension of ``shape`` splits into equal blocks over its mesh axes
     (the block arithmetic above assumes it)."""

@@ -236,6 +236,9 @@ values = {"w": np.arange(32, dtype=np.float32).reshape(8, 4) / 3,
           "e": (np.arange(16, dtype=np.float32) / 7).astype(ml_dtypes.bfloat16)}
 shardings = {"w": P("a", "b"), "b": P(), "e": P(("a", "b"))}
 state = {k: jax.device_put(v, NamedSharding(mesh, shardings[k])) for k, v in values.items()}
+jax.block_until_ready(state)
+from pathways import cluster
+traffic = [cluster.status(CONTROLLER)["front_end"]]  # the array bytes through the controller's process
 mgr = ocp.CheckpointManager(CHECKPOINT_LOCATION)
 mgr.save(0, args=ocp.args.StandardSave(state))
 mgr.wait_until_finished()
@@ -245,6 +248,8 @@ same = mgr.restore(0, args=ocp.args.StandardRestore(
 other = {"w": P("b", None), "b": P("a"), "e": P()}
 moved = mgr.restore(0, args=ocp.args.StandardRestore(
     {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, other[k])) for k, a in state.items()}))
+jax.block_until_ready((same, moved))
+traffic.append(cluster.status(CONTROLLER)["front_end"])
 mgr.close()
 exact = {k: bool(np.asarray(same[k]).tobytes() == v.tobytes() and np.asarray(moved[k]).tobytes() == v.tobytes()
                  and moved[k].sharding.spec == other[k]) for k, v in values.items()}
@@ -256,7 +261,8 @@ try:
     refused = ""
 except Exception as e:
     refused = f"{type(e).__name__}: {e}"
-print("RESULT " + json.dumps({"exact": exact, "refused": refused[:2000]}))
+traffic.append(cluster.status(CONTROLLER)["front_end"])  # after the reads above
+print("RESULT " + json.dumps({"exact": exact, "refused": refused[:2000], "traffic": traffic}))
 """
 
 
@@ -265,8 +271,18 @@ def test_orbax_through_pathwaysutils_persistence_saves_and_restores_on_the_worke
     root.mkdir()
     with pw.local_cluster(hosts=2, devices_per_host=2, ifrt=True, checkpoint_dir=str(root)) as cluster:
         path = str(root / "run")
-        result = run_jax(cluster.ifrt_address.removeprefix("grpc://"), ORBAX.replace("CHECKPOINT_LOCATION", repr(path)))
+        result = run_jax(cluster.ifrt_address.removeprefix("grpc://"), ORBAX.replace(
+            "CHECKPOINT_LOCATION", repr(path)).replace("CONTROLLER", repr(cluster.address)))
     assert result["exact"] == {"w": True, "b": True, "e": True}, result
+    # the puts' bytes passed through the controller's process, the saves' and restores' did
+    # not, and the reads after them did again: the counters count
+    nbytes = 32 * 4 + 4 * 4 + 16 * 2
+    before, after, read = result["traffic"]
+    assert before["from_clients"] >= nbytes and before["to_workers"] >= nbytes, result["traffic"]
+    assert after == before, result["traffic"]
+    assert read["to_clients"] >= before["to_clients"] + 2 * nbytes, result["traffic"]
+    # each block read once, although "b" and "e" are held whole by both hosts once restored
+    assert read["from_workers"] - after["from_workers"] == 2 * nbytes, result["traffic"]
     assert "PERMISSION_DENIED" in result["refused"] and "only under" in result["refused"], result
     assert "--checkpoint-dir" in result["refused"] and not os.path.exists("/tmp/elsewhere/w"), result
     saved = {name: sorted(os.listdir(root / "run" / "0" / "default" / name)) for name in ("w", "b", "e")}
@@ -281,20 +297,29 @@ def test_pw_save_and_load_move_no_bytes_through_the_client_and_load_into_another
     with pw.local_cluster(hosts=2, devices_per_host=2, checkpoint_dir=str(tmp_path)):
         s = pw.make_virtual_device_set().add_slice(cpu_devices=4, mesh_shape=(2, 2))
         mesh = s.mesh(("a", "b"))
-        w = np.arange(32, dtype=np.float32).reshape(8, 4)
+        # larger than the small outputs whose bytes come with a run's news
+        w = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+        assert w.nbytes > m.SMALL_VALUE_BYTES
         state = {"params": {"w": pw.device_put(w, pw.NamedSharding(mesh, pw.P("a", "b")))},
                  "step": pw.device_put(np.array(7, np.int32), pw.NamedSharding(mesh, pw.P()))}
         doubled = pw.jit(lambda x: x * 2.0, mesh=mesh, in_shardings=pw.P("a", "b"), out_shardings=pw.P("a", "b"))
         state["params"]["w"] = doubled(state["params"]["w"])  # saved once the run computes it
+        moved = pw.default_session().array_bytes
+        put = (moved.sent, moved.received)
+        assert put == (w.nbytes + 2 * 4, 0), moved  # each host its blocks of w; the step on both hosts
         pw.save(state, str(tmp_path / "ckpt"))
         assert sorted(os.listdir(tmp_path / "ckpt")) == ["params.w", "step"]
         assert len(os.listdir(tmp_path / "ckpt" / "params.w")) == 4 and os.listdir(tmp_path / "ckpt" / "step") == [
             "scalar.npy"]
         like = {"params": {"w": pw.device_put(np.zeros_like(w), pw.NamedSharding(mesh, pw.P(None, "b")))},
                 "step": pw.device_put(np.array(0, np.int32), pw.NamedSharding(mesh, pw.P()))}
+        assert moved.received == 0, moved
+        put = (moved.sent, moved.received)
         loaded = pw.load(str(tmp_path / "ckpt"), like)
+        assert (moved.sent, moved.received) == put, moved
         np.testing.assert_array_equal(np.asarray(loaded["params"]["w"]), w * 2.0)
         assert loaded["params"]["w"].sharding.spec == pw.P(None, "b") and int(np.asarray(loaded["step"])) == 7
+        assert moved.received == w.nbytes + 4, moved  # the two reads just above
         with pytest.raises(pw.AccessDeniedError, match="only under"):
             pw.save(state, "/etc/pathways-checkpoint")
         missing = pw.load(str(tmp_path / "nothing"), like)

@@ -11,7 +11,7 @@ import textwrap
 import numpy as np
 
 from pathways.controller.transfers import plan
-from pathways.ir import Layout, device_regions, host_regions
+from pathways.ir import Layout, block_holders, device_regions, host_regions, reading_positions
 
 # (mesh shape, axis names, spec, array shape)
 _CASES = [
@@ -118,3 +118,25 @@ def test_empty_and_scalar_arrays_still_get_routes():
     for shape in ((), (0, 4)):
         assert sorted((r.sender, r.receiver) for r in plan(shape, one, two)) == [(1, 2), (1, 3)]
     assert list(itertools.chain(*(r.regions for r in plan((), one, two)))) == [(), ()]
+
+
+def test_each_block_has_one_holder_and_a_read_asks_only_the_hosts_holding_new_ones():
+    rng = random.Random(3)
+    workers = (13, 10, 12, 11)
+    for _ in range(300):
+        shape = rng.choice([(8,), (4, 8), (8, 2, 4), ()])
+        layout = _random_layout(rng, workers, shape)
+        holders = block_holders(shape, layout)
+        held = host_regions(shape, layout)
+        given = [r for rs in holders.values() for r in rs]
+        assert len(given) == len(set(given)) == len({r for rs in held.values() for r in rs}), layout
+        for w, regions in holders.items():
+            assert set(regions) <= set(held[w])
+            earlier = layout.workers[:layout.workers.index(w)]
+            assert not any(r in held[e] for r in regions for e in earlier), "a block goes to its first holder"
+        asked = reading_positions(shape, layout)
+        assert [layout.workers[i] for i in asked] == [w for w in layout.workers if w in holders]
+    replicated_rows = Layout((1, 2), ((0, 0), (0, 1), (1, 0), (1, 1)), (2, 2), ("a", "b"), (None, "b"))
+    assert reading_positions((4, 4), replicated_rows) == (0,)  # host 1 holds only what host 0 does
+    unreduced = Layout((1, 2), ((0, 0), (1, 0)), (2,), ("x",), (), ("x",))
+    assert reading_positions((4, 4), unreduced) == (0, 1)  # each host's partial values are needed

@@ -50,6 +50,10 @@ def _print(address: str, st: dict) -> None:
     print(f"controller {address}: {len(st['workers'])} worker(s), {len(st['sessions'])} client session(s), "
           f"{st['slices']} slice(s), {st['arrays']} live array(s); policy {st['policy']}, "
           f"window {st['window']} run(s) per island")
+    if st.get("front_end"):
+        f = st["front_end"]
+        print(f"  IFRT front end: array bytes {f['from_clients']} from clients, {f['to_clients']} to them; "
+              f"{f['to_workers']} to workers, {f['from_workers']} from them")
     for i in st["islands"]:
         name = i["name"] if i["name"] == str(i["island"]) else f"{i['name']} (id {i['island']})"
         recovery = f"; {i['recovery']}" if i.get("recovery") else ""  # who brings the lost host back

@@ -13,6 +13,7 @@ import numpy as np
 
 from pathways.client.devices import NamedSharding
 from pathways.errors import ArrayDeletedError, DeadlineExceededError, RemoteError, WorkerLostError
+from pathways.ir import reading_positions
 
 
 class _Buffer:
@@ -100,8 +101,13 @@ class Array:
         return value
 
     def _fetch(self, b: _Buffer, wait: float, data: bool) -> Any:
+        where = lambda: b.addresses  # noqa: E731
+        if data:  # a block replicated on several hosts comes from one of them
+            asked = reading_positions(self.shape, self.sharding.layout())
+            if len(asked) < len(self.sharding.layout().workers):
+                where = lambda: tuple(b.addresses[i] for i in asked)  # noqa: E731
         try:
-            return b.session.fetch(lambda: b.addresses, b.handle, wait, data=data)
+            return b.session.fetch(where, b.handle, wait, data=data)
         except RemoteError as e:
             if not self._origin or self._origin in str(e):
                 raise

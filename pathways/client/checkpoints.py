@@ -16,7 +16,7 @@ import numpy as np
 
 from pathways import errors
 from pathways.client.fetches import GONE
-from pathways.ir import Layout, host_regions
+from pathways.ir import Layout, block_holders
 from pathways.protocol import messages as m
 from pathways.protocol import operator
 from pathways.wire import codec, rpc
@@ -35,14 +35,12 @@ class Checkpoints:
         if layout.unreduced:
             raise ValueError("an unreduced array cannot be saved as it is; reduce it first")
         wait = min(self.result_timeout if timeout is None else timeout, m.MAX_WAIT_SECONDS)
-        regions, taken = host_regions(shape, layout), set()
+        holders = block_holders(shape, layout)
         calls = []
         for worker, address in zip(layout.workers, addresses):
-            mine = tuple(r for r in regions[worker] if r not in taken)
-            taken.update(mine)
-            if mine:
+            if worker in holders:
                 stubs = self._stubs(address)
-                request = m.pack(m.SaveRequest(handle, stubs.credential, path, mine, wait).encode())
+                request = m.pack(m.SaveRequest(handle, stubs.credential, path, holders[worker], wait).encode())
                 calls.append((address, stubs.save.future(request, timeout=wait + 30.0)))
         return _all(calls, "saving")
 

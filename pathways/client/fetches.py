@@ -130,6 +130,7 @@ class Fetches:
                 raise error_of(reply.kind, reply.message, errors.RemoteError)
             if not data:
                 return True
+            replies = self._counted(replies)
             if sink is not None:
                 fed = True
                 sink(reply.pieces or {}, replies)
@@ -176,6 +177,12 @@ class Fetches:
             if call is not None:
                 with self._fetches_lock:
                     discard(self._fetches, handle, call)
+
+    def _counted(self, chunks: Iterator[bytes]) -> Iterator[bytes]:
+        """``chunks`` of a reply's array bytes, added to the session's received bytes as they pass."""
+        for chunk in chunks:
+            self.array_bytes.add_received(len(chunk))
+            yield chunk
 
     def _cancel_fetches(self, handles: Optional[tuple[int, ...]]) -> None:
         """Cancel the fetches in flight for ``handles`` (all of them with None): whoever

@@ -86,6 +86,7 @@ class Puts:
         with self._starting_put():
             if self.traced:
                 began = now()
+            self.array_bytes.add_sent(math.prod(shape) * np.dtype(dtype).itemsize)
             stubs = self._stubs(address)
             header = _put_header(stubs.credential, handle, layout, codec.whole_array_header(dtype, shape))
             connection = self._data_connection(address)
@@ -193,6 +194,7 @@ class Puts:
         sent = stacked(layout) if layout.unreduced else layout
         for worker, address in zip(layout.workers, addresses):
             pieces = pieces_of[worker]
+            self.array_bytes.add_sent(sum(a.nbytes for _, a in pieces))
             stubs = self._stubs(address)
             header = _put_header(stubs.credential, handle, sent, codec.pieces_header(dtype, shape, pieces),
                                  unstack=layout if layout.unreduced else None)

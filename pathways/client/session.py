@@ -48,6 +48,7 @@ from pathways.protocol.handles import COUNTER_MASK, first_handle
 from pathways.threads import Threads
 from pathways.timeline import Recorder, now
 from pathways.wire import rpc, tcp
+from pathways.wire.counters import ByteCounter
 from pathways.wire.security import Security
 
 log = logging.getLogger("pathways.client")
@@ -84,13 +85,17 @@ class Session(Puts, Fetches, Checkpoints):
     def __init__(self, address: str, connect_timeout: float = 30.0, owned_cluster: Any = None, weight: float = 1.0,
                  security: Security | None = None,
                  open_local: Optional[Callable[[streams.Outbox], Any]] = None,
-                 data_plane: Optional[tcp.Pool] = None) -> None:
+                 data_plane: Optional[tcp.Pool] = None, array_bytes: Optional[ByteCounter] = None) -> None:
         if not 0 < weight <= 1e6:
             raise ValueError(f"a session's weight must be in (0, 1e6], got {weight!r}")
         self.address = address
         self.result_timeout = DEFAULT_TIMEOUT  # how long a put, or a wait for an array, may take by default
         self.security = security or Security()
         self._data_plane = data_plane
+        # the bytes of array values this session sent to workers (puts) and received from
+        # them (reads, and small outputs that came with a run's news); shared by the IFRT
+        # front end's sessions
+        self.array_bytes = array_bytes if array_bytes is not None else ByteCounter()
         self.poisoned: dict[int, tuple[type[errors.PathwaysError], str]] = {}
         self._owned_cluster = owned_cluster
         # a local cluster this process started (the embedded one, or pw.local_cluster's):
@@ -365,6 +370,8 @@ class Session(Puts, Fetches, Checkpoints):
             self._cancel_fetches(msg.handles)
         elif kind is m.Computed:
             self.computations.computed(msg.handles, not msg.failed, msg.values)
+            if msg.values:
+                self.array_bytes.add_received(sum(len(raw) for _, raw in msg.values))
         elif kind is m.Compiled:
             future = self._pending.pop(("compiled", msg.fn), None)
             if future is None:

@@ -28,7 +28,7 @@ import logging
 import os
 import secrets
 import time
-from typing import Callable, Iterable, Union
+from typing import Callable, Iterable, Optional, Union
 
 from pathways.controller.compiling import Compiling
 from pathways.controller.dispatch import Dispatch, Dispatcher, coalesce
@@ -79,6 +79,9 @@ class ControllerCore(Healing, Retiring, Compiling, Suspending):
         # worker -> why it is gone for good (its island retired or forgotten), for the
         # errors of sessions that still use it; the latest MAX_WORKERS
         self._gone_why: dict[int, str] = {}
+        # the array bytes of the front end served beside this controller, if one is (set
+        # by the server that starts it): for the status
+        self.front_end_traffic: Optional[Callable[[], m.ArrayTraffic]] = None
 
     @property
     def workers(self) -> dict[int, WorkerConn]:

@@ -506,6 +506,10 @@ class FrontEnd(Protocol):
 
     def stop(self) -> None: ...
 
+    def traffic(self) -> m.ArrayTraffic:
+        """The array bytes it moved so far, for the controller's status."""
+        ...
+
 
 # Starts a front end on a bind address (HOST:PORT) in front of the controller at an address
 StartFrontEnd = Callable[[str, str, "ControllerServer"], FrontEnd]
@@ -569,6 +573,7 @@ async def _serve(policy: str, window: int, host: str, port: int, security: Secur
         except BaseException:
             await controller.stop(server)
             raise
+        controller.core.front_end_traffic = ifrt.traffic
         ifrt_host, _ = split_host_port(ifrt_bind)
         _, ifrt_port = split_host_port(ifrt.address)
         lines.append(f"{IFRT_LINE} grpc://{join_host_port(reachable_host(ifrt_host), ifrt_port)}")

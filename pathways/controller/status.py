@@ -1,5 +1,6 @@
 """The cluster's status as the controller sees it: islands (assembling, healthy, lost or healing),
-workers with their measured figures, links, sessions and totals. A pure function of the
+workers with their measured figures, links, sessions and totals, and the array bytes the
+front end beside the controller moved, if one serves. A pure function of the
 core's parts, giving the typed record the Status method and ``pw.cluster.status`` send
 (protocol/operator.py says what each field means)."""
 
@@ -28,7 +29,8 @@ def status(core: Any) -> ClusterStatus:
                 for sid, s in core.sessions.items()]
     return ClusterStatus(scheduler.policy, scheduler.window, tuple(islands),
                          tuple(_worker(w, rm.hosts.get(w.worker)) for w in workers.values()), tuple(links),
-                         tuple(sessions), len(rm.slices), sum(len(s.handles.live) for s in core.sessions.values()))
+                         tuple(sessions), len(rm.slices), sum(len(s.handles.live) for s in core.sessions.values()),
+                         core.front_end_traffic() if core.front_end_traffic is not None else None)
 
 
 def _suspension(sus: Any) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from pathways.ifrt import handling
 from pathways.ifrt.devices import SliceDevices
 from pathways.ifrt.handling import IfrtArray, shard_of_deleted
 from pathways.ifrt.types import IfrtError, Sharding
-from pathways.ir import Layout, device_regions, evenly_divided, partials, stacked
+from pathways.ir import Layout, device_regions, evenly_divided, partials, reading_positions, stacked
 
 
 class NativeOps:
@@ -100,7 +100,13 @@ class NativeOps:
         assert place is not None
         if rank is not None:
             return (place.addresses[place.workers.index(place.workers_by_rank[rank])],)
-        return place.addresses[:1] if arr.sharding.replicated else place.addresses
+        if arr.sharding.replicated:
+            return place.addresses[:1]
+        if arr.layout is None:
+            return place.addresses
+        # a block replicated on several hosts comes from one of them
+        workers = arr.layout.workers
+        return tuple(place.addresses[place.workers.index(workers[i])] for i in reading_positions(arr.shape, arr.layout))
 
     def _fetch(self, arr: IfrtArray, data: bool, device: Optional[int] = None, sink: Optional[Sink] = None,
                wait: float = handling.WAIT_SECONDS) -> Any:

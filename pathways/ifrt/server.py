@@ -47,8 +47,10 @@ from pathways.ifrt.handling import HOST_BUFFER_WAIT, SLICE_KEY, WAIT_SECONDS, De
 from pathways.ifrt.session import IfrtSession
 from pathways.ifrt.types import IfrtError
 from pathways.protocol import operator, streams
+from pathways.protocol.messages import ArrayTraffic
 from pathways.threads import Threads
 from pathways.wire import tcp
+from pathways.wire.counters import ByteCounter
 from pathways.wire import security as sec
 from pathways.wire.addresses import join_host_port, split_host_port
 from pathways.wire.security import Security
@@ -122,6 +124,8 @@ class IfrtServer:
         self._stopped = threading.Event()
         self._threads = Threads("the IFRT proxy server")  # its pace checker, and each session's reader and handler
         self.address = ""
+        self.client_bytes = ByteCounter()  # array bytes its clients stored (received) and looked up (sent)
+        self.worker_bytes = ByteCounter()  # what its sessions put on workers and read from them
 
     def start(self) -> None:
         host, port = split_host_port(self.bind)
@@ -153,6 +157,11 @@ class IfrtServer:
         self._server = server
         self.address = join_host_port(host, bound)
         self._threads.start(self._pace_stores, "pathways-ifrt-pace")
+
+    def traffic(self) -> ArrayTraffic:
+        """The array bytes this server moved so far: its clients' and its sessions' with the workers."""
+        return ArrayTraffic(self.client_bytes.received, self.client_bytes.sent, self.worker_bytes.sent,
+                                     self.worker_bytes.received)
 
     def _pace_stores(self) -> None:
         """Look at every session's host buffers each PACE_CHECK_SECONDS: a store whose bytes
@@ -284,7 +293,7 @@ class IfrtServer:
         weight = session_weight(init_data.get(WEIGHT_KEY))
         try:
             native = Session(self.controller, CONNECT_TIMEOUT, weight=weight, security=self.security,
-                             open_local=self.open_local, data_plane=self.data_plane)
+                             open_local=self.open_local, data_plane=self.data_plane, array_bytes=self.worker_bytes)
         except Exception as e:
             yield from self._refuse(requests, context, IfrtError(t.UNAVAILABLE, (
                 f"the pathways controller at {self.controller} is not reachable ({type(e).__name__}: {e})")))
@@ -337,7 +346,9 @@ class IfrtServer:
             context.abort(_grpc_code(e.code), e.message)
         try:
             for raw in requests:
-                session.buffers.add(buffer, _store_data(raw, context))
+                data = _store_data(raw, context)
+                self.client_bytes.add_received(data.nbytes)
+                session.buffers.add(buffer, data)
             session.buffers.finish(buffer)
         except IfrtError as e:
             session.buffers.fail(buffer, e)
@@ -360,7 +371,9 @@ class IfrtServer:
                                                 open_timeout=HOST_BUFFER_WAIT):
                 view = memoryview(chunk)
                 for start in range(0, view.nbytes, LOOKUP_CHUNK):
-                    yield _lookup_response(view[start:start + LOOKUP_CHUNK])
+                    piece = view[start:start + LOOKUP_CHUNK]
+                    yield _lookup_response(piece)
+                    self.client_bytes.add_sent(piece.nbytes)
                     sent = True
         except IfrtError as e:
             context.abort(_grpc_code(e.code), e.message)

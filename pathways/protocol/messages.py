@@ -605,6 +605,18 @@ class SessionStatus(Record):
         return {k: v for k, v in Record.as_dict(self).items() if v is not None}
 
 
+@record
+class ArrayTraffic(Record):
+    """The array bytes the controller's process moved, counted since it started: those of
+    its IFRT front end's clients (their puts received, their reads sent) and those its
+    front end's sessions moved to and from workers on their behalf."""
+
+    from_clients: int = wire(COUNT)
+    to_clients: int = wire(COUNT)
+    to_workers: int = wire(COUNT)
+    from_workers: int = wire(COUNT)
+
+
 @message("status")
 class ClusterStatus(Message):
     """The cluster as the controller sees it (controller/status.py)."""
@@ -617,6 +629,7 @@ class ClusterStatus(Message):
     sessions: tuple[SessionStatus, ...] = wire(Seq(Nested(SessionStatus)))
     slices: int = wire(COUNT)
     arrays: int = wire(COUNT)
+    front_end: ArrayTraffic | None = wire(Optional(Nested(ArrayTraffic)), None)
 
 
 @message("cluster")
