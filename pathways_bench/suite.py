@@ -17,7 +17,7 @@ from typing import Any, Optional
 from pathways_bench import report
 
 EXPERIMENTS = ("dispatch", "parity", "pipeline", "transfer", "tenancy", "train", "planner", "control", "ifrt",
-               "elastic", "assembly", "conduct", "clients")
+               "elastic", "assembly", "conduct", "clients", "checkpoint")
 
 _HEADER = """# Benchmarks
 

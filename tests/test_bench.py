@@ -171,6 +171,17 @@ def check_conduct(d):
     assert isinstance(r["plan_changed"], bool) and r["flops_scale"] > 0
 
 
+def check_checkpoint(d):
+    from pathways_bench import checkpoint
+
+    assert d["bytes"] == checkpoint.TINY_SIZE
+    assert set(d["cases"]) == {"pw.save", "one writer", "two writers", "pw.load", "one reader"}
+    assert all(rate_ok(s) for s in d["cases"].values())
+    # the rates are the bytes over the median seconds of the same samples
+    assert all(math.isclose(d["cases"][k]["median"], d["bytes"] / d["seconds"][k] / 1e6, rel_tol=1e-9)
+               for k in d["cases"]), d
+
+
 CHECKS = {name: globals()[f"check_{name}"] for name in suite.EXPERIMENTS}
 
 

@@ -194,8 +194,16 @@ def test_malformed_or_impossible_requests_get_errors_and_the_worker_keeps_servin
     header = np.lib.format.header_data_from_array_1_0(np.zeros(4, np.float32))
     with open(tmp_path / "lying" / "0-4.npy", "wb") as f:
         np.lib.format.write_array_header_1_0(f, {**header, "shape": (1 << 40,)})
-    with pytest.raises(pw.RemoteError, match="loading array"):
+    with pytest.raises(pw.RemoteError, match=r"has shape \[1099511627776\]"):
         _call(stubs["Load"], m.LoadRequest(first_handle(7) + 9, CREDENTIAL, "lying", ONE_DEVICE, "float32", (4,)))
+    # and one whose values are cut short, or run on, is refused as it is read
+    for i, (name, values) in enumerate((("short", b"\0" * 12), ("long", b"\0" * 20))):
+        (tmp_path / name).mkdir()
+        with open(tmp_path / name / "0-4.npy", "wb") as f:
+            np.lib.format.write_array_header_1_0(f, header)
+            f.write(values)
+        with pytest.raises(pw.RemoteError, match="holds other than 16 bytes"):
+            _call(stubs["Load"], m.LoadRequest(first_handle(7) + 11 + i, CREDENTIAL, name, ONE_DEVICE, "float32", (4,)))
     # an empty array reads no file
     (tmp_path / "empty").mkdir()
     assert _call(stubs["Load"], m.LoadRequest(first_handle(7) + 10, CREDENTIAL, "empty", ONE_DEVICE, "float32",

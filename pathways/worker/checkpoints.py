@@ -95,9 +95,7 @@ def read_region(blocks: dict[Region, str], region: Region, dtype: np.dtype, wher
         return np.empty(tuple(b - a for a, b in region), dtype)
     exact = blocks.get(region)
     if exact is not None:
-        # mapped, and checked against the block's shape before a byte is copied: a file's
-        # header may claim any size
-        return np.array(_as(np.load(exact, mmap_mode="r", allow_pickle=False), dtype, region, where))
+        return _read_block(exact, dtype, region, where)
     out = np.empty(tuple(b - a for a, b in region), dtype)
     covered = np.zeros(out.shape, bool)
     for saved, path in blocks.items():
@@ -117,16 +115,40 @@ def read_region(blocks: dict[Region, str], region: Region, dtype: np.dtype, wher
     return out
 
 
+def _read_block(path: str, dtype: np.dtype, region: Region, where: str) -> np.ndarray:
+    """The block saved whole as ``path``, read with one copy into a buffer aligned for the
+    device (which can then take it without another); its header checked against the block
+    before anything is allocated or read: a file's header may claim any size."""
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        header = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+        shape, fortran_order, saved = header[version](f) if version in header else (None, True, None)
+        if not fortran_order:  # as the workers write them
+            _check_block(saved, shape, dtype, region, where)
+            out = codec.aligned_empty(tuple(shape), dtype)
+            flat = out.reshape(-1).view(np.uint8)
+            if f.readinto(memoryview(flat)) != flat.nbytes or f.read(1):
+                raise RemoteError(f"block {list(region)} of the checkpoint at {where} holds other than "
+                                  f"{flat.nbytes} bytes of values")
+            return out
+    # another numpy version's, or in Fortran order: mapped, checked, then copied in C order
+    return np.ascontiguousarray(_as(np.load(path, mmap_mode="r", allow_pickle=False), dtype, region, where))
+
+
+def _check_block(saved: np.dtype, shape: tuple[int, ...], dtype: np.dtype, region: Region, where: str) -> None:
+    """RemoteError unless values of dtype ``saved`` and ``shape`` are block ``region`` of
+    ``dtype``: numpy saves the ML dtypes (bfloat16, float8...) as raw bytes of their size."""
+    if saved != dtype and (saved.kind != "V" or saved.itemsize != dtype.itemsize):
+        raise RemoteError(f"the checkpoint at {where} holds {saved.name} values, not {dtype.name}")
+    if tuple(shape) != tuple(b - a for a, b in region):
+        raise RemoteError(f"block {list(region)} of the checkpoint at {where} has shape {list(shape)}")
+
+
 def _as(block: np.ndarray, dtype: np.dtype, region: Region, where: str) -> np.ndarray:
     """A saved ``block`` read as ``dtype``: numpy saves the ML dtypes (bfloat16, float8...) as
     raw bytes of their size."""
-    if block.dtype != dtype:
-        if block.dtype.kind != "V" or block.dtype.itemsize != dtype.itemsize:
-            raise RemoteError(f"the checkpoint at {where} holds {block.dtype.name} values, not {dtype.name}")
-        block = block.view(dtype)
-    if block.shape != tuple(b - a for a, b in region):
-        raise RemoteError(f"block {list(region)} of the checkpoint at {where} has shape {list(block.shape)}")
-    return block
+    _check_block(block.dtype, block.shape, dtype, region, where)
+    return block if block.dtype == dtype else block.view(dtype)
 
 
 class Checkpoints:
