@@ -104,8 +104,11 @@ def test_suspend_to_a_path_has_the_workers_write_files_that_resume_reads_back(cl
 
     pw.suspend(path=str(tmp_path))
     files = sorted(p for p in tmp_path.rglob("*.npy"))
-    assert len(files) == 2, files
-    assert all(p.parent.parent.name == f"session-{session.id}" for p in files)
+    # each array as pw.save writes one: a directory holding a file per distinct block (x
+    # whole, y in rows)
+    blocks = {p.parent.name: sorted(q.name for q in p.parent.iterdir()) for p in files}
+    assert sorted(blocks.values()) == [["0-1_0-6.npy", "1-2_0-6.npy"], ["0-2_0-6.npy"]], blocks
+    assert all(p.parent.parent.parent.name == f"session-{session.id}" for p in files)
     assert sum(p.stat().st_size for p in files) >= x.size * 4 * 2
     pw.resume()
     np.testing.assert_array_equal(np.asarray(x), np.arange(12, dtype=np.float32).reshape(2, 6))

@@ -1,6 +1,7 @@
 """Suspend and resume on a worker: a part of the worker's core (WorkerCore), working on its
 state. A suspended session's arrays leave the store and the devices (``Offload``), into
-host memory or files the worker writes; ``Restore`` pushes them to the hosts of the new
+host memory or files the worker writes (each array as a checkpoint of its blocks,
+worker/checkpoints.py); ``Restore`` pushes them to the hosts of the new
 placement as transfer copies, which each receiver stores under the session's handles
 (``Adopt``)."""
 
@@ -13,9 +14,11 @@ import threading
 
 import numpy as np
 
+from pathways.errors import RemoteError
 from pathways.protocol.check import MAX_TEXT
 from pathways.protocol.errors import LOST
 from pathways.protocol.messages import Adopt, Adopted, Offload, Offloaded, Restore
+from pathways.worker.checkpoints import read_region, saved_blocks, write_block
 from pathways.worker.pieces import local_pieces
 from pathways.worker.store import OffloadedArray, Poison, failure
 
@@ -74,13 +77,13 @@ class Offloading:
                     failed.append((handle, poison.kind, poison.message[:MAX_TEXT]))
                 continue
             off = None
-            if directory:
-                path = os.path.join(directory, f"{handle:x}.npy")
+            if directory:  # as a checkpoint of the array: a file per block (worker/checkpoints.py)
+                path = os.path.join(directory, f"{handle:x}")
                 try:
-                    with open(path, "wb") as f:
-                        for _, piece in pieces:
-                            np.save(f, piece, allow_pickle=False)
-                    off = OffloadedArray(dtype, shape, [r for r, _ in pieces], file=path)
+                    os.makedirs(path, exist_ok=True)
+                    for region, piece in pieces:
+                        write_block(path, region, piece)
+                    off = OffloadedArray(dtype, shape, [r for r, _ in pieces], directory=path)
                 except OSError as e:
                     warning = warning or (f"worker {self.worker_id} could not write {path} ({e}); it keeps "
                                           "the arrays it could not write in its host memory")
@@ -114,11 +117,11 @@ class Offloading:
                                 "when it resumed (deleted, or never arrived)")
             else:
                 try:
-                    pieces = off.pieces if off.file == "" else _read_pieces(off)
+                    pieces = off.pieces if off.directory == "" else _read_pieces(off)
                     dtype, shape = off.dtype, off.shape
-                except (OSError, ValueError) as e:
+                except (OSError, ValueError, RemoteError) as e:
                     poison = Poison(f"worker {self.worker_id} could not read array {handle:#x} back from "
-                                    f"{off.file}: {e}")
+                                    f"{off.directory}: {e}")
             self._deliver(copy, poison, dtype, shape, pieces, layout.to_wire(), routes)
             del off, pieces
         if directory:
@@ -167,6 +170,6 @@ class Offloading:
 
 
 def _read_pieces(off: OffloadedArray) -> list:
-    """The pieces of an array offloaded to a file, read back."""
-    with open(off.file, "rb") as f:
-        return [(region, np.load(f, allow_pickle=False)) for region in off.regions]
+    """The pieces of an array offloaded to files, read back as a checkpoint's blocks are."""
+    blocks = saved_blocks(off.directory)
+    return [(region, read_region(blocks, region, off.dtype, off.directory)) for region in off.regions]

@@ -51,17 +51,17 @@ class Poison:
 
 class OffloadedArray:
     """An array of a suspended session, off the devices: its distinct shards as numpy
-    pieces ((region, array), ...) in host memory, or in ``file`` (the pieces one after the
-    other, in numpy's .npy format)."""
+    pieces ((region, array), ...) in host memory, or in ``directory`` (a .npy file per
+    piece, as a checkpoint's blocks: worker/checkpoints.py)."""
 
-    __slots__ = ("dtype", "shape", "pieces", "regions", "file")
+    __slots__ = ("dtype", "shape", "pieces", "regions", "directory")
 
     def __init__(self, dtype: Any, shape: tuple[int, ...], regions: list, pieces: Optional[list] = None,
-                 file: str = "") -> None:
-        self.dtype, self.shape, self.regions, self.pieces, self.file = dtype, shape, regions, pieces, file
+                 directory: str = "") -> None:
+        self.dtype, self.shape, self.regions, self.pieces, self.directory = dtype, shape, regions, pieces, directory
 
     def __repr__(self) -> str:
-        return f"OffloadedArray({self.dtype}{list(self.shape)}{', ' + self.file if self.file else ''})"
+        return f"OffloadedArray({self.dtype}{list(self.shape)}{', ' + self.directory if self.directory else ''})"
 
 
 def failure(what: str, error: Exception) -> Poison:
