@@ -7,19 +7,18 @@ where the files go)."""
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future
-from typing import Any, Optional
+from typing import Optional
 
 import grpc
 import numpy as np
 
 from pathways import errors
-from pathways.client.fetches import GONE
+from pathways.client.worker_calls import all_answered, answer
 from pathways.ir import Layout, block_holders
 from pathways.protocol import messages as m
 from pathways.protocol import operator
-from pathways.wire import codec, rpc
+from pathways.wire import codec
 
 
 class Checkpoints:
@@ -31,7 +30,8 @@ class Checkpoints:
         that of ``layout.workers[i]``) write its blocks into checkpoint directory ``path``,
         each distinct block once, by the first host that holds it, once the array is
         computed (within ``timeout`` seconds; default the session's result timeout). A
-        Future of the bytes written, failing with the first error a host answered."""
+        Future of the hosts' answers (Saved: the bytes each wrote), failing with the first
+        error a host answered."""
         if layout.unreduced:
             raise ValueError("an unreduced array cannot be saved as it is; reduce it first")
         wait = min(self.result_timeout if timeout is None else timeout, m.MAX_WAIT_SECONDS)
@@ -42,7 +42,7 @@ class Checkpoints:
                 stubs = self._stubs(address)
                 request = m.pack(m.SaveRequest(handle, stubs.credential, path, holders[worker], wait).encode())
                 calls.append((address, stubs.save.future(request, timeout=wait + 30.0)))
-        return _all(calls, "saving")
+        return all_answered(calls, operator.SAVED_REPLY, "saving")
 
     def load_blocks(self, addresses: tuple[str, ...], handle: int, layout: Layout, dtype: np.dtype,
                     shape: tuple[int, ...], path: str, moves: int) -> None:
@@ -61,48 +61,6 @@ class Checkpoints:
 
     def _loaded(self, f: grpc.Future, address: str, handle: int) -> None:
         try:
-            _answer(f, address)
+            answer(f, address, operator.SAVED_REPLY)
         except errors.PathwaysError as e:
             self.poisoned.setdefault(handle, (type(e), f"loading the array from the checkpoint failed: {e}"))
-
-
-def _answer(f: Any, address: str) -> int:
-    """The bytes a worker's Saved reply counts; the error it answered, raised."""
-    try:
-        return operator.answer(operator.SAVED_REPLY, f.result(), errors.RemoteError).nbytes
-    except grpc.RpcError as e:
-        refused = rpc.refusal(e, address)
-        if refused is not None:
-            raise refused from None
-        if e.code() in GONE:
-            raise errors.WorkerLostError(f"the worker at {address} is unreachable or stopped serving "
-                                         f"({e.code().name}); `python -m pathways status` shows which islands are "
-                                         "healthy") from None
-        raise errors.RemoteError(f"the call to the worker at {address} failed: {e.code().name}") from None
-
-
-def _all(calls: list[tuple[str, Any]], what: str) -> Future:
-    """One Future for the workers' ``calls``: the bytes they count in all, or the first error."""
-    result: Future = Future()
-    left, total, lock = [len(calls)], [0], threading.Lock()
-    if not calls:
-        result.set_result(0)
-
-    def done(f: Any, address: str) -> None:
-        try:
-            nbytes, error = _answer(f, address), None
-        except errors.PathwaysError as e:
-            nbytes, error = 0, type(e)(f"{what} on the worker at {address} failed: {e}")
-        with lock:  # one of the callbacks, whichever thread each runs on, settles the result
-            if result.done():
-                return
-            total[0] += nbytes
-            left[0] -= 1
-            if error is not None:
-                result.set_exception(error)
-            elif left[0] == 0:
-                result.set_result(total[0])
-
-    for address, call in calls:
-        call.add_done_callback(lambda f, address=address: done(f, address))
-    return result

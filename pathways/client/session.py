@@ -37,6 +37,7 @@ import grpc
 
 from pathways import errors
 from pathways.client.checkpoints import Checkpoints
+from pathways.client.colocated import Colocating
 from pathways.client.computed import Computations
 from pathways.client.fetches import Fetches
 from pathways.client.puts import Puts
@@ -70,9 +71,10 @@ class WorkerStubs(NamedTuple):
     credential: bytes  # what the session presents to this worker (messages.worker_credential)
     save: Any  # Save, unary-unary: write its blocks of an array into a checkpoint
     load: Any  # Load, unary-unary: make its blocks of an array from a checkpoint
+    colocated: Any  # Colocated, unary-unary: run a colocated Python function on its shards
 
 
-class Session(Puts, Fetches, Checkpoints):
+class Session(Puts, Fetches, Checkpoints, Colocating):
     """``connect_timeout``: seconds to wait for the controller to answer and greet the
     session (``result_timeout`` is another: how long a put or a wait for an array may take
     by default). ``security``: the token and CA this session reaches the controller and the
@@ -414,7 +416,8 @@ class Session(Puts, Fetches, Checkpoints):
                                 rpc.method(channel, rpc.WORKER_SERVICE, "PutOne", "unary_unary"),
                                 m.worker_credential(self._credential, address),
                                 rpc.method(channel, rpc.WORKER_SERVICE, "Save", "unary_unary"),
-                                rpc.method(channel, rpc.WORKER_SERVICE, "Load", "unary_unary"))
+                                rpc.method(channel, rpc.WORKER_SERVICE, "Load", "unary_unary"),
+                                rpc.method(channel, rpc.WORKER_SERVICE, "Colocated", "unary_unary"))
             self._workers[address] = stubs
         return stubs
 

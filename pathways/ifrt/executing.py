@@ -12,6 +12,7 @@ from pathways.client.compiled import register_program
 from pathways.ifrt import types as t
 from pathways.ifrt import handling
 from pathways.ifrt.handling import DONE, Deferred, IfrtArray, IfrtExecutable, Lazy, attributes, failed_future, serves
+from pathways.ifrt.colocated import CUSTOM_CALL_COMPILE_OPTIONS, CUSTOM_CALL_PROGRAM, ColocatedProgram
 from pathways.ifrt.persistence import PLUGIN_COMPILE_OPTIONS, PLUGIN_PROGRAM, PersistenceProgram
 from pathways.ifrt.types import IfrtError, Sharding
 from pathways.ir import Node, ProgramGraph
@@ -34,12 +35,16 @@ class Executing:
         if body.host_callbacks:
             raise IfrtError(t.UNIMPLEMENTED, "host callbacks (jax.debug.print, pure_callback, io_callback) are "
                                              "not supported by the pathways IFRT server")
-        if (body.program.type_name, body.compile_options.type_name) == (PLUGIN_PROGRAM, PLUGIN_COMPILE_OPTIONS):
+        kinds = (body.program.type_name, body.compile_options.type_name)
+        if kinds == (PLUGIN_PROGRAM, PLUGIN_COMPILE_OPTIONS):
             return self._compile_persistence(body.program.data)
+        if kinds == (CUSTOM_CALL_PROGRAM, CUSTOM_CALL_COMPILE_OPTIONS):
+            return self._compile_colocated(body.program.data)
         if body.program.type_name != handling.XLA_PROGRAM:
             raise IfrtError(t.UNIMPLEMENTED, f"programs of type {body.program.type_name[:80]!r} are not "
-                                             f"supported; the server compiles {handling.XLA_PROGRAM} and "
-                                             f"{PLUGIN_PROGRAM}s that write or read checkpoints")
+                                             f"supported; the server compiles {handling.XLA_PROGRAM}s, "
+                                             f"{PLUGIN_PROGRAM}s that write or read checkpoints and "
+                                             f"{CUSTOM_CALL_PROGRAM}s of colocated Python")
         if body.compile_options.type_name != handling.XLA_COMPILE_OPTIONS:
             raise IfrtError(t.UNIMPLEMENTED, f"compile options of type {body.compile_options.type_name[:80]!r} "
                                              f"are not supported; the server takes {handling.XLA_COMPILE_OPTIONS}")
@@ -82,10 +87,10 @@ class Executing:
     def _executable(self, handle: int) -> IfrtExecutable:
         exe = self._program(handle)
         if not isinstance(exe, IfrtExecutable):
-            raise IfrtError(t.UNIMPLEMENTED, "a persistence program has no metadata, cost analysis or program text")
+            raise IfrtError(t.UNIMPLEMENTED, f"a {_kind(exe)} has no metadata, cost analysis or program text")
         return exe
 
-    def _program(self, handle: int) -> IfrtExecutable | PersistenceProgram:
+    def _program(self, handle: int) -> IfrtExecutable | PersistenceProgram | ColocatedProgram:
         with self._lock:
             exe = self._executables.get(handle)
         if exe is None:
@@ -96,11 +101,11 @@ class Executing:
     def _loaded_executable_metadata_request(self, body: Any) -> Any:
         exe = self._program(body.loaded_executable_handle)
         resp = pb.LoadedExecutableMetadataResponse()
-        if isinstance(exe, PersistenceProgram):  # no XLA program: no shardings, layouts or memory to tell
+        if not isinstance(exe, IfrtExecutable):  # no XLA program: no shardings, layouts or memory to tell
             resp.donated_input_indices.SetInParent()
             for status in (resp.parameter_layouts_error, resp.output_layouts_error,
                            resp.compiled_memory_stats_error):
-                _unavailable(status, "metadata (a persistence program is not an XLA program)")
+                _unavailable(status, f"metadata (a {_kind(exe)} is not an XLA program)")
             return resp
         c = exe.compiled
         resp.parameter_shardings.shardings.extend(t.op_of(s) for s in c.in_shardings)
@@ -123,6 +128,8 @@ class Executing:
         exe = self._program(body.loaded_executable_handle)
         if isinstance(exe, PersistenceProgram):
             return self._execute_persistence(exe, body)
+        if isinstance(exe, ColocatedProgram):
+            return self._execute_colocated(exe, body)
         c = exe.compiled
         args = [self._array(h) for h in body.args_handles]
         across = [i for i, a in enumerate(args) if a.parts]
@@ -224,6 +231,10 @@ class Executing:
         else:
             resp.human_readable_program_text = text
         return resp
+
+
+def _kind(program: PersistenceProgram | ColocatedProgram) -> str:
+    return "persistence program" if isinstance(program, PersistenceProgram) else "colocated Python function"
 
 
 def _unavailable(status: Any, what: str) -> None:

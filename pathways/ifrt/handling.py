@@ -117,6 +117,9 @@ class IfrtArray:
     # array it is, whose pathways handle it names without a reference of its own, as a
     # view does (see IfrtSession._shard)
     alias_of: Optional["IfrtArray"] = None
+    # the value the front end itself holds, for an array the workers hold none of (a
+    # colocated function's string result: ifrt/colocated.py)
+    held: Optional[np.ndarray] = None
 
     @property
     def handles(self) -> list[int]:

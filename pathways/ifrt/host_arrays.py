@@ -187,6 +187,10 @@ class HostArrays:
 
         def run() -> None:
             try:
+                if target.held is not None:  # strings, held here
+                    self.buffers.add(buffer, memoryview(t.string_host_buffer(self._host_value(arr))))
+                    self.buffers.finish(buffer)
+                    return
                 contiguous = t.c_contiguous(arr.dtype, arr.shape, strides)
                 value = self._computed_value(arr) if contiguous else None
                 if value is not None:

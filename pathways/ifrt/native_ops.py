@@ -145,6 +145,8 @@ class NativeOps:
     def _host_value(self, arr: IfrtArray) -> np.ndarray:
         if arr.error is not None:
             raise arr.error
+        if arr.held is not None:
+            return arr.held
         if arr.parts:
             return self._assembled(arr)
         if arr.group is None:
@@ -166,7 +168,8 @@ class NativeOps:
             if group.value is None:
                 group.value = self._host_value(group.parent)
             value = group.value
-        return value[tuple(slice(a, b) for a, b in arr.region)]
+        # an array still where the block is a scalar: numpy would give its element
+        return np.asarray(value[tuple(slice(a, b) for a, b in arr.region)], dtype=value.dtype)
 
     def _assembled(self, arr: IfrtArray) -> np.ndarray:
         """An array laid out across islands, fetched island by island; an island holding
@@ -202,6 +205,8 @@ class NativeOps:
                 raise target.error
             if target.deleted and target is not arr:
                 raise shard_of_deleted()
+            if target.held is not None:
+                continue
             parts = [p for _, p in target.parts] or [target]
             began = time.monotonic()
             if self.native.wait_computed([p.handle for p in parts], handling.WAIT_SECONDS):

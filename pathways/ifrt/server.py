@@ -396,7 +396,7 @@ def _lookup_response(chunk: memoryview) -> bytes:
     """A serialized ``GrpcHostBufferLookupResponse{data: chunk}``, encoded by hand: field 1,
     length-delimited, then the bytes. One copy of the chunk instead of three (to bytes, into
     the message, out of it); tests check it parses as the message."""
-    return b"".join((b"\x0a", _varint(chunk.nbytes), chunk))
+    return b"".join((b"\x0a", t.varint(chunk.nbytes), chunk))
 
 
 def _store_data(raw: bytes, context: grpc.ServicerContext) -> memoryview:
@@ -414,15 +414,6 @@ def _store_data(raw: bytes, context: grpc.ServicerContext) -> memoryview:
                     return memoryview(raw)[pos:]
                 break
     return memoryview(_parse(gpb.GrpcHostBufferStoreRequest, raw, context).data)
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
 class _Stream:

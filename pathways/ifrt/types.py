@@ -94,10 +94,32 @@ def dtype_of(proto: dtype_pb2.DTypeProto) -> np.dtype:
 
 
 def dtype_proto(dtype: np.dtype | str) -> dtype_pb2.DTypeProto:
+    if not isinstance(dtype, str) and np.dtype(dtype).kind == "T":  # numpy's StringDType
+        return dtype_pb2.DTypeProto(kind=_K.KIND_STRING, version_number=0)
     name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
     if name not in _KIND_OF_NAME or not is_wire_dtype(dtype_of_name(name)):
         raise IfrtError(UNIMPLEMENTED, f"dtype {name} has no IFRT form here")
     return dtype_pb2.DTypeProto(kind=_KIND_OF_NAME[name], version_number=0)
+
+
+def string_host_buffer(value: np.ndarray) -> bytes:
+    """A string array's host buffer as the IFRT proxy protocol carries it: a serialized
+    ``StringArrayContents`` (field 1: each string's bytes, in C order)."""
+    out = bytearray()
+    for element in np.asarray(value).reshape(-1):
+        raw = str(element).encode()
+        out += b"\x0a" + varint(len(raw)) + raw
+    return bytes(out)
+
+
+def varint(n: int) -> bytes:
+    """``n`` as a protobuf varint, for the messages encoded by hand."""
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
 
 
 def shape_of(dims: Sequence[int], what: str = "shape") -> tuple[int, ...]:

@@ -1175,6 +1175,51 @@ class Saved(Message):
     nbytes: int = wire(COUNT)
 
 
+@record
+class ColocatedOutput(Record):
+    """Where one result of a colocated Python call goes: stored as array ``handle`` laid out
+    as ``layout``; or, for a string result (``handle`` 0, no layout), its value answered in
+    the reply (``ColocatedDone``)."""
+
+    handle: int = wire(HANDLE)
+    layout: Layout | None = wire(Optional(LAYOUT), None)
+
+
+@message("colocated")
+class ColocatedRequest(Message):
+    """Client to worker (the Colocated method): run a colocated Python function on this
+    host, on its shards of the session's arrays ``inputs`` (once they are computed, within
+    ``wait`` seconds), its results stored as ``outputs`` say. ``program`` is the function
+    and its argument and result specs as JAX pickled them; ``device_ids`` the IFRT device
+    ids the pickle names and ``devices`` the (host rank, device index) pair each of them is
+    (flat, in the same order). ``credential`` is that of the handles' session. Answered by
+    ColocatedDone or Failed."""
+
+    credential: bytes = wire(CREDENTIAL)
+    program: bytes = wire(BLOB)
+    device_ids: tuple[int, ...] = wire(Seq(Int(0, I64), max_len=MAX_XLA_DEVICES))
+    devices: tuple[int, ...] = wire(DEVICE_PAIRS)
+    inputs: tuple[int, ...] = wire(Seq(HANDLE, max_len=MAX_ITEMS))
+    outputs: tuple[ColocatedOutput, ...] = wire(Seq(Nested(ColocatedOutput), max_len=MAX_ITEMS))
+    wait: float = wire(Float(0.0, MAX_WAIT_SECONDS))
+
+    def checked(self) -> "ColocatedRequest":
+        if len(self.devices) != 2 * len(self.device_ids):
+            raise WireError(f"a colocated call names {len(self.device_ids)} device ids but "
+                            f"{len(self.devices) // 2} (host rank, device index) pairs")
+        if any((o.handle == 0) != (o.layout is None) for o in self.outputs):
+            raise WireError("a colocated call's output has a handle and a layout, or (a string result) neither")
+        return self
+
+
+@message("colocated_done")
+class ColocatedDone(Message):
+    """A worker ran a colocated Python call: ``texts``, the value of each string result
+    (UTF-8), in order."""
+
+    texts: tuple[bytes, ...] = wire(Seq(BLOB, max_len=MAX_ITEMS))
+
+
 # ---- timelines (timeline.py): a client collects the spans of its traced runs -----------------
 
 # (name, thread, start ns, duration ns, run: its handle base, detail), on the sender's clock
@@ -1238,4 +1283,5 @@ FETCH = Table("fetch request", FetchRequest)
 TIMELINE = Table("timeline request", TimelineFetch)
 SAVE = Table("save request", SaveRequest)
 LOAD = Table("load request", LoadRequest)
+COLOCATED = Table("colocated request", ColocatedRequest)
 

@@ -34,8 +34,6 @@ from pathways.worker.quota import layout_bytes
 from pathways.worker.store import Poison
 
 _BLOCK_FILE = re.compile(r"^(scalar|\d+-\d+(_\d+-\d+)*)\.npy$")
-_READY_POLL_MAX = 0.05  # seconds between checks that a dispatched computation has finished
-
 Region = tuple[tuple[int, int], ...]
 
 
@@ -182,21 +180,14 @@ class Checkpoints:
     def _computed(self, req: SaveRequest, wait: float, still_wanted: Callable[[], bool], starved: bool) -> Any:
         """The computed value of the array to save, waiting ``wait`` seconds at most;
         ``starved``: it may not wait, the session's waits here being all taken."""
-        deadline = time.monotonic() + wait
-        late = (f"array {req.handle:#x} was not computed within {wait:g} s on worker {self.worker_id}, so it was "
+        value = self.store.wait_computed(req.handle, time.monotonic() + wait, still_wanted)
+        if value is None:
+            raise DeadlineExceededError(
+                f"array {req.handle:#x} was not computed within {wait:g} s on worker {self.worker_id}, so it was "
                 "not saved" + (" (the session's waits on this worker are all taken: save fewer arrays at once, or "
                                "once they are computed)" if starved else ""))
-        value = self.store.wait(req.handle, wait, still_wanted)
-        if value is None:
-            raise DeadlineExceededError(late)
         if type(value) is Poison:
             raise error_of(value.kind, f"array {req.handle:#x} cannot be saved: {value.message}")
-        pause = 0.0002
-        while not value.is_ready():
-            if time.monotonic() >= deadline or not still_wanted():
-                raise DeadlineExceededError(late)
-            time.sleep(pause)
-            pause = min(pause * 2, _READY_POLL_MAX)
         return value
 
     def load(self, req: LoadRequest) -> Saved:

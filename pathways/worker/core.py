@@ -56,6 +56,7 @@ from pathways.timeline import RECORDER, now
 from pathways.wire import codec, tcp
 from pathways.wire.security import Refusals, Security
 from pathways.worker.checkpoints import Checkpoints
+from pathways.worker.colocated import Colocated
 from pathways.worker.compile_cache import CompileCache
 from pathways.worker.executables import Executables
 from pathways.worker.executor import Executor
@@ -75,12 +76,10 @@ INLINE_SEND_BYTES = 1 << 20  # computed arrays up to this size are sent by the e
 # free memory back to the system: collecting and trimming costs milliseconds, not worth it
 # for the many small sessions (a status call, a short script) that come and go.
 RELEASE_BYTES = 1 << 20
-_READY_POLL_MAX = 0.02  # longest pause between looks at whether a fetched array is computed
-
 _PENDING = FetchReply(PENDING).header()
 
 
-class WorkerCore(Receiving, Offloading, Checkpoints):
+class WorkerCore(Receiving, Offloading, Checkpoints, Colocated):
     """One worker's state and behaviour. ``up`` takes each message for the controller (an
     outbox's ``put``); ``on_shutdown`` is called when the controller says to stop, and
     ``on_heartbeat(timeout)`` when its heartbeat says how long it tolerates silence, and
@@ -379,7 +378,7 @@ class WorkerCore(Receiving, Offloading, Checkpoints):
 
     def _answer_fetch(self, req: FetchRequest, deadline: float, still_wanted: Callable[[], bool]) -> Iterator[bytes]:
         """The reply frames to an admitted fetch, waiting until ``deadline`` at most."""
-        value = self.store.wait(req.handle, max(deadline - time.monotonic(), 0.0), still_wanted)
+        value = self.store.wait_computed(req.handle, deadline, still_wanted)
         if value is None:
             if still_wanted():
                 yield codec.pack(_PENDING)
@@ -387,15 +386,6 @@ class WorkerCore(Receiving, Offloading, Checkpoints):
         if type(value) is Poison:
             yield codec.pack(FetchReply.error(value.kind, value.message).header())
             return
-        pause = 0.0002
-        while not value.is_ready():
-            if time.monotonic() >= deadline:
-                yield codec.pack(_PENDING)
-                return
-            if not still_wanted():
-                return
-            time.sleep(pause)
-            pause = min(pause * 2, _READY_POLL_MAX)
         if not req.data:
             yield codec.pack(FetchReply(READY).header())
             return

@@ -11,9 +11,12 @@ instead of failing later inside a compile.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import threading
+from typing import Any, Iterator
 
 import jax
+import numpy as np
 from jax._src import core, distributed, xla_bridge
 from jax._src.interpreters import mlir, pxla
 from jax._src.lax import linalg
@@ -28,7 +31,8 @@ from pathways.errors import ConnectError
 SUPPORTED = ((0, 9), (0, 13))
 
 __all__ = ["GSPMDSharding", "core", "distributed", "hlo", "ir", "mlir", "pxla", "xla_bridge", "xla_client", "_jax",
-           "SUPPORTED", "check_version", "array_result_handler", "gloo_cpu_client", "initialize_cpu_kernels"]
+           "SUPPORTED", "check_version", "array_result_handler", "colocated_device_ids", "gloo_cpu_client",
+           "initialize_cpu_kernels"]
 
 
 def _release(version: str) -> tuple[int, ...]:
@@ -68,6 +72,52 @@ def gloo_cpu_client(hostname: str) -> Any:
     collectives = _jax.make_gloo_tcp_collectives(distributed_client=distributed.global_state.client,
                                                  hostname=hostname)
     return xla_bridge.make_cpu_client(collectives)
+
+
+# JAX's colocated-Python pickles name devices through module-level functions of its
+# serialization module, replaced while a worker reads or writes one: one at a time
+_COLOCATED_IDS = threading.RLock()
+
+
+@contextlib.contextmanager
+def colocated_device_ids(by_client_id: dict[int, Any]) -> Iterator[Any]:
+    """While open, JAX's colocated-Python pickles (``serialization._serialize`` and
+    ``_deserialize``, yielded as that module) name devices by the client's ids: a pickle
+    read gets the device ``by_client_id`` maps each id to, and a pickle written (the result
+    specs the first call of a function finds) names each of those devices by the client's id."""
+    from jax.experimental.colocated_python import serialization as s
+
+    client_id = {d.id: i for i, d in by_client_id.items()}
+
+    def named(device: Any) -> int:
+        if device.id not in client_id:
+            raise ValueError(f"device {device} is not one of the colocated call's devices")
+        return client_id[device.id]
+
+    def reduce_mesh(mesh: Any) -> Any:
+        ids = np.vectorize(named, otypes=[int])(mesh.devices)
+        return s._unreduce_mesh, (ids, mesh.axis_names, mesh.axis_types)
+
+    def reduce_device_list(devices: Any) -> Any:
+        return s._unreduce_device_list, ([named(d) for d in devices],)
+
+    def reduce_single_device_sharding(sharding: Any) -> Any:
+        (device,) = sharding.device_set
+        return s._unreduce_single_device_sharding, (named(device), sharding.memory_kind)
+
+    replaced = {"_get_cpu_device_map": lambda: by_client_id,
+                "_reduce_mesh": s._make_reduce_func_with_common_obj(reduce_mesh),
+                "_reduce_device_list": s._make_reduce_func_with_common_obj(reduce_device_list),
+                "_reduce_single_device_sharding": s._make_reduce_func_with_common_obj(reduce_single_device_sharding)}
+    with _COLOCATED_IDS:
+        kept = {name: getattr(s, name) for name in replaced}
+        for name, value in replaced.items():
+            setattr(s, name, value)
+        try:
+            yield s
+        finally:
+            for name, value in kept.items():
+                setattr(s, name, value)
 
 
 def initialize_cpu_kernels() -> None:

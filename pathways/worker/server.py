@@ -70,7 +70,7 @@ import trio
 from pathways.defaults import CONTROLLER_STOPPED, HEARTBEAT_TIMEOUT
 from pathways.errors import AccessDeniedError, ConnectError, PathwaysError, ResourceExhaustedError, WireError
 from pathways.platforms import Devices
-from pathways.protocol.messages import (FETCH, LOAD, MAX_MESSAGE_BYTES, SAVE, TIMELINE, WORKER_DOWN, DataKey,
+from pathways.protocol.messages import (COLOCATED, FETCH, LOAD, MAX_MESSAGE_BYTES, SAVE, TIMELINE, WORKER_DOWN, DataKey,
                                         Heartbeat, Message, Peers, Register, Reset, Shutdown, Table, WorkerWelcome)
 from pathways.protocol import streams
 from pathways.protocol import operator
@@ -190,18 +190,24 @@ class WorkerService:
         """Write this host's blocks of a session's array into a checkpoint (SaveRequest),
         answered with Saved or Failed."""
         def call(core: "WorkerCore", req: Message) -> Message:
-            # a caller that hangs up wakes the wait for the array, which then gives its thread back
-            if not context.add_callback(core.store.wake):
-                raise WireError("the caller hung up")
+            _wake_on_hang_up(core, context)
             return core.save(req, context.is_active)
-        return self._checkpoint_call(request, SAVE, "save", call)
+        return self._core_call(request, SAVE, "save", call)
 
     def load(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         """Make and store this host's blocks of a session's array from a checkpoint
         (LoadRequest), answered with Saved or Failed."""
-        return self._checkpoint_call(request, LOAD, "load", lambda core, req: core.load(req))
+        return self._core_call(request, LOAD, "load", lambda core, req: core.load(req))
 
-    def _checkpoint_call(self, request: bytes, table: Table, what: str,
+    def colocated(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """Run a session's colocated Python function on this host's shards of its arrays
+        (ColocatedRequest), answered with ColocatedDone or Failed."""
+        def call(core: "WorkerCore", req: Message) -> Message:
+            _wake_on_hang_up(core, context)
+            return core.run_colocated(req, context.is_active)
+        return self._core_call(request, COLOCATED, "colocated Python call", call)
+
+    def _core_call(self, request: bytes, table: Table, what: str,
                          call: Callable[["WorkerCore", Message], Message]) -> bytes:
         core = self.core()
         if core is None:
@@ -216,7 +222,15 @@ class WorkerService:
         return {"Put": rpc.stream_unary(self.put), "PutOne": rpc.unary_unary(self.put_one),
                 "Fetch": rpc.unary_stream(self.fetch),
                 "Stats": rpc.unary_unary(self.stats), "Timeline": rpc.unary_unary(self.timeline),
-                "Save": rpc.unary_unary(self.save), "Load": rpc.unary_unary(self.load)}
+                "Save": rpc.unary_unary(self.save), "Load": rpc.unary_unary(self.load),
+                "Colocated": rpc.unary_unary(self.colocated)}
+
+
+def _wake_on_hang_up(core: "WorkerCore", context: grpc.ServicerContext) -> None:
+    """A caller that hangs up wakes the call's waits for arrays, which then give its thread
+    back; WireError if it hung up already."""
+    if not context.add_callback(core.store.wake):
+        raise WireError("the caller hung up")
 
 
 def _answered(call: Callable[[], Message]) -> bytes:

@@ -33,6 +33,7 @@ _NO_SENDERS: frozenset[int] = frozenset()  # a copy whose every sender's part ha
 # A waiter that may be abandoned (a fetch whose caller hung up) looks again at least this
 # often, in case nobody woke it: a bound on how long an abandoned request keeps its thread.
 _RECHECK_SECONDS = 0.5
+_READY_POLL_MAX = 0.02  # longest pause between looks at whether a stored array's computation finished
 
 
 class Poison:
@@ -310,6 +311,21 @@ class ObjectStore:
             if waiter in self._waiters.get(handle, ()):
                 with self._lock:
                     discard(self._waiters, handle, waiter)
+
+    def wait_computed(self, handle: int, deadline: float, still_wanted: Callable[[], bool]) -> Optional[Any]:
+        """The value of ``handle`` once stored and computed (an array whose computation was
+        dispatched is stored before it finishes), or its poison; None if neither by
+        ``deadline`` (time.monotonic), or as soon as ``still_wanted()`` turns false."""
+        value = self.wait(handle, max(deadline - time.monotonic(), 0.0), still_wanted)
+        if value is None or type(value) is Poison:
+            return value
+        pause = 0.0002
+        while not value.is_ready():
+            if time.monotonic() >= deadline or not still_wanted():
+                return None
+            time.sleep(pause)
+            pause = min(pause * 2, _READY_POLL_MAX)
+        return value
 
     def _taken_locked(self, handle: int) -> None:
         """A value was taken out for good (or waited for in vain). More may still arrive
