@@ -175,7 +175,7 @@ class LocalCluster:
                  ifrt_port: Optional[int] = None, restart_workers: bool = True,
                  restart_controller: bool = False, suspend_dir: Optional[str] = None,
                  run_timeout: Optional[float] = None, session_memory: Optional[int] = None,
-                 checkpoint_dir: Optional[str] = None) -> None:
+                 checkpoint_dir: Optional[str] = None, colocated_python: bool = False) -> None:
         if not islands or any(i.hosts < 1 or i.devices_per_host < 1 for i in islands):
             raise ValueError("a local cluster needs at least one island of hosts >= 1 and devices_per_host >= 1")
         if policy not in ("fair", "fifo") or window < 1:
@@ -200,6 +200,7 @@ class LocalCluster:
         self.ifrt_port = ifrt_port
         self.suspend_dir = suspend_dir  # where the workers may write suspended sessions' files
         self.checkpoint_dir = checkpoint_dir  # where the workers may write and read clients' checkpoints
+        self.colocated_python = colocated_python  # whether the workers run clients' colocated Python
         # bytes of arrays a session may hold on each worker (0: no limit); None: the workers' default
         self.session_memory = session_memory
         # seconds an island may go without finishing a run in flight before it is reset; None: never
@@ -311,6 +312,8 @@ class LocalCluster:
                         options += ["--suspend-dir", self.suspend_dir]
                     if self.checkpoint_dir:
                         options += ["--checkpoint-dir", self.checkpoint_dir]
+                    if self.colocated_python:
+                        options += ["--colocated-python"]
                     options += self._quota_flags()
                     for island_id, island in enumerate(self.islands):
                         # island i is named "i" (so its id is i) and ranks follow start order,

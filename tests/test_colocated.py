@@ -31,7 +31,7 @@ CLIENT_ID = 40  # the client's id of the worker's one device (a front end number
 @pytest.fixture
 def served():
     """A worker core behind a real gRPC server in this process; its Colocated stub."""
-    core = WorkerCore(lambda msg: None, wait_timeout=5.0)
+    core = WorkerCore(lambda msg: None, wait_timeout=5.0, colocated_python=True)
     core.on_batch(m.encode_batch([m.SessionOpen(7, m.digest(CREDENTIAL))]))
     server, port = rpc.make_server(rpc.WORKER_SERVICE, WorkerService(core).handlers(), max_workers=16)
     channel = rpc.open_channel(f"grpc://127.0.0.1:{port}")
@@ -95,6 +95,22 @@ def test_another_sessions_credential_runs_nothing_and_a_raising_function_poisons
     # and the worker keeps serving
     call(stub, pickled(lambda a: a + 1.0, [value], value), [x], [m.ColocatedOutput(first_handle(7) + 6, LAYOUT)])
     np.testing.assert_array_equal(np.asarray(core.store.get(first_handle(7) + 6)), value + 1.0)
+
+
+def test_a_worker_its_operator_did_not_allow_runs_no_colocated_python():
+    core = WorkerCore(lambda msg: None, wait_timeout=5.0)
+    core.on_batch(m.encode_batch([m.SessionOpen(7, m.digest(CREDENTIAL))]))
+    value = np.ones(4, np.float32)
+    put(core, first_handle(7) + 1, value, {7: CREDENTIAL})
+    ran = []
+    request = m.ColocatedRequest(CREDENTIAL, pickled(lambda a: ran.append(1) or a, [value], value), (CLIENT_ID,),
+                                 (0, 0), (first_handle(7) + 1,), (m.ColocatedOutput(first_handle(7) + 2, LAYOUT),), 5.0)
+    try:
+        with pytest.raises(AccessDeniedError, match="its operator did not allow that .*--colocated-python"):
+            core.run_colocated(request, lambda: True)
+        assert not ran
+    finally:
+        core.close()
 
 
 def test_malformed_colocated_requests_are_refused_saying_why(served):
@@ -180,7 +196,7 @@ print("RESULT " + json.dumps({"exact": exact, "pids": pids, "total": total, "fai
 
 
 def test_a_colocated_function_runs_on_each_host_over_its_shards_through_the_proxy():
-    with pw.local_cluster(hosts=2, devices_per_host=2, ifrt=True) as cluster:
+    with pw.local_cluster(hosts=2, devices_per_host=2, ifrt=True, colocated_python=True) as cluster:
         result = run_jax(cluster.ifrt_address.removeprefix("grpc://"), SCRIPT)
         workers = sorted(w["pid"] for w in pw.cluster.status(cluster.address)["workers"])
     assert result["exact"] and result["total"] == float((np.arange(32.0) * 2 + 1).sum()), result
@@ -188,3 +204,25 @@ def test_a_colocated_function_runs_on_each_host_over_its_shards_through_the_prox
     assert result["pids"] == workers, (result, workers)
     assert "LookupError: no shard of the dataset here" in result["failure"], result
     assert result["after"], result
+
+
+REFUSED = """
+import json
+import jax, numpy as np
+from jax.experimental import colocated_python
+
+x = jax.device_put(np.ones(4, np.float32), colocated_python.colocated_cpu_devices(jax.devices())[0])
+try:
+    colocated_python.colocated_python(lambda a: a + 1)(x)
+    refused = ""
+except Exception as e:
+    refused = f"{type(e).__name__}: {e}"
+print("RESULT " + json.dumps({"refused": refused[:2000], "after": float(jax.jit(lambda a: a.sum())(x))}))
+"""
+
+
+def test_workers_their_operator_did_not_allow_refuse_colocated_python_through_the_proxy():
+    with pw.local_cluster(hosts=1, devices_per_host=2, ifrt=True) as cluster:
+        result = run_jax(cluster.ifrt_address.removeprefix("grpc://"), REFUSED)
+    assert "PERMISSION_DENIED" in result["refused"] and "--colocated-python" in result["refused"], result
+    assert result["after"] == 4.0, result  # and the session goes on

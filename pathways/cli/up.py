@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the directory under which the workers write and read clients' checkpoints (a "
                              "checkpoint's location must lie under it; gs://BUCKET/PATH names DIR/BUCKET/PATH; "
                              "default: none, no checkpoints)")
+    parser.add_argument("--colocated-python", action="store_true",
+                        help="let clients run colocated Python functions (jax.experimental.colocated_python) on the "
+                             "workers: their code, in the workers' processes (default: refused)")
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -58,7 +61,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                                security=security.from_args(args), heartbeat_timeout=args.heartbeat_timeout,
                                ifrt_port=args.ifrt_port, restart_workers=args.restart_workers,
                                restart_controller=True, suspend_dir=args.suspend_dir, run_timeout=args.run_timeout,
-                               session_memory=args.session_memory, checkpoint_dir=args.checkpoint_dir)
+                               session_memory=args.session_memory, checkpoint_dir=args.checkpoint_dir,
+                               colocated_python=args.colocated_python)
     except ValueError as e:
         parser.error(str(e))
     with tempfile.TemporaryDirectory(prefix="pathways-up-") as private:  # mode 0700: this user's alone

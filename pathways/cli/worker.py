@@ -75,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the directory under which clients' checkpoints are written and read by this worker "
                              "(a checkpoint's location must lie under it; gs://BUCKET/PATH names DIR/BUCKET/PATH; "
                              "default: none, no checkpoints): no client can have this worker read or write elsewhere")
+    parser.add_argument("--colocated-python", action="store_true",
+                        help="run clients' colocated Python functions (jax.experimental.colocated_python): their "
+                             "code, in this worker's process, with its rights (default: refused)")
     parser.add_argument("--compile-cache", metavar="DIR",
                         help=f"keep compiled executables in DIR, so that this worker when it restarts, and other "
                              f"workers of this machine, load them instead of compiling again (default: "
@@ -105,5 +108,6 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     main(args.controller, devices, IslandMembership(island, launch.hosts, launch.rank), args.wait_timeout,
          args.connect_timeout, args.join_timeout, args.bind, args.advertise, args.unsafe_local_order,
          security.from_args(args), args.heartbeat_timeout, args.reconnect_timeout, args.suspend_dir,
-         compile_cache.directory_from(args.compile_cache), args.session_memory, args.checkpoint_dir)
+         compile_cache.directory_from(args.compile_cache), args.session_memory, args.checkpoint_dir,
+         args.colocated_python)
     return 0

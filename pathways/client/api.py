@@ -148,7 +148,7 @@ def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[S
                   heartbeat_timeout: Optional[float] = None, ifrt: bool = False,
                   restart_workers: bool = True, suspend_dir: Optional[str] = None,
                   run_timeout: Optional[float] = None, session_memory: Optional[int] = None,
-                  checkpoint_dir: Optional[str] = None) -> ConnectedCluster:
+                  checkpoint_dir: Optional[str] = None, colocated_python: bool = False) -> ConnectedCluster:
     """A context manager running a controller and workers on this machine.
 
     One island of ``hosts`` worker processes with ``devices_per_host`` CPU devices each, or
@@ -202,11 +202,16 @@ def local_cluster(hosts: int = 2, devices_per_host: int = 1, islands: Optional[S
     themselves (``pw.save``, ``pw.load``, and orbax through pathwaysutils' persistence);
     a checkpoint's location must lie under it (``gs://BUCKET/PATH`` names
     ``checkpoint_dir/BUCKET/PATH``). None by default: no checkpoints.
+
+    ``colocated_python``: the workers run clients' colocated Python functions
+    (``jax.experimental.colocated_python`` through the IFRT proxy): the clients' code, in
+    the workers' processes. False by default: refused, saying so.
     """
     return ConnectedCluster(list(islands) if islands else [Island(hosts, devices_per_host)], start_timeout,
                             policy, window, unsafe_local_order, security, heartbeat_timeout,
                             ifrt_port=0 if ifrt else None, restart_workers=restart_workers, suspend_dir=suspend_dir,
-                            run_timeout=run_timeout, session_memory=session_memory, checkpoint_dir=checkpoint_dir)
+                            run_timeout=run_timeout, session_memory=session_memory, checkpoint_dir=checkpoint_dir,
+                            colocated_python=colocated_python)
 
 
 def trace(path: str) -> RecordingBlock:

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from pathways.errors import DeadlineExceededError, ResourceExhaustedError, WireError, WorkerLostError
+from pathways.errors import AccessDeniedError, DeadlineExceededError, ResourceExhaustedError, WireError, WorkerLostError
 from pathways.hlo import row_major, tile_assignment
 from pathways.proto.xla import xla_data_pb2
 from pathways.proto.xla.python.ifrt import dtype_pb2, serdes_pb2, sharding_pb2, sharding_serdes_pb2, shape_pb2
@@ -62,10 +62,12 @@ def runtime_failure(e: Exception, what: str = "") -> IfrtError:
     what it held (JAX tooling, pathwaysutils' elastic manager among it, takes DATA_LOSS for
     a slice that went down), DEADLINE_EXCEEDED where a run outlasted the run timeout and
     its island was reset, RESOURCE_EXHAUSTED where a worker would not hold more for the
-    session (its memory quota), INTERNAL otherwise."""
+    session (its memory quota), PERMISSION_DENIED where a worker refused what its operator
+    did not allow, INTERNAL otherwise."""
     code = (DATA_LOSS if isinstance(e, WorkerLostError) else
             DEADLINE_EXCEEDED if isinstance(e, DeadlineExceededError) else
-            RESOURCE_EXHAUSTED if isinstance(e, ResourceExhaustedError) else INTERNAL)
+            RESOURCE_EXHAUSTED if isinstance(e, ResourceExhaustedError) else
+            PERMISSION_DENIED if isinstance(e, AccessDeniedError) else INTERNAL)
     return IfrtError(code, f"{what}{type(e).__name__}: {e}")
 
 

@@ -25,8 +25,8 @@ from typing import Callable
 import jax
 import numpy as np
 
-from pathways.errors import (DeadlineExceededError, PathwaysError, RemoteError, ResourceExhaustedError,
-                             WireError)
+from pathways.errors import (AccessDeniedError, DeadlineExceededError, PathwaysError, RemoteError,
+                             ResourceExhaustedError, WireError)
 from pathways.protocol.errors import POISON_KINDS, REMOTE, error_of, kind_of
 from pathways.protocol.handles import session_of
 from pathways.protocol.messages import ColocatedDone, ColocatedRequest, device_pairs
@@ -43,6 +43,11 @@ class Colocated:
         handles = (*req.inputs, *(o.handle for o in req.outputs if o.handle))
         for handle in handles:
             self.sessions.admit(handle, req.credential, "colocated Python call")
+        if not self.colocated_python:
+            raise AccessDeniedError(f"worker {self.worker_id} runs no colocated Python: it would run the client's "
+                                    "code in the worker's process, and its operator did not allow that (`pathways "
+                                    "worker --colocated-python`, `pathways up --colocated-python`, "
+                                    "pw.local_cluster(colocated_python=True))")
         session = session_of(handles[0]) if handles else 0
         waits = bool(req.inputs) and req.wait > 0 and self.fetch_waits.slot(session)
         try:

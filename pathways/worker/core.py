@@ -96,7 +96,8 @@ class WorkerCore(Receiving, Offloading, Checkpoints, Colocated):
                  on_heartbeat: Callable[[float], None] = lambda timeout: None,
                  on_reset: Optional[Callable[[], None]] = None, suspend_dir: Optional[str] = None,
                  tickets: Optional[PeerTickets] = None, compile_cache: Optional[str] = None,
-                 session_memory: Optional[int] = None, checkpoint_dir: Optional[str] = None) -> None:
+                 session_memory: Optional[int] = None, checkpoint_dir: Optional[str] = None,
+                 colocated_python: bool = False) -> None:
         if not (math.isfinite(wait_timeout) and wait_timeout > 0):
             raise ValueError(f"wait_timeout must be a finite number of seconds above 0, got {wait_timeout!r}")
         self.up = up
@@ -133,6 +134,8 @@ class WorkerCore(Receiving, Offloading, Checkpoints, Colocated):
         self.suspend_dir = os.path.realpath(suspend_dir) if suspend_dir else None
         # where the operator lets clients have checkpoints written and read (`--checkpoint-dir`); None: nowhere
         self.checkpoint_dir = os.path.realpath(checkpoint_dir) if checkpoint_dir else None
+        # whether the operator lets clients run colocated Python functions, their code, here
+        self.colocated_python = colocated_python
         self._offload_dirs: dict[int, str] = {}
         self._suspended_lock = threading.Lock()
 

@@ -313,7 +313,7 @@ def main(controller: str, devices: Devices, island: IslandMembership, wait_timeo
          heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
          reconnect_timeout: float = keeper.RECONNECT_TIMEOUT, suspend_dir: Optional[str] = None,
          compile_cache: Optional[str] = None, session_memory: Optional[int] = None,
-         checkpoint_dir: Optional[str] = None) -> None:
+         checkpoint_dir: Optional[str] = None, colocated_python: bool = False) -> None:
     """Serve until the controller stops it: attach to ``controller``, join ``island``
     (JAX serves ``devices``, and joins the island's jax.distributed group when it
     has several hosts, waiting up to ``join_timeout`` seconds for the other hosts). Servers
@@ -334,7 +334,8 @@ def main(controller: str, devices: Devices, island: IslandMembership, wait_timeo
     bytes of arrays each client session may hold on this worker (worker/quota.py; 0: no
     limit; None: three quarters of the host's memory). ``checkpoint_dir``: the directory
     under which clients' checkpoints may be written and read (worker/checkpoints.py; none:
-    no checkpoints)."""
+    no checkpoints). ``colocated_python``: whether clients may run colocated Python
+    functions here (worker/colocated.py: their code, in this process)."""
     native_stdout.filter_stdout(log)
     # A native crash (SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT) prints every thread's Python
     # stack on stderr, the cluster's log, before the process dies of it: where it happened.
@@ -371,7 +372,7 @@ def main(controller: str, devices: Devices, island: IslandMembership, wait_timeo
     error, again = trio.run(_serve, _Options(controller, devices, island, bind_host, advertise_host, wait_timeout,
                                              connect_timeout, join_timeout, unsafe_local_order, security,
                                              heartbeat_timeout, suspend_dir, compile_cache, session_memory,
-                                             checkpoint_dir))
+                                             checkpoint_dir, colocated_python))
     _exit(controller, island, reconnect_timeout, error, again)
 
 
@@ -488,6 +489,7 @@ class _Options:
     compile_cache: Optional[str]
     session_memory: Optional[int]
     checkpoint_dir: Optional[str]
+    colocated_python: bool
 
 
 async def _serve(options: _Options) -> tuple[Optional[str], Optional[str]]:
@@ -614,7 +616,7 @@ class _Serving:
         self.core = await _start_core(o.devices, o.island, o.wait_timeout, o.unsafe_local_order, self.outbox,
                                       self._told_to("shutdown"), self._told_to("reset"), self.ended, o.security,
                                       o.heartbeat_timeout, self.beats.learn, o.suspend_dir, self.tickets,
-                                      o.compile_cache, o.session_memory, o.checkpoint_dir)
+                                      o.compile_cache, o.session_memory, o.checkpoint_dir, o.colocated_python)
         if self.core is None:
             return _stopped(self.joining, o.island)
         self.joining.hand_to(self.core)  # the welcome first: it says which peers' copies are stale
@@ -802,8 +804,8 @@ async def _start_core(devices: Devices, island: IslandMembership, wait_timeout: 
                       ended: trio.Event, security: Security, heartbeat_timeout: float,
                       on_heartbeat: Callable[[float], None], suspend_dir: Optional[str],
                       tickets: PeerTickets, compile_cache: Optional[str],
-                      session_memory: Optional[int] = None,
-                      checkpoint_dir: Optional[str] = None) -> Optional["WorkerCore"]:
+                      session_memory: Optional[int] = None, checkpoint_dir: Optional[str] = None,
+                      colocated_python: bool = False) -> Optional["WorkerCore"]:
     """The worker's core (JAX's devices exist now); None if the stream ended first."""
     from pathways.worker.core import WorkerCore
     from pathways.worker.executor import collectives_bound
@@ -817,7 +819,8 @@ async def _start_core(devices: Devices, island: IslandMembership, wait_timeout: 
             lambda: WorkerCore(outbox.put, wait_timeout, in_flight, unsafe_local_order, on_shutdown, security,
                                peer_timeout=heartbeat_timeout, on_heartbeat=on_heartbeat, on_reset=on_reset,
                                suspend_dir=suspend_dir, tickets=tickets, compile_cache=compile_cache,
-                               session_memory=session_memory, checkpoint_dir=checkpoint_dir),
+                               session_memory=session_memory, checkpoint_dir=checkpoint_dir,
+                               colocated_python=colocated_python),
             abandon_on_cancel=True))
         done.set()
 
