@@ -43,7 +43,9 @@ def test_a_killed_host_replaced_by_hand_heals_its_island_for_the_same_client_obj
         s = pw.make_virtual_device_set().add_slice(cpu_devices=2, island=0)
         total = pw.pmap(lambda x: jax_psum(x) + 1.0, devices=s.devices, axis_name="i")
         np.testing.assert_array_equal(np.asarray(total(np.array([1.0, 2.0], np.float32))), [4.0, 4.0])
-        kept = pw.device_put(np.array([5.0, 6.0], np.float32), s.devices)
+        # one half on each host: reading it needs the killed one (a block replicated on both
+        # hosts is read from the first, which may answer before the island is declared lost)
+        kept = pw.device_put(np.array([5.0, 6.0], np.float32), pw.NamedSharding(s.mesh("i"), pw.P("i")))
         kept.block_until_ready(timeout=60)
         survivor = next(w for w in status(c.address)["workers"] if w["rank"] == 1 - killed)
         addresses = s.addresses
