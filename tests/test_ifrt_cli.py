@@ -262,14 +262,22 @@ def test_up_with_ifrt_port_serves_the_proxy_and_stops_every_process(entry_point)
     proc = subprocess.Popen([sys.executable, "-m", "pathways", "up", "--islands", "1x2", "--ifrt-port", str(port)],
                             stdout=subprocess.PIPE, text=True)
     try:
-        assert read_line(proc, START).startswith("pathways cluster up at grpc://")
+        first = read_line(proc, START)
+        assert first.startswith("pathways cluster up at grpc://")
         line = proc.stdout.readline()  # printed in the same write
         target = f"grpc://127.0.0.1:{port}"
         assert f"IFRT proxy at {target}" in line and f"JAX_BACKEND_TARGET={target}" in line
         pids = children(proc.pid)
         assert len(pids) == 3, "the process template, the controller and one worker"
-        out = run_script("import jax; print(len(jax.devices()), jax.process_count())", proxy_env(target, entry_point))
-        assert out.returncode == 0 and out.stdout.split() == ["2", "1"], out.stderr
+        out = run_script("import jax, numpy as np; print(len(jax.devices()), jax.process_count(), "
+                         "np.asarray(jax.device_put(np.ones(8, np.float32))).sum())", proxy_env(target, entry_point))
+        assert out.returncode == 0 and out.stdout.split() == ["2", "1", "8.0"], out.stderr
+        # the status counts the array bytes the front end moved: the put's and the read's 32
+        controller = re.search(r"grpc://\S+?(?=;|$)", first).group(0)
+        shown = subprocess.run([sys.executable, "-m", "pathways", "status", "--address", controller],
+                               capture_output=True, text=True, timeout=60)
+        assert "IFRT front end: array bytes 32 from clients, 32 to them; 32 to workers, 32 from them" in shown.stdout, \
+            shown.stdout + shown.stderr
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
         wait_until(lambda: not pids_alive(pids), 10, "the cluster's processes to exit")

@@ -103,8 +103,9 @@ class Array:
     def _fetch(self, b: _Buffer, wait: float, data: bool) -> Any:
         where = lambda: b.addresses  # noqa: E731
         if data:  # a block replicated on several hosts comes from one of them
-            asked = reading_positions(self.shape, self.sharding.layout())
-            if len(asked) < len(self.sharding.layout().workers):
+            layout = self.sharding.layout()
+            asked = reading_positions(self.shape, layout)
+            if len(asked) < len(layout.workers):
                 where = lambda: tuple(b.addresses[i] for i in asked)  # noqa: E731
         try:
             return b.session.fetch(where, b.handle, wait, data=data)
