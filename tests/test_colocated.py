@@ -54,7 +54,7 @@ def pickled(fun, args, results):
 
 
 def call(stub, program, inputs, outputs, credential=CREDENTIAL, wait=10.0):
-    request = m.ColocatedRequest(credential, program, (CLIENT_ID,), (0, 0), tuple(inputs), tuple(outputs), wait)
+    request = m.ColocatedRequest(7, credential, program, (CLIENT_ID,), (0, 0), tuple(inputs), tuple(outputs), wait)
     return operator.answer(operator.COLOCATED_REPLY, stub(m.pack(request.encode()), timeout=30.0))
 
 
@@ -97,13 +97,44 @@ def test_another_sessions_credential_runs_nothing_and_a_raising_function_poisons
     np.testing.assert_array_equal(np.asarray(core.store.get(first_handle(7) + 6)), value + 1.0)
 
 
+UNPICKLED = []
+
+
+def _mark(what):
+    UNPICKLED.append(what)
+
+
+class _Unpickled:
+    """A pickle whose reading alone leaves a mark: what a hostile call would send."""
+
+    def __reduce__(self):
+        return _mark, ("read",)
+
+
+def test_a_call_with_another_sessions_credential_or_arrays_reads_no_pickle(served):
+    import pickle
+    core, stub = served
+    hostile = pickle.dumps(_Unpickled())
+    pickle.loads(hostile)
+    assert UNPICKLED == ["read"]  # the mark works
+    UNPICKLED.clear()
+    with pytest.raises(AccessDeniedError, match="the credential presented is not that session's"):
+        call(stub, hostile, [], [], credential=OTHER)  # no array named: the session is checked all the same
+    core.on_batch(m.encode_batch([m.SessionOpen(8, m.digest(OTHER))]))
+    put(core, first_handle(7) + 1, np.ones(2, np.float32), {7: CREDENTIAL})
+    with pytest.raises(AccessDeniedError, match="is not that session's"):
+        request = m.ColocatedRequest(8, OTHER, hostile, (CLIENT_ID,), (0, 0), (first_handle(7) + 1,), (), 5.0)
+        operator.answer(operator.COLOCATED_REPLY, stub(m.pack(request.encode()), timeout=30.0))
+    assert UNPICKLED == [] and type(core.store.get(first_handle(7) + 1)) is not Poison
+
+
 def test_a_worker_its_operator_did_not_allow_runs_no_colocated_python():
     core = WorkerCore(lambda msg: None, wait_timeout=5.0)
     core.on_batch(m.encode_batch([m.SessionOpen(7, m.digest(CREDENTIAL))]))
     value = np.ones(4, np.float32)
     put(core, first_handle(7) + 1, value, {7: CREDENTIAL})
     ran = []
-    request = m.ColocatedRequest(CREDENTIAL, pickled(lambda a: ran.append(1) or a, [value], value), (CLIENT_ID,),
+    request = m.ColocatedRequest(7, CREDENTIAL, pickled(lambda a: ran.append(1) or a, [value], value), (CLIENT_ID,),
                                  (0, 0), (first_handle(7) + 1,), (m.ColocatedOutput(first_handle(7) + 2, LAYOUT),), 5.0)
     try:
         with pytest.raises(AccessDeniedError, match="its operator did not allow that .*--colocated-python"):
@@ -118,7 +149,7 @@ def test_malformed_colocated_requests_are_refused_saying_why(served):
     with pytest.raises(pw.WireError, match="the worker refused a colocated Python call"):
         operator.answer(operator.COLOCATED_REPLY, stub(b"\x93garbage", timeout=10.0))
     with pytest.raises(pw.WireError, match="names 1 device ids but 2"):
-        bad = m.ColocatedRequest(CREDENTIAL, b"", (1,), (0, 0, 0, 1), (), (), 1.0)
+        bad = m.ColocatedRequest(7, CREDENTIAL, b"", (1,), (0, 0, 0, 1), (), (), 1.0)
         operator.answer(operator.COLOCATED_REPLY, stub(m.pack(bad.encode()), timeout=10.0))
 
 

@@ -1,5 +1,5 @@
 """Fuzzing what faces the network on the control plane: the controller's Session stream
-(gRPC) and worker stream (framed TCP, whose frames are broken too) and its Status and Measure requests, and a worker's Put, Fetch and Stats, with
+(gRPC) and worker stream (framed TCP, whose frames are broken too) and its Status and Measure requests, and a worker's Put, Fetch, Stats, Save, Load and Colocated, with
 thousands of generated messages, mostly broken (tests/fuzzing.py). Every broken
 message gets an error reply, the servers keep serving a normal client correctly, and
 their memory stays bounded. (The data plane is fuzzed in its own test.)"""
@@ -205,6 +205,16 @@ def test_a_normal_client_is_served_correctly_after_thousands_of_hostile_messages
             reply = codec.unpack(put(iter(chunks), timeout=10))
             assert "error" in reply or reply == {"ok": True}, reply
         assert type(operator.STATS_REPLY.decode_one(stats(b"\xc1", timeout=10))) is operator.WorkerStats
+
+        # a worker's Save, Load and Colocated: refused, whatever arrives, with a reply saying why
+        for name, table, reply, start in (("Save", m.SAVE, operator.SAVED_REPLY, {"wait": 0.0}),
+                                          ("Load", m.LOAD, operator.SAVED_REPLY, None),
+                                          ("Colocated", m.COLOCATED, operator.COLOCATED_REPLY, {"wait": 0.0})):
+            method = rpc.method(wchannel, rpc.WORKER_SERVICE, name, "unary_unary")
+            for i in range(300):
+                raw, _ = fuzzing.message(table, rng, start=start)
+                payload = m.pack(raw) if i % 10 else fuzzing.corrupt(m.pack(raw), rng)
+                assert type(reply.decode_one(method(payload, timeout=30))) is operator.Failed, (name, raw)
 
         # the servers still serve a normal client, correctly
         _double_on_island_0(target.address)

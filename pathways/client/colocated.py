@@ -33,7 +33,7 @@ class Colocating:
             calls = []
             for address in addresses:
                 stubs = self._stubs(address)
-                request = m.ColocatedRequest(stubs.credential, program, tuple(device_ids), flat, tuple(inputs),
+                request = m.ColocatedRequest(self.id, stubs.credential, program, tuple(device_ids), flat, tuple(inputs),
                                              tuple(outputs), wait)
                 calls.append((address, stubs.colocated.future(m.pack(request.encode()), timeout=wait + 30.0)))
             for out in outputs:

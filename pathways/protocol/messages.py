@@ -1192,9 +1192,10 @@ class ColocatedRequest(Message):
     ``wait`` seconds), its results stored as ``outputs`` say. ``program`` is the function
     and its argument and result specs as JAX pickled them; ``device_ids`` the IFRT device
     ids the pickle names and ``devices`` the (host rank, device index) pair each of them is
-    (flat, in the same order). ``credential`` is that of the handles' session. Answered by
-    ColocatedDone or Failed."""
+    (flat, in the same order). ``credential`` is that of ``session``, which every handle
+    belongs to. Answered by ColocatedDone or Failed."""
 
+    session: int = wire(Int(1, MAX_SESSION))
     credential: bytes = wire(CREDENTIAL)
     program: bytes = wire(BLOB)
     device_ids: tuple[int, ...] = wire(Seq(Int(0, I64), max_len=MAX_XLA_DEVICES))

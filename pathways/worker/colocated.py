@@ -40,15 +40,20 @@ class Colocated:
         """Run the request's function on this host's shards of its inputs, once they are
         computed (within ``req.wait`` seconds), and store its results. Raises the error to
         answer; a failure after admission poisons every result with why."""
+        # the session first: a call naming no array must not run (or unpickle) anything either
+        self.sessions.admit_session(req.session, req.credential, "colocated Python call")
         handles = (*req.inputs, *(o.handle for o in req.outputs if o.handle))
-        for handle in handles:
-            self.sessions.admit(handle, req.credential, "colocated Python call")
+        strangers = [h for h in handles if session_of(h) != req.session]
+        if strangers:
+            raise AccessDeniedError(f"this worker refused a colocated Python call of session {req.session}: array "
+                                    f"{strangers[0]:#x} is not that session's. A client runs functions on the arrays "
+                                    "it created itself only")
         if not self.colocated_python:
             raise AccessDeniedError(f"worker {self.worker_id} runs no colocated Python: it would run the client's "
                                     "code in the worker's process, and its operator did not allow that (`pathways "
                                     "worker --colocated-python`, `pathways up --colocated-python`, "
                                     "pw.local_cluster(colocated_python=True))")
-        session = session_of(handles[0]) if handles else 0
+        session = req.session
         waits = bool(req.inputs) and req.wait > 0 and self.fetch_waits.slot(session)
         try:
             return self._run_colocated(req, req.wait if waits else 0.0, still_wanted)
