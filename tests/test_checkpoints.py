@@ -111,7 +111,7 @@ def test_persistence_programs_parse_and_malformed_ones_are_refused_saying_why():
             persistence.parse_program(data, 4)
         assert info.value.code == t.INVALID_ARGUMENT, data
     with pytest.raises(t.IfrtError, match="not supported") as info:
-        persistence.parse_program(b'__serialized_plugin_program {"profileRequest": {}}', 4)
+        persistence.parse_program(b'__serialized_plugin_program {"reshardRequest": {}}', 4)
     assert info.value.code == t.UNIMPLEMENTED
 
 

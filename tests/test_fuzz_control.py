@@ -1,5 +1,5 @@
 """Fuzzing what faces the network on the control plane: the controller's Session stream
-(gRPC) and worker stream (framed TCP, whose frames are broken too) and its Status and Measure requests, and a worker's Put, Fetch, Stats, Save, Load and Colocated, with
+(gRPC) and worker stream (framed TCP, whose frames are broken too) and its Status and Measure requests, and a worker's Put, Fetch, Stats, Save, Load, Colocated and Profile, with
 thousands of generated messages, mostly broken (tests/fuzzing.py). Every broken
 message gets an error reply, the servers keep serving a normal client correctly, and
 their memory stays bounded. (The data plane is fuzzed in its own test.)"""
@@ -206,10 +206,11 @@ def test_a_normal_client_is_served_correctly_after_thousands_of_hostile_messages
             assert "error" in reply or reply == {"ok": True}, reply
         assert type(operator.STATS_REPLY.decode_one(stats(b"\xc1", timeout=10))) is operator.WorkerStats
 
-        # a worker's Save, Load and Colocated: refused, whatever arrives, with a reply saying why
+        # a worker's Save, Load, Colocated and Profile: refused, whatever arrives, with a reply saying why
         for name, table, reply, start in (("Save", m.SAVE, operator.SAVED_REPLY, {"wait": 0.0}),
                                           ("Load", m.LOAD, operator.SAVED_REPLY, None),
-                                          ("Colocated", m.COLOCATED, operator.COLOCATED_REPLY, {"wait": 0.0})):
+                                          ("Colocated", m.COLOCATED, operator.COLOCATED_REPLY, {"wait": 0.0}),
+                                          ("Profile", m.PROFILE, operator.PROFILED_REPLY, None)):
             method = rpc.method(wchannel, rpc.WORKER_SERVICE, name, "unary_unary")
             for i in range(300):
                 raw, _ = fuzzing.message(table, rng, start=start)

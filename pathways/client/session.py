@@ -38,6 +38,7 @@ import grpc
 from pathways import errors
 from pathways.client.checkpoints import Checkpoints
 from pathways.client.colocated import Colocating
+from pathways.client.profiles import Profiles
 from pathways.client.computed import Computations
 from pathways.client.fetches import Fetches
 from pathways.client.puts import Puts
@@ -72,9 +73,10 @@ class WorkerStubs(NamedTuple):
     save: Any  # Save, unary-unary: write its blocks of an array into a checkpoint
     load: Any  # Load, unary-unary: make its blocks of an array from a checkpoint
     colocated: Any  # Colocated, unary-unary: run a colocated Python function on its shards
+    profile: Any  # Profile, unary-unary: start or stop its profiler
 
 
-class Session(Puts, Fetches, Checkpoints, Colocating):
+class Session(Puts, Fetches, Checkpoints, Colocating, Profiles):
     """``connect_timeout``: seconds to wait for the controller to answer and greet the
     session (``result_timeout`` is another: how long a put or a wait for an array may take
     by default). ``security``: the token and CA this session reaches the controller and the
@@ -417,7 +419,8 @@ class Session(Puts, Fetches, Checkpoints, Colocating):
                                 m.worker_credential(self._credential, address),
                                 rpc.method(channel, rpc.WORKER_SERVICE, "Save", "unary_unary"),
                                 rpc.method(channel, rpc.WORKER_SERVICE, "Load", "unary_unary"),
-                                rpc.method(channel, rpc.WORKER_SERVICE, "Colocated", "unary_unary"))
+                                rpc.method(channel, rpc.WORKER_SERVICE, "Colocated", "unary_unary"),
+                                rpc.method(channel, rpc.WORKER_SERVICE, "Profile", "unary_unary"))
             self._workers[address] = stubs
         return stubs
 

@@ -20,7 +20,6 @@ from typing import Any, Optional
 import numpy as np
 
 from pathways import errors
-from pathways.ifrt import handling
 from pathways.ifrt import types as t
 from pathways.ifrt.handling import Deferred, IfrtArray
 from pathways.ifrt.types import IfrtError, Sharding
@@ -96,13 +95,7 @@ class ColocatedPython:
     def _compile_colocated(self, data: bytes) -> pb.CompileResponse:
         program = parse_program(data, len(self._table))
         self._table.place(program.devices, "the colocated function's devices")  # one island's, this session's
-        handle, ready = self._server_handle(), self._server_handle()
-        with self._lock:
-            self._executables[handle] = program
-        self._futures[ready] = handling.DONE
-        ids = list(program.devices)
-        return pb.CompileResponse(loaded_executable_handle=handle, name=program.name, num_devices=len(ids),
-                                  device_ids=ids, addressable_device_ids=ids, ready_future_handle=ready)
+        return self._compiled_program(program, program.name, list(program.devices))
 
     def _execute_colocated(self, program: ColocatedProgram, body: Any) -> Any:
         args = [self._array(h) for h in body.args_handles]

@@ -4,8 +4,7 @@ program; its metadata and XLA's analyses come from the worker that compiled it."
 
 from __future__ import annotations
 
-from typing import Any
-
+from typing import Any, Optional, Union
 
 from pathways import errors
 from pathways.client.compiled import register_program
@@ -13,7 +12,8 @@ from pathways.ifrt import types as t
 from pathways.ifrt import handling
 from pathways.ifrt.handling import DONE, Deferred, IfrtArray, IfrtExecutable, Lazy, attributes, failed_future, serves
 from pathways.ifrt.colocated import CUSTOM_CALL_COMPILE_OPTIONS, CUSTOM_CALL_PROGRAM, ColocatedProgram
-from pathways.ifrt.persistence import PLUGIN_COMPILE_OPTIONS, PLUGIN_PROGRAM, PersistenceProgram
+from pathways.ifrt.persistence import PLUGIN_COMPILE_OPTIONS, PLUGIN_PROGRAM, PersistenceProgram, plugin_request
+from pathways.ifrt.profiling import PROFILE_REQUEST, ProfileProgram, profile_program
 from pathways.ifrt.types import IfrtError, Sharding
 from pathways.ir import Node, ProgramGraph
 from pathways.proto.xla import xla_data_pb2
@@ -37,13 +37,16 @@ class Executing:
                                              "not supported by the pathways IFRT server")
         kinds = (body.program.type_name, body.compile_options.type_name)
         if kinds == (PLUGIN_PROGRAM, PLUGIN_COMPILE_OPTIONS):
-            return self._compile_persistence(body.program.data)
+            kind, request = plugin_request(body.program.data)
+            if kind == PROFILE_REQUEST:
+                return self._compiled_program(profile_program(request), "profile", [])
+            return self._compile_persistence(kind, request)
         if kinds == (CUSTOM_CALL_PROGRAM, CUSTOM_CALL_COMPILE_OPTIONS):
             return self._compile_colocated(body.program.data)
         if body.program.type_name != handling.XLA_PROGRAM:
             raise IfrtError(t.UNIMPLEMENTED, f"programs of type {body.program.type_name[:80]!r} are not "
                                              f"supported; the server compiles {handling.XLA_PROGRAM}s, "
-                                             f"{PLUGIN_PROGRAM}s that write or read checkpoints and "
+                                             f"{PLUGIN_PROGRAM}s that write or read checkpoints or profile, and "
                                              f"{CUSTOM_CALL_PROGRAM}s of colocated Python")
         if body.compile_options.type_name != handling.XLA_COMPILE_OPTIONS:
             raise IfrtError(t.UNIMPLEMENTED, f"compile options of type {body.compile_options.type_name[:80]!r} "
@@ -90,7 +93,17 @@ class Executing:
             raise IfrtError(t.UNIMPLEMENTED, f"a {_kind(exe)} has no metadata, cost analysis or program text")
         return exe
 
-    def _program(self, handle: int) -> IfrtExecutable | PersistenceProgram | ColocatedProgram:
+    def _compiled_program(self, program: Any, name: str, ids: list[int]) -> pb.CompileResponse:
+        """The compile response for a program that is not XLA's (``program``, run by this
+        session's own code), on devices ``ids``."""
+        handle, ready = self._server_handle(), self._server_handle()
+        with self._lock:
+            self._executables[handle] = program
+        self._futures[ready] = DONE
+        return pb.CompileResponse(loaded_executable_handle=handle, name=name, num_devices=len(ids),
+                                  device_ids=ids, addressable_device_ids=ids, ready_future_handle=ready)
+
+    def _program(self, handle: int) -> IfrtExecutable | OtherProgram:
         with self._lock:
             exe = self._executables.get(handle)
         if exe is None:
@@ -130,6 +143,8 @@ class Executing:
             return self._execute_persistence(exe, body)
         if isinstance(exe, ColocatedProgram):
             return self._execute_colocated(exe, body)
+        if isinstance(exe, ProfileProgram):
+            return self._execute_profile(exe, body)
         c = exe.compiled
         args = [self._array(h) for h in body.args_handles]
         across = [i for i, a in enumerate(args) if a.parts]
@@ -173,15 +188,18 @@ class Executing:
                     self._delete(args[i])
         return self._executed(outs, body)
 
-    def _executed(self, outs: list[IfrtArray], body: Any) -> Any:
-        """The response to execute request ``body`` whose outputs are ``outs``."""
+    def _executed(self, outs: list[IfrtArray], body: Any, status: Optional[Lazy] = None) -> Any:
+        """The response to execute request ``body`` whose outputs are ``outs``; its status
+        (where the client asks for one): ``status``, or that the outputs are computed."""
         resp = pb.LoadedExecutableExecuteResponse()
         handles = self._insert(list(body.result_array_handle), outs)
         if body.execute_options.fill_status:
-            status = body.result_status_handle or self._server_handle()
-            done = self._reads([o.handle for o in outs if o.handle is not None])
-            self._futures[status] = Lazy(lambda: self._wait_ready(outs), done)
-            resp.status_handle = status
+            handle = body.result_status_handle or self._server_handle()
+            if status is None:
+                done = self._reads([o.handle for o in outs if o.handle is not None])
+                status = Lazy(lambda: self._wait_ready(outs), done)
+            self._futures[handle] = status
+            resp.status_handle = handle
         if not body.result_array_handle:
             for arr, h in zip(outs, handles):
                 resp.outputs.add(dtype=t.dtype_proto(arr.dtype), shape=t.shape_proto(arr.shape),
@@ -233,8 +251,13 @@ class Executing:
         return resp
 
 
-def _kind(program: PersistenceProgram | ColocatedProgram) -> str:
-    return "persistence program" if isinstance(program, PersistenceProgram) else "colocated Python function"
+# the programs that are not XLA's, which the session runs itself
+OtherProgram = Union[PersistenceProgram, ColocatedProgram, ProfileProgram]
+
+
+def _kind(program: OtherProgram) -> str:
+    return {PersistenceProgram: "persistence program", ColocatedProgram: "colocated Python function",
+            ProfileProgram: "profile request"}[type(program)]
 
 
 def _unavailable(status: Any, what: str) -> None:

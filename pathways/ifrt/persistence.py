@@ -23,7 +23,7 @@ import numpy as np
 
 from pathways import errors
 from pathways.ifrt import types as t
-from pathways.ifrt.handling import DONE, IfrtArray, Lazy
+from pathways.ifrt.handling import IfrtArray, Lazy
 from pathways.ifrt.types import IfrtError, Sharding
 from pathways.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
 from pathways.protocol import messages as m
@@ -63,9 +63,9 @@ class PersistenceProgram:
     devices: tuple[int, ...]  # every device the request names, in first-named order
 
 
-def parse_program(data: bytes, ndevices: int) -> PersistenceProgram:
-    """The persistence request a PluginProgram's serialized ``data`` holds; IfrtError
-    INVALID_ARGUMENT naming what is wrong, UNIMPLEMENTED for a plugin program of another kind."""
+def plugin_request(data: bytes) -> tuple[str, Any]:
+    """The kind of request a PluginProgram's serialized ``data`` holds, and the request
+    (decoded JSON); IfrtError INVALID_ARGUMENT naming what is wrong."""
     if not data.startswith(_PREFIX):
         raise t.invalid("a plugin program must start with '__serialized_plugin_program '")
     try:
@@ -75,6 +75,17 @@ def parse_program(data: bytes, ndevices: int) -> PersistenceProgram:
     if not isinstance(body, dict) or len(body) != 1:
         raise t.invalid("a plugin program's body must be an object with one request")
     (kind, request), = body.items()
+    return kind, request
+
+
+def parse_program(data: bytes, ndevices: int) -> PersistenceProgram:
+    """The persistence request a PluginProgram's serialized ``data`` holds; IfrtError
+    INVALID_ARGUMENT naming what is wrong, UNIMPLEMENTED for a plugin program of another kind."""
+    return persistence_program(*plugin_request(data), ndevices)
+
+
+def persistence_program(kind: str, request: Any, ndevices: int) -> PersistenceProgram:
+    """The persistence program of a plugin program's request of ``kind``."""
     singles = {"persistenceWriteRequest": True, "persistenceReadRequest": False}
     bulks = {"bulk_persistence_write_request": ("write_requests", True),
              "bulk_persistence_read_request": ("read_requests", False)}
@@ -87,7 +98,7 @@ def parse_program(data: bytes, ndevices: int) -> PersistenceProgram:
             raise t.invalid(f"{kind} needs a list {field!r} of 1 to {MAX_ARRAYS_PER_REQUEST} requests")
     else:
         raise IfrtError(t.UNIMPLEMENTED, f"plugin programs of kind {kind[:80]!r} are not supported; this server "
-                                         "runs persistence write and read requests")
+                                         "runs persistence write and read requests and profile requests")
     arrays = tuple(_stored(item, write, ndevices, f"{kind} request {i}") for i, item in enumerate(items))
     devices = tuple(dict.fromkeys(d for a in arrays for d in a.devices))
     return PersistenceProgram(write, arrays, devices)
@@ -141,15 +152,9 @@ def _text(item: dict, field: str, what: str) -> str:
 class Persisting:
     """IfrtSession's compile and execute of persistence programs."""
 
-    def _compile_persistence(self, data: bytes) -> pb.CompileResponse:
-        program = parse_program(data, len(self._table))
-        handle, ready = self._server_handle(), self._server_handle()
-        with self._lock:
-            self._executables[handle] = program
-        self._futures[ready] = DONE
-        ids = list(program.devices)
-        return pb.CompileResponse(loaded_executable_handle=handle, name="persistence", num_devices=len(ids),
-                                  device_ids=ids, addressable_device_ids=ids, ready_future_handle=ready)
+    def _compile_persistence(self, kind: str, request: Any) -> pb.CompileResponse:
+        program = persistence_program(kind, request, len(self._table))
+        return self._compiled_program(program, "persistence", list(program.devices))
 
     def _execute_persistence(self, program: PersistenceProgram, body: Any) -> pb.LoadedExecutableExecuteResponse:
         if program.write:

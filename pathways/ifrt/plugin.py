@@ -27,7 +27,8 @@ The factory, when JAX calls it:
 - first asks a ``grpc://`` server whether it would admit the session (``admission``: the
   pathways server's own method), and fails at once with its one-line reason where it would
   not (a missing or wrong token, a slice it cannot place, a bad weight): JAX's client
-  retries a refused session for its whole connection timeout.
+  retries a refused session for its whole connection timeout;
+- has ``jax.profiler`` profile the cluster's workers too (worker_traces.py).
 
 ``pathwaysutils.initialize()`` registers a ``proxy`` factory too; whichever registers last
 wins while the backend is not yet made, and this one runs last (JAX calls it while making
@@ -140,7 +141,11 @@ def make_client() -> Any:
             raise RuntimeError(f"the pathways IFRT server at {target} refused this program's session: {refused}")
     if data:
         options.initialization_data = data
-    return ifrt_proxy.get_client(target, options)
+    client = ifrt_proxy.get_client(target, options)
+    from pathways.ifrt import worker_traces
+
+    worker_traces.install()  # jax.profiler profiles the workers too
+    return client
 
 
 def initialize() -> None:

@@ -44,6 +44,7 @@ from pathways.ifrt.host_buffers import HostBuffers
 from pathways.ifrt.native_ops import NativeOps
 from pathways.ifrt.colocated import ColocatedProgram, ColocatedPython
 from pathways.ifrt.persistence import PersistenceProgram, Persisting
+from pathways.ifrt.profiling import ProfileProgram, ProfilingHosts
 from pathways.ifrt.types import IfrtError
 from pathways.ifrt.views import Views
 from pathways.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
@@ -54,7 +55,7 @@ from pathways.protocol.handles import HeldReleases
 log = logging.getLogger("pathways.ifrt")
 
 
-class IfrtSession(NativeOps, HostArrays, Views, Executing, Persisting, ColocatedPython):
+class IfrtSession(NativeOps, HostArrays, Views, Executing, Persisting, ColocatedPython, ProfilingHosts):
     """``native``: the pathways session this IFRT session acts through (closed with it)."""
 
     def __init__(self, native: Session, session_id: int, init_data: dict[str, Any],
@@ -65,7 +66,7 @@ class IfrtSession(NativeOps, HostArrays, Views, Executing, Persisting, Colocated
         self.buffers = buffers or HostBuffers()
         self.devices: Optional[DeviceTable] = None
         self._arrays: dict[int, IfrtArray] = {}
-        self._executables: dict[int, IfrtExecutable | PersistenceProgram | ColocatedProgram] = {}
+        self._executables: dict[int, IfrtExecutable | PersistenceProgram | ColocatedProgram | ProfileProgram] = {}
         self._futures: dict[int, Lazy] = {}
         self._refs: dict[int, int] = {}  # pathways handle -> IFRT arrays naming it
         # An array's views (its shards, which read its data, and the shards of a

@@ -1221,6 +1221,28 @@ class ColocatedDone(Message):
     texts: tuple[bytes, ...] = wire(Seq(BLOB, max_len=MAX_ITEMS))
 
 
+@message("profile")
+class ProfileRequest(Message):
+    """Client to worker (the Profile method): start XLA's profiler in this worker's process
+    (``start``), or stop the one ``session`` started there and write its trace into
+    directory ``path`` (a location read under the worker's checkpoint directory) as run
+    ``run``. ``credential`` is that of ``session``. Answered by Profiled or Failed."""
+
+    session: int = wire(Int(1, MAX_SESSION))
+    credential: bytes = wire(CREDENTIAL)
+    start: bool = wire(Bool())
+    path: str = wire(Str(MAX_PATH))
+    run: str = wire(NAME)
+
+
+@message("profiled")
+class Profiled(Message):
+    """A worker started its profiler, or stopped it and wrote ``files`` (paths under the
+    request's directory)."""
+
+    files: tuple[str, ...] = wire(Seq(Str(MAX_PATH), max_len=MAX_ITEMS))
+
+
 # ---- timelines (timeline.py): a client collects the spans of its traced runs -----------------
 
 # (name, thread, start ns, duration ns, run: its handle base, detail), on the sender's clock
@@ -1285,4 +1307,5 @@ TIMELINE = Table("timeline request", TimelineFetch)
 SAVE = Table("save request", SaveRequest)
 LOAD = Table("load request", LoadRequest)
 COLOCATED = Table("colocated request", ColocatedRequest)
+PROFILE = Table("profile request", ProfileRequest)
 

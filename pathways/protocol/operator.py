@@ -17,8 +17,8 @@ from pathways.protocol.check import Bool, Custom, Fixed, Int, Optional, Seq, Str
 from pathways.protocol.errors import KINDS, error_of
 from pathways.protocol.handles import MAX_SESSION
 from pathways.protocol.messages import (COUNT, HEALTH_STATES, MAX_ISLAND, MAX_ISLAND_NAME, NAME, TEXT, WORKER,
-                                        WORKERS, ClusterStatus, ColocatedDone, Message, Record, Saved, Table, Timeline,
-                                        int_map, message, wire)
+                                        WORKERS, ClusterStatus, ColocatedDone, Message, Profiled, Record, Saved, Table,
+                                        Timeline, int_map, message, wire)
 from pathways.wire.codec import pack, unpack
 
 RETIRED_WAS = frozenset({*HEALTH_STATES, "forgotten"})
@@ -118,6 +118,7 @@ STATS_REPLY = Table("stats reply", WorkerStats, Failed)
 TIMELINE_REPLY = Table("timeline reply", Timeline, Failed)
 SAVED_REPLY = Table("save or load reply", Saved, Failed)
 COLOCATED_REPLY = Table("colocated reply", ColocatedDone, Failed)
+PROFILED_REPLY = Table("profile reply", Profiled, Failed)
 ADMISSION_CHECK = Table("admission check", AdmissionCheck)
 ADMISSION_REPLY = Table("admission reply", Admission)
 

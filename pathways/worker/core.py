@@ -57,6 +57,7 @@ from pathways.wire import codec, tcp
 from pathways.wire.security import Refusals, Security
 from pathways.worker.checkpoints import Checkpoints
 from pathways.worker.colocated import Colocated
+from pathways.worker.profiling import Profile, Profiling
 from pathways.worker.compile_cache import CompileCache
 from pathways.worker.executables import Executables
 from pathways.worker.executor import Executor
@@ -79,7 +80,7 @@ RELEASE_BYTES = 1 << 20
 _PENDING = FetchReply(PENDING).header()
 
 
-class WorkerCore(Receiving, Offloading, Checkpoints, Colocated):
+class WorkerCore(Receiving, Offloading, Checkpoints, Colocated, Profiling):
     """One worker's state and behaviour. ``up`` takes each message for the controller (an
     outbox's ``put``); ``on_shutdown`` is called when the controller says to stop, and
     ``on_heartbeat(timeout)`` when its heartbeat says how long it tolerates silence, and
@@ -136,6 +137,8 @@ class WorkerCore(Receiving, Offloading, Checkpoints, Colocated):
         self.checkpoint_dir = os.path.realpath(checkpoint_dir) if checkpoint_dir else None
         # whether the operator lets clients run colocated Python functions, their code, here
         self.colocated_python = colocated_python
+        self._profile: Optional[Profile] = None  # the profile a session takes in this process
+        self._profile_lock = threading.Lock()
         self._offload_dirs: dict[int, str] = {}
         self._suspended_lock = threading.Lock()
 
@@ -238,6 +241,7 @@ class WorkerCore(Receiving, Offloading, Checkpoints, Colocated):
             self.sessions.close(msg.session)
             self._closed_bytes[msg.session] = self.store.drop_session(msg.session)[1]
             self._forget_offloaded(msg.session)
+            self._send_pool.submit(self._forget_profile, msg.session)  # stopping writes files: not here
             self.executor.submit(msg)
         elif kind is Offload:
             self._send_pool.submit(self._offload, msg)

@@ -70,8 +70,9 @@ import trio
 from pathways.defaults import CONTROLLER_STOPPED, HEARTBEAT_TIMEOUT
 from pathways.errors import AccessDeniedError, ConnectError, PathwaysError, ResourceExhaustedError, WireError
 from pathways.platforms import Devices
-from pathways.protocol.messages import (COLOCATED, FETCH, LOAD, MAX_MESSAGE_BYTES, SAVE, TIMELINE, WORKER_DOWN, DataKey,
-                                        Heartbeat, Message, Peers, Register, Reset, Shutdown, Table, WorkerWelcome)
+from pathways.protocol.messages import (COLOCATED, FETCH, LOAD, MAX_MESSAGE_BYTES, PROFILE, SAVE, TIMELINE,
+                                        WORKER_DOWN, DataKey, Heartbeat, Message, Peers, Register, Reset, Shutdown,
+                                        Table, WorkerWelcome)
 from pathways.protocol import streams
 from pathways.protocol import operator
 from pathways.protocol.data import FetchReply, PutAnswer
@@ -207,6 +208,11 @@ class WorkerService:
             return core.run_colocated(req, context.is_active)
         return self._core_call(request, COLOCATED, "colocated Python call", call)
 
+    def profile(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """Start or stop a session's profile of this worker's process (ProfileRequest),
+        answered with Profiled or Failed."""
+        return self._core_call(request, PROFILE, "profile request", lambda core, req: core.profile(req))
+
     def _core_call(self, request: bytes, table: Table, what: str,
                          call: Callable[["WorkerCore", Message], Message]) -> bytes:
         core = self.core()
@@ -223,7 +229,7 @@ class WorkerService:
                 "Fetch": rpc.unary_stream(self.fetch),
                 "Stats": rpc.unary_unary(self.stats), "Timeline": rpc.unary_unary(self.timeline),
                 "Save": rpc.unary_unary(self.save), "Load": rpc.unary_unary(self.load),
-                "Colocated": rpc.unary_unary(self.colocated)}
+                "Colocated": rpc.unary_unary(self.colocated), "Profile": rpc.unary_unary(self.profile)}
 
 
 def _wake_on_hang_up(core: "WorkerCore", context: grpc.ServicerContext) -> None:
