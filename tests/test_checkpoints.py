@@ -20,14 +20,14 @@ from pathways.ir import Layout
 from pathways.protocol import messages as m
 from pathways.protocol import operator
 from pathways.protocol.handles import first_handle
-from pathways.wire import codec, rpc
+from pathways.wire import codec
 from pathways.worker import checkpoints
 from pathways.worker.core import WorkerCore
-from pathways.worker.server import WorkerService
 from pathways.worker.sessions import WAITING_FETCHES_PER_SESSION
 from tests.conftest import wait_until
 from tests.ifrt_helpers import run_jax
 from tests.test_worker_core import put
+from tests.test_worker_core import served as worker_served
 
 CREDENTIAL = b"7" * m.CREDENTIAL_BYTES  # session 7's
 OTHER = b"x" * m.CREDENTIAL_BYTES
@@ -122,15 +122,8 @@ def served(tmp_path):
     """A worker core allowed ``tmp_path`` for checkpoints, behind a real gRPC server in this
     process; its Save, Load and Fetch stubs."""
     core = WorkerCore(lambda msg: None, wait_timeout=5.0, checkpoint_dir=str(tmp_path))
-    core.on_batch(m.encode_batch([m.SessionOpen(7, m.digest(CREDENTIAL))]))
-    server, port = rpc.make_server(rpc.WORKER_SERVICE, WorkerService(core).handlers(), max_workers=16)
-    channel = rpc.open_channel(f"grpc://127.0.0.1:{port}")
-    stubs = {name: rpc.method(channel, rpc.WORKER_SERVICE, name, kind)
-             for name, kind in (("Save", "unary_unary"), ("Load", "unary_unary"), ("Fetch", "unary_stream"))}
-    yield core, stubs
-    channel.close()
-    server.stop(grace=0).wait(timeout=5)
-    core.close()
+    with worker_served(core, {7: CREDENTIAL}) as stub:
+        yield core, {"Save": stub("Save"), "Load": stub("Load"), "Fetch": stub("Fetch", "unary_stream")}
 
 
 def _call(stub, request, timeout=10.0):

@@ -15,13 +15,12 @@ from pathways.proto.xla.python.ifrt import array_spec_pb2, custom_call_program_p
 from pathways.protocol import messages as m
 from pathways.protocol import operator
 from pathways.protocol.handles import first_handle
-from pathways.wire import rpc
 from pathways.worker import jax_private
 from pathways.worker.core import WorkerCore
-from pathways.worker.server import WorkerService
 from pathways.worker.store import Poison
 from tests.ifrt_helpers import run_jax
 from tests.test_worker_core import LAYOUT, put
+from tests.test_worker_core import served as worker_served
 
 CREDENTIAL = b"7" * m.CREDENTIAL_BYTES  # session 7's
 OTHER = b"x" * m.CREDENTIAL_BYTES
@@ -32,13 +31,8 @@ CLIENT_ID = 40  # the client's id of the worker's one device (a front end number
 def served():
     """A worker core behind a real gRPC server in this process; its Colocated stub."""
     core = WorkerCore(lambda msg: None, wait_timeout=5.0, colocated_python=True)
-    core.on_batch(m.encode_batch([m.SessionOpen(7, m.digest(CREDENTIAL))]))
-    server, port = rpc.make_server(rpc.WORKER_SERVICE, WorkerService(core).handlers(), max_workers=16)
-    channel = rpc.open_channel(f"grpc://127.0.0.1:{port}")
-    yield core, rpc.method(channel, rpc.WORKER_SERVICE, "Colocated", "unary_unary")
-    channel.close()
-    server.stop(grace=0).wait(timeout=5)
-    core.close()
+    with worker_served(core, {7: CREDENTIAL}) as stub:
+        yield core, stub("Colocated")
 
 
 def pickled(fun, args, results):

@@ -12,11 +12,10 @@ from pathways.ifrt import profiling
 from pathways.ifrt import types as t
 from pathways.protocol import messages as m
 from pathways.protocol import operator
-from pathways.wire import rpc
 from pathways.worker.core import WorkerCore
-from pathways.worker.server import WorkerService
 from tests.conftest import wait_until
 from tests.ifrt_helpers import run_jax
+from tests.test_worker_core import served as worker_served
 
 CREDENTIAL = b"7" * m.CREDENTIAL_BYTES  # session 7's
 OTHER = b"8" * m.CREDENTIAL_BYTES  # session 8's
@@ -27,13 +26,8 @@ def served(tmp_path):
     """A worker core allowed ``tmp_path`` for files, behind a real gRPC server in this
     process; its Profile stub."""
     core = WorkerCore(lambda msg: None, wait_timeout=5.0, checkpoint_dir=str(tmp_path))
-    core.on_batch(m.encode_batch([m.SessionOpen(7, m.digest(CREDENTIAL)), m.SessionOpen(8, m.digest(OTHER))]))
-    server, port = rpc.make_server(rpc.WORKER_SERVICE, WorkerService(core).handlers(), max_workers=16)
-    channel = rpc.open_channel(f"grpc://127.0.0.1:{port}")
-    yield core, rpc.method(channel, rpc.WORKER_SERVICE, "Profile", "unary_unary")
-    channel.close()
-    server.stop(grace=0).wait(timeout=5)
-    core.close()
+    with worker_served(core, {7: CREDENTIAL, 8: OTHER}) as stub:
+        yield core, stub("Profile")
 
 
 def call(stub, session, credential, start, path, run="run1"):

@@ -1,6 +1,7 @@
 """The worker's core in one process: typed controller messages in, typed replies out, puts,
 fetches and session drops, on real JAX (CPU) with no processes and no sockets listened on."""
 
+import contextlib
 import math
 import threading
 import time
@@ -15,8 +16,9 @@ from pathways.ir import Layout, stacked
 from pathways.protocol import messages as m
 from pathways.protocol.handles import first_handle, session_of
 from pathways.protocol.ops import Op
-from pathways.wire import codec
+from pathways.wire import codec, rpc
 from pathways.worker.core import WorkerCore
+from pathways.worker.server import WorkerService
 
 LAYOUT = Layout((0,), ((0, 0),), (1,), ("d",), ())
 SESSION = 5
@@ -45,6 +47,21 @@ def frame(core, header, pieces=(), credentials=CREDENTIALS):
     if session:
         header = {**header, "credential": credentials[session]}
     return core.receive_frame(header, list(pieces))
+
+
+@contextlib.contextmanager
+def served(core, credentials):
+    """``core`` (told of the sessions of ``credentials``: session -> credential) behind a
+    real gRPC server in this process; yields a maker of stubs of its methods by name."""
+    core.on_batch(m.encode_batch([m.SessionOpen(s, m.digest(c)) for s, c in credentials.items()]))
+    server, port = rpc.make_server(rpc.WORKER_SERVICE, WorkerService(core).handlers(), max_workers=16)
+    channel = rpc.open_channel(f"grpc://127.0.0.1:{port}")
+    try:
+        yield lambda name, kind="unary_unary": rpc.method(channel, rpc.WORKER_SERVICE, name, kind)
+    finally:
+        channel.close()
+        server.stop(grace=0).wait(timeout=5)
+        core.close()
 
 
 def put(core, handle, array, credentials=CREDENTIALS):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -35,6 +36,10 @@ from pathways.worker.store import Poison
 
 _BLOCK_FILE = re.compile(r"^(scalar|\d+-\d+(_\d+-\d+)*)\.npy$")
 Region = tuple[tuple[int, int], ...]
+# numpy reads a .npy header with Python's ast, which some CPython releases (3.11.7 among
+# them) do not run safely from several threads at once ("SystemError: AST constructor
+# recursion depth mismatch"): one header at a time, the bytes after it read in parallel
+_HEADERS = threading.Lock()
 
 
 def checkpoint_path(root: Optional[str], location: str, worker: int) -> str:
@@ -103,7 +108,7 @@ def read_region(blocks: dict[Region, str], region: Region, dtype: np.dtype, wher
         common = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(region, saved))
         if any(lo >= hi for lo, hi in common):
             continue
-        block = _as(np.load(path, mmap_mode="r", allow_pickle=False), dtype, saved, where)
+        block = _as(_mapped(path), dtype, saved, where)
         into = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(common, region))
         out[into] = block[tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(common, saved))]
         covered[into] = True
@@ -120,7 +125,8 @@ def _read_block(path: str, dtype: np.dtype, region: Region, where: str) -> np.nd
     with open(path, "rb") as f:
         version = np.lib.format.read_magic(f)
         header = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
-        shape, fortran_order, saved = header[version](f) if version in header else (None, True, None)
+        with _HEADERS:
+            shape, fortran_order, saved = header[version](f) if version in header else (None, True, None)
         if not fortran_order:  # as the workers write them
             _check_block(saved, shape, dtype, region, where)
             out = codec.aligned_empty(tuple(shape), dtype)
@@ -130,7 +136,13 @@ def _read_block(path: str, dtype: np.dtype, region: Region, where: str) -> np.nd
                                   f"{flat.nbytes} bytes of values")
             return out
     # another numpy version's, or in Fortran order: mapped, checked, then copied in C order
-    return np.ascontiguousarray(_as(np.load(path, mmap_mode="r", allow_pickle=False), dtype, region, where))
+    return np.ascontiguousarray(_as(_mapped(path), dtype, region, where))
+
+
+def _mapped(path: str) -> np.ndarray:
+    """The array saved as ``path``, mapped (its header read under ``_HEADERS``)."""
+    with _HEADERS:
+        return np.load(path, mmap_mode="r", allow_pickle=False)
 
 
 def _check_block(saved: np.dtype, shape: tuple[int, ...], dtype: np.dtype, region: Region, where: str) -> None:
