@@ -14,6 +14,7 @@ supported."""
 
 from __future__ import annotations
 
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -21,7 +22,7 @@ import numpy as np
 
 from pathways import errors
 from pathways.ifrt import types as t
-from pathways.ifrt.handling import Deferred, IfrtArray
+from pathways.ifrt.handling import IfrtArray
 from pathways.ifrt.types import IfrtError, Sharding
 from pathways.proto.xla.python.ifrt import custom_call_program_pb2, dtype_pb2
 from pathways.proto.xla.python.ifrt_proxy.common import ifrt_service_pb2 as pb
@@ -129,21 +130,20 @@ class ColocatedPython:
             done()
             raise
         call.add_done_callback(lambda _: done())  # the arguments may go once every host has run
-
-        def answered() -> list:
-            try:
-                return call.result(timeout=m.MAX_WAIT_SECONDS + 60.0)
-            except errors.PathwaysError as e:
-                raise t.runtime_failure(e, f"colocated Python function {program.name!r} failed: ") from None
-
         if all(o is not None for o in outs):
             return self._executed(outs, body)
-
-        def run() -> Any:
-            texts = iter(answered()[0].texts)
-            for i, spec in enumerate(program.outputs):
-                if outs[i] is None:
-                    outs[i] = IfrtArray(np.dtypes.StringDType(), (), spec.sharding,
-                                        held=np.array(next(texts).decode(), dtype=np.dtypes.StringDType()))
-            return self._executed(outs, body)
-        return Deferred(run)
+        # a string result (the result specs a first call finds) comes back in the hosts'
+        # answers: answered once they are in, before the session's next request, which may
+        # name the result already (the client chose its handle)
+        try:
+            texts = iter(call.result(timeout=m.MAX_WAIT_SECONDS + 60.0)[0].texts)
+        except FutureTimeout:
+            raise IfrtError(t.DEADLINE_EXCEEDED, f"colocated Python function {program.name!r} did not finish within "
+                                                 f"{m.MAX_WAIT_SECONDS + 60.0:g} s") from None
+        except errors.PathwaysError as e:
+            raise t.runtime_failure(e, f"colocated Python function {program.name!r} failed: ") from None
+        for i, spec in enumerate(program.outputs):
+            if outs[i] is None:
+                outs[i] = IfrtArray(np.dtypes.StringDType(), (), spec.sharding,
+                                    held=np.array(next(texts).decode(), dtype=np.dtypes.StringDType()))
+        return self._executed(outs, body)
