@@ -100,10 +100,14 @@ options = jax.profiler.ProfileOptions()
 options.session_id = "pathwaysutils_run"
 profiling._start_pathways_trace_from_profile_request(profiling._create_profile_request(
     os.path.join(TRACE_DIR, "pw"), options, max_num_hosts=1))
+# then, as its patch does, JAX's start_trace for the client's own trace: here the one that
+# profiles the workers too, which leaves them to pathwaysutils
+jax.profiler.start_trace(os.path.join(TRACE_DIR, "client"), profiler_options=options)
 train_step(w, x).block_until_ready()
 with profiling._profile_state.lock:
     profiling._profile_state.call_profile_executable()
     profiling._profile_state.reset()
+jax.profiler.stop_trace()
 files = sorted(os.path.relpath(f, TRACE_DIR) for f in glob.glob(os.path.join(TRACE_DIR, "**", "*.xplane.pb"),
                                                                  recursive=True))
 print("RESULT " + json.dumps({"files": files}))
@@ -126,11 +130,14 @@ def test_jax_profiler_around_a_proxied_step_writes_every_workers_xla_trace_besid
     for f in result["files"]:
         runs.setdefault(os.path.dirname(f), []).append(os.path.basename(f))
     # jax.profiler.trace: the client's own trace and each worker's, in one run
-    (run, names), = [(r, n) for r, n in runs.items() if not r.startswith("pw")]
+    (run, names), = [(r, n) for r, n in runs.items() if r.startswith("plugins")]
     workers = sorted(n for n in names if n.startswith("worker-"))
     assert [n.split(".")[0] for n in workers] == ["worker-0", "worker-1"] and len(names) == 3, runs
     for name in workers:  # each host ran the sharded step: its XLA program and operations are in its trace
         raw = (trace_dir / run / name).read_bytes()
         assert b"jit_train_step" in raw and (b"fusion" in raw or b"dot" in raw), name
-    # pathwaysutils' request, under the run it named, from one host as it asked
+    # pathwaysutils' request, under the run it named, from one host as it asked, the client's
+    # own trace where it asked for it
+    client = runs["client/plugins/profile/pathwaysutils_run"]
+    assert len(client) == 1 and not client[0].startswith("worker-"), runs  # the workers were asked once
     assert len({n.split(".")[0] for n in os.listdir(pathwaysutils_run)}) == 1, os.listdir(pathwaysutils_run)

@@ -8,13 +8,15 @@ program's own trace, so TensorBoard and xprof show the client and every host tog
 directory must lie under the workers' checkpoint directory (the cluster's
 ``--checkpoint-dir``), where the workers may write; the client's own trace is written as
 JAX writes it. Where pathwaysutils has patched ``jax.profiler`` already, its patch does the
-same and this one stands aside.
+same and this one stands aside; where pathwaysutils patches it later, wrapping this one, this
+one leaves the workers to it.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import sys
 import threading
 from typing import Any, Iterator, Optional
 
@@ -38,6 +40,8 @@ def install() -> None:
     def start_trace(log_dir: Any, create_perfetto_link: bool = False, create_perfetto_trace: bool = False,
                     profiler_options: Any = None) -> Any:
         global _running
+        if _pathwaysutils_profiling():  # its patch started the workers, and calls this for the client
+            return start(log_dir, create_perfetto_link, create_perfetto_trace, profiler_options)
         options = profiler_options if profiler_options is not None else jax.profiler.ProfileOptions()
         if not options.session_id:  # the run the client's trace and the workers' share
             options.session_id = datetime.datetime.now().strftime("%Y_%m_%d_%H_%M_%S")
@@ -83,6 +87,13 @@ def install() -> None:
         function.__doc__ = getattr(jax_profiler, name).__doc__
         setattr(jax_profiler, name, function)
         setattr(jax.profiler, name, function)
+
+
+def _pathwaysutils_profiling() -> bool:
+    """Whether pathwaysutils' own patch has the workers profiling: imported after this one
+    was installed, it wraps it, and calls it for the client's own trace."""
+    state = getattr(sys.modules.get("pathwaysutils.profiling"), "_profile_state", None)
+    return getattr(state, "executable", None) is not None
 
 
 def _compile(request: dict) -> Any:
