@@ -27,6 +27,7 @@ import numpy as np
 
 from pathways.errors import (AccessDeniedError, DeadlineExceededError, PathwaysError, RemoteError,
                              ResourceExhaustedError, WireError)
+from pathways.ir import Layout
 from pathways.protocol.errors import POISON_KINDS, REMOTE, error_of, kind_of
 from pathways.protocol.handles import session_of
 from pathways.protocol.messages import ColocatedDone, ColocatedRequest, device_pairs
@@ -61,7 +62,7 @@ class Colocated:
             kind = kind_of(e) if isinstance(e, PathwaysError) else REMOTE
             message = f"worker {self.worker_id}: {e if isinstance(e, PathwaysError) else _described(e)}"
             for out in req.outputs:
-                if out.handle:
+                if out.layout is not None and self._holds(out.layout):  # what another host holds is its to poison
                     self._poisoned(out.handle, Poison(message, kind if kind in POISON_KINDS else REMOTE))
             raise (e if isinstance(e, PathwaysError) else RemoteError(message)) from None
         finally:
@@ -107,15 +108,22 @@ class Colocated:
             if out.layout is None:  # a string result: its value goes back in the reply
                 texts.append(str(np.asarray(result.addressable_shards[0].data).item()).encode())
                 continue
-            target = self.executables.sharding(out.layout)
-            if not target.addressable_devices:  # none of it is this host's to keep
+            if not self._holds(out.layout):  # none of it is this host's to keep
                 continue
+            target = self.executables.sharding(out.layout)
             if not result.sharding.is_equivalent_to(target, result.ndim):
                 result = jax.device_put(result, target)
             refusal = self.store.put_charged(out.handle, result)
             if refusal is not None:
                 raise ResourceExhaustedError(refusal)
         return ColocatedDone(tuple(texts))
+
+    def _holds(self, layout: Layout) -> bool:
+        """Whether this host holds a part of an array laid out as ``layout``."""
+        try:
+            return bool(self.executables.sharding(layout).addressable_devices)
+        except WireError:  # devices its island lacks: none of them is this host's
+            return False
 
 
 def _described(error: Exception) -> str:
