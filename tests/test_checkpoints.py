@@ -88,16 +88,21 @@ def _request(kind="persistenceWriteRequest", **fields):
     return b"__serialized_plugin_program " + json.dumps({kind: item}).encode()
 
 
+def _parsed(data, ndevices):
+    """The persistence program a PluginProgram's bytes hold, parsed as the front end does."""
+    return persistence.persistence_program(*persistence.plugin_request(data), ndevices)
+
+
 def test_persistence_programs_parse_and_malformed_ones_are_refused_saying_why():
-    program = persistence.parse_program(_request(), 4)
+    program = _parsed(_request(), 4)
     assert program.write and program.devices == (0, 1)
     assert program.arrays[0].path == "gs://b/ckpt/w" and program.arrays[0].shape == (4, 2)
-    read = persistence.parse_program(_request("persistenceReadRequest",
+    read = _parsed(_request("persistenceReadRequest",
                                               shape={"xla_primitive_type_str": "BF16", "dimensions": [4, 2]}), 4)
     assert not read.write and read.arrays[0].dtype == np.dtype(ml_dtypes.bfloat16)
     bulk = b"__serialized_plugin_program " + json.dumps({"bulk_persistence_write_request": {"write_requests": [
         json.loads(_request()[len("__serialized_plugin_program "):])["persistenceWriteRequest"]] * 2}}).encode()
-    assert len(persistence.parse_program(bulk, 4).arrays) == 2
+    assert len(_parsed(bulk, 4).arrays) == 2
     for data, needle in [
             (b"{}", "must start with"),
             (b"__serialized_plugin_program {", "not JSON"),
@@ -108,10 +113,10 @@ def test_persistence_programs_parse_and_malformed_ones_are_refused_saying_why():
             (_request(shape="4"), "list of dimensions"),
             (_request("persistenceReadRequest", shape={"xla_primitive_type_str": "S4"}), "xla_primitive_type_str")]:
         with pytest.raises(t.IfrtError, match=needle) as info:
-            persistence.parse_program(data, 4)
+            _parsed(data, 4)
         assert info.value.code == t.INVALID_ARGUMENT, data
     with pytest.raises(t.IfrtError, match="not supported") as info:
-        persistence.parse_program(b'__serialized_plugin_program {"reshardRequest": {}}', 4)
+        _parsed(b'__serialized_plugin_program {"reshardRequest": {}}', 4)
     assert info.value.code == t.UNIMPLEMENTED
 
 

@@ -37,6 +37,18 @@ def session_memory_flag(parser: argparse.ArgumentParser, where: str = "on each o
                              "the IFRT proxy), and the worker goes on serving the other sessions")
 
 
+def worker_rights_flags(parser: argparse.ArgumentParser, who: str = "the workers") -> None:
+    """What the operator lets clients have ``who`` do beyond running programs: read and
+    write files (checkpoints, profiles) under one directory, and run their own Python."""
+    parser.add_argument("--checkpoint-dir", metavar="DIR",
+                        help=f"the directory under which {who} write and read clients' checkpoints and profiles "
+                             "(a location must lie under it; gs://BUCKET/PATH names DIR/BUCKET/PATH; default: none, "
+                             f"no checkpoints): no client can have {who} read or write elsewhere")
+    parser.add_argument("--colocated-python", action="store_true",
+                        help=f"let clients run colocated Python functions (jax.experimental.colocated_python) on "
+                             f"{who}: their code, in the worker's process, with its rights (default: refused)")
+
+
 def run_timeout_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-timeout", type=float, default=None, metavar="S",
                         help="reset an island that has had runs in flight and finished none of them for S "

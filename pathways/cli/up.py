@@ -18,7 +18,8 @@ import tempfile
 import time
 from typing import TYPE_CHECKING, Optional
 
-from pathways.cli.common import island_flags, islands, run_timeout_flag, scheduling_flags, session_memory_flag
+from pathways.cli.common import (island_flags, islands, run_timeout_flag, scheduling_flags, session_memory_flag,
+                                 worker_rights_flags)
 from pathways.defaults import HEARTBEAT_TIMEOUT
 from pathways.wire import security
 
@@ -44,13 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suspend-dir", metavar="DIR",
                         help="the directory under which suspended sessions' arrays may be written to files "
                              "(suspend's path must lie under it; default: none, arrays stay in host memory)")
-    parser.add_argument("--checkpoint-dir", metavar="DIR",
-                        help="the directory under which the workers write and read clients' checkpoints (a "
-                             "checkpoint's location must lie under it; gs://BUCKET/PATH names DIR/BUCKET/PATH; "
-                             "default: none, no checkpoints)")
-    parser.add_argument("--colocated-python", action="store_true",
-                        help="let clients run colocated Python functions (jax.experimental.colocated_python) on the "
-                             "workers: their code, in the workers' processes (default: refused)")
+    worker_rights_flags(parser)
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

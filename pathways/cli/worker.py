@@ -14,7 +14,7 @@ import os
 import sys
 
 from pathways import config
-from pathways.cli.common import session_memory_flag
+from pathways.cli.common import session_memory_flag, worker_rights_flags
 from pathways.defaults import HEARTBEAT_TIMEOUT
 from pathways.keeper import RECONNECT_TIMEOUT
 from pathways.platforms import PLATFORMS
@@ -71,13 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the directory under which a suspended session's arrays may be written to files "
                              "(a client's suspend path must lie under it; default: none, they stay in host "
                              "memory): no client can have this worker write elsewhere")
-    parser.add_argument("--checkpoint-dir", metavar="DIR",
-                        help="the directory under which clients' checkpoints are written and read by this worker "
-                             "(a checkpoint's location must lie under it; gs://BUCKET/PATH names DIR/BUCKET/PATH; "
-                             "default: none, no checkpoints): no client can have this worker read or write elsewhere")
-    parser.add_argument("--colocated-python", action="store_true",
-                        help="run clients' colocated Python functions (jax.experimental.colocated_python): their "
-                             "code, in this worker's process, with its rights (default: refused)")
+    worker_rights_flags(parser, "this worker")
     parser.add_argument("--compile-cache", metavar="DIR",
                         help=f"keep compiled executables in DIR, so that this worker when it restarts, and other "
                              f"workers of this machine, load them instead of compiling again (default: "

@@ -78,14 +78,9 @@ def plugin_request(data: bytes) -> tuple[str, Any]:
     return kind, request
 
 
-def parse_program(data: bytes, ndevices: int) -> PersistenceProgram:
-    """The persistence request a PluginProgram's serialized ``data`` holds; IfrtError
-    INVALID_ARGUMENT naming what is wrong, UNIMPLEMENTED for a plugin program of another kind."""
-    return persistence_program(*plugin_request(data), ndevices)
-
-
 def persistence_program(kind: str, request: Any, ndevices: int) -> PersistenceProgram:
-    """The persistence program of a plugin program's request of ``kind``."""
+    """The persistence program of a plugin program's request of ``kind`` (``plugin_request``);
+    IfrtError INVALID_ARGUMENT naming what is wrong, UNIMPLEMENTED for another kind."""
     singles = {"persistenceWriteRequest": True, "persistenceReadRequest": False}
     bulks = {"bulk_persistence_write_request": ("write_requests", True),
              "bulk_persistence_read_request": ("read_requests", False)}
